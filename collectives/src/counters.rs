@@ -1,0 +1,136 @@
+//! Per-communicator accounting: how many collectives of each kind, and how many bytes this
+//! rank sent to and received from its peers. Bytes count what crosses between ranks (a
+//! rank's own piece staying in place counts nothing), with the direct exchange pattern:
+//!
+//! | collective (n ranks) | sent by rank r | received by rank r |
+//! |---|---|---|
+//! | all_gather(v) | own piece × (n−1) | Σ peers' pieces |
+//! | reduce_scatter(v) | Σ blocks for peers | own block × (n−1) |
+//! | all_reduce (len L, own block b_r of a `chunk_sizes(L, n)` split) | (L − b_r) + b_r·(n−1) | b_r·(n−1) + (L − b_r) |
+//! | all_to_all(v) | Σ blocks for peers | Σ blocks from peers |
+//! | broadcast (len L) | root: L·(n−1), others 0 | root 0, others L |
+//! | send / recv | L | L |
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The kinds of call a communicator counts. `v` variants count under their base kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum CollectiveKind {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    AllToAll,
+    Broadcast,
+    Send,
+    Recv,
+    Barrier,
+    Split,
+}
+
+impl CollectiveKind {
+    pub const ALL: [CollectiveKind; 9] = [
+        CollectiveKind::AllReduce,
+        CollectiveKind::AllGather,
+        CollectiveKind::ReduceScatter,
+        CollectiveKind::AllToAll,
+        CollectiveKind::Broadcast,
+        CollectiveKind::Send,
+        CollectiveKind::Recv,
+        CollectiveKind::Barrier,
+        CollectiveKind::Split,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveKind::AllReduce => "all_reduce",
+            CollectiveKind::AllGather => "all_gather",
+            CollectiveKind::ReduceScatter => "reduce_scatter",
+            CollectiveKind::AllToAll => "all_to_all",
+            CollectiveKind::Broadcast => "broadcast",
+            CollectiveKind::Send => "send",
+            CollectiveKind::Recv => "recv",
+            CollectiveKind::Barrier => "barrier",
+            CollectiveKind::Split => "split",
+        }
+    }
+}
+
+/// Live counters, shared by a communicator handle (lock-free).
+#[derive(Debug, Default)]
+pub struct Counters {
+    calls: [AtomicU64; 9],
+    bytes_sent: AtomicU64,
+    bytes_received: AtomicU64,
+}
+
+impl Counters {
+    /// Records one successful call of `kind` that moved the given bytes.
+    pub fn record(&self, kind: CollectiveKind, sent: u64, received: u64) {
+        self.calls[kind as usize].fetch_add(1, Ordering::Relaxed);
+        self.bytes_sent.fetch_add(sent, Ordering::Relaxed);
+        self.bytes_received.fetch_add(received, Ordering::Relaxed);
+    }
+    pub fn snapshot(&self) -> CounterSnapshot {
+        CounterSnapshot {
+            calls: std::array::from_fn(|i| self.calls[i].load(Ordering::Relaxed)),
+            bytes_sent: self.bytes_sent.load(Ordering::Relaxed),
+            bytes_received: self.bytes_received.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A copy of a communicator's counters at one moment. Subtract two to measure a span.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CounterSnapshot {
+    calls: [u64; 9],
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+}
+
+impl CounterSnapshot {
+    /// Calls of one kind.
+    pub fn calls(&self, kind: CollectiveKind) -> u64 {
+        self.calls[kind as usize]
+    }
+    /// Data-moving collectives (all kinds but barrier and split).
+    pub fn collectives(&self) -> u64 {
+        CollectiveKind::ALL
+            .iter()
+            .filter(|k| !matches!(k, CollectiveKind::Barrier | CollectiveKind::Split))
+            .map(|&k| self.calls(k))
+            .sum()
+    }
+    /// Counts since `earlier`.
+    pub fn since(&self, earlier: &CounterSnapshot) -> CounterSnapshot {
+        CounterSnapshot {
+            calls: std::array::from_fn(|i| self.calls[i] - earlier.calls[i]),
+            bytes_sent: self.bytes_sent - earlier.bytes_sent,
+            bytes_received: self.bytes_received - earlier.bytes_received,
+        }
+    }
+    /// Element-wise sum (to total several communicators).
+    pub fn plus(&self, other: &CounterSnapshot) -> CounterSnapshot {
+        CounterSnapshot {
+            calls: std::array::from_fn(|i| self.calls[i] + other.calls[i]),
+            bytes_sent: self.bytes_sent + other.bytes_sent,
+            bytes_received: self.bytes_received + other.bytes_received,
+        }
+    }
+}
+
+impl fmt::Display for CounterSnapshot {
+    /// `all_gather=2 reduce_scatter=1 sent=1024B received=1024B` (kinds with zero calls omitted).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for k in CollectiveKind::ALL {
+            let c = self.calls(k);
+            if c > 0 {
+                write!(f, "{}={} ", k.name(), c)?;
+            }
+        }
+        write!(
+            f,
+            "sent={}B received={}B",
+            self.bytes_sent, self.bytes_received
+        )
+    }
+}

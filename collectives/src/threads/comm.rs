@@ -1,0 +1,676 @@
+//! [`ThreadComm`]: one rank's handle on a group, and the data phase of each collective.
+//!
+//! The protocol is described in the `threads` module docs.
+
+use super::call::{self, Call, Post, Problem, RawBuf};
+use super::group::{Group, Message};
+use crate::{CollectiveKind, Communicator, CounterSnapshot, Counters, Error, Result};
+use dtensor_kernels::reduce::reduce_sources_with;
+use dtensor_kernels::{chunk_sizes, DType, ReduceOp, Slice, SliceMut};
+use smallvec::SmallVec;
+use std::any::Any;
+use std::fmt;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+const BACKEND: &str = "threads";
+
+/// Runs `$body` with `$T` bound to the element type of `$dtype`.
+macro_rules! with_dtype {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            DType::BF16 => {
+                type $T = dtensor_kernels::half::bf16;
+                $body
+            }
+            DType::F16 => {
+                type $T = dtensor_kernels::half::f16;
+                $body
+            }
+            DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            DType::I64 => {
+                type $T = i64;
+                $body
+            }
+        }
+    };
+}
+
+/// Rank `rank()`'s handle on a group of ranks running as threads of one process (see
+/// [`super::launch`]). Each handle counts its own calls and bytes.
+pub struct ThreadComm {
+    group: Arc<Group>,
+    rank: usize,
+    counters: Counters,
+    /// A collective is in flight on this handle (two at once would corrupt the protocol).
+    busy: AtomicBool,
+}
+
+impl fmt::Debug for ThreadComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ThreadComm")
+            .field("rank", &self.rank)
+            .field("size", &self.group.size())
+            .field("world_ranks", &self.group.members)
+            .finish()
+    }
+}
+
+/// Clears the handle's busy flag when a collective ends, however it ends.
+struct Busy<'a>(&'a AtomicBool);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+impl ThreadComm {
+    pub(super) fn new(group: Arc<Group>, rank: usize) -> ThreadComm {
+        ThreadComm {
+            group,
+            rank,
+            counters: Counters::default(),
+            busy: AtomicBool::new(false),
+        }
+    }
+
+    /// This rank's index in the world (the `launch` group).
+    pub(crate) fn world_rank(&self) -> usize {
+        self.group.members[self.rank]
+    }
+
+    fn n(&self) -> usize {
+        self.group.size()
+    }
+
+    /// Runs one collective through join, check, data and leave; returns the new group
+    /// for `split`.
+    fn run(&self, post: Post) -> Result<Option<Arc<Group>>> {
+        let op = post.call.name();
+        if self.busy.swap(true, Ordering::Acquire) {
+            return Err(Error::InvalidArgument {
+                op,
+                detail: "another collective is in flight on this handle (a handle is one \
+                         rank's end of a group: call its collectives from one thread)"
+                    .into(),
+            });
+        }
+        let _busy = Busy(&self.busy);
+        let (n, me) = (self.n(), self.rank);
+        let joined = self.group.join(me, post, op)?;
+        let posts = &joined.posts;
+        call::check(posts, me, &self.group.members).map_err(|p| match p {
+            Problem::Invalid(detail) => Error::InvalidArgument { op, detail },
+            Problem::Mismatch(detail) => Error::CollectiveMismatch {
+                op,
+                backend: BACKEND,
+                size: n,
+                detail,
+            },
+        })?;
+        let mine = &posts[me];
+        match &mine.call {
+            Call::Barrier | Call::Split { .. } => {}
+            Call::AllReduce { .. } if n == 1 => {}
+            Call::AllReduce { .. } => {
+                // SAFETY: the posts passed `check`; every poster waits in the middle and
+                // leave barriers until this rank is through each phase.
+                let fault = self.guarded(|| unsafe { all_reduce_own_block(posts, me) });
+                self.barrier_after(fault, op)?;
+                // SAFETY: as above; phase 1 is complete on every rank.
+                let fault = self.guarded(|| unsafe { all_reduce_peer_blocks(posts, me) });
+                self.barrier_after(fault, op)?;
+            }
+            _ => {
+                // SAFETY: the posts passed `check`; every poster waits in the leave barrier
+                // until this rank is done.
+                let fault = self.guarded(|| unsafe { move_data(posts, me) });
+                self.barrier_after(fault, op)?;
+            }
+        }
+        let es = mine.dtype.map_or(0, DType::size_in_bytes) as u64;
+        let (sent, received) = elements_moved(&mine.call, me, n);
+        self.counters
+            .record(mine.call.kind(), sent * es, received * es);
+        Ok(joined.split)
+    }
+
+    /// Runs a data phase, catching a panic (a broken internal invariant) so that this rank
+    /// still reaches the next barrier instead of freeing buffers its peers are reading.
+    fn guarded(&self, f: impl FnOnce()) -> Option<Box<dyn Any + Send>> {
+        match catch_unwind(AssertUnwindSafe(f)) {
+            Ok(()) => None,
+            Err(payload) => {
+                self.group
+                    .record_fault(self.rank, super::panic_message(payload.as_ref()));
+                Some(payload)
+            }
+        }
+    }
+
+    /// The barrier after a data phase; resumes this rank's panic once peers are safe.
+    fn barrier_after(&self, fault: Option<Box<dyn Any + Send>>, op: &'static str) -> Result<()> {
+        let r = self.group.sync(op);
+        if let Some(payload) = fault {
+            resume_unwind(payload);
+        }
+        r
+    }
+}
+
+/// The post for `call` over these buffers (`send: None` for in-place calls, both `None`
+/// for calls that move no data). The addresses are taken last, after every other use of
+/// the borrowed buffers.
+fn post(
+    call: Call,
+    invalid: Option<String>,
+    send: Option<&Slice<'_>>,
+    recv: Option<&mut SliceMut<'_>>,
+) -> Post {
+    let dtype = send
+        .map(Slice::dtype)
+        .or_else(|| recv.as_ref().map(|r| r.dtype()));
+    let recv = recv.map_or(RawBuf::null(), |r| RawBuf(r.as_bytes_mut_ptr().0));
+    // Peers only read through `send` (see `Post::send`).
+    let send = send.map_or(recv, |s| RawBuf(s.as_bytes_ptr().0 as *mut u8));
+    Post {
+        call,
+        dtype,
+        send,
+        recv,
+        invalid,
+    }
+}
+
+/// Same dtype on both sides, else the reason.
+fn same_dtype(send: &Slice<'_>, recv: &SliceMut<'_>) -> Option<String> {
+    (send.dtype() != recv.dtype())
+        .then(|| format!("send is {} but recv is {}", send.dtype(), recv.dtype()))
+}
+
+/// Checks `counts` has one entry per rank and returns its sum.
+fn counts_sum(counts: &[usize], name: &str, n: usize) -> Result<usize, String> {
+    if counts.len() != n {
+        return Err(format!(
+            "{name} has {} entries for a group of {n}",
+            counts.len()
+        ));
+    }
+    counts
+        .iter()
+        .try_fold(0usize, |a, &c| a.checked_add(c))
+        .ok_or_else(|| format!("{name} overflows: {counts:?}"))
+}
+
+/// `None` if `long.len() == ranks × short.len()`, else the reason.
+fn is_multiple(long: (&str, usize), short: (&str, usize), n: usize) -> Option<String> {
+    (Some(long.1) != short.1.checked_mul(n)).then(|| {
+        format!(
+            "{} has {} elements, expected {n} ranks x {} {}",
+            long.0, long.1, short.0, short.1
+        )
+    })
+}
+
+impl Communicator for ThreadComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.n()
+    }
+
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn all_reduce(&self, mut buf: SliceMut<'_>, op: ReduceOp) -> Result<()> {
+        let call = Call::AllReduce { len: buf.len(), op };
+        self.run(post(call, None, None, Some(&mut buf))).map(drop)
+    }
+
+    fn all_gather(&self, send: Slice<'_>, mut recv: SliceMut<'_>) -> Result<()> {
+        let n = self.n();
+        let call = Call::AllGather {
+            send: send.len(),
+            recv: recv.len(),
+        };
+        let invalid = same_dtype(&send, &recv)
+            .or_else(|| is_multiple(("recv", recv.len()), ("send", send.len()), n));
+        self.run(post(call, invalid, Some(&send), Some(&mut recv)))
+            .map(drop)
+    }
+
+    fn all_gatherv(&self, send: Slice<'_>, mut recv: SliceMut<'_>, counts: &[usize]) -> Result<()> {
+        let (n, r) = (self.n(), self.rank);
+        let call = Call::AllGatherV {
+            send: send.len(),
+            recv: recv.len(),
+            counts: counts.to_vec(),
+        };
+        let invalid = same_dtype(&send, &recv).or_else(|| match counts_sum(counts, "counts", n) {
+            Err(e) => Some(e),
+            Ok(_) if send.len() != counts[r] => Some(format!(
+                "send has {} elements but counts[{r}] = {}",
+                send.len(),
+                counts[r]
+            )),
+            Ok(total) if recv.len() != total => Some(format!(
+                "recv has {} elements but counts sum to {total}",
+                recv.len()
+            )),
+            Ok(_) => None,
+        });
+        self.run(post(call, invalid, Some(&send), Some(&mut recv)))
+            .map(drop)
+    }
+
+    fn reduce_scatter(&self, send: Slice<'_>, mut recv: SliceMut<'_>, op: ReduceOp) -> Result<()> {
+        let n = self.n();
+        let call = Call::ReduceScatter {
+            send: send.len(),
+            recv: recv.len(),
+            op,
+        };
+        let invalid = same_dtype(&send, &recv)
+            .or_else(|| is_multiple(("send", send.len()), ("recv", recv.len()), n));
+        self.run(post(call, invalid, Some(&send), Some(&mut recv)))
+            .map(drop)
+    }
+
+    fn reduce_scatterv(
+        &self,
+        send: Slice<'_>,
+        mut recv: SliceMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, r) = (self.n(), self.rank);
+        let call = Call::ReduceScatterV {
+            send: send.len(),
+            recv: recv.len(),
+            counts: counts.to_vec(),
+            op,
+        };
+        let invalid = same_dtype(&send, &recv).or_else(|| match counts_sum(counts, "counts", n) {
+            Err(e) => Some(e),
+            Ok(total) if send.len() != total => Some(format!(
+                "send has {} elements but counts sum to {total}",
+                send.len()
+            )),
+            Ok(_) if recv.len() != counts[r] => Some(format!(
+                "recv has {} elements but counts[{r}] = {}",
+                recv.len(),
+                counts[r]
+            )),
+            Ok(_) => None,
+        });
+        self.run(post(call, invalid, Some(&send), Some(&mut recv)))
+            .map(drop)
+    }
+
+    fn all_to_all(&self, send: Slice<'_>, mut recv: SliceMut<'_>) -> Result<()> {
+        let n = self.n();
+        let call = Call::AllToAll {
+            send: send.len(),
+            recv: recv.len(),
+        };
+        let invalid = same_dtype(&send, &recv).or_else(|| {
+            if send.len() % n != 0 {
+                Some(format!(
+                    "send has {} elements, not a multiple of the group size {n}",
+                    send.len()
+                ))
+            } else if recv.len() != send.len() {
+                Some(format!(
+                    "recv has {} elements but send has {}",
+                    recv.len(),
+                    send.len()
+                ))
+            } else {
+                None
+            }
+        });
+        self.run(post(call, invalid, Some(&send), Some(&mut recv)))
+            .map(drop)
+    }
+
+    fn all_to_allv(
+        &self,
+        send: Slice<'_>,
+        send_counts: &[usize],
+        mut recv: SliceMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let n = self.n();
+        let call = Call::AllToAllV {
+            send: send.len(),
+            recv: recv.len(),
+            send_counts: send_counts.to_vec(),
+            recv_counts: recv_counts.to_vec(),
+        };
+        let check = |buf: &str, counts: &[usize], len: usize| -> Option<String> {
+            let name = format!("{buf}_counts");
+            match counts_sum(counts, &name, n) {
+                Err(e) => Some(e),
+                Ok(total) if total != len => Some(format!(
+                    "{buf} has {len} elements but {name} sum to {total}"
+                )),
+                Ok(_) => None,
+            }
+        };
+        let invalid = same_dtype(&send, &recv)
+            .or_else(|| check("send", send_counts, send.len()))
+            .or_else(|| check("recv", recv_counts, recv.len()));
+        self.run(post(call, invalid, Some(&send), Some(&mut recv)))
+            .map(drop)
+    }
+
+    fn broadcast(&self, mut buf: SliceMut<'_>, root: usize) -> Result<()> {
+        let n = self.n();
+        let call = Call::Broadcast {
+            len: buf.len(),
+            root,
+        };
+        let invalid =
+            (root >= n).then(|| format!("root {root} is out of range for a group of {n}"));
+        self.run(post(call, invalid, None, Some(&mut buf)))
+            .map(drop)
+    }
+
+    fn send(&self, buf: Slice<'_>, dst: usize, tag: u32) -> Result<()> {
+        let n = self.n();
+        if dst >= n {
+            return Err(Error::InvalidArgument {
+                op: "send",
+                detail: format!("destination {dst} is out of range for a group of {n}"),
+            });
+        }
+        let (ptr, bytes) = buf.as_bytes_ptr();
+        // SAFETY: `ptr` is valid for reads of `bytes` bytes for the lifetime of `buf`.
+        let data = unsafe { std::slice::from_raw_parts(ptr, bytes) }.to_vec();
+        let msg = Message {
+            dtype: buf.dtype(),
+            len: buf.len(),
+            bytes: data,
+        };
+        self.group.post_message(self.rank, dst, tag, msg)?;
+        self.counters.record(CollectiveKind::Send, bytes as u64, 0);
+        Ok(())
+    }
+
+    fn recv(&self, mut buf: SliceMut<'_>, src: usize, tag: u32) -> Result<()> {
+        let n = self.n();
+        if src >= n {
+            return Err(Error::InvalidArgument {
+                op: "recv",
+                detail: format!("source {src} is out of range for a group of {n}"),
+            });
+        }
+        let (want_dtype, want_len) = (buf.dtype(), buf.len());
+        let msg = self.group.take_message(src, self.rank, tag, |m| {
+            if m.dtype == want_dtype && m.len == want_len {
+                Ok(())
+            } else {
+                Err(Error::MessageMismatch {
+                    op: "recv",
+                    src,
+                    tag,
+                    got_len: m.len,
+                    got_dtype: m.dtype,
+                    want_len,
+                    want_dtype,
+                })
+            }
+        })?;
+        let (ptr, bytes) = buf.as_bytes_mut_ptr();
+        debug_assert_eq!(bytes, msg.bytes.len());
+        // SAFETY: dtype and length match, so `ptr` is valid for writes of
+        // `msg.bytes.len()` bytes; the message is owned, so the two do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(msg.bytes.as_ptr(), ptr, msg.bytes.len()) };
+        self.counters.record(CollectiveKind::Recv, 0, bytes as u64);
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.run(post(Call::Barrier, None, None, None)).map(drop)
+    }
+
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {
+        let call = Call::Split { color, key };
+        let group = self
+            .run(post(call, None, None, None))?
+            .expect("a completed split hands every member its group");
+        let me = self.world_rank();
+        let rank = group
+            .members
+            .iter()
+            .position(|&w| w == me)
+            .expect("a split group contains its members");
+        Ok(Arc::new(ThreadComm::new(group, rank)))
+    }
+
+    fn counters(&self) -> CounterSnapshot {
+        self.counters.snapshot()
+    }
+}
+
+/// Peers of `me` in the order `me+1, …, n-1, 0, …, me-1`, so ranks start on different
+/// peers instead of all reading rank 0 first.
+fn others(me: usize, n: usize) -> impl Iterator<Item = usize> {
+    (1..n).map(move |i| (me + i) % n)
+}
+
+fn prefix_sums(counts: &[usize]) -> SmallVec<[usize; 16]> {
+    let mut out = SmallVec::with_capacity(counts.len() + 1);
+    let mut acc = 0;
+    out.push(0);
+    for &c in counts {
+        acc += c;
+        out.push(acc);
+    }
+    out
+}
+
+/// Copies `count` elements of `dtype` from `src` to `dst`.
+///
+/// # Safety
+/// Both regions are in bounds of live buffers, do not overlap, nobody else accesses the
+/// destination meanwhile, and nobody writes the source.
+unsafe fn copy(src: *const u8, dst: *mut u8, count: usize, dtype: DType) {
+    // SAFETY: the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, count * dtype.size_in_bytes()) }
+}
+
+/// `dst[..count] = ⊕_k source(posts[k])[off..][..count]` over `k = 0..n`, in rank order
+/// (offsets in elements of `dtype`).
+///
+/// # Safety
+/// Every source region is in bounds and nobody writes it during the call, except that one
+/// may be `dst` itself (written only by this call, each block after it is read); `dst` is
+/// in bounds and nobody else accesses it.
+unsafe fn reduce(
+    dtype: DType,
+    dst: *mut u8,
+    count: usize,
+    posts: &[Post],
+    source: impl Fn(&Post) -> *mut u8,
+    off: usize,
+    op: ReduceOp,
+) {
+    with_dtype!(dtype, T => {
+        // SAFETY: the caller's contract, which is `reduce_sources_with`'s.
+        unsafe {
+            reduce_sources_with::<T>(dst as *mut T, count, posts.len(), op, |k| {
+                (source(&posts[k]) as *const T).add(off)
+            })
+        }
+    })
+}
+
+/// The blocks of an all-reduce of `len` elements over `n` ranks, and their offsets.
+fn all_reduce_blocks(len: usize, n: usize) -> (SmallVec<[usize; 8]>, SmallVec<[usize; 16]>) {
+    let blocks = chunk_sizes(len, n);
+    let offsets = prefix_sums(&blocks);
+    (blocks, offsets)
+}
+
+/// All-reduce phase 1: block `me` of this rank's buffer = the reduction of block `me` of
+/// every rank's buffer, in rank order.
+///
+/// # Safety
+/// `posts` passed [`call::check`] and every poster waits in the middle barrier. Peers read
+/// only their own block index of this rank's buffer in this phase, never block `me`.
+unsafe fn all_reduce_own_block(posts: &[Post], me: usize) {
+    let mine = &posts[me];
+    let (Call::AllReduce { len, op }, Some(dtype)) = (&mine.call, mine.dtype) else {
+        return;
+    };
+    let (blocks, offsets) = all_reduce_blocks(*len, posts.len());
+    let off = offsets[me];
+    // SAFETY: block `me` is in bounds of every buffer (same length everywhere); it is
+    // written only here, and `reduce_sources_with` reads each block before writing it.
+    unsafe {
+        let dst = mine.recv.0.add(off * dtype.size_in_bytes());
+        reduce(dtype, dst, blocks[me], posts, |p| p.recv.0, off, *op)
+    }
+}
+
+/// All-reduce phase 2: block `p` of this rank's buffer = block `p` of rank `p`'s buffer
+/// (reduced there in phase 1), for every peer `p`.
+///
+/// # Safety
+/// `posts` passed [`call::check`], phase 1 is complete on every rank, and every poster
+/// waits in the leave barrier. Peers read only block `me` of this rank's buffer in this
+/// phase, which this rank does not write.
+unsafe fn all_reduce_peer_blocks(posts: &[Post], me: usize) {
+    let mine = &posts[me];
+    let (Call::AllReduce { len, .. }, Some(dtype)) = (&mine.call, mine.dtype) else {
+        return;
+    };
+    let n = posts.len();
+    let es = dtype.size_in_bytes();
+    let (blocks, offsets) = all_reduce_blocks(*len, n);
+    for p in others(me, n) {
+        let at = offsets[p] * es;
+        // SAFETY: block `p` is in bounds of both buffers; rank `p` no longer writes it.
+        unsafe {
+            copy(
+                posts[p].recv.0.add(at),
+                mine.recv.0.add(at),
+                blocks[p],
+                dtype,
+            )
+        };
+    }
+}
+
+/// The data phase of every collective but barrier, split and all-reduce.
+///
+/// # Safety
+/// `posts` passed [`call::check`] and every poster waits in the leave barrier until this
+/// rank returns from here.
+unsafe fn move_data(posts: &[Post], me: usize) {
+    let n = posts.len();
+    let mine = &posts[me];
+    let Some(dtype) = mine.dtype else { return };
+    let es = dtype.size_in_bytes();
+    let (send, recv) = (|p: usize| posts[p].send.0, mine.recv.0);
+    // SAFETY (every block below): `check` guarantees all ranks agree on the call and each
+    // rank's buffers have the lengths it declared, so the offsets and counts below stay in
+    // bounds; this rank writes only its own recv (non-roots only, for broadcast), which no
+    // peer reads in these calls (in broadcast they read only the root's buffer).
+    unsafe {
+        match &mine.call {
+            Call::AllGather { send: k, .. } => {
+                for p in std::iter::once(me).chain(others(me, n)) {
+                    let dst = recv.add(p * k * es);
+                    if send(p) != dst {
+                        copy(send(p), dst, *k, dtype);
+                    }
+                }
+            }
+            Call::AllGatherV { counts, .. } => {
+                let offsets = prefix_sums(counts);
+                for p in std::iter::once(me).chain(others(me, n)) {
+                    let dst = recv.add(offsets[p] * es);
+                    if send(p) != dst {
+                        copy(send(p), dst, counts[p], dtype);
+                    }
+                }
+            }
+            Call::ReduceScatter { recv: k, op, .. } => {
+                reduce(dtype, recv, *k, posts, |p| p.send.0, me * k, *op);
+            }
+            Call::ReduceScatterV { counts, op, .. } => {
+                let off = counts[..me].iter().sum();
+                reduce(dtype, recv, counts[me], posts, |p| p.send.0, off, *op);
+            }
+            Call::AllToAll { send: len, .. } => {
+                let k = len / n;
+                for p in std::iter::once(me).chain(others(me, n)) {
+                    copy(send(p).add(me * k * es), recv.add(p * k * es), k, dtype);
+                }
+            }
+            Call::AllToAllV { recv_counts, .. } => {
+                let recv_offsets = prefix_sums(recv_counts);
+                for p in std::iter::once(me).chain(others(me, n)) {
+                    let Call::AllToAllV { send_counts, .. } = &posts[p].call else {
+                        continue;
+                    };
+                    let src_off: usize = send_counts[..me].iter().sum();
+                    let dst = recv.add(recv_offsets[p] * es);
+                    copy(send(p).add(src_off * es), dst, recv_counts[p], dtype);
+                }
+            }
+            Call::Broadcast { len, root } if me != *root => {
+                copy(posts[*root].recv.0, recv, *len, dtype);
+            }
+            Call::Broadcast { .. }
+            | Call::AllReduce { .. }
+            | Call::Barrier
+            | Call::Split { .. } => {}
+        }
+    }
+}
+
+/// Elements this rank sent to and received from peers, per the table in `counters.rs`.
+fn elements_moved(call: &Call, me: usize, n: usize) -> (u64, u64) {
+    let peers = n - 1;
+    let (sent, received) = match call {
+        Call::AllReduce { len, .. } => {
+            let b = chunk_sizes(*len, n)[me];
+            let moved = (len - b) + b * peers;
+            (moved, moved)
+        }
+        Call::AllGather { send, .. } => (send * peers, send * peers),
+        Call::AllGatherV { counts, recv, .. } => (counts[me] * peers, recv - counts[me]),
+        Call::ReduceScatter { send, recv, .. } => (send - recv, recv * peers),
+        Call::ReduceScatterV { counts, send, .. } => (send - counts[me], counts[me] * peers),
+        Call::AllToAll { send, recv } => (send - send / n, recv - send / n),
+        Call::AllToAllV {
+            send,
+            recv,
+            send_counts,
+            recv_counts,
+        } => (send - send_counts[me], recv - recv_counts[me]),
+        Call::Broadcast { len, root } if *root == me => (len * peers, 0),
+        Call::Broadcast { len, .. } => (0, *len),
+        Call::Barrier | Call::Split { .. } => (0, 0),
+    };
+    (sent as u64, received as u64)
+}

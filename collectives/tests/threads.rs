@@ -1,0 +1,1201 @@
+//! The thread backend against slow, obviously correct references, plus its failure modes.
+
+use dtensor_collectives::threads::{launch, launch_with, Options, RankError};
+use dtensor_collectives::{
+    CollectiveKind, Communicator, CommunicatorExt, CounterSnapshot, Element, Error, ReduceOp,
+};
+use dtensor_kernels::half::bf16;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
+
+fn opts(timeout: Duration) -> Options {
+    Options { timeout }
+}
+
+/// Generous: tests that must not hit a timeout use this.
+fn long() -> Options {
+    opts(Duration::from_secs(60))
+}
+
+/// Small integers: exact in every dtype, distinct enough to catch misplaced elements.
+fn val<T: Element>(rank: usize, i: usize) -> T {
+    T::from_f64(((rank * 31 + i * 7) % 97) as f64 - 48.0)
+}
+
+fn vals<T: Element>(rank: usize, len: usize) -> Vec<T> {
+    (0..len).map(|i| val(rank, i)).collect()
+}
+
+/// A length past the reduction kernel's 2048-element block, shrunk under Miri (which runs
+/// `cargo +nightly miri test` about 1000x slower).
+fn big(len: usize) -> usize {
+    if cfg!(miri) {
+        11
+    } else {
+        len
+    }
+}
+
+/// Left-to-right reduction, then divide for Avg.
+fn reduce_ref<T: Element>(xs: &[T], op: ReduceOp) -> T {
+    let mut acc = xs[0];
+    for &x in &xs[1..] {
+        acc = match op {
+            ReduceOp::Sum | ReduceOp::Avg => acc.add(x),
+            ReduceOp::Max => acc.max_of(x),
+            ReduceOp::Min => acc.min_of(x),
+        };
+    }
+    if op == ReduceOp::Avg {
+        acc = acc.div_count(xs.len());
+    }
+    acc
+}
+
+/// Uneven counts with zeros: `[3, 0, 5, 1]` cut to `n`.
+fn uneven(n: usize) -> Vec<usize> {
+    (0..n).map(|r| [3, 0, 5, 1][r % 4]).collect()
+}
+
+fn bits<T: Element>(v: &[T]) -> String {
+    format!("{v:?}")
+}
+
+/// Runs `$f::<T>(args)` for f32, f64, bf16 and i64.
+macro_rules! each_dtype {
+    ($f:ident($($arg:expr),*)) => {{
+        $f::<f32>($($arg),*);
+        $f::<f64>($($arg),*);
+        $f::<bf16>($($arg),*);
+        $f::<i64>($($arg),*);
+    }};
+}
+
+/// Unwraps every rank's result, showing which rank failed and how.
+fn all_ok<T>(results: Vec<Result<T, RankError<Error>>>) -> Vec<T> {
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(r, res)| res.unwrap_or_else(|e| panic!("rank {r}: {e}")))
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// Data movement against references
+// ---------------------------------------------------------------------------------------
+
+fn check_all_reduce<T: Element>(n: usize) {
+    all_ok(launch_with(n, long(), |comm| {
+        let r = comm.rank();
+        for len in [0, 1, 5, 37, big(5000)] {
+            for op in OPS {
+                let mut buf = vals::<T>(r, len);
+                comm.all_reduce_in_place(&mut buf, op)?;
+                let expect: Vec<T> = (0..len)
+                    .map(|i| reduce_ref(&(0..n).map(|p| val(p, i)).collect::<Vec<T>>(), op))
+                    .collect();
+                assert_eq!(bits(&buf), bits(&expect), "n={n} len={len} op={op}");
+            }
+        }
+        Ok(())
+    }));
+}
+
+#[test]
+fn all_reduce_every_size_dtype_op_matches_reference() {
+    for n in 1..=4 {
+        each_dtype!(check_all_reduce(n));
+    }
+}
+
+#[test]
+fn all_reduce_order_sensitive_sum_bitwise_identical_across_ranks() {
+    // (1e16 + 1) - 1e16 == 0 but 1e16 + (1 - 1e16) == 1: only one order gives the reference.
+    let len = big(10_001);
+    let x = |rank: usize, i: usize| [1.0e16, 1.0, -1.0e16, 0.5][(rank + i) % 4];
+    let out = all_ok(launch_with(3, long(), |comm| {
+        let mut buf: Vec<f64> = (0..len).map(|i| x(comm.rank(), i)).collect();
+        comm.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+        Ok(buf)
+    }));
+    let expect: Vec<f64> = (0..len).map(|i| (x(0, i) + x(1, i)) + x(2, i)).collect();
+    // Element 0 is 1e16 + 1 - 1e16: exactly 1, but 0 left to right.
+    assert_eq!(expect[0], 0.0);
+    for buf in &out {
+        let b: Vec<u64> = buf.iter().map(|v| v.to_bits()).collect();
+        let e: Vec<u64> = expect.iter().map(|v| v.to_bits()).collect();
+        assert!(b == e, "not the left-to-right sum");
+    }
+}
+
+fn check_all_gather<T: Element>(n: usize) {
+    all_ok(launch_with(n, long(), |comm| {
+        let r = comm.rank();
+        for k in [0, 1, 7, big(3000)] {
+            let send = vals::<T>(r, k);
+            let mut recv = vec![T::zero(); n * k];
+            comm.all_gather(T::slice(&send), T::slice_mut(&mut recv))?;
+            let expect: Vec<T> = (0..n).flat_map(|p| vals::<T>(p, k)).collect();
+            assert_eq!(bits(&recv), bits(&expect), "n={n} k={k}");
+            assert_eq!(bits(&comm.all_gather_vec(&send)?), bits(&expect));
+        }
+        Ok(())
+    }));
+}
+
+#[test]
+fn all_gather_every_size_dtype_matches_reference() {
+    for n in 1..=4 {
+        each_dtype!(check_all_gather(n));
+    }
+}
+
+fn check_all_gatherv<T: Element>(n: usize) {
+    all_ok(launch_with(n, long(), |comm| {
+        let r = comm.rank();
+        for counts in [uneven(n), vec![0; n]] {
+            let send = vals::<T>(r, counts[r]);
+            let mut recv = vec![T::zero(); counts.iter().sum()];
+            comm.all_gatherv(T::slice(&send), T::slice_mut(&mut recv), &counts)?;
+            let expect: Vec<T> = (0..n).flat_map(|p| vals::<T>(p, counts[p])).collect();
+            assert_eq!(bits(&recv), bits(&expect), "n={n} counts={counts:?}");
+        }
+        Ok(())
+    }));
+}
+
+#[test]
+fn all_gatherv_uneven_counts_with_zeros_matches_reference() {
+    for n in 1..=4 {
+        each_dtype!(check_all_gatherv(n));
+    }
+}
+
+fn check_reduce_scatter<T: Element>(n: usize) {
+    all_ok(launch_with(n, long(), |comm| {
+        let r = comm.rank();
+        for k in [0, 1, 9, big(2100)] {
+            for op in OPS {
+                let send = vals::<T>(r, n * k);
+                let mut recv = vec![T::zero(); k];
+                comm.reduce_scatter(T::slice(&send), T::slice_mut(&mut recv), op)?;
+                let expect: Vec<T> = (r * k..(r + 1) * k)
+                    .map(|i| reduce_ref(&(0..n).map(|p| val(p, i)).collect::<Vec<T>>(), op))
+                    .collect();
+                assert_eq!(bits(&recv), bits(&expect), "n={n} k={k} op={op}");
+            }
+        }
+        Ok(())
+    }));
+}
+
+#[test]
+fn reduce_scatter_every_size_dtype_op_matches_reference() {
+    for n in 1..=4 {
+        each_dtype!(check_reduce_scatter(n));
+    }
+}
+
+fn check_reduce_scatterv<T: Element>(n: usize) {
+    all_ok(launch_with(n, long(), |comm| {
+        let r = comm.rank();
+        for counts in [uneven(n), vec![0; n]] {
+            for op in OPS {
+                let total: usize = counts.iter().sum();
+                let start: usize = counts[..r].iter().sum();
+                let send = vals::<T>(r, total);
+                let mut recv = vec![T::zero(); counts[r]];
+                comm.reduce_scatterv(T::slice(&send), T::slice_mut(&mut recv), &counts, op)?;
+                let expect: Vec<T> = (start..start + counts[r])
+                    .map(|i| reduce_ref(&(0..n).map(|p| val(p, i)).collect::<Vec<T>>(), op))
+                    .collect();
+                assert_eq!(
+                    bits(&recv),
+                    bits(&expect),
+                    "n={n} counts={counts:?} op={op}"
+                );
+            }
+        }
+        Ok(())
+    }));
+}
+
+#[test]
+fn reduce_scatterv_uneven_counts_with_zeros_matches_reference() {
+    for n in 1..=4 {
+        each_dtype!(check_reduce_scatterv(n));
+    }
+}
+
+/// Element `j` of the block rank `p` sends to rank `q`.
+fn a2a<T: Element>(p: usize, q: usize, j: usize) -> T {
+    val(p * 8 + q, j)
+}
+
+fn check_all_to_all<T: Element>(n: usize) {
+    all_ok(launch_with(n, long(), |comm| {
+        let r = comm.rank();
+        for k in [0, 1, 6] {
+            let send: Vec<T> = (0..n)
+                .flat_map(|q| (0..k).map(move |j| a2a(r, q, j)))
+                .collect();
+            let mut recv = vec![T::zero(); n * k];
+            comm.all_to_all(T::slice(&send), T::slice_mut(&mut recv))?;
+            let expect: Vec<T> = (0..n)
+                .flat_map(|p| (0..k).map(move |j| a2a(p, r, j)))
+                .collect();
+            assert_eq!(bits(&recv), bits(&expect), "n={n} k={k}");
+        }
+        Ok(())
+    }));
+}
+
+#[test]
+fn all_to_all_every_size_dtype_matches_reference() {
+    for n in 1..=4 {
+        each_dtype!(check_all_to_all(n));
+    }
+}
+
+fn check_all_to_allv<T: Element>(n: usize) {
+    // Rank p sends (p + 2q) % 3 elements to rank q: zeros included, nothing symmetric.
+    let c = |p: usize, q: usize| (p + 2 * q) % 3;
+    all_ok(launch_with(n, long(), |comm| {
+        let r = comm.rank();
+        let send_counts: Vec<usize> = (0..n).map(|q| c(r, q)).collect();
+        let recv_counts: Vec<usize> = (0..n).map(|p| c(p, r)).collect();
+        let send: Vec<T> = (0..n)
+            .flat_map(|q| (0..c(r, q)).map(move |j| a2a(r, q, j)))
+            .collect();
+        let mut recv = vec![T::zero(); recv_counts.iter().sum()];
+        comm.all_to_allv(
+            T::slice(&send),
+            &send_counts,
+            T::slice_mut(&mut recv),
+            &recv_counts,
+        )?;
+        let expect: Vec<T> = (0..n)
+            .flat_map(|p| (0..c(p, r)).map(move |j| a2a(p, r, j)))
+            .collect();
+        assert_eq!(bits(&recv), bits(&expect), "n={n}");
+        Ok(())
+    }));
+}
+
+#[test]
+fn all_to_allv_uneven_counts_with_zeros_matches_reference() {
+    for n in 1..=4 {
+        each_dtype!(check_all_to_allv(n));
+    }
+}
+
+fn check_broadcast<T: Element>(n: usize) {
+    all_ok(launch_with(n, long(), |comm| {
+        let r = comm.rank();
+        for root in 0..n {
+            for len in [0, 1, 33] {
+                let mut buf = vals::<T>(r, len);
+                comm.broadcast_in_place(&mut buf, root)?;
+                assert_eq!(bits(&buf), bits(&vals::<T>(root, len)), "n={n} root={root}");
+            }
+        }
+        Ok(())
+    }));
+}
+
+#[test]
+fn broadcast_every_size_dtype_root_matches_root() {
+    for n in 1..=4 {
+        each_dtype!(check_broadcast(n));
+    }
+}
+
+#[test]
+fn barrier_every_size_all_ranks_pass_together() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    for n in 1..=4 {
+        let before = AtomicUsize::new(0);
+        all_ok(launch_with(n, long(), |comm| {
+            for round in 1..=20 {
+                before.fetch_add(1, Ordering::SeqCst);
+                comm.barrier()?;
+                // Nobody passes barrier `round` before everyone reached it.
+                assert!(before.load(Ordering::SeqCst) >= round * n);
+                comm.barrier()?;
+            }
+            Ok(())
+        }));
+    }
+}
+
+#[test]
+fn launch_zero_ranks_returns_empty() {
+    let results = launch(0, |_comm| Ok::<_, Error>(()));
+    assert!(results.is_empty());
+}
+
+#[test]
+fn launch_threads_named_by_rank() {
+    let names = all_ok(launch_with(3, long(), |_comm| {
+        Ok(std::thread::current().name().map(str::to_string))
+    }));
+    assert_eq!(
+        names,
+        ["rank-0", "rank-1", "rank-2"].map(|s| Some(s.to_string()))
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Point to point
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn send_recv_fifo_per_tag_delivers_in_order() {
+    all_ok(launch_with(2, long(), |comm| {
+        if comm.rank() == 0 {
+            comm.send(f32::slice(&[1.0, 1.5]), 1, 5)?;
+            comm.send(f32::slice(&[2.0, 2.5]), 1, 5)?;
+            comm.send(i64::slice(&[9]), 1, 7)?;
+        } else {
+            let mut t7 = [0i64];
+            comm.recv(i64::slice_mut(&mut t7), 0, 7)?;
+            assert_eq!(t7, [9]);
+            let mut a = [0.0f32; 2];
+            comm.recv(f32::slice_mut(&mut a), 0, 5)?;
+            assert_eq!(a, [1.0, 1.5]);
+            comm.recv(f32::slice_mut(&mut a), 0, 5)?;
+            assert_eq!(a, [2.0, 2.5]);
+        }
+        Ok(())
+    }));
+}
+
+#[test]
+fn send_recv_symmetric_exchange_does_not_deadlock() {
+    all_ok(launch_with(4, long(), |comm| {
+        let (r, n) = (comm.rank(), comm.size());
+        let send = vals::<f64>(r, 1000);
+        let right = (r + 1) % n;
+        let left = (r + n - 1) % n;
+        comm.send(f64::slice(&send), right, 0)?;
+        let mut got = vec![0.0f64; 1000];
+        comm.recv(f64::slice_mut(&mut got), left, 0)?;
+        assert_eq!(got, vals::<f64>(left, 1000));
+        Ok(())
+    }));
+}
+
+#[test]
+fn recv_wrong_length_or_dtype_message_mismatch_and_message_stays_queued() {
+    all_ok(launch_with(2, long(), |comm| {
+        if comm.rank() == 0 {
+            comm.send(f32::slice(&[1.0, 2.0, 3.0]), 1, 4)?;
+            comm.barrier()?;
+        } else {
+            let mut four = [0.0f32; 4];
+            let err = comm.recv(f32::slice_mut(&mut four), 0, 4).unwrap_err();
+            assert_eq!(
+                err,
+                Error::MessageMismatch {
+                    op: "recv",
+                    src: 0,
+                    tag: 4,
+                    got_len: 3,
+                    got_dtype: dtensor_collectives::DType::F32,
+                    want_len: 4,
+                    want_dtype: dtensor_collectives::DType::F32,
+                }
+            );
+            let mut f64s = [0.0f64; 3];
+            let err = comm.recv(f64::slice_mut(&mut f64s), 0, 4).unwrap_err();
+            assert!(matches!(err, Error::MessageMismatch { .. }), "{err}");
+            let mut three = [0.0f32; 3];
+            comm.recv(f32::slice_mut(&mut three), 0, 4)?;
+            assert_eq!(three, [1.0, 2.0, 3.0]);
+            comm.barrier()?;
+        }
+        Ok(())
+    }));
+}
+
+#[test]
+fn send_recv_peer_out_of_range_invalid_argument() {
+    all_ok(launch_with(2, long(), |comm| {
+        let err = comm.send(f32::slice(&[1.0]), 2, 0).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument { op: "send", .. }),
+            "{err}"
+        );
+        let mut b = [0.0f32];
+        let err = comm.recv(f32::slice_mut(&mut b), 7, 0).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument { op: "recv", .. }),
+            "{err}"
+        );
+        Ok(())
+    }));
+}
+
+#[test]
+fn recv_from_departed_rank_gets_queued_message_then_rank_failed() {
+    let start = Instant::now();
+    let results = launch_with(2, long(), |comm| {
+        if comm.rank() == 0 {
+            comm.send(f32::slice(&[7.0]), 1, 0)?;
+            return Ok(());
+        }
+        let mut b = [0.0f32];
+        comm.recv(f32::slice_mut(&mut b), 0, 0)?;
+        assert_eq!(b, [7.0]);
+        let err = comm.recv(f32::slice_mut(&mut b), 0, 0).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::RankFailed {
+                    rank: 0,
+                    op: "recv",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        Ok(())
+    });
+    all_ok(results);
+    assert!(start.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn recv_nothing_sent_times_out_naming_source() {
+    let results = launch_with(2, opts(Duration::from_millis(200)), |comm| {
+        if comm.rank() == 0 {
+            std::thread::sleep(Duration::from_millis(500));
+            return Ok(());
+        }
+        let mut b = [0.0f32];
+        let err = comm.recv(f32::slice_mut(&mut b), 0, 3).unwrap_err();
+        match err {
+            Error::Timeout { op, missing, .. } => {
+                assert_eq!((op, missing), ("recv", vec![0]));
+            }
+            other => panic!("expected a timeout, got {other}"),
+        }
+        Ok::<_, Error>(())
+    });
+    all_ok(results);
+}
+
+// ---------------------------------------------------------------------------------------
+// Split
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn split_two_by_two_rows_and_columns_run_concurrently() {
+    let out = all_ok(launch_with(4, long(), |comm| {
+        let r = comm.rank();
+        let (row, col) = (r / 2, r % 2);
+        let rows = comm.split(row, col)?;
+        let cols = comm.split(col, row)?;
+        assert_eq!((rows.rank(), rows.size()), (col, 2));
+        assert_eq!((cols.rank(), cols.size()), (row, 2));
+        let mut sums = Vec::new();
+        let mut gathers = Vec::new();
+        for i in 0..50 {
+            // Rows reduce while columns gather, alternating which goes first.
+            let mut v = vec![(r * 100 + i) as f64; 3];
+            if i % 2 == 0 {
+                rows.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+                gathers.push(cols.all_gather_vec(&[r as i64])?);
+            } else {
+                gathers.push(cols.all_gather_vec(&[r as i64])?);
+                rows.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+            }
+            sums.push(v[0]);
+        }
+        Ok((row, col, sums, gathers))
+    }));
+    for (row, col, sums, gathers) in out {
+        for (i, s) in sums.iter().enumerate() {
+            let a = 2 * row * 100 + i;
+            let b = (2 * row + 1) * 100 + i;
+            assert_eq!(*s, (a + b) as f64);
+        }
+        for g in gathers {
+            assert_eq!(g, vec![col as i64, 2 + col as i64]);
+        }
+    }
+}
+
+#[test]
+fn split_keys_order_new_ranks_and_ties_keep_parent_order() {
+    let out = all_ok(launch_with(4, long(), |comm| {
+        let r = comm.rank();
+        let reversed = comm.split(0, 3 - r)?;
+        let tied = comm.split(r % 2, 0)?;
+        let alone = comm.split(r, 0)?;
+        let gathered = reversed.all_gather_vec(&[r as i32])?;
+        Ok((
+            reversed.rank(),
+            gathered,
+            tied.rank(),
+            tied.size(),
+            alone.rank(),
+            alone.size(),
+        ))
+    }));
+    for (r, (rev, gathered, tied, tied_size, alone, alone_size)) in out.into_iter().enumerate() {
+        assert_eq!(rev, 3 - r);
+        assert_eq!(gathered, vec![3, 2, 1, 0]);
+        assert_eq!((tied, tied_size), (r / 2, 2));
+        assert_eq!((alone, alone_size), (0, 1));
+    }
+}
+
+#[test]
+fn split_member_panics_subgroup_peer_rank_failed_with_world_rank() {
+    let start = Instant::now();
+    let results = launch_with(4, long(), |comm| {
+        let r = comm.rank();
+        let rows = comm.split(r / 2, r)?;
+        if r == 3 {
+            panic!("rank 3 gives up");
+        }
+        let mut v = [1.0f32; 4];
+        if r == 2 {
+            // Sub-group rank 1 is world rank 3: the error names the world rank.
+            let err = rows.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap_err();
+            match err {
+                Error::RankFailed { rank, op, reason } => {
+                    assert_eq!((rank, op), (3, "all_reduce"));
+                    assert!(reason.contains("rank 3 gives up"), "{reason}");
+                }
+                other => panic!("expected RankFailed, got {other}"),
+            }
+        } else {
+            // The other row is unaffected; the world group is not.
+            rows.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+            assert_eq!(v, [2.0; 4]);
+            let err = comm.barrier().unwrap_err();
+            assert!(matches!(err, Error::RankFailed { rank: 3, .. }), "{err}");
+        }
+        Ok::<_, Error>(())
+    });
+    assert!(start.elapsed() < Duration::from_secs(5));
+    for (r, res) in results.into_iter().enumerate() {
+        match (r, res) {
+            (3, Err(RankError::Panicked(msg))) => assert_eq!(msg, "rank 3 gives up"),
+            (3, other) => panic!("rank 3: {other:?}"),
+            (r, res) => res.unwrap_or_else(|e| panic!("rank {r}: {e}")),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Counters
+// ---------------------------------------------------------------------------------------
+
+/// Runs `f` and returns what it added to the handle's counters.
+fn delta(
+    comm: &Arc<dyn Communicator>,
+    f: impl FnOnce() -> Result<(), Error>,
+) -> Result<CounterSnapshot, Error> {
+    let before = comm.counters();
+    f()?;
+    Ok(comm.counters().since(&before))
+}
+
+fn one(kind: CollectiveKind, sent: u64, received: u64) -> (CollectiveKind, u64, u64) {
+    (kind, sent, received)
+}
+
+#[test]
+fn counters_every_collective_match_table() {
+    use CollectiveKind::*;
+    const F32: usize = 4;
+    let out = all_ok(launch_with(3, long(), |comm| {
+        let r = comm.rank();
+        let mut got: Vec<(CollectiveKind, u64, u64)> = Vec::new();
+        let mut note = |d: CounterSnapshot| {
+            let kinds: Vec<_> = CollectiveKind::ALL
+                .into_iter()
+                .filter(|&k| d.calls(k) > 0)
+                .collect();
+            assert_eq!(kinds.len(), 1, "{d}");
+            assert_eq!(d.calls(kinds[0]), 1, "{d}");
+            got.push((kinds[0], d.bytes_sent, d.bytes_received));
+        };
+        let mut a = vec![1.0f32; 10];
+        note(delta(&comm, || {
+            comm.all_reduce_in_place(&mut a, ReduceOp::Sum)
+        })?);
+        let mut g = vec![0.0f32; 15];
+        note(delta(&comm, || {
+            comm.all_gather(f32::slice(&[1.0; 5]), f32::slice_mut(&mut g))
+        })?);
+        let counts = [2, 0, 3];
+        let send = vec![1.0f32; counts[r]];
+        note(delta(&comm, || {
+            comm.all_gatherv(f32::slice(&send), f32::slice_mut(&mut g[..5]), &counts)
+        })?);
+        let mut rs = [0.0f32; 2];
+        note(delta(&comm, || {
+            comm.reduce_scatter(
+                f32::slice(&[1.0; 6]),
+                f32::slice_mut(&mut rs),
+                ReduceOp::Sum,
+            )
+        })?);
+        let counts = [1, 0, 4];
+        let mut rsv = vec![0.0f32; counts[r]];
+        note(delta(&comm, || {
+            comm.reduce_scatterv(
+                f32::slice(&[1.0; 5]),
+                f32::slice_mut(&mut rsv),
+                &counts,
+                ReduceOp::Sum,
+            )
+        })?);
+        let mut t = [0.0f32; 6];
+        note(delta(&comm, || {
+            comm.all_to_all(f32::slice(&[1.0; 6]), f32::slice_mut(&mut t))
+        })?);
+        let sc = [[1, 2, 0], [0, 1, 3], [2, 0, 1]];
+        let rc: Vec<usize> = (0..3).map(|p| sc[p][r]).collect();
+        let send = vec![1.0f32; sc[r].iter().sum()];
+        let mut recv = vec![0.0f32; rc.iter().sum()];
+        note(delta(&comm, || {
+            comm.all_to_allv(f32::slice(&send), &sc[r], f32::slice_mut(&mut recv), &rc)
+        })?);
+        let mut b = [0.0f32; 7];
+        note(delta(&comm, || comm.broadcast_in_place(&mut b, 1))?);
+        note(delta(&comm, || comm.barrier())?);
+        match r {
+            0 => note(delta(&comm, || comm.send(f32::slice(&[1.0; 3]), 1, 0))?),
+            1 => {
+                let mut m = [0.0f32; 3];
+                note(delta(&comm, || comm.recv(f32::slice_mut(&mut m), 0, 0))?)
+            }
+            _ => {}
+        }
+        let before = comm.counters();
+        let sub = comm.split(0, r)?;
+        note(comm.counters().since(&before));
+        // A new handle starts from zero.
+        assert_eq!(sub.counters(), CounterSnapshot::default());
+        Ok(got)
+    }));
+    let b = |elems: usize| (elems * F32) as u64;
+    // Per rank, per call: (kind, bytes sent, bytes received), from counters.rs's table.
+    let expect = [
+        vec![
+            one(AllReduce, b(6 + 4 * 2), b(4 * 2 + 6)), // blocks [4, 4, 2], own 4
+            one(AllGather, b(5 * 2), b(10)),
+            one(AllGather, b(2 * 2), b(3)),
+            one(ReduceScatter, b(4), b(2 * 2)),
+            one(ReduceScatter, b(4), b(2)), // own block 1 from 2 peers
+            one(AllToAll, b(4), b(4)),
+            one(AllToAll, b(2), b(2)),
+            one(Broadcast, 0, b(7)),
+            one(Barrier, 0, 0),
+            one(Send, b(3), 0),
+            one(Split, 0, 0),
+        ],
+        vec![
+            one(AllReduce, b(6 + 4 * 2), b(4 * 2 + 6)),
+            one(AllGather, b(5 * 2), b(10)),
+            one(AllGather, 0, b(5)),
+            one(ReduceScatter, b(4), b(2 * 2)),
+            one(ReduceScatter, b(5), 0),
+            one(AllToAll, b(4), b(4)),
+            one(AllToAll, b(3), b(2)),
+            one(Broadcast, b(7 * 2), 0),
+            one(Barrier, 0, 0),
+            one(Recv, 0, b(3)),
+            one(Split, 0, 0),
+        ],
+        vec![
+            one(AllReduce, b(8 + 2 * 2), b(2 * 2 + 8)), // own block 2
+            one(AllGather, b(5 * 2), b(10)),
+            one(AllGather, b(3 * 2), b(2)),
+            one(ReduceScatter, b(4), b(2 * 2)),
+            one(ReduceScatter, b(1), b(4 * 2)),
+            one(AllToAll, b(4), b(4)),
+            one(AllToAll, b(2), b(3)),
+            one(Broadcast, 0, b(7)),
+            one(Barrier, 0, 0),
+            one(Split, 0, 0),
+        ],
+    ];
+    for (r, (got, want)) in out.iter().zip(&expect).enumerate() {
+        assert_eq!(got, want, "rank {r}");
+    }
+}
+
+#[test]
+fn counters_failed_collective_records_nothing() {
+    all_ok(launch_with(2, long(), |comm| {
+        let before = comm.counters();
+        let mut v = vec![0.0f32; 4 + comm.rank()];
+        assert!(comm.all_reduce_in_place(&mut v, ReduceOp::Sum).is_err());
+        assert_eq!(comm.counters(), before);
+        Ok(())
+    }));
+}
+
+// ---------------------------------------------------------------------------------------
+// Mismatches and invalid arguments: every rank fails, the group stays usable
+// ---------------------------------------------------------------------------------------
+
+/// Runs `f` on 2 ranks; asserts every rank gets `CollectiveMismatch` whose detail contains
+/// each of `needles`, and that a matching all_reduce still works afterwards.
+fn expect_mismatch(
+    needles: &[&str],
+    f: impl Fn(&Arc<dyn Communicator>) -> Result<(), Error> + Sync,
+) {
+    let details = all_ok(launch_with(2, long(), |comm| {
+        let err = f(&comm).expect_err("a mismatched call must fail");
+        let Error::CollectiveMismatch {
+            backend,
+            size,
+            detail,
+            ..
+        } = err
+        else {
+            panic!("expected CollectiveMismatch, got {err}");
+        };
+        assert_eq!((backend, size), ("threads", 2));
+        let mut v = [comm.rank() as f32 + 1.0; 3];
+        comm.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+        assert_eq!(v, [3.0; 3]);
+        Ok(detail)
+    }));
+    assert_eq!(details[0], details[1], "ranks must agree on the diagnosis");
+    for n in needles {
+        assert!(details[0].contains(n), "{:?} lacks {n:?}", details[0]);
+    }
+}
+
+#[test]
+fn collective_different_op_every_rank_mismatch() {
+    expect_mismatch(
+        &[
+            "different collectives",
+            "rank 0: all_reduce(f32 x 16, sum)",
+            "rank 1: all_gather(f32 x 8 -> 16)",
+        ],
+        |comm| {
+            if comm.rank() == 0 {
+                comm.all_reduce_in_place(&mut [0.0f32; 16], ReduceOp::Sum)
+            } else {
+                comm.all_gather(f32::slice(&[0.0; 8]), f32::slice_mut(&mut [0.0; 16]))
+            }
+        },
+    );
+}
+
+#[test]
+fn all_reduce_different_length_every_rank_mismatch() {
+    expect_mismatch(&["lengths differ", "f32 x 16", "f32 x 8"], |comm| {
+        let mut v = vec![0.0f32; if comm.rank() == 0 { 16 } else { 8 }];
+        comm.all_reduce_in_place(&mut v, ReduceOp::Sum)
+    });
+}
+
+#[test]
+fn all_gather_different_dtype_every_rank_mismatch() {
+    expect_mismatch(&["dtypes differ", "f32 x 4", "f64 x 4"], |comm| {
+        if comm.rank() == 0 {
+            comm.all_gather_vec(&[0.0f32; 4]).map(drop)
+        } else {
+            comm.all_gather_vec(&[0.0f64; 4]).map(drop)
+        }
+    });
+}
+
+#[test]
+fn broadcast_different_root_every_rank_mismatch() {
+    expect_mismatch(&["roots differ", "root 0", "root 1"], |comm| {
+        comm.broadcast_in_place(&mut [0i64; 5], comm.rank())
+    });
+}
+
+#[test]
+fn all_reduce_different_reduce_op_every_rank_mismatch() {
+    expect_mismatch(&["reduce ops differ", "sum", "max"], |comm| {
+        let op = [ReduceOp::Sum, ReduceOp::Max][comm.rank()];
+        comm.all_reduce_in_place(&mut [0.0f64; 4], op)
+    });
+}
+
+#[test]
+fn reduce_scatterv_different_counts_every_rank_mismatch() {
+    expect_mismatch(&["counts differ", "[1, 2]", "[2, 1]"], |comm| {
+        let counts = [[1, 2], [2, 1]][comm.rank()];
+        let mut recv = vec![0.0f32; counts[comm.rank()]];
+        comm.reduce_scatterv(
+            f32::slice(&[0.0; 3]),
+            f32::slice_mut(&mut recv),
+            &counts,
+            ReduceOp::Sum,
+        )
+    });
+}
+
+#[test]
+fn all_to_allv_counts_disagree_every_rank_mismatch() {
+    expect_mismatch(
+        &["rank 0 sends 2 elements to rank 1, which expects 1"],
+        |comm| {
+            let (sc, rc) = if comm.rank() == 0 {
+                ([1, 2], [1, 1])
+            } else {
+                ([1, 1], [1, 1])
+            };
+            let send = vec![0.0f32; sc.iter().sum()];
+            let mut recv = vec![0.0f32; 2];
+            comm.all_to_allv(f32::slice(&send), &sc, f32::slice_mut(&mut recv), &rc)
+        },
+    );
+}
+
+#[test]
+fn all_gather_recv_wrong_size_invalid_argument_and_peer_mismatch() {
+    let errs = all_ok(launch_with(2, long(), |comm| {
+        let mut recv = vec![0.0f32; if comm.rank() == 0 { 7 } else { 8 }];
+        Ok(comm
+            .all_gather(f32::slice(&[0.0; 4]), f32::slice_mut(&mut recv))
+            .unwrap_err())
+    }));
+    assert!(
+        matches!(&errs[0], Error::InvalidArgument { op: "all_gather", detail } if detail.contains("recv has 7")),
+        "{}",
+        errs[0]
+    );
+    assert!(
+        matches!(&errs[1], Error::CollectiveMismatch { detail, .. } if detail.contains("rank 0 passed invalid arguments")),
+        "{}",
+        errs[1]
+    );
+}
+
+#[test]
+fn collective_bad_local_arguments_invalid_argument_naming_op() {
+    all_ok(launch_with(2, long(), |comm| {
+        let r = comm.rank();
+        // Every rank passes bad arguments of its own: each gets InvalidArgument.
+        let err = comm.broadcast_in_place(&mut [0.0f32; 2], 2).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::InvalidArgument {
+                    op: "broadcast",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let err = comm
+            .all_gather(f32::slice(&[0.0; 2]), f64::slice_mut(&mut [0.0; 4]))
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidArgument { op: "all_gather", detail } if detail.contains("f32") && detail.contains("f64")),
+            "{err}"
+        );
+        let err = comm
+            .all_gatherv(f32::slice(&[0.0; 2]), f32::slice_mut(&mut [0.0; 2]), &[2])
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::InvalidArgument {
+                    op: "all_gatherv",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let err = comm
+            .reduce_scatter(
+                f32::slice(&[0.0; 3]),
+                f32::slice_mut(&mut [0.0; 2]),
+                ReduceOp::Sum,
+            )
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::InvalidArgument {
+                    op: "reduce_scatter",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let err = comm
+            .all_to_all(f32::slice(&[0.0; 3]), f32::slice_mut(&mut [0.0; 3]))
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::InvalidArgument {
+                    op: "all_to_all",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let err = comm
+            .reduce_scatterv(
+                f32::slice(&[0.0; 3]),
+                f32::slice_mut(&mut [0.0; 2]),
+                &[1, 2],
+                ReduceOp::Sum,
+            )
+            .unwrap_err();
+        // Rank 1's recv matches counts[1] = 2; rank 0's does not.
+        if r == 0 {
+            assert!(
+                matches!(
+                    err,
+                    Error::InvalidArgument {
+                        op: "reduce_scatterv",
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+        } else {
+            assert!(matches!(err, Error::CollectiveMismatch { .. }), "{err}");
+        }
+        comm.barrier()?;
+        Ok(())
+    }));
+}
+
+#[test]
+fn collective_same_handle_from_two_threads_invalid_argument() {
+    all_ok(launch_with(2, long(), |comm| {
+        if comm.rank() == 0 {
+            std::thread::scope(|s| {
+                let first = s.spawn(|| comm.barrier());
+                std::thread::sleep(Duration::from_millis(100));
+                let err = comm.barrier().unwrap_err();
+                assert!(
+                    matches!(err, Error::InvalidArgument { op: "barrier", .. }),
+                    "{err}"
+                );
+                comm.send(i32::slice(&[1]), 1, 0)?;
+                first.join().expect("barrier thread")
+            })
+        } else {
+            let mut go = [0i32];
+            comm.recv(i32::slice_mut(&mut go), 0, 0)?;
+            comm.barrier()
+        }
+    }));
+}
+
+// ---------------------------------------------------------------------------------------
+// Departures and timeouts
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn rank_panics_peers_rank_failed_quickly() {
+    let start = Instant::now();
+    let results = launch_with(3, long(), |comm| {
+        if comm.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(50));
+            panic!("boom on rank 1");
+        }
+        let mut v = [1.0f32; 4];
+        Ok::<_, String>(comm.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap_err())
+    });
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+    for r in [0, 2] {
+        match &results[r] {
+            Ok(Error::RankFailed { rank, op, reason }) => {
+                assert_eq!((*rank, *op), (1, "all_reduce"));
+                assert_eq!(reason, "panicked: boom on rank 1");
+            }
+            other => panic!("rank {r}: {other:?}"),
+        }
+    }
+    assert!(matches!(&results[1], Err(RankError::Panicked(m)) if m == "boom on rank 1"));
+}
+
+#[test]
+fn rank_returns_ok_early_peers_rank_failed() {
+    let start = Instant::now();
+    let results = launch_with(3, long(), |comm| {
+        if comm.rank() == 2 {
+            return Ok(None);
+        }
+        // Rank 2 may leave before or after the others start waiting: either way they fail.
+        Ok::<_, Error>(Some(comm.barrier().unwrap_err()))
+    });
+    assert!(start.elapsed() < Duration::from_secs(5));
+    let results = all_ok(results);
+    for err in results.into_iter().take(2) {
+        let err = err.expect("rank 2 never calls barrier");
+        assert!(
+            matches!(&err, Error::RankFailed { rank: 2, reason, .. } if reason == "returned before joining"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn rank_returns_err_peers_rank_failed_with_its_message() {
+    let results = launch_with(2, long(), |comm| {
+        if comm.rank() == 0 {
+            return Err("out of patience".to_string());
+        }
+        Ok(comm.all_gather_vec(&[1.0f32]).unwrap_err())
+    });
+    match &results[1] {
+        Ok(Error::RankFailed {
+            rank: 0, reason, ..
+        }) => {
+            assert_eq!(reason, "returned an error: out of patience")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(&results[0], Err(RankError::Returned(e)) if e == "out of patience"));
+}
+
+#[test]
+fn rank_never_arrives_timeout_names_missing_and_group_stays_failed() {
+    let start = Instant::now();
+    let results = launch_with(3, opts(Duration::from_millis(300)), |comm| {
+        let mut v = [1.0f32; 8];
+        if comm.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(900));
+            // Late: the group failed meanwhile, so this fails at once instead of waiting.
+            let t = Instant::now();
+            let err = comm.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap_err();
+            assert!(t.elapsed() < Duration::from_millis(200));
+            return Ok(err);
+        }
+        let err = comm.all_reduce_in_place(&mut v, ReduceOp::Sum).unwrap_err();
+        match &err {
+            Error::Timeout {
+                op,
+                waited,
+                missing,
+            } => {
+                assert_eq!((*op, missing.as_slice()), ("all_reduce", &[2][..]));
+                assert!(*waited >= Duration::from_millis(250), "{waited:?}");
+            }
+            other => panic!("expected a timeout, got {other}"),
+        }
+        // Later collectives on the failed group fail too rather than hang.
+        assert!(comm.barrier().is_err());
+        Ok::<_, Error>(err)
+    });
+    assert!(start.elapsed() < Duration::from_secs(5));
+    let errs = all_ok(results);
+    assert!(
+        matches!(&errs[2], Error::Timeout { missing, .. } if missing == &[2]),
+        "{}",
+        errs[2]
+    );
+}
+
+#[test]
+fn launch_returns_each_rank_result_including_panic_message() {
+    let results = launch_with(3, long(), |comm| match comm.rank() {
+        0 => Ok(10),
+        1 => Err("bad input".to_string()),
+        _ => panic!("oops on {}", comm.rank()),
+    });
+    assert!(matches!(results[0], Ok(10)));
+    assert!(matches!(&results[1], Err(RankError::Returned(e)) if e == "bad input"));
+    assert!(matches!(&results[2], Err(RankError::Panicked(m)) if m == "oops on 2"));
+    let shown: Vec<String> = results
+        .iter()
+        .filter_map(|r| r.as_ref().err().map(|e| e.to_string()))
+        .collect();
+    assert_eq!(
+        shown,
+        ["returned an error: bad input", "panicked: oops on 2"]
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Speed (run by hand: cargo test --release -p dtensor-collectives -- --ignored --nocapture)
+// ---------------------------------------------------------------------------------------
+
+#[test]
+#[ignore = "benchmark: run by hand in release mode"]
+fn all_gather_128mib_two_ranks_near_memcpy_speed() {
+    let total = 128 << 20;
+    let per_rank = total / 2 / 4; // f32 elements per rank's piece
+    let reps = 10;
+    let src = vec![1.0f32; total / 4];
+    let mut dst = vec![0.0f32; total / 4];
+    let t = Instant::now();
+    for _ in 0..reps {
+        dst[..per_rank].copy_from_slice(&src[..per_rank]);
+        std::hint::black_box(&mut dst);
+    }
+    let memcpy = t.elapsed() / reps;
+    let times = all_ok(launch_with(2, long(), |comm| {
+        let send = vec![comm.rank() as f32; per_rank];
+        let mut recv = vec![0.0f32; 2 * per_rank];
+        comm.all_gather(f32::slice(&send), f32::slice_mut(&mut recv))?; // warm
+        let t = Instant::now();
+        for _ in 0..reps {
+            comm.all_gather(f32::slice(&send), f32::slice_mut(&mut recv))?;
+        }
+        let ag = t.elapsed() / reps;
+        let mut buf = vec![1.0f32; 2 * per_rank];
+        comm.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+        let t = Instant::now();
+        for _ in 0..reps {
+            comm.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+        }
+        let ar = t.elapsed() / reps;
+        let t = Instant::now();
+        for _ in 0..10_000 {
+            comm.all_reduce_in_place(&mut [1.0f32], ReduceOp::Sum)?;
+        }
+        let small = t.elapsed() / 10_000;
+        Ok((ag, ar, small))
+    }));
+    eprintln!("memcpy of 64 MiB: {memcpy:?}");
+    for (r, (ag, ar, small)) in times.iter().enumerate() {
+        eprintln!(
+            "rank {r}: all_gather 128 MiB {ag:?}, all_reduce 128 MiB {ar:?}, 1-element all_reduce {small:?}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "benchmark: run by hand in release mode"]
+fn small_collectives_latency_two_and_four_ranks() {
+    for n in [2, 4] {
+        let times = all_ok(launch_with(n, long(), |comm| {
+            let reps = 20_000;
+            let t = Instant::now();
+            for _ in 0..reps {
+                comm.barrier()?;
+            }
+            let barrier = t.elapsed() / reps;
+            let t = Instant::now();
+            for _ in 0..reps {
+                comm.all_reduce_in_place(&mut [1.0f32; 4], ReduceOp::Sum)?;
+            }
+            Ok((barrier, t.elapsed() / reps))
+        }));
+        eprintln!(
+            "{n} ranks: barrier {:?}, 4-element all_reduce {:?}",
+            times[0].0, times[0].1
+        );
+    }
+}

@@ -1,0 +1,594 @@
+//! `AnyDTensor`: the run-time-placed distributed tensor. It is the engine under the typed
+//! [`DTensor`](crate::DTensor) (which only adds the layout to the type) and the twin that
+//! generic code, checkpoint loading and planners use. Every method checks placements at
+//! run time and returns `Err` where the typed API would not have compiled.
+
+use crate::device_mesh::DeviceMesh;
+use crate::error::{Error, Placements, Result};
+use crate::plan::{self, nesting_blocker, Plan, Step, StepKind};
+use dtensor_collectives::{CommunicatorExt, ReduceOp};
+use dtensor_kernels::{chunk_sizes, numel, DType, Shape, Tensor};
+use dtensor_placement::{chunk_range, local_ranges, local_shape, PartialOp, Placement};
+use std::fmt;
+use std::sync::Arc;
+
+/// A distributed tensor with run-time placements, one per mesh axis.
+///
+/// Invariants: `placements.len() == mesh.ndim()`; every `Shard(d)` has `d < rank`;
+/// `local.shape() == local_shape(mesh, placements, coords, global_shape)`; on a `Partial`
+/// axis the global tensor is the reduction of the ranks' local terms.
+#[derive(Clone)]
+pub struct AnyDTensor {
+    local: Tensor,
+    global_shape: Shape,
+    placements: Placements,
+    mesh: Arc<DeviceMesh>,
+}
+
+pub(crate) fn reduce_op(op: PartialOp) -> ReduceOp {
+    match op {
+        PartialOp::Sum => ReduceOp::Sum,
+        PartialOp::Avg => ReduceOp::Avg,
+        PartialOp::Max => ReduceOp::Max,
+        PartialOp::Min => ReduceOp::Min,
+    }
+}
+
+/// Dtype codes for the `distribute` header.
+const DTYPES: [DType; 6] = [
+    DType::F32,
+    DType::F64,
+    DType::BF16,
+    DType::F16,
+    DType::I32,
+    DType::I64,
+];
+
+impl AnyDTensor {
+    /// Wraps this rank's local piece. `Err` if the placements do not fit the mesh or the
+    /// local shape is not the one the layout gives this rank.
+    pub fn from_local(
+        local: Tensor,
+        global_shape: &[usize],
+        placements: &[Placement],
+        mesh: &Arc<DeviceMesh>,
+    ) -> Result<AnyDTensor> {
+        let op = "DTensor::from_local";
+        dtensor_placement::check_placements(op, mesh.mesh(), placements, global_shape.len())?;
+        let want = local_shape(mesh.mesh(), placements, mesh.coords(), global_shape)?;
+        if local.shape() != want.as_slice() {
+            return Err(Error::ShapeMismatch {
+                op,
+                detail: format!(
+                    "local shape {:?} on rank {} (coords {:?}) but global shape {:?} laid out as {} gives {:?}",
+                    local.shape(),
+                    mesh.rank(),
+                    mesh.coords(),
+                    global_shape,
+                    fmt_placements(placements),
+                    want.as_slice()
+                ),
+            });
+        }
+        Ok(AnyDTensor {
+            local,
+            global_shape: global_shape.into(),
+            placements: placements.into(),
+            mesh: mesh.clone(),
+        })
+    }
+
+    /// Collective over the world: rank `src` holds the full tensor (`Some`), the others pass
+    /// `None`; every rank gets its piece. On a `Partial(sum)` axis coordinate 0 holds the
+    /// value and the others zeros; on avg/max/min partial axes every rank holds the value.
+    pub fn distribute(
+        full: Option<&Tensor>,
+        src: usize,
+        placements: &[Placement],
+        mesh: &Arc<DeviceMesh>,
+    ) -> Result<AnyDTensor> {
+        let op = "DTensor::distribute";
+        let world = mesh.world();
+        if src >= world.size() {
+            return Err(Error::ShapeMismatch {
+                op,
+                detail: format!("source rank {src} outside a world of {}", world.size()),
+            });
+        }
+        // Header: [ndim or -1 for "source has no tensor", dtype code, extents...(4 max)].
+        let mut header = [0i64; 6];
+        let me = world.rank();
+        if me == src {
+            match full {
+                Some(t) if t.rank() <= 4 => {
+                    header[0] = t.rank() as i64;
+                    header[1] = DTYPES.iter().position(|&d| d == t.dtype()).unwrap() as i64;
+                    for (i, &e) in t.shape().iter().enumerate() {
+                        header[2 + i] = e as i64;
+                    }
+                }
+                Some(t) => {
+                    header[0] = -2;
+                    header[1] = t.rank() as i64;
+                }
+                None => header[0] = -1,
+            }
+        }
+        world.broadcast_in_place(&mut header, src)?;
+        if header[0] < 0 {
+            return Err(Error::ShapeMismatch {
+                op,
+                detail: if header[0] == -1 {
+                    format!("source rank {src} passed no tensor (None)")
+                } else {
+                    format!(
+                        "tensors of rank {} exceed the 4 dims distribute supports",
+                        header[1]
+                    )
+                },
+            });
+        }
+        let ndim = header[0] as usize;
+        let shape: Shape = header[2..2 + ndim].iter().map(|&e| e as usize).collect();
+        let dtype = DTYPES[header[1] as usize];
+        // Validate placements on every rank before moving data, so all fail together.
+        dtensor_placement::check_placements(op, mesh.mesh(), placements, ndim)?;
+        let mut data = match (me == src, full) {
+            (true, Some(t)) => t.clone(),
+            _ => Tensor::zeros(&shape, dtype),
+        };
+        world.broadcast(data.as_dyn_slice_mut(), src)?;
+        let ranges = local_ranges(mesh.mesh(), placements, mesh.coords(), &shape)?;
+        let mut local = data;
+        for (d, r) in ranges.iter().enumerate() {
+            if r.len() != shape[d] {
+                local = local.narrow(d, r.start, r.len())?;
+            }
+        }
+        let zero_here = placements
+            .iter()
+            .enumerate()
+            .any(|(a, p)| *p == Placement::Partial(PartialOp::Sum) && mesh.coords()[a] != 0);
+        if zero_here {
+            local = Tensor::zeros(local.shape(), dtype);
+        }
+        AnyDTensor::from_local(local, &shape, placements, mesh)
+    }
+
+    pub fn as_local(&self) -> &Tensor {
+        &self.local
+    }
+    pub fn into_local(self) -> Tensor {
+        self.local
+    }
+    pub fn global_shape(&self) -> &[usize] {
+        &self.global_shape
+    }
+    pub fn local_shape(&self) -> &[usize] {
+        self.local.shape()
+    }
+    pub fn placements(&self) -> &[Placement] {
+        &self.placements
+    }
+    pub fn dtype(&self) -> DType {
+        self.local.dtype()
+    }
+    pub fn device_mesh(&self) -> &Arc<DeviceMesh> {
+        &self.mesh
+    }
+
+    /// Collective: the whole global tensor on every rank (gathers shards, reduces partials).
+    pub fn full_tensor(&self) -> Result<Tensor> {
+        let target: Placements = self
+            .placements
+            .iter()
+            .map(|_| Placement::Invariant)
+            .collect();
+        Ok(self.clone().redistribute(&target)?.local)
+    }
+
+    /// The plan that takes this tensor to `target`, without running it.
+    pub fn plan(&self, target: &[Placement]) -> Result<Plan> {
+        let t = plan::PlanTarget {
+            mesh: self.mesh.mesh(),
+            coords: self.mesh.coords(),
+            global_shape: &self.global_shape,
+            elem_size: self.dtype().size_in_bytes(),
+        };
+        plan::plan(t, &self.placements, target)
+    }
+
+    /// Collective: plans and runs the redistribution to `target`.
+    pub fn redistribute(self, target: &[Placement]) -> Result<AnyDTensor> {
+        let p = self.plan(target)?;
+        self.run_plan(&p)
+    }
+
+    /// Runs a plan made for this tensor's layout and global shape.
+    pub fn run_plan(self, plan: &Plan) -> Result<AnyDTensor> {
+        if plan.from.as_slice() != self.placements.as_slice()
+            || plan.global_shape.as_slice() != self.global_shape.as_slice()
+        {
+            return Err(Error::LayoutMismatch {
+                op: "Plan::run",
+                expected: format!(
+                    "{} with global shape {:?}",
+                    fmt_placements(&plan.from),
+                    plan.global_shape.as_slice()
+                ),
+                got: format!(
+                    "{} with global shape {:?}",
+                    fmt_placements(&self.placements),
+                    self.global_shape.as_slice()
+                ),
+            });
+        }
+        plan.steps
+            .iter()
+            .try_fold(self, |t, s| t.apply(s.axis, s.kind))
+    }
+
+    /// The adjoint of a plan: the adjoint steps in reverse order, run on a gradient laid
+    /// out as the dual of the plan's target.
+    pub fn run_adjoint(self, plan: &Plan) -> Result<AnyDTensor> {
+        let want: Placements = plan.to.iter().map(|p| p.dual()).collect();
+        if self.placements != want || self.global_shape.as_slice() != plan.global_shape.as_slice() {
+            return Err(Error::LayoutMismatch {
+                op: "Adjoint::backward",
+                expected: format!(
+                    "{} with global shape {:?}",
+                    fmt_placements(&want),
+                    plan.global_shape.as_slice()
+                ),
+                got: format!(
+                    "{} with global shape {:?}",
+                    fmt_placements(&self.placements),
+                    self.global_shape.as_slice()
+                ),
+            });
+        }
+        plan.steps.iter().rev().try_fold(self, |g, s: &Step| {
+            let kind = s.kind.adjoint(s.from)?;
+            g.apply(s.axis, kind)
+        })
+    }
+
+    /// Runs one step on the axis at layout index `axis`. This is every named transition.
+    pub fn apply(self, axis: usize, kind: StepKind) -> Result<AnyDTensor> {
+        let op = kind.name();
+        if axis >= self.placements.len() {
+            return Err(Error::Placement(dtensor_placement::Error::InvalidMesh(
+                format!(
+                    "{op}: axis index {axis} outside the mesh {}",
+                    self.mesh.mesh()
+                ),
+            )));
+        }
+        let axis_kind = self.mesh.mesh().axes()[axis].0;
+        let mismatch = |detail: String| Error::PlacementMismatch {
+            op,
+            axis: axis_kind,
+            placements: self.placements.clone(),
+            detail,
+        };
+        let from = self.placements[axis];
+        let to = kind.target(from).map_err(&mismatch)?;
+        for &d in &kind.dims() {
+            if d >= self.global_shape.len() {
+                return Err(mismatch(format!(
+                    "dim {d} is outside a tensor of global shape {:?}",
+                    self.global_shape.as_slice()
+                )));
+            }
+        }
+        if let Some(b) = nesting_blocker(&self.placements, axis, &kind.dims()) {
+            return Err(mismatch(format!(
+                "axis {} (right of {axis_kind}) also shards dim {} and nests inside it; move axis {} first",
+                self.mesh.mesh().axes()[b].0,
+                self.placements[b].shard_dim().unwrap_or(0),
+                self.mesh.mesh().axes()[b].0,
+            )));
+        }
+        let local = match kind {
+            StepKind::AllGather { dim } | StepKind::AllGatherInvariant { dim } => {
+                self.gather_dim(axis, dim)?
+            }
+            StepKind::ReduceScatter { dim } => self.reduce_scatter_dim(axis, dim, from)?,
+            StepKind::AllReduce => {
+                let Placement::Partial(p) = from else {
+                    unreachable!("checked by target")
+                };
+                let mut buf = self.local.clone();
+                self.mesh
+                    .axis_comm(axis)
+                    .all_reduce(buf.as_dyn_slice_mut(), reduce_op(p))?;
+                buf
+            }
+            StepKind::AllToAll { from: a, to: b } => self.all_to_all_dims(axis, a, b)?,
+            StepKind::Chunk { dim } => {
+                let n = self.mesh.mesh().size(axis);
+                let r = chunk_range(self.local.shape()[dim], n, self.mesh.coords()[axis]);
+                self.local.narrow(dim, r.start, r.len())?
+            }
+            StepKind::PadToPartial { dim } => {
+                let n = self.mesh.mesh().size(axis);
+                let parent = self.parent_extent(axis, dim)?;
+                let r = chunk_range(parent, n, self.mesh.coords()[axis]);
+                let mut shape: Shape = self.local.shape().into();
+                shape[dim] = parent;
+                let mut out = Tensor::zeros(&shape, self.dtype());
+                out.write_at(dim, r.start, &self.local)?;
+                out
+            }
+            StepKind::ToReplicate | StepKind::ToInvariant => self.local.clone(),
+            StepKind::ToPartial { op } => {
+                if op == PartialOp::Sum && self.mesh.coords()[axis] != 0 {
+                    Tensor::zeros(self.local.shape(), self.dtype())
+                } else {
+                    self.local.clone()
+                }
+            }
+        };
+        let mut placements = self.placements.clone();
+        placements[axis] = to;
+        debug_assert_eq!(
+            local.shape(),
+            local_shape(
+                self.mesh.mesh(),
+                &placements,
+                self.mesh.coords(),
+                &self.global_shape
+            )
+            .unwrap()
+            .as_slice()
+        );
+        Ok(AnyDTensor {
+            local,
+            global_shape: self.global_shape,
+            placements,
+            mesh: self.mesh,
+        })
+    }
+
+    /// Extent of `dim` as sharded by the axes left of `axis` only: what `axis`'s group
+    /// collectively covers.
+    fn parent_extent(&self, axis: usize, dim: usize) -> Result<usize> {
+        let mut outer = self.placements.clone();
+        for p in outer.iter_mut().skip(axis) {
+            *p = Placement::Replicate;
+        }
+        let r = local_ranges(
+            self.mesh.mesh(),
+            &outer,
+            self.mesh.coords(),
+            &self.global_shape,
+        )?;
+        Ok(r[dim].len())
+    }
+
+    /// Elements of the local tensor per unit of extent on `dim` (product of the other extents).
+    fn rest(shape: &[usize], dims: &[usize]) -> usize {
+        shape
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !dims.contains(i))
+            .map(|(_, &e)| e)
+            .product()
+    }
+
+    fn gather_dim(&self, axis: usize, dim: usize) -> Result<Tensor> {
+        let comm = self.mesh.axis_comm(axis);
+        let parent = self.parent_extent(axis, dim)?;
+        let sizes = chunk_sizes(parent, comm.size());
+        let rest = Self::rest(self.local.shape(), &[dim]);
+        let counts: Vec<usize> = sizes.iter().map(|s| s * rest).collect();
+        let mut shape: Shape = self.local.shape().into();
+        shape[dim] = parent;
+        let mut gathered = Tensor::zeros(&[numel(&shape)], self.dtype());
+        comm.all_gatherv(
+            self.local.as_dyn_slice(),
+            gathered.as_dyn_slice_mut(),
+            &counts,
+        )?;
+        // Pieces arrive one after another; when nothing lies outside `dim` that is already
+        // the row-major result, otherwise interleave them along `dim`.
+        if numel(&shape[..dim]) == 1 {
+            Ok(gathered.reshape(&shape)?)
+        } else {
+            Ok(Tensor::unpack(&gathered, &shape, dim, &sizes)?)
+        }
+    }
+
+    fn reduce_scatter_dim(&self, axis: usize, dim: usize, from: Placement) -> Result<Tensor> {
+        let Placement::Partial(p) = from else {
+            unreachable!("checked by target")
+        };
+        let comm = self.mesh.axis_comm(axis);
+        let extent = self.local.shape()[dim];
+        let sizes = chunk_sizes(extent, comm.size());
+        let rest = Self::rest(self.local.shape(), &[dim]);
+        let counts: Vec<usize> = sizes.iter().map(|s| s * rest).collect();
+        let packed;
+        let send = if numel(&self.local.shape()[..dim]) == 1 {
+            &self.local
+        } else {
+            packed = self.local.pack(dim, &sizes)?;
+            &packed
+        };
+        let me = comm.rank();
+        let mut shape: Shape = self.local.shape().into();
+        shape[dim] = sizes[me];
+        let mut out = Tensor::zeros(&shape, self.dtype());
+        comm.reduce_scatterv(
+            send.as_dyn_slice(),
+            out.as_dyn_slice_mut(),
+            &counts,
+            reduce_op(p),
+        )?;
+        Ok(out)
+    }
+
+    fn all_to_all_dims(&self, axis: usize, from: usize, to: usize) -> Result<Tensor> {
+        let comm = self.mesh.axis_comm(axis);
+        let (n, me) = (comm.size(), comm.rank());
+        let shape = self.local.shape();
+        let to_pieces = chunk_sizes(shape[to], n);
+        let from_lens = chunk_sizes(self.parent_extent(axis, from)?, n);
+        let other = Self::rest(shape, &[from, to]);
+        let send_counts: Vec<usize> = to_pieces.iter().map(|s| s * other * shape[from]).collect();
+        let recv_counts: Vec<usize> = from_lens
+            .iter()
+            .map(|l| l * other * to_pieces[me])
+            .collect();
+        let packed;
+        let send = if numel(&shape[..to]) == 1 {
+            &self.local
+        } else {
+            packed = self.local.pack(to, &to_pieces)?;
+            &packed
+        };
+        let mut new_shape: Shape = shape.into();
+        new_shape[from] = from_lens.iter().sum();
+        new_shape[to] = to_pieces[me];
+        let mut recv = Tensor::zeros(&[numel(&new_shape)], self.dtype());
+        comm.all_to_allv(
+            send.as_dyn_slice(),
+            &send_counts,
+            recv.as_dyn_slice_mut(),
+            &recv_counts,
+        )?;
+        if numel(&new_shape[..from]) == 1 {
+            Ok(recv.reshape(&new_shape)?)
+        } else {
+            Ok(Tensor::unpack(&recv, &new_shape, from, &from_lens)?)
+        }
+    }
+
+    fn check_same_mesh(&self, op: &'static str, other: &AnyDTensor) -> Result<()> {
+        if !Arc::ptr_eq(&self.mesh, &other.mesh) {
+            return Err(Error::MeshMismatch {
+                op,
+                lhs: format!("{:?}", self.mesh),
+                rhs: format!("{:?}", other.mesh),
+            });
+        }
+        if self.global_shape != other.global_shape {
+            return Err(Error::ShapeMismatch {
+                op,
+                detail: format!(
+                    "global shapes {:?} and {:?} differ",
+                    self.global_shape.as_slice(),
+                    other.global_shape.as_slice()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    fn with_local(&self, local: Tensor) -> AnyDTensor {
+        AnyDTensor {
+            local,
+            global_shape: self.global_shape.clone(),
+            placements: self.placements.clone(),
+            mesh: self.mesh.clone(),
+        }
+    }
+
+    fn check_placements_where(
+        &self,
+        op: &'static str,
+        ok: impl Fn(Placement) -> bool,
+        why: &str,
+    ) -> Result<()> {
+        for (a, &p) in self.placements.iter().enumerate() {
+            if !ok(p) {
+                return Err(Error::PlacementMismatch {
+                    op,
+                    axis: self.mesh.mesh().axes()[a].0,
+                    placements: self.placements.clone(),
+                    detail: format!("{p} {why}"),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Elementwise sum. Both operands need the same mesh, global shape and placements, and
+    /// no max/min partial axis.
+    pub fn add(&self, other: &AnyDTensor) -> Result<AnyDTensor> {
+        let op = "DTensor::add";
+        self.check_same_mesh(op, other)?;
+        if self.placements != other.placements {
+            return Err(Error::LayoutMismatch {
+                op,
+                expected: fmt_placements(&self.placements),
+                got: fmt_placements(&other.placements),
+            });
+        }
+        self.check_placements_where(
+            op,
+            |p| !matches!(p, Placement::Partial(o) if !o.is_linear()),
+            "partial terms do not add linearly",
+        )?;
+        Ok(self.with_local(self.local.add(&other.local)?))
+    }
+
+    /// Every element times `factor`. No max/min partial axis.
+    pub fn scale(&self, factor: f64) -> Result<AnyDTensor> {
+        self.check_placements_where(
+            "DTensor::scale",
+            |p| !matches!(p, Placement::Partial(o) if !o.is_linear()),
+            "partial terms do not scale linearly",
+        )?;
+        Ok(self.with_local(self.local.scale(factor)))
+    }
+
+    /// A non-linear elementwise function (evaluated in f64). No partial axis.
+    pub fn map(&self, f: impl Fn(f64) -> f64) -> Result<AnyDTensor> {
+        self.check_placements_where(
+            "DTensor::map",
+            |p| !p.is_partial(),
+            "holds pending partial sums; reduce it before a non-linear op",
+        )?;
+        Ok(self.with_local(self.local.map(f)))
+    }
+
+    /// Elementwise product of two tensors with the same layout and no partial axis.
+    pub fn mul(&self, other: &AnyDTensor) -> Result<AnyDTensor> {
+        let op = "DTensor::mul";
+        self.check_same_mesh(op, other)?;
+        if self.placements != other.placements {
+            return Err(Error::LayoutMismatch {
+                op,
+                expected: fmt_placements(&self.placements),
+                got: fmt_placements(&other.placements),
+            });
+        }
+        self.check_placements_where(
+            op,
+            |p| !p.is_partial(),
+            "holds pending partial sums; reduce it before a non-linear op",
+        )?;
+        Ok(self.with_local(self.local.mul(&other.local)?))
+    }
+}
+
+pub(crate) fn fmt_placements(p: &[Placement]) -> String {
+    let v: Vec<String> = p.iter().map(|p| p.to_string()).collect();
+    format!("[{}]", v.join(", "))
+}
+
+impl fmt::Debug for AnyDTensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "DTensor {} global {:?} local {:?} {} on rank {} of {}",
+            fmt_placements(&self.placements),
+            self.global_shape.as_slice(),
+            self.local.shape(),
+            self.dtype(),
+            self.mesh.rank(),
+            self.mesh.mesh()
+        )
+    }
+}

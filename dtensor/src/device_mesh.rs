@@ -1,0 +1,105 @@
+//! `DeviceMesh`: a [`Mesh`] seen from one rank, with a communicator per mesh axis.
+
+use crate::error::{Error, Result};
+use dtensor_collectives::{Communicator, CounterSnapshot};
+use dtensor_placement::{AxisKind, Mesh};
+use smallvec::SmallVec;
+use std::fmt;
+use std::sync::Arc;
+
+/// One rank's handle on the mesh: its coordinates, the world communicator, and one
+/// sub-communicator per axis (the ranks sharing all other coordinates, ordered by their
+/// coordinate on that axis, so an axis communicator's rank *is* the axis coordinate).
+pub struct DeviceMesh {
+    mesh: Mesh,
+    rank: usize,
+    coords: SmallVec<[usize; 4]>,
+    world: Arc<dyn Communicator>,
+    axes: Vec<Arc<dyn Communicator>>,
+}
+
+impl DeviceMesh {
+    /// Collective over `world`: splits it into one communicator per axis of `mesh`.
+    /// Every rank must call it with the same mesh.
+    pub fn new(world: Arc<dyn Communicator>, mesh: Mesh) -> Result<Arc<DeviceMesh>> {
+        if world.size() != mesh.world_size() {
+            return Err(Error::Placement(dtensor_placement::Error::InvalidMesh(
+                format!(
+                    "mesh {mesh} needs {} ranks but the communicator has {}",
+                    mesh.world_size(),
+                    world.size()
+                ),
+            )));
+        }
+        let rank = world.rank();
+        let coords = mesh.coords(rank)?;
+        let mut axes = Vec::with_capacity(mesh.ndim());
+        for axis in 0..mesh.ndim() {
+            // Color: the group's lowest-coordinate member; key: the coordinate on the axis.
+            let group = mesh.axis_group(rank, axis)?;
+            let comm = world.split(group[0], coords[axis])?;
+            debug_assert_eq!(comm.rank(), coords[axis]);
+            axes.push(comm);
+        }
+        Ok(Arc::new(DeviceMesh {
+            mesh,
+            rank,
+            coords,
+            world,
+            axes,
+        }))
+    }
+
+    pub fn mesh(&self) -> &Mesh {
+        &self.mesh
+    }
+    /// This rank's index in the world.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    /// This rank's coordinate on each axis (layout order).
+    pub fn coords(&self) -> &[usize] {
+        &self.coords
+    }
+    pub fn world(&self) -> &Arc<dyn Communicator> {
+        &self.world
+    }
+    /// The communicator of the axis at layout index `axis`.
+    pub fn axis_comm(&self, axis: usize) -> &Arc<dyn Communicator> {
+        &self.axes[axis]
+    }
+    /// The communicator of the axis of kind `kind`, if the mesh has it.
+    pub fn comm(&self, kind: AxisKind) -> Option<&Arc<dyn Communicator>> {
+        self.mesh.index_of(kind).map(|i| &self.axes[i])
+    }
+    /// Per-axis counters, in layout order.
+    pub fn counters(&self) -> Vec<(AxisKind, CounterSnapshot)> {
+        self.mesh
+            .axes()
+            .iter()
+            .zip(&self.axes)
+            .map(|(&(k, _), c)| (k, c.counters()))
+            .collect()
+    }
+    /// A receipt of what crossed each axis so far, one line per axis.
+    pub fn receipt(&self) -> String {
+        let mut s = String::new();
+        for (k, c) in self.counters() {
+            s.push_str(&format!("{}: {}\n", k.name(), c));
+        }
+        s
+    }
+}
+
+impl fmt::Debug for DeviceMesh {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "DeviceMesh {{ mesh: {}, rank: {}, coords: {:?}, backend: {} }}",
+            self.mesh,
+            self.rank,
+            self.coords.as_slice(),
+            self.world.backend()
+        )
+    }
+}

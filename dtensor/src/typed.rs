@@ -1,0 +1,450 @@
+//! `DTensor<L>`: a distributed tensor whose layout `L` (one placement per mesh axis) is part
+//! of its type. Every placement change is a named, consuming method whose bounds say which
+//! placement it takes; the result's type says which placement it gives.
+//!
+//! | method (one axis `X`) | from → to | collective | backward (adjoint) |
+//! |---|---|---|---|
+//! | [`to_replicate`](DTensor::to_replicate) (Megatron `f`) | `Invariant` → `Replicate` | none | all-reduce `Partial` → `Invariant` |
+//! | [`all_reduce`](DTensor::all_reduce) (Megatron `g`) | `Partial` → `Invariant` | all-reduce | none (`Invariant` → `Replicate`) |
+//! | [`all_gather`](DTensor::all_gather) | `Shard<D>` → `Replicate` | all-gather | reduce-scatter `Partial` → `Shard<D>` |
+//! | [`all_gather_invariant`](DTensor::all_gather_invariant) | `Shard<D>` → `Invariant` | all-gather | local chunk |
+//! | [`reduce_scatter`](DTensor::reduce_scatter) | `Partial` → `Shard<D>` | reduce-scatter | all-gather |
+//! | [`all_to_all`](DTensor::all_to_all) | `Shard<A>` → `Shard<B>` | all-to-all | all-to-all back |
+//! | [`chunk`](DTensor::chunk) | `Invariant` → `Shard<D>` | none (local slice) | all-gather `Shard<D>` → `Invariant` |
+//! | [`chunk`](DTensor::chunk) | `Replicate` → `Shard<D>` | none (local slice) | none: `Shard<D>` → `Partial` by zero-padding |
+//! | [`pad_to_partial`](DTensor::pad_to_partial) | `Shard<D>` → `Partial` | none (zero padding) | local chunk |
+//! | [`replicate_to_partial`](DTensor::replicate_to_partial) | `Replicate` → `Partial` | none (rank 0 keeps, others zero: exact) | the same conversion |
+//! | [`to_invariant`](DTensor::to_invariant) | `Replicate` → `Invariant` | none | `Invariant` → `Partial` (rank 0 keeps) |
+//! | [`invariant_to_partial`](DTensor::invariant_to_partial) | `Invariant` → `Partial` | none (rank 0 keeps) | `Replicate` → `Invariant` |
+//!
+//! Each method has a `_vjp` twin returning the result and its [`Adjoint`], whose
+//! `backward` only accepts a gradient laid out as the dual of the result and returns one
+//! laid out as the dual of the input. Multi-axis moves are a [`TypedPlan`]: printable and
+//! assertable before it runs.
+
+use crate::any::AnyDTensor;
+use crate::device_mesh::DeviceMesh;
+use crate::error::{Error, Result};
+use crate::plan::{Plan, StepKind};
+use dtensor_kernels::Tensor;
+use dtensor_placement::{
+    AddLayout, Invariant, IsInvariant, IsPartial, IsReplicate, IsShard, IsWhole, Layout,
+    LinearLayout, MeshAxis, Partial, Placement, PointwiseLayout, RedistributeLayout, Replicate,
+    Select, Shard, Sum,
+};
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+/// A distributed tensor laid out as `L` (see [`dtensor_placement::layout!`]).
+///
+/// Invariant: the inner tensor's placements and mesh axes are exactly `L`'s.
+pub struct DTensor<L: Layout> {
+    inner: AnyDTensor,
+    _layout: PhantomData<L>,
+}
+
+impl<L: Layout> Clone for DTensor<L> {
+    fn clone(&self) -> Self {
+        DTensor {
+            inner: self.inner.clone(),
+            _layout: PhantomData,
+        }
+    }
+}
+
+impl<L: Layout> fmt::Debug for DTensor<L> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.inner.fmt(f)
+    }
+}
+
+/// Both layouts are the same type. Used where a gradient must be laid out exactly as the
+/// dual of a forward value.
+#[diagnostic::on_unimplemented(
+    message = "gradient laid out as `{Self}`, but this backward needs `{L}`",
+    label = "wrong gradient layout",
+    note = "a gradient's placement is the dual of its value's: Replicate <-> Partial, Shard and Invariant stay"
+)]
+pub trait SameLayout<L> {}
+impl<L> SameLayout<L> for L {}
+
+fn check_layout<L: Layout>(op: &'static str, t: &AnyDTensor) -> Result<()> {
+    let want = L::entries();
+    let axes = t.device_mesh().mesh().axis_kinds();
+    let got_axes_ok = want.len() == axes.len() && want.iter().zip(&axes).all(|((a, _), b)| a == b);
+    if !got_axes_ok
+        || want
+            .iter()
+            .map(|&(_, p)| p)
+            .ne(t.placements().iter().copied())
+    {
+        let fmt_entries = |e: Vec<String>| format!("[{}]", e.join(", "));
+        return Err(Error::LayoutMismatch {
+            op,
+            expected: fmt_entries(want.iter().map(|(a, p)| format!("{a}: {p}")).collect()),
+            got: fmt_entries(
+                axes.iter()
+                    .zip(t.placements())
+                    .map(|(a, p)| format!("{a}: {p}"))
+                    .collect(),
+            ),
+        });
+    }
+    Ok(())
+}
+
+impl<L: Layout> DTensor<L> {
+    /// Collective over the world: rank `src` holds the full tensor (`Some`), every rank gets
+    /// its piece under `L`. A `Partial<Sum>` axis puts the value on coordinate 0 and zeros
+    /// elsewhere; other partial reductions put it on every coordinate.
+    pub fn distribute(full: Option<&Tensor>, src: usize, mesh: &Arc<DeviceMesh>) -> Result<Self> {
+        check_mesh_axes::<L>("DTensor::distribute", mesh)?;
+        let t = AnyDTensor::distribute(full, src, &L::placements(), mesh)?;
+        Ok(Self::wrap(t))
+    }
+
+    /// Wraps this rank's piece; `Err` unless its shape is the one `L` gives this rank.
+    pub fn from_local(
+        local: Tensor,
+        global_shape: &[usize],
+        mesh: &Arc<DeviceMesh>,
+    ) -> Result<Self> {
+        check_mesh_axes::<L>("DTensor::from_local", mesh)?;
+        Ok(Self::wrap(AnyDTensor::from_local(
+            local,
+            global_shape,
+            &L::placements(),
+            mesh,
+        )?))
+    }
+
+    /// Checks a run-time-placed tensor against `L`.
+    pub fn try_from_any(t: AnyDTensor) -> Result<Self> {
+        check_layout::<L>("DTensor::try_from_any", &t)?;
+        Ok(Self::wrap(t))
+    }
+
+    fn wrap(inner: AnyDTensor) -> Self {
+        DTensor {
+            inner,
+            _layout: PhantomData,
+        }
+    }
+
+    /// The run-time twin (forgets the layout type).
+    pub fn into_any(self) -> AnyDTensor {
+        self.inner
+    }
+    pub fn as_any(&self) -> &AnyDTensor {
+        &self.inner
+    }
+    pub fn as_local(&self) -> &Tensor {
+        self.inner.as_local()
+    }
+    pub fn into_local(self) -> Tensor {
+        self.inner.into_local()
+    }
+    pub fn global_shape(&self) -> &[usize] {
+        self.inner.global_shape()
+    }
+    pub fn local_shape(&self) -> &[usize] {
+        self.inner.local_shape()
+    }
+    pub fn placements(&self) -> &[Placement] {
+        self.inner.placements()
+    }
+    pub fn device_mesh(&self) -> &Arc<DeviceMesh> {
+        self.inner.device_mesh()
+    }
+    /// Collective: the whole global tensor on every rank.
+    pub fn full_tensor(&self) -> Result<Tensor> {
+        self.inner.full_tensor()
+    }
+
+    fn step<X: MeshAxis, Out: Layout>(
+        self,
+        op: &'static str,
+        kind: StepKind,
+    ) -> Result<DTensor<Out>> {
+        Ok(self.step_vjp::<X, Out>(op, kind)?.0)
+    }
+
+    fn step_vjp<X: MeshAxis, Out: Layout>(
+        self,
+        op: &'static str,
+        kind: StepKind,
+    ) -> Result<(DTensor<Out>, Adjoint<Out, L>)> {
+        let axis = self.device_mesh().mesh().index_of(X::KIND).ok_or_else(|| {
+            dtensor_placement::Error::AxisNotInMesh {
+                op,
+                axis: X::KIND,
+                mesh: self.device_mesh().mesh().to_string(),
+            }
+        })?;
+        let from = self.placements().to_vec();
+        let global: Vec<usize> = self.global_shape().to_vec();
+        let out = self.inner.apply(axis, kind)?;
+        let plan = Plan {
+            from: from.as_slice().into(),
+            to: out.placements().into(),
+            global_shape: global.as_slice().into(),
+            steps: vec![crate::plan::Step {
+                axis,
+                axis_kind: X::KIND,
+                from: from[axis],
+                to: out.placements()[axis],
+                kind,
+                bytes_received: 0,
+            }],
+        };
+        debug_assert!(check_layout::<Out>(op, &out).is_ok());
+        Ok((DTensor::wrap(out), Adjoint::new(plan)))
+    }
+}
+
+fn check_mesh_axes<L: Layout>(op: &'static str, mesh: &DeviceMesh) -> Result<()> {
+    let want = L::axes();
+    let got = mesh.mesh().axis_kinds();
+    if want != got {
+        return Err(Error::LayoutMismatch {
+            op,
+            expected: format!("a mesh with axes {:?}", want.as_slice()),
+            got: format!("the mesh {}", mesh.mesh()),
+        });
+    }
+    Ok(())
+}
+
+/// Generates a named transition and its `_vjp` twin.
+macro_rules! transition {
+    (
+        $(#[$doc:meta])*
+        fn $name:ident / $vjp:ident $(<const $D:ident: usize>)? ($axis:ident)
+        where P: $bound:path => $to:ty, $kind:expr
+    ) => {
+        $(#[$doc])*
+        pub fn $name<X: MeshAxis, I $(, const $D: usize)?>(
+            self,
+            $axis: X,
+        ) -> Result<DTensor<<L as Select<X, I>>::With<$to>>>
+        where
+            L: Select<X, I>,
+            <L as Select<X, I>>::P: $bound,
+        {
+            let _ = $axis;
+            self.step::<X, _>(stringify!($name), $kind)
+        }
+
+        #[doc = concat!("[`", stringify!($name), "`](Self::", stringify!($name), ") and its adjoint.")]
+        #[allow(clippy::type_complexity)]
+        pub fn $vjp<X: MeshAxis, I $(, const $D: usize)?>(
+            self,
+            $axis: X,
+        ) -> Result<(
+            DTensor<<L as Select<X, I>>::With<$to>>,
+            Adjoint<<L as Select<X, I>>::With<$to>, L>,
+        )>
+        where
+            L: Select<X, I>,
+            <L as Select<X, I>>::P: $bound,
+        {
+            let _ = $axis;
+            self.step_vjp::<X, _>(stringify!($name), $kind)
+        }
+    };
+}
+
+impl<L: Layout> DTensor<L> {
+    transition! {
+        /// `Shard<D>` → `Replicate` on axis `X`: all-gather. Backward: reduce-scatter.
+        fn all_gather / all_gather_vjp (axis) where P: IsShard => Replicate,
+        StepKind::AllGather { dim: <<L as Select<X, I>>::P as IsShard>::DIM }
+    }
+    transition! {
+        /// `Shard<D>` → `Invariant` on axis `X`: all-gather. Backward: local chunk.
+        fn all_gather_invariant / all_gather_invariant_vjp (axis) where P: IsShard => Invariant,
+        StepKind::AllGatherInvariant { dim: <<L as Select<X, I>>::P as IsShard>::DIM }
+    }
+    transition! {
+        /// `Partial` → `Shard<D>` on axis `X`: reduce-scatter along dim `D`. Backward: all-gather.
+        fn reduce_scatter / reduce_scatter_vjp <const D: usize> (axis) where P: IsPartial => Shard<D>,
+        StepKind::ReduceScatter { dim: D }
+    }
+    transition! {
+        /// `Partial` → `Invariant` on axis `X`: all-reduce (Megatron's `g`). Backward: none
+        /// (`Invariant` → `Replicate`).
+        fn all_reduce / all_reduce_vjp (axis) where P: IsPartial => Invariant,
+        StepKind::AllReduce
+    }
+    transition! {
+        /// `Shard<A>` → `Shard<B>` on axis `X`: all-to-all. Backward: all-to-all back.
+        fn all_to_all / all_to_all_vjp <const B: usize> (axis) where P: IsShard => Shard<B>,
+        StepKind::AllToAll { from: <<L as Select<X, I>>::P as IsShard>::DIM, to: B }
+    }
+    transition! {
+        /// `Replicate` or `Invariant` → `Shard<D>` on axis `X`: local slice, no collective.
+        /// Backward: from `Invariant`, all-gather; from `Replicate`, zero padding to `Partial`.
+        fn chunk / chunk_vjp <const D: usize> (axis) where P: IsWhole => Shard<D>,
+        StepKind::Chunk { dim: D }
+    }
+    transition! {
+        /// `Shard<D>` → `Partial<Sum>` on axis `X`: zero padding, no collective. Backward: chunk.
+        fn pad_to_partial / pad_to_partial_vjp (axis) where P: IsShard => Partial<Sum>,
+        StepKind::PadToPartial { dim: <<L as Select<X, I>>::P as IsShard>::DIM }
+    }
+    transition! {
+        /// `Invariant` → `Replicate` on axis `X` (Megatron's `f`): no collective. Backward:
+        /// all-reduce of the `Partial` gradient.
+        fn to_replicate / to_replicate_vjp (axis) where P: IsInvariant => Replicate,
+        StepKind::ToReplicate
+    }
+    transition! {
+        /// `Replicate` → `Invariant` on axis `X`: no collective. Backward: `Invariant` →
+        /// `Partial` (coordinate 0 keeps the gradient, the others zero).
+        fn to_invariant / to_invariant_vjp (axis) where P: IsReplicate => Invariant,
+        StepKind::ToInvariant
+    }
+    transition! {
+        /// `Replicate` → `Partial<Sum>` on axis `X`: coordinate 0 keeps the value, the others
+        /// hold zeros (exact for every dtype). Backward: the same conversion.
+        fn replicate_to_partial / replicate_to_partial_vjp (axis) where P: IsReplicate => Partial<Sum>,
+        StepKind::ToPartial { op: dtensor_placement::PartialOp::Sum }
+    }
+    transition! {
+        /// `Invariant` → `Partial<Sum>` on axis `X`: coordinate 0 keeps the value. Backward:
+        /// `Replicate` → `Invariant`.
+        fn invariant_to_partial / invariant_to_partial_vjp (axis) where P: IsInvariant => Partial<Sum>,
+        StepKind::ToPartial { op: dtensor_placement::PartialOp::Sum }
+    }
+
+    /// The plan taking this tensor to layout `M` (any number of axes), without running it.
+    pub fn plan<M: Layout>(&self) -> Result<TypedPlan<L, M>>
+    where
+        L: RedistributeLayout<M>,
+    {
+        Ok(TypedPlan {
+            plan: self.inner.plan(&M::placements())?,
+            _layouts: PhantomData,
+        })
+    }
+
+    /// Collective: plans and runs the redistribution to `M`.
+    pub fn redistribute<M: Layout>(self) -> Result<DTensor<M>>
+    where
+        L: RedistributeLayout<M>,
+    {
+        let plan = self.plan::<M>()?;
+        plan.run(self)
+    }
+
+    /// [`redistribute`](Self::redistribute) and its adjoint.
+    pub fn redistribute_vjp<M: Layout>(self) -> Result<(DTensor<M>, Adjoint<M, L>)>
+    where
+        L: RedistributeLayout<M>,
+    {
+        let plan = self.plan::<M>()?;
+        let out = plan.run(self)?;
+        Ok((out, Adjoint::new(plan.plan)))
+    }
+
+    // ---- elementwise ops with placement rules ----
+
+    /// Elementwise sum. The layouts must match axis by axis (`Partial` adds only to a
+    /// `Partial` of the same linear reduction), else it does not compile.
+    pub fn add<M>(&self, other: &DTensor<M>) -> Result<DTensor<L>>
+    where
+        M: Layout + AddLayout<L>,
+    {
+        Ok(DTensor::wrap(self.inner.add(&other.inner)?))
+    }
+
+    /// Every element times `factor` (linear: allowed on sum/avg `Partial` axes).
+    pub fn scale(&self, factor: f64) -> Result<DTensor<L>>
+    where
+        L: LinearLayout,
+    {
+        Ok(DTensor::wrap(self.inner.scale(factor)?))
+    }
+
+    /// A non-linear elementwise function; no axis may be `Partial`.
+    pub fn map(&self, f: impl Fn(f64) -> f64) -> Result<DTensor<L>>
+    where
+        L: PointwiseLayout,
+    {
+        Ok(DTensor::wrap(self.inner.map(f)?))
+    }
+
+    /// GELU (tanh approximation); no axis may be `Partial`.
+    pub fn gelu(&self) -> Result<DTensor<L>>
+    where
+        L: PointwiseLayout,
+    {
+        self.map(|x| {
+            let c = (2.0 / std::f64::consts::PI).sqrt();
+            0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+        })
+    }
+
+    /// Elementwise product of two tensors of the same layout; no axis may be `Partial`.
+    pub fn mul(&self, other: &DTensor<L>) -> Result<DTensor<L>>
+    where
+        L: PointwiseLayout,
+    {
+        Ok(DTensor::wrap(self.inner.mul(&other.inner)?))
+    }
+}
+
+/// A redistribution plan from layout `L` to `M`, made for one tensor on one rank.
+pub struct TypedPlan<L: Layout, M: Layout> {
+    plan: Plan,
+    _layouts: PhantomData<(L, M)>,
+}
+
+impl<L: Layout, M: Layout> TypedPlan<L, M> {
+    /// The run-time plan: steps, collectives, bytes.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+    /// Runs the plan on `x` (which must have the global shape it was made for).
+    pub fn run(&self, x: DTensor<L>) -> Result<DTensor<M>> {
+        Ok(DTensor::wrap(x.inner.run_plan(&self.plan)?))
+    }
+}
+
+impl<L: Layout, M: Layout> fmt::Display for TypedPlan<L, M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.plan.fmt(f)
+    }
+}
+
+/// The backward of a forward move from layout `In` to `Out`: it takes the gradient of the
+/// output (laid out as `Out::Grad`) and returns the gradient of the input (`In::Grad`).
+pub struct Adjoint<Out: Layout, In: Layout> {
+    plan: Plan,
+    _layouts: PhantomData<(Out, In)>,
+}
+
+impl<Out: Layout, In: Layout> Adjoint<Out, In> {
+    fn new(plan: Plan) -> Self {
+        Adjoint {
+            plan,
+            _layouts: PhantomData,
+        }
+    }
+
+    /// The forward plan this adjoint reverses.
+    pub fn forward_plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Collective: the gradient of the input from the gradient of the output.
+    pub fn backward<G>(&self, grad: DTensor<G>) -> Result<DTensor<In::Grad>>
+    where
+        G: Layout + SameLayout<Out::Grad>,
+    {
+        let g = grad.inner.run_adjoint(&self.plan)?;
+        debug_assert!(check_layout::<In::Grad>("Adjoint::backward", &g).is_ok());
+        Ok(DTensor::wrap(g))
+    }
+}

@@ -1,0 +1,294 @@
+//! Element types a tensor or a collective buffer can hold, and the dtype-erased views
+//! that let a `dyn Communicator` move any of them.
+
+use half::{bf16, f16};
+use std::fmt;
+
+/// The element type of a tensor or buffer, known at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F64,
+    BF16,
+    F16,
+    I32,
+    I64,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::F64 | DType::I64 => 8,
+            DType::BF16 | DType::F16 => 2,
+        }
+    }
+
+    /// True for the floating-point types (the ones a gradient can have).
+    pub fn is_float(self) -> bool {
+        !matches!(self, DType::I32 | DType::I64)
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+        })
+    }
+}
+
+/// How a pending partial value is combined across ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    /// Sum, then divide by the number of contributions.
+    Avg,
+    Max,
+    Min,
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Avg => "avg",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+        })
+    }
+}
+
+/// A scalar a tensor can hold. Arithmetic goes through these methods so that `bf16` and
+/// `f16` round exactly once per operation, the same way on every rank.
+pub trait Element:
+    Copy + Default + PartialEq + PartialOrd + Send + Sync + fmt::Debug + 'static
+{
+    const DTYPE: DType;
+    fn zero() -> Self;
+    fn one() -> Self;
+    fn add(self, other: Self) -> Self;
+    fn mul(self, other: Self) -> Self;
+    /// `self / n`, used by `ReduceOp::Avg`.
+    fn div_count(self, n: usize) -> Self;
+    fn from_f64(v: f64) -> Self;
+    fn to_f64(self) -> f64;
+    fn max_of(self, other: Self) -> Self {
+        if other > self {
+            other
+        } else {
+            self
+        }
+    }
+    fn min_of(self, other: Self) -> Self {
+        if other < self {
+            other
+        } else {
+            self
+        }
+    }
+    fn slice(s: &[Self]) -> Slice<'_>;
+    fn slice_mut(s: &mut [Self]) -> SliceMut<'_>;
+}
+
+macro_rules! native_element {
+    ($t:ty, $variant:ident, $zero:expr, $one:expr) => {
+        impl Element for $t {
+            const DTYPE: DType = DType::$variant;
+            #[inline(always)]
+            fn zero() -> Self {
+                $zero
+            }
+            #[inline(always)]
+            fn one() -> Self {
+                $one
+            }
+            #[inline(always)]
+            fn add(self, other: Self) -> Self {
+                self + other
+            }
+            #[inline(always)]
+            fn mul(self, other: Self) -> Self {
+                self * other
+            }
+            #[inline(always)]
+            fn div_count(self, n: usize) -> Self {
+                self / (n as $t)
+            }
+            #[inline(always)]
+            fn from_f64(v: f64) -> Self {
+                v as $t
+            }
+            #[inline(always)]
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+            fn slice(s: &[Self]) -> Slice<'_> {
+                Slice::$variant(s)
+            }
+            fn slice_mut(s: &mut [Self]) -> SliceMut<'_> {
+                SliceMut::$variant(s)
+            }
+        }
+    };
+}
+
+native_element!(f32, F32, 0.0, 1.0);
+native_element!(f64, F64, 0.0, 1.0);
+native_element!(i32, I32, 0, 1);
+native_element!(i64, I64, 0, 1);
+
+macro_rules! half_element {
+    ($t:ty, $variant:ident) => {
+        impl Element for $t {
+            const DTYPE: DType = DType::$variant;
+            #[inline(always)]
+            fn zero() -> Self {
+                <$t>::ZERO
+            }
+            #[inline(always)]
+            fn one() -> Self {
+                <$t>::ONE
+            }
+            #[inline(always)]
+            fn add(self, other: Self) -> Self {
+                <$t>::from_f32(self.to_f32() + other.to_f32())
+            }
+            #[inline(always)]
+            fn mul(self, other: Self) -> Self {
+                <$t>::from_f32(self.to_f32() * other.to_f32())
+            }
+            #[inline(always)]
+            fn div_count(self, n: usize) -> Self {
+                <$t>::from_f32(self.to_f32() / n as f32)
+            }
+            #[inline(always)]
+            fn from_f64(v: f64) -> Self {
+                <$t>::from_f64(v)
+            }
+            #[inline(always)]
+            fn to_f64(self) -> f64 {
+                <$t>::to_f64(self)
+            }
+            fn slice(s: &[Self]) -> Slice<'_> {
+                Slice::$variant(s)
+            }
+            fn slice_mut(s: &mut [Self]) -> SliceMut<'_> {
+                SliceMut::$variant(s)
+            }
+        }
+    };
+}
+
+half_element!(bf16, BF16);
+half_element!(f16, F16);
+
+/// A borrowed buffer of any element type.
+#[derive(Clone, Copy, Debug)]
+pub enum Slice<'a> {
+    F32(&'a [f32]),
+    F64(&'a [f64]),
+    BF16(&'a [bf16]),
+    F16(&'a [f16]),
+    I32(&'a [i32]),
+    I64(&'a [i64]),
+}
+
+/// A mutably borrowed buffer of any element type.
+#[derive(Debug)]
+pub enum SliceMut<'a> {
+    F32(&'a mut [f32]),
+    F64(&'a mut [f64]),
+    BF16(&'a mut [bf16]),
+    F16(&'a mut [f16]),
+    I32(&'a mut [i32]),
+    I64(&'a mut [i64]),
+}
+
+/// Runs `$body` with `$s` bound to the typed slice inside a [`Slice`] or [`SliceMut`],
+/// and `$T` to its element type.
+#[macro_export]
+macro_rules! with_slice {
+    ($enum:ident, $value:expr, |$s:ident : $T:ident| $body:expr) => {
+        match $value {
+            $crate::$enum::F32($s) => {
+                #[allow(dead_code)]
+                type $T = f32;
+                $body
+            }
+            $crate::$enum::F64($s) => {
+                #[allow(dead_code)]
+                type $T = f64;
+                $body
+            }
+            $crate::$enum::BF16($s) => {
+                #[allow(dead_code)]
+                type $T = $crate::half::bf16;
+                $body
+            }
+            $crate::$enum::F16($s) => {
+                #[allow(dead_code)]
+                type $T = $crate::half::f16;
+                $body
+            }
+            $crate::$enum::I32($s) => {
+                #[allow(dead_code)]
+                type $T = i32;
+                $body
+            }
+            $crate::$enum::I64($s) => {
+                #[allow(dead_code)]
+                type $T = i64;
+                $body
+            }
+        }
+    };
+}
+
+impl<'a> Slice<'a> {
+    pub fn dtype(&self) -> DType {
+        with_slice!(Slice, self, |_s: T| <T as Element>::DTYPE)
+    }
+    pub fn len(&self) -> usize {
+        with_slice!(Slice, self, |s: T| s.len())
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Start address and length in bytes, for backends that move raw memory.
+    pub fn as_bytes_ptr(&self) -> (*const u8, usize) {
+        with_slice!(Slice, self, |s: T| (
+            s.as_ptr() as *const u8,
+            std::mem::size_of_val(*s)
+        ))
+    }
+}
+
+impl<'a> SliceMut<'a> {
+    pub fn dtype(&self) -> DType {
+        with_slice!(SliceMut, self, |_s: T| <T as Element>::DTYPE)
+    }
+    pub fn len(&self) -> usize {
+        with_slice!(SliceMut, self, |s: T| s.len())
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Start address and length in bytes, for backends that move raw memory.
+    pub fn as_bytes_mut_ptr(&mut self) -> (*mut u8, usize) {
+        with_slice!(SliceMut, self, |s: T| (
+            s.as_mut_ptr() as *mut u8,
+            std::mem::size_of_val(*s)
+        ))
+    }
+    /// A shared view of the same buffer.
+    pub fn as_slice(&self) -> Slice<'_> {
+        with_slice!(SliceMut, self, |s: T| <T as Element>::slice(s))
+    }
+}

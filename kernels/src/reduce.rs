@@ -1,0 +1,146 @@
+//! Reductions across buffers in one fixed order, so every rank that computes the same
+//! reduction gets the same bits.
+
+use crate::dtype::{Element, ReduceOp};
+
+/// Elements combined per block: small enough that the running accumulator stays in L1
+/// while each source streams through once.
+const BLOCK: usize = 2048;
+
+/// `dst[i] = srcs[0][i] ⊕ srcs[1][i] ⊕ … ⊕ srcs[n-1][i]`, combined left to right (then
+/// divided by `n` for `Avg`). `dst` may not alias any source; use
+/// [`reduce_sources_with`] with a source position for the in-place case.
+///
+/// # Panics
+/// If a source's length differs from `dst`'s (an internal invariant: callers validate sizes).
+pub fn reduce_into<T: Element>(dst: &mut [T], srcs: &[&[T]], op: ReduceOp) {
+    let n = dst.len();
+    assert!(
+        srcs.iter().all(|s| s.len() == n),
+        "reduce_into: source lengths differ"
+    );
+    if srcs.is_empty() {
+        return;
+    }
+    let mut start = 0;
+    while start < n {
+        let end = (start + BLOCK).min(n);
+        let acc = &mut dst[start..end];
+        acc.copy_from_slice(&srcs[0][start..end]);
+        for s in &srcs[1..] {
+            combine(acc, &s[start..end], op);
+        }
+        if op == ReduceOp::Avg {
+            for a in acc.iter_mut() {
+                *a = a.div_count(srcs.len());
+            }
+        }
+        start = end;
+    }
+}
+
+/// The reduction of `count` sources fetched by `source(k, range)`, in order `k = 0..count`,
+/// written to `dst`. The sources are read block by block through an L1-sized scratch, so
+/// `dst` may be one of them (in-place all-reduce): each block is fully read before written.
+///
+/// # Safety
+/// Every slice returned by `source` must be valid for reads of `range.len()` elements and
+/// must not be written by anyone during the call, except the one that aliases `dst`, which
+/// only this function writes, and only after the block has been read.
+pub unsafe fn reduce_sources_with<T: Element>(
+    dst: *mut T,
+    len: usize,
+    count: usize,
+    op: ReduceOp,
+    source: impl Fn(usize) -> *const T,
+) {
+    let mut scratch = [T::zero(); BLOCK];
+    let mut start = 0;
+    while start < len {
+        let end = (start + BLOCK).min(len);
+        let acc = &mut scratch[..end - start];
+        // SAFETY: the caller guarantees each source is readable for `len` elements.
+        unsafe {
+            acc.copy_from_slice(std::slice::from_raw_parts(
+                source(0).add(start),
+                end - start,
+            ));
+            for k in 1..count {
+                let s = std::slice::from_raw_parts(source(k).add(start), end - start);
+                combine(acc, s, op);
+            }
+        }
+        if op == ReduceOp::Avg {
+            for a in acc.iter_mut() {
+                *a = a.div_count(count);
+            }
+        }
+        // SAFETY: `dst` is valid for `len` writes and nobody else touches it (caller).
+        unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), dst.add(start), end - start) };
+        start = end;
+    }
+}
+
+/// `acc[i] = acc[i] ⊕ src[i]` (Avg accumulates as Sum; the caller divides once at the end).
+#[inline]
+pub fn combine<T: Element>(acc: &mut [T], src: &[T], op: ReduceOp) {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => {
+            for (a, &s) in acc.iter_mut().zip(src) {
+                *a = a.add(s);
+            }
+        }
+        ReduceOp::Max => {
+            for (a, &s) in acc.iter_mut().zip(src) {
+                *a = a.max_of(s);
+            }
+        }
+        ReduceOp::Min => {
+            for (a, &s) in acc.iter_mut().zip(src) {
+                *a = a.min_of(s);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reduce_into_sum_is_left_to_right() {
+        let a = [1.0e16f64, 1.0];
+        let b = [1.0, 2.0];
+        let c = [-1.0e16, 3.0];
+        let mut d = [0.0; 2];
+        reduce_into(&mut d, &[&a, &b, &c], ReduceOp::Sum);
+        // ((1e16 + 1) - 1e16) loses the 1 in f64: proves the order is fixed left to right.
+        assert_eq!(d, [(1.0e16 + 1.0) - 1.0e16, 6.0]);
+    }
+
+    #[test]
+    fn reduce_into_avg_max_min() {
+        let a = [1.0f32, 5.0];
+        let b = [3.0f32, -1.0];
+        let mut d = [0.0; 2];
+        reduce_into(&mut d, &[&a, &b], ReduceOp::Avg);
+        assert_eq!(d, [2.0, 2.0]);
+        reduce_into(&mut d, &[&a, &b], ReduceOp::Max);
+        assert_eq!(d, [3.0, 5.0]);
+        reduce_into(&mut d, &[&a, &b], ReduceOp::Min);
+        assert_eq!(d, [1.0, -1.0]);
+    }
+
+    #[test]
+    fn reduce_sources_in_place_matches_out_of_place() {
+        let n = 5000;
+        let a: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
+        let mut b: Vec<f32> = (0..n).map(|i| 1.0 / (1.0 + i as f32)).collect();
+        let mut expect = vec![0.0; n];
+        reduce_into(&mut expect, &[&a, &b], ReduceOp::Sum);
+        let srcs = [a.as_ptr(), b.as_ptr()];
+        let dst = b.as_mut_ptr();
+        unsafe { reduce_sources_with(dst, n, 2, ReduceOp::Sum, |k| srcs[k]) };
+        assert_eq!(b, expect);
+    }
+}

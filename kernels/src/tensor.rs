@@ -1,0 +1,662 @@
+//! The local dense tensor a rank holds: a shape, a dtype and contiguous row-major storage.
+
+use crate::dtype::{DType, Element, Slice, SliceMut};
+use crate::error::{Error, Result};
+use crate::{with_slice, Shape};
+use half::{bf16, f16};
+use smallvec::SmallVec;
+
+/// Contiguous row-major elements of one dtype, in host memory.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CpuStorage {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
+    I32(Vec<i32>),
+    I64(Vec<i64>),
+}
+
+/// Where a tensor's elements live. Only `Cpu` exists today; a `Cuda` variant (device
+/// buffers through cudarc) joins it with the `cuda` feature.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Storage {
+    Cpu(CpuStorage),
+}
+
+/// Maps an element type to its `CpuStorage` variant and back.
+pub trait StorageElement: Element {
+    fn wrap(v: Vec<Self>) -> CpuStorage;
+    fn view(s: &CpuStorage) -> Option<&[Self]>;
+    fn view_mut(s: &mut CpuStorage) -> Option<&mut Vec<Self>>;
+}
+
+macro_rules! storage_element {
+    ($t:ty, $v:ident) => {
+        impl StorageElement for $t {
+            fn wrap(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$v(v)
+            }
+            fn view(s: &CpuStorage) -> Option<&[Self]> {
+                match s {
+                    CpuStorage::$v(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn view_mut(s: &mut CpuStorage) -> Option<&mut Vec<Self>> {
+                match s {
+                    CpuStorage::$v(v) => Some(v),
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+storage_element!(f32, F32);
+storage_element!(f64, F64);
+storage_element!(bf16, BF16);
+storage_element!(f16, F16);
+storage_element!(i32, I32);
+storage_element!(i64, I64);
+
+impl CpuStorage {
+    fn zeros(dtype: DType, n: usize) -> Self {
+        match dtype {
+            DType::F32 => CpuStorage::F32(vec![0.0; n]),
+            DType::F64 => CpuStorage::F64(vec![0.0; n]),
+            DType::BF16 => CpuStorage::BF16(vec![bf16::ZERO; n]),
+            DType::F16 => CpuStorage::F16(vec![f16::ZERO; n]),
+            DType::I32 => CpuStorage::I32(vec![0; n]),
+            DType::I64 => CpuStorage::I64(vec![0; n]),
+        }
+    }
+    fn slice(&self) -> Slice<'_> {
+        match self {
+            CpuStorage::F32(v) => Slice::F32(v),
+            CpuStorage::F64(v) => Slice::F64(v),
+            CpuStorage::BF16(v) => Slice::BF16(v),
+            CpuStorage::F16(v) => Slice::F16(v),
+            CpuStorage::I32(v) => Slice::I32(v),
+            CpuStorage::I64(v) => Slice::I64(v),
+        }
+    }
+    fn slice_mut(&mut self) -> SliceMut<'_> {
+        match self {
+            CpuStorage::F32(v) => SliceMut::F32(v),
+            CpuStorage::F64(v) => SliceMut::F64(v),
+            CpuStorage::BF16(v) => SliceMut::BF16(v),
+            CpuStorage::F16(v) => SliceMut::F16(v),
+            CpuStorage::I32(v) => SliceMut::I32(v),
+            CpuStorage::I64(v) => SliceMut::I64(v),
+        }
+    }
+}
+
+/// A dense tensor on one rank.
+///
+/// Invariant: `numel(shape) == storage length`; elements are contiguous, row-major.
+/// A tensor of rank 0 (shape `[]`) holds one element.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    shape: Shape,
+    storage: Storage,
+}
+
+/// Product of the extents (1 for a scalar).
+pub fn numel(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+impl Tensor {
+    /// A tensor of `shape` filled with zeros.
+    pub fn zeros(shape: &[usize], dtype: DType) -> Self {
+        Tensor {
+            shape: shape.into(),
+            storage: Storage::Cpu(CpuStorage::zeros(dtype, numel(shape))),
+        }
+    }
+
+    /// Wraps `data` (row-major) as a tensor of `shape`.
+    pub fn from_vec<T: StorageElement>(data: Vec<T>, shape: &[usize]) -> Result<Self> {
+        if data.len() != numel(shape) {
+            return Err(Error::LengthMismatch {
+                op: "Tensor::from_vec",
+                len: data.len(),
+                expected: numel(shape),
+                shape: shape.into(),
+            });
+        }
+        Ok(Tensor {
+            shape: shape.into(),
+            storage: Storage::Cpu(T::wrap(data)),
+        })
+    }
+
+    /// A tensor whose element at flat index `i` is `f(i)` (handy for tests and examples).
+    pub fn from_fn<T: StorageElement>(shape: &[usize], f: impl FnMut(usize) -> T) -> Self {
+        let data: Vec<T> = (0..numel(shape)).map(f).collect();
+        Tensor {
+            shape: shape.into(),
+            storage: Storage::Cpu(T::wrap(data)),
+        }
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+    pub fn numel(&self) -> usize {
+        numel(&self.shape)
+    }
+    pub fn dtype(&self) -> DType {
+        self.as_dyn_slice().dtype()
+    }
+    pub fn size_in_bytes(&self) -> usize {
+        self.numel() * self.dtype().size_in_bytes()
+    }
+    pub fn storage(&self) -> &Storage {
+        &self.storage
+    }
+
+    /// The elements as `&[T]`; `Err` if the dtype is not `T`.
+    pub fn as_slice<T: StorageElement>(&self) -> Result<&[T]> {
+        let Storage::Cpu(s) = &self.storage;
+        T::view(s).ok_or(Error::DTypeMismatch {
+            op: "Tensor::as_slice",
+            lhs: self.dtype(),
+            rhs: T::DTYPE,
+        })
+    }
+
+    /// The elements as `&mut [T]`; `Err` if the dtype is not `T`.
+    pub fn as_mut_slice<T: StorageElement>(&mut self) -> Result<&mut [T]> {
+        let dtype = self.dtype();
+        let Storage::Cpu(s) = &mut self.storage;
+        T::view_mut(s)
+            .map(|v| v.as_mut_slice())
+            .ok_or(Error::DTypeMismatch {
+                op: "Tensor::as_mut_slice",
+                lhs: dtype,
+                rhs: T::DTYPE,
+            })
+    }
+
+    /// The elements, converted to `f64` (for tests and reports).
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        with_slice!(Slice, self.as_dyn_slice(), |s: T| s
+            .iter()
+            .map(|x| x.to_f64())
+            .collect())
+    }
+
+    /// A copy with every element converted to `dtype` (through `f64`).
+    pub fn to_dtype(&self, dtype: DType) -> Tensor {
+        let vals = self.to_f64_vec();
+        let mut out = Tensor::zeros(&self.shape, dtype);
+        with_slice!(SliceMut, out.as_dyn_slice_mut(), |s: T| {
+            for (d, v) in s.iter_mut().zip(&vals) {
+                *d = <T as Element>::from_f64(*v);
+            }
+        });
+        out
+    }
+
+    /// The elements as a dtype-erased slice (what a `Communicator` takes).
+    pub fn as_dyn_slice(&self) -> Slice<'_> {
+        let Storage::Cpu(s) = &self.storage;
+        s.slice()
+    }
+    pub fn as_dyn_slice_mut(&mut self) -> SliceMut<'_> {
+        let Storage::Cpu(s) = &mut self.storage;
+        s.slice_mut()
+    }
+
+    /// The same elements under another shape with the same element count.
+    pub fn reshape(self, shape: &[usize]) -> Result<Tensor> {
+        if numel(shape) != self.numel() {
+            return Err(Error::ShapeMismatch {
+                op: "Tensor::reshape",
+                lhs: self.shape,
+                rhs: shape.into(),
+            });
+        }
+        Ok(Tensor {
+            shape: shape.into(),
+            storage: self.storage,
+        })
+    }
+
+    fn check_dim(&self, op: &'static str, dim: usize) -> Result<()> {
+        if dim >= self.rank() {
+            return Err(Error::DimOutOfRange {
+                op,
+                dim,
+                shape: self.shape.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// `(outer, extent, inner)`: the tensor seen as `[outer, shape[dim], inner]`.
+    fn split_at_dim(&self, dim: usize) -> (usize, usize, usize) {
+        let outer = numel(&self.shape[..dim]);
+        let inner = numel(&self.shape[dim + 1..]);
+        (outer, self.shape[dim], inner)
+    }
+
+    /// Elements `start..start + len` along `dim`, copied into a new tensor.
+    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
+        self.check_dim("Tensor::narrow", dim)?;
+        if start + len > self.shape[dim] {
+            return Err(Error::Invalid {
+                op: "Tensor::narrow",
+                detail: format!(
+                    "range {start}..{} exceeds extent {} of dim {dim} in shape {:?}",
+                    start + len,
+                    self.shape[dim],
+                    self.shape
+                ),
+            });
+        }
+        let (outer, extent, inner) = self.split_at_dim(dim);
+        let mut shape = self.shape.clone();
+        shape[dim] = len;
+        let mut out = Tensor::zeros(&shape, self.dtype());
+        copy_blocks(
+            self.as_dyn_slice(),
+            out.as_dyn_slice_mut(),
+            outer,
+            len * inner,
+            extent * inner,
+            start * inner,
+            len * inner,
+            0,
+        );
+        Ok(out)
+    }
+
+    /// Splits `dim` into pieces of the given extents (which must add up to the extent),
+    /// in one pass, returning one tensor per piece.
+    pub fn split(&self, dim: usize, sizes: &[usize]) -> Result<Vec<Tensor>> {
+        self.check_dim("Tensor::split", dim)?;
+        if sizes.iter().sum::<usize>() != self.shape[dim] {
+            return Err(Error::Invalid {
+                op: "Tensor::split",
+                detail: format!(
+                    "sizes {sizes:?} do not add up to extent {} of dim {dim} in shape {:?}",
+                    self.shape[dim], self.shape
+                ),
+            });
+        }
+        let mut start = 0;
+        sizes
+            .iter()
+            .map(|&len| {
+                let t = self.narrow(dim, start, len);
+                start += len;
+                t
+            })
+            .collect()
+    }
+
+    /// `torch.chunk` along `dim` into `parts` pieces, all of them returned (trailing ones
+    /// short or empty): chunk `i` covers `[min(i·c, n), min((i+1)·c, n))` with `c = ⌈n/parts⌉`.
+    pub fn chunk(&self, dim: usize, parts: usize) -> Result<Vec<Tensor>> {
+        self.check_dim("Tensor::chunk", dim)?;
+        if parts == 0 {
+            return Err(Error::Invalid {
+                op: "Tensor::chunk",
+                detail: "cannot chunk into 0 parts".into(),
+            });
+        }
+        let sizes = chunk_sizes(self.shape[dim], parts);
+        self.split(dim, &sizes)
+    }
+
+    /// Concatenates tensors along `dim`. All must share dtype and every other extent.
+    pub fn cat(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
+        let first = tensors.first().ok_or(Error::Invalid {
+            op: "Tensor::cat",
+            detail: "no tensors to concatenate".into(),
+        })?;
+        first.check_dim("Tensor::cat", dim)?;
+        for t in tensors {
+            if t.dtype() != first.dtype() {
+                return Err(Error::DTypeMismatch {
+                    op: "Tensor::cat",
+                    lhs: first.dtype(),
+                    rhs: t.dtype(),
+                });
+            }
+            let same_rest = t.rank() == first.rank()
+                && (0..t.rank()).all(|d| d == dim || t.shape[d] == first.shape[d]);
+            if !same_rest {
+                return Err(Error::ShapeMismatch {
+                    op: "Tensor::cat",
+                    lhs: first.shape.clone(),
+                    rhs: t.shape.clone(),
+                });
+            }
+        }
+        let mut shape = first.shape.clone();
+        shape[dim] = tensors.iter().map(|t| t.shape[dim]).sum();
+        let mut out = Tensor::zeros(&shape, first.dtype());
+        let (outer, total, inner) = out.split_at_dim(dim);
+        let mut offset = 0;
+        for t in tensors {
+            let len = t.shape[dim];
+            copy_blocks(
+                t.as_dyn_slice(),
+                out.as_dyn_slice_mut(),
+                outer,
+                len * inner,
+                len * inner,
+                0,
+                total * inner,
+                offset * inner,
+            );
+            offset += len;
+        }
+        Ok(out)
+    }
+
+    /// Packs the pieces of `dim` (extents `sizes`) one after another into a flat buffer of the
+    /// same element count, piece 0 first: the send layout of an all-to-all or
+    /// reduce-scatter along `dim`. One pass over memory.
+    pub fn pack(&self, dim: usize, sizes: &[usize]) -> Result<Tensor> {
+        let pieces = self.split(dim, sizes)?;
+        let mut out = Tensor::zeros(&[self.numel()], self.dtype());
+        let mut offset = 0;
+        for p in &pieces {
+            let n = p.numel();
+            copy_blocks(
+                p.as_dyn_slice(),
+                out.as_dyn_slice_mut(),
+                1,
+                n,
+                n,
+                0,
+                n,
+                offset,
+            );
+            offset += n;
+        }
+        Ok(out)
+    }
+
+    /// The inverse of [`Tensor::pack`]: `flat` holds pieces one after another, piece `i` of
+    /// shape `shape` with extent `sizes[i]` on `dim`; returns them concatenated along `dim`.
+    pub fn unpack(flat: &Tensor, shape: &[usize], dim: usize, sizes: &[usize]) -> Result<Tensor> {
+        if flat.numel() != numel(shape) || sizes.iter().sum::<usize>() != shape[dim] {
+            return Err(Error::Invalid {
+                op: "Tensor::unpack",
+                detail: format!(
+                    "{} packed elements with piece sizes {sizes:?} do not fill shape {shape:?} on dim {dim}",
+                    flat.numel()
+                ),
+            });
+        }
+        let inner: usize = numel(&shape[dim + 1..]);
+        let outer: usize = numel(&shape[..dim]);
+        let mut offset = 0;
+        let mut pieces = Vec::with_capacity(sizes.len());
+        for &s in sizes {
+            let n = outer * s * inner;
+            let mut piece_shape: Shape = shape.into();
+            piece_shape[dim] = s;
+            pieces.push(flat.narrow(0, offset, n)?.reshape(&piece_shape)?);
+            offset += n;
+        }
+        Tensor::cat(&pieces, dim)
+    }
+
+    fn check_same(&self, op: &'static str, other: &Tensor) -> Result<()> {
+        if self.dtype() != other.dtype() {
+            return Err(Error::DTypeMismatch {
+                op,
+                lhs: self.dtype(),
+                rhs: other.dtype(),
+            });
+        }
+        if self.shape != other.shape {
+            return Err(Error::ShapeMismatch {
+                op,
+                lhs: self.shape.clone(),
+                rhs: other.shape.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Elementwise `self + other`.
+    pub fn add(&self, other: &Tensor) -> Result<Tensor> {
+        let mut out = self.clone();
+        out.add_assign(other)?;
+        Ok(out)
+    }
+
+    /// Elementwise `self += other`.
+    pub fn add_assign(&mut self, other: &Tensor) -> Result<()> {
+        self.check_same("Tensor::add", other)?;
+        let src = other.as_dyn_slice();
+        with_slice!(SliceMut, self.as_dyn_slice_mut(), |d: T| {
+            let s: &[T] = slice_as(src);
+            for (a, &b) in d.iter_mut().zip(s) {
+                *a = a.add(b);
+            }
+        });
+        Ok(())
+    }
+
+    /// Every element multiplied by `factor` (rounded once into the dtype).
+    pub fn scale(&self, factor: f64) -> Tensor {
+        let mut out = self.clone();
+        with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
+            let f = <T as Element>::from_f64(factor);
+            for a in d.iter_mut() {
+                *a = a.mul(f);
+            }
+        });
+        out
+    }
+
+    /// Every element mapped through `f` (evaluated in `f64`, rounded once into the dtype).
+    pub fn map(&self, f: impl Fn(f64) -> f64) -> Tensor {
+        let mut out = self.clone();
+        with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
+            for a in d.iter_mut() {
+                *a = <T as Element>::from_f64(f(a.to_f64()));
+            }
+        });
+        out
+    }
+
+    /// Elementwise `self * other`.
+    pub fn mul(&self, other: &Tensor) -> Result<Tensor> {
+        self.check_same("Tensor::mul", other)?;
+        let mut out = self.clone();
+        let src = other.as_dyn_slice();
+        with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
+            let s: &[T] = slice_as(src);
+            for (a, &b) in d.iter_mut().zip(s) {
+                *a = a.mul(b);
+            }
+        });
+        Ok(out)
+    }
+
+    /// Writes `src` into `self` at offset `start` along `dim` (the other extents must match).
+    pub fn write_at(&mut self, dim: usize, start: usize, src: &Tensor) -> Result<()> {
+        self.check_dim("Tensor::write_at", dim)?;
+        let fits = src.rank() == self.rank()
+            && src.dtype() == self.dtype()
+            && start + src.shape[dim] <= self.shape[dim]
+            && (0..self.rank()).all(|d| d == dim || src.shape[d] == self.shape[d]);
+        if !fits {
+            return Err(Error::ShapeMismatch {
+                op: "Tensor::write_at",
+                lhs: self.shape.clone(),
+                rhs: src.shape.clone(),
+            });
+        }
+        let (outer, extent, inner) = self.split_at_dim(dim);
+        let len = src.shape[dim];
+        copy_blocks(
+            src.as_dyn_slice(),
+            self.as_dyn_slice_mut(),
+            outer,
+            len * inner,
+            len * inner,
+            0,
+            extent * inner,
+            start * inner,
+        );
+        Ok(())
+    }
+}
+
+/// Sizes of `torch.chunk(n, parts)`, padded with zeros to `parts` entries.
+pub fn chunk_sizes(n: usize, parts: usize) -> SmallVec<[usize; 8]> {
+    let c = n.div_ceil(parts.max(1));
+    (0..parts)
+        .map(|i| (c * (i + 1)).min(n).saturating_sub((c * i).min(n)))
+        .collect()
+}
+
+/// Reinterprets a dtype-erased slice as `&[T]`.
+///
+/// # Panics
+/// If the dtype is not `T`: callers check dtypes first (an internal invariant).
+pub fn slice_as<T: Element>(s: Slice<'_>) -> &[T] {
+    assert_eq!(s.dtype(), T::DTYPE, "slice_as: dtype checked by the caller");
+    let (ptr, bytes) = s.as_bytes_ptr();
+    // SAFETY: the dtype matches T, so the memory holds `bytes / size_of::<T>()` valid Ts,
+    // borrowed for the lifetime of `s`.
+    unsafe { std::slice::from_raw_parts(ptr as *const T, bytes / std::mem::size_of::<T>()) }
+}
+
+/// Copies `blocks` runs of `run` elements from `src` (stride `src_stride`, start
+/// `src_off`) to `dst` (stride `dst_stride`, start `dst_off`). Both must share a dtype.
+#[allow(clippy::too_many_arguments)]
+fn copy_blocks(
+    src: Slice<'_>,
+    dst: SliceMut<'_>,
+    blocks: usize,
+    run: usize,
+    src_stride: usize,
+    src_off: usize,
+    dst_stride: usize,
+    dst_off: usize,
+) {
+    if run == 0 {
+        return;
+    }
+    with_slice!(SliceMut, dst, |d: T| {
+        let s: &[T] = slice_as(src);
+        for b in 0..blocks {
+            let so = src_off + b * src_stride;
+            let d_o = dst_off + b * dst_stride;
+            d[d_o..d_o + run].copy_from_slice(&s[so..so + run]);
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn iota(shape: &[usize]) -> Tensor {
+        Tensor::from_fn(shape, |i| i as f32)
+    }
+
+    #[test]
+    fn chunk_sizes_follow_torch_chunk() {
+        assert_eq!(chunk_sizes(10, 4).as_slice(), &[3, 3, 3, 1]);
+        assert_eq!(chunk_sizes(9, 4).as_slice(), &[3, 3, 3, 0]);
+        assert_eq!(chunk_sizes(5, 4).as_slice(), &[2, 2, 1, 0]);
+        assert_eq!(chunk_sizes(2, 4).as_slice(), &[1, 1, 0, 0]);
+        assert_eq!(chunk_sizes(8, 4).as_slice(), &[2, 2, 2, 2]);
+        assert_eq!(chunk_sizes(0, 3).as_slice(), &[0, 0, 0]);
+    }
+
+    #[test]
+    fn chunk_then_cat_round_trips_on_every_dim() {
+        let t = iota(&[3, 5, 7]);
+        for dim in 0..3 {
+            for parts in 1..6 {
+                let pieces = t.chunk(dim, parts).unwrap();
+                assert_eq!(pieces.len(), parts);
+                assert_eq!(Tensor::cat(&pieces, dim).unwrap(), t);
+            }
+        }
+    }
+
+    #[test]
+    fn narrow_middle_dim_picks_the_right_elements() {
+        let t = iota(&[2, 3, 2]);
+        let n = t.narrow(1, 1, 2).unwrap();
+        assert_eq!(n.shape(), &[2, 2, 2]);
+        assert_eq!(
+            n.as_slice::<f32>().unwrap(),
+            &[2.0, 3.0, 4.0, 5.0, 8.0, 9.0, 10.0, 11.0]
+        );
+    }
+
+    #[test]
+    fn pack_unpack_round_trips() {
+        let t = iota(&[4, 5, 3]);
+        let sizes = [2, 2, 1, 0];
+        let flat = t.pack(1, &sizes).unwrap();
+        assert_eq!(flat.shape(), &[60]);
+        // piece 0 = columns 0..2 of every row, contiguous
+        assert_eq!(
+            &flat.as_slice::<f32>().unwrap()[..6],
+            &[0., 1., 2., 3., 4., 5.]
+        );
+        let back = Tensor::unpack(&flat, t.shape(), 1, &sizes).unwrap();
+        assert_eq!(back, t);
+    }
+
+    #[test]
+    fn add_rejects_mismatched_shapes_and_dtypes() {
+        let a = iota(&[2, 2]);
+        let b = iota(&[4]);
+        assert!(matches!(
+            a.add(&b),
+            Err(Error::ShapeMismatch {
+                op: "Tensor::add",
+                ..
+            })
+        ));
+        let c = a.to_dtype(DType::F64);
+        assert!(matches!(
+            a.add(&c),
+            Err(Error::DTypeMismatch {
+                op: "Tensor::add",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn add_and_scale_compute_elementwise() {
+        let a = iota(&[3]);
+        let b = a.add(&a).unwrap().scale(0.5);
+        assert_eq!(b, a);
+        let h = a.to_dtype(DType::BF16).scale(2.0);
+        assert_eq!(h.to_f64_vec(), vec![0.0, 2.0, 4.0]);
+    }
+
+    #[test]
+    fn errors_name_the_op() {
+        let t = iota(&[2, 3]);
+        let e = t.narrow(2, 0, 1).unwrap_err();
+        assert!(e.to_string().contains("Tensor::narrow"), "{e}");
+        let e = Tensor::from_vec(vec![1.0f32; 5], &[2, 3]).unwrap_err();
+        assert!(e.to_string().contains("Tensor::from_vec"), "{e}");
+        assert!(t.chunk(0, 0).is_err());
+        assert!(t.split(1, &[1, 1]).is_err());
+    }
+}

@@ -1,0 +1,40 @@
+//! # dtensor-placement
+//!
+//! Where a distributed tensor lives: the device [`Mesh`] (named axes, rank layout),
+//! [`ParallelConfig`] (`dp=2,tp=2,sp`), the placements of one axis as types
+//! ([`Shard<D>`], [`Replicate`], [`Invariant`], [`Partial<Op>`]) and at run time
+//! ([`Placement`]), layouts (one placement per axis, [`layout!`]), and the layout
+//! arithmetic that says which slice of the global tensor each rank holds.
+//!
+//! ```
+//! use dtensor_placement::*;
+//! type Weight = layout![Dp: Replicate, Tp: Shard<0>];
+//! assert_eq!(Weight::placements().as_slice(), &[Placement::Replicate, Placement::Shard(0)]);
+//!
+//! let mesh = Mesh::new(&[(AxisKind::Dp, 2), (AxisKind::Tp, 2)]).unwrap();
+//! let coords = mesh.coords(3).unwrap();                       // [dp=1, tp=1]
+//! let shape = local_shape(&mesh, &Weight::placements(), &coords, &[10, 4]).unwrap();
+//! assert_eq!(shape.as_slice(), &[5, 4]);                      // rows 5..10 of 10
+//! ```
+
+pub mod arith;
+pub mod axis;
+pub mod config;
+pub mod error;
+pub mod layout;
+pub mod mesh;
+pub mod placement;
+
+pub use arith::{check_placements, chunk_range, global_offset, local_ranges, local_shape};
+pub use axis::{AxisKind, Cp, Dp, Ep, MeshAxis, Pp, Tp};
+pub use config::ParallelConfig;
+pub use error::{Error, Result};
+pub use layout::{
+    AddLayout, Here, Layout, LinearLayout, On, PointwiseLayout, RedistributeLayout, Select, There,
+};
+pub use mesh::{Mesh, DEFAULT_ORDER};
+pub use placement::{
+    AddPlacement, Avg, Invariant, IsInvariant, IsPartial, IsReplicate, IsShard, IsWhole, Linear,
+    Max, Min, Partial, PartialOp, Placement, PlacementType, Pointwise, RedistributeTo,
+    ReduceMarker, Replicate, Shard, Sum,
+};

@@ -1,0 +1,236 @@
+//! The device mesh: named axes with sizes, and how world ranks map onto them.
+
+use crate::axis::AxisKind;
+use crate::error::{Error, Result};
+use smallvec::SmallVec;
+use std::fmt;
+
+/// The default composition order, fastest-varying first (Megatron's `tp-cp-ep-dp-pp`):
+/// TP neighbours are adjacent ranks (the fastest links), PP is outermost.
+pub const DEFAULT_ORDER: [AxisKind; 5] = [
+    AxisKind::Tp,
+    AxisKind::Cp,
+    AxisKind::Ep,
+    AxisKind::Dp,
+    AxisKind::Pp,
+];
+
+/// A mesh of 1 to 4 named axes.
+///
+/// Invariants: axes are distinct, every size is ≥ 1, and `order` lists every axis of the
+/// mesh exactly once (fastest-varying first). "Layout order" is the order the axes were
+/// given in (the order of a `DTensor`'s placements); "composition order" only decides which
+/// world rank sits at which coordinates.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mesh {
+    axes: SmallVec<[(AxisKind, usize); 4]>,
+    /// Layout indices of the axes, fastest-varying first.
+    order: SmallVec<[usize; 4]>,
+}
+
+impl Mesh {
+    /// A mesh with these axes (in layout order) and the default composition order.
+    pub fn new(axes: &[(AxisKind, usize)]) -> Result<Mesh> {
+        Mesh::with_order(axes, &DEFAULT_ORDER)
+    }
+
+    /// A mesh whose ranks are laid out by `order` (fastest-varying first). Axes of `order`
+    /// that the mesh lacks are skipped; every mesh axis must appear in it.
+    pub fn with_order(axes: &[(AxisKind, usize)], order: &[AxisKind]) -> Result<Mesh> {
+        if axes.is_empty() || axes.len() > 4 {
+            return Err(Error::InvalidMesh(format!(
+                "a mesh has 1 to 4 axes, got {}",
+                axes.len()
+            )));
+        }
+        for (i, &(a, n)) in axes.iter().enumerate() {
+            if n == 0 {
+                return Err(Error::InvalidMesh(format!("axis {a} has size 0")));
+            }
+            if axes[..i].iter().any(|&(b, _)| b == a) {
+                return Err(Error::InvalidMesh(format!("axis {a} appears twice")));
+            }
+        }
+        let mut idx: SmallVec<[usize; 4]> = SmallVec::new();
+        for &k in order {
+            if let Some(i) = axes.iter().position(|&(a, _)| a == k) {
+                if idx.contains(&i) {
+                    return Err(Error::InvalidMesh(format!(
+                        "axis {k} appears twice in the order"
+                    )));
+                }
+                idx.push(i);
+            }
+        }
+        if idx.len() != axes.len() {
+            return Err(Error::InvalidMesh(format!(
+                "composition order {} does not place every axis of {:?}",
+                order.iter().map(|a| a.name()).collect::<Vec<_>>().join("-"),
+                axes
+            )));
+        }
+        Ok(Mesh {
+            axes: axes.into(),
+            order: idx,
+        })
+    }
+
+    /// Parses a composition order such as `tp-cp-ep-dp-pp`.
+    pub fn parse_order(s: &str) -> Result<Vec<AxisKind>> {
+        s.split('-')
+            .map(|t| {
+                AxisKind::from_name(t.trim())
+                    .ok_or_else(|| Error::InvalidMesh(format!("unknown axis `{t}` in order `{s}`")))
+            })
+            .collect()
+    }
+
+    pub fn ndim(&self) -> usize {
+        self.axes.len()
+    }
+    /// Axes and sizes, in layout order.
+    pub fn axes(&self) -> &[(AxisKind, usize)] {
+        &self.axes
+    }
+    pub fn axis_kinds(&self) -> SmallVec<[AxisKind; 4]> {
+        self.axes.iter().map(|&(a, _)| a).collect()
+    }
+    pub fn size(&self, axis: usize) -> usize {
+        self.axes[axis].1
+    }
+    /// Layout index of `axis`, if the mesh has it.
+    pub fn index_of(&self, axis: AxisKind) -> Option<usize> {
+        self.axes.iter().position(|&(a, _)| a == axis)
+    }
+    pub fn world_size(&self) -> usize {
+        self.axes.iter().map(|&(_, n)| n).product()
+    }
+
+    fn check_rank(&self, op: &'static str, rank: usize) -> Result<()> {
+        if rank >= self.world_size() {
+            return Err(Error::RankOutOfRange {
+                op,
+                rank,
+                world: self.world_size(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Coordinates of `rank`, one per axis in layout order.
+    pub fn coords(&self, rank: usize) -> Result<SmallVec<[usize; 4]>> {
+        self.check_rank("Mesh::coords", rank)?;
+        let mut c: SmallVec<[usize; 4]> = smallvec::smallvec![0; self.ndim()];
+        let mut rest = rank;
+        for &i in &self.order {
+            c[i] = rest % self.axes[i].1;
+            rest /= self.axes[i].1;
+        }
+        Ok(c)
+    }
+
+    /// The world rank at `coords` (layout order).
+    pub fn rank_of(&self, coords: &[usize]) -> Result<usize> {
+        if coords.len() != self.ndim() || coords.iter().zip(&self.axes).any(|(&c, &(_, n))| c >= n)
+        {
+            return Err(Error::InvalidMesh(format!(
+                "coordinates {coords:?} are outside the mesh {self}"
+            )));
+        }
+        let mut rank = 0;
+        for &i in self.order.iter().rev() {
+            rank = rank * self.axes[i].1 + coords[i];
+        }
+        Ok(rank)
+    }
+
+    /// The ranks that share every coordinate of `rank` but the one on `axis` (layout
+    /// index), ordered by their coordinate on `axis`: `rank`'s sub-group for that axis.
+    pub fn axis_group(&self, rank: usize, axis: usize) -> Result<Vec<usize>> {
+        let mut c = self.coords(rank)?;
+        if axis >= self.ndim() {
+            return Err(Error::InvalidMesh(format!(
+                "axis index {axis} is outside the mesh {self}"
+            )));
+        }
+        (0..self.axes[axis].1)
+            .map(|k| {
+                c[axis] = k;
+                self.rank_of(&c)
+            })
+            .collect()
+    }
+}
+
+impl fmt::Display for Mesh {
+    /// `[dp=2, tp=2]`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[")?;
+        for (i, (a, n)) in self.axes.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{}={}", a.name(), n)?;
+        }
+        f.write_str("]")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use AxisKind::*;
+
+    #[test]
+    fn default_order_puts_tp_fastest() {
+        let m = Mesh::new(&[(Dp, 2), (Tp, 2)]).unwrap();
+        // rank = tp + 2*dp
+        assert_eq!(m.coords(0).unwrap().as_slice(), &[0, 0]);
+        assert_eq!(m.coords(1).unwrap().as_slice(), &[0, 1]);
+        assert_eq!(m.coords(2).unwrap().as_slice(), &[1, 0]);
+        assert_eq!(m.axis_group(1, 1).unwrap(), vec![0, 1]);
+        assert_eq!(m.axis_group(1, 0).unwrap(), vec![1, 3]);
+    }
+
+    #[test]
+    fn four_axes_follow_tp_cp_dp_pp() {
+        let m = Mesh::new(&[(Pp, 2), (Dp, 2), (Cp, 2), (Tp, 2)]).unwrap();
+        // rank = tp + 2*(cp + 2*(dp + 2*pp))
+        assert_eq!(m.rank_of(&[1, 0, 1, 1]).unwrap(), 1 + 2 * (1 + 2 * (2)));
+        for r in 0..16 {
+            assert_eq!(m.rank_of(&m.coords(r).unwrap()).unwrap(), r);
+        }
+        assert_eq!(m.axis_group(0, 0).unwrap(), vec![0, 8]);
+        assert_eq!(m.axis_group(0, 2).unwrap(), vec![0, 2]);
+    }
+
+    #[test]
+    fn custom_order_changes_layout() {
+        let order = Mesh::parse_order("dp-tp").unwrap();
+        let m = Mesh::with_order(&[(Dp, 2), (Tp, 3)], &order).unwrap();
+        assert_eq!(m.coords(1).unwrap().as_slice(), &[1, 0]);
+        assert_eq!(m.axis_group(0, 1).unwrap(), vec![0, 2, 4]);
+    }
+
+    #[test]
+    fn invalid_meshes_are_rejected() {
+        assert!(Mesh::new(&[]).is_err());
+        assert!(Mesh::new(&[(Dp, 1), (Tp, 1), (Cp, 1), (Ep, 1), (Pp, 1)]).is_err());
+        assert!(Mesh::new(&[(Dp, 0)]).is_err());
+        let e = Mesh::new(&[(Tp, 2), (Tp, 2)]).unwrap_err();
+        assert!(e.to_string().contains("Tp appears twice"), "{e}");
+        assert!(Mesh::with_order(&[(Dp, 2), (Tp, 2)], &[Tp]).is_err());
+        assert!(Mesh::parse_order("tp-xx").is_err());
+        let m = Mesh::new(&[(Tp, 4)]).unwrap();
+        assert!(matches!(
+            m.coords(4),
+            Err(Error::RankOutOfRange {
+                rank: 4,
+                world: 4,
+                ..
+            })
+        ));
+        assert!(m.rank_of(&[4]).is_err());
+        assert!(m.axis_group(0, 1).is_err());
+    }
+}
