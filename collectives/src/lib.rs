@@ -62,6 +62,62 @@ pub trait Communicator: Send + Sync {
     /// Uneven all-gather: rank `r` contributes `counts[r]` elements (its `send`), placed
     /// one after another in rank order; `recv.len() = Σ counts`.
     fn all_gatherv(&self, send: Slice<'_>, recv: SliceMut<'_>, counts: &[usize]) -> Result<()>;
+    /// In-place uneven all-gather: `buf` (`Σ counts` elements) already holds this rank's
+    /// piece at its position (after `counts[..rank()]`); the peers' pieces are written
+    /// around it, so the rank's own piece is never copied (MPI_IN_PLACE).
+    ///
+    /// The default copies the own piece out and calls [`all_gatherv`](Self::all_gatherv);
+    /// backends that can read peers' memory directly override it.
+    fn all_gatherv_in_place(&self, buf: SliceMut<'_>, counts: &[usize]) -> Result<()> {
+        let off: usize = counts.iter().take(self.rank()).sum();
+        let len = counts.get(self.rank()).copied().unwrap_or(0);
+        if off + len > buf.len() {
+            return Err(Error::InvalidArgument {
+                op: "all_gatherv_in_place",
+                detail: format!("counts {counts:?} do not fit a buffer of {}", buf.len()),
+            });
+        }
+        dtensor_kernels::with_slice!(SliceMut, buf, |b: T| {
+            let own: Vec<T> = b[off..off + len].to_vec();
+            self.all_gatherv(
+                <T as Element>::slice(&own),
+                <T as Element>::slice_mut(b),
+                counts,
+            )
+        })
+    }
+    /// In-place uneven reduce-scatter: `buf` holds blocks of `counts[0], counts[1], …`;
+    /// afterwards this rank's block (after `counts[..rank()]`) holds the reduction of that
+    /// block over all ranks. The other blocks of `buf` are left unspecified.
+    ///
+    /// The default reduces into a temporary and copies it into place; backends that can
+    /// read peers' memory directly override it.
+    fn reduce_scatterv_in_place(
+        &self,
+        buf: SliceMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let off: usize = counts.iter().take(self.rank()).sum();
+        let len = counts.get(self.rank()).copied().unwrap_or(0);
+        if off + len > buf.len() {
+            return Err(Error::InvalidArgument {
+                op: "reduce_scatterv_in_place",
+                detail: format!("counts {counts:?} do not fit a buffer of {}", buf.len()),
+            });
+        }
+        dtensor_kernels::with_slice!(SliceMut, buf, |b: T| {
+            let mut out: Vec<T> = vec![<T as Element>::zero(); len];
+            self.reduce_scatterv(
+                <T as Element>::slice(b),
+                <T as Element>::slice_mut(&mut out),
+                counts,
+                op,
+            )?;
+            b[off..off + len].copy_from_slice(&out);
+            Ok(())
+        })
+    }
     /// `recv` = reduction over ranks of block `rank()` of `send`, where `send.len() = size·k`
     /// and `recv.len() = k`.
     fn reduce_scatter(&self, send: Slice<'_>, recv: SliceMut<'_>, op: ReduceOp) -> Result<()>;

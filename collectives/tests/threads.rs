@@ -3,6 +3,7 @@
 use dtensor_collectives::threads::{launch, launch_with, Options, RankError};
 use dtensor_collectives::{
     CollectiveKind, Communicator, CommunicatorExt, CounterSnapshot, Element, Error, ReduceOp,
+    Slice, SliceMut,
 };
 use dtensor_kernels::half::bf16;
 use std::sync::Arc;
@@ -1128,74 +1129,148 @@ fn launch_returns_each_rank_result_including_panic_message() {
 }
 
 // ---------------------------------------------------------------------------------------
-// Speed (run by hand: cargo test --release -p dtensor-collectives -- --ignored --nocapture)
+// In-place all-gather and reduce-scatter (the threads backend's own, and the trait's
+// default through a wrapper that does not override them)
 // ---------------------------------------------------------------------------------------
 
-#[test]
-#[ignore = "benchmark: run by hand in release mode"]
-fn all_gather_128mib_two_ranks_near_memcpy_speed() {
-    let total = 128 << 20;
-    let per_rank = total / 2 / 4; // f32 elements per rank's piece
-    let reps = 10;
-    let src = vec![1.0f32; total / 4];
-    let mut dst = vec![0.0f32; total / 4];
-    let t = Instant::now();
-    for _ in 0..reps {
-        dst[..per_rank].copy_from_slice(&src[..per_rank]);
-        std::hint::black_box(&mut dst);
+/// Forwards everything to a `ThreadComm` except the in-place calls, so the trait's default
+/// implementations run.
+struct DefaultsOnly(Arc<dyn Communicator>);
+
+impl Communicator for DefaultsOnly {
+    fn rank(&self) -> usize {
+        self.0.rank()
     }
-    let memcpy = t.elapsed() / reps;
-    let times = all_ok(launch_with(2, long(), |comm| {
-        let send = vec![comm.rank() as f32; per_rank];
-        let mut recv = vec![0.0f32; 2 * per_rank];
-        comm.all_gather(f32::slice(&send), f32::slice_mut(&mut recv))?; // warm
-        let t = Instant::now();
-        for _ in 0..reps {
-            comm.all_gather(f32::slice(&send), f32::slice_mut(&mut recv))?;
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+    fn backend(&self) -> &'static str {
+        "defaults-only"
+    }
+    fn all_reduce(&self, buf: SliceMut<'_>, op: ReduceOp) -> Result<(), Error> {
+        self.0.all_reduce(buf, op)
+    }
+    fn all_gather(&self, send: Slice<'_>, recv: SliceMut<'_>) -> Result<(), Error> {
+        self.0.all_gather(send, recv)
+    }
+    fn all_gatherv(
+        &self,
+        send: Slice<'_>,
+        recv: SliceMut<'_>,
+        counts: &[usize],
+    ) -> Result<(), Error> {
+        self.0.all_gatherv(send, recv, counts)
+    }
+    fn reduce_scatter(
+        &self,
+        send: Slice<'_>,
+        recv: SliceMut<'_>,
+        op: ReduceOp,
+    ) -> Result<(), Error> {
+        self.0.reduce_scatter(send, recv, op)
+    }
+    fn reduce_scatterv(
+        &self,
+        send: Slice<'_>,
+        recv: SliceMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<(), Error> {
+        self.0.reduce_scatterv(send, recv, counts, op)
+    }
+    fn all_to_all(&self, send: Slice<'_>, recv: SliceMut<'_>) -> Result<(), Error> {
+        self.0.all_to_all(send, recv)
+    }
+    fn all_to_allv(
+        &self,
+        send: Slice<'_>,
+        sc: &[usize],
+        recv: SliceMut<'_>,
+        rc: &[usize],
+    ) -> Result<(), Error> {
+        self.0.all_to_allv(send, sc, recv, rc)
+    }
+    fn broadcast(&self, buf: SliceMut<'_>, root: usize) -> Result<(), Error> {
+        self.0.broadcast(buf, root)
+    }
+    fn send(&self, buf: Slice<'_>, dst: usize, tag: u32) -> Result<(), Error> {
+        self.0.send(buf, dst, tag)
+    }
+    fn recv(&self, buf: SliceMut<'_>, src: usize, tag: u32) -> Result<(), Error> {
+        self.0.recv(buf, src, tag)
+    }
+    fn barrier(&self) -> Result<(), Error> {
+        self.0.barrier()
+    }
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>, Error> {
+        self.0.split(color, key)
+    }
+    fn counters(&self) -> CounterSnapshot {
+        self.0.counters()
+    }
+}
+
+fn check_in_place<T: Element>(n: usize, defaults: bool) {
+    let counts: Vec<usize> = uneven(n).iter().map(|&c| big(c * 700)).collect();
+    let total: usize = counts.iter().sum();
+    let offsets: Vec<usize> = (0..n).map(|r| counts[..r].iter().sum()).collect();
+    all_ok(launch_with(n, long(), |comm| {
+        let comm: Arc<dyn Communicator> = if defaults {
+            Arc::new(DefaultsOnly(comm))
+        } else {
+            comm
+        };
+        let r = comm.rank();
+        // all-gather: the own piece is in place, the rest is garbage to overwrite.
+        let mut buf: Vec<T> = vec![T::from_f64(-7.0); total];
+        buf[offsets[r]..offsets[r] + counts[r]].copy_from_slice(&vals::<T>(r, counts[r]));
+        let before = comm.counters();
+        comm.all_gatherv_in_place(T::slice_mut(&mut buf), &counts)?;
+        let d = comm.counters().since(&before);
+        for p in 0..n {
+            assert_eq!(
+                &buf[offsets[p]..offsets[p] + counts[p]],
+                vals::<T>(p, counts[p]).as_slice(),
+                "piece {p}"
+            );
         }
-        let ag = t.elapsed() / reps;
-        let mut buf = vec![1.0f32; 2 * per_rank];
-        comm.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
-        let t = Instant::now();
-        for _ in 0..reps {
-            comm.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+        assert_eq!(d.calls(CollectiveKind::AllGather), 1);
+        // reduce-scatter: block r of every rank's buffer, reduced into block r of this one.
+        let mut buf: Vec<T> = vals::<T>(r, total);
+        comm.reduce_scatterv_in_place(T::slice_mut(&mut buf), &counts, ReduceOp::Sum)?;
+        let own = &buf[offsets[r]..offsets[r] + counts[r]];
+        for (j, got) in own.iter().enumerate() {
+            let i = offsets[r] + j;
+            let terms: Vec<T> = (0..n).map(|k| val::<T>(k, i)).collect();
+            assert_eq!(*got, reduce_ref(&terms, ReduceOp::Sum), "element {i}");
         }
-        let ar = t.elapsed() / reps;
-        let t = Instant::now();
-        for _ in 0..10_000 {
-            comm.all_reduce_in_place(&mut [1.0f32], ReduceOp::Sum)?;
-        }
-        let small = t.elapsed() / 10_000;
-        Ok((ag, ar, small))
+        Ok(())
     }));
-    eprintln!("memcpy of 64 MiB: {memcpy:?}");
-    for (r, (ag, ar, small)) in times.iter().enumerate() {
-        eprintln!(
-            "rank {r}: all_gather 128 MiB {ag:?}, all_reduce 128 MiB {ar:?}, 1-element all_reduce {small:?}"
-        );
+}
+
+#[test]
+fn in_place_all_gatherv_and_reduce_scatterv_match_reference() {
+    for n in 1..=4 {
+        for defaults in [false, true] {
+            check_in_place::<f32>(n, defaults);
+            check_in_place::<bf16>(n, defaults);
+            check_in_place::<i64>(n, defaults);
+        }
     }
 }
 
 #[test]
-#[ignore = "benchmark: run by hand in release mode"]
-fn small_collectives_latency_two_and_four_ranks() {
-    for n in [2, 4] {
-        let times = all_ok(launch_with(n, long(), |comm| {
-            let reps = 20_000;
-            let t = Instant::now();
-            for _ in 0..reps {
-                comm.barrier()?;
-            }
-            let barrier = t.elapsed() / reps;
-            let t = Instant::now();
-            for _ in 0..reps {
-                comm.all_reduce_in_place(&mut [1.0f32; 4], ReduceOp::Sum)?;
-            }
-            Ok((barrier, t.elapsed() / reps))
-        }));
-        eprintln!(
-            "{n} ranks: barrier {:?}, 4-element all_reduce {:?}",
-            times[0].0, times[0].1
-        );
-    }
+fn in_place_buffer_of_wrong_length_invalid_argument_and_peer_mismatch() {
+    let results = launch_with(2, long(), |comm| {
+        let len = if comm.rank() == 0 { 4 } else { 5 };
+        let mut buf = vec![0.0f32; len];
+        comm.all_gatherv_in_place(f32::slice_mut(&mut buf), &[2, 2])
+    });
+    let e0 = results[0].as_ref().unwrap_err().to_string();
+    let e1 = results[1].as_ref().unwrap_err().to_string();
+    assert!(e0.contains("collective mismatch"), "{e0}");
+    assert!(
+        e1.contains("buffer has 5 elements but counts sum to 4"),
+        "{e1}"
+    );
 }

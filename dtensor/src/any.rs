@@ -254,7 +254,7 @@ impl AnyDTensor {
     }
 
     /// Runs one step on the axis at layout index `axis`. This is every named transition.
-    pub fn apply(self, axis: usize, kind: StepKind) -> Result<AnyDTensor> {
+    pub fn apply(mut self, axis: usize, kind: StepKind) -> Result<AnyDTensor> {
         let op = kind.name();
         if axis >= self.placements.len() {
             return Err(Error::Placement(dtensor_placement::Error::InvalidMesh(
@@ -289,43 +289,49 @@ impl AnyDTensor {
                 self.mesh.mesh().axes()[b].0,
             )));
         }
+        // Take the local piece out so the data path can consume it (a gather or
+        // reduce-scatter may reuse its buffer); `self` keeps the metadata.
+        let dtype = self.dtype();
+        let local = std::mem::replace(&mut self.local, Tensor::zeros(&[0], dtype));
         let local = match kind {
             StepKind::AllGather { dim } | StepKind::AllGatherInvariant { dim } => {
-                self.gather_dim(axis, dim)?
+                self.gather_dim(local, axis, dim)?
             }
-            StepKind::ReduceScatter { dim } => self.reduce_scatter_dim(axis, dim, from)?,
+            StepKind::ReduceScatter { dim } => self.reduce_scatter_dim(local, axis, dim, from)?,
             StepKind::AllReduce => {
                 let Placement::Partial(p) = from else {
                     unreachable!("checked by target")
                 };
-                let mut buf = self.local.clone();
+                // In place on the buffer this call owns (copied first only if a clone
+                // elsewhere still shares it).
+                let mut buf = local;
                 self.mesh
                     .axis_comm(axis)
                     .all_reduce(buf.as_dyn_slice_mut(), reduce_op(p))?;
                 buf
             }
-            StepKind::AllToAll { from: a, to: b } => self.all_to_all_dims(axis, a, b)?,
+            StepKind::AllToAll { from: a, to: b } => self.all_to_all_dims(&local, axis, a, b)?,
             StepKind::Chunk { dim } => {
                 let n = self.mesh.mesh().size(axis);
-                let r = chunk_range(self.local.shape()[dim], n, self.mesh.coords()[axis]);
-                self.local.narrow(dim, r.start, r.len())?
+                let r = chunk_range(local.shape()[dim], n, self.mesh.coords()[axis]);
+                local.narrow(dim, r.start, r.len())?
             }
             StepKind::PadToPartial { dim } => {
                 let n = self.mesh.mesh().size(axis);
                 let parent = self.parent_extent(axis, dim)?;
                 let r = chunk_range(parent, n, self.mesh.coords()[axis]);
-                let mut shape: Shape = self.local.shape().into();
+                let mut shape: Shape = local.shape().into();
                 shape[dim] = parent;
-                let mut out = Tensor::zeros(&shape, self.dtype());
-                out.write_at(dim, r.start, &self.local)?;
+                let mut out = Tensor::zeros(&shape, dtype);
+                out.write_at(dim, r.start, &local)?;
                 out
             }
-            StepKind::ToReplicate | StepKind::ToInvariant => self.local.clone(),
+            StepKind::ToReplicate | StepKind::ToInvariant => local,
             StepKind::ToPartial { op } => {
                 if op == PartialOp::Sum && self.mesh.coords()[axis] != 0 {
-                    Tensor::zeros(self.local.shape(), self.dtype())
+                    Tensor::zeros(local.shape(), dtype)
                 } else {
-                    self.local.clone()
+                    local
                 }
             }
         };
@@ -376,62 +382,88 @@ impl AnyDTensor {
             .product()
     }
 
-    fn gather_dim(&self, axis: usize, dim: usize) -> Result<Tensor> {
-        let comm = self.mesh.axis_comm(axis);
+    fn gather_dim(&self, local: Tensor, axis: usize, dim: usize) -> Result<Tensor> {
+        let comm = self.mesh.axis_comm(axis).clone();
         let parent = self.parent_extent(axis, dim)?;
         let sizes = chunk_sizes(parent, comm.size());
-        let rest = Self::rest(self.local.shape(), &[dim]);
+        let rest = Self::rest(local.shape(), &[dim]);
         let counts: Vec<usize> = sizes.iter().map(|s| s * rest).collect();
-        let mut shape: Shape = self.local.shape().into();
+        let mut shape: Shape = local.shape().into();
         shape[dim] = parent;
-        let mut gathered = Tensor::zeros(&[numel(&shape)], self.dtype());
-        comm.all_gatherv(
-            self.local.as_dyn_slice(),
-            gathered.as_dyn_slice_mut(),
-            &counts,
-        )?;
-        // Pieces arrive one after another; when nothing lies outside `dim` that is already
-        // the row-major result, otherwise interleave them along `dim`.
+        let total = numel(&shape);
+        let dtype = local.dtype();
         if numel(&shape[..dim]) == 1 {
-            Ok(gathered.reshape(&shape)?)
-        } else {
-            Ok(Tensor::unpack(&gathered, &shape, dim, &sizes)?)
+            // Pieces arrive one after another, which is already the row-major result. If
+            // this shard is a view at its own place in an unshared buffer of the full size
+            // (e.g. it came from `chunk`), gather around it: its bytes never move.
+            let my_offset: usize = counts[..comm.rank()].iter().sum();
+            let mut out = match local.try_into_buffer() {
+                Ok((buf, off)) if buf.numel() == total && off == my_offset => buf,
+                Ok((buf, off)) => buf
+                    .narrow(0, off, counts[comm.rank()])?
+                    .reshape(&[counts[comm.rank()]])?,
+                Err(local) => local,
+            };
+            if out.numel() == total {
+                comm.all_gatherv_in_place(out.as_dyn_slice_mut(), &counts)?;
+                return Ok(out.reshape(&shape)?);
+            }
+            let mut gathered = Tensor::for_overwrite(&[total], dtype);
+            comm.all_gatherv(out.as_dyn_slice(), gathered.as_dyn_slice_mut(), &counts)?;
+            return Ok(gathered.reshape(&shape)?);
         }
+        // Otherwise gather into a scratch buffer and interleave the pieces along `dim`.
+        let mut gathered = Tensor::for_overwrite(&[total], dtype);
+        comm.all_gatherv(local.as_dyn_slice(), gathered.as_dyn_slice_mut(), &counts)?;
+        Ok(Tensor::unpack(&gathered, &shape, dim, &sizes)?)
     }
 
-    fn reduce_scatter_dim(&self, axis: usize, dim: usize, from: Placement) -> Result<Tensor> {
+    fn reduce_scatter_dim(
+        &self,
+        local: Tensor,
+        axis: usize,
+        dim: usize,
+        from: Placement,
+    ) -> Result<Tensor> {
         let Placement::Partial(p) = from else {
             unreachable!("checked by target")
         };
-        let comm = self.mesh.axis_comm(axis);
-        let extent = self.local.shape()[dim];
-        let sizes = chunk_sizes(extent, comm.size());
-        let rest = Self::rest(self.local.shape(), &[dim]);
-        let counts: Vec<usize> = sizes.iter().map(|s| s * rest).collect();
-        let packed;
-        let send = if numel(&self.local.shape()[..dim]) == 1 {
-            &self.local
-        } else {
-            packed = self.local.pack(dim, &sizes)?;
-            &packed
-        };
+        let comm = self.mesh.axis_comm(axis).clone();
         let me = comm.rank();
-        let mut shape: Shape = self.local.shape().into();
-        shape[dim] = sizes[me];
-        let mut out = Tensor::zeros(&shape, self.dtype());
-        comm.reduce_scatterv(
-            send.as_dyn_slice(),
-            out.as_dyn_slice_mut(),
-            &counts,
-            reduce_op(p),
-        )?;
-        Ok(out)
+        let extent = local.shape()[dim];
+        let sizes = chunk_sizes(extent, comm.size());
+        let rest = Self::rest(local.shape(), &[dim]);
+        let counts: Vec<usize> = sizes.iter().map(|s| s * rest).collect();
+        let mut out_shape: Shape = local.shape().into();
+        out_shape[dim] = sizes[me];
+        // Blocks must be contiguous: along the leading dim they are, elsewhere pack them.
+        let mut send = if numel(&local.shape()[..dim]) == 1 {
+            local
+        } else {
+            local.pack(dim, &sizes)?
+        };
+        // Reduce in place: this rank's block of its own buffer receives the result, and the
+        // output is a view of that block (no allocation, no copy). The view keeps the whole
+        // buffer alive, trading memory for a pass over it.
+        comm.reduce_scatterv_in_place(send.as_dyn_slice_mut(), &counts, reduce_op(p))?;
+        let offset: usize = counts[..me].iter().sum();
+        let total = send.numel();
+        Ok(send
+            .reshape(&[total])?
+            .narrow(0, offset, counts[me])?
+            .reshape(&out_shape)?)
     }
 
-    fn all_to_all_dims(&self, axis: usize, from: usize, to: usize) -> Result<Tensor> {
+    fn all_to_all_dims(
+        &self,
+        local: &Tensor,
+        axis: usize,
+        from: usize,
+        to: usize,
+    ) -> Result<Tensor> {
         let comm = self.mesh.axis_comm(axis);
         let (n, me) = (comm.size(), comm.rank());
-        let shape = self.local.shape();
+        let shape = local.shape();
         let to_pieces = chunk_sizes(shape[to], n);
         let from_lens = chunk_sizes(self.parent_extent(axis, from)?, n);
         let other = Self::rest(shape, &[from, to]);
@@ -442,15 +474,15 @@ impl AnyDTensor {
             .collect();
         let packed;
         let send = if numel(&shape[..to]) == 1 {
-            &self.local
+            local
         } else {
-            packed = self.local.pack(to, &to_pieces)?;
+            packed = local.pack(to, &to_pieces)?;
             &packed
         };
         let mut new_shape: Shape = shape.into();
         new_shape[from] = from_lens.iter().sum();
         new_shape[to] = to_pieces[me];
-        let mut recv = Tensor::zeros(&[numel(&new_shape)], self.dtype());
+        let mut recv = Tensor::for_overwrite(&[numel(&new_shape)], local.dtype());
         comm.all_to_allv(
             send.as_dyn_slice(),
             &send_counts,

@@ -19,13 +19,17 @@
 
 pub mod dtype;
 pub mod error;
+pub mod ops;
+pub mod pool;
 pub mod reduce;
 pub mod tensor;
 
 pub use dtype::{DType, Element, ReduceOp, Slice, SliceMut};
 pub use error::{Error, Result};
 pub use half;
-pub use tensor::{chunk_sizes, numel, slice_as, CpuStorage, Storage, StorageElement, Tensor};
+pub use tensor::{
+    chunk_sizes, numel, slice_as, CpuBuffer, CpuStorage, Storage, StorageElement, Tensor,
+};
 
 /// A tensor shape: extents, outermost first. Inline for up to 4 dims.
 pub type Shape = smallvec::SmallVec<[usize; 4]>;

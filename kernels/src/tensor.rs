@@ -5,6 +5,7 @@ use crate::error::{Error, Result};
 use crate::{with_slice, Shape};
 use half::{bf16, f16};
 use smallvec::SmallVec;
+use std::sync::Arc;
 
 /// Contiguous row-major elements of one dtype, in host memory.
 #[derive(Clone, Debug, PartialEq)]
@@ -17,11 +18,31 @@ pub enum CpuStorage {
     I64(Vec<i64>),
 }
 
+/// A host buffer shared by the tensors that view it. When the last view drops it, the
+/// buffer goes back to the thread's pool (see [`crate::pool`]).
+#[derive(Debug)]
+pub struct CpuBuffer {
+    data: CpuStorage,
+}
+
+impl CpuBuffer {
+    pub fn data(&self) -> &CpuStorage {
+        &self.data
+    }
+}
+
+impl Drop for CpuBuffer {
+    fn drop(&mut self) {
+        let data = std::mem::replace(&mut self.data, CpuStorage::F32(Vec::new()));
+        crate::pool::recycle(data);
+    }
+}
+
 /// Where a tensor's elements live. Only `Cpu` exists today; a `Cuda` variant (device
 /// buffers through cudarc) joins it with the `cuda` feature.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub enum Storage {
-    Cpu(CpuStorage),
+    Cpu(Arc<CpuBuffer>),
 }
 
 /// Maps an element type to its `CpuStorage` variant and back.
@@ -60,6 +81,25 @@ storage_element!(i32, I32);
 storage_element!(i64, I64);
 
 impl CpuStorage {
+    pub fn dtype(&self) -> DType {
+        self.slice().dtype()
+    }
+    pub fn len(&self) -> usize {
+        self.slice().len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub(crate) fn truncate(&mut self, n: usize) {
+        match self {
+            CpuStorage::F32(v) => v.truncate(n),
+            CpuStorage::F64(v) => v.truncate(n),
+            CpuStorage::BF16(v) => v.truncate(n),
+            CpuStorage::F16(v) => v.truncate(n),
+            CpuStorage::I32(v) => v.truncate(n),
+            CpuStorage::I64(v) => v.truncate(n),
+        }
+    }
     fn zeros(dtype: DType, n: usize) -> Self {
         match dtype {
             DType::F32 => CpuStorage::F32(vec![0.0; n]),
@@ -94,12 +134,27 @@ impl CpuStorage {
 
 /// A dense tensor on one rank.
 ///
-/// Invariant: `numel(shape) == storage length`; elements are contiguous, row-major.
-/// A tensor of rank 0 (shape `[]`) holds one element.
-#[derive(Clone, Debug, PartialEq)]
+/// Invariants: the elements are the `numel(shape)` consecutive elements of the storage
+/// starting at `offset`, row-major. A tensor of rank 0 (shape `[]`) holds one element.
+///
+/// Storage is shared: `clone` and a [`narrow`](Tensor::narrow) of the leading dim are
+/// views that copy nothing; writing through a shared view first copies its elements
+/// (copy on write), so values never change behind another tensor's back.
+#[derive(Clone, Debug)]
 pub struct Tensor {
     shape: Shape,
     storage: Storage,
+    offset: usize,
+}
+
+impl PartialEq for Tensor {
+    /// Same shape, dtype and elements (wherever they are stored).
+    fn eq(&self, other: &Tensor) -> bool {
+        self.shape == other.shape && self.dtype() == other.dtype() && {
+            let (a, b) = (self.as_dyn_slice(), other.as_dyn_slice());
+            with_slice!(Slice, a, |x: T| x == slice_as::<T>(b))
+        }
+    }
 }
 
 /// Product of the extents (1 for a scalar).
@@ -108,12 +163,35 @@ pub fn numel(shape: &[usize]) -> usize {
 }
 
 impl Tensor {
-    /// A tensor of `shape` filled with zeros.
-    pub fn zeros(shape: &[usize], dtype: DType) -> Self {
+    fn from_storage(shape: &[usize], data: CpuStorage) -> Tensor {
+        debug_assert_eq!(data.len(), numel(shape));
         Tensor {
             shape: shape.into(),
-            storage: Storage::Cpu(CpuStorage::zeros(dtype, numel(shape))),
+            storage: Storage::Cpu(Arc::new(CpuBuffer { data })),
+            offset: 0,
         }
+    }
+
+    /// A tensor of `shape` filled with zeros.
+    pub fn zeros(shape: &[usize], dtype: DType) -> Self {
+        let n = numel(shape);
+        match crate::pool::take(dtype, n) {
+            Some(mut data) => {
+                with_slice!(SliceMut, data.slice_mut(), |d: T| d
+                    .fill(<T as Element>::zero()));
+                Tensor::from_storage(shape, data)
+            }
+            None => Tensor::from_storage(shape, CpuStorage::zeros(dtype, n)),
+        }
+    }
+
+    /// A tensor of `shape` whose elements are unspecified (but initialized) values, for a
+    /// destination that is about to be overwritten in full: reuses a pooled buffer
+    /// without clearing it.
+    pub fn for_overwrite(shape: &[usize], dtype: DType) -> Self {
+        let n = numel(shape);
+        let data = crate::pool::take(dtype, n).unwrap_or_else(|| CpuStorage::zeros(dtype, n));
+        Tensor::from_storage(shape, data)
     }
 
     /// Wraps `data` (row-major) as a tensor of `shape`.
@@ -126,19 +204,13 @@ impl Tensor {
                 shape: shape.into(),
             });
         }
-        Ok(Tensor {
-            shape: shape.into(),
-            storage: Storage::Cpu(T::wrap(data)),
-        })
+        Ok(Tensor::from_storage(shape, T::wrap(data)))
     }
 
     /// A tensor whose element at flat index `i` is `f(i)` (handy for tests and examples).
     pub fn from_fn<T: StorageElement>(shape: &[usize], f: impl FnMut(usize) -> T) -> Self {
         let data: Vec<T> = (0..numel(shape)).map(f).collect();
-        Tensor {
-            shape: shape.into(),
-            storage: Storage::Cpu(T::wrap(data)),
-        }
+        Tensor::from_storage(shape, T::wrap(data))
     }
 
     pub fn shape(&self) -> &[usize] {
@@ -151,7 +223,7 @@ impl Tensor {
         numel(&self.shape)
     }
     pub fn dtype(&self) -> DType {
-        self.as_dyn_slice().dtype()
+        self.buffer().data.dtype()
     }
     pub fn size_in_bytes(&self) -> usize {
         self.numel() * self.dtype().size_in_bytes()
@@ -159,28 +231,82 @@ impl Tensor {
     pub fn storage(&self) -> &Storage {
         &self.storage
     }
+    fn buffer(&self) -> &CpuBuffer {
+        let Storage::Cpu(b) = &self.storage;
+        b
+    }
+    /// Whether both tensors view the same buffer (no copy was made between them).
+    pub fn shares_storage_with(&self, other: &Tensor) -> bool {
+        let (Storage::Cpu(a), Storage::Cpu(b)) = (&self.storage, &other.storage);
+        Arc::ptr_eq(a, b)
+    }
+
+    /// The whole buffer behind this tensor, as a 1-D tensor, and where this tensor's
+    /// elements start in it, if no other tensor shares the buffer (else `self` back).
+    /// In-place collectives use it: a shard that is a view into a full-size buffer is
+    /// already where an all-gather wants it.
+    pub fn try_into_buffer(self) -> std::result::Result<(Tensor, usize), Tensor> {
+        let Storage::Cpu(b) = &self.storage;
+        if Arc::strong_count(b) != 1 {
+            return Err(self);
+        }
+        let len = b.data.len();
+        let offset = self.offset;
+        Ok((
+            Tensor {
+                shape: smallvec::smallvec![len],
+                storage: self.storage,
+                offset: 0,
+            },
+            offset,
+        ))
+    }
+
+    /// A copy that owns its elements (no storage shared with `self`).
+    pub fn deep_clone(&self) -> Tensor {
+        let mut out = Tensor::for_overwrite(&self.shape, self.dtype());
+        let src = self.as_dyn_slice();
+        with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| d
+            .copy_from_slice(slice_as::<T>(src)));
+        out
+    }
+
+    /// Makes the storage exclusively this tensor's (copying the visible elements if it is
+    /// shared), so it can be written.
+    fn make_unique(&mut self) {
+        let Storage::Cpu(b) = &mut self.storage;
+        if Arc::get_mut(b).is_none() {
+            *self = self.deep_clone();
+        }
+    }
 
     /// The elements as `&[T]`; `Err` if the dtype is not `T`.
     pub fn as_slice<T: StorageElement>(&self) -> Result<&[T]> {
-        let Storage::Cpu(s) = &self.storage;
-        T::view(s).ok_or(Error::DTypeMismatch {
+        let all = T::view(&self.buffer().data).ok_or(Error::DTypeMismatch {
             op: "Tensor::as_slice",
             lhs: self.dtype(),
             rhs: T::DTYPE,
-        })
+        })?;
+        Ok(&all[self.offset..self.offset + self.numel()])
     }
 
-    /// The elements as `&mut [T]`; `Err` if the dtype is not `T`.
+    /// The elements as `&mut [T]`; `Err` if the dtype is not `T`. Copies first if the
+    /// storage is shared with another tensor.
     pub fn as_mut_slice<T: StorageElement>(&mut self) -> Result<&mut [T]> {
         let dtype = self.dtype();
-        let Storage::Cpu(s) = &mut self.storage;
-        T::view_mut(s)
-            .map(|v| v.as_mut_slice())
-            .ok_or(Error::DTypeMismatch {
+        if dtype != T::DTYPE {
+            return Err(Error::DTypeMismatch {
                 op: "Tensor::as_mut_slice",
                 lhs: dtype,
                 rhs: T::DTYPE,
-            })
+            });
+        }
+        self.make_unique();
+        let (offset, n) = (self.offset, self.numel());
+        let Storage::Cpu(b) = &mut self.storage;
+        let buf = Arc::get_mut(b).expect("made unique above");
+        let v = T::view_mut(&mut buf.data).expect("dtype checked above");
+        Ok(&mut v[offset..offset + n])
     }
 
     /// The elements, converted to `f64` (for tests and reports).
@@ -194,7 +320,7 @@ impl Tensor {
     /// A copy with every element converted to `dtype` (through `f64`).
     pub fn to_dtype(&self, dtype: DType) -> Tensor {
         let vals = self.to_f64_vec();
-        let mut out = Tensor::zeros(&self.shape, dtype);
+        let mut out = Tensor::for_overwrite(&self.shape, dtype);
         with_slice!(SliceMut, out.as_dyn_slice_mut(), |s: T| {
             for (d, v) in s.iter_mut().zip(&vals) {
                 *d = <T as Element>::from_f64(*v);
@@ -205,12 +331,21 @@ impl Tensor {
 
     /// The elements as a dtype-erased slice (what a `Communicator` takes).
     pub fn as_dyn_slice(&self) -> Slice<'_> {
-        let Storage::Cpu(s) = &self.storage;
-        s.slice()
+        let (o, n) = (self.offset, self.numel());
+        with_slice!(Slice, self.buffer().data.slice(), |s: T| {
+            <T as Element>::slice(&s[o..o + n])
+        })
     }
+
+    /// The elements as a mutable dtype-erased slice. Copies first if the storage is shared.
     pub fn as_dyn_slice_mut(&mut self) -> SliceMut<'_> {
-        let Storage::Cpu(s) = &mut self.storage;
-        s.slice_mut()
+        self.make_unique();
+        let (o, n) = (self.offset, self.numel());
+        let Storage::Cpu(b) = &mut self.storage;
+        let buf = Arc::get_mut(b).expect("made unique above");
+        with_slice!(SliceMut, buf.data.slice_mut(), |s: T| {
+            <T as Element>::slice_mut(&mut s[o..o + n])
+        })
     }
 
     /// The same elements under another shape with the same element count.
@@ -225,6 +360,7 @@ impl Tensor {
         Ok(Tensor {
             shape: shape.into(),
             storage: self.storage,
+            offset: self.offset,
         })
     }
 
@@ -263,7 +399,15 @@ impl Tensor {
         let (outer, extent, inner) = self.split_at_dim(dim);
         let mut shape = self.shape.clone();
         shape[dim] = len;
-        let mut out = Tensor::zeros(&shape, self.dtype());
+        if outer == 1 {
+            // The range is contiguous: a view, no copy.
+            return Ok(Tensor {
+                shape,
+                storage: self.storage.clone(),
+                offset: self.offset + start * inner,
+            });
+        }
+        let mut out = Tensor::for_overwrite(&shape, self.dtype());
         copy_blocks(
             self.as_dyn_slice(),
             out.as_dyn_slice_mut(),
@@ -280,16 +424,7 @@ impl Tensor {
     /// Splits `dim` into pieces of the given extents (which must add up to the extent),
     /// in one pass, returning one tensor per piece.
     pub fn split(&self, dim: usize, sizes: &[usize]) -> Result<Vec<Tensor>> {
-        self.check_dim("Tensor::split", dim)?;
-        if sizes.iter().sum::<usize>() != self.shape[dim] {
-            return Err(Error::Invalid {
-                op: "Tensor::split",
-                detail: format!(
-                    "sizes {sizes:?} do not add up to extent {} of dim {dim} in shape {:?}",
-                    self.shape[dim], self.shape
-                ),
-            });
-        }
+        self.check_pieces("Tensor::split", dim, sizes)?;
         let mut start = 0;
         sizes
             .iter()
@@ -342,7 +477,7 @@ impl Tensor {
         }
         let mut shape = first.shape.clone();
         shape[dim] = tensors.iter().map(|t| t.shape[dim]).sum();
-        let mut out = Tensor::zeros(&shape, first.dtype());
+        let mut out = Tensor::for_overwrite(&shape, first.dtype());
         let (outer, total, inner) = out.split_at_dim(dim);
         let mut offset = 0;
         for t in tensors {
@@ -366,30 +501,36 @@ impl Tensor {
     /// same element count, piece 0 first: the send layout of an all-to-all or
     /// reduce-scatter along `dim`. One pass over memory.
     pub fn pack(&self, dim: usize, sizes: &[usize]) -> Result<Tensor> {
-        let pieces = self.split(dim, sizes)?;
-        let mut out = Tensor::zeros(&[self.numel()], self.dtype());
-        let mut offset = 0;
-        for p in &pieces {
-            let n = p.numel();
-            copy_blocks(
-                p.as_dyn_slice(),
-                out.as_dyn_slice_mut(),
-                1,
-                n,
-                n,
-                0,
-                n,
-                offset,
-            );
-            offset += n;
-        }
+        self.check_pieces("Tensor::pack", dim, sizes)?;
+        let (outer, extent, inner) = self.split_at_dim(dim);
+        let mut out = Tensor::for_overwrite(&[self.numel()], self.dtype());
+        let src = self.as_dyn_slice();
+        with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
+            let s: &[T] = slice_as(src);
+            let mut piece_base = 0;
+            let mut start = 0;
+            for &len in sizes {
+                let run = len * inner;
+                for o in 0..outer {
+                    let from = (o * extent + start) * inner;
+                    let to = piece_base + o * run;
+                    d[to..to + run].copy_from_slice(&s[from..from + run]);
+                }
+                piece_base += outer * run;
+                start += len;
+            }
+        });
         Ok(out)
     }
 
     /// The inverse of [`Tensor::pack`]: `flat` holds pieces one after another, piece `i` of
     /// shape `shape` with extent `sizes[i]` on `dim`; returns them concatenated along `dim`.
+    /// One pass over memory.
     pub fn unpack(flat: &Tensor, shape: &[usize], dim: usize, sizes: &[usize]) -> Result<Tensor> {
-        if flat.numel() != numel(shape) || sizes.iter().sum::<usize>() != shape[dim] {
+        if dim >= shape.len()
+            || flat.numel() != numel(shape)
+            || sizes.iter().sum::<usize>() != shape[dim]
+        {
             return Err(Error::Invalid {
                 op: "Tensor::unpack",
                 detail: format!(
@@ -400,16 +541,39 @@ impl Tensor {
         }
         let inner: usize = numel(&shape[dim + 1..]);
         let outer: usize = numel(&shape[..dim]);
-        let mut offset = 0;
-        let mut pieces = Vec::with_capacity(sizes.len());
-        for &s in sizes {
-            let n = outer * s * inner;
-            let mut piece_shape: Shape = shape.into();
-            piece_shape[dim] = s;
-            pieces.push(flat.narrow(0, offset, n)?.reshape(&piece_shape)?);
-            offset += n;
+        let extent = shape[dim];
+        let mut out = Tensor::for_overwrite(shape, flat.dtype());
+        let src = flat.as_dyn_slice();
+        with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
+            let s: &[T] = slice_as(src);
+            let mut piece_base = 0;
+            let mut start = 0;
+            for &len in sizes {
+                let run = len * inner;
+                for o in 0..outer {
+                    let to = (o * extent + start) * inner;
+                    let from = piece_base + o * run;
+                    d[to..to + run].copy_from_slice(&s[from..from + run]);
+                }
+                piece_base += outer * run;
+                start += len;
+            }
+        });
+        Ok(out)
+    }
+
+    fn check_pieces(&self, op: &'static str, dim: usize, sizes: &[usize]) -> Result<()> {
+        self.check_dim(op, dim)?;
+        if sizes.iter().sum::<usize>() != self.shape[dim] {
+            return Err(Error::Invalid {
+                op,
+                detail: format!(
+                    "sizes {sizes:?} do not add up to extent {} of dim {dim} in shape {:?}",
+                    self.shape[dim], self.shape
+                ),
+            });
         }
-        Tensor::cat(&pieces, dim)
+        Ok(())
     }
 
     fn check_same(&self, op: &'static str, other: &Tensor) -> Result<()> {
@@ -647,6 +811,66 @@ mod tests {
         assert_eq!(b, a);
         let h = a.to_dtype(DType::BF16).scale(2.0);
         assert_eq!(h.to_f64_vec(), vec![0.0, 2.0, 4.0]);
+    }
+
+    #[test]
+    fn narrow_of_leading_dim_is_a_view_and_writes_copy() {
+        let t = iota(&[4, 3]);
+        let mut v = t.narrow(0, 1, 2).unwrap();
+        assert!(v.shares_storage_with(&t));
+        assert_eq!(v.as_slice::<f32>().unwrap(), &[3., 4., 5., 6., 7., 8.]);
+        // Writing through the view copies it first: `t` keeps its values.
+        v.as_mut_slice::<f32>().unwrap()[0] = 100.0;
+        assert!(!v.shares_storage_with(&t));
+        assert_eq!(t.as_slice::<f32>().unwrap()[3], 3.0);
+        assert_eq!(v.as_slice::<f32>().unwrap()[..2], [100.0, 4.0]);
+        // A middle-dim narrow is not contiguous, so it copies.
+        let m = t.narrow(1, 1, 1).unwrap();
+        assert!(!m.shares_storage_with(&t));
+        assert_eq!(m.as_slice::<f32>().unwrap(), &[1., 4., 7., 10.]);
+    }
+
+    #[test]
+    fn try_into_buffer_gives_the_whole_buffer_only_when_unshared() {
+        let t = iota(&[4, 3]);
+        let v = t.narrow(0, 2, 1).unwrap();
+        let v = v.try_into_buffer().unwrap_err(); // `t` still shares it
+        drop(t);
+        let (buf, off) = v.try_into_buffer().unwrap();
+        assert_eq!((buf.shape(), off), (&[12][..], 6));
+        assert_eq!(buf.as_slice::<f32>().unwrap()[11], 11.0);
+    }
+
+    #[test]
+    fn dropped_large_buffers_are_reused_on_the_same_thread() {
+        std::thread::spawn(|| {
+            let n = 1 << 20; // 4 MiB of f32
+            let a = Tensor::from_fn(&[n], |i| i as f32);
+            drop(a);
+            assert_eq!(crate::pool::cached_bytes(), 4 << 20);
+            let b = Tensor::for_overwrite(&[n], DType::F32);
+            assert_eq!(
+                crate::pool::cached_bytes(),
+                0,
+                "the cached buffer was handed out"
+            );
+            assert_eq!(b.numel(), n);
+            let z = {
+                drop(b);
+                Tensor::zeros(&[n], DType::F32)
+            };
+            assert!(
+                z.as_slice::<f32>().unwrap().iter().all(|&x| x == 0.0),
+                "zeros clears a reused buffer"
+            );
+            // A much smaller request does not take a big buffer.
+            drop(z);
+            let small = Tensor::for_overwrite(&[n / 4], DType::F32);
+            assert_eq!(crate::pool::cached_bytes(), 4 << 20);
+            drop(small);
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

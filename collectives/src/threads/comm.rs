@@ -279,6 +279,71 @@ impl Communicator for ThreadComm {
             .map(drop)
     }
 
+    fn all_gatherv_in_place(&self, mut buf: SliceMut<'_>, counts: &[usize]) -> Result<()> {
+        let (n, r) = (self.n(), self.rank);
+        let total = counts_sum(counts, "counts", n);
+        let own = counts.get(r).copied().unwrap_or(0);
+        let call = Call::AllGatherV {
+            send: own,
+            recv: buf.len(),
+            counts: counts.to_vec(),
+        };
+        let invalid = match total {
+            Err(e) => Some(e),
+            Ok(total) if buf.len() != total => Some(format!(
+                "buffer has {} elements but counts sum to {total}",
+                buf.len()
+            )),
+            Ok(_) => None,
+        };
+        let mut post = post(call, invalid, None, Some(&mut buf));
+        if post.invalid.is_none() {
+            // This rank's piece is read by its peers where it already lies; the data phase
+            // skips copying a piece onto itself.
+            let off: usize = counts[..r].iter().sum();
+            let es = buf.dtype().size_in_bytes();
+            // SAFETY: `off + own <= buf.len()` (counts sum to the buffer's length).
+            post.send = RawBuf(unsafe { post.recv.0.add(off * es) });
+        }
+        self.run(post).map(drop)
+    }
+
+    fn reduce_scatterv_in_place(
+        &self,
+        mut buf: SliceMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, r) = (self.n(), self.rank);
+        let total = counts_sum(counts, "counts", n);
+        let own = counts.get(r).copied().unwrap_or(0);
+        let call = Call::ReduceScatterV {
+            send: buf.len(),
+            recv: own,
+            counts: counts.to_vec(),
+            op,
+        };
+        let invalid = match total {
+            Err(e) => Some(e),
+            Ok(total) if buf.len() != total => Some(format!(
+                "buffer has {} elements but counts sum to {total}",
+                buf.len()
+            )),
+            Ok(_) => None,
+        };
+        let mut post = post(call, invalid, None, Some(&mut buf));
+        if post.invalid.is_none() {
+            // Peers read block p of this buffer only for p != r; this rank writes its own
+            // block r, reading it (and the peers' blocks r) block by block before writing
+            // (`reduce_sources_with`), so the result can land where block r lies.
+            let off: usize = counts[..r].iter().sum();
+            let es = buf.dtype().size_in_bytes();
+            // SAFETY: `off + own <= buf.len()` (counts sum to the buffer's length).
+            post.recv = RawBuf(unsafe { post.send.0.add(off * es) });
+        }
+        self.run(post).map(drop)
+    }
+
     fn reduce_scatter(&self, send: Slice<'_>, mut recv: SliceMut<'_>, op: ReduceOp) -> Result<()> {
         let n = self.n();
         let call = Call::ReduceScatter {

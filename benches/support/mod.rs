@@ -1,0 +1,172 @@
+//! Shared by `benches/redistribute.rs` (criterion) and `examples/bench_report.rs`: the
+//! redistribution cases, a pool of rank threads that runs them on command, and the
+//! machine's single-thread memcpy bandwidth.
+#![allow(dead_code)]
+
+use dtensor::prelude::*;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One redistribution on a 1-D mesh of `ranks` thread ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// S(0) -> R
+    AllGatherS0,
+    /// S(last) -> R
+    AllGatherSLast,
+    /// P -> S(0)
+    ReduceScatterS0,
+    /// P -> I
+    AllReduce,
+    /// S(0) -> S(1)
+    AllToAllS0S1,
+    /// R -> S(0): a local slice
+    ChunkS0,
+}
+
+impl Op {
+    pub const ALL: [Op; 6] = [
+        Op::AllGatherS0,
+        Op::AllGatherSLast,
+        Op::ReduceScatterS0,
+        Op::AllReduce,
+        Op::AllToAllS0S1,
+        Op::ChunkS0,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::AllGatherS0 => "all_gather",
+            Op::AllGatherSLast => "all_gather_last",
+            Op::ReduceScatterS0 => "reduce_scatter",
+            Op::AllReduce => "all_reduce",
+            Op::AllToAllS0S1 => "all_to_all",
+            Op::ChunkS0 => "chunk",
+        }
+    }
+
+    /// Source placement and the step that runs.
+    fn setup(self) -> (Placement, StepKind) {
+        let sum = Placement::Partial(PartialOp::Sum);
+        match self {
+            Op::AllGatherS0 => (Placement::Shard(0), StepKind::AllGather { dim: 0 }),
+            Op::AllGatherSLast => (Placement::Shard(1), StepKind::AllGather { dim: 1 }),
+            Op::ReduceScatterS0 => (sum, StepKind::ReduceScatter { dim: 0 }),
+            Op::AllReduce => (sum, StepKind::AllReduce),
+            Op::AllToAllS0S1 => (Placement::Shard(0), StepKind::AllToAll { from: 0, to: 1 }),
+            Op::ChunkS0 => (Placement::Replicate, StepKind::Chunk { dim: 0 }),
+        }
+    }
+
+    /// nccl-tests' bus-bandwidth factor: busbw = algbw × factor.
+    pub fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Op::AllReduce => 2.0 * (n - 1.0) / n,
+            Op::ChunkS0 => 1.0,
+            _ => (n - 1.0) / n,
+        }
+    }
+}
+
+/// Global shape for `bytes` of `dtype`: 1024 columns (so S(last) splits a row).
+pub fn global_shape(bytes: usize, dtype: DType) -> [usize; 2] {
+    let numel = bytes / dtype.size_in_bytes();
+    [numel / 1024, 1024]
+}
+
+enum Command {
+    /// Run the case this many times; rank 0 answers with the total time.
+    Run(u64),
+    Stop,
+}
+
+/// `ranks` thread ranks holding one case's input, timing it on command.
+pub struct RankPool {
+    senders: Vec<mpsc::Sender<Command>>,
+    times: mpsc::Receiver<Duration>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl RankPool {
+    pub fn new(op: Op, ranks: usize, bytes: usize, dtype: DType) -> RankPool {
+        let (senders, receivers): (Vec<_>, Vec<_>) = (0..ranks).map(|_| mpsc::channel()).unzip();
+        let receivers: Vec<_> = receivers.into_iter().map(std::sync::Mutex::new).collect();
+        let (time_tx, times) = mpsc::channel();
+        let handle = std::thread::spawn(move || {
+            let receivers = Arc::new(receivers);
+            let results = threads::launch(ranks, |world| -> Result<(), Error> {
+                let rank = world.rank();
+                let rx = receivers[rank].lock().unwrap();
+                let mesh = DeviceMesh::new(world.clone(), Mesh::new(&[(AxisKind::Tp, ranks)])?)?;
+                let (src, kind) = op.setup();
+                let shape = global_shape(bytes, dtype);
+                let local_shape =
+                    dtensor_placement::local_shape(mesh.mesh(), &[src], mesh.coords(), &shape)?;
+                let local =
+                    Tensor::from_fn(&local_shape, |i| (i % 251) as f32 * 0.5).to_dtype(dtype);
+                let input = AnyDTensor::from_local(local, &shape, &[src], &mesh)?;
+                while let Ok(Command::Run(iters)) = rx.recv() {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        let x = input.clone();
+                        world.barrier()?;
+                        let t0 = Instant::now();
+                        let y = x.apply(0, kind)?;
+                        world.barrier()?;
+                        total += t0.elapsed();
+                        drop(y);
+                    }
+                    if rank == 0 {
+                        time_tx.send(total).unwrap();
+                    }
+                }
+                Ok(())
+            });
+            for (r, res) in results.into_iter().enumerate() {
+                if let Err(e) = res {
+                    eprintln!("bench rank {r}: {e}");
+                }
+            }
+        });
+        RankPool {
+            senders,
+            times,
+            handle: Some(handle),
+        }
+    }
+
+    /// Total time of `iters` runs (timed between two barriers, inputs cloned outside).
+    pub fn run(&self, iters: u64) -> Duration {
+        for s in &self.senders {
+            s.send(Command::Run(iters)).unwrap();
+        }
+        self.times.recv().expect("bench ranks failed")
+    }
+}
+
+impl Drop for RankPool {
+    fn drop(&mut self) {
+        for s in &self.senders {
+            let _ = s.send(Command::Stop);
+        }
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// GB/s of one thread copying `bytes` between two warm buffers (best of `reps`).
+pub fn memcpy_gbps(bytes: usize, reps: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let mut best = Duration::MAX;
+    for _ in 0..reps.max(1) {
+        let t0 = Instant::now();
+        dst.copy_from_slice(&src);
+        best = best.min(t0.elapsed());
+        std::hint::black_box(&dst);
+    }
+    bytes as f64 / best.as_secs_f64() / 1e9
+}

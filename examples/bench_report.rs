@@ -1,0 +1,56 @@
+//! One line per redistribution case, readable in a minute:
+//!
+//! `op=all_gather ranks=2 bytes=16777216 dtype=f32 time_us=… algbw_GBps=… busbw_GBps=… memcpy_GBps=… ratio=…`
+//!
+//! `bytes` is the total (gathered / reduced) size; algbw = bytes / time; busbw follows
+//! nccl-tests (× (n−1)/n for all-gather, reduce-scatter and all-to-all, × 2(n−1)/n for
+//! all-reduce, × 1 for the local chunk); `memcpy_GBps` is one thread copying `bytes`
+//! between warm buffers, measured in the same run; ratio = algbw / memcpy_GBps. Times are
+//! the median of several runs, each between two barriers.
+//!
+//! `cargo run --release --example bench_report [-- --quick]`
+
+#[path = "../benches/support/mod.rs"]
+mod support;
+
+use dtensor::prelude::DType;
+use std::time::Duration;
+use support::{memcpy_gbps, Op, RankPool};
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let sizes: &[usize] = if quick {
+        &[1 << 20, 16 << 20]
+    } else {
+        &[1 << 20, 16 << 20, 128 << 20]
+    };
+    for &bytes in sizes {
+        let memcpy = memcpy_gbps(bytes, if bytes >= 128 << 20 { 5 } else { 20 });
+        for dtype in [DType::F32, DType::BF16] {
+            for ranks in [2, 4] {
+                for op in Op::ALL {
+                    let pool = RankPool::new(op, ranks, bytes, dtype);
+                    let reps = if bytes >= 128 << 20 {
+                        5
+                    } else if bytes >= 16 << 20 {
+                        9
+                    } else {
+                        25
+                    };
+                    pool.run(2); // warm up: first touches, buffer pools
+                    let mut times: Vec<Duration> = (0..reps).map(|_| pool.run(1)).collect();
+                    times.sort();
+                    let t = times[reps / 2].as_secs_f64();
+                    let algbw = bytes as f64 / t / 1e9;
+                    println!(
+                        "op={} ranks={ranks} bytes={bytes} dtype={dtype} time_us={:.1} algbw_GBps={algbw:.2} busbw_GBps={:.2} memcpy_GBps={memcpy:.2} ratio={:.2}",
+                        op.name(),
+                        t * 1e6,
+                        algbw * op.bus_factor(ranks),
+                        algbw / memcpy
+                    );
+                }
+            }
+        }
+    }
+}

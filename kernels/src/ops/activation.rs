@@ -1,0 +1,208 @@
+//! Pointwise activations and their backward.
+//!
+//! | op | forward | backward (what it takes) |
+//! |---|---|---|
+//! | [`gelu`] | `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))` (the tanh approximation) | `dx = dy·gelu'(x)` (`dy`, `x`) |
+//! | [`silu`] | `x·σ(x)` | `dx = dy·σ(x)·(1 + x·(1 − σ(x)))` (`dy`, `x`) |
+//! | [`swiglu`] | `silu(gate)·up` | `d_gate = dy·up·silu'(gate)`, `d_up = dy·silu(gate)` (`dy`, `gate`, `up`) |
+//!
+//! Each is evaluated in the compute type (`f32` for `f32`/`bf16`/`f16`, `f64` for `f64`) and
+//! rounded once. The sigmoid is the overflow-free form (`e^x/(1+e^x)` for `x < 0`).
+
+use super::{check_dst, same_layout, store, AccFloat, Accum, Float};
+use crate::{Result, Tensor};
+
+/// `√(2/π)`.
+const GELU_C: f64 = 0.797_884_560_802_865_4;
+const GELU_A: f64 = 0.044715;
+
+fn gelu_f<A: AccFloat>(x: A) -> A {
+    let u = A::lit(GELU_C) * (x + A::lit(GELU_A) * x * x * x);
+    A::lit(0.5) * x * (A::ONE + u.tanh())
+}
+
+fn gelu_grad<A: AccFloat>(x: A) -> A {
+    let x2 = x * x;
+    let u = A::lit(GELU_C) * x * (A::ONE + A::lit(GELU_A) * x2);
+    let t = u.tanh();
+    let sech2 = A::ONE - t * t;
+    let first = A::lit(0.5) * (A::ONE + t);
+    if sech2 == A::ZERO {
+        // Saturated: the second term is 0, but `x2` may have overflowed to inf (0·inf = NaN).
+        return first;
+    }
+    first + A::lit(0.5) * x * sech2 * A::lit(GELU_C) * (A::ONE + A::lit(3.0 * GELU_A) * x2)
+}
+
+fn sigmoid<A: AccFloat>(x: A) -> A {
+    if x >= A::ZERO {
+        A::ONE / (A::ONE + (-x).exp())
+    } else {
+        let e = x.exp();
+        e / (A::ONE + e)
+    }
+}
+
+fn silu_f<A: AccFloat>(x: A) -> A {
+    x * sigmoid(x)
+}
+
+fn silu_grad<A: AccFloat>(x: A) -> A {
+    let s = sigmoid(x);
+    if s == A::ZERO {
+        // x far below 0: σ underflowed, and x·(1−σ) would be −inf (0·inf = NaN).
+        return A::ZERO;
+    }
+    s * (A::ONE + x * (A::ONE - s))
+}
+
+fn map_into<T: Float>(dst: &mut [T], x: &[T], f: impl Fn(T::Acc) -> T::Acc) {
+    for (d, &v) in dst.iter_mut().zip(x) {
+        *d = T::from_acc(f(v.to_acc()));
+    }
+}
+
+fn grad_into<T: Float>(
+    dst: &mut [T],
+    dy: &[T],
+    x: &[T],
+    accum: Accum,
+    f: impl Fn(T::Acc) -> T::Acc,
+) {
+    for ((d, &g), &v) in dst.iter_mut().zip(dy).zip(x) {
+        store(d, g.to_acc() * f(v.to_acc()), accum);
+    }
+}
+
+macro_rules! unary_activation {
+    (
+        $name:ident, $name_into:ident, $back:ident, $back_into:ident,
+        $f:ident, $grad:ident, $op:literal, $op_back:literal, $doc:literal
+    ) => {
+        #[doc = concat!("`", $doc, "`, elementwise.")]
+        pub fn $name(x: &Tensor) -> Result<Tensor> {
+            let mut dst = Tensor::zeros(x.shape(), x.dtype());
+            $name_into(&mut dst, x)?;
+            Ok(dst)
+        }
+
+        #[doc = concat!("`dst = ", $doc, "`; `dst` has `x`'s shape and dtype.")]
+        pub fn $name_into(dst: &mut Tensor, x: &Tensor) -> Result<()> {
+            check_dst($op, dst, x.shape(), x.dtype())?;
+            dispatch_float!($op, x.dtype(), |T| {
+                map_into::<T>(dst.as_mut_slice()?, x.as_slice()?, $f);
+                Ok(())
+            })
+        }
+
+        #[doc = concat!("The input gradient of [`", stringify!($name), "`] at `x`, given the output gradient `dy`.")]
+        pub fn $back(dy: &Tensor, x: &Tensor) -> Result<Tensor> {
+            let mut dst = Tensor::zeros(x.shape(), x.dtype());
+            $back_into(&mut dst, dy, x, Accum::Replace)?;
+            Ok(dst)
+        }
+
+        #[doc = concat!("[`", stringify!($back), "`] into `dx`, replacing or adding to it.")]
+        pub fn $back_into(dx: &mut Tensor, dy: &Tensor, x: &Tensor, accum: Accum) -> Result<()> {
+            same_layout($op_back, dy, x)?;
+            check_dst($op_back, dx, x.shape(), x.dtype())?;
+            dispatch_float!($op_back, x.dtype(), |T| {
+                grad_into::<T>(dx.as_mut_slice()?, dy.as_slice()?, x.as_slice()?, accum, $grad);
+                Ok(())
+            })
+        }
+    };
+}
+
+unary_activation!(
+    gelu,
+    gelu_into,
+    gelu_backward,
+    gelu_backward_into,
+    gelu_f,
+    gelu_grad,
+    "ops::gelu",
+    "ops::gelu_backward",
+    "0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))"
+);
+
+unary_activation!(
+    silu,
+    silu_into,
+    silu_backward,
+    silu_backward_into,
+    silu_f,
+    silu_grad,
+    "ops::silu",
+    "ops::silu_backward",
+    "x·σ(x)"
+);
+
+/// `silu(gate)·up`, elementwise (the gated MLP of LLaMA-style models; `gate` and `up` are the
+/// two halves of the first projection).
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let mut dst = Tensor::zeros(gate.shape(), gate.dtype());
+    swiglu_into(&mut dst, gate, up)?;
+    Ok(dst)
+}
+
+/// `dst = silu(gate)·up`.
+pub fn swiglu_into(dst: &mut Tensor, gate: &Tensor, up: &Tensor) -> Result<()> {
+    const OP: &str = "ops::swiglu";
+    same_layout(OP, gate, up)?;
+    check_dst(OP, dst, gate.shape(), gate.dtype())?;
+    dispatch_float!(OP, gate.dtype(), |T| {
+        let (g, u) = (gate.as_slice::<T>()?, up.as_slice::<T>()?);
+        for ((d, &g), &u) in dst.as_mut_slice::<T>()?.iter_mut().zip(g).zip(u) {
+            *d = T::from_acc(silu_f(g.to_acc()) * u.to_acc());
+        }
+        Ok(())
+    })
+}
+
+/// The gradients of [`swiglu`] with respect to `gate` and `up`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SwiGluGrads {
+    pub d_gate: Tensor,
+    pub d_up: Tensor,
+}
+
+/// `d_gate = dy·up·silu'(gate)`, `d_up = dy·silu(gate)`.
+pub fn swiglu_backward(dy: &Tensor, gate: &Tensor, up: &Tensor) -> Result<SwiGluGrads> {
+    let mut d_gate = Tensor::zeros(gate.shape(), gate.dtype());
+    let mut d_up = Tensor::zeros(gate.shape(), gate.dtype());
+    swiglu_backward_into(&mut d_gate, &mut d_up, dy, gate, up, Accum::Replace)?;
+    Ok(SwiGluGrads { d_gate, d_up })
+}
+
+/// [`swiglu_backward`] into caller buffers (e.g. the two halves' gradients), replacing or
+/// adding to them.
+pub fn swiglu_backward_into(
+    d_gate: &mut Tensor,
+    d_up: &mut Tensor,
+    dy: &Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+    accum: Accum,
+) -> Result<()> {
+    const OP: &str = "ops::swiglu_backward";
+    same_layout(OP, gate, up)?;
+    same_layout(OP, gate, dy)?;
+    check_dst(OP, d_gate, gate.shape(), gate.dtype())?;
+    check_dst(OP, d_up, gate.shape(), gate.dtype())?;
+    dispatch_float!(OP, gate.dtype(), |T| {
+        let (g, u, dy) = (
+            gate.as_slice::<T>()?,
+            up.as_slice::<T>()?,
+            dy.as_slice::<T>()?,
+        );
+        let dg = d_gate.as_mut_slice::<T>()?;
+        let du = d_up.as_mut_slice::<T>()?;
+        for i in 0..g.len() {
+            let (gi, ui, dyi) = (g[i].to_acc(), u[i].to_acc(), dy[i].to_acc());
+            store(&mut dg[i], dyi * ui * silu_grad(gi), accum);
+            store(&mut du[i], dyi * silu_f(gi), accum);
+        }
+        Ok(())
+    })
+}

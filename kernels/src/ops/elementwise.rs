@@ -1,0 +1,91 @@
+//! Elementwise ops the [`Tensor`] methods (`add`, `mul`, `scale`) do not cover: `sub`, and
+//! the bias add of a linear layer with its backward.
+//!
+//! | op | shapes | backward |
+//! |---|---|---|
+//! | [`sub`] | `a − b`, same shape | `da = dy`, `db = −dy` |
+//! | [`add_row`] | `[.., n] + [n]` (bias broadcast over every leading index) | `dx = dy`, `dbias = sum_rows(dy)` |
+//! | [`sum_rows`] | `[.., n] → [n]`, summed over all leading dims in row order | `dx[r, j] = dy[j]` |
+
+use super::{check_dst, rows_last, same_dtype, same_layout, store, Accum, Float};
+use crate::{Error, Result, Tensor};
+
+/// Elementwise `a − b` (same shape and dtype), rounded once.
+pub fn sub(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    const OP: &str = "ops::sub";
+    same_layout(OP, a, b)?;
+    let mut out = a.clone();
+    dispatch_float!(OP, a.dtype(), |T| {
+        let bs = b.as_slice::<T>()?;
+        for (o, &y) in out.as_mut_slice::<T>()?.iter_mut().zip(bs) {
+            *o = T::from_acc(o.to_acc() - y.to_acc());
+        }
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// `x[.., j] + bias[j]`: the bias of a linear layer, broadcast over every leading index.
+pub fn add_row(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    let mut out = x.clone();
+    add_row_assign_op("ops::add_row", &mut out, bias)?;
+    Ok(out)
+}
+
+/// In place `x[.., j] += bias[j]`.
+pub fn add_row_assign(x: &mut Tensor, bias: &Tensor) -> Result<()> {
+    add_row_assign_op("ops::add_row_assign", x, bias)
+}
+
+fn add_row_assign_op(op: &'static str, x: &mut Tensor, bias: &Tensor) -> Result<()> {
+    let (_, n) = rows_last(op, x)?;
+    same_dtype(op, x, bias)?;
+    if bias.shape() != [n] {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: x.shape().into(),
+            rhs: bias.shape().into(),
+        });
+    }
+    dispatch_float!(op, x.dtype(), |T| {
+        let bs = bias.as_slice::<T>()?;
+        if n > 0 {
+            for row in x.as_mut_slice::<T>()?.chunks_exact_mut(n) {
+                for (o, &b) in row.iter_mut().zip(bs) {
+                    *o = T::from_acc(o.to_acc() + b.to_acc());
+                }
+            }
+        }
+        Ok(())
+    })
+}
+
+/// `Σ_r x[r, j]` over every leading index: `[.., n] → [n]` (the bias gradient of
+/// [`add_row`]). Summed in the compute type in row order, rounded once.
+pub fn sum_rows(x: &Tensor) -> Result<Tensor> {
+    let (_, n) = rows_last("ops::sum_rows", x)?;
+    let mut dst = Tensor::zeros(&[n], x.dtype());
+    sum_rows_into(&mut dst, x, Accum::Replace)?;
+    Ok(dst)
+}
+
+/// [`sum_rows`] into `dst` (`[n]`), replacing or adding to its contents.
+pub fn sum_rows_into(dst: &mut Tensor, x: &Tensor, accum: Accum) -> Result<()> {
+    const OP: &str = "ops::sum_rows";
+    let (_, n) = rows_last(OP, x)?;
+    check_dst(OP, dst, &[n], x.dtype())?;
+    dispatch_float!(OP, x.dtype(), |T| {
+        let mut acc = vec![<T as Float>::Acc::default(); n];
+        if n > 0 {
+            for row in x.as_slice::<T>()?.chunks_exact(n) {
+                for (a, &v) in acc.iter_mut().zip(row) {
+                    *a += v.to_acc();
+                }
+            }
+        }
+        for (d, &a) in dst.as_mut_slice::<T>()?.iter_mut().zip(&acc) {
+            store(d, a, accum);
+        }
+        Ok(())
+    })
+}

@@ -1,0 +1,259 @@
+//! Embedding lookup (a row gather) and its backward (a row scatter-add), plain and
+//! vocab-parallel.
+//!
+//! | op | forward | backward |
+//! |---|---|---|
+//! | [`embedding`] | `out[.., :] = table[id, :]`: `[vocab, h]` × ids `[..]` → `[.., h]` | `dtable[id] += dy[pos]` for every position holding `id`; other rows 0 |
+//! | [`embedding_masked`] | the table holds rows `start..start+len` of a `vocab`-row table ([`VocabShard`]); ids outside give zero rows | the same, ids outside skipped |
+//!
+//! Ids are an `i64` or `i32` tensor of any shape (a scalar gives `[h]`). An id outside
+//! `0..vocab` is an `Err` naming the id, its position and the vocab, also in the masked
+//! variant (an id no rank owns is a bug, not a mask). The vocab-parallel embedding sums the
+//! masked outputs of all ranks (a `Partial` → all-reduce); the backward needs no
+//! communication.
+//!
+//! The backward is deterministic and rounds once per row: positions are grouped by id (a
+//! stable sort, so each group keeps position order), each group is summed in the compute type,
+//! and the sum is written (or added, [`Accum::Add`]) once.
+
+use super::{check_dst, store, Accum, Float};
+use crate::{DType, Error, Result, Shape, Tensor};
+
+/// Which rows of the full embedding table one rank holds: rows `start..start + len` of a
+/// table with `vocab` rows (Megatron's `vocab_start_index` / `vocab_end_index`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct VocabShard {
+    pub start: usize,
+    pub len: usize,
+    pub vocab: usize,
+}
+
+impl VocabShard {
+    /// The whole table: rows `0..vocab`.
+    pub fn full(vocab: usize) -> Self {
+        VocabShard {
+            start: 0,
+            len: vocab,
+            vocab,
+        }
+    }
+
+    fn check(&self, op: &'static str) -> Result<()> {
+        if self
+            .start
+            .checked_add(self.len)
+            .is_none_or(|end| end > self.vocab)
+        {
+            return Err(Error::Invalid {
+                op,
+                detail: format!(
+                    "vocab shard rows {}..{}+{} exceed vocab {}",
+                    self.start, self.start, self.len, self.vocab
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The local row of a valid global id, or `None` if another rank holds it.
+    #[inline]
+    fn local(&self, id: usize) -> Option<usize> {
+        id.checked_sub(self.start).filter(|&r| r < self.len)
+    }
+}
+
+/// The ids as `usize`, each checked against `0..vocab`.
+fn read_ids(op: &'static str, ids: &Tensor, vocab: usize) -> Result<Vec<usize>> {
+    let raw: Vec<i64> = match ids.dtype() {
+        DType::I64 => ids.as_slice::<i64>()?.to_vec(),
+        DType::I32 => ids.as_slice::<i32>()?.iter().map(|&i| i as i64).collect(),
+        other => {
+            return Err(Error::Invalid {
+                op,
+                detail: format!("ids must be i64 or i32, got {other}"),
+            })
+        }
+    };
+    raw.iter()
+        .enumerate()
+        .map(|(pos, &id)| {
+            usize::try_from(id)
+                .ok()
+                .filter(|&i| i < vocab)
+                .ok_or_else(|| Error::Invalid {
+                    op,
+                    detail: format!(
+                        "id {id} at flat position {pos} of ids {:?} is out of range for vocab {vocab}",
+                        ids.shape()
+                    ),
+                })
+        })
+        .collect()
+}
+
+/// `[rows, hidden]` of a 2-D table.
+fn table_dims(op: &'static str, table: &Tensor, rows: usize) -> Result<usize> {
+    match table.shape() {
+        &[r, h] if r == rows => Ok(h),
+        _ => Err(Error::Invalid {
+            op,
+            detail: format!(
+                "table must be [{rows}, hidden] (its rows of the vocab), got {:?}",
+                table.shape()
+            ),
+        }),
+    }
+}
+
+/// `ids.shape ++ [hidden]`.
+fn out_shape(ids: &Tensor, hidden: usize) -> Shape {
+    let mut s: Shape = ids.shape().into();
+    s.push(hidden);
+    s
+}
+
+fn gather(op: &'static str, table: &Tensor, ids: &Tensor, shard: VocabShard) -> Result<Tensor> {
+    shard.check(op)?;
+    let hidden = table_dims(op, table, shard.len)?;
+    let ids_v = read_ids(op, ids, shard.vocab)?;
+    let mut out = Tensor::zeros(&out_shape(ids, hidden), table.dtype());
+    dispatch_float!(op, table.dtype(), |T| {
+        let t = table.as_slice::<T>()?;
+        let o = out.as_mut_slice::<T>()?;
+        for (pos, &id) in ids_v.iter().enumerate() {
+            if let Some(r) = shard.local(id) {
+                o[pos * hidden..(pos + 1) * hidden]
+                    .copy_from_slice(&t[r * hidden..(r + 1) * hidden]);
+            }
+        }
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+fn scatter(
+    op: &'static str,
+    dtable: &mut Tensor,
+    dy: &Tensor,
+    ids: &Tensor,
+    shard: VocabShard,
+    accum: Accum,
+) -> Result<()> {
+    shard.check(op)?;
+    let hidden = dy_hidden(op, dy, ids)?;
+    check_dst(op, dtable, &[shard.len, hidden], dy.dtype())?;
+    let ids_v = read_ids(op, ids, shard.vocab)?;
+    let mut hits: Vec<(usize, usize)> = ids_v
+        .iter()
+        .enumerate()
+        .filter_map(|(pos, &id)| shard.local(id).map(|r| (r, pos)))
+        .collect();
+    // Stable: positions stay in order within a row, so the sum order is fixed.
+    hits.sort_by_key(|&(r, _)| r);
+    dispatch_float!(op, dy.dtype(), |T| {
+        let g = dy.as_slice::<T>()?;
+        let d = dtable.as_mut_slice::<T>()?;
+        if accum == Accum::Replace {
+            d.fill(T::from_acc(Default::default()));
+        }
+        let mut acc = vec![<T as Float>::Acc::default(); hidden];
+        for group in hits.chunk_by(|a, b| a.0 == b.0) {
+            acc.fill(Default::default());
+            for &(_, pos) in group {
+                for (a, &v) in acc.iter_mut().zip(&g[pos * hidden..(pos + 1) * hidden]) {
+                    *a += v.to_acc();
+                }
+            }
+            let r = group[0].0;
+            for (d, &a) in d[r * hidden..(r + 1) * hidden].iter_mut().zip(&acc) {
+                store(d, a, accum);
+            }
+        }
+        Ok(())
+    })
+}
+
+/// `hidden`, after checking `dy` is `ids.shape ++ [hidden]`.
+fn dy_hidden(op: &'static str, dy: &Tensor, ids: &Tensor) -> Result<usize> {
+    match dy.shape().split_last() {
+        Some((&h, lead)) if lead == ids.shape() => Ok(h),
+        _ => Err(Error::ShapeMismatch {
+            op,
+            lhs: dy.shape().into(),
+            rhs: ids.shape().into(),
+        }),
+    }
+}
+
+/// Rows of `table` (`[vocab, hidden]`) at `ids` (any shape): `[..ids, hidden]`.
+pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    let vocab = table.shape().first().copied().unwrap_or(0);
+    gather("ops::embedding", table, ids, VocabShard::full(vocab))
+}
+
+/// The vocab-parallel lookup: `table` holds rows `shard.start..shard.start + shard.len`
+/// (`[shard.len, hidden]`); ids in that range give their row, other valid ids give zeros.
+pub fn embedding_masked(table: &Tensor, ids: &Tensor, shard: VocabShard) -> Result<Tensor> {
+    gather("ops::embedding_masked", table, ids, shard)
+}
+
+/// The table gradient of [`embedding`]: `[vocab, hidden]`, zero except at looked-up rows.
+pub fn embedding_backward(dy: &Tensor, ids: &Tensor, vocab: usize) -> Result<Tensor> {
+    embedding_masked_backward_op("ops::embedding_backward", dy, ids, VocabShard::full(vocab))
+}
+
+/// [`embedding_backward`] into `dtable` (`[vocab, hidden]`, vocab from its shape), replacing
+/// it or adding to it (gradient accumulation across micro-batches).
+pub fn embedding_backward_into(
+    dtable: &mut Tensor,
+    dy: &Tensor,
+    ids: &Tensor,
+    accum: Accum,
+) -> Result<()> {
+    let vocab = dtable.shape().first().copied().unwrap_or(0);
+    scatter(
+        "ops::embedding_backward",
+        dtable,
+        dy,
+        ids,
+        VocabShard::full(vocab),
+        accum,
+    )
+}
+
+/// The local table gradient of [`embedding_masked`]: `[shard.len, hidden]`; ids outside the
+/// shard contribute nothing.
+pub fn embedding_masked_backward(dy: &Tensor, ids: &Tensor, shard: VocabShard) -> Result<Tensor> {
+    embedding_masked_backward_op("ops::embedding_masked_backward", dy, ids, shard)
+}
+
+/// [`embedding_masked_backward`] into `dtable` (`[shard.len, hidden]`), replacing or adding.
+pub fn embedding_masked_backward_into(
+    dtable: &mut Tensor,
+    dy: &Tensor,
+    ids: &Tensor,
+    shard: VocabShard,
+    accum: Accum,
+) -> Result<()> {
+    scatter(
+        "ops::embedding_masked_backward",
+        dtable,
+        dy,
+        ids,
+        shard,
+        accum,
+    )
+}
+
+fn embedding_masked_backward_op(
+    op: &'static str,
+    dy: &Tensor,
+    ids: &Tensor,
+    shard: VocabShard,
+) -> Result<Tensor> {
+    let hidden = dy_hidden(op, dy, ids)?;
+    shard.check(op)?;
+    let mut dtable = Tensor::zeros(&[shard.len, hidden], dy.dtype());
+    scatter(op, &mut dtable, dy, ids, shard, Accum::Replace)?;
+    Ok(dtable)
+}

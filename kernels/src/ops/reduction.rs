@@ -1,0 +1,190 @@
+//! Reductions along one dim. The reduced dim is **removed** (PyTorch's `keepdim=False`):
+//! `[a, e, b]` reduced over dim 1 gives `[a, b]`; a 1-D tensor gives a scalar (`[]`). To keep
+//! it, `reshape` the result (a free shape change).
+//!
+//! | op | forward | backward |
+//! |---|---|---|
+//! | [`sum_dim`] | `Σ_e x[.., e, ..]`, in index order, in the compute type, rounded once | [`sum_dim_backward`]: `dy` broadcast along the restored dim |
+//! | [`max_dim`] | values and `i64` argmax (the first maximum; a NaN wins, as in PyTorch) | [`max_dim_backward`]: `dy` placed at the argmax, zeros elsewhere |
+
+use super::Float;
+use crate::{DType, Error, Result, Shape, Tensor};
+
+/// `(outer, extent, inner)` of `shape` around `dim`, and the shape with `dim` removed.
+fn split(op: &'static str, x: &Tensor, dim: usize) -> Result<(usize, usize, usize, Shape)> {
+    if dim >= x.rank() {
+        return Err(Error::DimOutOfRange {
+            op,
+            dim,
+            shape: x.shape().into(),
+        });
+    }
+    let s = x.shape();
+    let outer = s[..dim].iter().product();
+    let inner = s[dim + 1..].iter().product();
+    let mut out: Shape = s.into();
+    out.remove(dim);
+    Ok((outer, s[dim], inner, out))
+}
+
+/// `dy.shape` with `extent` inserted at `dim` (the shape a reduction's input had).
+fn restored(op: &'static str, dy: &Tensor, dim: usize, extent: usize) -> Result<Shape> {
+    if dim > dy.rank() {
+        return Err(Error::DimOutOfRange {
+            op,
+            dim,
+            shape: dy.shape().into(),
+        });
+    }
+    let mut s: Shape = dy.shape().into();
+    s.insert(dim, extent);
+    Ok(s)
+}
+
+/// The sum over `dim`, which is removed from the shape.
+pub fn sum_dim(x: &Tensor, dim: usize) -> Result<Tensor> {
+    const OP: &str = "ops::sum_dim";
+    let (outer, extent, inner, shape) = split(OP, x, dim)?;
+    let mut out = Tensor::zeros(&shape, x.dtype());
+    dispatch_float!(OP, x.dtype(), |T| {
+        let xs = x.as_slice::<T>()?;
+        let o = out.as_mut_slice::<T>()?;
+        let mut acc = vec![<T as Float>::Acc::default(); inner];
+        for b in 0..outer {
+            acc.fill(Default::default());
+            for e in 0..extent {
+                let row = &xs[(b * extent + e) * inner..][..inner];
+                for (a, &v) in acc.iter_mut().zip(row) {
+                    *a += v.to_acc();
+                }
+            }
+            for (d, &a) in o[b * inner..][..inner].iter_mut().zip(&acc) {
+                *d = T::from_acc(a);
+            }
+        }
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// The input gradient of [`sum_dim`]: `dy` repeated `extent` times along a new dim `dim`.
+pub fn sum_dim_backward(dy: &Tensor, dim: usize, extent: usize) -> Result<Tensor> {
+    const OP: &str = "ops::sum_dim_backward";
+    let shape = restored(OP, dy, dim, extent)?;
+    let outer: usize = shape[..dim].iter().product();
+    let inner: usize = shape[dim + 1..].iter().product();
+    let mut dx = Tensor::zeros(&shape, dy.dtype());
+    dispatch_float!(OP, dy.dtype(), |T| {
+        let g = dy.as_slice::<T>()?;
+        let d = dx.as_mut_slice::<T>()?;
+        for b in 0..outer {
+            for e in 0..extent {
+                d[(b * extent + e) * inner..][..inner].copy_from_slice(&g[b * inner..][..inner]);
+            }
+        }
+        Ok(())
+    })?;
+    Ok(dx)
+}
+
+/// What [`max_dim`] returns.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MaxDim {
+    /// The maxima, `x`'s dtype, shape without `dim`.
+    pub values: Tensor,
+    /// Where along `dim` each maximum is (`i64`, same shape as `values`).
+    pub indices: Tensor,
+}
+
+/// The maximum over `dim` (removed from the shape) and its index. Ties give the first index;
+/// a NaN is the maximum of any slice that holds one (the first NaN's index).
+pub fn max_dim(x: &Tensor, dim: usize) -> Result<MaxDim> {
+    const OP: &str = "ops::max_dim";
+    let (outer, extent, inner, shape) = split(OP, x, dim)?;
+    if extent == 0 {
+        return Err(Error::Invalid {
+            op: OP,
+            detail: format!("no maximum over empty dim {dim} of shape {:?}", x.shape()),
+        });
+    }
+    let mut values = Tensor::zeros(&shape, x.dtype());
+    let mut indices = Tensor::zeros(&shape, DType::I64);
+    dispatch_float!(OP, x.dtype(), |T| {
+        let xs = x.as_slice::<T>()?;
+        let v = values.as_mut_slice::<T>()?;
+        let ix = indices.as_mut_slice::<i64>()?;
+        for b in 0..outer {
+            for i in 0..inner {
+                let at = |e: usize| xs[(b * extent + e) * inner + i].to_acc();
+                let (mut best, mut arg) = (at(0), 0);
+                for e in 1..extent {
+                    if best.is_nan() {
+                        break;
+                    }
+                    let c = at(e);
+                    if c > best || c.is_nan() {
+                        (best, arg) = (c, e);
+                    }
+                }
+                v[b * inner + i] = xs[(b * extent + arg) * inner + i];
+                ix[b * inner + i] = arg as i64;
+            }
+        }
+        Ok(())
+    })?;
+    Ok(MaxDim { values, indices })
+}
+
+/// The input gradient of [`max_dim`]: `dy` at each argmax along a new dim `dim` of
+/// `extent`, zeros elsewhere. `indices` is [`MaxDim::indices`] (`i64`, `dy`'s shape).
+pub fn max_dim_backward(
+    dy: &Tensor,
+    indices: &Tensor,
+    dim: usize,
+    extent: usize,
+) -> Result<Tensor> {
+    const OP: &str = "ops::max_dim_backward";
+    let shape = restored(OP, dy, dim, extent)?;
+    if indices.dtype() != DType::I64 {
+        return Err(Error::DTypeMismatch {
+            op: OP,
+            lhs: indices.dtype(),
+            rhs: DType::I64,
+        });
+    }
+    if indices.shape() != dy.shape() {
+        return Err(Error::ShapeMismatch {
+            op: OP,
+            lhs: dy.shape().into(),
+            rhs: indices.shape().into(),
+        });
+    }
+    let outer: usize = shape[..dim].iter().product();
+    let inner: usize = shape[dim + 1..].iter().product();
+    let ix = indices.as_slice::<i64>()?;
+    if let Some((pos, &bad)) = ix
+        .iter()
+        .enumerate()
+        .find(|(_, &e)| usize::try_from(e).map_or(true, |e| e >= extent))
+    {
+        return Err(Error::Invalid {
+            op: OP,
+            detail: format!(
+                "index {bad} at flat position {pos} is out of range for extent {extent}"
+            ),
+        });
+    }
+    let mut dx = Tensor::zeros(&shape, dy.dtype());
+    dispatch_float!(OP, dy.dtype(), |T| {
+        let g = dy.as_slice::<T>()?;
+        let d = dx.as_mut_slice::<T>()?;
+        for b in 0..outer {
+            for i in 0..inner {
+                let e = ix[b * inner + i] as usize;
+                d[(b * extent + e) * inner + i] = g[b * inner + i];
+            }
+        }
+        Ok(())
+    })?;
+    Ok(dx)
+}

@@ -1,0 +1,185 @@
+//! Softmax and log-softmax along the last dim, max-subtracted (no overflow for any finite
+//! input), with their backward from the forward *output*.
+//!
+//! | op | forward (per row, `m = max x`, `s = Σ exp(x − m)`) | backward (`dy`, forward output `y`) |
+//! |---|---|---|
+//! | [`softmax`] | `y = exp(x − m) / s` | `dx = y·(dy − Σ dy·y)` |
+//! | [`log_softmax`] | `y = x − m − ln s` | `dx = dy − exp(y)·Σ dy` |
+//!
+//! `-inf` entries (masks) get probability 0. A row that is all `-inf` has no distribution and
+//! gives NaN, as in PyTorch; a NaN anywhere in a row makes the row NaN. Rows are computed in
+//! the compute type and rounded once.
+
+use super::{check_dst, rows_last, same_layout, store, AccFloat, Accum, Float};
+use crate::{Result, Tensor};
+use num_traits::Float as _;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Softmax,
+    LogSoftmax,
+}
+
+fn forward_rows<T: Float>(dst: &mut [T], x: &[T], n: usize, kind: Kind) {
+    if n == 0 {
+        return;
+    }
+    let mut e = vec![T::Acc::default(); n];
+    for (d, x) in dst.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
+        let mut m = T::Acc::neg_infinity();
+        let mut nan = false;
+        for &v in x {
+            let v = v.to_acc();
+            nan |= v.is_nan();
+            if v > m {
+                m = v;
+            }
+        }
+        if nan {
+            m = T::Acc::nan();
+        }
+        let mut s = T::Acc::ZERO;
+        for (e, &v) in e.iter_mut().zip(x) {
+            *e = (v.to_acc() - m).exp();
+            s += *e;
+        }
+        match kind {
+            Kind::Softmax => {
+                for (d, &e) in d.iter_mut().zip(&e) {
+                    *d = T::from_acc(e / s);
+                }
+            }
+            Kind::LogSoftmax => {
+                let shift = m + s.ln();
+                for (d, &v) in d.iter_mut().zip(x) {
+                    *d = T::from_acc(v.to_acc() - shift);
+                }
+            }
+        }
+    }
+}
+
+fn backward_rows<T: Float>(dx: &mut [T], dy: &[T], y: &[T], n: usize, kind: Kind, accum: Accum) {
+    if n == 0 {
+        return;
+    }
+    let rows = dx
+        .chunks_exact_mut(n)
+        .zip(dy.chunks_exact(n))
+        .zip(y.chunks_exact(n));
+    for ((dx, dy), y) in rows {
+        match kind {
+            Kind::Softmax => {
+                let mut dot = T::Acc::ZERO;
+                for (&g, &p) in dy.iter().zip(y) {
+                    dot += g.to_acc() * p.to_acc();
+                }
+                for ((d, &g), &p) in dx.iter_mut().zip(dy).zip(y) {
+                    store(d, p.to_acc() * (g.to_acc() - dot), accum);
+                }
+            }
+            Kind::LogSoftmax => {
+                let mut sum = T::Acc::ZERO;
+                for &g in dy {
+                    sum += g.to_acc();
+                }
+                for ((d, &g), &l) in dx.iter_mut().zip(dy).zip(y) {
+                    store(d, g.to_acc() - l.to_acc().exp() * sum, accum);
+                }
+            }
+        }
+    }
+}
+
+fn forward_into(op: &'static str, dst: &mut Tensor, x: &Tensor, kind: Kind) -> Result<()> {
+    let (_, n) = rows_last(op, x)?;
+    check_dst(op, dst, x.shape(), x.dtype())?;
+    dispatch_float!(op, x.dtype(), |T| {
+        forward_rows::<T>(dst.as_mut_slice()?, x.as_slice()?, n, kind);
+        Ok(())
+    })
+}
+
+fn backward_into(
+    op: &'static str,
+    dx: &mut Tensor,
+    dy: &Tensor,
+    y: &Tensor,
+    kind: Kind,
+    accum: Accum,
+) -> Result<()> {
+    let (_, n) = rows_last(op, y)?;
+    same_layout(op, dy, y)?;
+    check_dst(op, dx, y.shape(), y.dtype())?;
+    dispatch_float!(op, y.dtype(), |T| {
+        backward_rows::<T>(
+            dx.as_mut_slice()?,
+            dy.as_slice()?,
+            y.as_slice()?,
+            n,
+            kind,
+            accum,
+        );
+        Ok(())
+    })
+}
+
+/// Softmax along the last dim: `exp(x − max) / Σ exp(x − max)` per row.
+pub fn softmax(x: &Tensor) -> Result<Tensor> {
+    let mut dst = Tensor::zeros(x.shape(), x.dtype());
+    softmax_into(&mut dst, x)?;
+    Ok(dst)
+}
+
+/// [`softmax`] into `dst` (same shape and dtype as `x`).
+pub fn softmax_into(dst: &mut Tensor, x: &Tensor) -> Result<()> {
+    forward_into("ops::softmax", dst, x, Kind::Softmax)
+}
+
+/// `dx = y·(dy − Σ_row dy·y)`, where `y = softmax(x)` is the forward output.
+pub fn softmax_backward(dy: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let mut dx = Tensor::zeros(y.shape(), y.dtype());
+    softmax_backward_into(&mut dx, dy, y, Accum::Replace)?;
+    Ok(dx)
+}
+
+/// [`softmax_backward`] into `dx`, replacing or adding to it.
+pub fn softmax_backward_into(dx: &mut Tensor, dy: &Tensor, y: &Tensor, accum: Accum) -> Result<()> {
+    backward_into("ops::softmax_backward", dx, dy, y, Kind::Softmax, accum)
+}
+
+/// Log-softmax along the last dim: `x − max − ln Σ exp(x − max)` per row.
+pub fn log_softmax(x: &Tensor) -> Result<Tensor> {
+    let mut dst = Tensor::zeros(x.shape(), x.dtype());
+    log_softmax_into(&mut dst, x)?;
+    Ok(dst)
+}
+
+/// [`log_softmax`] into `dst` (same shape and dtype as `x`).
+pub fn log_softmax_into(dst: &mut Tensor, x: &Tensor) -> Result<()> {
+    forward_into("ops::log_softmax", dst, x, Kind::LogSoftmax)
+}
+
+/// `dx = dy − exp(y)·Σ_row dy`, where `y = log_softmax(x)` is the forward output.
+pub fn log_softmax_backward(dy: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let mut dx = Tensor::zeros(y.shape(), y.dtype());
+    log_softmax_backward_into(&mut dx, dy, y, Accum::Replace)?;
+    Ok(dx)
+}
+
+/// [`log_softmax_backward`] into `dx`, replacing or adding to it.
+pub fn log_softmax_backward_into(
+    dx: &mut Tensor,
+    dy: &Tensor,
+    y: &Tensor,
+    accum: Accum,
+) -> Result<()> {
+    backward_into(
+        "ops::log_softmax_backward",
+        dx,
+        dy,
+        y,
+        Kind::LogSoftmax,
+        accum,
+    )
+}
