@@ -13,12 +13,57 @@
 #[path = "../benches/support/mod.rs"]
 mod support;
 
+#[path = "../benches/support/gemm_cases.rs"]
+mod gemm_cases;
+
 use dtensor::prelude::DType;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use support::{memcpy_gbps, Op, RankPool};
+
+/// Median seconds of `reps` runs of `f`, after one warm-up run.
+fn median_secs(reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut t: Vec<f64> = (0..reps)
+        .map(|_| {
+            let t0 = Instant::now();
+            f();
+            t0.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[reps / 2]
+}
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
+    // gemm: our wrapper vs the gemm crate directly, single-threaded f32. One untimed pass
+    // over every case first lets the clock and gemm's packing buffers settle.
+    for (_, m, n, k, ta, tb) in gemm_cases::CASES {
+        let mut case = gemm_cases::GemmCase::new(m, n, k, ta, tb);
+        case.run_ours();
+        case.run_direct();
+    }
+    for (name, m, n, k, ta, tb) in gemm_cases::CASES {
+        let mut case = gemm_cases::GemmCase::new(m, n, k, ta, tb);
+        let reps = if quick { 3 } else { 5 };
+        // Interleaved, so drifting clocks and caches hit both alike.
+        let (mut ours, mut direct) = (Vec::new(), Vec::new());
+        for _ in 0..reps {
+            ours.push(median_secs(1, || case.run_ours()));
+            direct.push(median_secs(1, || case.run_direct()));
+        }
+        ours.sort_by(f64::total_cmp);
+        direct.sort_by(f64::total_cmp);
+        let (ours, direct) = (ours[reps / 2], direct[reps / 2]);
+        let gflops = |t: f64| case.flops() as f64 / t / 1e9;
+        println!(
+            "op=gemm shape={} dtype=f32 ours_GFLOPs={:.1} direct_GFLOPs={:.1} ratio={:.3}",
+            name.split(' ').next().unwrap(),
+            gflops(ours),
+            gflops(direct),
+            direct / ours
+        );
+    }
     let sizes: &[usize] = if quick {
         &[1 << 20, 16 << 20]
     } else {

@@ -39,14 +39,17 @@ pub fn reduce_into<T: Element>(dst: &mut [T], srcs: &[&[T]], op: ReduceOp) {
     }
 }
 
-/// The reduction of `count` sources fetched by `source(k, range)`, in order `k = 0..count`,
-/// written to `dst`. The sources are read block by block through an L1-sized scratch, so
-/// `dst` may be one of them (in-place all-reduce): each block is fully read before written.
+/// The reduction of `count` sources, `source(k)` for `k = 0..count` in that order, written
+/// to `dst` (`len` elements each). `dst` may be one of the sources (in-place all-reduce):
+/// every element is read from all sources before it is written, and nothing else is.
+///
+/// One pass over memory: with two sources each element is combined straight into `dst`;
+/// with more, a block of the running result stays in an L1-sized scratch and only the last
+/// source's combination is written out.
 ///
 /// # Safety
-/// Every slice returned by `source` must be valid for reads of `range.len()` elements and
-/// must not be written by anyone during the call, except the one that aliases `dst`, which
-/// only this function writes, and only after the block has been read.
+/// Every pointer returned by `source` must be valid for reads of `len` elements, and `dst`
+/// for writes of `len` elements. Nobody else may write any of them during the call.
 pub unsafe fn reduce_sources_with<T: Element>(
     dst: *mut T,
     len: usize,
@@ -54,30 +57,70 @@ pub unsafe fn reduce_sources_with<T: Element>(
     op: ReduceOp,
     source: impl Fn(usize) -> *const T,
 ) {
+    if count == 0 {
+        return;
+    }
     let mut scratch = [T::zero(); BLOCK];
     let mut start = 0;
     while start < len {
-        let end = (start + BLOCK).min(len);
-        let acc = &mut scratch[..end - start];
-        // SAFETY: the caller guarantees each source is readable for `len` elements.
+        let n = (start + BLOCK).min(len) - start;
+        let out = dst.add(start);
+        // SAFETY (whole block): pointers valid for `len` elements (caller); element `i` of
+        // `out` is written only after element `i` of every source was read.
         unsafe {
-            acc.copy_from_slice(std::slice::from_raw_parts(
-                source(0).add(start),
-                end - start,
-            ));
-            for k in 1..count {
-                let s = std::slice::from_raw_parts(source(k).add(start), end - start);
-                combine(acc, s, op);
+            match count {
+                1 => {
+                    let s = source(0).add(start);
+                    if s != out as *const T {
+                        std::ptr::copy(s, out, n);
+                    }
+                }
+                2 => combine_raw(out, source(0).add(start), source(1).add(start), n, op),
+                _ => {
+                    let acc = scratch.as_mut_ptr();
+                    combine_raw(acc, source(0).add(start), source(1).add(start), n, op);
+                    for k in 2..count - 1 {
+                        combine_raw(acc, acc, source(k).add(start), n, op);
+                    }
+                    combine_raw(out, acc, source(count - 1).add(start), n, op);
+                }
+            }
+            if op == ReduceOp::Avg {
+                for i in 0..n {
+                    out.add(i).write(out.add(i).read().div_count(count));
+                }
             }
         }
-        if op == ReduceOp::Avg {
-            for a in acc.iter_mut() {
-                *a = a.div_count(count);
+        start += n;
+    }
+}
+
+/// `dst[i] = a[i] ⊕ b[i]` for `i < n` (Avg combines as Sum), through raw pointers because
+/// `dst` may equal `a` or `b`.
+///
+/// # Safety
+/// All three valid for `n` elements; `dst` may alias `a` or `b` exactly, not partially.
+#[inline(always)]
+unsafe fn combine_raw<T: Element>(dst: *mut T, a: *const T, b: *const T, n: usize, op: ReduceOp) {
+    // SAFETY: in bounds (caller); each element is read before it is written.
+    unsafe {
+        match op {
+            ReduceOp::Sum | ReduceOp::Avg => {
+                for i in 0..n {
+                    dst.add(i).write(a.add(i).read().add(b.add(i).read()));
+                }
+            }
+            ReduceOp::Max => {
+                for i in 0..n {
+                    dst.add(i).write(a.add(i).read().max_of(b.add(i).read()));
+                }
+            }
+            ReduceOp::Min => {
+                for i in 0..n {
+                    dst.add(i).write(a.add(i).read().min_of(b.add(i).read()));
+                }
             }
         }
-        // SAFETY: `dst` is valid for `len` writes and nobody else touches it (caller).
-        unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), dst.add(start), end - start) };
-        start = end;
     }
 }
 
