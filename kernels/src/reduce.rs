@@ -71,7 +71,7 @@ pub unsafe fn reduce_sources_with<T: Element>(
             match count {
                 1 => {
                     let s = source(0).add(start);
-                    if s != out as *const T {
+                    if !std::ptr::eq(s, out) {
                         std::ptr::copy(s, out, n);
                     }
                 }
