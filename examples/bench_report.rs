@@ -76,13 +76,13 @@ fn main() {
                 for op in Op::ALL {
                     let pool = RankPool::new(op, ranks, bytes, dtype);
                     let reps = if bytes >= 128 << 20 {
-                        5
+                        3
                     } else if bytes >= 16 << 20 {
-                        9
+                        7
                     } else {
                         25
                     };
-                    pool.run(2); // warm up: first touches, buffer pools
+                    pool.run(1); // warm up: first touches fill the per-rank buffer pools
                     let mut times: Vec<Duration> = (0..reps).map(|_| pool.run(1)).collect();
                     times.sort();
                     let t = times[reps / 2].as_secs_f64();

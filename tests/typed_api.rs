@@ -83,7 +83,13 @@ fn vjp_backward_returns_the_dual_gradient() {
 
         // all_gather's backward is a reduce-scatter.
         let x = DTensor::<layout![Dp: Replicate, Tp: Shard<1>]>::distribute(src, 0, mesh)?;
+        let tp = mesh.comm(AxisKind::Tp).unwrap().clone();
+        let before = tp.counters();
         let (_y, adj) = x.all_gather_vjp(Tp)?;
+        // The adjoint records the forward step with the bytes it moved.
+        let moved = tp.counters().since(&before).bytes_received;
+        assert_eq!(adj.forward_plan().bytes_received(), moved);
+        assert_eq!(moved, 4 * 3 * 8, "the peer's 4x3 f64 half");
         let gy = DTensor::<layout![Dp: Partial, Tp: Partial]>::distribute(hsrc, 0, mesh)?;
         let before = mesh.comm(AxisKind::Tp).unwrap().counters();
         let gx: DTensor<layout![Dp: Partial, Tp: Shard<1>]> = adj.backward(gy)?;

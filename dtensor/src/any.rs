@@ -189,13 +189,42 @@ impl AnyDTensor {
 
     /// The plan that takes this tensor to `target`, without running it.
     pub fn plan(&self, target: &[Placement]) -> Result<Plan> {
-        let t = plan::PlanTarget {
+        plan::plan(self.plan_target(), &self.placements, target)
+    }
+
+    /// This tensor, seen from this rank, as a planner sees it.
+    fn plan_target(&self) -> plan::PlanTarget<'_> {
+        plan::PlanTarget {
             mesh: self.mesh.mesh(),
             coords: self.mesh.coords(),
             global_shape: &self.global_shape,
             elem_size: self.dtype().size_in_bytes(),
-        };
-        plan::plan(t, &self.placements, target)
+        }
+    }
+
+    /// The one-step plan of a step that took `before` placements to this tensor's, with the
+    /// bytes it moved on this rank: what an adjoint replays in reverse.
+    pub(crate) fn record_step(
+        &self,
+        before: &[Placement],
+        axis: usize,
+        kind: StepKind,
+    ) -> Result<Plan> {
+        let bytes_received =
+            plan::step_bytes(self.plan_target(), axis, kind, before, &self.placements)?;
+        Ok(Plan {
+            from: before.into(),
+            to: self.placements.clone(),
+            global_shape: self.global_shape.clone(),
+            steps: vec![Step {
+                axis,
+                axis_kind: self.mesh.mesh().axes()[axis].0,
+                from: before[axis],
+                to: self.placements[axis],
+                kind,
+                bytes_received,
+            }],
+        })
     }
 
     /// Collective: plans and runs the redistribution to `target`.

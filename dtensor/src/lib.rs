@@ -4,6 +4,25 @@
 //! type, with named, consuming placement changes that issue their collective and have a
 //! typed adjoint; [`AnyDTensor`], its run-time twin; [`DeviceMesh`], one rank's view of the
 //! mesh with a communicator per axis; and redistribution [`Plan`]s.
+//!
+//! ```
+//! use dtensor_collectives::threads;
+//! use dtensor_core::{DTensor, DeviceMesh, Error};
+//! use dtensor_kernels::Tensor;
+//! use dtensor_placement::{layout, AxisKind, Mesh, Partial, Tp, Invariant};
+//!
+//! // Two ranks each hold a partial term; all_reduce (Megatron's `g`) sums them.
+//! let results = threads::launch(2, |world| -> Result<Vec<f64>, Error> {
+//!     let mesh = DeviceMesh::new(world, Mesh::new(&[(AxisKind::Tp, 2)])?)?;
+//!     let term = Tensor::from_fn(&[3], |i| (mesh.rank() * 10 + i) as f64);
+//!     let p = DTensor::<layout![Tp: Partial]>::from_local(term, &[3], &mesh)?;
+//!     let s: DTensor<layout![Tp: Invariant]> = p.all_reduce(Tp)?;
+//!     Ok(s.as_local().to_f64_vec())
+//! });
+//! for r in results {
+//!     assert_eq!(r.unwrap(), vec![10.0, 12.0, 14.0]);
+//! }
+//! ```
 
 pub mod any;
 pub mod device_mesh;

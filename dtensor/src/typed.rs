@@ -183,21 +183,8 @@ impl<L: Layout> DTensor<L> {
             }
         })?;
         let from = self.placements().to_vec();
-        let global: Vec<usize> = self.global_shape().to_vec();
         let out = self.inner.apply(axis, kind)?;
-        let plan = Plan {
-            from: from.as_slice().into(),
-            to: out.placements().into(),
-            global_shape: global.as_slice().into(),
-            steps: vec![crate::plan::Step {
-                axis,
-                axis_kind: X::KIND,
-                from: from[axis],
-                to: out.placements()[axis],
-                kind,
-                bytes_received: 0,
-            }],
-        };
+        let plan = out.record_step(&from, axis, kind)?;
         debug_assert!(check_layout::<Out>(op, &out).is_ok());
         Ok((DTensor::wrap(out), Adjoint::new(plan)))
     }
