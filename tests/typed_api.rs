@@ -201,3 +201,28 @@ fn receipt_reports_each_axis() {
         "dp: all_gather=1 sent=64B received=64B\ntp: all_gather=1 sent=32B received=32B\n"
     );
 }
+
+/// R → S(0) is a view of the replicated buffer (no copy, so its time does not grow with
+/// size), and gathering that shard back writes only the peers' rows around it.
+#[test]
+fn chunk_of_leading_dim_is_zero_copy_and_gather_reuses_the_buffer() {
+    on_mesh(&[(AxisKind::Tp, 2)], |mesh| {
+        let g = int_global(&[6, 4]);
+        let r = DTensor::<layout![Tp: Replicate]>::from_local(g.deep_clone(), &[6, 4], mesh)?;
+        let keep = r.as_local().clone(); // shares the buffer
+        let s: DTensor<layout![Tp: Shard<0>]> = r.chunk(Tp)?;
+        assert!(s.as_local().shares_storage_with(&keep), "chunk copied");
+        drop(keep);
+        // Where the full buffer starts: this rank's rows begin 3·4 elements in on rank 1.
+        let shard_start = s.as_local().as_slice::<f64>()?.as_ptr();
+        let buffer_start = shard_start.wrapping_sub(mesh.rank() * 12);
+        let back: DTensor<layout![Tp: Replicate]> = s.all_gather(Tp)?;
+        assert_eq!(back.as_local(), &g);
+        assert_eq!(
+            back.as_local().as_slice::<f64>()?.as_ptr(),
+            buffer_start,
+            "gathered in place"
+        );
+        Ok(())
+    });
+}
