@@ -30,6 +30,7 @@
 //! }
 //! ```
 
+pub mod columns;
 mod counters;
 mod error;
 pub mod threads;
@@ -116,6 +117,72 @@ pub trait Communicator: Send + Sync {
             )?;
             b[off..off + len].copy_from_slice(&out);
             Ok(())
+        })
+    }
+    /// Column-block all-gather: rank `p`'s `send` is a row-major `rows × widths[p]` matrix;
+    /// `recv` is the row-major `rows × Σ widths` matrix with rank `p`'s columns at offset
+    /// `widths[..p]` (an all-gather along a non-leading tensor dim, without a separate
+    /// interleaving pass). With `rows = 1` it is [`all_gatherv`](Self::all_gatherv).
+    ///
+    /// The default gathers contiguously into a temporary and interleaves; backends that
+    /// can address peers' memory override it.
+    fn all_gather_cols(
+        &self,
+        send: Slice<'_>,
+        recv: SliceMut<'_>,
+        rows: usize,
+        widths: &[usize],
+    ) -> Result<()> {
+        let counts: Vec<usize> = widths.iter().map(|w| w * rows).collect();
+        dtensor_kernels::with_slice!(SliceMut, recv, |r: T| {
+            let mut tmp: Vec<T> = vec![<T as Element>::zero(); r.len()];
+            self.all_gatherv(send, <T as Element>::slice_mut(&mut tmp), &counts)?;
+            columns::unpack(&tmp, r, rows, widths);
+            Ok(())
+        })
+    }
+    /// Column-block reduce-scatter: `send` is a row-major `rows × Σ widths` matrix; `recv`
+    /// (`rows × widths[rank()]`) receives the reduction over ranks of this rank's columns.
+    ///
+    /// The default packs the column blocks and calls
+    /// [`reduce_scatterv`](Self::reduce_scatterv).
+    fn reduce_scatter_cols(
+        &self,
+        send: Slice<'_>,
+        recv: SliceMut<'_>,
+        rows: usize,
+        widths: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let counts: Vec<usize> = widths.iter().map(|w| w * rows).collect();
+        dtensor_kernels::with_slice!(Slice, send, |s: T| {
+            let packed = columns::pack(s, rows, widths);
+            self.reduce_scatterv(<T as Element>::slice(&packed), recv, &counts, op)
+        })
+    }
+    /// Column-block all-to-all: `send` is this rank's row-major `rows × Σ send_widths`
+    /// matrix (`rows` may differ across ranks) whose columns `send_widths[..p]..` go to
+    /// rank `p`, as a row-major `rows × send_widths[p]` block; `recv` receives the blocks
+    /// from ranks `0, 1, …` one after another, `recv_counts[p]` elements each.
+    ///
+    /// The default packs the column blocks and calls [`all_to_allv`](Self::all_to_allv).
+    fn all_to_all_cols(
+        &self,
+        send: Slice<'_>,
+        rows: usize,
+        send_widths: &[usize],
+        recv: SliceMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let send_counts: Vec<usize> = send_widths.iter().map(|w| w * rows).collect();
+        dtensor_kernels::with_slice!(Slice, send, |s: T| {
+            let packed = columns::pack(s, rows, send_widths);
+            self.all_to_allv(
+                <T as Element>::slice(&packed),
+                &send_counts,
+                recv,
+                recv_counts,
+            )
         })
     }
     /// `recv` = reduction over ranks of block `rank()` of `send`, where `send.len() = size·k`

@@ -1274,3 +1274,138 @@ fn in_place_buffer_of_wrong_length_invalid_argument_and_peer_mismatch() {
         "{e1}"
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// Column-block collectives (a non-leading tensor dim seen as `rows × Σ widths`)
+// ---------------------------------------------------------------------------------------
+
+/// Element (row, global column) of rank `p`'s matrix.
+fn cell<T: Element>(p: usize, row: usize, col: usize) -> T {
+    T::from_f64(((p * 53 + row * 11 + col * 3) % 89) as f64 - 44.0)
+}
+
+fn check_columns<T: Element>(n: usize, defaults: bool) {
+    let rows = big(3000) / 1000; // 3 rows (1 under Miri: still a column block)
+    let widths: Vec<usize> = uneven(n).iter().map(|&w| w * 2).collect();
+    let total: usize = widths.iter().sum();
+    let offsets: Vec<usize> = (0..n).map(|p| widths[..p].iter().sum()).collect();
+    all_ok(launch_with(n, long(), |comm| {
+        let comm: Arc<dyn Communicator> = if defaults {
+            Arc::new(DefaultsOnly(comm))
+        } else {
+            comm
+        };
+        let me = comm.rank();
+        // all_gather_cols: each rank holds rows × widths[me]; everyone gets rows × total.
+        let mine: Vec<T> = (0..rows * widths[me])
+            .map(|i| {
+                cell(
+                    me,
+                    i / widths[me].max(1),
+                    offsets[me] + i % widths[me].max(1),
+                )
+            })
+            .collect();
+        let mut all = vec![T::from_f64(-1.0); rows * total];
+        comm.all_gather_cols(T::slice(&mine), T::slice_mut(&mut all), rows, &widths)?;
+        for r in 0..rows {
+            for p in 0..n {
+                for c in offsets[p]..offsets[p] + widths[p] {
+                    assert_eq!(
+                        all[r * total + c],
+                        cell::<T>(p, r, c),
+                        "gather row {r} col {c}"
+                    );
+                }
+            }
+        }
+        // reduce_scatter_cols: each rank holds rows × total; rank me gets its columns summed.
+        let full: Vec<T> = (0..rows * total)
+            .map(|i| cell(me, i / total, i % total))
+            .collect();
+        let mut out = vec![T::zero(); rows * widths[me]];
+        comm.reduce_scatter_cols(
+            T::slice(&full),
+            T::slice_mut(&mut out),
+            rows,
+            &widths,
+            ReduceOp::Sum,
+        )?;
+        for r in 0..rows {
+            for (j, c) in (offsets[me]..offsets[me] + widths[me]).enumerate() {
+                let terms: Vec<T> = (0..n).map(|k| cell(k, r, c)).collect();
+                assert_eq!(
+                    out[r * widths[me] + j],
+                    reduce_ref(&terms, ReduceOp::Sum),
+                    "scatter row {r} col {c}"
+                );
+            }
+        }
+        // all_to_all_cols: rank p has rows_p = p + 1 rows of `total` columns; rank me gets
+        // from each p its columns as a (p + 1) × widths[me] block.
+        let my_rows = me + 1;
+        let send: Vec<T> = (0..my_rows * total)
+            .map(|i| cell(me, i / total, i % total))
+            .collect();
+        let recv_counts: Vec<usize> = (0..n).map(|p| (p + 1) * widths[me]).collect();
+        let mut recv = vec![T::zero(); recv_counts.iter().sum()];
+        comm.all_to_all_cols(
+            T::slice(&send),
+            my_rows,
+            &widths,
+            T::slice_mut(&mut recv),
+            &recv_counts,
+        )?;
+        let mut at = 0;
+        for p in 0..n {
+            for r in 0..p + 1 {
+                for c in offsets[me]..offsets[me] + widths[me] {
+                    assert_eq!(
+                        recv[at],
+                        cell::<T>(p, r, c),
+                        "all_to_all from {p} row {r} col {c}"
+                    );
+                    at += 1;
+                }
+            }
+        }
+        Ok(())
+    }));
+}
+
+#[test]
+fn column_block_collectives_match_reference() {
+    for n in 1..=4 {
+        for defaults in [false, true] {
+            check_columns::<f32>(n, defaults);
+            check_columns::<bf16>(n, defaults);
+            check_columns::<i64>(n, defaults);
+        }
+    }
+}
+
+#[test]
+fn column_block_rows_disagree_every_rank_mismatch() {
+    let results = launch_with(2, long(), |comm| {
+        let send = vec![0.0f32; 4];
+        let mut recv = vec![0.0f32; 2];
+        // Same element counts ([2, 2]) but 2 rows of width 1 against 1 row of width 2.
+        let (rows, widths): (usize, &[usize]) = if comm.rank() == 0 {
+            (2, &[1, 1])
+        } else {
+            (1, &[2, 2])
+        };
+        comm.reduce_scatter_cols(
+            f32::slice(&send),
+            f32::slice_mut(&mut recv),
+            rows,
+            widths,
+            ReduceOp::Sum,
+        )
+    });
+    for r in &results {
+        let e = r.as_ref().unwrap_err().to_string();
+        assert!(e.contains("rows of the column blocks differ"), "{e}");
+        assert!(e.contains("2 rows"), "{e}");
+    }
+}

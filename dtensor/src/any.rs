@@ -441,10 +441,13 @@ impl AnyDTensor {
             comm.all_gatherv(out.as_dyn_slice(), gathered.as_dyn_slice_mut(), &counts)?;
             return Ok(gathered.reshape(&shape)?);
         }
-        // Otherwise gather into a scratch buffer and interleave the pieces along `dim`.
-        let mut gathered = Tensor::for_overwrite(&[total], dtype);
-        comm.all_gatherv(local.as_dyn_slice(), gathered.as_dyn_slice_mut(), &counts)?;
-        Ok(Tensor::unpack(&gathered, &shape, dim, &sizes)?)
+        // Otherwise the pieces are column blocks of the result seen as rows × columns
+        // (rows: the extents before `dim`): the backend writes each row in place.
+        let rows = numel(&shape[..dim]);
+        let widths: Vec<usize> = sizes.iter().map(|s| s * numel(&shape[dim + 1..])).collect();
+        let mut out = Tensor::for_overwrite(&shape, dtype);
+        comm.all_gather_cols(local.as_dyn_slice(), out.as_dyn_slice_mut(), rows, &widths)?;
+        Ok(out)
     }
 
     fn reduce_scatter_dim(
@@ -465,15 +468,28 @@ impl AnyDTensor {
         let counts: Vec<usize> = sizes.iter().map(|s| s * rest).collect();
         let mut out_shape: Shape = local.shape().into();
         out_shape[dim] = sizes[me];
-        // Blocks must be contiguous: along the leading dim they are, elsewhere pack them.
-        let mut send = if numel(&local.shape()[..dim]) == 1 {
-            local
-        } else {
-            local.pack(dim, &sizes)?
-        };
-        // Reduce in place: this rank's block of its own buffer receives the result, and the
-        // output is a view of that block (no allocation, no copy). The view keeps the whole
-        // buffer alive, trading memory for a pass over it.
+        if numel(&local.shape()[..dim]) > 1 {
+            // Column blocks of the rows × columns view: reduced row by row, no packing.
+            let rows = numel(&local.shape()[..dim]);
+            let widths: Vec<usize> = sizes
+                .iter()
+                .map(|s| s * numel(&local.shape()[dim + 1..]))
+                .collect();
+            let mut out = Tensor::for_overwrite(&out_shape, local.dtype());
+            comm.reduce_scatter_cols(
+                local.as_dyn_slice(),
+                out.as_dyn_slice_mut(),
+                rows,
+                &widths,
+                reduce_op(p),
+            )?;
+            return Ok(out);
+        }
+        // Along the leading dim the blocks are contiguous: reduce in place, so this rank's
+        // block of its own buffer receives the result and the output is a view of it (no
+        // allocation, no copy). The view keeps the whole buffer alive, trading memory for
+        // a pass over it.
+        let mut send = local;
         comm.reduce_scatterv_in_place(send.as_dyn_slice_mut(), &counts, reduce_op(p))?;
         let offset: usize = counts[..me].iter().sum();
         let total = send.numel();
@@ -501,20 +517,18 @@ impl AnyDTensor {
             .iter()
             .map(|l| l * other * to_pieces[me])
             .collect();
-        let packed;
-        let send = if numel(&shape[..to]) == 1 {
-            local
-        } else {
-            packed = local.pack(to, &to_pieces)?;
-            &packed
-        };
         let mut new_shape: Shape = shape.into();
         new_shape[from] = from_lens.iter().sum();
         new_shape[to] = to_pieces[me];
         let mut recv = Tensor::for_overwrite(&[numel(&new_shape)], local.dtype());
-        comm.all_to_allv(
-            send.as_dyn_slice(),
-            &send_counts,
+        // The blocks for the peers are column blocks of the rows × columns view (rows: the
+        // extents before `to`); contiguous when nothing lies before `to`.
+        let rows = numel(&shape[..to]);
+        let send_widths: Vec<usize> = send_counts.iter().map(|c| c / rows.max(1)).collect();
+        comm.all_to_all_cols(
+            local.as_dyn_slice(),
+            rows,
+            &send_widths,
             recv.as_dyn_slice_mut(),
             &recv_counts,
         )?;

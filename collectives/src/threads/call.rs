@@ -32,31 +32,39 @@ pub(super) enum Call {
         send: usize,
         recv: usize,
     },
+    /// `rows > 1`: column blocks (see `Communicator::all_gather_cols`); `counts` are
+    /// elements (`rows × width`).
     AllGatherV {
         send: usize,
         recv: usize,
         counts: Vec<usize>,
+        rows: usize,
     },
     ReduceScatter {
         send: usize,
         recv: usize,
         op: ReduceOp,
     },
+    /// `rows > 1`: column blocks of `send` (see `Communicator::reduce_scatter_cols`).
     ReduceScatterV {
         send: usize,
         recv: usize,
         counts: Vec<usize>,
         op: ReduceOp,
+        rows: usize,
     },
     AllToAll {
         send: usize,
         recv: usize,
     },
+    /// `rows > 1`: this rank's send blocks are column blocks of a `rows`-row matrix (see
+    /// `Communicator::all_to_all_cols`); `rows` is the sender's own and may differ.
     AllToAllV {
         send: usize,
         recv: usize,
         send_counts: Vec<usize>,
         recv_counts: Vec<usize>,
+        rows: usize,
     },
     Broadcast {
         len: usize,
@@ -125,6 +133,14 @@ impl Call {
         }
     }
 
+    /// Rows of a column-block call that every rank must pass alike.
+    fn agreed_rows(&self) -> Option<usize> {
+        match self {
+            Call::AllGatherV { rows, .. } | Call::ReduceScatterV { rows, .. } => Some(*rows),
+            _ => None,
+        }
+    }
+
     fn counts(&self) -> Option<&[usize]> {
         match self {
             Call::AllGatherV { counts, .. } | Call::ReduceScatterV { counts, .. } => Some(counts),
@@ -157,9 +173,15 @@ impl Post {
         match &self.call {
             Call::AllReduce { len, op } => format!("all_reduce({dt} x {len}, {op})"),
             Call::AllGather { send, recv } => format!("all_gather({dt} x {send} -> {recv})"),
-            Call::AllGatherV { send, recv, counts } => {
-                format!("all_gatherv({dt} x {send} -> {recv}, counts {counts:?})")
-            }
+            Call::AllGatherV {
+                send,
+                recv,
+                counts,
+                rows,
+            } => format!(
+                "all_gatherv({dt} x {send} -> {recv}, counts {counts:?}{})",
+                rows_note(*rows)
+            ),
             Call::ReduceScatter { send, recv, op } => {
                 format!("reduce_scatter({dt} x {send} -> {recv}, {op})")
             }
@@ -168,21 +190,36 @@ impl Post {
                 recv,
                 counts,
                 op,
-            } => format!("reduce_scatterv({dt} x {send} -> {recv}, counts {counts:?}, {op})"),
+                rows,
+            } => format!(
+                "reduce_scatterv({dt} x {send} -> {recv}, counts {counts:?}, {op}{})",
+                rows_note(*rows)
+            ),
             Call::AllToAll { send, recv } => format!("all_to_all({dt} x {send} -> {recv})"),
             Call::AllToAllV {
                 send,
                 recv,
                 send_counts,
                 recv_counts,
+                rows,
             } => format!(
                 "all_to_allv({dt} x {send} -> {recv}, send_counts {send_counts:?}, \
-                 recv_counts {recv_counts:?})"
+                 recv_counts {recv_counts:?}{})",
+                rows_note(*rows)
             ),
             Call::Broadcast { len, root } => format!("broadcast({dt} x {len}, root {root})"),
             Call::Barrier => "barrier()".to_string(),
             Call::Split { color, key } => format!("split(color {color}, key {key})"),
         }
+    }
+}
+
+/// `, 4 rows` for column-block calls, nothing for plain ones.
+fn rows_note(rows: usize) -> String {
+    if rows > 1 {
+        format!(", {rows} rows")
+    } else {
+        String::new()
     }
 }
 
@@ -235,6 +272,12 @@ pub(super) fn check(posts: &[Post], me: usize, members: &[usize]) -> Result<(), 
     }
     if posts.iter().any(|p| p.call.counts() != first.call.counts()) {
         return mismatch("counts differ".into());
+    }
+    if posts
+        .iter()
+        .any(|p| p.call.agreed_rows() != first.call.agreed_rows())
+    {
+        return mismatch("rows of the column blocks differ".into());
     }
     for (p, post) in posts.iter().enumerate() {
         let Call::AllToAllV { send_counts, .. } = &post.call else {
@@ -327,12 +370,14 @@ mod tests {
             recv: 3,
             send_counts: vec![1, 2],
             recv_counts: vec![1, 2],
+            rows: 1,
         };
         let b = Call::AllToAllV {
             send: 2,
             recv: 2,
             send_counts: vec![1, 1],
             recv_counts: vec![1, 1],
+            rows: 1,
         };
         let posts = [post(a, DType::I64), post(b, DType::I64)];
         let Err(Problem::Mismatch(d)) = check(&posts, 1, &[2, 3]) else {

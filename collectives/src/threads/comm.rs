@@ -78,6 +78,109 @@ impl Drop for Busy<'_> {
 }
 
 impl ThreadComm {
+    /// All-gather of `counts[p]` elements per rank; with `rows > 1` each piece is a
+    /// `rows`-row column block of the result (see `Communicator::all_gather_cols`).
+    fn all_gather_rows(
+        &self,
+        send: Slice<'_>,
+        mut recv: SliceMut<'_>,
+        counts: &[usize],
+        rows: usize,
+    ) -> Result<()> {
+        let (n, r) = (self.n(), self.rank);
+        let call = Call::AllGatherV {
+            send: send.len(),
+            recv: recv.len(),
+            counts: counts.to_vec(),
+            rows,
+        };
+        let invalid = same_dtype(&send, &recv).or_else(|| match counts_sum(counts, "counts", n) {
+            Err(e) => Some(e),
+            Ok(_) if send.len() != counts[r] => Some(format!(
+                "send has {} elements but counts[{r}] = {}",
+                send.len(),
+                counts[r]
+            )),
+            Ok(total) if recv.len() != total => Some(format!(
+                "recv has {} elements but counts sum to {total}",
+                recv.len()
+            )),
+            Ok(_) => None,
+        });
+        self.run(post(call, invalid, Some(&send), Some(&mut recv)))
+            .map(drop)
+    }
+
+    /// Reduce-scatter of blocks of `counts[p]` elements; with `rows > 1` the blocks are
+    /// `rows`-row column blocks of `send` (see `Communicator::reduce_scatter_cols`).
+    fn reduce_scatter_rows(
+        &self,
+        send: Slice<'_>,
+        mut recv: SliceMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+        rows: usize,
+    ) -> Result<()> {
+        let (n, r) = (self.n(), self.rank);
+        let call = Call::ReduceScatterV {
+            send: send.len(),
+            recv: recv.len(),
+            counts: counts.to_vec(),
+            op,
+            rows,
+        };
+        let invalid = same_dtype(&send, &recv).or_else(|| match counts_sum(counts, "counts", n) {
+            Err(e) => Some(e),
+            Ok(total) if send.len() != total => Some(format!(
+                "send has {} elements but counts sum to {total}",
+                send.len()
+            )),
+            Ok(_) if recv.len() != counts[r] => Some(format!(
+                "recv has {} elements but counts[{r}] = {}",
+                recv.len(),
+                counts[r]
+            )),
+            Ok(_) => None,
+        });
+        self.run(post(call, invalid, Some(&send), Some(&mut recv)))
+            .map(drop)
+    }
+
+    /// All-to-all of `send_counts[p]` elements to rank `p`; with `rows > 1` this rank's
+    /// blocks are `rows`-row column blocks of `send` (see `Communicator::all_to_all_cols`).
+    fn all_to_all_rows(
+        &self,
+        send: Slice<'_>,
+        send_counts: &[usize],
+        mut recv: SliceMut<'_>,
+        recv_counts: &[usize],
+        rows: usize,
+    ) -> Result<()> {
+        let n = self.n();
+        let call = Call::AllToAllV {
+            send: send.len(),
+            recv: recv.len(),
+            send_counts: send_counts.to_vec(),
+            recv_counts: recv_counts.to_vec(),
+            rows,
+        };
+        let check = |buf: &str, counts: &[usize], len: usize| -> Option<String> {
+            let name = format!("{buf}_counts");
+            match counts_sum(counts, &name, n) {
+                Err(e) => Some(e),
+                Ok(total) if total != len => Some(format!(
+                    "{buf} has {len} elements but {name} sum to {total}"
+                )),
+                Ok(_) => None,
+            }
+        };
+        let invalid = same_dtype(&send, &recv)
+            .or_else(|| check("send", send_counts, send.len()))
+            .or_else(|| check("recv", recv_counts, recv.len()));
+        self.run(post(call, invalid, Some(&send), Some(&mut recv)))
+            .map(drop)
+    }
+
     pub(super) fn new(group: Arc<Group>, rank: usize) -> ThreadComm {
         ThreadComm {
             group,
@@ -255,28 +358,19 @@ impl Communicator for ThreadComm {
             .map(drop)
     }
 
-    fn all_gatherv(&self, send: Slice<'_>, mut recv: SliceMut<'_>, counts: &[usize]) -> Result<()> {
-        let (n, r) = (self.n(), self.rank);
-        let call = Call::AllGatherV {
-            send: send.len(),
-            recv: recv.len(),
-            counts: counts.to_vec(),
-        };
-        let invalid = same_dtype(&send, &recv).or_else(|| match counts_sum(counts, "counts", n) {
-            Err(e) => Some(e),
-            Ok(_) if send.len() != counts[r] => Some(format!(
-                "send has {} elements but counts[{r}] = {}",
-                send.len(),
-                counts[r]
-            )),
-            Ok(total) if recv.len() != total => Some(format!(
-                "recv has {} elements but counts sum to {total}",
-                recv.len()
-            )),
-            Ok(_) => None,
-        });
-        self.run(post(call, invalid, Some(&send), Some(&mut recv)))
-            .map(drop)
+    fn all_gatherv(&self, send: Slice<'_>, recv: SliceMut<'_>, counts: &[usize]) -> Result<()> {
+        self.all_gather_rows(send, recv, counts, 1)
+    }
+
+    fn all_gather_cols(
+        &self,
+        send: Slice<'_>,
+        recv: SliceMut<'_>,
+        rows: usize,
+        widths: &[usize],
+    ) -> Result<()> {
+        let counts: Vec<usize> = widths.iter().map(|w| w * rows).collect();
+        self.all_gather_rows(send, recv, &counts, rows)
     }
 
     fn all_gatherv_in_place(&self, mut buf: SliceMut<'_>, counts: &[usize]) -> Result<()> {
@@ -287,6 +381,7 @@ impl Communicator for ThreadComm {
             send: own,
             recv: buf.len(),
             counts: counts.to_vec(),
+            rows: 1,
         };
         let invalid = match total {
             Err(e) => Some(e),
@@ -322,6 +417,7 @@ impl Communicator for ThreadComm {
             recv: own,
             counts: counts.to_vec(),
             op,
+            rows: 1,
         };
         let invalid = match total {
             Err(e) => Some(e),
@@ -360,32 +456,23 @@ impl Communicator for ThreadComm {
     fn reduce_scatterv(
         &self,
         send: Slice<'_>,
-        mut recv: SliceMut<'_>,
+        recv: SliceMut<'_>,
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
-        let (n, r) = (self.n(), self.rank);
-        let call = Call::ReduceScatterV {
-            send: send.len(),
-            recv: recv.len(),
-            counts: counts.to_vec(),
-            op,
-        };
-        let invalid = same_dtype(&send, &recv).or_else(|| match counts_sum(counts, "counts", n) {
-            Err(e) => Some(e),
-            Ok(total) if send.len() != total => Some(format!(
-                "send has {} elements but counts sum to {total}",
-                send.len()
-            )),
-            Ok(_) if recv.len() != counts[r] => Some(format!(
-                "recv has {} elements but counts[{r}] = {}",
-                recv.len(),
-                counts[r]
-            )),
-            Ok(_) => None,
-        });
-        self.run(post(call, invalid, Some(&send), Some(&mut recv)))
-            .map(drop)
+        self.reduce_scatter_rows(send, recv, counts, op, 1)
+    }
+
+    fn reduce_scatter_cols(
+        &self,
+        send: Slice<'_>,
+        recv: SliceMut<'_>,
+        rows: usize,
+        widths: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let counts: Vec<usize> = widths.iter().map(|w| w * rows).collect();
+        self.reduce_scatter_rows(send, recv, &counts, op, rows)
     }
 
     fn all_to_all(&self, send: Slice<'_>, mut recv: SliceMut<'_>) -> Result<()> {
@@ -418,31 +505,22 @@ impl Communicator for ThreadComm {
         &self,
         send: Slice<'_>,
         send_counts: &[usize],
-        mut recv: SliceMut<'_>,
+        recv: SliceMut<'_>,
         recv_counts: &[usize],
     ) -> Result<()> {
-        let n = self.n();
-        let call = Call::AllToAllV {
-            send: send.len(),
-            recv: recv.len(),
-            send_counts: send_counts.to_vec(),
-            recv_counts: recv_counts.to_vec(),
-        };
-        let check = |buf: &str, counts: &[usize], len: usize| -> Option<String> {
-            let name = format!("{buf}_counts");
-            match counts_sum(counts, &name, n) {
-                Err(e) => Some(e),
-                Ok(total) if total != len => Some(format!(
-                    "{buf} has {len} elements but {name} sum to {total}"
-                )),
-                Ok(_) => None,
-            }
-        };
-        let invalid = same_dtype(&send, &recv)
-            .or_else(|| check("send", send_counts, send.len()))
-            .or_else(|| check("recv", recv_counts, recv.len()));
-        self.run(post(call, invalid, Some(&send), Some(&mut recv)))
-            .map(drop)
+        self.all_to_all_rows(send, send_counts, recv, recv_counts, 1)
+    }
+
+    fn all_to_all_cols(
+        &self,
+        send: Slice<'_>,
+        rows: usize,
+        send_widths: &[usize],
+        recv: SliceMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let send_counts: Vec<usize> = send_widths.iter().map(|w| w * rows).collect();
+        self.all_to_all_rows(send, &send_counts, recv, recv_counts, rows)
     }
 
     fn broadcast(&self, mut buf: SliceMut<'_>, root: usize) -> Result<()> {
@@ -669,6 +747,22 @@ unsafe fn move_data(posts: &[Post], me: usize) {
                     }
                 }
             }
+            Call::AllGatherV { counts, rows, .. } if *rows > 1 => {
+                // Piece p's row r lands in row r of the result, at column offset c_p.
+                let (rows, width) = (*rows, counts.iter().sum::<usize>() / rows);
+                let offsets = prefix_sums(counts);
+                for p in std::iter::once(me).chain(others(me, n)) {
+                    let (w, c) = (counts[p] / rows, offsets[p] / rows);
+                    for r in 0..rows {
+                        copy(
+                            send(p).add(r * w * es),
+                            recv.add((r * width + c) * es),
+                            w,
+                            dtype,
+                        );
+                    }
+                }
+            }
             Call::AllGatherV { counts, .. } => {
                 let offsets = prefix_sums(counts);
                 for p in std::iter::once(me).chain(others(me, n)) {
@@ -680,6 +774,24 @@ unsafe fn move_data(posts: &[Post], me: usize) {
             }
             Call::ReduceScatter { recv: k, op, .. } => {
                 reduce(dtype, recv, *k, posts, |p| p.send.0, me * k, *op);
+            }
+            Call::ReduceScatterV {
+                counts, op, rows, ..
+            } if *rows > 1 => {
+                // Row r of this rank's column block, reduced across ranks row by row.
+                let (rows, width) = (*rows, counts.iter().sum::<usize>() / rows);
+                let (w, c) = (counts[me] / rows, counts[..me].iter().sum::<usize>() / rows);
+                for r in 0..rows {
+                    reduce(
+                        dtype,
+                        recv.add(r * w * es),
+                        w,
+                        posts,
+                        |p| p.send.0,
+                        r * width + c,
+                        *op,
+                    );
+                }
             }
             Call::ReduceScatterV { counts, op, .. } => {
                 let off = counts[..me].iter().sum();
@@ -694,12 +806,30 @@ unsafe fn move_data(posts: &[Post], me: usize) {
             Call::AllToAllV { recv_counts, .. } => {
                 let recv_offsets = prefix_sums(recv_counts);
                 for p in std::iter::once(me).chain(others(me, n)) {
-                    let Call::AllToAllV { send_counts, .. } = &posts[p].call else {
+                    let Call::AllToAllV {
+                        send_counts, rows, ..
+                    } = &posts[p].call
+                    else {
                         continue;
                     };
                     let src_off: usize = send_counts[..me].iter().sum();
                     let dst = recv.add(recv_offsets[p] * es);
-                    copy(send(p).add(src_off * es), dst, recv_counts[p], dtype);
+                    if *rows > 1 {
+                        // Rank p's block for this rank: columns c.. of each of its rows.
+                        let rows = *rows;
+                        let width = send_counts.iter().sum::<usize>() / rows;
+                        let (w, c) = (send_counts[me] / rows, src_off / rows);
+                        for r in 0..rows {
+                            copy(
+                                send(p).add((r * width + c) * es),
+                                dst.add(r * w * es),
+                                w,
+                                dtype,
+                            );
+                        }
+                    } else {
+                        copy(send(p).add(src_off * es), dst, recv_counts[p], dtype);
+                    }
                 }
             }
             Call::Broadcast { len, root } if me != *root => {
@@ -732,6 +862,7 @@ fn elements_moved(call: &Call, me: usize, n: usize) -> (u64, u64) {
             recv,
             send_counts,
             recv_counts,
+            ..
         } => (send - send_counts[me], recv - recv_counts[me]),
         Call::Broadcast { len, root } if *root == me => (len * peers, 0),
         Call::Broadcast { len, .. } => (0, *len),
