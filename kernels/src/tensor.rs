@@ -507,18 +507,9 @@ impl Tensor {
         let src = self.as_dyn_slice();
         with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
             let s: &[T] = slice_as(src);
-            let mut piece_base = 0;
-            let mut start = 0;
-            for &len in sizes {
-                let run = len * inner;
-                for o in 0..outer {
-                    let from = (o * extent + start) * inner;
-                    let to = piece_base + o * run;
-                    d[to..to + run].copy_from_slice(&s[from..from + run]);
-                }
-                piece_base += outer * run;
-                start += len;
-            }
+            piece_runs(outer, extent, inner, sizes, |t, p, run| {
+                d[p..p + run].copy_from_slice(&s[t..t + run])
+            });
         });
         Ok(out)
     }
@@ -546,18 +537,9 @@ impl Tensor {
         let src = flat.as_dyn_slice();
         with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
             let s: &[T] = slice_as(src);
-            let mut piece_base = 0;
-            let mut start = 0;
-            for &len in sizes {
-                let run = len * inner;
-                for o in 0..outer {
-                    let to = (o * extent + start) * inner;
-                    let from = piece_base + o * run;
-                    d[to..to + run].copy_from_slice(&s[from..from + run]);
-                }
-                piece_base += outer * run;
-                start += len;
-            }
+            piece_runs(outer, extent, inner, sizes, |t, p, run| {
+                d[t..t + run].copy_from_slice(&s[p..p + run])
+            });
         });
         Ok(out)
     }
@@ -678,6 +660,27 @@ impl Tensor {
             start * inner,
         );
         Ok(())
+    }
+}
+
+/// The contiguous runs of the pieces of a dim (extents `sizes`) in a tensor seen as
+/// `[outer, extent, inner]`, piece by piece: `f(offset in the tensor, offset in the packed
+/// buffer, length)`. Pack copies tensor → buffer along these runs, unpack the reverse.
+fn piece_runs(
+    outer: usize,
+    extent: usize,
+    inner: usize,
+    sizes: &[usize],
+    mut f: impl FnMut(usize, usize, usize),
+) {
+    let (mut piece_base, mut start) = (0, 0);
+    for &len in sizes {
+        let run = len * inner;
+        for o in 0..outer {
+            f((o * extent + start) * inner, piece_base + o * run, run);
+        }
+        piece_base += outer * run;
+        start += len;
     }
 }
 

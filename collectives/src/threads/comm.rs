@@ -78,6 +78,34 @@ impl Drop for Busy<'_> {
 }
 
 impl ThreadComm {
+    /// The post of an in-place call on `buf` (whose length must be `Σ counts`), with both
+    /// addresses at the buffer's start, and the address of this rank's own block in it
+    /// (`None` when the arguments are invalid; the post then says why).
+    fn post_in_place(
+        &self,
+        call: Call,
+        buf: &mut SliceMut<'_>,
+        counts: &[usize],
+    ) -> (Post, Option<RawBuf>) {
+        let invalid = match counts_sum(counts, "counts", self.n()) {
+            Err(e) => Some(e),
+            Ok(total) if buf.len() != total => Some(format!(
+                "buffer has {} elements but counts sum to {total}",
+                buf.len()
+            )),
+            Ok(_) => None,
+        };
+        let es = buf.dtype().size_in_bytes();
+        let post = post(call, invalid, None, Some(buf));
+        let own = post.invalid.is_none().then(|| {
+            let off: usize = counts[..self.rank].iter().sum();
+            // SAFETY: `off` plus this rank's count is within the buffer (counts sum to its
+            // length).
+            RawBuf(unsafe { post.recv.0.add(off * es) })
+        });
+        (post, own)
+    }
+
     /// All-gather of `counts[p]` elements per rank; with `rows > 1` each piece is a
     /// `rows`-row column block of the result (see `Communicator::all_gather_cols`).
     fn all_gather_rows(
@@ -374,31 +402,17 @@ impl Communicator for ThreadComm {
     }
 
     fn all_gatherv_in_place(&self, mut buf: SliceMut<'_>, counts: &[usize]) -> Result<()> {
-        let (n, r) = (self.n(), self.rank);
-        let total = counts_sum(counts, "counts", n);
-        let own = counts.get(r).copied().unwrap_or(0);
         let call = Call::AllGatherV {
-            send: own,
+            send: counts.get(self.rank).copied().unwrap_or(0),
             recv: buf.len(),
             counts: counts.to_vec(),
             rows: 1,
         };
-        let invalid = match total {
-            Err(e) => Some(e),
-            Ok(total) if buf.len() != total => Some(format!(
-                "buffer has {} elements but counts sum to {total}",
-                buf.len()
-            )),
-            Ok(_) => None,
-        };
-        let mut post = post(call, invalid, None, Some(&mut buf));
-        if post.invalid.is_none() {
-            // This rank's piece is read by its peers where it already lies; the data phase
-            // skips copying a piece onto itself.
-            let off: usize = counts[..r].iter().sum();
-            let es = buf.dtype().size_in_bytes();
-            // SAFETY: `off + own <= buf.len()` (counts sum to the buffer's length).
-            post.send = RawBuf(unsafe { post.recv.0.add(off * es) });
+        let (mut post, own) = self.post_in_place(call, &mut buf, counts);
+        // Peers read this rank's piece where it already lies; the data phase skips copying
+        // a piece onto itself.
+        if let Some(own) = own {
+            post.send = own;
         }
         self.run(post).map(drop)
     }
@@ -409,33 +423,19 @@ impl Communicator for ThreadComm {
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
-        let (n, r) = (self.n(), self.rank);
-        let total = counts_sum(counts, "counts", n);
-        let own = counts.get(r).copied().unwrap_or(0);
         let call = Call::ReduceScatterV {
             send: buf.len(),
-            recv: own,
+            recv: counts.get(self.rank).copied().unwrap_or(0),
             counts: counts.to_vec(),
             op,
             rows: 1,
         };
-        let invalid = match total {
-            Err(e) => Some(e),
-            Ok(total) if buf.len() != total => Some(format!(
-                "buffer has {} elements but counts sum to {total}",
-                buf.len()
-            )),
-            Ok(_) => None,
-        };
-        let mut post = post(call, invalid, None, Some(&mut buf));
-        if post.invalid.is_none() {
-            // Peers read block p of this buffer only for p != r; this rank writes its own
-            // block r, reading it (and the peers' blocks r) block by block before writing
-            // (`reduce_sources_with`), so the result can land where block r lies.
-            let off: usize = counts[..r].iter().sum();
-            let es = buf.dtype().size_in_bytes();
-            // SAFETY: `off + own <= buf.len()` (counts sum to the buffer's length).
-            post.recv = RawBuf(unsafe { post.send.0.add(off * es) });
+        let (mut post, own) = self.post_in_place(call, &mut buf, counts);
+        // Peers read block p of this buffer only for p != rank; this rank writes its own
+        // block, reading it (and the peers' same blocks) L1 block by block before writing
+        // (`reduce_sources_with`), so the result can land where the block lies.
+        if let Some(own) = own {
+            post.recv = own;
         }
         self.run(post).map(drop)
     }
