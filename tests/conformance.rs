@@ -1,5 +1,6 @@
 //! Conformance of every single-axis transition (and its adjoint) against the slow
-//! reference, on 1-D (4), 2-D (2×2, 4×2) and 3-D (2×2×2) meshes of thread ranks.
+//! reference, on 1-D (4), 2-D (2×2, 4×2), 3-D (2×2×2) and 4-D (2×2×1×2) meshes of thread
+//! ranks.
 //!
 //! For each mesh, each axis, each transition of DESIGN.md's table, tensor dims 0, 1 and
 //! last, and extents 4k, 4k+1, 4k+2, smaller than the mesh and one row, with the other
@@ -242,6 +243,17 @@ fn transitions_mesh_2d_4x2_match_reference() {
 #[test]
 fn transitions_mesh_3d_2x2x2_match_reference() {
     run_mesh_conformance(&[(AxisKind::Dp, 2), (AxisKind::Cp, 2), (AxisKind::Tp, 2)]);
+}
+
+#[test]
+fn transitions_mesh_4d_2x2x1x2_match_reference() {
+    // Four axes, one of size 1 (a degenerate group must behave like any other).
+    run_mesh_conformance(&[
+        (AxisKind::Pp, 2),
+        (AxisKind::Dp, 2),
+        (AxisKind::Cp, 1),
+        (AxisKind::Tp, 2),
+    ]);
 }
 
 /// all_reduce of order-sensitive float terms: every replica gets the same bits, and they

@@ -5,7 +5,7 @@ use dtensor_collectives::{
     CollectiveKind, Communicator, CommunicatorExt, CounterSnapshot, Element, Error, ReduceOp,
     Slice, SliceMut,
 };
-use dtensor_kernels::half::bf16;
+use dtensor_kernels::half::{bf16, f16};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -64,12 +64,14 @@ fn bits<T: Element>(v: &[T]) -> String {
     format!("{v:?}")
 }
 
-/// Runs `$f::<T>(args)` for f32, f64, bf16 and i64.
+/// Runs `$f::<T>(args)` for every dtype: f32, f64, bf16, f16, i32 and i64.
 macro_rules! each_dtype {
     ($f:ident($($arg:expr),*)) => {{
         $f::<f32>($($arg),*);
         $f::<f64>($($arg),*);
         $f::<bf16>($($arg),*);
+        $f::<f16>($($arg),*);
+        $f::<i32>($($arg),*);
         $f::<i64>($($arg),*);
     }};
 }
