@@ -6,7 +6,9 @@
 //!
 //! Backends:
 //! - [`threads`] (default): N ranks as threads in one process, shared-memory collectives.
-//! - `mpi` and `nccl`: later, behind features, with stand-ins that say "not compiled with …".
+//! - [`mpi`] (feature `mpi`): ranks as processes under `mpirun`, over rsmpi; without the
+//!   feature, a stand-in whose `init` returns [`Error::NotCompiled`].
+//! - `nccl`: later, behind a feature, with a stand-in that says "not compiled with …".
 //!
 //! Semantics every backend keeps:
 //! - Buffers are rank-ordered: in an all-gather, rank `r`'s piece lands at position `r`.
@@ -33,6 +35,8 @@
 pub mod columns;
 mod counters;
 mod error;
+mod mismatch;
+pub mod mpi;
 pub mod threads;
 
 pub use counters::{CollectiveKind, CounterSnapshot, Counters};

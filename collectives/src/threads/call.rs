@@ -240,7 +240,12 @@ pub(super) fn check(posts: &[Post], me: usize, members: &[usize]) -> Result<(), 
         return Err(Problem::Invalid(detail.clone()));
     }
     let first = &posts[0];
-    let mismatch = |what: String| Err(Problem::Mismatch(mismatch_detail(&what, posts, members)));
+    let mismatch = |what: String| {
+        let described: Vec<String> = posts.iter().map(Post::describe).collect();
+        Err(Problem::Mismatch(crate::mismatch::mismatch_detail(
+            &what, &described, members,
+        )))
+    };
 
     if posts.iter().any(|p| p.call.name() != first.call.name()) {
         return mismatch("ranks called different collectives".into());
@@ -296,35 +301,6 @@ pub(super) fn check(posts: &[Post], me: usize, members: &[usize]) -> Result<(), 
         }
     }
     Ok(())
-}
-
-/// `what: rank 0: all_reduce(f32 x 16, sum); ranks 1, 2: all_gather(f32 x 8 -> 24)`.
-fn mismatch_detail(what: &str, posts: &[Post], members: &[usize]) -> String {
-    let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
-    for (r, p) in posts.iter().enumerate() {
-        let d = p.describe();
-        match groups.iter_mut().find(|(g, _)| *g == d) {
-            Some((_, ranks)) => ranks.push(r),
-            None => groups.push((d, vec![r])),
-        }
-    }
-    let mut out = format!("{what}: ");
-    for (i, (d, ranks)) in groups.iter().enumerate() {
-        if i > 0 {
-            out.push_str("; ");
-        }
-        let list = ranks
-            .iter()
-            .map(|r| r.to_string())
-            .collect::<Vec<_>>()
-            .join(", ");
-        let label = if ranks.len() == 1 { "rank" } else { "ranks" };
-        out.push_str(&format!("{label} {list}: {d}"));
-    }
-    if members.iter().enumerate().any(|(i, &w)| i != w) {
-        out.push_str(&format!(" (group ranks; world ranks {members:?})"));
-    }
-    out
 }
 
 #[cfg(test)]

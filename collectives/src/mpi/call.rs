@@ -1,0 +1,423 @@
+//! What a rank announces before each collective (a fixed-size [`Header`]), and the
+//! verdict every rank draws from all headers. MPI itself does not notice mismatched
+//! calls (it hangs, truncates or corrupts), so this check is what turns them into
+//! [`Error::CollectiveMismatch`](crate::Error::CollectiveMismatch) on every rank.
+//!
+//! The header is a fixed [`HEADER_WORDS`] × u64 whatever the group size: counts travel as
+//! hashes. Counts of all_gatherv / reduce_scatterv must be equal on every rank, so their
+//! hashes must be too. For all_to_allv, rank `p`'s `send_counts[r]` must equal rank
+//! `r`'s `recv_counts[p]`: every rank adds up a hash of each `(from, to, count)` it sends
+//! and, separately, of each it expects; the two totals over all ranks agree exactly when
+//! the pairs do (up to a 2⁻⁶⁴ collision). Only when the verdict is a mismatch do the ranks
+//! exchange full descriptions (one more round, on the failure path only), so the message
+//! names who called what, as the threads backend's does.
+
+// Without the `mpi` feature this module is compiled only for its unit tests.
+#![cfg_attr(not(feature = "mpi"), allow(dead_code))]
+
+use crate::CollectiveKind;
+use dtensor_kernels::{DType, ReduceOp};
+
+/// Words in a [`Header`].
+pub(crate) const HEADER_WORDS: usize = 10;
+
+/// Marks a header as ours (and of this layout).
+const MAGIC: u64 = 0x6474_656e_736f_7201;
+
+/// One rank's header, as sent to its peers.
+pub(crate) type Header = [u64; HEADER_WORDS];
+
+/// A collective call with the lengths of the caller's own buffers.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Call {
+    AllReduce {
+        len: usize,
+        op: ReduceOp,
+    },
+    AllGather {
+        send: usize,
+        recv: usize,
+    },
+    AllGatherV {
+        send: usize,
+        recv: usize,
+        counts: Vec<usize>,
+    },
+    ReduceScatter {
+        send: usize,
+        recv: usize,
+        op: ReduceOp,
+    },
+    ReduceScatterV {
+        send: usize,
+        recv: usize,
+        counts: Vec<usize>,
+        op: ReduceOp,
+    },
+    AllToAll {
+        send: usize,
+        recv: usize,
+    },
+    AllToAllV {
+        send: usize,
+        recv: usize,
+        send_counts: Vec<usize>,
+        recv_counts: Vec<usize>,
+    },
+    Broadcast {
+        len: usize,
+        root: usize,
+    },
+    Barrier,
+    Split {
+        color: usize,
+        key: usize,
+    },
+    /// The rank's program ended (`mpi::run` returned or `Mpi::finalize`): not a
+    /// collective a user calls, but a peer waiting in a collective sees it and fails with
+    /// `RankFailed` instead of waiting for a rank that will never come.
+    Leave,
+}
+
+impl Call {
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Call::AllReduce { .. } => "all_reduce",
+            Call::AllGather { .. } => "all_gather",
+            Call::AllGatherV { .. } => "all_gatherv",
+            Call::ReduceScatter { .. } => "reduce_scatter",
+            Call::ReduceScatterV { .. } => "reduce_scatterv",
+            Call::AllToAll { .. } => "all_to_all",
+            Call::AllToAllV { .. } => "all_to_allv",
+            Call::Broadcast { .. } => "broadcast",
+            Call::Barrier => "barrier",
+            Call::Split { .. } => "split",
+            Call::Leave => "finalize",
+        }
+    }
+
+    fn code(&self) -> u64 {
+        match self {
+            Call::AllReduce { .. } => 1,
+            Call::AllGather { .. } => 2,
+            Call::AllGatherV { .. } => 3,
+            Call::ReduceScatter { .. } => 4,
+            Call::ReduceScatterV { .. } => 5,
+            Call::AllToAll { .. } => 6,
+            Call::AllToAllV { .. } => 7,
+            Call::Broadcast { .. } => 8,
+            Call::Barrier => 9,
+            Call::Split { .. } => 10,
+            Call::Leave => 11,
+        }
+    }
+
+    pub(crate) fn kind(&self) -> CollectiveKind {
+        match self {
+            Call::AllReduce { .. } => CollectiveKind::AllReduce,
+            Call::AllGather { .. } | Call::AllGatherV { .. } => CollectiveKind::AllGather,
+            Call::ReduceScatter { .. } | Call::ReduceScatterV { .. } => {
+                CollectiveKind::ReduceScatter
+            }
+            Call::AllToAll { .. } | Call::AllToAllV { .. } => CollectiveKind::AllToAll,
+            Call::Broadcast { .. } => CollectiveKind::Broadcast,
+            Call::Barrier | Call::Leave => CollectiveKind::Barrier,
+            Call::Split { .. } => CollectiveKind::Split,
+        }
+    }
+
+    fn reduce_op(&self) -> u64 {
+        match self {
+            Call::AllReduce { op, .. }
+            | Call::ReduceScatter { op, .. }
+            | Call::ReduceScatterV { op, .. } => match op {
+                ReduceOp::Sum => 1,
+                ReduceOp::Avg => 2,
+                ReduceOp::Max => 3,
+                ReduceOp::Min => 4,
+            },
+            _ => 0,
+        }
+    }
+
+    /// The length every rank must pass alike (for the collectives with equal pieces).
+    fn agreed_len(&self) -> u64 {
+        match self {
+            Call::AllReduce { len, .. } | Call::Broadcast { len, .. } => *len as u64,
+            Call::AllGather { send, .. } | Call::AllToAll { send, .. } => *send as u64,
+            Call::ReduceScatter { recv, .. } => *recv as u64,
+            _ => 0,
+        }
+    }
+
+    /// `all_reduce(f32 x 16, sum)`: what the rank called, for mismatch messages.
+    pub(crate) fn describe(&self, dtype: Option<DType>) -> String {
+        let dt = dtype.map_or_else(|| "-".to_string(), |d| d.to_string());
+        match self {
+            Call::AllReduce { len, op } => format!("all_reduce({dt} x {len}, {op})"),
+            Call::AllGather { send, recv } => format!("all_gather({dt} x {send} -> {recv})"),
+            Call::AllGatherV { send, recv, counts } => {
+                format!("all_gatherv({dt} x {send} -> {recv}, counts {counts:?})")
+            }
+            Call::ReduceScatter { send, recv, op } => {
+                format!("reduce_scatter({dt} x {send} -> {recv}, {op})")
+            }
+            Call::ReduceScatterV {
+                send,
+                recv,
+                counts,
+                op,
+            } => format!("reduce_scatterv({dt} x {send} -> {recv}, counts {counts:?}, {op})"),
+            Call::AllToAll { send, recv } => format!("all_to_all({dt} x {send} -> {recv})"),
+            Call::AllToAllV {
+                send,
+                recv,
+                send_counts,
+                recv_counts,
+            } => format!(
+                "all_to_allv({dt} x {send} -> {recv}, send_counts {send_counts:?}, \
+                 recv_counts {recv_counts:?})"
+            ),
+            Call::Broadcast { len, root } => format!("broadcast({dt} x {len}, root {root})"),
+            Call::Barrier => "barrier()".to_string(),
+            Call::Split { color, key } => format!("split(color {color}, key {key})"),
+            Call::Leave => "returned (its program ended)".to_string(),
+        }
+    }
+
+    /// This rank's header (`me` of `n`); `invalid` says its own arguments were bad.
+    pub(crate) fn header(&self, dtype: Option<DType>, invalid: bool, me: usize) -> Header {
+        let dtype_code = dtype.map_or(0, dtype_code);
+        let (root, counts_hash) = match self {
+            Call::Broadcast { root, .. } => (*root as u64 + 1, 0),
+            Call::AllGatherV { counts, .. } | Call::ReduceScatterV { counts, .. } => {
+                (0, fnv(counts))
+            }
+            _ => (0, 0),
+        };
+        let (out, inn) = match self {
+            Call::AllToAllV {
+                send_counts,
+                recv_counts,
+                ..
+            } => (
+                send_counts
+                    .iter()
+                    .enumerate()
+                    .fold(0u64, |a, (to, &c)| a.wrapping_add(pair_hash(me, to, c))),
+                recv_counts
+                    .iter()
+                    .enumerate()
+                    .fold(0u64, |a, (from, &c)| a.wrapping_add(pair_hash(from, me, c))),
+            ),
+            _ => (0, 0),
+        };
+        [
+            MAGIC,
+            self.code(),
+            dtype_code,
+            self.agreed_len(),
+            self.reduce_op(),
+            root,
+            counts_hash,
+            out,
+            inn,
+            u64::from(invalid),
+        ]
+    }
+}
+
+/// A dtype as a number (1..=6) on the wire.
+pub(crate) fn dtype_code(dtype: DType) -> u64 {
+    match dtype {
+        DType::F32 => 1,
+        DType::F64 => 2,
+        DType::BF16 => 3,
+        DType::F16 => 4,
+        DType::I32 => 5,
+        DType::I64 => 6,
+    }
+}
+
+/// The inverse of [`dtype_code`].
+pub(crate) fn dtype_from_code(code: u64) -> Option<DType> {
+    [
+        DType::F32,
+        DType::F64,
+        DType::BF16,
+        DType::F16,
+        DType::I32,
+        DType::I64,
+    ]
+    .into_iter()
+    .find(|&d| dtype_code(d) == code)
+}
+
+/// FNV-1a over the counts and their number (stable across processes, unlike std's hasher).
+fn fnv(counts: &[usize]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for v in std::iter::once(counts.len()).chain(counts.iter().copied()) {
+        for b in (v as u64).to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// splitmix64 of one all_to_allv pair `(from, to, count)`.
+fn pair_hash(from: usize, to: usize, count: usize) -> u64 {
+    let mut z = (from as u64)
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        .wrapping_add((to as u64).wrapping_mul(0xc2b2_ae3d_27d4_eb4f))
+        .wrapping_add((count as u64).wrapping_mul(0x1656_67b1_9e37_79f9))
+        .wrapping_add(0x27d4_eb2f_1656_67c5);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// What every rank concludes from all headers of one collective.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Verdict {
+    /// Everyone agrees: move the data.
+    Go,
+    /// Group rank `rank` has left (its program ended) while its peers wait in a collective.
+    Departed { rank: usize },
+    /// This rank's own arguments are invalid (its peers get `Mismatch`).
+    Invalid,
+    /// The headers disagree: the reason; the details come from a second exchange.
+    Mismatch(String),
+}
+
+/// Checks all headers (indexed by group rank) from rank `me`'s point of view. Every rank
+/// gets the same verdict except that a rank with invalid arguments gets `Invalid` where its
+/// peers get `Mismatch`.
+pub(crate) fn check(headers: &[Header], me: usize) -> Verdict {
+    const CODE: usize = 1;
+    let leave = Call::Leave.code();
+    let first = &headers[0];
+    if headers.iter().any(|h| h[0] != MAGIC) {
+        return Verdict::Mismatch("a rank sent a malformed header".into());
+    }
+    if headers.iter().any(|h| h[CODE] != first[CODE]) {
+        if let Some(rank) = headers.iter().position(|h| h[CODE] == leave) {
+            return Verdict::Departed { rank };
+        }
+        return Verdict::Mismatch("ranks called different collectives".into());
+    }
+    if headers[me][9] != 0 {
+        return Verdict::Invalid;
+    }
+    if let Some(r) = headers.iter().position(|h| h[9] != 0) {
+        return Verdict::Mismatch(format!("rank {r} passed invalid arguments"));
+    }
+    let differs = |i: usize| headers.iter().any(|h| h[i] != first[i]);
+    let checks = [
+        (2, "dtypes differ"),
+        (4, "reduce ops differ"),
+        (5, "roots differ"),
+        (3, "lengths differ"),
+        (6, "counts differ"),
+    ];
+    if let Some((_, what)) = checks.iter().find(|(i, _)| differs(*i)) {
+        return Verdict::Mismatch((*what).into());
+    }
+    let sum = |i: usize| headers.iter().fold(0u64, |a, h| a.wrapping_add(h[i]));
+    if sum(7) != sum(8) {
+        return Verdict::Mismatch(
+            "all_to_allv send_counts and recv_counts do not pair up across ranks".into(),
+        );
+    }
+    Verdict::Go
+}
+
+pub(crate) use crate::mismatch::mismatch_detail;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(call: &Call, dtype: DType, me: usize) -> Header {
+        call.header(Some(dtype), false, me)
+    }
+
+    #[test]
+    fn check_same_call_go() {
+        let c = Call::AllReduce {
+            len: 16,
+            op: ReduceOp::Sum,
+        };
+        let hs = [h(&c, DType::F32, 0), h(&c, DType::F32, 1)];
+        assert_eq!(check(&hs, 0), Verdict::Go);
+    }
+
+    #[test]
+    fn check_different_ops_dtypes_lengths_roots_mismatch() {
+        let ar = |len| Call::AllReduce {
+            len,
+            op: ReduceOp::Sum,
+        };
+        let ag = Call::AllGather { send: 8, recv: 16 };
+        let v = check(&[h(&ar(16), DType::F32, 0), h(&ag, DType::F32, 1)], 1);
+        assert_eq!(
+            v,
+            Verdict::Mismatch("ranks called different collectives".into())
+        );
+        let v = check(&[h(&ar(16), DType::F32, 0), h(&ar(16), DType::F64, 1)], 0);
+        assert_eq!(v, Verdict::Mismatch("dtypes differ".into()));
+        let v = check(&[h(&ar(16), DType::F32, 0), h(&ar(15), DType::F32, 1)], 0);
+        assert_eq!(v, Verdict::Mismatch("lengths differ".into()));
+        let b = |root| Call::Broadcast { len: 3, root };
+        let v = check(&[h(&b(0), DType::I32, 0), h(&b(1), DType::I32, 1)], 0);
+        assert_eq!(v, Verdict::Mismatch("roots differ".into()));
+    }
+
+    #[test]
+    fn check_all_to_allv_pairs_hash_detects_disagreement() {
+        let a2av = |s: Vec<usize>, r: Vec<usize>| Call::AllToAllV {
+            send: s.iter().sum(),
+            recv: r.iter().sum(),
+            send_counts: s,
+            recv_counts: r,
+        };
+        // Rank 0 sends 2 to rank 1, rank 1 expects 2 from rank 0: consistent.
+        let ok = [
+            h(&a2av(vec![1, 2], vec![1, 3]), DType::I64, 0),
+            h(&a2av(vec![3, 4], vec![2, 4]), DType::I64, 1),
+        ];
+        assert_eq!(check(&ok, 0), Verdict::Go);
+        // Rank 1 expects 1 from rank 0 instead.
+        let bad = [
+            h(&a2av(vec![1, 2], vec![1, 3]), DType::I64, 0),
+            h(&a2av(vec![3, 4], vec![1, 4]), DType::I64, 1),
+        ];
+        assert!(matches!(check(&bad, 1), Verdict::Mismatch(_)));
+    }
+
+    #[test]
+    fn check_invalid_rank_invalid_peer_mismatch_leave_departed() {
+        let c = Call::Barrier;
+        let hs = [c.header(None, true, 0), c.header(None, false, 1)];
+        assert_eq!(check(&hs, 0), Verdict::Invalid);
+        assert_eq!(
+            check(&hs, 1),
+            Verdict::Mismatch("rank 0 passed invalid arguments".into())
+        );
+        let hs = [c.header(None, false, 0), Call::Leave.header(None, false, 1)];
+        assert_eq!(check(&hs, 0), Verdict::Departed { rank: 1 });
+    }
+
+    #[test]
+    fn mismatch_detail_groups_ranks_and_names_world_ranks() {
+        let d = mismatch_detail(
+            "counts differ",
+            &["a".into(), "b".into(), "a".into()],
+            &[4, 5, 6],
+        );
+        assert_eq!(
+            d,
+            "counts differ: ranks 0, 2: a; rank 1: b (group ranks; world ranks [4, 5, 6])"
+        );
+    }
+}

@@ -1,0 +1,106 @@
+//! Deterministic, layout-independent initialisation.
+//!
+//! Every element of a parameter is a pure function of `(seed, parameter id, global flat
+//! index)` (a counter-based generator: splitmix64 of the three, Box-Muller for normals).
+//! So a rank computes only its own slice, nothing is communicated, and a parameter built
+//! at `tp = k` equals the matching slice of the one built at `tp = 1` with the same seed.
+
+use dtensor_core::{DTensor, DeviceMesh, Result};
+use dtensor_kernels::{DType, Tensor};
+use dtensor_placement::{local_ranges, Layout};
+use std::sync::Arc;
+
+/// How a parameter's elements are drawn.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    /// Normal with mean 0 and this standard deviation.
+    Normal { std: f64 },
+    /// Uniform on `[-bound, bound]`.
+    Uniform { bound: f64 },
+    /// Every element this value (norm weights: 1, biases: 0).
+    Constant(f64),
+}
+
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A uniform draw in `(0, 1)` for the counter `(seed, id, i)`.
+fn unit(seed: u64, id: u64, i: u64) -> f64 {
+    let h = splitmix64(splitmix64(splitmix64(seed) ^ id) ^ i);
+    ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+}
+
+impl Init {
+    /// The element at global flat index `i` of parameter `id` under `seed`.
+    pub fn value(self, seed: u64, id: u64, i: u64) -> f64 {
+        match self {
+            Init::Normal { std } => {
+                let (u1, u2) = (unit(seed, id, 2 * i), unit(seed, id, 2 * i + 1));
+                std * (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+            }
+            Init::Uniform { bound } => bound * (2.0 * unit(seed, id, i) - 1.0),
+            Init::Constant(c) => c,
+        }
+    }
+
+    /// The whole tensor of `shape` (what one rank holds at `tp = dp = 1`).
+    pub fn full(self, seed: u64, id: u64, shape: &[usize], dtype: DType) -> Tensor {
+        let t = Tensor::from_fn(shape, |i| self.value(seed, id, i as u64));
+        if dtype == DType::F64 {
+            t
+        } else {
+            t.to_dtype(dtype)
+        }
+    }
+
+    /// This rank's piece of a parameter of `global_shape` laid out as `L` (no `Partial`
+    /// axis), computed locally.
+    pub fn param<L: Layout>(
+        self,
+        seed: u64,
+        id: u64,
+        global_shape: &[usize],
+        dtype: DType,
+        mesh: &Arc<DeviceMesh>,
+    ) -> Result<DTensor<L>> {
+        if let Some(a) = L::placements().iter().position(|p| p.is_partial()) {
+            return Err(dtensor_core::Error::PlacementMismatch {
+                op: "Init::param",
+                axis: L::axes()[a],
+                placements: L::placements(),
+                detail: "a parameter is initialised whole on every rank; a Partial axis would count it once per rank".into(),
+            });
+        }
+        let ranges = local_ranges(mesh.mesh(), &L::placements(), mesh.coords(), global_shape)?;
+        let local_shape: Vec<usize> = ranges.iter().map(|r| r.len()).collect();
+        let n: usize = local_shape.iter().product();
+        let mut vals = Vec::with_capacity(n);
+        let mut idx = vec![0usize; local_shape.len()];
+        for _ in 0..n {
+            let flat = idx
+                .iter()
+                .zip(&ranges)
+                .zip(global_shape)
+                .fold(0usize, |acc, ((&i, r), &e)| acc * e + r.start + i);
+            vals.push(self.value(seed, id, flat as u64));
+            for d in (0..idx.len()).rev() {
+                idx[d] += 1;
+                if idx[d] < local_shape[d] {
+                    break;
+                }
+                idx[d] = 0;
+            }
+        }
+        let t = Tensor::from_vec(vals, &local_shape)?;
+        let t = if dtype == DType::F64 {
+            t
+        } else {
+            t.to_dtype(dtype)
+        };
+        DTensor::from_local(t, global_shape, mesh)
+    }
+}

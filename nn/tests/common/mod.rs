@@ -1,0 +1,63 @@
+//! Shared helpers: thread-rank meshes, seeded global tensors, slicing, error measures.
+#![allow(dead_code)]
+
+use dtensor_collectives::threads;
+use dtensor_core::{DTensor, DeviceMesh, Result};
+use dtensor_kernels::{DType, Tensor};
+use dtensor_nn::Init;
+use dtensor_placement::{AxisKind, Layout, Mesh};
+use std::sync::Arc;
+
+/// Runs `f` on every rank of a `[Dp: dp, Tp: tp]` mesh of threads; each rank's value.
+pub fn on_mesh<T: Send>(
+    dp: usize,
+    tp: usize,
+    f: impl Fn(&Arc<DeviceMesh>) -> Result<T> + Sync,
+) -> Vec<T> {
+    let mesh = Mesh::new(&[(AxisKind::Dp, dp), (AxisKind::Tp, tp)]).unwrap();
+    threads::launch(dp * tp, |world| {
+        let dm = DeviceMesh::new(world, mesh.clone())?;
+        f(&dm)
+    })
+    .into_iter()
+    .enumerate()
+    .map(|(r, res)| res.unwrap_or_else(|e| panic!("rank {r}: {e}")))
+    .collect()
+}
+
+/// A seeded global f64 tensor with entries ~ Normal(0, 1).
+pub fn randn(seed: u64, shape: &[usize]) -> Tensor {
+    Init::Normal { std: 1.0 }.full(seed, 0, shape, DType::F64)
+}
+
+/// Every rank's piece of `g` laid out as `L` (no communication: each slices its own).
+pub fn piece<L: Layout>(g: &Tensor, mesh: &Arc<DeviceMesh>) -> Result<DTensor<L>> {
+    let ranges =
+        dtensor_placement::local_ranges(mesh.mesh(), &L::placements(), mesh.coords(), g.shape())?;
+    let mut t = g.clone();
+    for (d, r) in ranges.iter().enumerate() {
+        t = t.narrow(d, r.start, r.len())?;
+    }
+    DTensor::from_local(t, g.shape(), mesh)
+}
+
+/// `max |a − b| / max |b|`: the error relative to the reference's scale.
+pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.shape(), b.shape(), "shapes differ");
+    let (a, b) = (a.to_f64_vec(), b.to_f64_vec());
+    let scale = b.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-300);
+    a.iter()
+        .zip(&b)
+        .fold(0f64, |m, (x, y)| m.max((x - y).abs()))
+        / scale
+}
+
+/// Asserts `rel_err(a, b) <= tol`, naming `what`; returns the error.
+pub fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f64) -> f64 {
+    let e = rel_err(a, b);
+    assert!(e <= tol, "{what}: relative error {e:e} > {tol:e}");
+    e
+}
+
+/// The tensor-parallel sizes and sequence modes every layer test covers.
+pub const TPS: [usize; 3] = [1, 2, 4];
