@@ -32,6 +32,7 @@
 //! }
 //! ```
 
+mod call;
 pub mod columns;
 mod counters;
 mod error;

@@ -15,7 +15,7 @@
 // Without the `mpi` feature this module is compiled only for its unit tests.
 #![cfg_attr(not(feature = "mpi"), allow(dead_code))]
 
-use crate::CollectiveKind;
+pub(crate) use crate::call::Call;
 use dtensor_kernels::{DType, ReduceOp};
 
 /// Words in a [`Header`].
@@ -27,75 +27,7 @@ const MAGIC: u64 = 0x6474_656e_736f_7201;
 /// One rank's header, as sent to its peers.
 pub(crate) type Header = [u64; HEADER_WORDS];
 
-/// A collective call with the lengths of the caller's own buffers.
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) enum Call {
-    AllReduce {
-        len: usize,
-        op: ReduceOp,
-    },
-    AllGather {
-        send: usize,
-        recv: usize,
-    },
-    AllGatherV {
-        send: usize,
-        recv: usize,
-        counts: Vec<usize>,
-    },
-    ReduceScatter {
-        send: usize,
-        recv: usize,
-        op: ReduceOp,
-    },
-    ReduceScatterV {
-        send: usize,
-        recv: usize,
-        counts: Vec<usize>,
-        op: ReduceOp,
-    },
-    AllToAll {
-        send: usize,
-        recv: usize,
-    },
-    AllToAllV {
-        send: usize,
-        recv: usize,
-        send_counts: Vec<usize>,
-        recv_counts: Vec<usize>,
-    },
-    Broadcast {
-        len: usize,
-        root: usize,
-    },
-    Barrier,
-    Split {
-        color: usize,
-        key: usize,
-    },
-    /// The rank's program ended (`mpi::run` returned or `Mpi::finalize`): not a
-    /// collective a user calls, but a peer waiting in a collective sees it and fails with
-    /// `RankFailed` instead of waiting for a rank that will never come.
-    Leave,
-}
-
 impl Call {
-    pub(crate) fn name(&self) -> &'static str {
-        match self {
-            Call::AllReduce { .. } => "all_reduce",
-            Call::AllGather { .. } => "all_gather",
-            Call::AllGatherV { .. } => "all_gatherv",
-            Call::ReduceScatter { .. } => "reduce_scatter",
-            Call::ReduceScatterV { .. } => "reduce_scatterv",
-            Call::AllToAll { .. } => "all_to_all",
-            Call::AllToAllV { .. } => "all_to_allv",
-            Call::Broadcast { .. } => "broadcast",
-            Call::Barrier => "barrier",
-            Call::Split { .. } => "split",
-            Call::Leave => "finalize",
-        }
-    }
-
     fn code(&self) -> u64 {
         match self {
             Call::AllReduce { .. } => 1,
@@ -112,21 +44,7 @@ impl Call {
         }
     }
 
-    pub(crate) fn kind(&self) -> CollectiveKind {
-        match self {
-            Call::AllReduce { .. } => CollectiveKind::AllReduce,
-            Call::AllGather { .. } | Call::AllGatherV { .. } => CollectiveKind::AllGather,
-            Call::ReduceScatter { .. } | Call::ReduceScatterV { .. } => {
-                CollectiveKind::ReduceScatter
-            }
-            Call::AllToAll { .. } | Call::AllToAllV { .. } => CollectiveKind::AllToAll,
-            Call::Broadcast { .. } => CollectiveKind::Broadcast,
-            Call::Barrier | Call::Leave => CollectiveKind::Barrier,
-            Call::Split { .. } => CollectiveKind::Split,
-        }
-    }
-
-    fn reduce_op(&self) -> u64 {
+    fn reduce_word(&self) -> u64 {
         match self {
             Call::AllReduce { op, .. }
             | Call::ReduceScatter { op, .. }
@@ -141,47 +59,12 @@ impl Call {
     }
 
     /// The length every rank must pass alike (for the collectives with equal pieces).
-    fn agreed_len(&self) -> u64 {
+    fn agreed_len_word(&self) -> u64 {
         match self {
             Call::AllReduce { len, .. } | Call::Broadcast { len, .. } => *len as u64,
             Call::AllGather { send, .. } | Call::AllToAll { send, .. } => *send as u64,
             Call::ReduceScatter { recv, .. } => *recv as u64,
             _ => 0,
-        }
-    }
-
-    /// `all_reduce(f32 x 16, sum)`: what the rank called, for mismatch messages.
-    pub(crate) fn describe(&self, dtype: Option<DType>) -> String {
-        let dt = dtype.map_or_else(|| "-".to_string(), |d| d.to_string());
-        match self {
-            Call::AllReduce { len, op } => format!("all_reduce({dt} x {len}, {op})"),
-            Call::AllGather { send, recv } => format!("all_gather({dt} x {send} -> {recv})"),
-            Call::AllGatherV { send, recv, counts } => {
-                format!("all_gatherv({dt} x {send} -> {recv}, counts {counts:?})")
-            }
-            Call::ReduceScatter { send, recv, op } => {
-                format!("reduce_scatter({dt} x {send} -> {recv}, {op})")
-            }
-            Call::ReduceScatterV {
-                send,
-                recv,
-                counts,
-                op,
-            } => format!("reduce_scatterv({dt} x {send} -> {recv}, counts {counts:?}, {op})"),
-            Call::AllToAll { send, recv } => format!("all_to_all({dt} x {send} -> {recv})"),
-            Call::AllToAllV {
-                send,
-                recv,
-                send_counts,
-                recv_counts,
-            } => format!(
-                "all_to_allv({dt} x {send} -> {recv}, send_counts {send_counts:?}, \
-                 recv_counts {recv_counts:?})"
-            ),
-            Call::Broadcast { len, root } => format!("broadcast({dt} x {len}, root {root})"),
-            Call::Barrier => "barrier()".to_string(),
-            Call::Split { color, key } => format!("split(color {color}, key {key})"),
-            Call::Leave => "returned (its program ended)".to_string(),
         }
     }
 
@@ -216,8 +99,8 @@ impl Call {
             MAGIC,
             self.code(),
             dtype_code,
-            self.agreed_len(),
-            self.reduce_op(),
+            self.agreed_len_word(),
+            self.reduce_word(),
             root,
             counts_hash,
             out,
@@ -380,6 +263,7 @@ mod tests {
             recv: r.iter().sum(),
             send_counts: s,
             recv_counts: r,
+            rows: 1,
         };
         // Rank 0 sends 2 to rank 1, rank 1 expects 2 from rank 0: consistent.
         let ok = [

@@ -554,7 +554,7 @@ impl MpiComm {
         self.agree(&call, dtype, invalid)?;
         data();
         let es = dtype.map_or(0, DType::size_in_bytes) as u64;
-        let (sent, received) = elements_moved(&call, self.rank, self.size);
+        let (sent, received) = call.elements_moved(self.rank, self.size);
         self.counters.record(call.kind(), sent * es, received * es);
         Ok(())
     }
@@ -761,6 +761,7 @@ impl Communicator for MpiComm {
             send: send.len(),
             recv: recv.len(),
             counts: counts.to_vec(),
+            rows: 1,
         };
         let dtype = send.dtype();
         let mut cd = (Vec::new(), Vec::new());
@@ -815,6 +816,7 @@ impl Communicator for MpiComm {
             send: own,
             recv: buf.len(),
             counts: counts.to_vec(),
+            rows: 1,
         };
         let dtype = buf.dtype();
         let invalid = match counts_sum(counts, "counts", n) {
@@ -847,6 +849,7 @@ impl Communicator for MpiComm {
             recv: own,
             counts: counts.to_vec(),
             op,
+            rows: 1,
         };
         let dtype = buf.dtype();
         let invalid = match counts_sum(counts, "counts", n) {
@@ -905,6 +908,7 @@ impl Communicator for MpiComm {
             recv: recv.len(),
             counts: counts.to_vec(),
             op,
+            rows: 1,
         };
         let dtype = send.dtype();
         let invalid = same_dtype(&send, &recv).or_else(|| match counts_sum(counts, "counts", n) {
@@ -986,6 +990,7 @@ impl Communicator for MpiComm {
             recv: recv.len(),
             send_counts: send_counts.to_vec(),
             recv_counts: recv_counts.to_vec(),
+            rows: 1,
         };
         let dtype = send.dtype();
         let check = |buf: &str, counts: &[usize], len: usize| -> Option<String> {
@@ -1349,31 +1354,4 @@ fn tag_of(tag: u32, op: &'static str) -> Result<c_int> {
         op,
         detail: format!("tag {tag} is larger than MPI allows ({})", c_int::MAX),
     })
-}
-
-/// Elements this rank sent to and received from peers, per the table in `counters.rs`.
-fn elements_moved(call: &Call, me: usize, n: usize) -> (u64, u64) {
-    let peers = n - 1;
-    let (sent, received) = match call {
-        Call::AllReduce { len, .. } => {
-            let b = chunk_sizes(*len, n)[me];
-            let moved = (len - b) + b * peers;
-            (moved, moved)
-        }
-        Call::AllGather { send, .. } => (send * peers, send * peers),
-        Call::AllGatherV { counts, recv, .. } => (counts[me] * peers, recv - counts[me]),
-        Call::ReduceScatter { send, recv, .. } => (send - recv, recv * peers),
-        Call::ReduceScatterV { counts, send, .. } => (send - counts[me], counts[me] * peers),
-        Call::AllToAll { send, recv } => (send - send / n, recv - send / n),
-        Call::AllToAllV {
-            send,
-            recv,
-            send_counts,
-            recv_counts,
-        } => (send - send_counts[me], recv - recv_counts[me]),
-        Call::Broadcast { len, root } if *root == me => (len * peers, 0),
-        Call::Broadcast { len, .. } => (0, *len),
-        Call::Barrier | Call::Split { .. } | Call::Leave => (0, 0),
-    };
-    (sent as u64, received as u64)
 }

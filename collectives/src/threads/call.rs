@@ -2,8 +2,10 @@
 //! all posts once everyone has joined. All ranks see the same posts, so all reach the same
 //! verdict: either every rank moves data or every rank returns an error.
 
-use crate::CollectiveKind;
-use dtensor_kernels::{DType, ReduceOp};
+pub(super) use crate::call::Call;
+use dtensor_kernels::DType;
+#[cfg(test)]
+use dtensor_kernels::ReduceOp;
 
 /// The address of one rank's buffer, published to its peers in the group's post table.
 #[derive(Clone, Copy, Debug)]
@@ -18,134 +20,6 @@ unsafe impl Send for RawBuf {}
 impl RawBuf {
     pub(super) fn null() -> RawBuf {
         RawBuf(std::ptr::null_mut())
-    }
-}
-
-/// A collective call with the lengths of the caller's own buffers.
-#[derive(Clone, Debug, PartialEq)]
-pub(super) enum Call {
-    AllReduce {
-        len: usize,
-        op: ReduceOp,
-    },
-    AllGather {
-        send: usize,
-        recv: usize,
-    },
-    /// `rows > 1`: column blocks (see `Communicator::all_gather_cols`); `counts` are
-    /// elements (`rows × width`).
-    AllGatherV {
-        send: usize,
-        recv: usize,
-        counts: Vec<usize>,
-        rows: usize,
-    },
-    ReduceScatter {
-        send: usize,
-        recv: usize,
-        op: ReduceOp,
-    },
-    /// `rows > 1`: column blocks of `send` (see `Communicator::reduce_scatter_cols`).
-    ReduceScatterV {
-        send: usize,
-        recv: usize,
-        counts: Vec<usize>,
-        op: ReduceOp,
-        rows: usize,
-    },
-    AllToAll {
-        send: usize,
-        recv: usize,
-    },
-    /// `rows > 1`: this rank's send blocks are column blocks of a `rows`-row matrix (see
-    /// `Communicator::all_to_all_cols`); `rows` is the sender's own and may differ.
-    AllToAllV {
-        send: usize,
-        recv: usize,
-        send_counts: Vec<usize>,
-        recv_counts: Vec<usize>,
-        rows: usize,
-    },
-    Broadcast {
-        len: usize,
-        root: usize,
-    },
-    Barrier,
-    Split {
-        color: usize,
-        key: usize,
-    },
-}
-
-impl Call {
-    pub(super) fn name(&self) -> &'static str {
-        match self {
-            Call::AllReduce { .. } => "all_reduce",
-            Call::AllGather { .. } => "all_gather",
-            Call::AllGatherV { .. } => "all_gatherv",
-            Call::ReduceScatter { .. } => "reduce_scatter",
-            Call::ReduceScatterV { .. } => "reduce_scatterv",
-            Call::AllToAll { .. } => "all_to_all",
-            Call::AllToAllV { .. } => "all_to_allv",
-            Call::Broadcast { .. } => "broadcast",
-            Call::Barrier => "barrier",
-            Call::Split { .. } => "split",
-        }
-    }
-
-    pub(super) fn kind(&self) -> CollectiveKind {
-        match self {
-            Call::AllReduce { .. } => CollectiveKind::AllReduce,
-            Call::AllGather { .. } | Call::AllGatherV { .. } => CollectiveKind::AllGather,
-            Call::ReduceScatter { .. } | Call::ReduceScatterV { .. } => {
-                CollectiveKind::ReduceScatter
-            }
-            Call::AllToAll { .. } | Call::AllToAllV { .. } => CollectiveKind::AllToAll,
-            Call::Broadcast { .. } => CollectiveKind::Broadcast,
-            Call::Barrier => CollectiveKind::Barrier,
-            Call::Split { .. } => CollectiveKind::Split,
-        }
-    }
-
-    fn reduce_op(&self) -> Option<ReduceOp> {
-        match self {
-            Call::AllReduce { op, .. }
-            | Call::ReduceScatter { op, .. }
-            | Call::ReduceScatterV { op, .. } => Some(*op),
-            _ => None,
-        }
-    }
-
-    fn root(&self) -> Option<usize> {
-        match self {
-            Call::Broadcast { root, .. } => Some(*root),
-            _ => None,
-        }
-    }
-
-    /// The length every rank must pass alike (for the collectives with equal pieces).
-    fn agreed_len(&self) -> Option<usize> {
-        match self {
-            Call::AllReduce { len, .. } | Call::Broadcast { len, .. } => Some(*len),
-            Call::AllGather { send, .. } | Call::AllToAll { send, .. } => Some(*send),
-            Call::ReduceScatter { recv, .. } => Some(*recv),
-            _ => None,
-        }
-    }
-
-    /// Rows of a column-block call that every rank must pass alike.
-    fn agreed_rows(&self) -> Option<usize> {
-        match self {
-            Call::AllGatherV { rows, .. } | Call::ReduceScatterV { rows, .. } => Some(*rows),
-            _ => None,
-        }
-    }
-
-    fn counts(&self) -> Option<&[usize]> {
-        match self {
-            Call::AllGatherV { counts, .. } | Call::ReduceScatterV { counts, .. } => Some(counts),
-            _ => None,
-        }
     }
 }
 
@@ -167,59 +41,7 @@ pub(super) struct Post {
 impl Post {
     /// `all_reduce(f32 x 16, sum)`: what the rank called, for mismatch messages.
     pub(super) fn describe(&self) -> String {
-        let dt = self
-            .dtype
-            .map_or_else(|| "-".to_string(), |d| d.to_string());
-        match &self.call {
-            Call::AllReduce { len, op } => format!("all_reduce({dt} x {len}, {op})"),
-            Call::AllGather { send, recv } => format!("all_gather({dt} x {send} -> {recv})"),
-            Call::AllGatherV {
-                send,
-                recv,
-                counts,
-                rows,
-            } => format!(
-                "all_gatherv({dt} x {send} -> {recv}, counts {counts:?}{})",
-                rows_note(*rows)
-            ),
-            Call::ReduceScatter { send, recv, op } => {
-                format!("reduce_scatter({dt} x {send} -> {recv}, {op})")
-            }
-            Call::ReduceScatterV {
-                send,
-                recv,
-                counts,
-                op,
-                rows,
-            } => format!(
-                "reduce_scatterv({dt} x {send} -> {recv}, counts {counts:?}, {op}{})",
-                rows_note(*rows)
-            ),
-            Call::AllToAll { send, recv } => format!("all_to_all({dt} x {send} -> {recv})"),
-            Call::AllToAllV {
-                send,
-                recv,
-                send_counts,
-                recv_counts,
-                rows,
-            } => format!(
-                "all_to_allv({dt} x {send} -> {recv}, send_counts {send_counts:?}, \
-                 recv_counts {recv_counts:?}{})",
-                rows_note(*rows)
-            ),
-            Call::Broadcast { len, root } => format!("broadcast({dt} x {len}, root {root})"),
-            Call::Barrier => "barrier()".to_string(),
-            Call::Split { color, key } => format!("split(color {color}, key {key})"),
-        }
-    }
-}
-
-/// `, 4 rows` for column-block calls, nothing for plain ones.
-fn rows_note(rows: usize) -> String {
-    if rows > 1 {
-        format!(", {rows} rows")
-    } else {
-        String::new()
+        self.call.describe(self.dtype)
     }
 }
 

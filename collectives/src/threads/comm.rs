@@ -273,7 +273,7 @@ impl ThreadComm {
             }
         }
         let es = mine.dtype.map_or(0, DType::size_in_bytes) as u64;
-        let (sent, received) = elements_moved(&mine.call, me, n);
+        let (sent, received) = mine.call.elements_moved(me, n);
         self.counters
             .record(mine.call.kind(), sent * es, received * es);
         Ok(joined.split)
@@ -838,35 +838,8 @@ unsafe fn move_data(posts: &[Post], me: usize) {
             Call::Broadcast { .. }
             | Call::AllReduce { .. }
             | Call::Barrier
-            | Call::Split { .. } => {}
+            | Call::Split { .. }
+            | Call::Leave => {}
         }
     }
-}
-
-/// Elements this rank sent to and received from peers, per the table in `counters.rs`.
-fn elements_moved(call: &Call, me: usize, n: usize) -> (u64, u64) {
-    let peers = n - 1;
-    let (sent, received) = match call {
-        Call::AllReduce { len, .. } => {
-            let b = chunk_sizes(*len, n)[me];
-            let moved = (len - b) + b * peers;
-            (moved, moved)
-        }
-        Call::AllGather { send, .. } => (send * peers, send * peers),
-        Call::AllGatherV { counts, recv, .. } => (counts[me] * peers, recv - counts[me]),
-        Call::ReduceScatter { send, recv, .. } => (send - recv, recv * peers),
-        Call::ReduceScatterV { counts, send, .. } => (send - counts[me], counts[me] * peers),
-        Call::AllToAll { send, recv } => (send - send / n, recv - send / n),
-        Call::AllToAllV {
-            send,
-            recv,
-            send_counts,
-            recv_counts,
-            ..
-        } => (send - send_counts[me], recv - recv_counts[me]),
-        Call::Broadcast { len, root } if *root == me => (len * peers, 0),
-        Call::Broadcast { len, .. } => (0, *len),
-        Call::Barrier | Call::Split { .. } => (0, 0),
-    };
-    (sent as u64, received as u64)
 }

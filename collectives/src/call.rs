@@ -1,0 +1,225 @@
+//! The collective calls as the backends describe them to each other: what was called,
+//! with which lengths; the mismatch text; and the bytes each call moves (the table in
+//! `counters.rs`). Shared by every backend, so a call reads and counts alike on all.
+
+use crate::CollectiveKind;
+use dtensor_kernels::{chunk_sizes, DType, ReduceOp};
+
+/// A collective call with the lengths of the caller's own buffers.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Call {
+    AllReduce {
+        len: usize,
+        op: ReduceOp,
+    },
+    AllGather {
+        send: usize,
+        recv: usize,
+    },
+    /// `rows > 1`: column blocks (see `Communicator::all_gather_cols`); `counts` are
+    /// elements (`rows × width`).
+    AllGatherV {
+        send: usize,
+        recv: usize,
+        counts: Vec<usize>,
+        rows: usize,
+    },
+    ReduceScatter {
+        send: usize,
+        recv: usize,
+        op: ReduceOp,
+    },
+    /// `rows > 1`: column blocks of `send` (see `Communicator::reduce_scatter_cols`).
+    ReduceScatterV {
+        send: usize,
+        recv: usize,
+        counts: Vec<usize>,
+        op: ReduceOp,
+        rows: usize,
+    },
+    AllToAll {
+        send: usize,
+        recv: usize,
+    },
+    /// `rows > 1`: this rank's send blocks are column blocks of a `rows`-row matrix (see
+    /// `Communicator::all_to_all_cols`); `rows` is the sender's own and may differ.
+    AllToAllV {
+        send: usize,
+        recv: usize,
+        send_counts: Vec<usize>,
+        recv_counts: Vec<usize>,
+        rows: usize,
+    },
+    Broadcast {
+        len: usize,
+        root: usize,
+    },
+    Barrier,
+    Split {
+        color: usize,
+        key: usize,
+    },
+    /// The rank's program ended (MPI: `mpi::run` returned or `Mpi::finalize`): not a
+    /// collective a user calls, but a peer waiting in a collective sees it and fails with
+    /// `RankFailed` instead of waiting for a rank that will never come. Only the MPI
+    /// backend sends it.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    Leave,
+}
+
+impl Call {
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Call::AllReduce { .. } => "all_reduce",
+            Call::AllGather { .. } => "all_gather",
+            Call::AllGatherV { .. } => "all_gatherv",
+            Call::ReduceScatter { .. } => "reduce_scatter",
+            Call::ReduceScatterV { .. } => "reduce_scatterv",
+            Call::AllToAll { .. } => "all_to_all",
+            Call::AllToAllV { .. } => "all_to_allv",
+            Call::Broadcast { .. } => "broadcast",
+            Call::Barrier => "barrier",
+            Call::Split { .. } => "split",
+            Call::Leave => "finalize",
+        }
+    }
+
+    pub(crate) fn kind(&self) -> CollectiveKind {
+        match self {
+            Call::AllReduce { .. } => CollectiveKind::AllReduce,
+            Call::AllGather { .. } | Call::AllGatherV { .. } => CollectiveKind::AllGather,
+            Call::ReduceScatter { .. } | Call::ReduceScatterV { .. } => {
+                CollectiveKind::ReduceScatter
+            }
+            Call::AllToAll { .. } | Call::AllToAllV { .. } => CollectiveKind::AllToAll,
+            Call::Broadcast { .. } => CollectiveKind::Broadcast,
+            Call::Barrier | Call::Leave => CollectiveKind::Barrier,
+            Call::Split { .. } => CollectiveKind::Split,
+        }
+    }
+
+    pub(crate) fn reduce_op(&self) -> Option<ReduceOp> {
+        match self {
+            Call::AllReduce { op, .. }
+            | Call::ReduceScatter { op, .. }
+            | Call::ReduceScatterV { op, .. } => Some(*op),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn root(&self) -> Option<usize> {
+        match self {
+            Call::Broadcast { root, .. } => Some(*root),
+            _ => None,
+        }
+    }
+
+    /// The length every rank must pass alike (for the collectives with equal pieces).
+    pub(crate) fn agreed_len(&self) -> Option<usize> {
+        match self {
+            Call::AllReduce { len, .. } | Call::Broadcast { len, .. } => Some(*len),
+            Call::AllGather { send, .. } | Call::AllToAll { send, .. } => Some(*send),
+            Call::ReduceScatter { recv, .. } => Some(*recv),
+            _ => None,
+        }
+    }
+
+    /// Rows of a column-block call that every rank must pass alike.
+    pub(crate) fn agreed_rows(&self) -> Option<usize> {
+        match self {
+            Call::AllGatherV { rows, .. } | Call::ReduceScatterV { rows, .. } => Some(*rows),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn counts(&self) -> Option<&[usize]> {
+        match self {
+            Call::AllGatherV { counts, .. } | Call::ReduceScatterV { counts, .. } => Some(counts),
+            _ => None,
+        }
+    }
+
+    /// `all_reduce(f32 x 16, sum)`: what the rank called, for mismatch messages.
+    pub(crate) fn describe(&self, dtype: Option<DType>) -> String {
+        let dt = dtype.map_or_else(|| "-".to_string(), |d| d.to_string());
+        match self {
+            Call::AllReduce { len, op } => format!("all_reduce({dt} x {len}, {op})"),
+            Call::AllGather { send, recv } => format!("all_gather({dt} x {send} -> {recv})"),
+            Call::AllGatherV {
+                send,
+                recv,
+                counts,
+                rows,
+            } => format!(
+                "all_gatherv({dt} x {send} -> {recv}, counts {counts:?}{})",
+                rows_note(*rows)
+            ),
+            Call::ReduceScatter { send, recv, op } => {
+                format!("reduce_scatter({dt} x {send} -> {recv}, {op})")
+            }
+            Call::ReduceScatterV {
+                send,
+                recv,
+                counts,
+                op,
+                rows,
+            } => format!(
+                "reduce_scatterv({dt} x {send} -> {recv}, counts {counts:?}, {op}{})",
+                rows_note(*rows)
+            ),
+            Call::AllToAll { send, recv } => format!("all_to_all({dt} x {send} -> {recv})"),
+            Call::AllToAllV {
+                send,
+                recv,
+                send_counts,
+                recv_counts,
+                rows,
+            } => format!(
+                "all_to_allv({dt} x {send} -> {recv}, send_counts {send_counts:?}, \
+                 recv_counts {recv_counts:?}{})",
+                rows_note(*rows)
+            ),
+            Call::Broadcast { len, root } => format!("broadcast({dt} x {len}, root {root})"),
+            Call::Barrier => "barrier()".to_string(),
+            Call::Split { color, key } => format!("split(color {color}, key {key})"),
+            Call::Leave => "returned (its program ended)".to_string(),
+        }
+    }
+
+    /// Elements this rank sent to and received from peers, per the table in `counters.rs`.
+    pub(crate) fn elements_moved(&self, me: usize, n: usize) -> (u64, u64) {
+        let peers = n - 1;
+        let (sent, received) = match self {
+            Call::AllReduce { len, .. } => {
+                let b = chunk_sizes(*len, n)[me];
+                let moved = (len - b) + b * peers;
+                (moved, moved)
+            }
+            Call::AllGather { send, .. } => (send * peers, send * peers),
+            Call::AllGatherV { counts, recv, .. } => (counts[me] * peers, recv - counts[me]),
+            Call::ReduceScatter { send, recv, .. } => (send - recv, recv * peers),
+            Call::ReduceScatterV { counts, send, .. } => (send - counts[me], counts[me] * peers),
+            Call::AllToAll { send, recv } => (send - send / n, recv - send / n),
+            Call::AllToAllV {
+                send,
+                recv,
+                send_counts,
+                recv_counts,
+                ..
+            } => (send - send_counts[me], recv - recv_counts[me]),
+            Call::Broadcast { len, root } if *root == me => (len * peers, 0),
+            Call::Broadcast { len, .. } => (0, *len),
+            Call::Barrier | Call::Split { .. } | Call::Leave => (0, 0),
+        };
+        (sent as u64, received as u64)
+    }
+}
+
+/// `, 4 rows` for column-block calls, nothing for plain ones.
+fn rows_note(rows: usize) -> String {
+    if rows > 1 {
+        format!(", {rows} rows")
+    } else {
+        String::new()
+    }
+}
