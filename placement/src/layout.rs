@@ -1,5 +1,5 @@
 //! Layouts: one placement per mesh axis, as a type-level list
-//! `(On<Dp, Replicate>, (On<Tp, Shard<0>>, ()))`, written with [`layout!`].
+//! `(On<Dp, Replicate>, (On<Tp, Shard<0>>, ()))`, written with [`layout!`](crate::layout!).
 //!
 //! A method that changes one axis finds it with [`Select`]: the axis is named by a value
 //! (`x.all_gather(Tp)`) and its position is *inferred* through the `Here` / `There<I>`
