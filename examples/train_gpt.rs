@@ -3,6 +3,11 @@
 //!
 //! `cargo run --release --example train_gpt -- --mesh dp=2,tp=2 --sp --steps 50`
 //!
+//! The same program runs on MPI ranks, one process each (build with `--features mpi`):
+//! `mpirun -np 4 target/release/examples/train_gpt --backend mpi --mesh dp=2,tp=2 --sp`.
+//! Both backends run one per-rank function ([`train_rank`]); MPI reductions keep the
+//! threads backend's order, so the losses are bitwise the same (`--print-loss-bits`).
+//!
 //! Every rank runs the same code. The model's layouts say where each tensor lives on the
 //! `[Dp, Tp]` mesh; with `--sp` the residual stream is sharded over `Tp` along the
 //! sequence, column layers all-gather it on entry and row layers reduce-scatter on exit.
@@ -10,9 +15,11 @@
 //! accepts nothing else. At the end rank 0 prints a receipt: the composition that ran and
 //! the collectives and bytes that crossed each mesh axis (summed over ranks).
 
+use dtensor::collectives::{mpi as mpi_backend, Counters};
 use dtensor::nn::{AdamW, Gpt, GptConfig, Ids, NoSp, SeqMode, Sp};
 use dtensor::prelude::*;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Instant;
 
 const TEXT: &str = include_str!("../data/tiny_corpus.txt");
@@ -35,7 +42,13 @@ usage: train_gpt [flags]
   --log-every <n>   print every n steps (default 10; first and last always)
   --check           also run one rank on the same global batch and seed; print
                     max_abs_loss_diff=<x> and exit 1 if above the dtype's tolerance
-                    (f64: 1e-9, f32: 2e-3)
+                    (f64: 1e-9, f32: 2e-3); with --backend mpi, rank 0 runs that
+                    reference on a thread after the MPI run
+  --backend <b>     threads (default): ranks are threads of this process; mpi: each
+                    process started by `mpirun -np <dp*tp>` is one rank (needs a build
+                    with `--features mpi`)
+  --print-loss-bits also print every step's loss as the exact bits of the f64 value,
+                    `step <n>  loss_bits=0x<16 hex digits>`, to compare runs bitwise
   --help            this text";
 
 #[derive(Clone, Debug)]
@@ -53,6 +66,14 @@ struct Args {
     dtype: DType,
     log_every: usize,
     check: bool,
+    backend: Backend,
+    print_loss_bits: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Backend {
+    Threads,
+    Mpi,
 }
 
 fn parse_args() -> Result<Option<Args>, String> {
@@ -70,6 +91,8 @@ fn parse_args() -> Result<Option<Args>, String> {
         dtype: DType::F32,
         log_every: 10,
         check: false,
+        backend: Backend::Threads,
+        print_loss_bits: false,
     };
     let mut sp = false;
     let mut it = std::env::args().skip(1);
@@ -105,6 +128,14 @@ fn parse_args() -> Result<Option<Args>, String> {
                 }
             }
             "--check" => a.check = true,
+            "--backend" => {
+                a.backend = match value()?.as_str() {
+                    "threads" => Backend::Threads,
+                    "mpi" => Backend::Mpi,
+                    other => return Err(format!("--backend: `{other}` is not threads or mpi")),
+                }
+            }
+            "--print-loss-bits" => a.print_loss_bits = true,
             "--help" | "-h" => return Ok(None),
             other => return Err(format!("unknown flag `{other}` (see --help)")),
         }
@@ -185,52 +216,72 @@ struct RankOut {
     counters: Vec<(AxisKind, CounterSnapshot)>,
 }
 
-fn train<M: SeqMode>(a: &Args, config: ParallelConfig, verbose: bool) -> Result<RankOut, String> {
-    let mesh = config
-        .mesh(&[AxisKind::Dp, AxisKind::Tp])
-        .map_err(|e| e.to_string())?;
-    let results = threads::launch(mesh.world_size(), |world| -> Result<RankOut, Error> {
-        let dm = DeviceMesh::new(world, mesh.clone())?;
-        let mut model = Gpt::<M>::new(model_config(a), &dm)?;
-        let mut opt = AdamW::new(a.lr);
-        let start_counters = dm.counters();
-        let mut losses = Vec::with_capacity(a.steps);
-        let t0 = Instant::now();
-        for step in 0..a.steps {
-            let (ids, tg) = global_batch(a, step);
-            let t = Instant::now();
-            let r = model.train_step(
-                &local_ids(&ids, &dm)?,
-                &local_ids(&tg, &dm)?,
-                &mut opt,
-                a.clip,
-            )?;
-            losses.push(r.loss);
-            let tokens = (a.batch * a.seq) as f64;
-            if verbose && dm.rank() == 0 && (step % a.log_every == 0 || step + 1 == a.steps) {
-                println!(
-                    "step {step:4}  loss {:.4}  grad_norm {:.3}  {:>8.0} tokens/s",
-                    r.loss,
-                    r.grad_norm,
-                    tokens / t.elapsed().as_secs_f64()
-                );
-            }
-        }
-        if verbose && dm.rank() == 0 {
-            let secs = t0.elapsed().as_secs_f64();
+/// One rank's training, the same on every backend: `world` is this rank's world
+/// communicator (a thread rank's or an MPI process's), `mesh` the `[Dp, Tp]` mesh over it.
+/// Rank 0 prints the log when `verbose`.
+fn train_rank<M: SeqMode>(
+    a: &Args,
+    world: Arc<dyn Communicator>,
+    mesh: Mesh,
+    verbose: bool,
+) -> Result<RankOut, Error> {
+    let dm = DeviceMesh::new(world, mesh)?;
+    let mut model = Gpt::<M>::new(model_config(a), &dm)?;
+    let mut opt = AdamW::new(a.lr);
+    let start_counters = dm.counters();
+    let mut losses = Vec::with_capacity(a.steps);
+    let t0 = Instant::now();
+    for step in 0..a.steps {
+        let (ids, tg) = global_batch(a, step);
+        let t = Instant::now();
+        let r = model.train_step(
+            &local_ids(&ids, &dm)?,
+            &local_ids(&tg, &dm)?,
+            &mut opt,
+            a.clip,
+        )?;
+        losses.push(r.loss);
+        let tokens = (a.batch * a.seq) as f64;
+        if verbose && dm.rank() == 0 && (step % a.log_every == 0 || step + 1 == a.steps) {
             println!(
-                "trained {} steps in {secs:.2}s: {:.0} tokens/s",
-                a.steps,
-                (a.steps * a.batch * a.seq) as f64 / secs
+                "step {step:4}  loss {:.4}  grad_norm {:.3}  {:>8.0} tokens/s",
+                r.loss,
+                r.grad_norm,
+                tokens / t.elapsed().as_secs_f64()
             );
         }
-        let counters = dm
-            .counters()
-            .into_iter()
-            .zip(start_counters)
-            .map(|((k, c), (_, s))| (k, c.since(&s)))
-            .collect();
-        Ok(RankOut { losses, counters })
+        if verbose && dm.rank() == 0 && a.print_loss_bits {
+            println!("step {step:4}  loss_bits=0x{:016x}", r.loss.to_bits());
+        }
+    }
+    if verbose && dm.rank() == 0 {
+        let secs = t0.elapsed().as_secs_f64();
+        println!(
+            "trained {} steps in {secs:.2}s: {:.0} tokens/s",
+            a.steps,
+            (a.steps * a.batch * a.seq) as f64 / secs
+        );
+    }
+    let counters = dm
+        .counters()
+        .into_iter()
+        .zip(start_counters)
+        .map(|((k, c), (_, s))| (k, c.since(&s)))
+        .collect();
+    Ok(RankOut { losses, counters })
+}
+
+fn dp_tp_mesh(config: ParallelConfig) -> Result<Mesh, String> {
+    config
+        .mesh(&[AxisKind::Dp, AxisKind::Tp])
+        .map_err(|e| e.to_string())
+}
+
+/// Trains on `config.world_size()` thread ranks; rank 0's losses, counters summed over ranks.
+fn train<M: SeqMode>(a: &Args, config: ParallelConfig, verbose: bool) -> Result<RankOut, String> {
+    let mesh = dp_tp_mesh(config)?;
+    let results = threads::launch(mesh.world_size(), |world| {
+        train_rank::<M>(a, world, mesh.clone(), verbose)
     });
     let mut outs = Vec::new();
     for (r, res) in results.into_iter().enumerate() {
@@ -246,16 +297,134 @@ fn train<M: SeqMode>(a: &Args, config: ParallelConfig, verbose: bool) -> Result<
     Ok(first)
 }
 
-fn run(a: &Args) -> Result<bool, String> {
+/// What an MPI process ends with.
+enum MpiOut {
+    /// Rank 0: its losses and every rank's counters summed.
+    Root(RankOut),
+    /// Any other rank.
+    Peer,
+    /// The world's size is not the mesh's (rank 0 has said so).
+    WrongSize,
+}
+
+/// `CollectiveKind::ALL` calls, then bytes sent and received: one axis's counters as numbers.
+const COUNTER_FIELDS: usize = CollectiveKind::ALL.len() + 2;
+
+fn counters_to_numbers(c: &CounterSnapshot) -> impl Iterator<Item = i64> + '_ {
+    CollectiveKind::ALL
+        .iter()
+        .map(|&k| c.calls(k))
+        .chain([c.bytes_sent, c.bytes_received])
+        .map(|n| n as i64)
+}
+
+fn counters_from_numbers(v: &[i64]) -> CounterSnapshot {
+    let live = Counters::default();
+    for (&k, &n) in CollectiveKind::ALL.iter().zip(v) {
+        for _ in 0..n {
+            live.record(k, 0, 0);
+        }
+    }
+    let mut s = live.snapshot();
+    s.bytes_sent = v[CollectiveKind::ALL.len()] as u64;
+    s.bytes_received = v[CollectiveKind::ALL.len() + 1] as u64;
+    s
+}
+
+/// Trains with each process `mpirun` started as one rank (`train_rank` on the MPI world).
+/// Rank 0 prints the header and the log, and gets every rank's counters summed.
+fn train_mpi<M: SeqMode>(a: &Args) -> Result<MpiOut, String> {
+    let c = a.config;
+    let mesh = dp_tp_mesh(c)?;
+    Ok(mpi_backend::run(|world| -> Result<MpiOut, Error> {
+        let (rank, size) = (world.rank(), world.size());
+        if size != mesh.world_size() {
+            // Every rank sees the same sizes, so all return and MPI ends cleanly.
+            if rank == 0 {
+                eprintln!(
+                    "error: --backend mpi: mesh {c} needs {} ranks but mpirun started {size}; run it as `mpirun -np {} … train_gpt --backend mpi --mesh …`",
+                    mesh.world_size(),
+                    mesh.world_size()
+                );
+            }
+            return Ok(MpiOut::WrongSize);
+        }
+        if rank == 0 {
+            println!("{}", header(a, "MPI"));
+        }
+        let out = train_rank::<M>(a, world.clone(), mesh.clone(), true)?;
+        // Sum the counters (counted before this all-reduce, on the axis communicators).
+        let mut totals: Vec<i64> = out
+            .counters
+            .iter()
+            .flat_map(|(_, s)| counters_to_numbers(s))
+            .collect();
+        world.all_reduce_in_place(&mut totals, ReduceOp::Sum)?;
+        if rank != 0 {
+            return Ok(MpiOut::Peer);
+        }
+        let counters = out
+            .counters
+            .iter()
+            .zip(totals.chunks(COUNTER_FIELDS))
+            .map(|((axis, _), v)| (*axis, counters_from_numbers(v)))
+            .collect();
+        Ok(MpiOut::Root(RankOut {
+            losses: out.losses,
+            counters,
+        }))
+    }))
+}
+
+fn header(a: &Args, ranks: &str) -> String {
+    format!(
+        "train_gpt: {} layers, hidden {}, {} heads, byte vocab 256, seq {}, global batch {} ({} tokens), {}, on {} {ranks} ranks",
+        a.layers, a.hidden, a.heads, a.seq, a.batch, a.batch * a.seq, a.dtype, a.config.world_size()
+    )
+}
+
+/// Checks that `--backend mpi` can run here: built with the feature, started by mpirun
+/// (unless the mesh is a single rank).
+fn mpi_preflight(a: &Args) -> Result<(), String> {
+    if !cfg!(feature = "mpi") {
+        return Err("--backend mpi: this train_gpt was built without the `mpi` feature; rebuild with `cargo build --release --example train_gpt --features mpi` (needs OpenMPI and libclang)".into());
+    }
+    let n = a.config.world_size();
+    if n > 1 && !mpi_backend::launched_by_mpirun() {
+        return Err(format!(
+            "--backend mpi: mesh {} needs {n} ranks but this process was not started by mpirun (a world of 1 rank). {} Here: `mpirun -np {n} <train_gpt> --backend mpi …`",
+            a.config,
+            mpi_backend::LAUNCH_HINT
+        ));
+    }
+    Ok(())
+}
+
+/// Ok(None): this process has nothing more to do (an MPI rank other than 0).
+fn run(a: &Args) -> Result<Option<bool>, String> {
     let c = &a.config;
-    println!(
-        "train_gpt: {} layers, hidden {}, {} heads, byte vocab 256, seq {}, global batch {} ({} tokens), {}, on {} thread ranks",
-        a.layers, a.hidden, a.heads, a.seq, a.batch, a.batch * a.seq, a.dtype, c.world_size()
-    );
-    let out = if c.sp {
-        train::<Sp>(a, *c, true)?
-    } else {
-        train::<NoSp>(a, *c, true)?
+    let out = match a.backend {
+        Backend::Threads => {
+            println!("{}", header(a, "thread"));
+            if c.sp {
+                train::<Sp>(a, *c, true)?
+            } else {
+                train::<NoSp>(a, *c, true)?
+            }
+        }
+        Backend::Mpi => {
+            mpi_preflight(a)?;
+            let out = if c.sp {
+                train_mpi::<Sp>(a)?
+            } else {
+                train_mpi::<NoSp>(a)?
+            };
+            match out {
+                MpiOut::Root(out) => out,
+                MpiOut::Peer => return Ok(None),
+                MpiOut::WrongSize => return Ok(Some(false)),
+            }
+        }
     };
     println!("receipt:");
     println!(
@@ -277,7 +446,7 @@ fn run(a: &Args) -> Result<bool, String> {
         );
     }
     if !a.check {
-        return Ok(true);
+        return Ok(Some(true));
     }
     let one = ParallelConfig::parse("dp=1,tp=1").unwrap();
     let reference = train::<NoSp>(a, one, false)?;
@@ -289,7 +458,7 @@ fn run(a: &Args) -> Result<bool, String> {
         .fold(0.0, f64::max);
     let tol = if a.dtype == DType::F64 { 1e-9 } else { 2e-3 };
     println!("max_abs_loss_diff={diff:e} (tolerance {tol:e}, one rank vs {c})");
-    Ok(diff <= tol)
+    Ok(Some(diff <= tol))
 }
 
 fn main() -> ExitCode {
@@ -305,8 +474,8 @@ fn main() -> ExitCode {
         }
     };
     match run(&args) {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::FAILURE,
+        Ok(Some(true) | None) => ExitCode::SUCCESS,
+        Ok(Some(false)) => ExitCode::FAILURE,
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE

@@ -3,6 +3,10 @@
 # conformance suite (collectives/examples/mpi_conformance.rs) under
 # `mpirun --oversubscribe -np 2` and `-np 4`, and checks that a failing rank ends the whole
 # job with a message naming it and a non-zero exit code (collectives/examples/mpi_fail.rs).
+# Then the facade's examples built with `--features mpi`: `train_gpt --backend mpi` under
+# `mpirun -np 4` must print bitwise the same 20 losses as the threads backend (and say how
+# to launch it when started without mpirun), and `bench_report --backend mpi --quick` under
+# `mpirun -np 2` must print a `backend=mpi` line for every redistribution op.
 #
 # Needs OpenMPI (openmpi-bin, libopenmpi-dev) and libclang (for rsmpi's bindings); `.ci/run`
 # installs them. Without mpirun it says so and exits 1 (never a silent pass).
@@ -26,6 +30,8 @@ bin="$target/debug/examples"
 echo "== mpi: build (--features mpi)"
 # The test profile (output in debug/) reuses what README's `cargo test --workspace` built.
 cargo build --profile test -p dtensor-collectives --features mpi --examples
+echo "== mpi: build train_gpt and bench_report (--features mpi)"
+cargo build --profile test --features mpi --example train_gpt --example bench_report
 
 passed=0
 failed=0
@@ -70,6 +76,83 @@ for c in "${cases[@]}"; do
   fi
   rm -f "$log"
 done
+
+# train_gpt: the threads backend and 4 MPI processes must agree bit for bit.
+train=(--mesh dp=2,tp=2 --sp --steps 20 --print-loss-bits)
+echo "== mpi: train_gpt --backend threads vs mpirun -np 4 --backend mpi, ${train[*]}"
+thr_log=$(mktemp)
+mpi_log=$(mktemp)
+set +e
+timeout 600 "$bin/train_gpt" --backend threads "${train[@]}" >"$thr_log" 2>&1
+thr_rc=$?
+timeout 600 "${MPIRUN[@]}" -np 4 "$bin/train_gpt" --backend mpi "${train[@]}" >"$mpi_log" 2>&1
+mpi_rc=$?
+set -e
+thr_bits=$(grep -o 'loss_bits=0x[0-9a-f]*' "$thr_log" || true)
+mpi_bits=$(grep -o 'loss_bits=0x[0-9a-f]*' "$mpi_log" || true)
+n_bits=$(printf '%s\n' "$mpi_bits" | grep -c . || true)
+if [ "$thr_rc" -eq 0 ] && [ "$mpi_rc" -eq 0 ] && [ "$n_bits" -eq 20 ] && [ "$thr_bits" = "$mpi_bits" ]; then
+  grep -v 'loss_bits=' "$mpi_log" || true
+  pass "train_gpt: 20 losses bitwise equal, threads vs mpi -np 4"
+else
+  echo "-- threads (exit $thr_rc):"
+  cat "$thr_log"
+  echo "-- mpi (exit $mpi_rc):"
+  cat "$mpi_log"
+  diff <(echo "$thr_bits") <(echo "$mpi_bits") || true
+  fail "train_gpt: threads vs mpi -np 4 (exits $thr_rc / $mpi_rc, $n_bits mpi losses; want 0 / 0, 20 equal)"
+fi
+rm -f "$thr_log" "$mpi_log"
+
+# name, expected message (grep -E), command...
+launch_cases=(
+  "train_gpt --backend mpi without mpirun|needs 4 ranks but this process was not started by mpirun.*mpirun -np N|$bin/train_gpt --backend mpi --mesh dp=2,tp=2 --sp --steps 20"
+  "train_gpt --backend mpi on a world of the wrong size|mesh dp=2,tp=2 needs 4 ranks but mpirun started 2|${MPIRUN[*]} -np 2 $bin/train_gpt --backend mpi --mesh dp=2,tp=2 --steps 2"
+  "bench_report --backend mpi without mpirun|not started by mpirun.*mpirun -np N|$bin/bench_report --backend mpi --quick"
+)
+for c in "${launch_cases[@]}"; do
+  name="${c%%|*}"
+  rest="${c#*|}"
+  want="${rest%%|*}"
+  cmd="${rest#*|}"
+  echo "== mpi: $name"
+  log=$(mktemp)
+  set +e
+  # Started from the script, not by mpirun: no launcher variables may leak in.
+  # shellcheck disable=SC2086
+  env -u OMPI_COMM_WORLD_SIZE -u PMI_SIZE -u PMI_RANK -u PMIX_RANK -u MPI_LOCALNRANKS \
+    timeout 120 $cmd >"$log" 2>&1
+  rc=$?
+  set -e
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && grep -Eq "$want" "$log"; then
+    grep -E "$want" "$log"
+    pass "$name: exit $rc, message found"
+  else
+    cat "$log"
+    fail "$name: exit $rc (want non-zero, not the 124 of a hang), message /$want/"
+  fi
+  rm -f "$log"
+done
+
+# bench_report: a smoke test (not a performance test): every op prints a backend=mpi line.
+echo "== mpi: bench_report --backend mpi --quick, mpirun -np 2"
+log=$(mktemp)
+set +e
+timeout 600 "${MPIRUN[@]}" -np 2 "$bin/bench_report" --backend mpi --quick >"$log" 2>&1
+rc=$?
+set -e
+missing=()
+for op in all_gather all_gather_last reduce_scatter all_reduce all_to_all chunk; do
+  grep -Eq "^op=$op ranks=2 bytes=[0-9]+ dtype=[a-z0-9]+ time_us=.* backend=mpi\$" "$log" || missing+=("$op")
+done
+if [ "$rc" -eq 0 ] && [ "${#missing[@]}" -eq 0 ]; then
+  cat "$log"
+  pass "bench_report --backend mpi -np 2: backend=mpi lines for every op"
+else
+  cat "$log"
+  fail "bench_report --backend mpi -np 2: exit $rc, ops without a backend=mpi line: ${missing[*]:-none}"
+fi
+rm -f "$log"
 
 echo "mpi: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

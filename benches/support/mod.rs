@@ -1,6 +1,7 @@
 //! Shared by `benches/redistribute.rs` (criterion) and `examples/bench_report.rs`: the
-//! redistribution cases, a pool of rank threads that runs them on command, and the
-//! machine's single-thread memcpy bandwidth.
+//! redistribution cases, one rank's timed part of a case ([`RankCase`], also run by
+//! `bench_report --backend mpi` with one MPI process per rank), a pool of rank threads
+//! that runs them on command, and the machine's single-thread memcpy bandwidth.
 #![allow(dead_code)]
 
 use dtensor::prelude::*;
@@ -76,6 +77,56 @@ pub fn global_shape(bytes: usize, dtype: DType) -> [usize; 2] {
     [numel / 1024, 1024]
 }
 
+/// One rank's part of one case: its input on a 1-D `[Tp]` mesh of every rank, timed
+/// between two barriers on the mesh's world. Shared by the thread pool below and by
+/// `bench_report --backend mpi`, where each MPI process is one rank.
+pub struct RankCase {
+    mesh: Arc<DeviceMesh>,
+    input: AnyDTensor,
+    kind: StepKind,
+}
+
+impl RankCase {
+    /// Collective over `mesh`: every rank builds its local input of `op` for `bytes` in
+    /// total.
+    pub fn new(mesh: &Arc<DeviceMesh>, op: Op, bytes: usize, dtype: DType) -> Result<RankCase> {
+        let (src, kind) = op.setup();
+        let shape = global_shape(bytes, dtype);
+        let local_shape =
+            dtensor_placement::local_shape(mesh.mesh(), &[src], mesh.coords(), &shape)?;
+        let local = Tensor::from_fn(&local_shape, |i| (i % 251) as f32 * 0.5).to_dtype(dtype);
+        let input = AnyDTensor::from_local(local, &shape, &[src], mesh)?;
+        Ok(RankCase {
+            mesh: mesh.clone(),
+            input,
+            kind,
+        })
+    }
+
+    /// Collective: this rank's total time of `iters` runs, each between two barriers
+    /// (inputs cloned outside the timed span).
+    pub fn run(&self, iters: u64) -> Result<Duration> {
+        let world = self.mesh.world();
+        let mut total = Duration::ZERO;
+        for _ in 0..iters {
+            let x = self.input.clone();
+            world.barrier()?;
+            let t0 = Instant::now();
+            let y = x.apply(0, self.kind)?;
+            world.barrier()?;
+            total += t0.elapsed();
+            drop(y);
+        }
+        Ok(total)
+    }
+}
+
+/// The 1-D mesh the cases run on: every rank of `world` on one `Tp` axis.
+pub fn bench_mesh(world: Arc<dyn Communicator>) -> Result<Arc<DeviceMesh>> {
+    let ranks = world.size();
+    DeviceMesh::new(world, Mesh::new(&[(AxisKind::Tp, ranks)])?)
+}
+
 enum Command {
     /// Run the case this many times; rank 0 answers with the total time.
     Run(u64),
@@ -99,25 +150,9 @@ impl RankPool {
             let results = threads::launch(ranks, |world| -> Result<(), Error> {
                 let rank = world.rank();
                 let rx = receivers[rank].lock().unwrap();
-                let mesh = DeviceMesh::new(world.clone(), Mesh::new(&[(AxisKind::Tp, ranks)])?)?;
-                let (src, kind) = op.setup();
-                let shape = global_shape(bytes, dtype);
-                let local_shape =
-                    dtensor_placement::local_shape(mesh.mesh(), &[src], mesh.coords(), &shape)?;
-                let local =
-                    Tensor::from_fn(&local_shape, |i| (i % 251) as f32 * 0.5).to_dtype(dtype);
-                let input = AnyDTensor::from_local(local, &shape, &[src], &mesh)?;
+                let case = RankCase::new(&bench_mesh(world)?, op, bytes, dtype)?;
                 while let Ok(Command::Run(iters)) = rx.recv() {
-                    let mut total = Duration::ZERO;
-                    for _ in 0..iters {
-                        let x = input.clone();
-                        world.barrier()?;
-                        let t0 = Instant::now();
-                        let y = x.apply(0, kind)?;
-                        world.barrier()?;
-                        total += t0.elapsed();
-                        drop(y);
-                    }
+                    let total = case.run(iters)?;
                     if rank == 0 {
                         time_tx.send(total).unwrap();
                     }

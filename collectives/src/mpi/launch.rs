@@ -130,7 +130,10 @@ impl Drop for Mpi {
 }
 
 fn abort(rank: usize, message: &str, code: i32) -> ! {
-    eprintln!("rank {rank} failed: {message}");
+    // One write of the whole line: ranks share the terminal (or mpirun's pipe), and a line
+    // written in pieces interleaves with a peer's (`rank rank 1 failed: …0 failed: …`).
+    let line = format!("rank {rank} failed: {message}\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
     let _ = std::io::stderr().flush();
     let _ = std::io::stdout().flush();
     // SAFETY: MPI is initialized (an `Mpi` exists); MPI_Abort does not return.
