@@ -27,7 +27,7 @@ use dtensor::collectives::mpi as mpi_backend;
 use dtensor::prelude::*;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
-use support::{bench_mesh, memcpy_gbps, Op, RankCase, RankPool};
+use support::{bench_mesh, memcpy_gbps, parallel_memcpy_gbps, Op, RankCase, RankPool};
 
 const USAGE: &str = "\
 usage: bench_report [--quick] [--backend threads|mpi]
@@ -156,6 +156,15 @@ fn gemm_lines(quick: bool) {
 fn threads_cases(quick: bool) {
     for &bytes in sizes(quick) {
         let memcpy = memcpy_gbps(bytes, memcpy_reps(bytes));
+        // The ceiling of ranks copying at once: on some machines two cores together copy
+        // no faster than one, which bounds every collective's ratio below.
+        for threads in RANKS {
+            let par = parallel_memcpy_gbps(bytes, threads, memcpy_reps(bytes));
+            println!(
+                "op=memcpy_parallel threads={threads} bytes={bytes} GBps={par:.2} memcpy_GBps={memcpy:.2} ratio={:.2}",
+                par / memcpy
+            );
+        }
         for dtype in [DType::F32, DType::BF16] {
             for ranks in RANKS {
                 for op in Op::ALL {

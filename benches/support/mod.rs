@@ -82,7 +82,10 @@ pub fn global_shape(bytes: usize, dtype: DType) -> [usize; 2] {
 /// `bench_report --backend mpi`, where each MPI process is one rank.
 pub struct RankCase {
     mesh: Arc<DeviceMesh>,
-    input: AnyDTensor,
+    op: Op,
+    src: Placement,
+    shape: [usize; 2],
+    local: Tensor,
     kind: StepKind,
 }
 
@@ -95,21 +98,41 @@ impl RankCase {
         let local_shape =
             dtensor_placement::local_shape(mesh.mesh(), &[src], mesh.coords(), &shape)?;
         let local = Tensor::from_fn(&local_shape, |i| (i % 251) as f32 * 0.5).to_dtype(dtype);
-        let input = AnyDTensor::from_local(local, &shape, &[src], mesh)?;
         Ok(RankCase {
             mesh: mesh.clone(),
-            input,
+            op,
+            src,
+            shape,
+            local,
             kind,
         })
     }
 
+    /// This run's input, made outside the timed span. It owns its buffer, as a tensor fresh
+    /// from the previous step would (a shallow clone of a kept input would make in-place
+    /// collectives copy first). An S(0) shard lives at its place in a full-size buffer, as
+    /// it does after `chunk` or a reduce-scatter, so the all-gather need not move it.
+    fn fresh_input(&self) -> Result<AnyDTensor> {
+        let own = if self.op == Op::AllGatherS0 {
+            let mut full = Tensor::for_overwrite(&self.shape, self.local.dtype());
+            let n = self.mesh.mesh().size(0);
+            let start =
+                dtensor_placement::chunk_range(self.shape[0], n, self.mesh.coords()[0]).start;
+            full.write_at(0, start, &self.local)?;
+            full.narrow(0, start, self.local.shape()[0])?
+        } else {
+            self.local.deep_clone()
+        };
+        AnyDTensor::from_local(own, &self.shape, &[self.src], &self.mesh)
+    }
+
     /// Collective: this rank's total time of `iters` runs, each between two barriers
-    /// (inputs cloned outside the timed span).
+    /// (inputs made outside the timed span).
     pub fn run(&self, iters: u64) -> Result<Duration> {
         let world = self.mesh.world();
         let mut total = Duration::ZERO;
         for _ in 0..iters {
-            let x = self.input.clone();
+            let x = self.fresh_input()?;
             world.barrier()?;
             let t0 = Instant::now();
             let y = x.apply(0, self.kind)?;
@@ -190,6 +213,43 @@ impl Drop for RankPool {
             let _ = h.join();
         }
     }
+}
+
+/// GB/s of `threads` threads together copying `bytes` between two warm buffers, each its
+/// own `1/threads` share at the same time (best of `reps`): what the machine's memory
+/// gives ranks that copy concurrently, the real ceiling of a shared-memory collective.
+pub fn parallel_memcpy_gbps(bytes: usize, threads: usize, reps: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let share = bytes.div_ceil(threads.max(1));
+    let mut best = Duration::MAX;
+    for _ in 0..reps.max(1) {
+        // The copying threads start together at a barrier and time themselves: the span
+        // from the first start to the last end (the spawning thread may not even get a
+        // core while they run).
+        let barrier = std::sync::Barrier::new(threads);
+        let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
+            let handles: Vec<_> = dst
+                .chunks_mut(share)
+                .zip(src.chunks(share))
+                .map(|(d, s_)| {
+                    let barrier = &barrier;
+                    s.spawn(move || {
+                        barrier.wait();
+                        let t0 = Instant::now();
+                        d.copy_from_slice(s_);
+                        (t0, Instant::now())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let start = spans.iter().map(|s| s.0).min().unwrap();
+        let end = spans.iter().map(|s| s.1).max().unwrap();
+        best = best.min(end - start);
+        std::hint::black_box(&dst);
+    }
+    bytes as f64 / best.as_secs_f64() / 1e9
 }
 
 /// GB/s of one thread copying `bytes` between two warm buffers (best of `reps`).

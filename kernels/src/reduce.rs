@@ -95,32 +95,66 @@ pub unsafe fn reduce_sources_with<T: Element>(
     }
 }
 
-/// `dst[i] = a[i] ⊕ b[i]` for `i < n` (Avg combines as Sum), through raw pointers because
-/// `dst` may equal `a` or `b`.
+/// `dst[i] = a[i] ⊕ b[i]` for `i < n` (Avg combines as Sum). `dst` may be `a` or `b` (an
+/// in-place reduction); each case gets non-overlapping slices, so the loop vectorizes
+/// (through raw pointers the compiler would have to assume partial overlap and fall back
+/// to scalar code). The operands stay in the order `a ⊕ b` in every case, so the bits do
+/// not depend on which buffer is written.
 ///
 /// # Safety
-/// All three valid for `n` elements; `dst` may alias `a` or `b` exactly, not partially.
+/// All three valid for `n` elements; `dst` equals `a` or `b` exactly or overlaps neither;
+/// nobody else writes them during the call.
 #[inline(always)]
 unsafe fn combine_raw<T: Element>(dst: *mut T, a: *const T, b: *const T, n: usize, op: ReduceOp) {
-    // SAFETY: in bounds (caller); each element is read before it is written.
+    // One loop per op, so no branch runs per element.
+    // SAFETY: the caller's contract, passed on.
     unsafe {
         match op {
-            ReduceOp::Sum | ReduceOp::Avg => {
-                for i in 0..n {
-                    dst.add(i).write(a.add(i).read().add(b.add(i).read()));
-                }
-            }
-            ReduceOp::Max => {
-                for i in 0..n {
-                    dst.add(i).write(a.add(i).read().max_of(b.add(i).read()));
-                }
-            }
-            ReduceOp::Min => {
-                for i in 0..n {
-                    dst.add(i).write(a.add(i).read().min_of(b.add(i).read()));
-                }
+            ReduceOp::Sum | ReduceOp::Avg => combine_raw_with(dst, a, b, n, |x: T, y: T| x.add(y)),
+            ReduceOp::Max => combine_raw_with(dst, a, b, n, |x: T, y: T| x.max_of(y)),
+            ReduceOp::Min => combine_raw_with(dst, a, b, n, |x: T, y: T| x.min_of(y)),
+        }
+    }
+}
+
+/// [`combine_raw`] for one operation `f`.
+///
+/// # Safety
+/// As [`combine_raw`].
+#[inline(always)]
+unsafe fn combine_raw_with<T: Element>(
+    dst: *mut T,
+    a: *const T,
+    b: *const T,
+    n: usize,
+    f: impl Fn(T, T) -> T,
+) {
+    // SAFETY: the caller's contract; the slices made in each branch do not overlap.
+    unsafe {
+        if std::ptr::eq(dst, a) {
+            let d = std::slice::from_raw_parts_mut(dst, n);
+            combine_each(d, std::slice::from_raw_parts(b, n), |x, y| f(x, y));
+        } else if std::ptr::eq(dst, b) {
+            let d = std::slice::from_raw_parts_mut(dst, n);
+            combine_each(d, std::slice::from_raw_parts(a, n), |x, y| f(y, x));
+        } else {
+            let d = std::slice::from_raw_parts_mut(dst, n);
+            let (a, b) = (
+                std::slice::from_raw_parts(a, n),
+                std::slice::from_raw_parts(b, n),
+            );
+            for ((d, &x), &y) in d.iter_mut().zip(a).zip(b) {
+                *d = f(x, y);
             }
         }
+    }
+}
+
+/// `d[i] = g(d[i], s[i])`.
+#[inline(always)]
+fn combine_each<T: Element>(d: &mut [T], s: &[T], g: impl Fn(T, T) -> T) {
+    for (d, &y) in d.iter_mut().zip(s) {
+        *d = g(*d, y);
     }
 }
 
