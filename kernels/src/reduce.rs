@@ -133,7 +133,7 @@ unsafe fn combine_raw_with<T: Element>(
     unsafe {
         if std::ptr::eq(dst, a) {
             let d = std::slice::from_raw_parts_mut(dst, n);
-            combine_each(d, std::slice::from_raw_parts(b, n), |x, y| f(x, y));
+            combine_each(d, std::slice::from_raw_parts(b, n), &f);
         } else if std::ptr::eq(dst, b) {
             let d = std::slice::from_raw_parts_mut(dst, n);
             combine_each(d, std::slice::from_raw_parts(a, n), |x, y| f(y, x));
