@@ -209,6 +209,37 @@ mod tests {
     }
 
     #[test]
+    fn reduce_sources_in_place_at_any_source_matches_out_of_place() {
+        // dst aliasing source 0, a middle source, or the last: same bits as out of place,
+        // for every op, with two and with three sources (the scratch path).
+        let n = 5000;
+        let src: Vec<Vec<f32>> = (0..3)
+            .map(|k| {
+                (0..n)
+                    .map(|i| ((i * 7 + k * 13) % 23) as f32 * 0.37 - 4.0)
+                    .collect()
+            })
+            .collect();
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+            for count in [2, 3] {
+                let refs: Vec<&[f32]> = src[..count].iter().map(|v| v.as_slice()).collect();
+                let mut expect = vec![0.0; n];
+                reduce_into(&mut expect, &refs, op);
+                for at in 0..count {
+                    let mut bufs = src.clone();
+                    let ptrs: Vec<*const f32> = bufs.iter().map(|v| v.as_ptr()).collect();
+                    let dst = bufs[at].as_mut_ptr();
+                    unsafe { reduce_sources_with(dst, n, count, op, |k| ptrs[k]) };
+                    assert_eq!(
+                        bufs[at], expect,
+                        "{op:?}, {count} sources, in place at {at}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
     fn reduce_sources_in_place_matches_out_of_place() {
         let n = 5000;
         let a: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
