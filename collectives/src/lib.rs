@@ -32,6 +32,7 @@
 //! }
 //! ```
 
+mod args;
 mod call;
 pub mod columns;
 mod counters;

@@ -2,6 +2,7 @@
 //! collective. The protocol is described in the `mpi` module docs.
 
 use super::call::{self, Call, Header, Verdict, HEADER_WORDS};
+use crate::args::{counts_sum, is_multiple, same_dtype};
 use crate::{CollectiveKind, Communicator, CounterSnapshot, Counters, Error, Result};
 use dtensor_kernels::reduce::reduce_into;
 use dtensor_kernels::{chunk_sizes, DType, Element, ReduceOp, Slice, SliceMut};
@@ -215,36 +216,6 @@ fn counts_displs(counts: &[usize], what: &str) -> Result<(Vec<c_int>, Vec<c_int>
         acc += v;
     }
     Ok((c, d))
-}
-
-/// Checks `counts` has one entry per rank and returns its sum.
-fn counts_sum(counts: &[usize], name: &str, n: usize) -> Result<usize, String> {
-    if counts.len() != n {
-        return Err(format!(
-            "{name} has {} entries for a group of {n}",
-            counts.len()
-        ));
-    }
-    counts
-        .iter()
-        .try_fold(0usize, |a, &c| a.checked_add(c))
-        .ok_or_else(|| format!("{name} overflows: {counts:?}"))
-}
-
-/// Same dtype on both sides, else the reason.
-fn same_dtype(send: &Slice<'_>, recv: &SliceMut<'_>) -> Option<String> {
-    (send.dtype() != recv.dtype())
-        .then(|| format!("send is {} but recv is {}", send.dtype(), recv.dtype()))
-}
-
-/// `None` if `long.len() == ranks × short.len()`, else the reason.
-fn is_multiple(long: (&str, usize), short: (&str, usize), n: usize) -> Option<String> {
-    (Some(long.1) != short.1.checked_mul(n)).then(|| {
-        format!(
-            "{} has {} elements, expected {n} ranks x {} {}",
-            long.0, long.1, short.0, short.1
-        )
-    })
 }
 
 /// `slice` of `len` elements of `T` at the start of `words`, growing it as needed.

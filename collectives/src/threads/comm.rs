@@ -4,6 +4,7 @@
 
 use super::call::{self, Call, Post, Problem, RawBuf};
 use super::group::{Group, Message};
+use crate::args::{counts_sum, is_multiple, same_dtype};
 use crate::{CollectiveKind, Communicator, CounterSnapshot, Counters, Error, Result};
 use dtensor_kernels::reduce::reduce_sources_with;
 use dtensor_kernels::{chunk_sizes, DType, ReduceOp, Slice, SliceMut};
@@ -324,36 +325,6 @@ fn post(
         recv,
         invalid,
     }
-}
-
-/// Same dtype on both sides, else the reason.
-fn same_dtype(send: &Slice<'_>, recv: &SliceMut<'_>) -> Option<String> {
-    (send.dtype() != recv.dtype())
-        .then(|| format!("send is {} but recv is {}", send.dtype(), recv.dtype()))
-}
-
-/// Checks `counts` has one entry per rank and returns its sum.
-fn counts_sum(counts: &[usize], name: &str, n: usize) -> Result<usize, String> {
-    if counts.len() != n {
-        return Err(format!(
-            "{name} has {} entries for a group of {n}",
-            counts.len()
-        ));
-    }
-    counts
-        .iter()
-        .try_fold(0usize, |a, &c| a.checked_add(c))
-        .ok_or_else(|| format!("{name} overflows: {counts:?}"))
-}
-
-/// `None` if `long.len() == ranks × short.len()`, else the reason.
-fn is_multiple(long: (&str, usize), short: (&str, usize), n: usize) -> Option<String> {
-    (Some(long.1) != short.1.checked_mul(n)).then(|| {
-        format!(
-            "{} has {} elements, expected {n} ranks x {} {}",
-            long.0, long.1, short.0, short.1
-        )
-    })
 }
 
 impl Communicator for ThreadComm {
