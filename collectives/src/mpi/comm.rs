@@ -2,7 +2,7 @@
 //! collective. The protocol is described in the `mpi` module docs.
 
 use super::call::{self, Call, Header, Verdict, HEADER_WORDS};
-use crate::args::{counts_sum, is_multiple, same_dtype};
+use crate::args::{counts_sum, equal_blocks, is_multiple, same_dtype};
 use crate::{CollectiveKind, Communicator, CounterSnapshot, Counters, Error, Result};
 use dtensor_kernels::reduce::reduce_into;
 use dtensor_kernels::{chunk_sizes, DType, Element, ReduceOp, Slice, SliceMut};
@@ -916,22 +916,9 @@ impl Communicator for MpiComm {
             recv: recv.len(),
         };
         let dtype = send.dtype();
-        let invalid = same_dtype(&send, &recv).or_else(|| {
-            if send.len() % n != 0 {
-                Some(format!(
-                    "send has {} elements, not a multiple of the group size {n}",
-                    send.len()
-                ))
-            } else if recv.len() != send.len() {
-                Some(format!(
-                    "recv has {} elements but send has {}",
-                    recv.len(),
-                    send.len()
-                ))
-            } else {
-                count(send.len(), "send").err()
-            }
-        });
+        let invalid = same_dtype(&send, &recv)
+            .or_else(|| equal_blocks(send.len(), recv.len(), n))
+            .or_else(|| count(send.len(), "send").err());
         let k = (send.len() / n) as c_int;
         let t = datatype(dtype.size_in_bytes());
         let sp = send.as_bytes_ptr().0;

@@ -4,7 +4,7 @@
 
 use super::call::{self, Call, Post, Problem, RawBuf};
 use super::group::{Group, Message};
-use crate::args::{counts_sum, is_multiple, same_dtype};
+use crate::args::{counts_sum, equal_blocks, is_multiple, same_dtype};
 use crate::{CollectiveKind, Communicator, CounterSnapshot, Counters, Error, Result};
 use dtensor_kernels::reduce::reduce_sources_with;
 use dtensor_kernels::{chunk_sizes, DType, ReduceOp, Slice, SliceMut};
@@ -452,22 +452,7 @@ impl Communicator for ThreadComm {
             send: send.len(),
             recv: recv.len(),
         };
-        let invalid = same_dtype(&send, &recv).or_else(|| {
-            if send.len() % n != 0 {
-                Some(format!(
-                    "send has {} elements, not a multiple of the group size {n}",
-                    send.len()
-                ))
-            } else if recv.len() != send.len() {
-                Some(format!(
-                    "recv has {} elements but send has {}",
-                    recv.len(),
-                    send.len()
-                ))
-            } else {
-                None
-            }
-        });
+        let invalid = same_dtype(&send, &recv).or_else(|| equal_blocks(send.len(), recv.len(), n));
         self.run(post(call, invalid, Some(&send), Some(&mut recv)))
             .map(drop)
     }
