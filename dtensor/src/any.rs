@@ -53,7 +53,17 @@ impl AnyDTensor {
         placements: &[Placement],
         mesh: &Arc<DeviceMesh>,
     ) -> Result<AnyDTensor> {
-        let op = "DTensor::from_local";
+        Self::from_local_for("DTensor::from_local", local, global_shape, placements, mesh)
+    }
+
+    /// [`from_local`](Self::from_local) for a compute op: the op's name goes in the error.
+    pub(crate) fn from_local_for(
+        op: &'static str,
+        local: Tensor,
+        global_shape: &[usize],
+        placements: &[Placement],
+        mesh: &Arc<DeviceMesh>,
+    ) -> Result<AnyDTensor> {
         dtensor_placement::check_placements(op, mesh.mesh(), placements, global_shape.len())?;
         let want = local_shape(mesh.mesh(), placements, mesh.coords(), global_shape)?;
         if local.shape() != want.as_slice() {

@@ -25,6 +25,7 @@
 //! ```
 
 pub mod any;
+pub mod compute;
 pub mod device_mesh;
 pub mod error;
 pub mod plan;

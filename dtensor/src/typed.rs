@@ -125,7 +125,7 @@ impl<L: Layout> DTensor<L> {
         Ok(Self::wrap(t))
     }
 
-    fn wrap(inner: AnyDTensor) -> Self {
+    pub(crate) fn wrap(inner: AnyDTensor) -> Self {
         DTensor {
             inner,
             _layout: PhantomData,
@@ -367,18 +367,15 @@ impl<L: Layout> DTensor<L> {
     where
         L: PointwiseLayout,
     {
-        self.map(|x| {
-            let c = (2.0 / std::f64::consts::PI).sqrt();
-            0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
-        })
-    }
-
-    /// Elementwise product of two tensors of the same layout; no axis may be `Partial`.
-    pub fn mul(&self, other: &DTensor<L>) -> Result<DTensor<L>>
-    where
-        L: PointwiseLayout,
-    {
-        Ok(DTensor::wrap(self.inner.mul(&other.inner)?))
+        let local = dtensor_kernels::ops::gelu(self.as_local())?;
+        let any = AnyDTensor::from_local_for(
+            "DTensor::gelu",
+            local,
+            self.global_shape(),
+            self.placements(),
+            self.device_mesh(),
+        )?;
+        Ok(DTensor::wrap(any))
     }
 }
 

@@ -24,6 +24,7 @@ pub mod error;
 pub mod layout;
 pub mod mesh;
 pub mod placement;
+pub mod rules;
 
 pub use arith::{check_placements, chunk_range, global_offset, local_ranges, local_shape};
 pub use axis::{AxisKind, Cp, Dp, Ep, MeshAxis, Pp, Tp};
@@ -38,3 +39,4 @@ pub use placement::{
     Max, Min, Partial, PartialOp, Placement, PlacementType, Pointwise, RedistributeTo,
     ReduceMarker, Replicate, Shard, Sum,
 };
+pub use rules::*;

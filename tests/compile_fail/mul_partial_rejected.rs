@@ -1,4 +1,4 @@
-//~ expect: holds pending partial sums; reduce it (all_reduce / reduce_scatter) before a non-linear op
+//~ expect: no elementwise-product rule for `Partial` ⊙ `Partial` on a mesh axis
 use dtensor::prelude::*;
 fn f(x: DTensor<layout![Tp: Partial]>) {
     let _ = x.mul(&x);

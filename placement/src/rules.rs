@@ -1,0 +1,748 @@
+//! Compute-op rules: the placement a compute op gives on one mesh axis, as a type-level
+//! function of its operands' placements there, lifted over a whole layout.
+//!
+//! Sharding propagation happens at compile time: `x.matmul(&w)` has the type
+//! `DTensor<MatmulOut<Lx, Lw>>`, and a pair of placements with no rule does not compile,
+//! with our own message. Nothing redistributes implicitly.
+//!
+//! | op (one axis) | rule (`A`, `B` → out) | anything else |
+//! |---|---|---|
+//! | [`MatmulRule`] `A[m,k]·B[k,n]` | R·R→R, I·I→I, S0·R→S0, R·S1→S1, S1·S0→P, P·R→P, R·P→P | no rule |
+//! | [`MatmulTRule`] `A[m,k]·W[n,k]ᵀ` | R·R→R, I·I→I, S0·R→S0, R·S0→S1, S1·S1→P, P·R→P, R·P→P | no rule |
+//! | [`BatchedMatmulRule`] `A[b,m,k]·B[b,k,n]` | S0·S0→S0, and the matmul rules one dim up | no rule |
+//! | [`MulRule`] `a⊙b` | X·X→X for X ∈ {R, I, S<d>}; P·R→P; R·P→P | no rule |
+//! | [`DivRule`] `a/b` | X/X→X for X ∈ {R, I, S<d>}; P/R→P | no rule |
+//! | [`AddRowRule`] `x[r,c] + bias[c]` | (S0, R)→S0, (S1, S0)→S1, R+R→R, I+I→I, P+P→P | no rule |
+//! | [`SumRule<D>`] / [`MeanRule<D>`] / [`MaxRule<D>`] over dim `D` | S<D>→P(sum / avg / max); S<e>→S<e−[e>D]>; R, I stay; a sum or mean keeps a linear P | max of P: no rule |
+//! | [`NotSplitOn<D>`] (softmax, log-softmax over `D`) | R, I, S<e≠D> stay | S<D>, P: no rule |
+//! | [`NormRule<X, D>`] (rms / layer norm over dim `D`, weight `Self`) | (S<e≠D>, R)→S<e>, (R, R)→R, (I, I)→I | no rule |
+//! | [`EmbeddingRule<T>`] (table `T`, ids `Self`) | (S0, R or I)→P (masked lookup), (S1, R or I)→S1, (R, S0)→S0, (R, R)→R, (R, I)→R, (I, I)→I | no rule |
+//! | [`CrossEntropyRule<Lg>`] (logits `Lg[t,v]`, targets `Self[t]`) | (S1, R or I)→I (vocab-parallel, reduced inside), (S0, S0)→S0, (R, R)→R, (I, I)→I | no rule |
+//! | [`TransposeRule`] (2-D) | S0↔S1; R, I, P stay | — |
+//!
+//! Each rule trait is implemented on the *right* operand, so rustc reads the operand's type
+//! and prints our message instead of guessing it from the one impl that fits.
+//!
+//! **Duality closure.** A reverse-mode tape types every gradient as the dual layout
+//! (`R↔P`, `S↔S`, `I↔I`) without computing it. That is sound only if, for every forward
+//! rule, the backward products are again rules of the same table and give exactly the
+//! duals of the inputs. The rules below are declared through macros that also emit that
+//! check, so a rule that does not close is a build error of this crate (the feature
+//! `_check-rule-closure-fails` adds one on purpose: `S0·I→S0`, whose weight gradient would
+//! come out `Partial` where `Invariant` needs `Invariant`).
+
+use crate::axis::MeshAxis;
+use crate::layout::{Layout, On};
+use crate::placement::{Avg, Invariant, Max, Partial, PlacementType, Replicate, Shard, Sum};
+
+/// The gradient placement of `P` (its dual).
+pub type GradOf<P> = <P as PlacementType>::Grad;
+
+// ---------------------------------------------------------------------------------------
+// Per-axis rule traits
+// ---------------------------------------------------------------------------------------
+
+/// `C = A·B` on one mesh axis, `A[m,k]`, `B[k,n]`; implemented on `B`'s placement.
+#[diagnostic::on_unimplemented(
+    message = "no matmul rule for `{A}` · `{Self}` on a mesh axis",
+    label = "these placements do not multiply without communication",
+    note = "per axis: R·R→R, I·I→I, S0·R→S0, R·S1→S1, S1·S0→P, P·R→P, R·P→P; an `Invariant` operand only meets `Invariant` (to_replicate it first), and two `Partial` factors do not multiply"
+)]
+pub trait MatmulRule<A: PlacementType>: PlacementType {
+    type Out: PlacementType;
+}
+
+/// `C = A·Wᵀ` on one mesh axis, `A[m,k]`, `W[n,k]` (a linear layer's `[out, in]` weight);
+/// implemented on `W`'s placement.
+#[diagnostic::on_unimplemented(
+    message = "no matmul rule for `{A}` · `{Self}`ᵀ on a mesh axis",
+    label = "these placements do not multiply without communication",
+    note = "per axis (x·Wᵀ, W stored [out, in]): R·R→R, I·I→I, S0·R→S0, R·S0→S1 (column-parallel), S1·S1→P (row-parallel), P·R→P, R·P→P; an `Invariant` operand only meets `Invariant` (to_replicate it first)"
+)]
+pub trait MatmulTRule<A: PlacementType>: PlacementType {
+    type Out: PlacementType;
+}
+
+/// `C[b] = A[b]·B[b]` on one mesh axis, `A[b,m,k]`, `B[b,k,n]`; implemented on `B`'s
+/// placement.
+#[diagnostic::on_unimplemented(
+    message = "no batched matmul rule for `{A}` · `{Self}` on a mesh axis",
+    label = "these placements do not multiply without communication",
+    note = "per axis ([b,m,k]·[b,k,n]): S0·S0→S0 (batch), R·R→R, I·I→I, S1·R→S1, R·S2→S2, S2·S1→P, P·R→P, R·P→P"
+)]
+pub trait BatchedMatmulRule<A: PlacementType>: PlacementType {
+    type Out: PlacementType;
+}
+
+/// The placement of a 2-D tensor's transpose on one axis.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` has no 2-D transpose rule",
+    label = "a 2-D tensor can only be `Shard<0>`, `Shard<1>`, `Replicate`, `Invariant` or `Partial`"
+)]
+pub trait TransposeRule: PlacementType {
+    type T: PlacementType;
+}
+
+/// The placement of a 3-D tensor with its last two dims swapped, on one axis.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` has no rule for swapping the last two dims of a 3-D tensor",
+    label = "a 3-D tensor can only be `Shard<0..3>`, `Replicate`, `Invariant` or `Partial`"
+)]
+pub trait TransposeLastRule: PlacementType {
+    type T: PlacementType;
+}
+
+/// Elementwise `a⊙b` on one axis; implemented on `b`'s placement.
+#[diagnostic::on_unimplemented(
+    message = "no elementwise-product rule for `{A}` ⊙ `{Self}` on a mesh axis",
+    label = "these placements do not multiply elementwise without communication",
+    note = "per axis: equal placements (R, I or the same Shard<d>), or one `Partial<Sum>` factor times `Replicate`; two `Partial` factors would multiply sums of terms, and `Invariant` never mixes"
+)]
+pub trait MulRule<A: PlacementType>: PlacementType {
+    type Out: PlacementType;
+}
+
+/// Elementwise `a/b` on one axis; implemented on the divisor's placement.
+#[diagnostic::on_unimplemented(
+    message = "no division rule for `{A}` / `{Self}` on a mesh axis",
+    label = "these placements do not divide elementwise without communication",
+    note = "per axis: equal placements (R, I or the same Shard<d>), or a `Partial<Sum>` numerator over a `Replicate` divisor; a `Partial` divisor is not linear"
+)]
+pub trait DivRule<A: PlacementType>: PlacementType {
+    type Out: PlacementType;
+}
+
+/// `x[r,c] + bias[c]` on one axis (the bias broadcast along the rows); implemented on the
+/// bias's placement. The output keeps `x`'s placement.
+#[diagnostic::on_unimplemented(
+    message = "no bias rule for rows `{X}` + bias `{Self}` on a mesh axis",
+    label = "this bias placement does not match the rows' placement",
+    note = "per axis: rows S0 take a Replicate bias; rows S1 (columns split) take a bias S0; R+R, I+I, P+P (sum); a Replicate bias added to Partial rows would be counted once per rank"
+)]
+pub trait AddRowRule<X: PlacementType>: PlacementType {}
+
+/// A sum over tensor dim `D` on one axis.
+#[diagnostic::on_unimplemented(
+    message = "no rule for summing dim {D} of a `{Self}` axis",
+    label = "tensors of more than 4 dims are not supported here",
+    note = "per axis: Shard<D> gives Partial<Sum>, Shard<e> moves to Shard<e-1> when e > D, R, I and a linear Partial stay"
+)]
+pub trait SumRule<const D: usize>: PlacementType {
+    type Out: PlacementType;
+}
+
+/// A mean over tensor dim `D` on one axis.
+#[diagnostic::on_unimplemented(
+    message = "no rule for averaging dim {D} of a `{Self}` axis",
+    label = "tensors of more than 4 dims are not supported here",
+    note = "per axis: Shard<D> gives Partial<Avg> (shards must be even: checked when it runs), Shard<e> moves to Shard<e-1> when e > D, R, I and a linear Partial stay"
+)]
+pub trait MeanRule<const D: usize>: PlacementType {
+    type Out: PlacementType;
+}
+
+/// A max over tensor dim `D` on one axis.
+#[diagnostic::on_unimplemented(
+    message = "no rule for the max over dim {D} of a `{Self}` axis",
+    label = "a max of pending partial sums is not the max of their sum: reduce first",
+    note = "per axis: Shard<D> gives Partial<Max>, Shard<e> moves to Shard<e-1> when e > D, R and I stay; a `Partial` input has no rule"
+)]
+pub trait MaxRule<const D: usize>: PlacementType {
+    type Out: PlacementType;
+}
+
+/// An axis that holds dim `D` whole and no pending sums: what softmax and log-softmax over
+/// `D` read.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` splits or holds partial terms of dim {D}, which this op normalizes over",
+    label = "softmax / norms need the reduced dim whole on every rank",
+    note = "gather the dim first (all_gather), or reduce pending partial sums (all_reduce); R, I and Shard<e> with e ≠ D are fine"
+)]
+pub trait NotSplitOn<const D: usize>: PlacementType {}
+
+/// rms / layer norm over dim `D` of an input placed `X`, with a weight (and bias) placed
+/// `Self`. The output keeps `X`'s placement.
+#[diagnostic::on_unimplemented(
+    message = "no norm rule for input `{X}` with weight `{Self}` over dim {D} on a mesh axis",
+    label = "this weight placement does not match the input's",
+    note = "per axis: (Shard<e≠D>, Replicate) — each rank normalizes its own rows, so the weight's gradient is Partial; (Replicate, Replicate); (Invariant, Invariant). An Invariant weight on sharded rows would get a Partial gradient where Invariant needs Invariant"
+)]
+pub trait NormRule<X: PlacementType, const D: usize>: PlacementType {}
+
+/// `table[ids]` on one axis: table `T` (`[vocab, hidden]`), ids placed `Self` (`[tokens]`).
+#[diagnostic::on_unimplemented(
+    message = "no embedding rule for table `{T}` with ids `{Self}` on a mesh axis",
+    label = "this ids placement does not match the table's",
+    note = "per axis: (S0, R or I)→Partial (masked vocab-parallel lookup), (S1, R or I)→S1, (R, S0)→S0, (R, R)→R, (R, I)→R, (I, I)→I"
+)]
+pub trait EmbeddingRule<T: PlacementType>: PlacementType {
+    type Out: PlacementType;
+}
+
+/// Per-token cross-entropy on one axis: logits `Lg` (`[tokens, vocab]`), targets placed
+/// `Self` (`[tokens]`).
+#[diagnostic::on_unimplemented(
+    message = "no cross-entropy rule for logits `{Lg}` with targets `{Self}` on a mesh axis",
+    label = "this target placement does not match the logits'",
+    note = "per axis: (S1, R or I)→I (vocab-parallel: max and sums reduced over the axis inside the op), (S0, S0)→S0, (R, R)→R, (I, I)→I; logits must not be Partial"
+)]
+pub trait CrossEntropyRule<Lg: PlacementType>: PlacementType {
+    type Out: PlacementType;
+}
+
+/// Every axis `Partial<Sum>` or `Invariant`: a loss whose seed gradient (the dual: ones,
+/// `Replicate` or `Invariant`) is exact.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a loss placement: backward() seeds ones, which is exact only for `Partial<Sum>` or `Invariant` axes",
+    label = "reduce this axis to `Partial<Sum>` (sum over data) or `Invariant` (all_reduce) first",
+    note = "a `Replicate` loss would be counted once per rank, a sharded one is not a scalar"
+)]
+pub trait LossPlacement: PlacementType {}
+impl LossPlacement for Partial<Sum> {}
+impl LossPlacement for Invariant {}
+
+// ---------------------------------------------------------------------------------------
+// The tables
+// ---------------------------------------------------------------------------------------
+
+type R = Replicate;
+type I = Invariant;
+type P = Partial<Sum>;
+type S<const D: usize> = Shard<D>;
+
+/// Declares binary rules `A ∘ B → C` (impl on `B`) and checks each one's duality closure
+/// with `$closed` (a trait whose blanket impl states the backward products).
+macro_rules! binary_rules {
+    ($rule:ident, $closed:ident, $check:ident: $(($a:ty, $b:ty) => $c:ty),* $(,)?) => {
+        $(impl $rule<$a> for $b { type Out = $c; })*
+        /// Type-checked on every build: each rule's backward products are rules of the
+        /// same table and give the duals of its inputs.
+        #[allow(dead_code)]
+        fn $check() {
+            fn closed<A: PlacementType, B: $closed<A>>() {}
+            $(closed::<$a, $b>();)*
+        }
+    };
+}
+
+binary_rules!(MatmulRule, MatmulClosed, matmul_rules_close:
+    (R, R) => R,
+    (I, I) => I,
+    (S<0>, R) => S<0>,
+    (R, S<1>) => S<1>,
+    (S<1>, S<0>) => P,
+    (P, R) => P,
+    (R, P) => P,
+);
+
+// Added only by the feature that shows a bogus rule breaks the build: `S0·I→S0` would give
+// the `Invariant` operand a `Partial` gradient (dB = Aᵀ·dC = S1·S0 → P).
+#[cfg(feature = "_check-rule-closure-fails")]
+binary_rules!(MatmulRule, MatmulClosed, bogus_rule_closes: (S<0>, I) => S<0>);
+
+binary_rules!(MatmulTRule, MatmulTClosed, matmul_t_rules_close:
+    (R, R) => R,
+    (I, I) => I,
+    (S<0>, R) => S<0>,
+    (R, S<0>) => S<1>,
+    (S<1>, S<1>) => P,
+    (P, R) => P,
+    (R, P) => P,
+);
+
+binary_rules!(BatchedMatmulRule, BatchedMatmulClosed, batched_matmul_rules_close:
+    (S<0>, S<0>) => S<0>,
+    (R, R) => R,
+    (I, I) => I,
+    (S<1>, R) => S<1>,
+    (R, S<2>) => S<2>,
+    (S<2>, S<1>) => P,
+    (P, R) => P,
+    (R, P) => P,
+);
+
+binary_rules!(MulRule, MulClosed, mul_rules_close:
+    (R, R) => R,
+    (I, I) => I,
+    (S<0>, S<0>) => S<0>,
+    (S<1>, S<1>) => S<1>,
+    (S<2>, S<2>) => S<2>,
+    (S<3>, S<3>) => S<3>,
+    (P, R) => P,
+    (R, P) => P,
+);
+
+binary_rules!(DivRule, DivClosed, div_rules_close:
+    (R, R) => R,
+    (I, I) => I,
+    (S<0>, S<0>) => S<0>,
+    (S<1>, S<1>) => S<1>,
+    (S<2>, S<2>) => S<2>,
+    (S<3>, S<3>) => S<3>,
+    (P, R) => P,
+);
+
+impl TransposeRule for S<0> {
+    type T = S<1>;
+}
+impl TransposeRule for S<1> {
+    type T = S<0>;
+}
+impl TransposeLastRule for S<0> {
+    type T = S<0>;
+}
+impl TransposeLastRule for S<1> {
+    type T = S<2>;
+}
+impl TransposeLastRule for S<2> {
+    type T = S<1>;
+}
+macro_rules! transpose_keeps {
+    ($($p:ty),*) => {$(
+        impl TransposeRule for $p { type T = $p; }
+        impl TransposeLastRule for $p { type T = $p; }
+    )*};
+}
+transpose_keeps!(
+    R,
+    I,
+    Partial<Sum>,
+    Partial<Avg>,
+    Partial<Max>,
+    Partial<crate::Min>
+);
+
+/// Closure of `A·B → C`: `dA = dC·Bᵀ` and `dB = Aᵀ·dC` are rules giving `A*` and `B*`.
+pub trait MatmulClosed<A: PlacementType>: MatmulRule<A> {}
+impl<A, B> MatmulClosed<A> for B
+where
+    A: TransposeRule,
+    B: MatmulRule<A> + TransposeRule,
+    <B as TransposeRule>::T: MatmulRule<GradOf<<B as MatmulRule<A>>::Out>, Out = GradOf<A>>,
+    GradOf<<B as MatmulRule<A>>::Out>: MatmulRule<<A as TransposeRule>::T, Out = GradOf<B>>,
+{
+}
+
+/// Closure of `A·Wᵀ → C`: `dA = dC·W` and `dW = dCᵀ·A` are rules giving `A*` and `W*`.
+pub trait MatmulTClosed<A: PlacementType>: MatmulTRule<A> {}
+impl<A, W> MatmulTClosed<A> for W
+where
+    A: PlacementType,
+    W: MatmulTRule<A> + MatmulRule<GradOf<<W as MatmulTRule<A>>::Out>, Out = GradOf<A>>,
+    GradOf<<W as MatmulTRule<A>>::Out>: TransposeRule,
+    A: MatmulRule<<GradOf<<W as MatmulTRule<A>>::Out> as TransposeRule>::T, Out = GradOf<W>>,
+{
+}
+
+/// Closure of `A[b]·B[b] → C`: `dA = dC·Bᵀ` and `dB = Aᵀ·dC` (last two dims swapped).
+pub trait BatchedMatmulClosed<A: PlacementType>: BatchedMatmulRule<A> {}
+impl<A, B> BatchedMatmulClosed<A> for B
+where
+    A: TransposeLastRule,
+    B: BatchedMatmulRule<A> + TransposeLastRule,
+    <B as TransposeLastRule>::T:
+        BatchedMatmulRule<GradOf<<B as BatchedMatmulRule<A>>::Out>, Out = GradOf<A>>,
+    GradOf<<B as BatchedMatmulRule<A>>::Out>:
+        BatchedMatmulRule<<A as TransposeLastRule>::T, Out = GradOf<B>>,
+{
+}
+
+/// Closure of `a⊙b → c`: `da = dc⊙b` and `db = dc⊙a` are product rules giving `a*`, `b*`.
+pub trait MulClosed<A: PlacementType>: MulRule<A> {}
+impl<A, B> MulClosed<A> for B
+where
+    A: PlacementType,
+    B: MulRule<A> + MulRule<GradOf<<B as MulRule<A>>::Out>, Out = GradOf<A>>,
+    A: MulRule<GradOf<<B as MulRule<A>>::Out>, Out = GradOf<B>>,
+{
+}
+
+/// Closure of `a/b → c`: `da = dc/b` is a division rule giving `a*`, and
+/// `db = −(dc⊙a)/b²` is a product rule (then a division by `b⊙b`, placed as `b`) giving
+/// `b*`.
+pub trait DivClosed<A: PlacementType>: DivRule<A> {}
+impl<A, B> DivClosed<A> for B
+where
+    A: PlacementType,
+    B: DivRule<A> + DivRule<GradOf<<B as DivRule<A>>::Out>, Out = GradOf<A>>,
+    A: MulRule<GradOf<<B as DivRule<A>>::Out>>,
+    B: DivRule<<A as MulRule<GradOf<<B as DivRule<A>>::Out>>>::Out, Out = GradOf<B>>,
+{
+}
+
+// x + bias along the rows. The closure, by hand (a bias gradient is a sum over rows, which
+// is [`SumRule<0>`] of the output gradient): (S0, R): dy S0 summed over its sharded dim is
+// P = R*; (S1, S0): dy S1 summed over dim 0 is S0 = S0*; (R, R): dy P stays P = R*;
+// (I, I): I; (P, P): dy R stays R = P*. Checked below with `add_row_rules_close`.
+impl AddRowRule<S<0>> for R {}
+impl AddRowRule<S<1>> for S<0> {}
+impl AddRowRule<R> for R {}
+impl AddRowRule<I> for I {}
+impl AddRowRule<P> for P {}
+
+/// Closure of `x + bias → x`: the bias gradient, the output gradient summed over rows
+/// (dim 0), is placed as the bias's dual.
+pub trait AddRowClosed<X: PlacementType>: AddRowRule<X> {}
+impl<X, B> AddRowClosed<X> for B
+where
+    X: PlacementType,
+    B: AddRowRule<X>,
+    GradOf<X>: SumRule<0, Out = GradOf<B>>,
+{
+}
+#[allow(dead_code)]
+fn add_row_rules_close() {
+    fn closed<X: PlacementType, B: AddRowClosed<X>>() {}
+    closed::<S<0>, R>();
+    closed::<S<1>, S<0>>();
+    closed::<R, R>();
+    closed::<I, I>();
+    closed::<P, P>();
+}
+
+// Reductions over dim D: Shard<D> becomes the reduction's Partial, Shard<e> with e > D
+// moves down one dim (the dim disappears), R and I stay. Dims are capped at 4 (no
+// arithmetic on const generics on stable Rust, so the moves are a table).
+macro_rules! reduction_rules {
+    ($rule:ident, $partial:ty, [$($keep:ty),*]) => {
+        impl<const D: usize> $rule<D> for R { type Out = R; }
+        impl<const D: usize> $rule<D> for I { type Out = I; }
+        $(impl<const D: usize> $rule<D> for $keep { type Out = $keep; })*
+        reduction_rules!(@shards $rule, $partial);
+    };
+    (@shards $rule:ident, $partial:ty) => {
+        impl $rule<0> for S<0> { type Out = $partial; }
+        impl $rule<0> for S<1> { type Out = S<0>; }
+        impl $rule<0> for S<2> { type Out = S<1>; }
+        impl $rule<0> for S<3> { type Out = S<2>; }
+        impl $rule<1> for S<0> { type Out = S<0>; }
+        impl $rule<1> for S<1> { type Out = $partial; }
+        impl $rule<1> for S<2> { type Out = S<1>; }
+        impl $rule<1> for S<3> { type Out = S<2>; }
+        impl $rule<2> for S<0> { type Out = S<0>; }
+        impl $rule<2> for S<1> { type Out = S<1>; }
+        impl $rule<2> for S<2> { type Out = $partial; }
+        impl $rule<2> for S<3> { type Out = S<2>; }
+        impl $rule<3> for S<0> { type Out = S<0>; }
+        impl $rule<3> for S<1> { type Out = S<1>; }
+        impl $rule<3> for S<2> { type Out = S<2>; }
+        impl $rule<3> for S<3> { type Out = $partial; }
+    };
+}
+reduction_rules!(SumRule, Partial<Sum>, [Partial<Sum>, Partial<Avg>]);
+reduction_rules!(MeanRule, Partial<Avg>, [Partial<Sum>, Partial<Avg>]);
+reduction_rules!(MaxRule, Partial<Max>, []);
+
+impl<const D: usize> NotSplitOn<D> for R {}
+impl<const D: usize> NotSplitOn<D> for I {}
+macro_rules! not_split {
+    ($($d:literal: [$($e:literal),*]);*) => {
+        $($(impl NotSplitOn<$d> for S<$e> {})*)*
+        $($(impl NormRule<S<$e>, $d> for R {})*)*
+    };
+}
+not_split!(0: [1, 2, 3]; 1: [0, 2, 3]; 2: [0, 1, 3]; 3: [0, 1, 2]);
+impl<const D: usize> NormRule<R, D> for R {}
+impl<const D: usize> NormRule<I, D> for I {}
+
+impl EmbeddingRule<S<0>> for R {
+    type Out = P;
+}
+impl EmbeddingRule<S<0>> for I {
+    type Out = P;
+}
+impl EmbeddingRule<S<1>> for R {
+    type Out = S<1>;
+}
+impl EmbeddingRule<S<1>> for I {
+    type Out = S<1>;
+}
+impl EmbeddingRule<R> for S<0> {
+    type Out = S<0>;
+}
+impl EmbeddingRule<R> for R {
+    type Out = R;
+}
+impl EmbeddingRule<R> for I {
+    type Out = R;
+}
+impl EmbeddingRule<I> for I {
+    type Out = I;
+}
+
+impl CrossEntropyRule<S<1>> for R {
+    type Out = I;
+}
+impl CrossEntropyRule<S<1>> for I {
+    type Out = I;
+}
+impl CrossEntropyRule<S<0>> for S<0> {
+    type Out = S<0>;
+}
+impl CrossEntropyRule<R> for R {
+    type Out = R;
+}
+impl CrossEntropyRule<I> for I {
+    type Out = I;
+}
+
+// ---------------------------------------------------------------------------------------
+// Lifted over layouts
+// ---------------------------------------------------------------------------------------
+
+/// Lifts a binary per-axis rule with an output (`Self`: the right operand) over two
+/// layouts with the same axes in the same order.
+macro_rules! lift_binary {
+    ($(#[$m:meta])* $layout:ident, $rule:ident, $alias:ident) => {
+        $(#[$m])*
+        pub trait $layout<LA: Layout>: Layout {
+            type Out: Layout;
+        }
+        impl $layout<()> for () {
+            type Out = ();
+        }
+        impl<X: MeshAxis, PA: PlacementType, PB: $rule<PA>, RA: Layout, RB: $layout<RA>>
+            $layout<(On<X, PA>, RA)> for (On<X, PB>, RB)
+        {
+            type Out = (On<X, <PB as $rule<PA>>::Out>, <RB as $layout<RA>>::Out);
+        }
+        #[doc = concat!("The layout [`", stringify!($layout), "`] gives.")]
+        pub type $alias<LA, LB> = <LB as $layout<LA>>::Out;
+    };
+}
+
+/// Lifts a binary per-axis predicate (the output keeps the left layout).
+macro_rules! lift_predicate {
+    ($(#[$m:meta])* $layout:ident, $rule:ident $(, const $d:ident)?) => {
+        $(#[$m])*
+        pub trait $layout<LX: Layout $(, const $d: usize)?>: Layout {}
+        impl$(<const $d: usize>)? $layout<() $(, $d)?> for () {}
+        impl<X: MeshAxis, PX: PlacementType, PB: $rule<PX $(, $d)?>, RX: Layout, RB: $layout<RX $(, $d)?> $(, const $d: usize)?>
+            $layout<(On<X, PX>, RX) $(, $d)?> for (On<X, PB>, RB)
+        {
+        }
+    };
+}
+
+/// Lifts a unary per-axis rule over dim `D` with an output.
+macro_rules! lift_unary_dim {
+    ($(#[$m:meta])* $layout:ident, $rule:ident, $alias:ident) => {
+        $(#[$m])*
+        pub trait $layout<const D: usize>: Layout {
+            type Out: Layout;
+        }
+        impl<const D: usize> $layout<D> for () {
+            type Out = ();
+        }
+        impl<X: MeshAxis, P: $rule<D>, Rest: $layout<D>, const D: usize> $layout<D> for (On<X, P>, Rest) {
+            type Out = (On<X, <P as $rule<D>>::Out>, <Rest as $layout<D>>::Out);
+        }
+        #[doc = concat!("The layout [`", stringify!($layout), "`] gives.")]
+        pub type $alias<L, const D: usize> = <L as $layout<D>>::Out;
+    };
+}
+
+lift_binary!(
+    /// `A·B` over every axis (`Self` is `B`'s layout).
+    #[diagnostic::on_unimplemented(
+        message = "cannot multiply a DTensor laid out as `{LA}` by one laid out as `{Self}`",
+        label = "the layouts are over different mesh axes",
+        note = "both operands need the same mesh axes in the same order"
+    )]
+    MatmulLayout, MatmulRule, MatmulOut
+);
+lift_binary!(
+    /// `A·Wᵀ` over every axis (`Self` is `W`'s layout).
+    #[diagnostic::on_unimplemented(
+        message = "cannot multiply a DTensor laid out as `{LA}` by the transpose of one laid out as `{Self}`",
+        label = "the layouts are over different mesh axes",
+        note = "both operands need the same mesh axes in the same order"
+    )]
+    MatmulTLayout, MatmulTRule, MatmulTOut
+);
+lift_binary!(
+    /// `A[b]·B[b]` over every axis.
+    #[diagnostic::on_unimplemented(
+        message = "cannot batch-multiply a DTensor laid out as `{LA}` by one laid out as `{Self}`",
+        label = "the layouts are over different mesh axes",
+        note = "both operands need the same mesh axes in the same order"
+    )]
+    BatchedMatmulLayout, BatchedMatmulRule, BatchedMatmulOut
+);
+lift_binary!(
+    /// `a⊙b` over every axis.
+    #[diagnostic::on_unimplemented(
+        message = "cannot multiply elementwise a DTensor laid out as `{LA}` by one laid out as `{Self}`",
+        label = "the layouts are over different mesh axes",
+        note = "both operands need the same mesh axes in the same order"
+    )]
+    MulLayout, MulRule, MulOut
+);
+lift_binary!(
+    /// `a/b` over every axis.
+    #[diagnostic::on_unimplemented(
+        message = "cannot divide a DTensor laid out as `{LA}` by one laid out as `{Self}`",
+        label = "the layouts are over different mesh axes",
+        note = "both operands need the same mesh axes in the same order"
+    )]
+    DivLayout, DivRule, DivOut
+);
+lift_binary!(
+    /// `table[ids]` over every axis (`Self` is the ids' layout).
+    #[diagnostic::on_unimplemented(
+        message = "cannot look up ids laid out as `{Self}` in a table laid out as `{LA}`",
+        label = "the layouts are over different mesh axes",
+        note = "both operands need the same mesh axes in the same order"
+    )]
+    EmbeddingLayout, EmbeddingRule, EmbeddingOut
+);
+lift_binary!(
+    /// Per-token cross-entropy over every axis (`Self` is the targets' layout).
+    #[diagnostic::on_unimplemented(
+        message = "cannot score logits laid out as `{LA}` against targets laid out as `{Self}`",
+        label = "the layouts are over different mesh axes",
+        note = "both operands need the same mesh axes in the same order"
+    )]
+    CrossEntropyLayout, CrossEntropyRule, CrossEntropyOut
+);
+lift_predicate!(
+    /// `x + bias` along the rows over every axis (`Self` is the bias's layout).
+    #[diagnostic::on_unimplemented(
+        message = "cannot add a bias laid out as `{Self}` to rows laid out as `{LX}`",
+        label = "the layouts are over different mesh axes",
+        note = "both operands need the same mesh axes in the same order"
+    )]
+    AddRowLayout, AddRowRule
+);
+lift_predicate!(
+    /// A norm weight (or bias) laid out as `Self` for an input laid out as `LX`, normalized
+    /// over dim `D`.
+    #[diagnostic::on_unimplemented(
+        message = "cannot normalize an input laid out as `{LX}` with a weight laid out as `{Self}`",
+        label = "the layouts are over different mesh axes",
+        note = "both operands need the same mesh axes in the same order"
+    )]
+    NormLayout, NormRule, const D
+);
+lift_unary_dim!(
+    /// A sum over dim `D`, every axis.
+    SumLayout, SumRule, SumOut
+);
+lift_unary_dim!(
+    /// A mean over dim `D`, every axis.
+    MeanLayout, MeanRule, MeanOut
+);
+lift_unary_dim!(
+    /// A max over dim `D`, every axis.
+    MaxLayout, MaxRule, MaxOut
+);
+
+/// Every axis holds dim `D` whole and no pending sums (softmax, log-softmax over `D`).
+pub trait NotSplitLayout<const D: usize>: Layout {}
+impl<const D: usize> NotSplitLayout<D> for () {}
+impl<X: MeshAxis, P: NotSplitOn<D>, Rest: NotSplitLayout<D>, const D: usize> NotSplitLayout<D>
+    for (On<X, P>, Rest)
+{
+}
+
+/// A 2-D transpose over every axis.
+pub trait TransposeLayout: Layout {
+    type T: Layout;
+}
+impl TransposeLayout for () {
+    type T = ();
+}
+impl<X: MeshAxis, P: TransposeRule, Rest: TransposeLayout> TransposeLayout for (On<X, P>, Rest) {
+    type T = (On<X, P::T>, Rest::T);
+}
+/// The layout of a 2-D tensor's transpose.
+pub type Transposed<L> = <L as TransposeLayout>::T;
+
+/// A 3-D tensor's last two dims swapped, over every axis.
+pub trait TransposeLastLayout: Layout {
+    type T: Layout;
+}
+impl TransposeLastLayout for () {
+    type T = ();
+}
+impl<X: MeshAxis, P: TransposeLastRule, Rest: TransposeLastLayout> TransposeLastLayout
+    for (On<X, P>, Rest)
+{
+    type T = (On<X, P::T>, Rest::T);
+}
+
+/// Every axis `Partial<Sum>` or `Invariant`: a loss `backward()` can seed exactly.
+pub trait LossLayout: Layout {}
+impl LossLayout for () {}
+impl<X: MeshAxis, P: LossPlacement, Rest: LossLayout> LossLayout for (On<X, P>, Rest) {}
+
+/// Two layouts are the same type (an elementwise op whose operands must match exactly,
+/// such as swiglu's gate and up).
+#[diagnostic::on_unimplemented(
+    message = "operand laid out as `{Self}`, but this op needs `{L}` (the other operand's)",
+    label = "the layouts differ",
+    note = "both operands of this op need the same placement on every mesh axis"
+)]
+pub trait SameAs<L>: Layout {}
+impl<L: Layout> SameAs<L> for L {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::axis::{Dp, Tp};
+    use crate::layout;
+    use crate::placement::Placement;
+    use crate::PartialOp;
+
+    fn placements<L: Layout>() -> Vec<Placement> {
+        L::placements().to_vec()
+    }
+
+    #[test]
+    fn column_then_row_matmul_t_gives_partial_over_tp() {
+        type X = layout![Dp: Shard<0>, Tp: Replicate];
+        type Wc = layout![Dp: Replicate, Tp: Shard<0>];
+        type Wr = layout![Dp: Replicate, Tp: Shard<1>];
+        type H = MatmulTOut<X, Wc>;
+        type Y = MatmulTOut<H, Wr>;
+        assert_eq!(
+            placements::<H>(),
+            [Placement::Shard(0), Placement::Shard(1)]
+        );
+        assert_eq!(
+            placements::<Y>(),
+            [Placement::Shard(0), Placement::Partial(PartialOp::Sum)]
+        );
+    }
+
+    #[test]
+    fn reductions_move_shard_dims_and_make_partials() {
+        type L = layout![Dp: Shard<0>, Tp: Shard<2>];
+        assert_eq!(
+            placements::<SumOut<L, 0>>(),
+            [Placement::Partial(PartialOp::Sum), Placement::Shard(1)]
+        );
+        assert_eq!(
+            placements::<MeanOut<L, 2>>(),
+            [Placement::Shard(0), Placement::Partial(PartialOp::Avg)]
+        );
+        assert_eq!(
+            placements::<MaxOut<L, 1>>(),
+            [Placement::Shard(0), Placement::Shard(1)]
+        );
+    }
+
+    #[test]
+    fn vocab_parallel_loss_is_invariant_over_tp() {
+        type Logits = layout![Dp: Shard<0>, Tp: Shard<1>];
+        type Targets = layout![Dp: Shard<0>, Tp: Invariant];
+        type Loss = CrossEntropyOut<Logits, Targets>;
+        assert_eq!(
+            placements::<Loss>(),
+            [Placement::Shard(0), Placement::Invariant]
+        );
+        type Summed = SumOut<Loss, 0>;
+        fn is_loss<L: LossLayout>() {}
+        is_loss::<Summed>();
+    }
+}
