@@ -79,7 +79,7 @@ fn want_rank(op: &'static str, t: &AnyDTensor, rank: usize, what: &str) -> Resul
 
 /// Wraps an op's local result as layout `L`; `Err` if the local shape is not the one `L`
 /// gives this rank (a kernel/rule disagreement, or shards that do not line up).
-fn output<L: Layout>(
+pub(crate) fn output<L: Layout>(
     op: &'static str,
     local: Tensor,
     global: &[usize],
@@ -113,7 +113,7 @@ fn ids_of(op: &'static str, t: &Tensor) -> Result<Vec<usize>> {
 }
 
 /// The rows of dim `dim` of the global tensor this rank holds.
-fn local_range(t: &AnyDTensor, dim: usize) -> Result<std::ops::Range<usize>> {
+pub(crate) fn local_range(t: &AnyDTensor, dim: usize) -> Result<std::ops::Range<usize>> {
     let m = t.device_mesh();
     Ok(local_ranges(m.mesh(), t.placements(), m.coords(), t.global_shape())?[dim].clone())
 }
@@ -202,7 +202,8 @@ impl<L: Layout> DTensor<L> {
         let a = self.as_any();
         want_rank(OP, a, 2, "the tensor")?;
         let (r, c) = (a.local_shape()[0], a.local_shape()[1]);
-        let local = transpose2d(a.as_local(), r, c)?;
+        let _ = (r, c);
+        let local = transpose_local(a.as_local())?;
         let g = a.global_shape();
         output(OP, local, &[g[1], g[0]], a)
     }
@@ -463,67 +464,100 @@ impl<L: Layout> DTensor<L> {
         &self,
         targets: &DTensor<LT>,
     ) -> Result<DTensor<CrossEntropyOut<L, LT>>> {
-        const OP: &str = "DTensor::cross_entropy";
-        let (lg, tg) = (self.as_any(), targets.as_any());
-        same_mesh(OP, lg, tg)?;
-        want_rank(OP, lg, 2, "the logits")?;
-        want_rank(OP, tg, 1, "the targets")?;
-        let vocab = lg.global_shape()[1];
-        let (rows, cols) = (lg.local_shape()[0], lg.local_shape()[1]);
-        let ids = ids_of(OP, tg.as_local())?;
-        if ids.len() != rows || ids.iter().any(|&i| i >= vocab) {
-            return Err(shape_err(
-                OP,
-                format!(
-                    "{} targets (each < {vocab}) for logits {}",
-                    ids.len(),
-                    describe(lg)
-                ),
-            ));
-        }
-        let vocab_axes: Vec<usize> = lg
-            .placements()
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| p.shard_dim() == Some(1))
-            .map(|(a, _)| a)
-            .collect();
-        let all_reduce = |v: &mut Vec<f64>, op: ReduceOp| -> Result<()> {
-            for &a in &vocab_axes {
-                lg.device_mesh().axis_comm(a).all_reduce_in_place(v, op)?;
-            }
-            Ok(())
-        };
-        let cols_here = local_range(lg, 1)?;
-        let l = lg.as_local().to_f64_vec();
-        let mut max: Vec<f64> = (0..rows)
-            .map(|r| {
-                l[r * cols..(r + 1) * cols]
-                    .iter()
-                    .fold(f64::NEG_INFINITY, |m, &x| m.max(x))
-            })
-            .collect();
-        all_reduce(&mut max, ReduceOp::Max)?;
-        let mut sum = vec![0.0; rows];
-        let mut target = vec![0.0; rows];
-        for r in 0..rows {
-            let row = &l[r * cols..(r + 1) * cols];
-            sum[r] = row.iter().map(|&x| (x - max[r]).exp()).sum();
-            if cols_here.contains(&ids[r]) {
-                target[r] = row[ids[r] - cols_here.start] - max[r];
-            }
-        }
-        all_reduce(&mut sum, ReduceOp::Sum)?;
-        all_reduce(&mut target, ReduceOp::Sum)?;
-        let loss: Vec<f64> = (0..rows).map(|r| sum[r].ln() - target[r]).collect();
-        let local = Tensor::from_vec(loss, &[rows])?;
-        let local = if lg.dtype() == DType::F64 {
-            local
-        } else {
-            local.to_dtype(lg.dtype())
-        };
-        output(OP, local, &[lg.global_shape()[0]], lg)
+        Ok(cross_entropy_parts(self, targets)?.0)
     }
+}
+
+/// Cross-entropy's forward, with what its backward needs: the probabilities of this rank's
+/// logits (normalized by the global max and sum) and each row's target column, if this rank
+/// holds it.
+#[allow(clippy::type_complexity)]
+pub(crate) fn cross_entropy_parts<L: Layout, LT: CrossEntropyLayout<L>>(
+    logits: &DTensor<L>,
+    targets: &DTensor<LT>,
+) -> Result<(
+    DTensor<CrossEntropyOut<L, LT>>,
+    Vec<f64>,
+    Vec<Option<usize>>,
+)> {
+    const OP: &str = "DTensor::cross_entropy";
+    let (lg, tg) = (logits.as_any(), targets.as_any());
+    same_mesh(OP, lg, tg)?;
+    want_rank(OP, lg, 2, "the logits")?;
+    want_rank(OP, tg, 1, "the targets")?;
+    let vocab = lg.global_shape()[1];
+    let (rows, cols) = (lg.local_shape()[0], lg.local_shape()[1]);
+    let ids = ids_of(OP, tg.as_local())?;
+    if ids.len() != rows || ids.iter().any(|&i| i >= vocab) {
+        return Err(shape_err(
+            OP,
+            format!(
+                "{} targets (each < {vocab}) for logits {}",
+                ids.len(),
+                describe(lg)
+            ),
+        ));
+    }
+    // The axes that split the vocab: the max, the sum and the target logit are reduced
+    // over them (the same axes on every rank: they come from the type).
+    let vocab_axes: Vec<usize> = lg
+        .placements()
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.shard_dim() == Some(1))
+        .map(|(a, _)| a)
+        .collect();
+    let all_reduce = |v: &mut Vec<f64>, op: ReduceOp| -> Result<()> {
+        for &a in &vocab_axes {
+            lg.device_mesh().axis_comm(a).all_reduce_in_place(v, op)?;
+        }
+        Ok(())
+    };
+    let cols_here = local_range(lg, 1)?;
+    let l = lg.as_local().to_f64_vec();
+    let mut max: Vec<f64> = (0..rows)
+        .map(|r| {
+            l[r * cols..(r + 1) * cols]
+                .iter()
+                .fold(f64::NEG_INFINITY, |m, &x| m.max(x))
+        })
+        .collect();
+    all_reduce(&mut max, ReduceOp::Max)?;
+    let mut probs = vec![0.0; rows * cols];
+    let mut sum = vec![0.0; rows];
+    let mut target = vec![0.0; rows];
+    let mut target_col = vec![None; rows];
+    for r in 0..rows {
+        for c in 0..cols {
+            let e = (l[r * cols + c] - max[r]).exp();
+            probs[r * cols + c] = e;
+            sum[r] += e;
+        }
+        if cols_here.contains(&ids[r]) {
+            let c = ids[r] - cols_here.start;
+            target_col[r] = Some(c);
+            target[r] = l[r * cols + c] - max[r];
+        }
+    }
+    all_reduce(&mut sum, ReduceOp::Sum)?;
+    all_reduce(&mut target, ReduceOp::Sum)?;
+    for r in 0..rows {
+        probs[r * cols..(r + 1) * cols]
+            .iter_mut()
+            .for_each(|p| *p /= sum[r]);
+    }
+    let loss: Vec<f64> = (0..rows).map(|r| sum[r].ln() - target[r]).collect();
+    let local = Tensor::from_vec(loss, &[rows])?;
+    let local = if lg.dtype() == DType::F64 {
+        local
+    } else {
+        local.to_dtype(lg.dtype())
+    };
+    Ok((
+        output(OP, local, &[lg.global_shape()[0]], lg)?,
+        probs,
+        target_col,
+    ))
 }
 
 fn same_shape(op: &'static str, a: &AnyDTensor, b: &AnyDTensor) -> Result<()> {
@@ -575,7 +609,8 @@ fn without(shape: &[usize], d: usize) -> Vec<usize> {
 }
 
 /// A `[r, c]` tensor's transpose `[c, r]`, any dtype, bit for bit.
-fn transpose2d(t: &Tensor, r: usize, c: usize) -> Result<Tensor> {
+pub(crate) fn transpose_local(t: &Tensor) -> Result<Tensor> {
+    let (r, c) = (t.shape()[0], t.shape()[1]);
     macro_rules! tr {
         ($T:ty) => {{
             let s = t.as_slice::<$T>()?;

@@ -29,10 +29,12 @@ pub mod compute;
 pub mod device_mesh;
 pub mod error;
 pub mod plan;
+pub mod tape;
 pub mod typed;
 
 pub use any::AnyDTensor;
 pub use device_mesh::DeviceMesh;
 pub use error::{Error, Result};
 pub use plan::{Plan, Step, StepKind};
+pub use tape::{Gradients, Tape, Var};
 pub use typed::{Adjoint, DTensor, SameLayout, TypedPlan};

@@ -1,0 +1,725 @@
+//! Reverse-mode autograd with gradients typed as the dual layout.
+//!
+//! A [`Tape`] lives on one rank, inside the SPMD closure (nothing global: thread ranks never
+//! share one). [`Var<L>`] is a value on the tape: the typed compute ops and the named
+//! transitions of [`DTensor`] have `Var` twins that record their backward. The backward of a
+//! value laid out `L` receives a gradient laid out `L::Grad` and returns the inputs'
+//! gradients laid out as *their* duals; the rule tables close under duality (checked when
+//! `dtensor-placement` builds), so these types hold by construction and every wrap is
+//! checked against the local shape at run time as well.
+//!
+//! Ranks run the same program, so they record the same nodes in the same order, and the
+//! reverse walk issues the backward collectives in the same order everywhere. A collective
+//! node always runs, with zeros when no gradient reached it, so no rank skips one.
+//!
+//! ```
+//! use dtensor_collectives::threads;
+//! use dtensor_core::{DTensor, DeviceMesh, Error, Tape};
+//! use dtensor_kernels::Tensor;
+//! use dtensor_placement::{layout, AxisKind, Invariant, Mesh, Partial, Replicate, Shard, Tp};
+//!
+//! // loss = Σ (x·Wᵀ) with W split by output rows over Tp (column-parallel).
+//! let results = threads::launch(2, |world| -> Result<Vec<f64>, Error> {
+//!     let mesh = DeviceMesh::new(world, Mesh::new(&[(AxisKind::Tp, 2)])?)?;
+//!     let src = |t: Tensor| Some(t).filter(|_| mesh.rank() == 0);
+//!     let x = DTensor::<layout![Tp: Invariant]>::distribute(src(Tensor::from_fn(&[3, 2], |i| i as f64)).as_ref(), 0, &mesh)?;
+//!     let w = DTensor::<layout![Tp: Shard<0>]>::distribute(src(Tensor::from_fn(&[4, 2], |i| 1.0 + i as f64)).as_ref(), 0, &mesh)?;
+//!     let tape = Tape::new();
+//!     let (x, w) = (tape.constant(x), tape.leaf(w));
+//!     let y = x.to_replicate(Tp)?.matmul_t(&w)?;             // [3, 4], Tp: Shard<1>
+//!     let loss = y.sum_dim::<1>()?.sum_dim::<0>()?;             // Tp: Partial (a scalar)
+//!     let mut grads = loss.backward()?;
+//!     let dw: DTensor<layout![Tp: Shard<0>]> = grads.take(&w)?; // the dual of Shard<0>
+//!     Ok(dw.full_tensor()?.to_f64_vec())
+//! });
+//! // d loss / d W[o, i] = Σ_rows x[r, i] = [6, 9] for every output row o.
+//! for r in results {
+//!     assert_eq!(r.unwrap(), vec![6.0, 9.0, 6.0, 9.0, 6.0, 9.0, 6.0, 9.0]);
+//! }
+//! ```
+
+use crate::any::AnyDTensor;
+use crate::compute::output;
+use crate::device_mesh::DeviceMesh;
+use crate::error::Result;
+use crate::typed::{Adjoint, DTensor};
+use dtensor_kernels::ops::{self, Transpose};
+use dtensor_kernels::{DType, Tensor};
+use dtensor_placement::{
+    AddLayout, AddRowLayout, CrossEntropyLayout, CrossEntropyOut, EmbeddingLayout, EmbeddingOut,
+    Invariant, IsInvariant, IsPartial, IsReplicate, IsShard, IsWhole, Layout, LinearLayout,
+    LossLayout, MatmulLayout, MatmulOut, MatmulTLayout, MatmulTOut, MeanLayout, MeanOut, MeshAxis,
+    MulLayout, MulOut, NormLayout, NotSplitLayout, Partial, PointwiseLayout, Replicate, SameAs,
+    Select, Shard, Sum, SumLayout, SumOut, TransposeLayout, Transposed,
+};
+use std::cell::RefCell;
+use std::sync::Arc;
+
+type Backward = Box<dyn FnOnce(&mut GradStore) -> Result<()>>;
+
+struct Node {
+    /// The value this node produced.
+    out: usize,
+    /// Issues a collective in backward: runs even when no gradient reached `out`.
+    collective: bool,
+    run: Backward,
+}
+
+#[derive(Default)]
+struct TapeInner {
+    nodes: Vec<Node>,
+    vars: usize,
+}
+
+/// One rank's record of the forward pass, in program order. Not `Send`: build it inside
+/// the SPMD closure.
+#[derive(Default)]
+pub struct Tape {
+    inner: RefCell<TapeInner>,
+}
+
+/// What a backward needs to make zeros for a gradient nobody sent.
+#[derive(Clone)]
+struct Meta {
+    local: Vec<usize>,
+    global: Vec<usize>,
+    dtype: DType,
+    mesh: Arc<DeviceMesh>,
+}
+
+impl Meta {
+    fn of(t: &AnyDTensor) -> Self {
+        Meta {
+            local: t.local_shape().to_vec(),
+            global: t.global_shape().to_vec(),
+            dtype: t.dtype(),
+            mesh: t.device_mesh().clone(),
+        }
+    }
+}
+
+/// Gradients by value id; slot `i` only ever holds value `i`'s gradient, laid out as the
+/// dual of that value's layout.
+pub struct GradStore {
+    slots: Vec<Option<AnyDTensor>>,
+}
+
+impl GradStore {
+    /// The gradient of value `id` (laid out `L::Grad`), or zeros when nothing reached it.
+    fn grad_or_zeros<L: Layout>(&self, id: usize, meta: &Meta) -> Result<DTensor<L::Grad>> {
+        match &self.slots[id] {
+            Some(g) => Ok(DTensor::wrap(g.clone())),
+            None => {
+                let zeros = Tensor::zeros(&meta.local, meta.dtype);
+                let any = AnyDTensor::from_local_for(
+                    "Tape::backward (zero gradient)",
+                    zeros,
+                    &meta.global,
+                    &<L::Grad as Layout>::placements(),
+                    &meta.mesh,
+                )?;
+                Ok(DTensor::wrap(any))
+            }
+        }
+    }
+
+    /// Adds `g` into value `id`'s gradient.
+    fn accumulate<L: Layout>(&mut self, id: usize, g: DTensor<L::Grad>) -> Result<()> {
+        let slot = &mut self.slots[id];
+        *slot = Some(match slot.take() {
+            None => g.into_any(),
+            Some(old) => {
+                let sum = old.as_local().add(g.as_local())?;
+                AnyDTensor::from_local_for(
+                    "Tape::backward (accumulate)",
+                    sum,
+                    old.global_shape(),
+                    old.placements(),
+                    old.device_mesh(),
+                )?
+            }
+        });
+        Ok(())
+    }
+}
+
+/// The gradients a backward pass produced, read back through the values' handles.
+pub struct Gradients {
+    store: GradStore,
+}
+
+impl Gradients {
+    /// The gradient of `v`, laid out as the dual of `v`'s layout (zeros if `v` did not
+    /// reach the value backward started from). Works for intermediate values as well as
+    /// leaves.
+    pub fn take<L: Layout>(&mut self, v: &Var<'_, L>) -> Result<DTensor<L::Grad>> {
+        let meta = Meta::of(v.value.as_any());
+        let g = self.store.grad_or_zeros::<L>(v.id, &meta)?;
+        self.store.slots[v.id] = None;
+        Ok(g)
+    }
+}
+
+/// A value on a tape, laid out `L`.
+pub struct Var<'t, L: Layout> {
+    value: DTensor<L>,
+    id: usize,
+    tape: &'t Tape,
+}
+
+impl<L: Layout> Clone for Var<'_, L> {
+    fn clone(&self) -> Self {
+        Var {
+            value: self.value.clone(),
+            id: self.id,
+            tape: self.tape,
+        }
+    }
+}
+
+impl Tape {
+    pub fn new() -> Self {
+        Tape::default()
+    }
+
+    fn new_id(&self) -> usize {
+        let mut inner = self.inner.borrow_mut();
+        inner.vars += 1;
+        inner.vars - 1
+    }
+
+    /// A value whose gradient nobody needs (inputs, token ids).
+    pub fn constant<L: Layout>(&self, value: DTensor<L>) -> Var<'_, L> {
+        Var {
+            value,
+            id: self.new_id(),
+            tape: self,
+        }
+    }
+
+    /// A value whose gradient is read after backward (a parameter). The same as
+    /// [`constant`](Self::constant) on this tape: every value's gradient can be read.
+    pub fn leaf<L: Layout>(&self, value: DTensor<L>) -> Var<'_, L> {
+        self.constant(value)
+    }
+
+    /// Number of recorded backward nodes.
+    pub fn len(&self) -> usize {
+        self.inner.borrow().nodes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn record<'t, Out: Layout>(
+        &'t self,
+        value: DTensor<Out>,
+        collective: bool,
+        back: impl FnOnce(DTensor<Out::Grad>, &mut GradStore) -> Result<()> + 'static,
+    ) -> Var<'t, Out> {
+        let id = self.new_id();
+        let meta = Meta::of(value.as_any());
+        let run: Backward = Box::new(move |store: &mut GradStore| {
+            let dy = store.grad_or_zeros::<Out>(id, &meta)?;
+            back(dy, store)
+        });
+        self.inner.borrow_mut().nodes.push(Node {
+            out: id,
+            collective,
+            run,
+        });
+        Var {
+            value,
+            id,
+            tape: self,
+        }
+    }
+
+    /// Runs every recorded node in reverse from a seeded store.
+    fn run_backward(&self, mut store: GradStore) -> Result<Gradients> {
+        let nodes = std::mem::take(&mut self.inner.borrow_mut().nodes);
+        let n = self.inner.borrow().vars;
+        store.slots.resize(n, None);
+        for node in nodes.into_iter().rev() {
+            // A compute node nobody sent a gradient to contributes nothing; a collective
+            // node runs anyway, so every rank issues the same collectives.
+            if node.collective || store.slots[node.out].is_some() {
+                (node.run)(&mut store)?;
+            }
+        }
+        Ok(Gradients { store })
+    }
+}
+
+/// Every axis `Partial<Sum>` or `Invariant`: the seed (ones, laid out as the dual) is exact.
+fn ones_like<L: Layout>(v: &DTensor<L>) -> Result<DTensor<L::Grad>> {
+    let t = v.as_any();
+    let ones = Tensor::zeros(t.local_shape(), t.dtype()).map(|_| 1.0);
+    output("Var::backward (seed)", ones, t.global_shape(), t)
+}
+
+/// Applies a local function to a gradient and wraps it as layout `L` (a dual, by the rule
+/// tables' closure), checking the local shape.
+fn grad_of<L: Layout>(op: &'static str, local: Tensor, like: &AnyDTensor) -> Result<DTensor<L>> {
+    output(op, local, like.global_shape(), like)
+}
+
+impl<'t, L: Layout> Var<'t, L> {
+    /// The forward value.
+    pub fn value(&self) -> &DTensor<L> {
+        &self.value
+    }
+
+    pub fn into_value(self) -> DTensor<L> {
+        self.value
+    }
+
+    /// Backward from a loss: seeds ones laid out as the dual (`Replicate` or `Invariant`
+    /// ones), exact only for a loss that is `Partial<Sum>` or `Invariant` on every axis.
+    pub fn backward(self) -> Result<Gradients>
+    where
+        L: LossLayout,
+    {
+        let seed = ones_like(&self.value)?;
+        self.backward_with(seed)
+    }
+
+    /// Backward from any value given its gradient, laid out as the dual (a pipeline stage
+    /// receives its output's gradient from the next stage).
+    pub fn backward_with(self, grad: DTensor<L::Grad>) -> Result<Gradients> {
+        let n = self.tape.inner.borrow().vars;
+        let mut store = GradStore {
+            slots: vec![None; n],
+        };
+        store.slots[self.id] = Some(grad.into_any());
+        self.tape.run_backward(store)
+    }
+
+    fn unary<Out: Layout>(
+        &self,
+        value: DTensor<Out>,
+        collective: bool,
+        back: impl FnOnce(DTensor<Out::Grad>) -> Result<DTensor<L::Grad>> + 'static,
+    ) -> Var<'t, Out> {
+        let id = self.id;
+        self.tape.record(value, collective, move |dy, store| {
+            let dx = back(dy)?;
+            store.accumulate::<L>(id, dx)
+        })
+    }
+
+    fn binary<M: Layout, Out: Layout>(
+        &self,
+        other: &Var<'t, M>,
+        value: DTensor<Out>,
+        back: impl FnOnce(DTensor<Out::Grad>) -> Result<(DTensor<L::Grad>, DTensor<M::Grad>)> + 'static,
+    ) -> Var<'t, Out> {
+        let (a, b) = (self.id, other.id);
+        self.tape.record(value, false, move |dy, store| {
+            let (da, db) = back(dy)?;
+            store.accumulate::<L>(a, da)?;
+            store.accumulate::<M>(b, db)
+        })
+    }
+
+    /// A user's op: `forward` computes this rank's output from the local input, `backward`
+    /// the local input gradient from the local output gradient. The output layout `Out` and
+    /// global shape are the user's claim (as with `DTensor::from_local`, they are checked
+    /// against the local shapes); the gradients are typed as the duals.
+    pub fn custom<Out: Layout>(
+        &self,
+        name: &'static str,
+        global_out: &[usize],
+        forward: impl FnOnce(&Tensor) -> Result<Tensor>,
+        backward: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor> + 'static,
+    ) -> Result<Var<'t, Out>> {
+        let x = self.value.as_any().clone();
+        let local = forward(x.as_local())?;
+        let any = AnyDTensor::from_local_for(
+            name,
+            local,
+            global_out,
+            &Out::placements(),
+            x.device_mesh(),
+        )?;
+        Ok(self.unary(DTensor::wrap(any), false, move |dy| {
+            let dx = backward(dy.as_local(), x.as_local())?;
+            grad_of(name, dx, &x)
+        }))
+    }
+
+    // ---- compute ops ----
+
+    /// [`DTensor::matmul`]: `dA = dC·Bᵀ`, `dB = Aᵀ·dC`.
+    pub fn matmul<LB: MatmulLayout<L>>(
+        &self,
+        b: &Var<'t, LB>,
+    ) -> Result<Var<'t, MatmulOut<L, LB>>> {
+        let y = self.value.matmul(&b.value)?;
+        let (av, bv) = (self.value.as_any().clone(), b.value.as_any().clone());
+        Ok(self.binary(b, y, move |dy| {
+            let g = dy.as_local();
+            let da = ops::matmul(g, Transpose::No, bv.as_local(), Transpose::Yes)?;
+            let db = ops::matmul(av.as_local(), Transpose::Yes, g, Transpose::No)?;
+            Ok((
+                grad_of("Var::matmul", da, &av)?,
+                grad_of("Var::matmul", db, &bv)?,
+            ))
+        }))
+    }
+
+    /// [`DTensor::matmul_t`]: `dA = dC·W`, `dW = dCᵀ·A`.
+    pub fn matmul_t<LW: MatmulTLayout<L>>(
+        &self,
+        w: &Var<'t, LW>,
+    ) -> Result<Var<'t, MatmulTOut<L, LW>>> {
+        let y = self.value.matmul_t(&w.value)?;
+        let (av, wv) = (self.value.as_any().clone(), w.value.as_any().clone());
+        Ok(self.binary(w, y, move |dy| {
+            let g = dy.as_local();
+            let da = ops::matmul(g, Transpose::No, wv.as_local(), Transpose::No)?;
+            let dw = ops::matmul(g, Transpose::Yes, av.as_local(), Transpose::No)?;
+            Ok((
+                grad_of("Var::matmul_t", da, &av)?,
+                grad_of("Var::matmul_t", dw, &wv)?,
+            ))
+        }))
+    }
+
+    /// [`DTensor::add`]: the gradient flows to both operands.
+    pub fn add<M: Layout + AddLayout<L>>(&self, other: &Var<'t, M>) -> Result<Var<'t, L>> {
+        let y = self.value.add(&other.value)?;
+        let (av, bv) = (self.value.as_any().clone(), other.value.as_any().clone());
+        Ok(self.binary(other, y, move |dy| {
+            let g = dy.as_local().clone();
+            Ok((
+                grad_of("Var::add", g.clone(), &av)?,
+                grad_of("Var::add", g, &bv)?,
+            ))
+        }))
+    }
+
+    /// [`DTensor::sub`].
+    pub fn sub<M: Layout + AddLayout<L>>(&self, other: &Var<'t, M>) -> Result<Var<'t, L>> {
+        let y = self.value.sub(&other.value)?;
+        let (av, bv) = (self.value.as_any().clone(), other.value.as_any().clone());
+        Ok(self.binary(other, y, move |dy| {
+            let g = dy.as_local();
+            Ok((
+                grad_of("Var::sub", g.clone(), &av)?,
+                grad_of("Var::sub", g.scale(-1.0), &bv)?,
+            ))
+        }))
+    }
+
+    /// [`DTensor::mul`]: `da = dc⊙b`, `db = dc⊙a`.
+    pub fn mul<M: MulLayout<L>>(&self, other: &Var<'t, M>) -> Result<Var<'t, MulOut<L, M>>> {
+        let y = self.value.mul(&other.value)?;
+        let (av, bv) = (self.value.as_any().clone(), other.value.as_any().clone());
+        Ok(self.binary(other, y, move |dy| {
+            let g = dy.as_local();
+            let da = g.mul(bv.as_local())?;
+            let db = g.mul(av.as_local())?;
+            Ok((grad_of("Var::mul", da, &av)?, grad_of("Var::mul", db, &bv)?))
+        }))
+    }
+
+    /// [`DTensor::scale`].
+    pub fn scale(&self, factor: f64) -> Result<Var<'t, L>>
+    where
+        L: LinearLayout,
+    {
+        let y = self.value.scale(factor)?;
+        let xv = self.value.as_any().clone();
+        Ok(self.unary(y, false, move |dy| {
+            grad_of("Var::scale", dy.as_local().scale(factor), &xv)
+        }))
+    }
+
+    /// [`DTensor::gelu`].
+    pub fn gelu(&self) -> Result<Var<'t, L>>
+    where
+        L: PointwiseLayout,
+    {
+        let y = self.value.gelu()?;
+        let xv = self.value.as_any().clone();
+        Ok(self.unary(y, false, move |dy| {
+            grad_of(
+                "Var::gelu",
+                ops::gelu_backward(dy.as_local(), xv.as_local())?,
+                &xv,
+            )
+        }))
+    }
+
+    /// [`DTensor::silu`].
+    pub fn silu(&self) -> Result<Var<'t, L>>
+    where
+        L: PointwiseLayout,
+    {
+        let y = self.value.silu()?;
+        let xv = self.value.as_any().clone();
+        Ok(self.unary(y, false, move |dy| {
+            grad_of(
+                "Var::silu",
+                ops::silu_backward(dy.as_local(), xv.as_local())?,
+                &xv,
+            )
+        }))
+    }
+
+    /// [`DTensor::swiglu`] (`self` is the gate).
+    pub fn swiglu<M: SameAs<L>>(&self, up: &Var<'t, M>) -> Result<Var<'t, L>>
+    where
+        L: PointwiseLayout,
+    {
+        let y = self.value.swiglu(&up.value)?;
+        let (gv, uv) = (self.value.as_any().clone(), up.value.as_any().clone());
+        Ok(self.binary(up, y, move |dy| {
+            let g = ops::swiglu_backward(dy.as_local(), gv.as_local(), uv.as_local())?;
+            Ok((
+                grad_of("Var::swiglu", g.d_gate, &gv)?,
+                grad_of("Var::swiglu", g.d_up, &uv)?,
+            ))
+        }))
+    }
+
+    /// [`DTensor::add_row`]: the bias gradient is the output gradient summed over rows.
+    pub fn add_row<LB: AddRowLayout<L>>(&self, bias: &Var<'t, LB>) -> Result<Var<'t, L>> {
+        let y = self.value.add_row(&bias.value)?;
+        let (xv, bv) = (self.value.as_any().clone(), bias.value.as_any().clone());
+        Ok(self.binary(bias, y, move |dy| {
+            let g = dy.as_local();
+            let db = ops::sum_rows(g)?;
+            Ok((
+                grad_of("Var::add_row", g.clone(), &xv)?,
+                grad_of("Var::add_row", db, &bv)?,
+            ))
+        }))
+    }
+
+    /// [`DTensor::sum_dim`]: the gradient is broadcast back along `D`.
+    pub fn sum_dim<const D: usize>(&self) -> Result<Var<'t, SumOut<L, D>>>
+    where
+        L: SumLayout<D>,
+    {
+        let y = self.value.sum_dim::<D>()?;
+        let xv = self.value.as_any().clone();
+        Ok(self.unary(y, false, move |dy| {
+            let n = xv.local_shape()[D];
+            grad_of(
+                "Var::sum_dim",
+                ops::sum_dim_backward(dy.as_local(), D, n)?,
+                &xv,
+            )
+        }))
+    }
+
+    /// [`DTensor::mean_dim`].
+    pub fn mean_dim<const D: usize>(&self) -> Result<Var<'t, MeanOut<L, D>>>
+    where
+        L: MeanLayout<D>,
+    {
+        let y = self.value.mean_dim::<D>()?;
+        let xv = self.value.as_any().clone();
+        Ok(self.unary(y, false, move |dy| {
+            // Every element of the global dim weighs 1/extent: a rank's local mean is one
+            // of the equal terms a `Partial<Avg>` averages.
+            let (n, extent) = (xv.local_shape()[D], xv.global_shape()[D]);
+            let g = ops::sum_dim_backward(dy.as_local(), D, n)?.scale(1.0 / extent as f64);
+            grad_of("Var::mean_dim", g, &xv)
+        }))
+    }
+
+    /// [`DTensor::softmax`].
+    pub fn softmax<const D: usize>(&self) -> Result<Var<'t, L>>
+    where
+        L: NotSplitLayout<D>,
+    {
+        let y = self.value.softmax::<D>()?;
+        let (xv, yv) = (self.value.as_any().clone(), y.as_local().clone());
+        Ok(self.unary(y, false, move |dy| {
+            grad_of(
+                "Var::softmax",
+                ops::softmax_backward(dy.as_local(), &yv)?,
+                &xv,
+            )
+        }))
+    }
+
+    /// [`DTensor::log_softmax`].
+    pub fn log_softmax<const D: usize>(&self) -> Result<Var<'t, L>>
+    where
+        L: NotSplitLayout<D>,
+    {
+        let y = self.value.log_softmax::<D>()?;
+        let (xv, yv) = (self.value.as_any().clone(), y.as_local().clone());
+        Ok(self.unary(y, false, move |dy| {
+            grad_of(
+                "Var::log_softmax",
+                ops::log_softmax_backward(dy.as_local(), &yv)?,
+                &xv,
+            )
+        }))
+    }
+
+    /// [`DTensor::rms_norm`]: the weight's gradient sums over this rank's rows (so it is
+    /// `Partial` where the rows are sharded).
+    pub fn rms_norm<const D: usize, LW: NormLayout<L, D>>(
+        &self,
+        weight: &Var<'t, LW>,
+        eps: f64,
+    ) -> Result<Var<'t, L>> {
+        let y = self.value.rms_norm::<D, LW>(&weight.value, eps)?;
+        let (xv, wv) = (self.value.as_any().clone(), weight.value.as_any().clone());
+        let rstd = ops::rms_norm(xv.as_local(), wv.as_local(), eps)?.rstd;
+        Ok(self.binary(weight, y, move |dy| {
+            let g = ops::rms_norm_backward(dy.as_local(), xv.as_local(), wv.as_local(), &rstd)?;
+            Ok((
+                grad_of("Var::rms_norm", g.dx, &xv)?,
+                grad_of("Var::rms_norm", g.dweight, &wv)?,
+            ))
+        }))
+    }
+
+    /// [`DTensor::embedding`] (`self` is the table; the ids get no gradient).
+    pub fn embedding<LI: EmbeddingLayout<L>>(
+        &self,
+        ids: &Var<'t, LI>,
+    ) -> Result<Var<'t, EmbeddingOut<L, LI>>> {
+        let y = self.value.embedding(&ids.value)?;
+        let (tv, iv) = (self.value.as_any().clone(), ids.value.as_any().clone());
+        let rows = crate::compute::local_range(&tv, 0)?;
+        let shard = ops::VocabShard {
+            start: rows.start,
+            len: rows.len(),
+            vocab: tv.global_shape()[0],
+        };
+        Ok(self.unary(y, false, move |dy| {
+            let dt = ops::embedding_masked_backward(dy.as_local(), iv.as_local(), shard)?;
+            grad_of("Var::embedding", dt, &tv)
+        }))
+    }
+
+    /// [`DTensor::cross_entropy`] (`self` is the logits; the targets get no gradient):
+    /// `dlogits = (softmax − onehot)·dloss`, local (the softmax's max and sum were reduced in
+    /// the forward).
+    pub fn cross_entropy<LT: CrossEntropyLayout<L>>(
+        &self,
+        targets: &Var<'t, LT>,
+    ) -> Result<Var<'t, CrossEntropyOut<L, LT>>> {
+        let (y, probs, target_col) =
+            crate::compute::cross_entropy_parts(&self.value, &targets.value)?;
+        let lv = self.value.as_any().clone();
+        Ok(self.unary(y, false, move |dy| {
+            let d = dy.as_local().to_f64_vec();
+            let (rows, cols) = (lv.local_shape()[0], lv.local_shape()[1]);
+            let mut g = probs;
+            for r in 0..rows {
+                if let Some(c) = target_col[r] {
+                    g[r * cols + c] -= 1.0;
+                }
+                g[r * cols..(r + 1) * cols]
+                    .iter_mut()
+                    .for_each(|v| *v *= d[r]);
+            }
+            let t = Tensor::from_vec(g, &[rows, cols])?;
+            let t = if lv.dtype() == DType::F64 {
+                t
+            } else {
+                t.to_dtype(lv.dtype())
+            };
+            grad_of("Var::cross_entropy", t, &lv)
+        }))
+    }
+
+    /// [`DTensor::t`].
+    pub fn t(&self) -> Result<Var<'t, Transposed<L>>>
+    where
+        L: TransposeLayout,
+        Transposed<L>: TransposeLayout,
+    {
+        let y = self.value.t()?;
+        let xv = self.value.as_any().clone();
+        Ok(self.unary(y, false, move |dy| {
+            let g: DTensor<<Transposed<L> as Layout>::Grad> = dy;
+            let r = crate::compute::transpose_local(g.as_local())?;
+            grad_of("Var::t", r, &xv)
+        }))
+    }
+
+    // ---- named transitions: each records its typed adjoint, which always runs ----
+
+    fn transition<Out: Layout>(
+        &self,
+        step: impl FnOnce(DTensor<L>) -> Result<(DTensor<Out>, Adjoint<Out, L>)>,
+    ) -> Result<Var<'t, Out>> {
+        let (y, adj) = step(self.value.clone())?;
+        Ok(self.unary(y, true, move |dy| adj.backward(dy)))
+    }
+}
+
+macro_rules! var_transition {
+    ($(#[$doc:meta])* $name:ident / $vjp:ident $(<const $D:ident: usize>)? where P: $bound:path => $to:ty) => {
+        $(#[$doc])*
+        #[allow(clippy::type_complexity)]
+        pub fn $name<X: MeshAxis, I $(, const $D: usize)?>(
+            &self,
+            axis: X,
+        ) -> Result<Var<'t, <L as Select<X, I>>::With<$to>>>
+        where
+            L: Select<X, I>,
+            <L as Select<X, I>>::P: $bound,
+        {
+            self.transition(|v| v.$vjp $(::<X, I, $D>)? (axis))
+        }
+    };
+}
+
+impl<'t, L: Layout> Var<'t, L> {
+    var_transition! {
+        /// [`DTensor::all_gather`]; backward: reduce-scatter.
+        all_gather / all_gather_vjp where P: IsShard => Replicate
+    }
+    var_transition! {
+        /// [`DTensor::all_gather_invariant`]; backward: local chunk.
+        all_gather_invariant / all_gather_invariant_vjp where P: IsShard => Invariant
+    }
+    var_transition! {
+        /// [`DTensor::reduce_scatter`]; backward: all-gather.
+        reduce_scatter / reduce_scatter_vjp <const D: usize> where P: IsPartial => Shard<D>
+    }
+    var_transition! {
+        /// [`DTensor::all_reduce`] (Megatron's `g`); backward: none.
+        all_reduce / all_reduce_vjp where P: IsPartial => Invariant
+    }
+    var_transition! {
+        /// [`DTensor::all_to_all`]; backward: all-to-all back.
+        all_to_all / all_to_all_vjp <const B: usize> where P: IsShard => Shard<B>
+    }
+    var_transition! {
+        /// [`DTensor::chunk`]; backward: all-gather (from `Invariant`) or zero padding.
+        chunk / chunk_vjp <const D: usize> where P: IsWhole => Shard<D>
+    }
+    var_transition! {
+        /// [`DTensor::to_replicate`] (Megatron's `f`); backward: all-reduce.
+        to_replicate / to_replicate_vjp where P: IsInvariant => Replicate
+    }
+    var_transition! {
+        /// [`DTensor::to_invariant`].
+        to_invariant / to_invariant_vjp where P: IsReplicate => Invariant
+    }
+    var_transition! {
+        /// [`DTensor::replicate_to_partial`].
+        replicate_to_partial / replicate_to_partial_vjp where P: IsReplicate => Partial<Sum>
+    }
+    var_transition! {
+        /// [`DTensor::invariant_to_partial`].
+        invariant_to_partial / invariant_to_partial_vjp where P: IsInvariant => Partial<Sum>
+    }
+    var_transition! {
+        /// [`DTensor::pad_to_partial`].
+        pad_to_partial / pad_to_partial_vjp where P: IsShard => Partial<Sum>
+    }
+}
