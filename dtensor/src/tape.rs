@@ -69,6 +69,8 @@ struct Node {
 struct TapeInner {
     nodes: Vec<Node>,
     vars: usize,
+    /// `(key, value id)` of every [`Tape::param`] leaf.
+    params: Vec<(u64, usize)>,
 }
 
 /// One rank's record of the forward pass, in program order. Not `Send`: build it inside
@@ -107,7 +109,7 @@ pub struct GradStore {
 impl GradStore {
     /// The gradient of value `id` (laid out `L::Grad`), or zeros when nothing reached it.
     fn grad_or_zeros<L: Layout>(&self, id: usize, meta: &Meta) -> Result<DTensor<L::Grad>> {
-        match &self.slots[id] {
+        match self.slots.get(id).and_then(|s| s.as_ref()) {
             Some(g) => Ok(DTensor::wrap(g.clone())),
             None => {
                 let zeros = Tensor::zeros(&meta.local, meta.dtype);
@@ -146,6 +148,7 @@ impl GradStore {
 /// The gradients a backward pass produced, read back through the values' handles.
 pub struct Gradients {
     store: GradStore,
+    params: Vec<(u64, usize)>,
 }
 
 impl Gradients {
@@ -157,6 +160,35 @@ impl Gradients {
         let g = self.store.grad_or_zeros::<L>(v.id, &meta)?;
         self.store.slots[v.id] = None;
         Ok(g)
+    }
+
+    /// The gradient of the parameter bound to `key` (laid out as the dual of `value`'s
+    /// layout): the sum over its leaves, zeros if it was not used.
+    pub fn of_key<L: Layout>(&mut self, key: u64, value: &DTensor<L>) -> Result<DTensor<L::Grad>> {
+        let meta = Meta::of(value.as_any());
+        let ids: Vec<usize> = self
+            .params
+            .iter()
+            .filter(|(k, _)| *k == key)
+            .map(|&(_, id)| id)
+            .collect();
+        let mut total: Option<DTensor<L::Grad>> = None;
+        for id in ids {
+            if let Some(g) = self.store.slots[id].take() {
+                let g: DTensor<L::Grad> = DTensor::wrap(g);
+                total = Some(match total {
+                    None => g,
+                    Some(t) => {
+                        let sum = t.as_local().add(g.as_local())?;
+                        output("Gradients::of_key", sum, t.global_shape(), t.as_any())?
+                    }
+                });
+            }
+        }
+        match total {
+            Some(t) => Ok(t),
+            None => self.store.grad_or_zeros::<L>(usize::MAX, &meta),
+        }
     }
 }
 
@@ -203,6 +235,15 @@ impl Tape {
         self.constant(value)
     }
 
+    /// A leaf bound to a parameter `key` (any id unique among the parameters): after
+    /// backward, [`Gradients::of_key`] sums the gradients of every leaf bound to it (a
+    /// parameter used twice, such as tied embeddings, gets both contributions).
+    pub fn param<L: Layout>(&self, key: u64, value: DTensor<L>) -> Var<'_, L> {
+        let v = self.constant(value);
+        self.inner.borrow_mut().params.push((key, v.id));
+        v
+    }
+
     /// Number of recorded backward nodes.
     pub fn len(&self) -> usize {
         self.inner.borrow().nodes.len()
@@ -239,6 +280,7 @@ impl Tape {
     /// Runs every recorded node in reverse from a seeded store.
     fn run_backward(&self, mut store: GradStore) -> Result<Gradients> {
         let nodes = std::mem::take(&mut self.inner.borrow_mut().nodes);
+        let params = std::mem::take(&mut self.inner.borrow_mut().params);
         let n = self.inner.borrow().vars;
         store.slots.resize(n, None);
         for node in nodes.into_iter().rev() {
@@ -248,7 +290,7 @@ impl Tape {
                 (node.run)(&mut store)?;
             }
         }
-        Ok(Gradients { store })
+        Ok(Gradients { store, params })
     }
 }
 
@@ -580,6 +622,35 @@ impl<'t, L: Layout> Var<'t, L> {
                 grad_of("Var::rms_norm", g.dx, &xv)?,
                 grad_of("Var::rms_norm", g.dweight, &wv)?,
             ))
+        }))
+    }
+
+    /// [`DTensor::layer_norm`]: weight and bias gradients sum over this rank's rows.
+    pub fn layer_norm<const D: usize, LW: NormLayout<L, D>>(
+        &self,
+        weight: &Var<'t, LW>,
+        bias: &Var<'t, LW>,
+        eps: f64,
+    ) -> Result<Var<'t, L>> {
+        let y = self
+            .value
+            .layer_norm::<D, LW>(&weight.value, &bias.value, eps)?;
+        let (xv, wv) = (self.value.as_any().clone(), weight.value.as_any().clone());
+        let bv = bias.value.as_any().clone();
+        let stats = ops::layer_norm(xv.as_local(), wv.as_local(), bv.as_local(), eps)?;
+        let (mean, rstd) = (stats.mean, stats.rstd);
+        let (x_id, w_id, b_id) = (self.id, weight.id, bias.id);
+        Ok(self.tape.record(y, false, move |dy, store| {
+            let g = ops::layer_norm_backward(
+                dy.as_local(),
+                xv.as_local(),
+                wv.as_local(),
+                &mean,
+                &rstd,
+            )?;
+            store.accumulate::<L>(x_id, grad_of("Var::layer_norm", g.dx, &xv)?)?;
+            store.accumulate::<LW>(w_id, grad_of("Var::layer_norm", g.dweight, &wv)?)?;
+            store.accumulate::<LW>(b_id, grad_of("Var::layer_norm", g.dbias, &bv)?)
         }))
     }
 

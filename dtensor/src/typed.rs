@@ -119,6 +119,86 @@ impl<L: Layout> DTensor<L> {
         )?))
     }
 
+    /// Builds every rank's piece from a function of the *global* flat index (row-major), so
+    /// nothing is communicated and the layout is computed, not claimed: a parameter built at
+    /// `tp = k` is exactly the slice of the one built at `tp = 1`. `L` may have no
+    /// `Partial` axis (a value given whole on every rank would be counted once per rank).
+    pub fn from_global_fn(
+        global_shape: &[usize],
+        dtype: dtensor_kernels::DType,
+        mesh: &Arc<DeviceMesh>,
+        f: impl Fn(usize) -> f64,
+    ) -> Result<Self> {
+        const OP: &str = "DTensor::from_global_fn";
+        check_mesh_axes::<L>(OP, mesh)?;
+        let placements = L::placements();
+        if let Some(a) = placements.iter().position(|p| p.is_partial()) {
+            return Err(Error::PlacementMismatch {
+                op: OP,
+                axis: L::axes()[a],
+                placements,
+                detail: "a value given whole on every rank would be counted once per rank on a Partial axis".into(),
+            });
+        }
+        let ranges =
+            dtensor_placement::local_ranges(mesh.mesh(), &placements, mesh.coords(), global_shape)?;
+        let local_shape: Vec<usize> = ranges.iter().map(|r| r.len()).collect();
+        let n: usize = local_shape.iter().product();
+        let mut vals = Vec::with_capacity(n);
+        let mut idx = vec![0usize; local_shape.len()];
+        for _ in 0..n {
+            let flat = idx
+                .iter()
+                .zip(&ranges)
+                .zip(global_shape)
+                .fold(0usize, |acc, ((&i, r), &e)| acc * e + r.start + i);
+            vals.push(f(flat));
+            for d in (0..idx.len()).rev() {
+                idx[d] += 1;
+                if idx[d] < local_shape[d] {
+                    break;
+                }
+                idx[d] = 0;
+            }
+        }
+        let t = Tensor::from_vec(vals, &local_shape)?;
+        let t = if dtype == dtensor_kernels::DType::F64 {
+            t
+        } else {
+            t.to_dtype(dtype)
+        };
+        Ok(Self::wrap(AnyDTensor::from_local_for(
+            OP,
+            t,
+            global_shape,
+            &placements,
+            mesh,
+        )?))
+    }
+
+    /// Replaces this rank's piece by `f(piece)`, which must keep its shape and dtype: an
+    /// elementwise update that keeps the layout (an optimizer's write path).
+    pub fn update_local(&mut self, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<()> {
+        const OP: &str = "DTensor::update_local";
+        let new = f(self.as_local())?;
+        if new.shape() != self.local_shape() || new.dtype() != self.as_local().dtype() {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                detail: format!(
+                    "the update gives {:?} {} for a local piece {:?} {}",
+                    new.shape(),
+                    new.dtype(),
+                    self.local_shape(),
+                    self.as_local().dtype()
+                ),
+            });
+        }
+        let global: Vec<usize> = self.global_shape().to_vec();
+        let mesh = self.device_mesh().clone();
+        self.inner = AnyDTensor::from_local_for(OP, new, &global, &L::placements(), &mesh)?;
+        Ok(())
+    }
+
     /// Checks a run-time-placed tensor against `L`.
     pub fn try_from_any(t: AnyDTensor) -> Result<Self> {
         check_layout::<L>("DTensor::try_from_any", &t)?;

@@ -8,16 +8,13 @@
 //! `h·3·d .. h·3·d + d` are q, the next `d` are k, the next `d` are v (`d` the head dim).
 //! `Shard<0>` over `Tp` therefore gives rank `r` heads `r·heads/tp ..`, complete.
 //!
-//! The local attention (scores, causal softmax, RoPE, and their backward) is computed here
-//! in f64 loops per (head, sample): the kernels crate has no attention op yet.
+//! The local attention is a custom op on the tape ([`Var::custom`]): laid out [`ColOut`] in
+//! and out (samples whole over `Dp`, heads whole over `Tp`, both checked when it runs).
 
-use crate::linear::{
-    ColumnCtx, ColumnGrads, ColumnGradsReduced, ColumnParallelLinear, ParamInit, RowCtx, RowGrads,
-    RowGradsReduced, RowParallelLinear,
-};
-use crate::optim::{GradNorm, Optimizer};
+use crate::linear::{ColumnParallelLinear, ParamInit, RowParallelLinear};
+use crate::optim::{join_name, Module, ParamVisitor};
 use crate::seq::{axis_size, ColOut, SeqMode, Stream};
-use dtensor_core::{DTensor, DeviceMesh, Error, Result};
+use dtensor_core::{DeviceMesh, Error, Result, Tape, Var};
 use dtensor_kernels::{DType, Tensor};
 use dtensor_placement::AxisKind;
 use std::sync::Arc;
@@ -68,54 +65,6 @@ pub struct ParallelAttention<M: SeqMode> {
     pub config: AttentionConfig,
 }
 
-/// What [`ParallelAttention::forward`] keeps for its backward: the projections' contexts,
-/// the rotated q and k, v, and the attention probabilities, all `[local head][sample]…`.
-pub struct AttentionCtx<M: SeqMode> {
-    col: ColumnCtx<M>,
-    row: RowCtx<M>,
-    q: Vec<f64>,
-    k: Vec<f64>,
-    v: Vec<f64>,
-    p: Vec<f64>,
-    qkv_global: [usize; 2],
-    rows: usize,
-    dtype: DType,
-}
-
-/// The attention layer's raw gradients.
-pub struct AttentionGrads<M: SeqMode> {
-    pub qkv: ColumnGrads,
-    pub out: RowGrads<M>,
-}
-
-/// The attention layer's reduced gradients.
-pub struct AttentionGradsReduced {
-    pub qkv: ColumnGradsReduced,
-    pub out: RowGradsReduced,
-}
-
-impl<M: SeqMode> AttentionGrads<M> {
-    pub fn reduce(self) -> Result<AttentionGradsReduced> {
-        Ok(AttentionGradsReduced {
-            qkv: self.qkv.reduce()?,
-            out: self.out.reduce()?,
-        })
-    }
-}
-
-impl AttentionGradsReduced {
-    pub fn norm(&self, n: &mut GradNorm) -> Result<()> {
-        self.qkv.norm(n)?;
-        self.out.norm(n)
-    }
-    pub fn scale(&self, f: f64) -> Result<Self> {
-        Ok(AttentionGradsReduced {
-            qkv: self.qkv.scale(f)?,
-            out: self.out.scale(f)?,
-        })
-    }
-}
-
 /// The RoPE angle's cosine and sine for position `pos`, pair `i` of a head of dim `d`.
 fn rope_angle(base: f64, pos: usize, i: usize, d: usize) -> (f64, f64) {
     let theta = pos as f64 / base.powf(2.0 * i as f64 / d as f64);
@@ -143,6 +92,132 @@ fn to_tensor(v: Vec<f64>, shape: &[usize], dtype: DType) -> Result<Tensor> {
     })
 }
 
+/// `(local heads, samples, seq, head dim)` for a local QKV of `rows` tokens.
+fn dims(
+    cfg: &AttentionConfig,
+    rows: usize,
+    local_cols: usize,
+) -> Result<(usize, usize, usize, usize)> {
+    let (s, d) = (cfg.seq_len, cfg.head_dim());
+    if s == 0 || rows % s != 0 || local_cols % (3 * d) != 0 {
+        return Err(Error::ShapeMismatch {
+            op: "ParallelAttention::forward",
+            detail: format!(
+                "{rows} tokens × {local_cols} QKV columns on this rank are not whole samples of seq_len {s} and whole heads of 3·{d} columns (make the batch divisible by dp, the heads by tp)"
+            ),
+        });
+    }
+    Ok((local_cols / (3 * d), rows / s, s, d))
+}
+
+/// Rotated q, k, v and the probabilities, `[local head][sample]…`.
+struct Attn {
+    q: Vec<f64>,
+    k: Vec<f64>,
+    v: Vec<f64>,
+    p: Vec<f64>,
+    o: Vec<f64>,
+}
+
+fn attention_local(cfg: &AttentionConfig, qkv: &Tensor) -> Result<Attn> {
+    let (rows, cols) = (qkv.shape()[0], qkv.shape()[1]);
+    let (nh, nb, s, d) = dims(cfg, rows, cols)?;
+    let base = cfg.rope_base;
+    let scale = 1.0 / (d as f64).sqrt();
+    let src = qkv.to_f64_vec();
+    let n = nh * nb * s * d;
+    let (mut q, mut k, mut v) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+    let mut p = vec![0.0; nh * nb * s * s];
+    let mut o = vec![0.0; rows * nh * d];
+    for h in 0..nh {
+        for b in 0..nb {
+            let blk = (h * nb + b) * s * d;
+            for i in 0..s {
+                let row = (b * s + i) * cols + h * 3 * d;
+                let at = blk + i * d;
+                q[at..at + d].copy_from_slice(&src[row..row + d]);
+                k[at..at + d].copy_from_slice(&src[row + d..row + 2 * d]);
+                v[at..at + d].copy_from_slice(&src[row + 2 * d..row + 3 * d]);
+                rope(&mut q[at..at + d], base, i, 1.0);
+                rope(&mut k[at..at + d], base, i, 1.0);
+            }
+            let pblk = (h * nb + b) * s * s;
+            for i in 0..s {
+                let qi = &q[blk + i * d..blk + (i + 1) * d];
+                let pr = &mut p[pblk + i * s..pblk + (i + 1) * s];
+                let mut m = f64::NEG_INFINITY;
+                for j in 0..=i {
+                    let kj = &k[blk + j * d..blk + (j + 1) * d];
+                    pr[j] = scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>();
+                    m = m.max(pr[j]);
+                }
+                let mut z = 0.0;
+                for pj in pr.iter_mut().take(i + 1) {
+                    *pj = (*pj - m).exp();
+                    z += *pj;
+                }
+                let orow = (b * s + i) * nh * d + h * d;
+                for j in 0..=i {
+                    pr[j] /= z;
+                    let vj = &v[blk + j * d..blk + (j + 1) * d];
+                    for (e, vv) in vj.iter().enumerate() {
+                        o[orow + e] += pr[j] * vv;
+                    }
+                }
+            }
+        }
+    }
+    Ok(Attn { q, k, v, p, o })
+}
+
+fn attention_backward_local(cfg: &AttentionConfig, dout: &Tensor, qkv: &Tensor) -> Result<Tensor> {
+    let (rows, cols) = (qkv.shape()[0], qkv.shape()[1]);
+    let (nh, nb, s, d) = dims(cfg, rows, cols)?;
+    let Attn { q, k, v, p, .. } = attention_local(cfg, qkv)?;
+    let base = cfg.rope_base;
+    let scale = 1.0 / (d as f64).sqrt();
+    let g = dout.to_f64_vec();
+    let mut dqkv = vec![0.0; rows * cols];
+    let mut dp = vec![0.0; s];
+    for h in 0..nh {
+        for b in 0..nb {
+            let blk = (h * nb + b) * s * d;
+            let pblk = (h * nb + b) * s * s;
+            let (mut dq, mut dk, mut dv) = (vec![0.0; s * d], vec![0.0; s * d], vec![0.0; s * d]);
+            for i in 0..s {
+                let grow = (b * s + i) * nh * d + h * d;
+                let go = &g[grow..grow + d];
+                let pr = &p[pblk + i * s..pblk + (i + 1) * s];
+                let mut dot = 0.0;
+                for j in 0..=i {
+                    let vj = &v[blk + j * d..blk + (j + 1) * d];
+                    dp[j] = go.iter().zip(vj).map(|(a, b)| a * b).sum::<f64>();
+                    dot += pr[j] * dp[j];
+                    for e in 0..d {
+                        dv[j * d + e] += pr[j] * go[e];
+                    }
+                }
+                for j in 0..=i {
+                    let ds = scale * pr[j] * (dp[j] - dot);
+                    for e in 0..d {
+                        dq[i * d + e] += ds * k[blk + j * d + e];
+                        dk[j * d + e] += ds * q[blk + i * d + e];
+                    }
+                }
+            }
+            for i in 0..s {
+                rope(&mut dq[i * d..(i + 1) * d], base, i, -1.0);
+                rope(&mut dk[i * d..(i + 1) * d], base, i, -1.0);
+                let row = (b * s + i) * cols + h * 3 * d;
+                dqkv[row..row + d].copy_from_slice(&dq[i * d..(i + 1) * d]);
+                dqkv[row + d..row + 2 * d].copy_from_slice(&dk[i * d..(i + 1) * d]);
+                dqkv[row + 2 * d..row + 3 * d].copy_from_slice(&dv[i * d..(i + 1) * d]);
+            }
+        }
+    }
+    to_tensor(dqkv, &[rows, cols], qkv.dtype())
+}
+
 impl<M: SeqMode> ParallelAttention<M> {
     /// Parameter ids `init.id` (QKV weight), `+1` (its bias), `+2` (output weight), `+3`
     /// (its bias). The output projection is drawn with `out_std`.
@@ -164,156 +239,32 @@ impl<M: SeqMode> ParallelAttention<M> {
         Ok(ParallelAttention { qkv, out, config })
     }
 
-    /// `(local heads, samples, seq, head dim)` for a local QKV of `rows` tokens.
-    fn dims(&self, rows: usize, local_cols: usize) -> Result<(usize, usize, usize, usize)> {
-        let (s, d) = (self.config.seq_len, self.config.head_dim());
-        if s == 0 || rows % s != 0 {
-            return Err(Error::ShapeMismatch {
-                op: "ParallelAttention::forward",
-                detail: format!(
-                    "{rows} tokens on this rank are not whole samples of seq_len {s} (make the batch divisible by dp)"
-                ),
-            });
-        }
-        Ok((local_cols / (3 * d), rows / s, s, d))
-    }
-
-    pub fn forward(&self, x: DTensor<Stream<M>>) -> Result<(DTensor<Stream<M>>, AttentionCtx<M>)> {
-        let (qkv, col) = self.qkv.forward::<M>(x)?;
-        let mesh = qkv.device_mesh().clone();
-        let (rows, cols) = (qkv.local_shape()[0], qkv.local_shape()[1]);
-        let (nh, nb, s, d) = self.dims(rows, cols)?;
-        let base = self.config.rope_base;
-        let scale = 1.0 / (d as f64).sqrt();
-        let src = qkv.as_local().to_f64_vec();
-        let n = nh * nb * s * d;
-        let (mut q, mut k, mut v) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
-        let mut p = vec![0.0; nh * nb * s * s];
-        let mut o = vec![0.0; rows * nh * d];
-        for h in 0..nh {
-            for b in 0..nb {
-                let blk = (h * nb + b) * s * d;
-                for i in 0..s {
-                    let row = (b * s + i) * cols + h * 3 * d;
-                    let at = blk + i * d;
-                    q[at..at + d].copy_from_slice(&src[row..row + d]);
-                    k[at..at + d].copy_from_slice(&src[row + d..row + 2 * d]);
-                    v[at..at + d].copy_from_slice(&src[row + 2 * d..row + 3 * d]);
-                    rope(&mut q[at..at + d], base, i, 1.0);
-                    rope(&mut k[at..at + d], base, i, 1.0);
-                }
-                let pblk = (h * nb + b) * s * s;
-                for i in 0..s {
-                    let qi = &q[blk + i * d..blk + (i + 1) * d];
-                    let pr = &mut p[pblk + i * s..pblk + (i + 1) * s];
-                    let mut m = f64::NEG_INFINITY;
-                    for j in 0..=i {
-                        let kj = &k[blk + j * d..blk + (j + 1) * d];
-                        pr[j] = scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>();
-                        m = m.max(pr[j]);
-                    }
-                    let mut z = 0.0;
-                    for pj in pr.iter_mut().take(i + 1) {
-                        *pj = (*pj - m).exp();
-                        z += *pj;
-                    }
-                    let orow = (b * s + i) * nh * d + h * d;
-                    for j in 0..=i {
-                        pr[j] /= z;
-                        let vj = &v[blk + j * d..blk + (j + 1) * d];
-                        for (e, vv) in vj.iter().enumerate() {
-                            o[orow + e] += pr[j] * vv;
-                        }
-                    }
-                }
-            }
-        }
-        let dtype = qkv.as_local().dtype();
-        let global = [qkv.global_shape()[0], self.config.hidden];
-        let o =
-            DTensor::<ColOut>::from_local(to_tensor(o, &[rows, nh * d], dtype)?, &global, &mesh)?;
-        let (y, row) = self.out.forward(o)?;
-        Ok((
-            y,
-            AttentionCtx {
-                col,
-                row,
-                q,
-                k,
-                v,
-                p,
-                qkv_global: [qkv.global_shape()[0], qkv.global_shape()[1]],
-                rows,
-                dtype,
-            },
-        ))
-    }
-
-    pub fn backward(
+    pub fn forward<'t>(
         &self,
-        ctx: AttentionCtx<M>,
-        dy: &DTensor<Stream<M>>,
-    ) -> Result<(DTensor<Stream<M>>, AttentionGrads<M>)> {
-        let (dout, out) = self.out.backward(ctx.row, dy)?;
-        let mesh = dout.device_mesh().clone();
-        let rows = ctx.rows;
-        let d = self.config.head_dim();
-        let cols = dout.local_shape()[1] * 3;
-        let (nh, nb, s, _) = self.dims(rows, cols)?;
-        let base = self.config.rope_base;
-        let scale = 1.0 / (d as f64).sqrt();
-        let g = dout.as_local().to_f64_vec();
-        let (q, k, v, p) = (&ctx.q, &ctx.k, &ctx.v, &ctx.p);
-        let mut dqkv = vec![0.0; rows * cols];
-        let mut dp = vec![0.0; s];
-        for h in 0..nh {
-            for b in 0..nb {
-                let blk = (h * nb + b) * s * d;
-                let pblk = (h * nb + b) * s * s;
-                let (mut dq, mut dk, mut dv) =
-                    (vec![0.0; s * d], vec![0.0; s * d], vec![0.0; s * d]);
-                for i in 0..s {
-                    let grow = (b * s + i) * nh * d + h * d;
-                    let go = &g[grow..grow + d];
-                    let pr = &p[pblk + i * s..pblk + (i + 1) * s];
-                    let mut dot = 0.0;
-                    for j in 0..=i {
-                        let vj = &v[blk + j * d..blk + (j + 1) * d];
-                        dp[j] = go.iter().zip(vj).map(|(a, b)| a * b).sum::<f64>();
-                        dot += pr[j] * dp[j];
-                        for e in 0..d {
-                            dv[j * d + e] += pr[j] * go[e];
-                        }
-                    }
-                    for j in 0..=i {
-                        let ds = scale * pr[j] * (dp[j] - dot);
-                        for e in 0..d {
-                            dq[i * d + e] += ds * k[blk + j * d + e];
-                            dk[j * d + e] += ds * q[blk + i * d + e];
-                        }
-                    }
-                }
-                for i in 0..s {
-                    rope(&mut dq[i * d..(i + 1) * d], base, i, -1.0);
-                    rope(&mut dk[i * d..(i + 1) * d], base, i, -1.0);
-                    let row = (b * s + i) * cols + h * 3 * d;
-                    dqkv[row..row + d].copy_from_slice(&dq[i * d..(i + 1) * d]);
-                    dqkv[row + d..row + 2 * d].copy_from_slice(&dk[i * d..(i + 1) * d]);
-                    dqkv[row + 2 * d..row + 3 * d].copy_from_slice(&dv[i * d..(i + 1) * d]);
-                }
-            }
-        }
-        let dqkv = DTensor::<ColOut>::from_local(
-            to_tensor(dqkv, &[rows, cols], ctx.dtype)?,
-            &ctx.qkv_global,
-            &mesh,
+        tape: &'t Tape,
+        x: &Var<'t, Stream<M>>,
+    ) -> Result<Var<'t, Stream<M>>> {
+        let qkv = self.qkv.forward::<M>(tape, x)?;
+        let cfg = self.config;
+        let global = [qkv.value().global_shape()[0], cfg.hidden];
+        let o = qkv.custom::<ColOut>(
+            "ParallelAttention::attention",
+            &global,
+            |qkv| {
+                let rows = qkv.shape()[0];
+                let a = attention_local(&cfg, qkv)?;
+                let cols = a.o.len().checked_div(rows).unwrap_or(0);
+                to_tensor(a.o, &[rows, cols], qkv.dtype())
+            },
+            move |dout, qkv| attention_backward_local(&cfg, dout, qkv),
         )?;
-        let (dx, qkv) = self.qkv.backward(ctx.col, &dqkv)?;
-        Ok((dx, AttentionGrads { qkv, out }))
+        self.out.forward(tape, &o)
     }
+}
 
-    pub fn apply(&mut self, g: &AttentionGradsReduced, opt: &impl Optimizer) -> Result<()> {
-        self.qkv.apply(&g.qkv, opt)?;
-        self.out.apply(&g.out, opt)
+impl<M: SeqMode> Module for ParallelAttention<M> {
+    fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
+        self.qkv.visit_params(&join_name(prefix, "qkv"), v)?;
+        self.out.visit_params(&join_name(prefix, "out"), v)
     }
 }

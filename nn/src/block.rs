@@ -1,25 +1,25 @@
-//! The pre-norm transformer block and a small GPT built from the parallel layers.
+//! The pre-norm transformer block and a small GPT built from the parallel layers, forward
+//! only.
 //!
 //! Block: `h = x + attn(norm1(x))`, `y = h + mlp(norm2(h))`; the residual stream stays in
 //! the sequence mode's layout ([`Stream<M>`](crate::Stream)) throughout: `Shard<0>` over
 //! `Tp` with SP, `Invariant` without.
 //!
 //! GPT: vocab-parallel embedding → blocks → final norm → column-parallel LM head (vocab
-//! sharded over `Tp`) → vocab-parallel cross-entropy. The logits are never gathered.
+//! sharded over `Tp`) → vocab-parallel cross-entropy → [`mean_loss`]. The logits are never
+//! gathered. [`Gpt::train_step`] is forward, `loss.backward()`, and one [`optim::step`]
+//! (DP reduction, clipping, update).
 
-use crate::attention::{
-    AttentionConfig, AttentionCtx, AttentionGrads, AttentionGradsReduced, ParallelAttention,
-};
+use crate::attention::{AttentionConfig, ParallelAttention};
 use crate::embedding::{
-    mean_loss, vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward,
-    CrossEntropyCtx, EmbeddingCtx, EmbeddingGrads, EmbeddingGradsReduced, VocabParallelEmbedding,
+    loss_value, mean_loss, vocab_parallel_cross_entropy, VocabParallelEmbedding,
 };
-use crate::linear::{ColumnCtx, ColumnGrads, ColumnGradsReduced, ColumnParallelLinear, ParamInit};
-use crate::mlp::{Activation, MlpCtx, MlpGrads, MlpGradsReduced, ParallelMlp};
-use crate::norm::{Norm, NormCtx, NormGrads, NormGradsReduced, NormKind};
-use crate::optim::{clip_coefficient, GradNorm, Optimizer};
-use crate::seq::{pointwise, Ids, SeqMode, Stream, TokenInvariant};
-use dtensor_core::{DTensor, DeviceMesh, Result};
+use crate::linear::{ColumnParallelLinear, ParamInit};
+use crate::mlp::{Activation, ParallelMlp};
+use crate::norm::{Norm, NormKind};
+use crate::optim::{self, join_name, named_params, Module, Optimizer, ParamVisitor};
+use crate::seq::{Ids, Loss, SeqMode, Stream};
+use dtensor_core::{DTensor, DeviceMesh, Result, Tape, Var};
 use dtensor_kernels::{DType, Tensor};
 use std::sync::Arc;
 
@@ -78,58 +78,6 @@ pub struct TransformerBlock<M: SeqMode> {
     pub mlp: ParallelMlp<M>,
 }
 
-/// What [`TransformerBlock::forward`] keeps for its backward.
-pub struct BlockCtx<M: SeqMode> {
-    n1: NormCtx,
-    attn: AttentionCtx<M>,
-    n2: NormCtx,
-    mlp: MlpCtx<M>,
-}
-
-/// A block's raw gradients.
-pub struct BlockGrads<M: SeqMode> {
-    pub norm1: NormGrads<M>,
-    pub attn: AttentionGrads<M>,
-    pub norm2: NormGrads<M>,
-    pub mlp: MlpGrads<M>,
-}
-
-/// A block's reduced gradients.
-pub struct BlockGradsReduced {
-    pub norm1: NormGradsReduced,
-    pub attn: AttentionGradsReduced,
-    pub norm2: NormGradsReduced,
-    pub mlp: MlpGradsReduced,
-}
-
-impl<M: SeqMode> BlockGrads<M> {
-    pub fn reduce(self) -> Result<BlockGradsReduced> {
-        Ok(BlockGradsReduced {
-            norm1: self.norm1.reduce()?,
-            attn: self.attn.reduce()?,
-            norm2: self.norm2.reduce()?,
-            mlp: self.mlp.reduce()?,
-        })
-    }
-}
-
-impl BlockGradsReduced {
-    pub fn norm(&self, n: &mut GradNorm) -> Result<()> {
-        self.norm1.norm(n)?;
-        self.attn.norm(n)?;
-        self.norm2.norm(n)?;
-        self.mlp.norm(n)
-    }
-    pub fn scale(&self, f: f64) -> Result<Self> {
-        Ok(BlockGradsReduced {
-            norm1: self.norm1.scale(f)?,
-            attn: self.attn.scale(f)?,
-            norm2: self.norm2.scale(f)?,
-            mlp: self.mlp.scale(f)?,
-        })
-    }
-}
-
 impl<M: SeqMode> TransformerBlock<M> {
     /// Parameter ids `init.id .. init.id + 16`.
     pub fn new(cfg: &GptConfig, init: ParamInit, mesh: &Arc<DeviceMesh>) -> Result<Self> {
@@ -164,123 +112,32 @@ impl<M: SeqMode> TransformerBlock<M> {
         })
     }
 
-    pub fn forward(&self, x: DTensor<Stream<M>>) -> Result<(DTensor<Stream<M>>, BlockCtx<M>)> {
-        let (a, n1) = self.norm1.forward(&x)?;
-        let (a, attn) = self.attn.forward(a)?;
-        let h = x.add(&a)?;
-        let (m, n2) = self.norm2.forward(&h)?;
-        let (m, mlp) = self.mlp.forward(m)?;
-        let y = h.add(&m)?;
-        Ok((y, BlockCtx { n1, attn, n2, mlp }))
-    }
-
-    pub fn backward(
+    pub fn forward<'t>(
         &self,
-        ctx: BlockCtx<M>,
-        dy: &DTensor<Stream<M>>,
-    ) -> Result<(DTensor<Stream<M>>, BlockGrads<M>)> {
-        let (dm, mlp) = self.mlp.backward(ctx.mlp, dy)?;
-        let (dm, norm2) = self.norm2.backward(ctx.n2, &dm)?;
-        let dh = dy.add(&dm)?;
-        let (da, attn) = self.attn.backward(ctx.attn, &dh)?;
-        let (da, norm1) = self.norm1.backward(ctx.n1, &da)?;
-        let dx = dh.add(&da)?;
-        Ok((
-            dx,
-            BlockGrads {
-                norm1,
-                attn,
-                norm2,
-                mlp,
-            },
-        ))
-    }
-
-    pub fn apply(&mut self, g: &BlockGradsReduced, opt: &impl Optimizer) -> Result<()> {
-        self.norm1.apply(&g.norm1, opt)?;
-        self.attn.apply(&g.attn, opt)?;
-        self.norm2.apply(&g.norm2, opt)?;
-        self.mlp.apply(&g.mlp, opt)
+        tape: &'t Tape,
+        x: &Var<'t, Stream<M>>,
+    ) -> Result<Var<'t, Stream<M>>> {
+        let h = x.add(&self.attn.forward(tape, &self.norm1.forward(tape, x)?)?)?;
+        h.add(&self.mlp.forward(tape, &self.norm2.forward(tape, &h)?)?)
     }
 }
 
-/// A small GPT: embedding, `layers` blocks, final norm, LM head (untied).
+impl<M: SeqMode> Module for TransformerBlock<M> {
+    fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
+        self.norm1.visit_params(&join_name(prefix, "norm1"), v)?;
+        self.attn.visit_params(&join_name(prefix, "attn"), v)?;
+        self.norm2.visit_params(&join_name(prefix, "norm2"), v)?;
+        self.mlp.visit_params(&join_name(prefix, "mlp"), v)
+    }
+}
+
+/// A small GPT under sequence mode `M`.
 pub struct Gpt<M: SeqMode> {
     pub config: GptConfig,
     pub embedding: VocabParallelEmbedding,
     pub blocks: Vec<TransformerBlock<M>>,
     pub norm: Norm<M>,
     pub head: ColumnParallelLinear,
-}
-
-/// What [`Gpt::forward`] keeps for its backward.
-pub struct GptCtx<M: SeqMode> {
-    emb: EmbeddingCtx<M>,
-    blocks: Vec<BlockCtx<M>>,
-    norm: NormCtx,
-    head: ColumnCtx<M>,
-    loss: CrossEntropyCtx,
-    losses: DTensor<TokenInvariant>,
-}
-
-/// The model's raw gradients.
-pub struct GptGrads<M: SeqMode> {
-    pub embedding: EmbeddingGrads,
-    pub blocks: Vec<BlockGrads<M>>,
-    pub norm: NormGrads<M>,
-    pub head: ColumnGrads,
-}
-
-/// The model's gradients reduced to the parameters' placements (what the optimizer takes).
-pub struct GptGradsReduced {
-    pub embedding: EmbeddingGradsReduced,
-    pub blocks: Vec<BlockGradsReduced>,
-    pub norm: NormGradsReduced,
-    pub head: ColumnGradsReduced,
-}
-
-impl<M: SeqMode> GptGrads<M> {
-    /// Collective: every gradient reduced (SP norm weights and row biases over `Tp`,
-    /// everything averaged over `Dp`).
-    pub fn reduce(self) -> Result<GptGradsReduced> {
-        Ok(GptGradsReduced {
-            embedding: self.embedding.reduce()?,
-            blocks: self
-                .blocks
-                .into_iter()
-                .map(|b| b.reduce())
-                .collect::<Result<_>>()?,
-            norm: self.norm.reduce()?,
-            head: self.head.reduce()?,
-        })
-    }
-}
-
-impl GptGradsReduced {
-    /// Collective: the global gradient norm, every element counted once.
-    pub fn global_norm(&self) -> Result<f64> {
-        let mut n = GradNorm::new();
-        self.embedding.norm(&mut n)?;
-        for b in &self.blocks {
-            b.norm(&mut n)?;
-        }
-        self.norm.norm(&mut n)?;
-        self.head.norm(&mut n)?;
-        n.finish(&self.head.weight)
-    }
-
-    pub fn scale(&self, f: f64) -> Result<Self> {
-        Ok(GptGradsReduced {
-            embedding: self.embedding.scale(f)?,
-            blocks: self
-                .blocks
-                .iter()
-                .map(|b| b.scale(f))
-                .collect::<Result<_>>()?,
-            norm: self.norm.scale(f)?,
-            head: self.head.scale(f)?,
-        })
-    }
 }
 
 /// What one training step reports.
@@ -321,70 +178,30 @@ impl<M: SeqMode> Gpt<M> {
         })
     }
 
-    /// Per-token losses for `ids` predicting `targets` (both `[tokens]`, samples of
-    /// `seq_len` tokens one after another).
-    pub fn forward(
+    /// The mean loss of `ids` predicting `targets` (both `[tokens]`, samples of `seq_len`
+    /// tokens one after another), recorded on `tape`.
+    pub fn forward<'t>(
         &self,
+        tape: &'t Tape,
         ids: &DTensor<Ids>,
         targets: &DTensor<Ids>,
-    ) -> Result<(DTensor<TokenInvariant>, GptCtx<M>)> {
-        let (mut x, emb) = self.embedding.forward::<M>(ids)?;
-        let mut blocks = Vec::with_capacity(self.blocks.len());
+    ) -> Result<Var<'t, Loss>> {
+        let mut x = self
+            .embedding
+            .forward::<M>(tape, &tape.constant(ids.clone()))?;
         for b in &self.blocks {
-            let (y, c) = b.forward(x)?;
-            x = y;
-            blocks.push(c);
+            x = b.forward(tape, &x)?;
         }
-        let (x, norm) = self.norm.forward(&x)?;
-        let (logits, head) = self.head.forward::<M>(x)?;
-        let (losses, loss) = vocab_parallel_cross_entropy(&logits, targets)?;
-        Ok((
-            losses.clone(),
-            GptCtx {
-                emb,
-                blocks,
-                norm,
-                head,
-                loss,
-                losses,
-            },
-        ))
+        let x = self.norm.forward(tape, &x)?;
+        let logits = self.head.forward::<M>(tape, &x)?;
+        mean_loss(&vocab_parallel_cross_entropy(
+            &logits,
+            &tape.constant(targets.clone()),
+        )?)
     }
 
-    /// Gradients of the mean loss over this `Dp` rank's tokens (averaged over `Dp` by
-    /// [`GptGrads::reduce`], that is the mean over the global batch).
-    pub fn backward(&self, ctx: GptCtx<M>) -> Result<GptGrads<M>> {
-        let n = ctx.losses.local_shape()[0].max(1) as f64;
-        let dloss = pointwise(&ctx.losses, |t| Ok(t.map(|_| 1.0 / n)))?;
-        let dlogits = vocab_parallel_cross_entropy_backward(ctx.loss, &dloss)?;
-        let (dx, head) = self.head.backward(ctx.head, &dlogits)?;
-        let (mut dx, norm) = self.norm.backward(ctx.norm, &dx)?;
-        let mut blocks = Vec::with_capacity(self.blocks.len());
-        for (b, c) in self.blocks.iter().zip(ctx.blocks).rev() {
-            let (d, g) = b.backward(c, &dx)?;
-            dx = d;
-            blocks.push(g);
-        }
-        blocks.reverse();
-        let embedding = self.embedding.backward(ctx.emb, &dx)?;
-        Ok(GptGrads {
-            embedding,
-            blocks,
-            norm,
-            head,
-        })
-    }
-
-    pub fn apply(&mut self, g: &GptGradsReduced, opt: &impl Optimizer) -> Result<()> {
-        self.embedding.apply(&g.embedding, opt)?;
-        for (b, gb) in self.blocks.iter_mut().zip(&g.blocks) {
-            b.apply(gb, opt)?;
-        }
-        self.norm.apply(&g.norm, opt)?;
-        self.head.apply(&g.head, opt)
-    }
-
-    /// One training step: forward, backward, reduce, clip to `max_norm`, update.
+    /// One training step: forward, `backward()`, then [`optim::step`] (the DDP average over
+    /// `Dp`, the SP reduction over `Tp`, clipping to `max_norm`, the update).
     pub fn train_step(
         &mut self,
         ids: &DTensor<Ids>,
@@ -392,34 +209,31 @@ impl<M: SeqMode> Gpt<M> {
         opt: &mut impl Optimizer,
         max_norm: f64,
     ) -> Result<StepReport> {
-        let (losses, ctx) = self.forward(ids, targets)?;
-        let loss = mean_loss(&losses)?;
-        let grads = self.backward(ctx)?.reduce()?;
-        let grad_norm = grads.global_norm()?;
-        let c = clip_coefficient(grad_norm, max_norm);
-        let grads = if c < 1.0 { grads.scale(c)? } else { grads };
-        opt.begin_step();
-        self.apply(&grads, opt)?;
-        Ok(StepReport { loss, grad_norm })
+        let tape = Tape::new();
+        let loss = self.forward(&tape, ids, targets)?;
+        let value = loss_value(&loss)?;
+        let mut grads = loss.backward()?;
+        let grad_norm = optim::step(self, &mut grads, opt, max_norm)?;
+        Ok(StepReport {
+            loss: value,
+            grad_norm,
+        })
     }
 
-    /// Collective: every parameter as a whole tensor, in a fixed order (for checks).
-    pub fn full_params(&self) -> Result<Vec<Tensor>> {
-        let mut v = vec![self.embedding.weight.value().full_tensor()?];
-        for b in &self.blocks {
-            for n in [&b.norm1, &b.norm2] {
-                v.push(n.weight.value().full_tensor()?);
-            }
-            v.push(b.attn.qkv.weight.value().full_tensor()?);
-            v.push(b.attn.out.weight.value().full_tensor()?);
-            v.push(b.mlp.fc1.weight.value().full_tensor()?);
-            v.push(b.mlp.fc2.weight.value().full_tensor()?);
-            if let Some(bias) = &b.mlp.fc2.bias {
-                v.push(bias.value().full_tensor()?);
-            }
+    /// Collective: every parameter as a whole tensor, in [`Module::visit_params`] order.
+    pub fn full_params(&mut self) -> Result<Vec<Tensor>> {
+        Ok(named_params(self)?.into_iter().map(|p| p.value).collect())
+    }
+}
+
+impl<M: SeqMode> Module for Gpt<M> {
+    fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
+        self.embedding
+            .visit_params(&join_name(prefix, "embedding"), v)?;
+        for (l, b) in self.blocks.iter_mut().enumerate() {
+            b.visit_params(&join_name(prefix, &format!("blocks.{l}")), v)?;
         }
-        v.push(self.norm.weight.value().full_tensor()?);
-        v.push(self.head.weight.value().full_tensor()?);
-        Ok(v)
+        self.norm.visit_params(&join_name(prefix, "norm"), v)?;
+        self.head.visit_params(&join_name(prefix, "head"), v)
     }
 }

@@ -7,7 +7,7 @@
 
 use dtensor_core::{DTensor, DeviceMesh, Result};
 use dtensor_kernels::{DType, Tensor};
-use dtensor_placement::{local_ranges, Layout};
+use dtensor_placement::Layout;
 use std::sync::Arc;
 
 /// How a parameter's elements are drawn.
@@ -67,40 +67,8 @@ impl Init {
         dtype: DType,
         mesh: &Arc<DeviceMesh>,
     ) -> Result<DTensor<L>> {
-        if let Some(a) = L::placements().iter().position(|p| p.is_partial()) {
-            return Err(dtensor_core::Error::PlacementMismatch {
-                op: "Init::param",
-                axis: L::axes()[a],
-                placements: L::placements(),
-                detail: "a parameter is initialised whole on every rank; a Partial axis would count it once per rank".into(),
-            });
-        }
-        let ranges = local_ranges(mesh.mesh(), &L::placements(), mesh.coords(), global_shape)?;
-        let local_shape: Vec<usize> = ranges.iter().map(|r| r.len()).collect();
-        let n: usize = local_shape.iter().product();
-        let mut vals = Vec::with_capacity(n);
-        let mut idx = vec![0usize; local_shape.len()];
-        for _ in 0..n {
-            let flat = idx
-                .iter()
-                .zip(&ranges)
-                .zip(global_shape)
-                .fold(0usize, |acc, ((&i, r), &e)| acc * e + r.start + i);
-            vals.push(self.value(seed, id, flat as u64));
-            for d in (0..idx.len()).rev() {
-                idx[d] += 1;
-                if idx[d] < local_shape[d] {
-                    break;
-                }
-                idx[d] = 0;
-            }
-        }
-        let t = Tensor::from_vec(vals, &local_shape)?;
-        let t = if dtype == DType::F64 {
-            t
-        } else {
-            t.to_dtype(dtype)
-        };
-        DTensor::from_local(t, global_shape, mesh)
+        DTensor::from_global_fn(global_shape, dtype, mesh, |i| {
+            self.value(seed, id, i as u64)
+        })
     }
 }

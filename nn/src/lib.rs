@@ -1,15 +1,16 @@
 //! # dtensor-nn
 //!
-//! Tensor- and sequence-parallel layers written on [`DTensor`](dtensor_core::DTensor),
-//! forward and backward, every gradient typed as the dual of its value.
+//! Tensor- and sequence-parallel layers written on [`DTensor`](dtensor_core::DTensor) as
+//! **forward code only**: every op is a typed compute op or a named transition recorded on
+//! a per-rank [`Tape`](dtensor_core::Tape), whose backward gives every gradient the dual of
+//! its value's layout. No layer relabels a tensor (`nn` never calls `from_local`, and
+//! `clippy.toml` forbids it), so a pending sum cannot be called a replica.
 //!
-//! A layer's `forward` returns its output and a context; its `backward` takes the output's
-//! gradient (laid out as the dual of the output) and returns the input's gradient (the dual
-//! of the input) and the parameter gradients (the duals of the parameters: a weight
-//! `Replicate` over `Dp` gets a gradient `Partial` over `Dp`). All communication is one of
-//! the named transitions of `dtensor-core` or the adjoint its `_vjp` twin returns, chosen
-//! by the sequence mode ([`NoSp`] / [`Sp`], see [`seq`] for every layout). Optimizers take
-//! only gradients reduced to their parameter's placement ([`optim`]).
+//! Parameters are `Replicate` over `Dp` ([`ParamLayout`]), so their gradients arrive
+//! `Partial` over `Dp`; the optimizer takes only gradients reduced to their parameter's
+//! placement ([`optim`]), so the DP all-reduce (and, under SP, the norm weights' reduction
+//! over `Tp`) is written, not forgotten. Every parameter is enumerable with its name and
+//! layout through [`Module::visit_params`].
 //!
 //! | layer | input → output (stream `S` = `Stream<M>`) | forward communication (no SP / SP) |
 //! |---|---|---|
@@ -24,7 +25,7 @@
 //!
 //! ```
 //! use dtensor_collectives::threads;
-//! use dtensor_core::{DTensor, DeviceMesh};
+//! use dtensor_core::{DTensor, DeviceMesh, Tape};
 //! use dtensor_kernels::DType;
 //! use dtensor_nn::*;
 //! use dtensor_placement::{AxisKind, Mesh};
@@ -36,14 +37,15 @@
 //!     let mut mlp = ParallelMlp::<Sp>::new(8, 32, Activation::Gelu, true, init, 0.1, &dm)?;
 //!     // 6 tokens of width 8, sharded over Tp along the tokens (sequence parallelism).
 //!     let x: DTensor<Stream<Sp>> = Init::Normal { std: 1.0 }.param(1, 0, &[6, 8], DType::F64, &dm)?;
-//!     let (y, ctx) = mlp.forward(x)?; // all_gather in, reduce_scatter out
-//!     let (_dx, grads) = mlp.backward(ctx, &y)?; // their adjoints: reduce_scatter, all_gather
-//!     // Raw gradients are Partial over Dp (and the SP bias over Tp): the optimizer takes
-//!     // them only once reduced.
-//!     let grads = grads.reduce()?;
+//!     let tape = Tape::new();
+//!     let y = mlp.forward(&tape, &tape.constant(x))?; // all_gather in, reduce_scatter out
+//!     let loss = mean_loss(&y.sum_dim::<1>()?)?;        // [Dp: Partial, Tp: Partial]
+//!     let mut grads = loss.backward()?;                 // the adjoints: reduce_scatter, all_gather
+//!     // Raw gradients are Partial over Dp (and the SP bias over Tp too): `step` reduces
+//!     // them, clips and updates.
 //!     let mut opt = AdamW::new(1e-3);
-//!     opt.begin_step();
-//!     mlp.apply(&grads, &opt)
+//!     step(&mut mlp, &mut grads, &mut opt, 1.0)?;
+//!     Ok(())
 //! });
 //! assert!(results.into_iter().all(|r| r.is_ok()));
 //! ```
@@ -58,31 +60,20 @@ pub mod norm;
 pub mod optim;
 pub mod seq;
 
-pub use attention::{
-    AttentionConfig, AttentionCtx, AttentionGrads, AttentionGradsReduced, ParallelAttention,
-};
-pub use block::{
-    BlockCtx, BlockGrads, BlockGradsReduced, Gpt, GptConfig, GptCtx, GptGrads, GptGradsReduced,
-    StepReport, TransformerBlock,
-};
+pub use attention::{AttentionConfig, ParallelAttention};
+pub use block::{Gpt, GptConfig, StepReport, TransformerBlock};
 pub use dtensor_core;
-pub use embedding::{
-    mean_loss, vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_backward, vocab_shard,
-    CrossEntropyCtx, EmbeddingCtx, EmbeddingGrads, EmbeddingGradsReduced, VocabParallelEmbedding,
-};
+pub use embedding::{loss_value, mean_loss, vocab_parallel_cross_entropy, VocabParallelEmbedding};
 pub use init::Init;
-pub use linear::{
-    ColumnCtx, ColumnGrads, ColumnGradsReduced, ColumnParallelLinear, ParamInit, RowCtx, RowGrads,
-    RowGradsReduced, RowParallelLinear,
-};
-pub use mlp::{Activation, MlpCtx, MlpGrads, MlpGradsReduced, ParallelMlp};
-pub use norm::{Norm, NormCtx, NormGrads, NormGradsReduced, NormKind};
+pub use linear::{ColumnParallelLinear, ParamInit, RowParallelLinear};
+pub use mlp::{Activation, ParallelMlp};
+pub use norm::{Norm, NormKind};
 pub use optim::{
-    clip_coefficient, dp_average, AdamW, GradNorm, Optimizer, Param, ReducedGrad, ReducedPlacement,
-    Sgd,
+    clip_coefficient, dp_average, join_name, named_params, reduce_grad, step, AdamW, GradNorm,
+    Module, NamedParam, Optimizer, Param, ParamVisitor, ReducedGrad, ReducedPlacement, Sgd,
+    TpParam,
 };
 pub use seq::{
-    pointwise, ColOut, ColWeight, ColWeightReduced, DpPartial, DpReduced, Full, Grad, Ids, NoSp,
-    ParamGradTp, ReducedTp, RowPartial, RowWeight, RowWeightReduced, SeqMode, Sp, Stream,
-    StreamParam, StreamParamGrad, TokenInvariant,
+    ColOut, ColWeight, DpPartial, DpReduced, Full, Grad, Ids, Loss, NoSp, ParamLayout, RowPartial,
+    RowWeight, SeqMode, Sp, Stream, StreamParam, TokenInvariant,
 };

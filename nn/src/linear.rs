@@ -1,22 +1,18 @@
-//! Column- and row-parallel linear layers (Megatron's conjugate pair), typed.
+//! Column- and row-parallel linear layers (Megatron's conjugate pair), forward only: the
+//! tape derives the backward, and the types derive every placement.
 //!
-//! | layer | weight `[out, in]` | input | output | backward communication |
+//! | layer | weight `[out, in]` | input | output | backward communication (from the tape) |
 //! |---|---|---|---|---|
 //! | [`ColumnParallelLinear`] | `Shard<0>` on `Tp` | [`Full`] (entered from the stream with [`SeqMode::enter`]) | [`ColOut`] (`Shard<1>`) | the entry's adjoint: `all_reduce` (no SP) or `reduce_scatter` (SP) of the `Partial` input gradient |
-//! | [`RowParallelLinear`] | `Shard<1>` on `Tp` | [`ColOut`] | [`RowPartial`], left with [`SeqMode::exit`] for the stream; bias added after the reduction | the exit's adjoint: none (no SP) or `all_gather` (SP) |
+//! | [`RowParallelLinear`] | `Shard<1>` on `Tp` | [`ColOut`] | `x·Wᵀ` is [`RowPartial`] (derived: `Shard<1>·Shard<1>ᵀ` is a pending sum), left with [`SeqMode::exit`]; bias added after the reduction | the exit's adjoint: none (no SP) or `all_gather` (SP) |
 //!
 //! No flag says whether an input is parallel or an output gathered: the placements do.
 
 use crate::init::Init;
-use crate::optim::{dp_average, GradNorm, Optimizer, Param};
-use crate::seq::{
-    ColOut, ColWeight, ColWeightReduced, Full, Grad, ReducedTp, RowPartial, RowWeight,
-    RowWeightReduced, SeqMode, Stream, StreamParam,
-};
-use dtensor_core::{Adjoint, DTensor, DeviceMesh, Result};
-use dtensor_kernels::ops::{self, Transpose};
+use crate::optim::{join_name, Module, Param, ParamVisitor};
+use crate::seq::{ColOut, ColWeight, Full, RowWeight, SeqMode, Stream, StreamParam};
+use dtensor_core::{DeviceMesh, Result, Tape, Var};
 use dtensor_kernels::DType;
-use dtensor_placement::{layout, Dp, Invariant, Partial, PlacementType, Tp};
 use std::sync::Arc;
 
 /// Where a layer's parameters come from: a seed, the id of the layer's first parameter
@@ -61,57 +57,6 @@ pub struct ColumnParallelLinear {
     pub bias: Option<Param<ColWeight>>,
 }
 
-/// What [`ColumnParallelLinear::forward`] keeps for its backward.
-pub struct ColumnCtx<M: SeqMode> {
-    x: DTensor<Full>,
-    enter: Adjoint<Full, Stream<M>>,
-}
-
-/// A column layer's parameter gradients, `Partial` over `Dp`.
-pub struct ColumnGrads {
-    pub weight: DTensor<Grad<ColWeight>>,
-    pub bias: Option<DTensor<Grad<ColWeight>>>,
-}
-
-/// A column layer's gradients averaged over `Dp`: what its [`apply`](ColumnParallelLinear::apply) takes.
-pub struct ColumnGradsReduced {
-    pub weight: DTensor<ColWeightReduced>,
-    pub bias: Option<DTensor<ColWeightReduced>>,
-}
-
-impl ColumnGrads {
-    /// Collective over `Dp`: the DDP all-reduce (average).
-    pub fn reduce(self) -> Result<ColumnGradsReduced> {
-        Ok(ColumnGradsReduced {
-            weight: dp_average(self.weight)?,
-            bias: self.bias.map(dp_average).transpose()?,
-        })
-    }
-    /// Sum of two gradients of the same layer (two uses of it).
-    pub fn add(&self, o: &ColumnGrads) -> Result<ColumnGrads> {
-        Ok(ColumnGrads {
-            weight: self.weight.add(&o.weight)?,
-            bias: match (&self.bias, &o.bias) {
-                (Some(a), Some(b)) => Some(a.add(b)?),
-                _ => None,
-            },
-        })
-    }
-}
-
-impl ColumnGradsReduced {
-    pub fn norm(&self, n: &mut GradNorm) -> Result<()> {
-        n.add(&self.weight)?;
-        self.bias.as_ref().map_or(Ok(()), |b| n.add(b))
-    }
-    pub fn scale(&self, f: f64) -> Result<Self> {
-        Ok(ColumnGradsReduced {
-            weight: self.weight.scale(f)?,
-            bias: self.bias.as_ref().map(|b| b.scale(f)).transpose()?,
-        })
-    }
-}
-
 impl ColumnParallelLinear {
     /// Weight `[out, in]` drawn `Normal(0, init.std)` (id `init.id`), bias from [`ParamInit::bias`] (id + 1).
     pub fn new(
@@ -145,75 +90,33 @@ impl ColumnParallelLinear {
         })
     }
 
-    /// `[out, in]` of the whole weight.
-    pub fn out_features(&self) -> usize {
-        self.weight.value().global_shape()[0]
-    }
-
     /// The product on tokens already replicated over `Tp`: no communication.
-    pub fn forward_full(&self, x: &DTensor<Full>) -> Result<DTensor<ColOut>> {
-        let w = self.weight.local();
-        let mut y = ops::matmul(x.as_local(), Transpose::No, w, Transpose::Yes)?;
-        if let Some(b) = &self.bias {
-            ops::add_row_assign(&mut y, b.local())?;
+    pub fn forward_full<'t>(&self, tape: &'t Tape, x: &Var<'t, Full>) -> Result<Var<'t, ColOut>> {
+        let y = x.matmul_t(&self.weight.on(tape))?;
+        match &self.bias {
+            Some(b) => y.add_row(&b.on(tape)),
+            None => Ok(y),
         }
-        let global = [x.global_shape()[0], self.out_features()];
-        DTensor::from_local(y, &global, x.device_mesh())
-    }
-
-    /// The backward of [`forward_full`](Self::forward_full): the input gradient is
-    /// `Partial` over `Tp` (each rank holds its output features' share), no communication.
-    pub fn backward_full(
-        &self,
-        x: &DTensor<Full>,
-        dy: &DTensor<ColOut>,
-    ) -> Result<(DTensor<Grad<Full>>, ColumnGrads)> {
-        let mesh = x.device_mesh();
-        let w = self.weight.local();
-        let dx = ops::matmul(dy.as_local(), Transpose::No, w, Transpose::No)?;
-        let dw = ops::matmul(dy.as_local(), Transpose::Yes, x.as_local(), Transpose::No)?;
-        let dx = DTensor::from_local(dx, x.global_shape(), mesh)?;
-        let weight = DTensor::from_local(dw, self.weight.value().global_shape(), mesh)?;
-        let bias = match &self.bias {
-            Some(b) => Some(DTensor::from_local(
-                ops::sum_rows(dy.as_local())?,
-                b.value().global_shape(),
-                mesh,
-            )?),
-            None => None,
-        };
-        Ok((dx, ColumnGrads { weight, bias }))
     }
 
     /// Enters the tensor-parallel region from the residual stream (`to_replicate`, or
     /// `all_gather` under SP) and multiplies.
-    pub fn forward<M: SeqMode>(
+    pub fn forward<'t, M: SeqMode>(
         &self,
-        x: DTensor<Stream<M>>,
-    ) -> Result<(DTensor<ColOut>, ColumnCtx<M>)> {
-        let (x, enter) = M::enter(x)?;
-        let y = self.forward_full(&x)?;
-        Ok((y, ColumnCtx { x, enter }))
+        tape: &'t Tape,
+        x: &Var<'t, Stream<M>>,
+    ) -> Result<Var<'t, ColOut>> {
+        self.forward_full(tape, &M::enter(x)?)
     }
+}
 
-    /// The stream gradient (reduced by the entry's adjoint: `all_reduce`, or
-    /// `reduce_scatter` under SP) and the parameter gradients.
-    pub fn backward<M: SeqMode>(
-        &self,
-        ctx: ColumnCtx<M>,
-        dy: &DTensor<ColOut>,
-    ) -> Result<(DTensor<Stream<M>>, ColumnGrads)> {
-        let (dx, grads) = self.backward_full(&ctx.x, dy)?;
-        Ok((ctx.enter.backward(dx)?, grads))
-    }
-
-    /// One optimizer update from reduced gradients.
-    pub fn apply(&mut self, g: &ColumnGradsReduced, opt: &impl Optimizer) -> Result<()> {
-        opt.update(&mut self.weight, &g.weight)?;
-        if let (Some(p), Some(gb)) = (&mut self.bias, &g.bias) {
-            opt.update(p, gb)?;
+impl Module for ColumnParallelLinear {
+    fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
+        v.visit(&join_name(prefix, "weight"), &mut self.weight)?;
+        match &mut self.bias {
+            Some(b) => v.visit(&join_name(prefix, "bias"), b),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 
@@ -222,52 +125,6 @@ impl ColumnParallelLinear {
 pub struct RowParallelLinear<M: SeqMode> {
     pub weight: Param<RowWeight>,
     pub bias: Option<Param<StreamParam<M>>>,
-}
-
-/// What [`RowParallelLinear::forward`] keeps for its backward.
-pub struct RowCtx<M: SeqMode> {
-    x: DTensor<ColOut>,
-    exit: Adjoint<Stream<M>, RowPartial>,
-}
-
-/// A row layer's parameter gradients: the weight's `Partial` over `Dp`; the bias's also
-/// `Partial` over `Tp` under SP.
-pub struct RowGrads<M: SeqMode> {
-    pub weight: DTensor<Grad<RowWeight>>,
-    #[allow(clippy::type_complexity)]
-    pub bias: Option<DTensor<layout![Dp: Partial, Tp: <M::ParamTp as PlacementType>::Grad]>>,
-}
-
-/// A row layer's gradients reduced to its parameters' placements.
-pub struct RowGradsReduced {
-    pub weight: DTensor<RowWeightReduced>,
-    pub bias: Option<DTensor<ReducedTp<Invariant>>>,
-}
-
-impl<M: SeqMode> RowGrads<M> {
-    /// Collective: the bias over `Tp` (SP only), then everything averaged over `Dp`.
-    pub fn reduce(self) -> Result<RowGradsReduced> {
-        Ok(RowGradsReduced {
-            weight: dp_average(self.weight)?,
-            bias: self
-                .bias
-                .map(|b| dp_average(M::reduce_param_grad(b)?))
-                .transpose()?,
-        })
-    }
-}
-
-impl RowGradsReduced {
-    pub fn norm(&self, n: &mut GradNorm) -> Result<()> {
-        n.add(&self.weight)?;
-        self.bias.as_ref().map_or(Ok(()), |b| n.add(b))
-    }
-    pub fn scale(&self, f: f64) -> Result<Self> {
-        Ok(RowGradsReduced {
-            weight: self.weight.scale(f)?,
-            bias: self.bias.as_ref().map(|b| b.scale(f)).transpose()?,
-        })
-    }
 }
 
 impl<M: SeqMode> RowParallelLinear<M> {
@@ -303,74 +160,23 @@ impl<M: SeqMode> RowParallelLinear<M> {
         })
     }
 
-    pub fn out_features(&self) -> usize {
-        self.weight.value().global_shape()[0]
-    }
-
-    /// This rank's `Partial` term of `x·Wᵀ` (no bias, no communication).
-    pub fn forward_partial(&self, x: &DTensor<ColOut>) -> Result<DTensor<RowPartial>> {
-        let y = ops::matmul(
-            x.as_local(),
-            Transpose::No,
-            self.weight.local(),
-            Transpose::Yes,
-        )?;
-        let global = [x.global_shape()[0], self.out_features()];
-        DTensor::from_local(y, &global, x.device_mesh())
-    }
-
     /// The product, reduced back into the stream (`all_reduce`, or `reduce_scatter` of the
     /// tokens under SP), plus the bias.
-    pub fn forward(&self, x: DTensor<ColOut>) -> Result<(DTensor<Stream<M>>, RowCtx<M>)> {
-        let (y, exit) = M::exit(self.forward_partial(&x)?)?;
-        let y = match &self.bias {
-            Some(b) => {
-                let global: Vec<usize> = y.global_shape().to_vec();
-                let mesh = y.device_mesh().clone();
-                let out = ops::add_row(y.as_local(), b.local())?;
-                DTensor::from_local(out, &global, &mesh)?
-            }
-            None => y,
-        };
-        Ok((y, RowCtx { x, exit }))
-    }
-
-    /// The input gradient (sharded like the input) and the parameter gradients. The
-    /// exit's adjoint brings the stream gradient to `Replicate` over `Tp` (an `all_gather`
-    /// under SP, nothing otherwise).
-    pub fn backward(
-        &self,
-        ctx: RowCtx<M>,
-        dy: &DTensor<Stream<M>>,
-    ) -> Result<(DTensor<ColOut>, RowGrads<M>)> {
-        let mesh = dy.device_mesh().clone();
-        let bias = match &self.bias {
-            Some(b) => Some(DTensor::from_local(
-                ops::sum_rows(dy.as_local())?,
-                b.value().global_shape(),
-                &mesh,
-            )?),
-            None => None,
-        };
-        let dfull: DTensor<Full> = ctx.exit.backward(dy.clone())?;
-        let w = self.weight.local();
-        let dx = ops::matmul(dfull.as_local(), Transpose::No, w, Transpose::No)?;
-        let dw = ops::matmul(
-            dfull.as_local(),
-            Transpose::Yes,
-            ctx.x.as_local(),
-            Transpose::No,
-        )?;
-        let dx = DTensor::from_local(dx, ctx.x.global_shape(), &mesh)?;
-        let weight = DTensor::from_local(dw, self.weight.value().global_shape(), &mesh)?;
-        Ok((dx, RowGrads { weight, bias }))
-    }
-
-    pub fn apply(&mut self, g: &RowGradsReduced, opt: &impl Optimizer) -> Result<()> {
-        opt.update(&mut self.weight, &g.weight)?;
-        if let (Some(p), Some(gb)) = (&mut self.bias, &g.bias) {
-            opt.update(p, gb)?;
+    pub fn forward<'t>(&self, tape: &'t Tape, x: &Var<'t, ColOut>) -> Result<Var<'t, Stream<M>>> {
+        let y = M::exit(&x.matmul_t(&self.weight.on(tape))?)?;
+        match &self.bias {
+            Some(b) => y.add_row(&b.on(tape)),
+            None => Ok(y),
         }
-        Ok(())
+    }
+}
+
+impl<M: SeqMode> Module for RowParallelLinear<M> {
+    fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
+        v.visit(&join_name(prefix, "weight"), &mut self.weight)?;
+        match &mut self.bias {
+            Some(b) => v.visit(&join_name(prefix, "bias"), b),
+            None => Ok(()),
+        }
     }
 }

@@ -4,16 +4,16 @@
 //! tokens, and the weight is `Invariant` (its gradient too). With SP the stream is
 //! `Shard<0>` over `Tp`, each rank normalises its own tokens with the same weight, which is
 //! therefore `Replicate` over `Tp`, and its gradient `Partial`: the optimizer does not take
-//! it until [`NormGrads::reduce`] has all-reduced it over `Tp` (Megatron's hand-written
-//! `allreduce_sequence_parallel_grads`, here demanded by the type).
+//! it until it is all-reduced over `Tp` ([`TpParam::reduce_over_tp`](crate::TpParam)),
+//! Megatron's hand-written `allreduce_sequence_parallel_grads`, here demanded by the type.
+//! The norm rule (`NormRule`) derives both pairings; an `Invariant` weight on an SP stream
+//! does not compile.
 
 use crate::init::Init;
 use crate::linear::ParamInit;
-use crate::optim::{dp_average, GradNorm, Optimizer, Param};
-use crate::seq::{pointwise, ReducedTp, SeqMode, Stream, StreamParam, StreamParamGrad};
-use dtensor_core::{DTensor, DeviceMesh, Result};
-use dtensor_kernels::{ops, Tensor};
-use dtensor_placement::Invariant;
+use crate::optim::{join_name, Module, Param, ParamVisitor};
+use crate::seq::{SeqMode, Stream, StreamParam};
+use dtensor_core::{DeviceMesh, Result, Tape, Var};
 use std::sync::Arc;
 
 /// Which normalisation.
@@ -33,53 +33,9 @@ pub struct Norm<M: SeqMode> {
     pub eps: f64,
 }
 
-/// What [`Norm::forward`] keeps for its backward.
-pub struct NormCtx {
-    x: Tensor,
-    mean: Option<Tensor>,
-    rstd: Tensor,
-}
-
-/// A norm's raw gradients (`Partial` over `Dp`; over `Tp` too under SP).
-pub struct NormGrads<M: SeqMode> {
-    pub weight: DTensor<StreamParamGrad<M>>,
-    pub bias: Option<DTensor<StreamParamGrad<M>>>,
-}
-
-/// A norm's gradients reduced to its parameters' placements.
-pub struct NormGradsReduced {
-    pub weight: DTensor<ReducedTp<Invariant>>,
-    pub bias: Option<DTensor<ReducedTp<Invariant>>>,
-}
-
-impl<M: SeqMode> NormGrads<M> {
-    /// Collective: all-reduce over `Tp` under SP ([`SeqMode::reduce_param_grad`]), then
-    /// the DDP average over `Dp`.
-    pub fn reduce(self) -> Result<NormGradsReduced> {
-        let r = |g: DTensor<StreamParamGrad<M>>| dp_average(M::reduce_param_grad(g)?);
-        Ok(NormGradsReduced {
-            weight: r(self.weight)?,
-            bias: self.bias.map(r).transpose()?,
-        })
-    }
-}
-
-impl NormGradsReduced {
-    pub fn norm(&self, n: &mut GradNorm) -> Result<()> {
-        n.add(&self.weight)?;
-        self.bias.as_ref().map_or(Ok(()), |b| n.add(b))
-    }
-    pub fn scale(&self, f: f64) -> Result<Self> {
-        Ok(NormGradsReduced {
-            weight: self.weight.scale(f)?,
-            bias: self.bias.as_ref().map(|b| b.scale(f)).transpose()?,
-        })
-    }
-}
-
 impl<M: SeqMode> Norm<M> {
-    /// Weight ones (id `init.id`), LayerNorm bias zeros (id + 1). `init.std`, if not
-    /// zero, perturbs the weight around 1 (for tests).
+    /// Weight `1 + Normal(0, init.std)` (id `init.id`); LayerNorm's bias from
+    /// [`ParamInit::bias`] (id + 1).
     pub fn new(
         kind: NormKind,
         hidden: usize,
@@ -87,14 +43,13 @@ impl<M: SeqMode> Norm<M> {
         init: ParamInit,
         mesh: &Arc<DeviceMesh>,
     ) -> Result<Self> {
-        let w = Init::Normal { std: init.std }.param::<StreamParam<M>>(
-            init.seed,
-            init.id,
+        let normal = Init::Normal { std: init.std };
+        let w = dtensor_core::DTensor::<StreamParam<M>>::from_global_fn(
             &[hidden],
             init.dtype,
             mesh,
+            |i| 1.0 + normal.value(init.seed, init.id, i as u64),
         )?;
-        let w = pointwise(&w, |t| Ok(t.map(|v| v + 1.0)))?;
         let bias = match kind {
             NormKind::Layer => Some(Param::new(init.bias().param::<StreamParam<M>>(
                 init.seed,
@@ -113,60 +68,25 @@ impl<M: SeqMode> Norm<M> {
         })
     }
 
-    pub fn forward(&self, x: &DTensor<Stream<M>>) -> Result<(DTensor<Stream<M>>, NormCtx)> {
-        let w = self.weight.local();
-        let (y, mean, rstd) = match &self.bias {
-            Some(b) => {
-                let o = ops::layer_norm(x.as_local(), w, b.local(), self.eps)?;
-                (o.y, Some(o.mean), o.rstd)
-            }
-            None => {
-                let o = ops::rms_norm(x.as_local(), w, self.eps)?;
-                (o.y, None, o.rstd)
-            }
-        };
-        let y = pointwise(x, |_| Ok(y))?;
-        Ok((
-            y,
-            NormCtx {
-                x: x.as_local().clone(),
-                mean,
-                rstd,
-            },
-        ))
-    }
-
-    pub fn backward(
+    pub fn forward<'t>(
         &self,
-        ctx: NormCtx,
-        dy: &DTensor<Stream<M>>,
-    ) -> Result<(DTensor<Stream<M>>, NormGrads<M>)> {
-        let mesh = dy.device_mesh();
-        let w = self.weight.local();
-        let shape = self.weight.value().global_shape();
-        let (dx, dw, db) = match &ctx.mean {
-            Some(mean) => {
-                let g = ops::layer_norm_backward(dy.as_local(), &ctx.x, w, mean, &ctx.rstd)?;
-                (g.dx, g.dweight, Some(g.dbias))
-            }
-            None => {
-                let g = ops::rms_norm_backward(dy.as_local(), &ctx.x, w, &ctx.rstd)?;
-                (g.dx, g.dweight, None)
-            }
-        };
-        let dx = pointwise(dy, |_| Ok(dx))?;
-        let weight = DTensor::from_local(dw, shape, mesh)?;
-        let bias = db
-            .map(|b| DTensor::from_local(b, shape, mesh))
-            .transpose()?;
-        Ok((dx, NormGrads { weight, bias }))
-    }
-
-    pub fn apply(&mut self, g: &NormGradsReduced, opt: &impl Optimizer) -> Result<()> {
-        opt.update(&mut self.weight, &g.weight)?;
-        if let (Some(p), Some(gb)) = (&mut self.bias, &g.bias) {
-            opt.update(p, gb)?;
+        tape: &'t Tape,
+        x: &Var<'t, Stream<M>>,
+    ) -> Result<Var<'t, Stream<M>>> {
+        let w = self.weight.on(tape);
+        match &self.bias {
+            Some(b) => x.layer_norm::<1, _>(&w, &b.on(tape), self.eps),
+            None => x.rms_norm::<1, _>(&w, self.eps),
         }
-        Ok(())
+    }
+}
+
+impl<M: SeqMode> Module for Norm<M> {
+    fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
+        v.visit(&join_name(prefix, "weight"), &mut self.weight)?;
+        match &mut self.bias {
+            Some(b) => v.visit(&join_name(prefix, "bias"), b),
+            None => Ok(()),
+        }
     }
 }

@@ -9,18 +9,25 @@
 //!
 //! | parameter axis | raw gradient (dual) | reduce with | reduced |
 //! |---|---|---|---|
-//! | `Replicate` over `Dp` | `Partial` | [`dp_average`] (`all_reduce` of the terms / dp) | `Invariant` |
+//! | `Replicate` over `Dp` | `Partial` | `all_reduce` over `Dp` ([`reduce_grad`]) | `Invariant` |
 //! | `Shard<D>` over `Tp` | `Shard<D>` | nothing | `Shard<D>` |
 //! | `Invariant` over `Tp` (no SP) | `Invariant` | nothing | `Invariant` |
-//! | `Replicate` over `Tp` (SP) | `Partial` | [`SeqMode::reduce_param_grad`](crate::SeqMode::reduce_param_grad) | `Invariant` |
+//! | `Replicate` over `Tp` (SP) | `Partial` | [`TpParam::reduce_over_tp`] (`all_reduce` over `Tp`) | `Invariant` |
+//!
+//! Every parameter of the layers is laid out [`ParamLayout<T>`] (`Replicate` over `Dp`, `T`
+//! over `Tp`) and is enumerable as a whole through [`Module::visit_params`] (name, layout,
+//! value). [`step`] is one optimizer step over a module: reduce every gradient, clip by the
+//! global norm, update.
 
-use crate::seq::{axis_size, DpPartial, DpReduced};
-use dtensor_core::{DTensor, Error, Result};
+use crate::seq::{axis_size, DpPartial, DpReduced, ParamLayout};
+use dtensor_collectives::{CommunicatorExt, ReduceOp};
+use dtensor_core::{AnyDTensor, DTensor, Error, Gradients, Result, Tape, Var};
 use dtensor_kernels::{DType, Tensor};
 use dtensor_placement::{
-    layout, AxisKind, Dp, Invariant, IsWhole, Layout, Linear, MeshAxis, On, Partial, Placement,
-    PlacementType, Shard, Tp,
+    AxisKind, Dp, Invariant, IsWhole, Layout, Linear, MeshAxis, On, Placement, PlacementType,
+    Replicate, Shard, Tp,
 };
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A gradient placement (`Self`) that is reduced to a parameter placement `P` on one axis.
 #[diagnostic::on_unimplemented(
@@ -54,13 +61,18 @@ where
 pub struct Param<L: Layout> {
     value: DTensor<L>,
     state: Vec<Tensor>,
+    key: u64,
 }
+
+/// Unique per parameter (the tape binds a parameter's leaves to it).
+static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
 
 impl<L: Layout> Param<L> {
     pub fn new(value: DTensor<L>) -> Self {
         Param {
             value,
             state: Vec::new(),
+            key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
         }
     }
     pub fn value(&self) -> &DTensor<L> {
@@ -70,16 +82,180 @@ impl<L: Layout> Param<L> {
     pub fn local(&self) -> &Tensor {
         self.value.as_local()
     }
+    /// The parameter on `tape`: a leaf whose gradient [`grad`](Self::grad) reads back.
+    pub fn on<'t>(&self, tape: &'t Tape) -> Var<'t, L> {
+        tape.param(self.key, self.value.clone())
+    }
+    /// The gradient backward produced for this parameter (summed over its uses on the
+    /// tape; zeros if unused), laid out as the dual.
+    pub fn grad(&self, grads: &mut Gradients) -> Result<DTensor<L::Grad>> {
+        grads.of_key(self.key, &self.value)
+    }
     /// Replaces the local piece (same shape): the optimizers' write path.
     fn set_local(&mut self, local: Tensor) -> Result<()> {
-        let global: Vec<usize> = self.value.global_shape().to_vec();
-        let mesh = self.value.device_mesh().clone();
-        self.value = DTensor::from_local(local, &global, &mesh)?;
-        Ok(())
+        self.value.update_local(|_| Ok(local))
     }
 }
 
-/// Averages a gradient over `Dp`: `Partial` terms scaled by `1/dp`, then all-reduced.
+/// A parameter's placement over `Tp`, and how its gradient is reduced there: nothing for a
+/// `Shard<D>` or `Invariant` weight, an all-reduce for a `Replicate` one (a sequence-parallel
+/// norm weight or row bias, each `Tp` rank having seen other tokens).
+pub trait TpParam: PlacementType<Grad: Linear> + Linear {
+    /// The gradient's placement over `Tp` once reduced there.
+    type Reduced: ReducedPlacement<Self> + Linear;
+    /// Collective over `Tp` where needed.
+    fn reduce_over_tp(
+        g: DTensor<DpReduced<Self::Grad>>,
+    ) -> Result<DTensor<DpReduced<Self::Reduced>>>;
+}
+
+impl<const D: usize> TpParam for Shard<D> {
+    type Reduced = Shard<D>;
+    fn reduce_over_tp(g: DTensor<DpReduced<Shard<D>>>) -> Result<DTensor<DpReduced<Shard<D>>>> {
+        Ok(g)
+    }
+}
+
+impl TpParam for Invariant {
+    type Reduced = Invariant;
+    fn reduce_over_tp(g: DTensor<DpReduced<Invariant>>) -> Result<DTensor<DpReduced<Invariant>>> {
+        Ok(g)
+    }
+}
+
+impl TpParam for Replicate {
+    type Reduced = Invariant;
+    fn reduce_over_tp(
+        g: DTensor<DpReduced<dtensor_placement::Partial>>,
+    ) -> Result<DTensor<DpReduced<Invariant>>> {
+        g.all_reduce(Tp)
+    }
+}
+
+/// A parameter gradient reduced to its parameter's placement: summed over `Dp` (the DDP
+/// all-reduce: the loss is `Partial` over `Dp`, each rank's term already divided by the
+/// *global* token count, so the sum is the gradient of the mean), then reduced over `Tp`
+/// where the parameter is `Replicate` there.
+pub fn reduce_grad<T: TpParam>(
+    g: DTensor<DpPartial<T::Grad>>,
+) -> Result<DTensor<DpReduced<T::Reduced>>> {
+    T::reduce_over_tp(g.all_reduce(Dp)?)
+}
+
+/// Visits parameters one by one with their names (see [`Module::visit_params`]).
+pub trait ParamVisitor {
+    fn visit<T: TpParam>(&mut self, name: &str, p: &mut Param<ParamLayout<T>>) -> Result<()>;
+}
+
+/// Something with parameters: a layer or a model.
+pub trait Module {
+    /// Calls `v` on every parameter, in a fixed order, names prefixed with `prefix`.
+    fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()>;
+}
+
+/// `prefix.name`, or `name` at the top.
+pub fn join_name(prefix: &str, name: &str) -> String {
+    if prefix.is_empty() {
+        name.to_string()
+    } else {
+        format!("{prefix}.{name}")
+    }
+}
+
+/// One described parameter: name, placements (`[Dp, Tp]`) and the whole value.
+#[derive(Clone, Debug)]
+pub struct NamedParam {
+    pub name: String,
+    pub placements: Vec<Placement>,
+    pub value: Tensor,
+}
+
+/// Collective: every parameter of `m` as a whole tensor, with its name and layout.
+pub fn named_params(m: &mut impl Module) -> Result<Vec<NamedParam>> {
+    struct Collect(Vec<NamedParam>);
+    impl ParamVisitor for Collect {
+        fn visit<T: TpParam>(&mut self, name: &str, p: &mut Param<ParamLayout<T>>) -> Result<()> {
+            self.0.push(NamedParam {
+                name: name.to_string(),
+                placements: p.value().placements().to_vec(),
+                value: p.value().full_tensor()?,
+            });
+            Ok(())
+        }
+    }
+    let mut c = Collect(Vec::new());
+    m.visit_params("", &mut c)?;
+    Ok(c.0)
+}
+
+/// Collective: one optimizer step over every parameter of `m`. Reduces each gradient
+/// ([`reduce_grad`]), clips them all to a global norm of `max_norm`, begins the
+/// optimizer's step and updates. Returns the global norm before clipping.
+pub fn step<O: Optimizer>(
+    m: &mut impl Module,
+    grads: &mut Gradients,
+    opt: &mut O,
+    max_norm: f64,
+) -> Result<f64> {
+    struct Reduce<'g> {
+        grads: &'g mut Gradients,
+        norm: GradNorm,
+        reduced: Vec<AnyDTensor>,
+        mesh: Option<std::sync::Arc<dtensor_core::DeviceMesh>>,
+    }
+    impl ParamVisitor for Reduce<'_> {
+        fn visit<T: TpParam>(&mut self, _: &str, p: &mut Param<ParamLayout<T>>) -> Result<()> {
+            let g = reduce_grad::<T>(p.grad(self.grads)?)?;
+            self.norm.add(&g)?;
+            self.mesh.get_or_insert_with(|| g.device_mesh().clone());
+            self.reduced.push(g.into_any());
+            Ok(())
+        }
+    }
+    struct Update<'o, O> {
+        opt: &'o O,
+        scale: f64,
+        reduced: std::vec::IntoIter<AnyDTensor>,
+    }
+    impl<O: Optimizer> ParamVisitor for Update<'_, O> {
+        fn visit<T: TpParam>(&mut self, _: &str, p: &mut Param<ParamLayout<T>>) -> Result<()> {
+            let any = self.reduced.next().ok_or_else(|| Error::ShapeMismatch {
+                op: "optim::step",
+                detail: "the module visited more parameters in its second pass".into(),
+            })?;
+            let g = DTensor::<DpReduced<T::Reduced>>::try_from_any(any)?;
+            let g = if self.scale < 1.0 {
+                g.scale(self.scale)?
+            } else {
+                g
+            };
+            self.opt.update(p, &g)
+        }
+    }
+    let mut r = Reduce {
+        grads,
+        norm: GradNorm::new(),
+        reduced: Vec::new(),
+        mesh: None,
+    };
+    m.visit_params("", &mut r)?;
+    let norm = match &r.mesh {
+        Some(mesh) => r.norm.finish(mesh)?,
+        None => 0.0,
+    };
+    let scale = clip_coefficient(norm, max_norm);
+    opt.begin_step();
+    let mut u = Update {
+        opt,
+        scale,
+        reduced: r.reduced.into_iter(),
+    };
+    m.visit_params("", &mut u)?;
+    Ok(norm)
+}
+
+/// Averages a gradient over `Dp`: `Partial` terms scaled by `1/dp`, then all-reduced (for a
+/// loss that is each rank's *own* mean; [`reduce_grad`] sums, for the typed [`Loss`](crate::Loss)).
 pub fn dp_average<T: PlacementType + Linear>(
     g: DTensor<DpPartial<T>>,
 ) -> Result<DTensor<DpReduced<T>>> {
@@ -160,7 +336,11 @@ pub struct AdamW {
     pub beta1: f64,
     pub beta2: f64,
     pub eps: f64,
+    /// Decoupled weight decay, applied to matrices (weights, embedding tables) only.
     pub weight_decay: f64,
+    /// Decay vectors too (biases, norm weights). Off by default, as in nanoGPT and
+    /// Megatron's parameter groups.
+    pub decay_vectors: bool,
     step: u64,
 }
 
@@ -172,6 +352,7 @@ impl AdamW {
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.01,
+            decay_vectors: false,
             step: 0,
         }
     }
@@ -204,6 +385,11 @@ impl Optimizer for AdamW {
         let gv = g.as_local().to_f64_vec();
         let mut w = p.local().to_f64_vec();
         let (c1, c2) = (1.0 - self.beta1.powi(t), 1.0 - self.beta2.powi(t));
+        let decay = if p.value().global_shape().len() >= 2 || self.decay_vectors {
+            self.weight_decay
+        } else {
+            0.0
+        };
         let [m, v] = &mut p.state[..] else {
             unreachable!("two moments set above")
         };
@@ -213,7 +399,7 @@ impl Optimizer for AdamW {
             m[i] = self.beta1 * m[i] + (1.0 - self.beta1) * gv[i];
             v[i] = self.beta2 * v[i] + (1.0 - self.beta2) * gv[i] * gv[i];
             let upd = (m[i] / c1) / ((v[i] / c2).sqrt() + self.eps);
-            w[i] -= self.lr * (upd + self.weight_decay * w[i]);
+            w[i] -= self.lr * (upd + decay * w[i]);
         }
         let t = to_dtype(w, &shape, p.local().dtype())?;
         p.set_local(t)
@@ -258,14 +444,11 @@ impl GradNorm {
         Ok(())
     }
 
-    /// Collective over the `[Dp, Tp]` mesh of `like`: the global norm.
-    pub fn finish<L: Layout>(&self, like: &DTensor<L>) -> Result<f64> {
-        let mesh = like.device_mesh();
-        let t = Tensor::from_vec(vec![self.sum_sq], &[1])?;
-        let s = DTensor::<layout![Dp: Partial, Tp: Partial]>::from_local(t, &[1], mesh)?
-            .all_reduce(Dp)?
-            .all_reduce(Tp)?;
-        Ok(s.as_local().to_f64_vec()[0].sqrt())
+    /// Collective over every rank of `mesh`: the global norm.
+    pub fn finish(&self, mesh: &dtensor_core::DeviceMesh) -> Result<f64> {
+        let mut s = [self.sum_sq];
+        mesh.world().all_reduce_in_place(&mut s, ReduceOp::Sum)?;
+        Ok(s[0].sqrt())
     }
 }
 

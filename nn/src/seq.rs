@@ -16,16 +16,19 @@
 //! | row weight ([`RowWeight`]) | `[Dp: Replicate, Tp: Shard<1>]` | `[Dp: Partial, Tp: Shard<1>]` |
 //! | norm weight, row bias ([`StreamParam`]), [`NoSp`] | `[Dp: Replicate, Tp: Invariant]` | `[Dp: Partial, Tp: Invariant]` |
 //! | norm weight, row bias ([`StreamParam`]), [`Sp`] | `[Dp: Replicate, Tp: Replicate]` | `[Dp: Partial, Tp: Partial]`: must be reduced over `Tp` |
+//! | per-token loss ([`TokenInvariant`]) | `[Dp: Shard<0>, Tp: Invariant]` | the same |
+//! | training loss ([`Loss`]), summed over tokens | `[Dp: Partial, Tp: Invariant]` | `[Dp: Replicate, Tp: Invariant]` (the seed: ones) |
 //!
 //! The column layers enter with [`SeqMode::enter`] (`to_replicate`, Megatron's `f`, or an
 //! `all_gather` of the sequence) and the row layers leave with [`SeqMode::exit`]
-//! (`all_reduce`, Megatron's `g`, or a `reduce_scatter` of the sequence); both return the
-//! typed adjoint that the layer's backward runs.
+//! (`all_reduce`, Megatron's `g`, or a `reduce_scatter` of the sequence); the tape records
+//! their typed adjoints.
 
-use dtensor_core::{Adjoint, DTensor, Result};
+use crate::optim::TpParam;
+use dtensor_core::{Result, Var};
 use dtensor_placement::{
-    layout, AddPlacement, Dp, Invariant, IsWhole, Layout, Linear, Partial, PlacementType,
-    Pointwise, Replicate, Shard, Tp,
+    layout, AddPlacement, AddRowRule, Dp, Invariant, IsWhole, Layout, Linear, NormRule, Partial,
+    PlacementType, Pointwise, Replicate, Shard, Tp,
 };
 
 /// The gradient layout of `L` (the dual placement on every axis).
@@ -49,44 +52,37 @@ pub type StreamParam<M> = layout![Dp: Replicate, Tp: <M as SeqMode>::ParamTp];
 pub type Ids = layout![Dp: Shard<0>, Tp: Invariant];
 /// A per-token value (loss, statistics) `[tokens]` after its reduction over `Tp`.
 pub type TokenInvariant = layout![Dp: Shard<0>, Tp: Invariant];
-/// A column weight's (or embedding table's) gradient averaged over `Dp`.
-pub type ColWeightReduced = layout![Dp: Invariant, Tp: Shard<0>];
-/// A row weight's gradient averaged over `Dp`.
-pub type RowWeightReduced = layout![Dp: Invariant, Tp: Shard<1>];
 /// A raw parameter gradient: `Partial` over `Dp`, `T` over `Tp`.
 pub type DpPartial<T> = layout![Dp: Partial, Tp: T];
 /// A parameter gradient averaged over `Dp`, `T` over `Tp`.
 pub type DpReduced<T> = layout![Dp: Invariant, Tp: T];
-/// A stream parameter's gradient under mode `M` with its `Dp` axis in state `D`.
-pub type ParamGradTp<M, D> = layout![Dp: D, Tp: <<M as SeqMode>::ParamTp as PlacementType>::Grad];
-/// A parameter gradient with its `Dp` axis in state `D` and its `Tp` axis reduced.
-pub type ReducedTp<D> = layout![Dp: D, Tp: Invariant];
+/// Every parameter of these layers: `Replicate` over `Dp`, `T` over `Tp`.
+pub type ParamLayout<T> = layout![Dp: Replicate, Tp: T];
+/// A training loss: the sum over this `Dp` rank's tokens (`Partial` over `Dp`), the same on
+/// every `Tp` rank. `backward()` seeds it exactly.
+pub type Loss = layout![Dp: Partial, Tp: Invariant];
 
 /// Where the residual stream lives on `Tp`, and the named transitions that enter and leave
 /// the tensor-parallel region. Implemented by [`NoSp`] and [`Sp`] only.
+///
+/// The associated types carry the rules generic layer code needs (a bound on an associated
+/// type is implied wherever `M: SeqMode` is), so a layer written once for both modes needs
+/// no where clause: the stream adds to itself, and a stream parameter may be a row bias or
+/// a norm weight for it.
 pub trait SeqMode: Send + Sync + Sized + 'static {
     /// The residual stream's placement on `Tp` (its own dual).
     type Tp: PlacementType<Grad = Self::Tp> + Pointwise + Linear + AddPlacement<Self::Tp>;
     /// The placement on `Tp` of a parameter applied to the stream.
-    type ParamTp: PlacementType + IsWhole + Pointwise + Linear;
+    type ParamTp: TpParam + IsWhole + AddRowRule<Self::Tp> + NormRule<Self::Tp, 1>;
     /// Whether the sequence is sharded over `Tp`.
     const SP: bool;
 
-    /// Into the tensor-parallel region: `to_replicate` (no SP) or `all_gather` (SP).
-    #[allow(clippy::type_complexity)]
-    fn enter(x: DTensor<Stream<Self>>) -> Result<(DTensor<Full>, Adjoint<Full, Stream<Self>>)>;
+    /// Into the tensor-parallel region: `to_replicate` (no SP) or `all_gather` (SP). The
+    /// tape records its adjoint: `all_reduce` or `reduce_scatter` of the input gradient.
+    fn enter<'t>(x: &Var<'t, Stream<Self>>) -> Result<Var<'t, Full>>;
 
     /// Out of it: `all_reduce` (no SP) or `reduce_scatter` of the tokens (SP).
-    #[allow(clippy::type_complexity)]
-    fn exit(
-        y: DTensor<RowPartial>,
-    ) -> Result<(DTensor<Stream<Self>>, Adjoint<Stream<Self>, RowPartial>)>;
-
-    /// Reduces a stream parameter's gradient over `Tp`: nothing to do without SP (each
-    /// `Tp` rank saw every token), an `all_reduce` with SP (each saw its own tokens).
-    fn reduce_param_grad<D: PlacementType>(
-        g: DTensor<ParamGradTp<Self, D>>,
-    ) -> Result<DTensor<ReducedTp<D>>>;
+    fn exit<'t>(y: &Var<'t, RowPartial>) -> Result<Var<'t, Stream<Self>>>;
 }
 
 /// Plain tensor parallelism: the stream is `Invariant` over `Tp`.
@@ -102,20 +98,12 @@ impl SeqMode for NoSp {
     type ParamTp = Invariant;
     const SP: bool = false;
 
-    fn enter(x: DTensor<Stream<Self>>) -> Result<(DTensor<Full>, Adjoint<Full, Stream<Self>>)> {
-        x.to_replicate_vjp(Tp)
+    fn enter<'t>(x: &Var<'t, Stream<Self>>) -> Result<Var<'t, Full>> {
+        x.to_replicate(Tp)
     }
 
-    fn exit(
-        y: DTensor<RowPartial>,
-    ) -> Result<(DTensor<Stream<Self>>, Adjoint<Stream<Self>, RowPartial>)> {
-        y.all_reduce_vjp(Tp)
-    }
-
-    fn reduce_param_grad<D: PlacementType>(
-        g: DTensor<layout![Dp: D, Tp: Invariant]>,
-    ) -> Result<DTensor<ReducedTp<D>>> {
-        Ok(g)
+    fn exit<'t>(y: &Var<'t, RowPartial>) -> Result<Var<'t, Stream<Self>>> {
+        y.all_reduce(Tp)
     }
 }
 
@@ -124,20 +112,12 @@ impl SeqMode for Sp {
     type ParamTp = Replicate;
     const SP: bool = true;
 
-    fn enter(x: DTensor<Stream<Self>>) -> Result<(DTensor<Full>, Adjoint<Full, Stream<Self>>)> {
-        x.all_gather_vjp(Tp)
+    fn enter<'t>(x: &Var<'t, Stream<Self>>) -> Result<Var<'t, Full>> {
+        x.all_gather(Tp)
     }
 
-    fn exit(
-        y: DTensor<RowPartial>,
-    ) -> Result<(DTensor<Stream<Self>>, Adjoint<Stream<Self>, RowPartial>)> {
-        y.reduce_scatter_vjp::<_, _, 0>(Tp)
-    }
-
-    fn reduce_param_grad<D: PlacementType>(
-        g: DTensor<layout![Dp: D, Tp: Partial]>,
-    ) -> Result<DTensor<ReducedTp<D>>> {
-        g.all_reduce(Tp)
+    fn exit<'t>(y: &Var<'t, RowPartial>) -> Result<Var<'t, Stream<Self>>> {
+        y.reduce_scatter::<_, _, 0>(Tp)
     }
 }
 
@@ -151,27 +131,4 @@ pub fn axis_size(mesh: &dtensor_core::DeviceMesh, kind: dtensor_placement::AxisK
 /// This rank's coordinate on the mesh axis `kind` (0 when the mesh lacks it).
 pub fn axis_coord(mesh: &dtensor_core::DeviceMesh, kind: dtensor_placement::AxisKind) -> usize {
     mesh.mesh().index_of(kind).map_or(0, |i| mesh.coords()[i])
-}
-
-#[allow(dead_code)]
-fn _layouts_are_layouts<M: SeqMode>() {
-    fn is<L: Layout>() {}
-    is::<Stream<M>>();
-    is::<StreamParam<M>>();
-    is::<Grad<StreamParam<M>>>();
-}
-
-/// A stream parameter's raw gradient: `Partial` over `Dp`; over `Tp` the dual of
-/// [`SeqMode::ParamTp`] (`Invariant` without SP, `Partial` with SP).
-pub type StreamParamGrad<M> =
-    layout![Dp: Partial, Tp: <<M as SeqMode>::ParamTp as PlacementType>::Grad];
-
-/// A local kernel applied to a tensor no axis of which is `Partial` (a non-linear op on
-/// pending partial sums does not compile); the result keeps the layout.
-pub fn pointwise<L: dtensor_placement::PointwiseLayout>(
-    x: &DTensor<L>,
-    f: impl FnOnce(&dtensor_kernels::Tensor) -> dtensor_kernels::Result<dtensor_kernels::Tensor>,
-) -> Result<DTensor<L>> {
-    let y = f(x.as_local())?;
-    DTensor::from_local(y, x.global_shape(), x.device_mesh())
 }

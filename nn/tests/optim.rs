@@ -5,10 +5,10 @@
 mod common;
 
 use common::*;
-use dtensor_core::{DTensor, Result};
+use dtensor_core::{DTensor, Result, Tape};
 use dtensor_kernels::{DType, Tensor};
 use dtensor_nn::*;
-use dtensor_placement::Invariant;
+use dtensor_placement::{Invariant, Shard};
 
 const T: usize = 8;
 const H: usize = 8;
@@ -19,9 +19,11 @@ struct Tiny<M: SeqMode> {
     mlp: ParallelMlp<M>,
 }
 
-struct TinyGrads {
-    norm: NormGradsReduced,
-    mlp: MlpGradsReduced,
+impl<M: SeqMode> Module for Tiny<M> {
+    fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
+        self.norm.visit_params(&join_name(prefix, "norm"), v)?;
+        self.mlp.visit_params(&join_name(prefix, "mlp"), v)
+    }
 }
 
 impl<M: SeqMode> Tiny<M> {
@@ -41,45 +43,20 @@ impl<M: SeqMode> Tiny<M> {
         })
     }
 
-    /// Loss = mean over tokens of `Σ_j y[t, j]·target[t, j]`; returns reduced gradients.
-    fn grads(&self, x: &Tensor, target: &Tensor) -> Result<TinyGrads> {
-        let mesh = self.norm.weight.value().device_mesh().clone();
-        let dp = mesh.mesh().size(0) as f64;
-        let (h, nctx) = self.norm.forward(&piece(x, &mesh)?)?;
-        let (_, mctx) = self.mlp.forward(h)?;
-        // d loss / d y on this Dp rank's tokens, for the mean over its own tokens.
-        let dy: DTensor<Stream<M>> = piece(&target.scale(dp / T as f64), &mesh)?;
-        let (dh, mg) = self.mlp.backward(mctx, &dy)?;
-        let (_, ng) = self.norm.backward(nctx, &dh)?;
-        Ok(TinyGrads {
-            norm: ng.reduce()?,
-            mlp: mg.reduce()?,
-        })
-    }
-
+    /// Loss = mean over the global batch's tokens of `Σ_j y[t, j]·target[t, j]`: backward
+    /// from `y` with its gradient (target / tokens), then one optimizer step with clipping
+    /// at 0.5.
     fn step(&mut self, x: &Tensor, target: &Tensor, opt: &mut AdamW) -> Result<f64> {
-        let g = self.grads(x, target)?;
-        let mut n = GradNorm::new();
-        g.norm.norm(&mut n)?;
-        g.mlp.norm(&mut n)?;
-        let norm = n.finish(self.norm.weight.value())?;
-        let c = clip_coefficient(norm, 0.5);
-        opt.begin_step();
-        self.norm.apply(&g.norm.scale(c)?, opt)?;
-        self.mlp.apply(&g.mlp.scale(c)?, opt)?;
-        Ok(norm)
+        let mesh = self.norm.weight.value().device_mesh().clone();
+        let tape = Tape::new();
+        let h = self.norm.forward(&tape, &tape.constant(piece(x, &mesh)?))?;
+        let y = self.mlp.forward(&tape, &h)?;
+        let mut grads = y.backward_with(piece(&target.scale(1.0 / T as f64), &mesh)?)?;
+        step(self, &mut grads, opt, 0.5)
     }
 
-    fn params(&self) -> Result<Vec<Tensor>> {
-        let m = &self.mlp;
-        Ok(vec![
-            self.norm.weight.value().full_tensor()?,
-            self.norm.bias.as_ref().unwrap().value().full_tensor()?,
-            m.fc1.weight.value().full_tensor()?,
-            m.up.as_ref().unwrap().weight.value().full_tensor()?,
-            m.fc2.weight.value().full_tensor()?,
-            m.fc2.bias.as_ref().unwrap().value().full_tensor()?,
-        ])
+    fn params(&mut self) -> Result<Vec<Tensor>> {
+        Ok(named_params(self)?.into_iter().map(|p| p.value).collect())
     }
 }
 
@@ -133,12 +110,12 @@ fn grad_norm_counts_every_element_once() {
         .sqrt();
     for (dp, tp) in [(1, 1), (1, 2), (2, 2), (1, 4)] {
         let got = on_mesh(dp, tp, |mesh| {
-            let gw: DTensor<ColWeightReduced> = piece(&w, mesh)?;
-            let gv: DTensor<ReducedTp<Invariant>> = piece(&v, mesh)?;
+            let gw: DTensor<DpReduced<Shard<0>>> = piece(&w, mesh)?;
+            let gv: DTensor<DpReduced<Invariant>> = piece(&v, mesh)?;
             let mut n = GradNorm::new();
             n.add(&gw)?;
             n.add(&gv)?;
-            n.finish(&gw)
+            n.finish(mesh)
         });
         for g in got {
             assert!(
@@ -154,9 +131,10 @@ fn adamw_and_sgd_follow_their_formulas() {
     on_mesh(1, 1, |mesh| {
         let p0 = Tensor::from_vec(vec![1.0f64, -2.0], &[2])?;
         let g = Tensor::from_vec(vec![0.5f64, 0.25], &[2])?;
-        let gd: DTensor<ReducedTp<Invariant>> = piece(&g, mesh)?;
+        let gd: DTensor<DpReduced<Invariant>> = piece(&g, mesh)?;
         let mut p = Param::new(piece::<StreamParam<NoSp>>(&p0, mesh)?);
         let mut opt = AdamW::new(0.1);
+        opt.decay_vectors = true; // a vector: decayed only when asked
         opt.begin_step();
         opt.update(&mut p, &gd)?;
         opt.begin_step();
@@ -175,6 +153,38 @@ fn adamw_and_sgd_follow_their_formulas() {
         Sgd { lr: 0.5 }.update(&mut q, &gd)?;
         let want = Tensor::from_vec(vec![0.75f64, -2.125], &[2])?;
         assert_eq!(q.local(), &want);
+        Ok(())
+    });
+}
+
+#[test]
+fn adamw_does_not_decay_vectors_by_default() {
+    on_mesh(1, 1, |mesh| {
+        let zeros = Tensor::from_vec(vec![0.0f64, 0.0], &[2])?;
+        let gd: DTensor<DpReduced<Invariant>> = piece(&zeros, mesh)?;
+        let p0 = Tensor::from_vec(vec![1.0f64, -2.0], &[2])?;
+        // A zero gradient: only weight decay could move the parameter.
+        let mut bias = Param::new(piece::<StreamParam<NoSp>>(&p0, mesh)?);
+        let mut opt = AdamW::new(0.1);
+        opt.begin_step();
+        opt.update(&mut bias, &gd)?;
+        assert_eq!(bias.local(), &p0, "a bias (1-D) is not decayed by default");
+        opt.decay_vectors = true;
+        opt.update(&mut bias, &gd)?;
+        assert_ne!(bias.local(), &p0, "decay_vectors decays it");
+        // A matrix is decayed by default.
+        let m0 = Tensor::from_vec(vec![1.0f64, -2.0, 3.0, 4.0], &[2, 2])?;
+        let gm: DTensor<DpReduced<Shard<0>>> =
+            piece(&Tensor::from_vec(vec![0.0f64; 4], &[2, 2])?, mesh)?;
+        let mut w = Param::new(piece::<ColWeight>(&m0, mesh)?);
+        AdamW::new(0.1).update(&mut w, &gm)?;
+        let want: Vec<f64> = m0.to_f64_vec().iter().map(|v| v - 0.1 * 0.01 * v).collect();
+        assert_close(
+            "matrix decay",
+            w.local(),
+            &Tensor::from_vec(want, &[2, 2])?,
+            1e-15,
+        );
         Ok(())
     });
 }

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use dtensor_core::DTensor;
+use dtensor_core::Tape;
 use dtensor_kernels::ops;
 use dtensor_kernels::{DType, Tensor};
 use dtensor_nn::*;
@@ -28,12 +28,14 @@ fn embedding_matches_reference<M: SeqMode>(vocab: usize, dp: usize, tp: usize) -
     let errs = on_mesh(dp, tp, |mesh| {
         let emb =
             VocabParallelEmbedding::new(vocab, H, ParamInit::new(9, 400, 0.7, DType::F64), mesh)?;
-        let (y, ctx) = emb.forward::<M>(&piece(&id, mesh)?)?;
-        let g = emb.backward(ctx, &piece::<Stream<M>>(&dy, mesh)?)?;
-        let mut e = assert_close("embedding y", &y.full_tensor()?, &y_ref, TOL);
+        let tape = Tape::new();
+        let y = emb.forward::<M>(&tape, &tape.constant(piece(&id, mesh)?))?;
+        let y_full = y.value().full_tensor()?;
+        let mut g = y.backward_with(piece::<Stream<M>>(&dy, mesh)?)?;
+        let mut e = assert_close("embedding y", &y_full, &y_ref, TOL);
         e = e.max(assert_close(
             "embedding dW",
-            &g.weight.full_tensor()?,
+            &emb.weight.grad(&mut g)?.full_tensor()?,
             &dw_ref,
             TOL,
         ));
@@ -74,10 +76,14 @@ fn cross_entropy_matches_reference(vocab: usize, dp: usize, tp: usize) -> f64 {
     let dl_ref = Tensor::from_vec(g, &[T, vocab]).unwrap();
     let mean_ref = loss_ref.to_f64_vec().iter().sum::<f64>() / T as f64;
     let errs = on_mesh(dp, tp, |mesh| {
-        let (loss, ctx) = vocab_parallel_cross_entropy(&piece(&logits, mesh)?, &piece(&tg, mesh)?)?;
-        let mean = mean_loss(&loss)?;
-        let dl = vocab_parallel_cross_entropy_backward(ctx, &piece(&dloss, mesh)?)?;
-        let mut e = assert_close("ce loss", &loss.full_tensor()?, &loss_ref, TOL);
+        let tape = Tape::new();
+        let lg = tape.leaf(piece::<ColOut>(&logits, mesh)?);
+        let loss = vocab_parallel_cross_entropy(&lg, &tape.constant(piece(&tg, mesh)?))?;
+        let mean = loss_value(&mean_loss(&loss)?)?;
+        let loss_full = loss.value().full_tensor()?;
+        let mut g = loss.backward_with(piece(&dloss, mesh)?)?;
+        let dl = g.take(&lg)?;
+        let mut e = assert_close("ce loss", &loss_full, &loss_ref, TOL);
         e = e.max(assert_close("ce dlogits", &dl.full_tensor()?, &dl_ref, TOL));
         assert!(
             (mean - mean_ref).abs() <= TOL * mean_ref.abs(),
@@ -106,8 +112,9 @@ fn vocab_parallel_cross_entropy_matches_reference_without_gathering_logits() {
             .comm(dtensor_placement::AxisKind::Tp)
             .unwrap()
             .counters();
-        let lg: DTensor<ColOut> = piece(&logits, mesh)?;
-        let (_l, _c) = vocab_parallel_cross_entropy(&lg, &piece(&tg, mesh)?)?;
+        let tape = Tape::new();
+        let lg = tape.leaf(piece::<ColOut>(&logits, mesh)?);
+        let _loss = vocab_parallel_cross_entropy(&lg, &tape.constant(piece(&tg, mesh)?))?;
         let after = mesh
             .comm(dtensor_placement::AxisKind::Tp)
             .unwrap()

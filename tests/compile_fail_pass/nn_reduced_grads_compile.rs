@@ -1,16 +1,17 @@
+use dtensor::core::Gradients;
 use dtensor::nn::*;
 use dtensor::prelude::*;
-// The well-typed path: raw gradients reduced (Tp under SP, then Dp) before the step.
+// The well-typed path: raw gradients reduced (Dp, then Tp under SP) before the step.
 #[allow(dead_code)]
 fn f(
     p: &mut Param<StreamParam<Sp>>,
-    g: DTensor<StreamParamGrad<Sp>>,
     w: &mut Param<ColWeight>,
-    gw: DTensor<Grad<ColWeight>>,
+    grads: &mut Gradients,
     opt: &AdamW,
 ) -> dtensor::Result<()> {
-    let g = dp_average(<Sp as SeqMode>::reduce_param_grad(g)?)?;
+    let g = reduce_grad::<Replicate>(p.grad(grads)?)?;
     opt.update(p, &g)?;
-    opt.update(w, &dp_average(gw)?)
+    let gw = w.grad(grads)?.all_reduce(Dp)?;
+    opt.update(w, &gw)
 }
 fn main() {}

@@ -2,9 +2,9 @@
 #![allow(dead_code)]
 
 use dtensor_collectives::threads;
-use dtensor_core::{DTensor, DeviceMesh, Result};
+use dtensor_core::{DTensor, DeviceMesh, Gradients, Result};
 use dtensor_kernels::{DType, Tensor};
-use dtensor_nn::Init;
+use dtensor_nn::{reduce_grad, Init, Param, ParamLayout, TpParam};
 use dtensor_placement::{AxisKind, Layout, Mesh};
 use std::sync::Arc;
 
@@ -31,6 +31,8 @@ pub fn randn(seed: u64, shape: &[usize]) -> Tensor {
 }
 
 /// Every rank's piece of `g` laid out as `L` (no communication: each slices its own).
+/// Test data brought by the user: the one place `from_local` belongs.
+#[allow(clippy::disallowed_methods)]
 pub fn piece<L: Layout>(g: &Tensor, mesh: &Arc<DeviceMesh>) -> Result<DTensor<L>> {
     let ranges =
         dtensor_placement::local_ranges(mesh.mesh(), &L::placements(), mesh.coords(), g.shape())?;
@@ -61,3 +63,16 @@ pub fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f64) -> f64 {
 
 /// The tensor-parallel sizes and sequence modes every layer test covers.
 pub const TPS: [usize; 3] = [1, 2, 4];
+
+/// A parameter's gradient reduced as the optimizer takes it (summed over `Dp`, reduced
+/// over `Tp` where needed): the full-batch gradient, as a whole tensor. (`dp` only checks
+/// the mesh.)
+pub fn reduced<T: TpParam>(
+    p: &Param<ParamLayout<T>>,
+    g: &mut Gradients,
+    dp: usize,
+) -> Result<Tensor> {
+    let g = reduce_grad::<T>(p.grad(g)?)?;
+    assert_eq!(g.device_mesh().mesh().size(0), dp);
+    g.full_tensor()
+}
