@@ -136,21 +136,25 @@ impl GemmCase {
 
 #[cfg(test)]
 mod tests {
+    // Run by `tests/gemm_cases.rs`. A bench target (no test harness) is also built with
+    // `cfg(test)` by `clippy --all-targets`, and drops the `#[test]` fns: the import is
+    // unused there.
+    #[allow(unused_imports)]
     use super::*;
-
-    fn values(t: &Tensor) -> Vec<f32> {
-        t.as_slice::<f32>().unwrap().to_vec()
-    }
 
     #[test]
     fn run_direct_small_cases_match_run_ours() {
         for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
             let mut case = GemmCase::new(5, 3, 4, ta, tb);
             case.run_ours();
-            let ours = values(&case.dst);
+            let ours = case.dst.as_slice::<f32>().unwrap().to_vec();
             case.dst = Tensor::zeros(&[5, 3], DType::F32);
             case.run_direct();
-            assert_eq!(values(&case.dst), ours, "ta={ta}, tb={tb}");
+            assert_eq!(
+                case.dst.as_slice::<f32>().unwrap(),
+                ours,
+                "ta={ta}, tb={tb}"
+            );
         }
     }
 
