@@ -14,10 +14,10 @@ pub const CASES: [(&str, usize, usize, usize, bool, bool); 4] = [
     ("mlp_up_dw 4096x1024x2048", 4096, 1024, 2048, true, false),
 ];
 
+/// One product and its buffers. The dimensions are not stored but read off the tensors'
+/// shapes: [`GemmCase::run_direct`] hands gemm raw pointers, so `m`, `n`, `k` must be the
+/// ones the buffers were made for, and no field may be edited to disagree with them.
 pub struct GemmCase {
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
     ta: bool,
     tb: bool,
     a: Tensor,
@@ -30,9 +30,6 @@ impl GemmCase {
         let a_shape = if ta { [k, m] } else { [m, k] };
         let b_shape = if tb { [n, k] } else { [k, n] };
         GemmCase {
-            m,
-            n,
-            k,
             ta,
             tb,
             a: Tensor::from_fn(&a_shape, |i| ((i % 97) as f32 - 48.0) / 64.0),
@@ -41,8 +38,24 @@ impl GemmCase {
         }
     }
 
+    /// `(m, n, k)`, from the operands' shapes.
+    ///
+    /// # Panics
+    /// If the operands' inner dimensions differ.
+    pub fn dims(&self) -> (usize, usize, usize) {
+        let (a, b) = (self.a.shape(), self.b.shape());
+        let (m, k) = if self.ta { (a[1], a[0]) } else { (a[0], a[1]) };
+        let (k2, n) = if self.tb { (b[1], b[0]) } else { (b[0], b[1]) };
+        assert_eq!(
+            k, k2,
+            "gemm case: inner dimensions of {a:?} and {b:?} differ"
+        );
+        (m, n, k)
+    }
+
     pub fn flops(&self) -> u64 {
-        2 * (self.m * self.n * self.k) as u64
+        let (m, n, k) = self.dims();
+        2 * (m as u64) * (n as u64) * (k as u64)
     }
 
     /// Through our wrapper.
@@ -61,8 +74,17 @@ impl GemmCase {
     }
 
     /// The `gemm` crate directly, same buffers, same strides.
+    ///
+    /// # Panics
+    /// If the buffers do not hold exactly the `m·k`, `k·n` and `m·n` elements of the
+    /// product (checked before gemm sees a pointer).
     pub fn run_direct(&mut self) {
-        let (m, n, k) = (self.m, self.n, self.k);
+        let (m, n, k) = self.dims();
+        assert_eq!(
+            self.dst.shape(),
+            &[m, n],
+            "gemm case: dst does not have the product's shape"
+        );
         // Row-major `[r, c]` read as is: column stride 1, row stride c; read transposed:
         // the two swap.
         let (a_cs, a_rs) = if self.ta {
@@ -75,11 +97,17 @@ impl GemmCase {
         } else {
             (1, n as isize)
         };
-        let a = self.a.as_slice::<f32>().unwrap().as_ptr();
-        let b = self.b.as_slice::<f32>().unwrap().as_ptr();
-        let d = self.dst.as_mut_slice::<f32>().unwrap().as_mut_ptr();
+        let a = self.a.as_slice::<f32>().unwrap();
+        let b = self.b.as_slice::<f32>().unwrap();
+        let d = self.dst.as_mut_slice::<f32>().unwrap();
+        assert!(
+            a.len() == m * k && b.len() == k * n && d.len() == m * n,
+            "gemm case: buffer lengths do not match m={m}, n={n}, k={k}"
+        );
+        let (a, b, d) = (a.as_ptr(), b.as_ptr(), d.as_mut_ptr());
         // SAFETY: the buffers hold exactly the m·k, k·n and m·n elements these strides
-        // address; `d` is uniquely borrowed and does not alias `a` or `b`.
+        // address (asserted above, with m, n, k read off the same tensors); `d` is uniquely
+        // borrowed and does not alias `a` or `b`.
         unsafe {
             gemm::gemm(
                 m,
@@ -103,5 +131,48 @@ impl GemmCase {
                 gemm::Parallelism::None,
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    // Run by `tests/gemm_cases.rs`. A bench target (no test harness) is also built with
+    // `cfg(test)` by `clippy --all-targets`, and drops the `#[test]` fns: the import is
+    // unused there.
+    #[allow(unused_imports)]
+    use super::*;
+
+    #[test]
+    fn run_direct_small_cases_match_run_ours() {
+        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+            let mut case = GemmCase::new(5, 3, 4, ta, tb);
+            case.run_ours();
+            let ours = case.dst.as_slice::<f32>().unwrap().to_vec();
+            case.dst = Tensor::zeros(&[5, 3], DType::F32);
+            case.run_direct();
+            assert_eq!(
+                case.dst.as_slice::<f32>().unwrap(),
+                ours,
+                "ta={ta}, tb={tb}"
+            );
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "dst does not have the product's shape")]
+    fn run_direct_dst_too_small_panics() {
+        // The audit's case: dimensions for 48 rows over buffers made for 32. Only a `dst`
+        // of another shape can express that now, and gemm must never see it.
+        let mut case = GemmCase::new(32, 32, 32, false, false);
+        case.dst = Tensor::zeros(&[32, 16], DType::F32);
+        case.run_direct();
+    }
+
+    #[test]
+    #[should_panic(expected = "inner dimensions")]
+    fn run_direct_operands_mismatched_panics() {
+        let mut case = GemmCase::new(32, 32, 32, false, false);
+        case.a = Tensor::zeros(&[48, 16], DType::F32);
+        case.run_direct();
     }
 }

@@ -3,14 +3,28 @@
 //! extents times the extents after it). The default column-block collectives pack and
 //! unpack with these; backends that address peers' memory copy blocks directly instead.
 
+/// The element counts `rows · widths[p]` of the blocks, or `None` if one of them, or
+/// `rows · Σ widths`, overflows `usize`. Checked: a wrapped count could pass the length
+/// checks and describe blocks that are not where the columns are.
+pub fn counts(rows: usize, widths: &[usize]) -> Option<Vec<usize>> {
+    total(rows, widths)?;
+    widths.iter().map(|w| w.checked_mul(rows)).collect()
+}
+
+/// `(Σ widths, rows · Σ widths)`, or `None` if either overflows.
+fn total(rows: usize, widths: &[usize]) -> Option<(usize, usize)> {
+    let cols = widths.iter().try_fold(0usize, |a, &w| a.checked_add(w))?;
+    Some((cols, cols.checked_mul(rows)?))
+}
+
 /// The column blocks of `src` (`rows × Σ widths`, row-major) one after another, block `p`
 /// as a row-major `rows × widths[p]` matrix.
 ///
 /// # Panics
 /// If `src.len() != rows · Σ widths` (an internal invariant: callers validate sizes).
 pub fn pack<T: Copy>(src: &[T], rows: usize, widths: &[usize]) -> Vec<T> {
-    let total: usize = widths.iter().sum();
-    assert_eq!(src.len(), rows * total, "columns::pack: size");
+    let (total, len) = total(rows, widths).expect("columns::pack: size overflows");
+    assert_eq!(src.len(), len, "columns::pack: size");
     let mut out = Vec::with_capacity(src.len());
     let mut col = 0;
     for &w in widths {
@@ -27,9 +41,9 @@ pub fn pack<T: Copy>(src: &[T], rows: usize, widths: &[usize]) -> Vec<T> {
 /// # Panics
 /// If the lengths do not match `rows · Σ widths` (an internal invariant).
 pub fn unpack<T: Copy>(src: &[T], dst: &mut [T], rows: usize, widths: &[usize]) {
-    let total: usize = widths.iter().sum();
+    let (total, len) = total(rows, widths).expect("columns::unpack: size overflows");
     assert!(
-        src.len() == rows * total && dst.len() == rows * total,
+        src.len() == len && dst.len() == len,
         "columns::unpack: size"
     );
     let (mut col, mut base) = (0, 0);
@@ -54,5 +68,15 @@ mod tests {
         let mut back = vec![0; 10];
         super::unpack(&p, &mut back, 2, &[2, 0, 3]);
         assert_eq!(back, m);
+    }
+
+    #[test]
+    fn counts_overflowing_widths_are_none() {
+        assert_eq!(super::counts(2, &[2, 0, 3]), Some(vec![4, 0, 6]));
+        // 2^33 · 2^31 = 2^64 wraps to 0 unchecked.
+        assert_eq!(super::counts(1 << 33, &[1 << 31]), None);
+        // Each block fits, the whole matrix does not.
+        assert_eq!(super::counts(2, &[1 << 62, 1 << 62]), None);
+        assert_eq!(super::counts(1, &[usize::MAX, 1]), None);
     }
 }

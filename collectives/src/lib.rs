@@ -139,7 +139,7 @@ pub trait Communicator: Send + Sync {
         rows: usize,
         widths: &[usize],
     ) -> Result<()> {
-        let counts: Vec<usize> = widths.iter().map(|w| w * rows).collect();
+        let counts = col_counts("all_gather_cols", rows, widths)?;
         dtensor_kernels::with_slice!(SliceMut, recv, |r: T| {
             let mut tmp: Vec<T> = vec![<T as Element>::zero(); r.len()];
             self.all_gatherv(send, <T as Element>::slice_mut(&mut tmp), &counts)?;
@@ -160,7 +160,7 @@ pub trait Communicator: Send + Sync {
         widths: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
-        let counts: Vec<usize> = widths.iter().map(|w| w * rows).collect();
+        let counts = col_counts("reduce_scatter_cols", rows, widths)?;
         dtensor_kernels::with_slice!(Slice, send, |s: T| {
             let packed = columns::pack(s, rows, widths);
             self.reduce_scatterv(<T as Element>::slice(&packed), recv, &counts, op)
@@ -180,7 +180,7 @@ pub trait Communicator: Send + Sync {
         recv: SliceMut<'_>,
         recv_counts: &[usize],
     ) -> Result<()> {
-        let send_counts: Vec<usize> = send_widths.iter().map(|w| w * rows).collect();
+        let send_counts = col_counts("all_to_all_cols", rows, send_widths)?;
         dtensor_kernels::with_slice!(Slice, send, |s: T| {
             let packed = columns::pack(s, rows, send_widths);
             self.all_to_allv(
@@ -231,6 +231,15 @@ pub trait Communicator: Send + Sync {
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>>;
     /// Calls and bytes this handle has issued so far.
     fn counters(&self) -> CounterSnapshot;
+}
+
+/// The element counts of column blocks ([`columns::counts`]), or `InvalidArgument` if they
+/// overflow.
+fn col_counts(op: &'static str, rows: usize, widths: &[usize]) -> Result<Vec<usize>> {
+    columns::counts(rows, widths).ok_or_else(|| Error::InvalidArgument {
+        op,
+        detail: format!("{rows} rows x widths {widths:?} overflow usize"),
+    })
 }
 
 /// Typed conveniences over [`Communicator`], for any `T: Element`.

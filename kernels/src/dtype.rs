@@ -65,10 +65,39 @@ impl fmt::Display for ReduceOp {
     }
 }
 
+/// Keeps [`Element`] closed to the six types below. Code in this workspace turns a
+/// dtype-erased buffer back into `&[T]` trusting `T::DTYPE`, and hands `T` buffers to MPI
+/// and gemm as raw memory of `T::DTYPE`; an outside type claiming a `DTYPE` it does not
+/// have (another size, alignment, or bit validity) would make that undefined behaviour.
+mod sealed {
+    use super::{Slice, SliceMut};
+
+    #[diagnostic::on_unimplemented(
+        message = "`{Self}` is not a dtensor element type: the element types are f32, f64, bf16, f16, i32 and i64",
+        label = "not a dtensor element type",
+        note = "`Element` is sealed: dtype-erased buffers are viewed as `&[T]` trusting it, so only dtensor-kernels implements it"
+    )]
+    pub trait Sealed: Sized {
+        /// The buffer, if it holds `Self`s: a match on the enum variant, no cast.
+        fn typed_view(s: Slice<'_>) -> Option<&[Self]>;
+        /// As [`Sealed::typed_view`], mutably.
+        fn typed_view_mut(s: SliceMut<'_>) -> Option<&mut [Self]>;
+        /// The 8-byte words as elements (`8 / size_of::<Self>()` per word), for scratch
+        /// space reused across dtypes.
+        fn typed_words_mut(words: &mut [u64]) -> &mut [Self];
+    }
+}
+
 /// A scalar a tensor can hold. Arithmetic goes through these methods so that `bf16` and
 /// `f16` round exactly once per operation, the same way on every rank.
+///
+/// Sealed: implemented for `f32`, `f64`, `bf16`, `f16`, `i32` and `i64` only.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a dtensor element type: the element types are f32, f64, bf16, f16, i32 and i64",
+    label = "not a dtensor element type"
+)]
 pub trait Element:
-    Copy + Default + PartialEq + PartialOrd + Send + Sync + fmt::Debug + 'static
+    sealed::Sealed + Copy + Default + PartialEq + PartialOrd + Send + Sync + fmt::Debug + 'static
 {
     const DTYPE: DType;
     fn zero() -> Self;
@@ -95,6 +124,30 @@ pub trait Element:
     }
     fn slice(s: &[Self]) -> Slice<'_>;
     fn slice_mut(s: &mut [Self]) -> SliceMut<'_>;
+}
+
+macro_rules! sealed_element {
+    ($t:ty, $variant:ident) => {
+        impl sealed::Sealed for $t {
+            fn typed_view(s: Slice<'_>) -> Option<&[Self]> {
+                match s {
+                    Slice::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn typed_view_mut(s: SliceMut<'_>) -> Option<&mut [Self]> {
+                match s {
+                    SliceMut::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn typed_words_mut(words: &mut [u64]) -> &mut [Self] {
+                // Checked by bytemuck (size and alignment divide 8, and any bits are a
+                // valid value), so this cannot fail for our six types.
+                bytemuck::cast_slice_mut(words)
+            }
+        }
+    };
 }
 
 macro_rules! native_element {
@@ -136,6 +189,7 @@ macro_rules! native_element {
                 SliceMut::$variant(s)
             }
         }
+        sealed_element!($t, $variant);
     };
 }
 
@@ -183,6 +237,7 @@ macro_rules! half_element {
                 SliceMut::$variant(s)
             }
         }
+        sealed_element!($t, $variant);
     };
 }
 
@@ -252,6 +307,17 @@ macro_rules! with_slice {
 }
 
 impl<'a> Slice<'a> {
+    /// The elements as `&[T]`, or `None` if the buffer does not hold `T`s.
+    ///
+    /// ```
+    /// use dtensor_kernels::Slice;
+    /// let v = [1.0f32, 2.0];
+    /// assert_eq!(Slice::F32(&v).typed::<f32>(), Some(&v[..]));
+    /// assert_eq!(Slice::F32(&v).typed::<f64>(), None);
+    /// ```
+    pub fn typed<T: Element>(self) -> Option<&'a [T]> {
+        T::typed_view(self)
+    }
     pub fn dtype(&self) -> DType {
         with_slice!(Slice, self, |_s: T| <T as Element>::DTYPE)
     }
@@ -271,6 +337,10 @@ impl<'a> Slice<'a> {
 }
 
 impl<'a> SliceMut<'a> {
+    /// The elements as `&mut [T]`, or `None` if the buffer does not hold `T`s.
+    pub fn typed_mut<T: Element>(self) -> Option<&'a mut [T]> {
+        T::typed_view_mut(self)
+    }
     pub fn dtype(&self) -> DType {
         with_slice!(SliceMut, self, |_s: T| <T as Element>::DTYPE)
     }
@@ -290,5 +360,47 @@ impl<'a> SliceMut<'a> {
     /// A shared view of the same buffer.
     pub fn as_slice(&self) -> Slice<'_> {
         with_slice!(SliceMut, self, |s: T| <T as Element>::slice(s))
+    }
+}
+
+/// `words` seen as elements of `T` (`8 / size_of::<T>()` per word): scratch space that one
+/// buffer of `u64`s provides for every dtype in turn. Safe: every element type is plain
+/// data whose size and alignment divide 8.
+///
+/// ```
+/// let mut words = vec![0u64; 2];
+/// let f: &mut [f32] = dtensor_kernels::dtype::words_as_mut(&mut words);
+/// assert_eq!(f.len(), 4);
+/// ```
+pub fn words_as_mut<T: Element>(words: &mut [u64]) -> &mut [T] {
+    T::typed_words_mut(words)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slice_typed_other_dtype_is_none() {
+        let v = [1.0f32, 2.0];
+        let s = Slice::F32(&v);
+        assert_eq!(s.typed::<f32>().map(<[f32]>::as_ptr), Some(v.as_ptr()));
+        assert_eq!(s.typed::<f64>(), None);
+        assert_eq!(s.typed::<i32>(), None);
+        assert_eq!(s.typed::<bf16>(), None);
+        let mut w = [1i64, 2];
+        assert!(SliceMut::I64(&mut w).typed_mut::<f64>().is_none());
+        SliceMut::I64(&mut w).typed_mut::<i64>().unwrap()[1] = 5;
+        assert_eq!(w, [1, 5]);
+    }
+
+    #[test]
+    fn words_as_mut_gives_eight_bytes_of_elements_per_word() {
+        let mut words = vec![0u64; 3];
+        assert_eq!(words_as_mut::<f64>(&mut words).len(), 3);
+        assert_eq!(words_as_mut::<i32>(&mut words).len(), 6);
+        assert_eq!(words_as_mut::<f16>(&mut words).len(), 12);
+        words_as_mut::<f32>(&mut words)[5] = 1.5;
+        assert_eq!(words_as_mut::<f32>(&mut words)[5], 1.5);
     }
 }

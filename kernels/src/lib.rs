@@ -24,11 +24,11 @@ pub mod pool;
 pub mod reduce;
 pub mod tensor;
 
-pub use dtype::{DType, Element, ReduceOp, Slice, SliceMut};
+pub use dtype::{words_as_mut, DType, Element, ReduceOp, Slice, SliceMut};
 pub use error::{Error, Result};
 pub use half;
 pub use tensor::{
-    chunk_sizes, numel, slice_as, CpuBuffer, CpuStorage, Storage, StorageElement, Tensor,
+    checked_numel, chunk_sizes, numel, CpuBuffer, CpuStorage, Storage, StorageElement, Tensor,
 };
 
 /// A tensor shape: extents, outermost first. Inline for up to 4 dims.

@@ -10,8 +10,9 @@ use crate::tensor::CpuStorage;
 use std::cell::RefCell;
 
 /// Buffers smaller than this are left to the system allocator (fast enough, and cached
-/// by malloc itself).
-const MIN_POOLED_BYTES: usize = 256 << 10;
+/// by malloc itself). Under Miri, which interprets every element write, 1 KiB, so that the
+/// pool's tests can exercise it with small buffers in reasonable time.
+const MIN_POOLED_BYTES: usize = if cfg!(miri) { 1 << 10 } else { 256 << 10 };
 /// Most bytes one thread keeps cached; the oldest buffers go first beyond it.
 const MAX_POOLED_BYTES: usize = 1 << 30;
 

@@ -50,6 +50,14 @@ pub fn reduce_into<T: Element>(dst: &mut [T], srcs: &[&[T]], op: ReduceOp) {
 /// # Safety
 /// Every pointer returned by `source` must be valid for reads of `len` elements, and `dst`
 /// for writes of `len` elements. Nobody else may write any of them during the call.
+/// `source` must return the same pointer each time it is called with the same `k`.
+///
+/// # Panics
+/// Unless `dst` is exactly one source pointer or disjoint from every source: at most one
+/// `source(k)` equals `dst`, and the `len` elements of every other source do not overlap
+/// `dst`'s. The kernel makes `&mut [T]` over `dst` and `&[T]` over the sources, so a
+/// partial overlap (or `dst` passed as two sources) would be undefined behaviour; it is
+/// checked, in O(count), before any memory is touched.
 pub unsafe fn reduce_sources_with<T: Element>(
     dst: *mut T,
     len: usize,
@@ -57,9 +65,10 @@ pub unsafe fn reduce_sources_with<T: Element>(
     op: ReduceOp,
     source: impl Fn(usize) -> *const T,
 ) {
-    if count == 0 {
+    if count == 0 || len == 0 {
         return;
     }
+    assert_dst_exact_or_disjoint(dst, len, count, &source);
     let mut scratch = [T::zero(); BLOCK];
     let mut start = 0;
     while start < len {
@@ -93,6 +102,36 @@ pub unsafe fn reduce_sources_with<T: Element>(
         }
         start += n;
     }
+}
+
+/// Panics unless `dst` equals at most one source exactly and is disjoint from all others
+/// (compared as addresses; the element ranges are `len` long, `len > 0`).
+fn assert_dst_exact_or_disjoint<T>(
+    dst: *mut T,
+    len: usize,
+    count: usize,
+    source: &impl Fn(usize) -> *const T,
+) {
+    // Both ranges are inside live allocations (the caller's contract), so their byte
+    // lengths fit `isize` and the ends cannot overflow.
+    let bytes = len * std::mem::size_of::<T>();
+    let d = dst.addr();
+    let mut exact = 0;
+    for k in 0..count {
+        let s = source(k).addr();
+        if s == d {
+            exact += 1;
+        } else {
+            assert!(
+                s + bytes <= d || d + bytes <= s,
+                "reduce_sources_with: dst partly overlaps source {k}"
+            );
+        }
+    }
+    assert!(
+        exact <= 1,
+        "reduce_sources_with: dst is {exact} of the sources (at most one may be dst)"
+    );
 }
 
 /// `dst[i] = a[i] ⊕ b[i]` for `i < n` (Avg combines as Sum). `dst` may be `a` or `b` (an
@@ -250,5 +289,39 @@ mod tests {
         let dst = b.as_mut_ptr();
         unsafe { reduce_sources_with(dst, n, 2, ReduceOp::Sum, |k| srcs[k]) };
         assert_eq!(b, expect);
+    }
+
+    #[test]
+    #[should_panic(expected = "reduce_sources_with: dst partly overlaps source 0")]
+    fn reduce_sources_with_dst_partly_overlapping_source_panics() {
+        // The audit's reproducer: within the old documented contract (sources readable and
+        // dst writable for 4 elements, no other thread), but dst starts one element into
+        // source 0, which made overlapping `&mut` and `&` slices (UB under Miri).
+        let mut a = [1.0f32, 2.0, 3.0, 4.0, 5.0];
+        let b = [10.0f32; 4];
+        let base = a.as_mut_ptr();
+        let srcs = [base as *const f32, b.as_ptr()];
+        unsafe { reduce_sources_with(base.add(1), 4, 2, ReduceOp::Sum, |k| srcs[k]) };
+    }
+
+    #[test]
+    #[should_panic(expected = "dst is 2 of the sources")]
+    fn reduce_sources_with_dst_twice_a_source_panics() {
+        // dst equal to two sources would alias `&mut dst` with `&source`.
+        let mut a = [1.0f32; 4];
+        let p = a.as_mut_ptr();
+        unsafe { reduce_sources_with(p, 4, 2, ReduceOp::Sum, |_| p as *const f32) };
+    }
+
+    #[test]
+    fn reduce_sources_with_adjacent_buffers_are_disjoint() {
+        // Touching but not overlapping ranges (one buffer cut in three) are accepted.
+        let mut buf = [1.0f32, 2.0, 10.0, 20.0, 0.0, 0.0];
+        let p = buf.as_mut_ptr();
+        unsafe {
+            let srcs = [p as *const f32, p.add(2) as *const f32];
+            reduce_sources_with(p.add(4), 2, 2, ReduceOp::Sum, |k| srcs[k]);
+        }
+        assert_eq!(buf[4..], [11.0, 22.0]);
     }
 }

@@ -152,14 +152,69 @@ impl PartialEq for Tensor {
     fn eq(&self, other: &Tensor) -> bool {
         self.shape == other.shape && self.dtype() == other.dtype() && {
             let (a, b) = (self.as_dyn_slice(), other.as_dyn_slice());
-            with_slice!(Slice, a, |x: T| x == slice_as::<T>(b))
+            with_slice!(Slice, a, |x: T| b.typed::<T>() == Some(x))
         }
     }
 }
 
 /// Product of the extents (1 for a scalar).
+///
+/// # Panics
+/// If the product of the non-zero extents overflows `usize` (see [`checked_numel`]). Never
+/// for the shape of a [`Tensor`], whose constructors reject such shapes.
 pub fn numel(shape: &[usize]) -> usize {
-    shape.iter().product()
+    checked_numel(shape)
+        .unwrap_or_else(|| panic!("numel: shape {shape:?} has more elements than usize holds"))
+}
+
+/// Product of the extents (1 for a scalar), or `None` if the product of the non-zero
+/// extents overflows `usize`.
+///
+/// Stricter than the plain product on purpose: `[2^40, 2^40, 0]` has 0 elements, but the
+/// kernels multiply subsets of extents (rows × cols, `m·k`, outer × inner), and those must
+/// not overflow either. Every shape accepted here has every such sub-product in range.
+pub fn checked_numel(shape: &[usize]) -> Option<usize> {
+    let nonzero = shape
+        .iter()
+        .filter(|&&d| d != 0)
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))?;
+    Some(if shape.contains(&0) { 0 } else { nonzero })
+}
+
+/// The element count of a new tensor of `shape` and `dtype`, or `Err` if it overflows
+/// ([`checked_numel`]) or its bytes exceed `isize::MAX` (the most any allocation can hold,
+/// so that a later `Vec` allocation cannot hit its own "capacity overflow" panic).
+fn checked_len(op: &'static str, shape: &[usize], dtype: DType) -> Result<usize> {
+    checked_numel(shape)
+        .filter(|n| {
+            n.checked_mul(dtype.size_in_bytes())
+                .is_some_and(|b| b <= isize::MAX as usize)
+        })
+        .ok_or_else(|| Error::Invalid {
+            op,
+            detail: format!(
+                "shape {shape:?} of {dtype} has more elements than memory can hold: capacity overflow"
+            ),
+        })
+}
+
+/// `Ok` value or the panic a constructor without `Result` documents.
+fn or_panic(r: Result<Tensor>) -> Tensor {
+    r.unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Sum of piece extents, or `None` if it overflows.
+fn checked_sum(sizes: &[usize]) -> Option<usize> {
+    sizes.iter().try_fold(0usize, |a, &s| a.checked_add(s))
+}
+
+/// The elements of a buffer whose dtype the caller checked to be `T`'s.
+///
+/// # Panics
+/// If it is not (an internal invariant).
+fn typed_as<T: Element>(s: Slice<'_>) -> &[T] {
+    s.typed()
+        .expect("dtype checked by the caller to be the destination's")
 }
 
 impl Tensor {
@@ -173,34 +228,70 @@ impl Tensor {
     }
 
     /// A tensor of `shape` filled with zeros.
+    ///
+    /// # Panics
+    /// With "capacity overflow" if the shape has more elements than memory can hold
+    /// ([`checked_numel`]); [`Tensor::try_zeros`] returns `Err` instead.
     pub fn zeros(shape: &[usize], dtype: DType) -> Self {
-        let n = numel(shape);
-        match crate::pool::take(dtype, n) {
+        or_panic(Self::zeros_checked("Tensor::zeros", shape, dtype))
+    }
+
+    /// [`Tensor::zeros`], or `Err` if the shape has more elements than memory can hold.
+    /// Never panics (allocation failure still aborts, as for any `Vec`).
+    pub fn try_zeros(shape: &[usize], dtype: DType) -> Result<Self> {
+        Self::zeros_checked("Tensor::try_zeros", shape, dtype)
+    }
+
+    pub(crate) fn zeros_checked(op: &'static str, shape: &[usize], dtype: DType) -> Result<Self> {
+        let n = checked_len(op, shape, dtype)?;
+        Ok(match crate::pool::take(dtype, n) {
             Some(mut data) => {
                 with_slice!(SliceMut, data.slice_mut(), |d: T| d
                     .fill(<T as Element>::zero()));
                 Tensor::from_storage(shape, data)
             }
             None => Tensor::from_storage(shape, CpuStorage::zeros(dtype, n)),
-        }
+        })
     }
 
     /// A tensor of `shape` whose elements are unspecified (but initialized) values, for a
     /// destination that is about to be overwritten in full: reuses a pooled buffer
     /// without clearing it.
+    ///
+    /// # Panics
+    /// With "capacity overflow" if the shape has more elements than memory can hold;
+    /// [`Tensor::try_for_overwrite`] returns `Err` instead.
     pub fn for_overwrite(shape: &[usize], dtype: DType) -> Self {
-        let n = numel(shape);
-        let data = crate::pool::take(dtype, n).unwrap_or_else(|| CpuStorage::zeros(dtype, n));
-        Tensor::from_storage(shape, data)
+        or_panic(Self::for_overwrite_checked(
+            "Tensor::for_overwrite",
+            shape,
+            dtype,
+        ))
     }
 
-    /// Wraps `data` (row-major) as a tensor of `shape`.
+    /// [`Tensor::for_overwrite`], or `Err` if the shape has more elements than memory can
+    /// hold. Never panics.
+    pub fn try_for_overwrite(shape: &[usize], dtype: DType) -> Result<Self> {
+        Self::for_overwrite_checked("Tensor::try_for_overwrite", shape, dtype)
+    }
+
+    fn for_overwrite_checked(op: &'static str, shape: &[usize], dtype: DType) -> Result<Self> {
+        let n = checked_len(op, shape, dtype)?;
+        let data = crate::pool::take(dtype, n).unwrap_or_else(|| CpuStorage::zeros(dtype, n));
+        Ok(Tensor::from_storage(shape, data))
+    }
+
+    /// Wraps `data` (row-major) as a tensor of `shape`; `Err` if `data` does not hold
+    /// exactly the shape's element count (or that count overflows).
     pub fn from_vec<T: StorageElement>(data: Vec<T>, shape: &[usize]) -> Result<Self> {
-        if data.len() != numel(shape) {
+        const OP: &str = "Tensor::from_vec";
+        // Checked before comparing: a wrapped count could match a short (even empty) `data`.
+        let expected = checked_len(OP, shape, T::DTYPE)?;
+        if data.len() != expected {
             return Err(Error::LengthMismatch {
-                op: "Tensor::from_vec",
+                op: OP,
                 len: data.len(),
-                expected: numel(shape),
+                expected,
                 shape: shape.into(),
             });
         }
@@ -208,9 +299,31 @@ impl Tensor {
     }
 
     /// A tensor whose element at flat index `i` is `f(i)` (handy for tests and examples).
+    ///
+    /// # Panics
+    /// With "capacity overflow" if the shape has more elements than memory can hold;
+    /// [`Tensor::try_from_fn`] returns `Err` instead (and panics only if `f` does).
     pub fn from_fn<T: StorageElement>(shape: &[usize], f: impl FnMut(usize) -> T) -> Self {
-        let data: Vec<T> = (0..numel(shape)).map(f).collect();
-        Tensor::from_storage(shape, T::wrap(data))
+        or_panic(Self::from_fn_checked("Tensor::from_fn", shape, f))
+    }
+
+    /// [`Tensor::from_fn`], or `Err` (before calling `f`) if the shape has more elements
+    /// than memory can hold.
+    pub fn try_from_fn<T: StorageElement>(
+        shape: &[usize],
+        f: impl FnMut(usize) -> T,
+    ) -> Result<Self> {
+        Self::from_fn_checked("Tensor::try_from_fn", shape, f)
+    }
+
+    fn from_fn_checked<T: StorageElement>(
+        op: &'static str,
+        shape: &[usize],
+        f: impl FnMut(usize) -> T,
+    ) -> Result<Self> {
+        let n = checked_len(op, shape, T::DTYPE)?;
+        let data: Vec<T> = (0..n).map(f).collect();
+        Ok(Tensor::from_storage(shape, T::wrap(data)))
     }
 
     pub fn shape(&self) -> &[usize] {
@@ -267,7 +380,7 @@ impl Tensor {
         let mut out = Tensor::for_overwrite(&self.shape, self.dtype());
         let src = self.as_dyn_slice();
         with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| d
-            .copy_from_slice(slice_as::<T>(src)));
+            .copy_from_slice(typed_as::<T>(src)));
         out
     }
 
@@ -350,7 +463,7 @@ impl Tensor {
 
     /// The same elements under another shape with the same element count.
     pub fn reshape(self, shape: &[usize]) -> Result<Tensor> {
-        if numel(shape) != self.numel() {
+        if checked_numel(shape) != Some(self.numel()) {
             return Err(Error::ShapeMismatch {
                 op: "Tensor::reshape",
                 lhs: self.shape,
@@ -385,14 +498,16 @@ impl Tensor {
     /// Elements `start..start + len` along `dim`, copied into a new tensor.
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
         self.check_dim("Tensor::narrow", dim)?;
-        if start + len > self.shape[dim] {
+        // Checked: a wrapping `start + len` would pass and make a view outside this one.
+        if start
+            .checked_add(len)
+            .is_none_or(|end| end > self.shape[dim])
+        {
             return Err(Error::Invalid {
                 op: "Tensor::narrow",
                 detail: format!(
-                    "range {start}..{} exceeds extent {} of dim {dim} in shape {:?}",
-                    start + len,
-                    self.shape[dim],
-                    self.shape
+                    "range {start}..{start}+{len} exceeds extent {} of dim {dim} in shape {:?}",
+                    self.shape[dim], self.shape
                 ),
             });
         }
@@ -476,8 +591,12 @@ impl Tensor {
             }
         }
         let mut shape = first.shape.clone();
-        shape[dim] = tensors.iter().map(|t| t.shape[dim]).sum();
-        let mut out = Tensor::for_overwrite(&shape, first.dtype());
+        let extents: SmallVec<[usize; 8]> = tensors.iter().map(|t| t.shape[dim]).collect();
+        shape[dim] = checked_sum(&extents).ok_or_else(|| Error::Invalid {
+            op: "Tensor::cat",
+            detail: format!("extents {extents:?} of dim {dim} overflow usize when added"),
+        })?;
+        let mut out = Tensor::for_overwrite_checked("Tensor::cat", &shape, first.dtype())?;
         let (outer, total, inner) = out.split_at_dim(dim);
         let mut offset = 0;
         for t in tensors {
@@ -506,7 +625,7 @@ impl Tensor {
         let mut out = Tensor::for_overwrite(&[self.numel()], self.dtype());
         let src = self.as_dyn_slice();
         with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
-            let s: &[T] = slice_as(src);
+            let s: &[T] = typed_as(src);
             piece_runs(outer, extent, inner, sizes, |t, p, run| {
                 d[p..p + run].copy_from_slice(&s[t..t + run])
             });
@@ -519,8 +638,8 @@ impl Tensor {
     /// One pass over memory.
     pub fn unpack(flat: &Tensor, shape: &[usize], dim: usize, sizes: &[usize]) -> Result<Tensor> {
         if dim >= shape.len()
-            || flat.numel() != numel(shape)
-            || sizes.iter().sum::<usize>() != shape[dim]
+            || checked_numel(shape) != Some(flat.numel())
+            || checked_sum(sizes) != Some(shape[dim])
         {
             return Err(Error::Invalid {
                 op: "Tensor::unpack",
@@ -536,7 +655,7 @@ impl Tensor {
         let mut out = Tensor::for_overwrite(shape, flat.dtype());
         let src = flat.as_dyn_slice();
         with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
-            let s: &[T] = slice_as(src);
+            let s: &[T] = typed_as(src);
             piece_runs(outer, extent, inner, sizes, |t, p, run| {
                 d[t..t + run].copy_from_slice(&s[p..p + run])
             });
@@ -546,7 +665,8 @@ impl Tensor {
 
     fn check_pieces(&self, op: &'static str, dim: usize, sizes: &[usize]) -> Result<()> {
         self.check_dim(op, dim)?;
-        if sizes.iter().sum::<usize>() != self.shape[dim] {
+        // Checked: wrapped sizes could add up to the extent and make runs past the buffer.
+        if checked_sum(sizes) != Some(self.shape[dim]) {
             return Err(Error::Invalid {
                 op,
                 detail: format!(
@@ -588,7 +708,7 @@ impl Tensor {
         self.check_same("Tensor::add", other)?;
         let src = other.as_dyn_slice();
         with_slice!(SliceMut, self.as_dyn_slice_mut(), |d: T| {
-            let s: &[T] = slice_as(src);
+            let s: &[T] = typed_as(src);
             for (a, &b) in d.iter_mut().zip(s) {
                 *a = a.add(b);
             }
@@ -625,7 +745,7 @@ impl Tensor {
         let mut out = self.clone();
         let src = other.as_dyn_slice();
         with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
-            let s: &[T] = slice_as(src);
+            let s: &[T] = typed_as(src);
             for (a, &b) in d.iter_mut().zip(s) {
                 *a = a.mul(b);
             }
@@ -638,7 +758,9 @@ impl Tensor {
         self.check_dim("Tensor::write_at", dim)?;
         let fits = src.rank() == self.rank()
             && src.dtype() == self.dtype()
-            && start + src.shape[dim] <= self.shape[dim]
+            && start
+                .checked_add(src.shape[dim])
+                .is_some_and(|end| end <= self.shape[dim])
             && (0..self.rank()).all(|d| d == dim || src.shape[d] == self.shape[d]);
         if !fits {
             return Err(Error::ShapeMismatch {
@@ -687,21 +809,14 @@ fn piece_runs(
 /// Sizes of `torch.chunk(n, parts)`, padded with zeros to `parts` entries.
 pub fn chunk_sizes(n: usize, parts: usize) -> SmallVec<[usize; 8]> {
     let c = n.div_ceil(parts.max(1));
+    // Saturating: `c · parts` may pass `usize::MAX` for `n` near it, and is clamped to `n`.
     (0..parts)
-        .map(|i| (c * (i + 1)).min(n).saturating_sub((c * i).min(n)))
+        .map(|i| {
+            c.saturating_mul(i + 1)
+                .min(n)
+                .saturating_sub(c.saturating_mul(i).min(n))
+        })
         .collect()
-}
-
-/// Reinterprets a dtype-erased slice as `&[T]`.
-///
-/// # Panics
-/// If the dtype is not `T`: callers check dtypes first (an internal invariant).
-pub fn slice_as<T: Element>(s: Slice<'_>) -> &[T] {
-    assert_eq!(s.dtype(), T::DTYPE, "slice_as: dtype checked by the caller");
-    let (ptr, bytes) = s.as_bytes_ptr();
-    // SAFETY: the dtype matches T, so the memory holds `bytes / size_of::<T>()` valid Ts,
-    // borrowed for the lifetime of `s`.
-    unsafe { std::slice::from_raw_parts(ptr as *const T, bytes / std::mem::size_of::<T>()) }
 }
 
 /// Copies `blocks` runs of `run` elements from `src` (stride `src_stride`, start
@@ -721,7 +836,7 @@ fn copy_blocks(
         return;
     }
     with_slice!(SliceMut, dst, |d: T| {
-        let s: &[T] = slice_as(src);
+        let s: &[T] = typed_as(src);
         for b in 0..blocks {
             let so = src_off + b * src_stride;
             let d_o = dst_off + b * dst_stride;
@@ -847,10 +962,12 @@ mod tests {
     #[test]
     fn dropped_large_buffers_are_reused_on_the_same_thread() {
         std::thread::spawn(|| {
-            let n = 1 << 20; // 4 MiB of f32
+            // 4 MiB of f32; 4 KiB under Miri (which pools from 1 KiB on), where 4 MiB takes
+            // longer than a test run should.
+            let n = if cfg!(miri) { 1 << 10 } else { 1 << 20 };
             let a = Tensor::from_fn(&[n], |i| i as f32);
             drop(a);
-            assert_eq!(crate::pool::cached_bytes(), 4 << 20);
+            assert_eq!(crate::pool::cached_bytes(), n * 4);
             let b = Tensor::for_overwrite(&[n], DType::F32);
             assert_eq!(
                 crate::pool::cached_bytes(),
@@ -869,7 +986,7 @@ mod tests {
             // A much smaller request does not take a big buffer.
             drop(z);
             let small = Tensor::for_overwrite(&[n / 4], DType::F32);
-            assert_eq!(crate::pool::cached_bytes(), 4 << 20);
+            assert_eq!(crate::pool::cached_bytes(), n * 4);
             drop(small);
         })
         .join()
@@ -885,5 +1002,198 @@ mod tests {
         assert!(e.to_string().contains("Tensor::from_vec"), "{e}");
         assert!(t.chunk(0, 0).is_err());
         assert!(t.split(1, &[1, 1]).is_err());
+    }
+
+    // Shape arithmetic (the audit's P2 and P5). The test profile has overflow checks on, so
+    // an unchecked product or sum would panic with "attempt to ... with overflow" instead
+    // of returning the `Err` these tests expect: they pass only through the checked path.
+
+    /// 2^33 · 2^33 = 2^66; in release an unchecked product wrapped to 0.
+    const HUGE: [usize; 2] = [1 << 33, 1 << 33];
+
+    fn is_overflow_err(r: Result<Tensor>, op: &str) -> bool {
+        matches!(&r, Err(Error::Invalid { op: o, detail }) if *o == op && detail.contains("capacity overflow"))
+    }
+
+    #[test]
+    fn checked_numel_overflowing_shapes_are_none() {
+        assert_eq!(checked_numel(&[2, 3]), Some(6));
+        assert_eq!(checked_numel(&[]), Some(1));
+        assert_eq!(checked_numel(&[5, 0]), Some(0));
+        assert_eq!(checked_numel(&HUGE), None);
+        // Zero elements, but rows × cols of it would overflow: rejected wherever the 0 is.
+        assert_eq!(checked_numel(&[1 << 40, 1 << 40, 0]), None);
+        assert_eq!(checked_numel(&[0, 1 << 40, 1 << 40]), None);
+        assert_eq!(checked_numel(&[1 << 63, 0]), Some(0));
+    }
+
+    #[test]
+    #[should_panic(expected = "has more elements than usize holds")]
+    fn numel_overflowing_shape_panics() {
+        numel(&HUGE);
+    }
+
+    #[test]
+    fn try_zeros_overflowing_shape_errs() {
+        assert!(is_overflow_err(
+            Tensor::try_zeros(&HUGE, DType::F32),
+            "Tensor::try_zeros"
+        ));
+        assert!(is_overflow_err(
+            Tensor::try_zeros(&[1 << 40, 1 << 40, 0], DType::F32),
+            "Tensor::try_zeros"
+        ));
+        // The count fits but its bytes do not: what `Vec` itself would panic on.
+        assert!(is_overflow_err(
+            Tensor::try_zeros(&[1 << 62], DType::F32),
+            "Tensor::try_zeros"
+        ));
+        assert_eq!(Tensor::try_zeros(&[2, 0], DType::F32).unwrap().numel(), 0);
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "Tensor::zeros: shape [8589934592, 8589934592] of f32 has more elements than memory can hold: capacity overflow"
+    )]
+    fn zeros_overflowing_shape_panics_with_capacity_overflow() {
+        Tensor::zeros(&HUGE, DType::F32);
+    }
+
+    #[test]
+    fn try_for_overwrite_overflowing_shape_errs() {
+        assert!(is_overflow_err(
+            Tensor::try_for_overwrite(&HUGE, DType::BF16),
+            "Tensor::try_for_overwrite"
+        ));
+    }
+
+    #[test]
+    #[should_panic(expected = "capacity overflow")]
+    fn for_overwrite_overflowing_shape_panics_with_capacity_overflow() {
+        Tensor::for_overwrite(&HUGE, DType::F64);
+    }
+
+    #[test]
+    fn try_from_fn_overflowing_shape_errs_without_calling_f() {
+        let r = Tensor::try_from_fn(&HUGE, |_| -> f32 { panic!("f called") });
+        assert!(is_overflow_err(r, "Tensor::try_from_fn"));
+    }
+
+    #[test]
+    #[should_panic(expected = "capacity overflow")]
+    fn from_fn_overflowing_shape_panics_with_capacity_overflow() {
+        Tensor::from_fn(&HUGE, |i| i as f32);
+    }
+
+    #[test]
+    fn from_vec_empty_for_wrapping_shape_errs() {
+        // The audit's P2 destination: [2^33, 2^31] has 2^64 elements, 0 when wrapped, so an
+        // empty Vec used to be accepted as its storage.
+        let r = Tensor::from_vec(Vec::<f32>::new(), &[1 << 33, 1 << 31]);
+        assert!(is_overflow_err(r, "Tensor::from_vec"));
+    }
+
+    #[test]
+    fn reshape_empty_to_wrapping_shape_errs() {
+        // 2^32 · 2^32 wraps to 0 = the element count of an empty tensor.
+        let e = Tensor::zeros(&[0], DType::F32);
+        let r = e.reshape(&[1 << 32, 1 << 32]);
+        assert!(matches!(
+            r,
+            Err(Error::ShapeMismatch {
+                op: "Tensor::reshape",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn narrow_view_start_wrapping_usize_errs() {
+        // The audit's P5: start + len wraps to 1, which passed the range check, and the
+        // view's offset wrapped back into the parent's row 0.
+        let full = iota(&[4, 2]);
+        let rows12 = full.narrow(0, 1, 2).unwrap();
+        assert!(rows12.shares_storage_with(&full));
+        for (start, len) in [(usize::MAX, 2), (1, usize::MAX), (usize::MAX, usize::MAX)] {
+            let r = rows12.narrow(0, start, len);
+            assert!(
+                matches!(
+                    &r,
+                    Err(Error::Invalid {
+                        op: "Tensor::narrow",
+                        ..
+                    })
+                ),
+                "narrow(0, {start}, {len}) = {r:?}"
+            );
+        }
+        // Middle dims too (the copying path).
+        assert!(iota(&[2, 3, 2]).narrow(1, usize::MAX, 2).is_err());
+    }
+
+    #[test]
+    fn write_at_start_wrapping_usize_errs() {
+        let mut dst = iota(&[4, 2]);
+        let src = iota(&[2, 2]);
+        let r = dst.write_at(0, usize::MAX, &src);
+        assert!(matches!(
+            r,
+            Err(Error::ShapeMismatch {
+                op: "Tensor::write_at",
+                ..
+            })
+        ));
+        assert_eq!(dst, iota(&[4, 2]), "nothing was written");
+    }
+
+    #[test]
+    fn split_pack_unpack_sizes_wrapping_to_extent_err() {
+        // usize::MAX + 5 wraps to 4, the extent.
+        let t = iota(&[4, 2]);
+        let sizes = [usize::MAX, 5];
+        assert!(t.split(0, &sizes).is_err());
+        assert!(t.pack(0, &sizes).is_err());
+        assert!(Tensor::unpack(&t.reshape(&[8]).unwrap(), &[4, 2], 0, &sizes).is_err());
+    }
+
+    #[test]
+    fn unpack_wrapping_shape_errs() {
+        let flat = Tensor::zeros(&[0], DType::F32);
+        assert!(Tensor::unpack(&flat, &[1 << 32, 1 << 32], 0, &[1 << 32]).is_err());
+    }
+
+    #[test]
+    fn cat_extents_overflowing_usize_errs() {
+        // Valid empty tensors (0 elements) whose extents along dim 0 add up past usize.
+        let a = Tensor::zeros(&[1 << 63, 0], DType::F32);
+        let r = Tensor::cat(&[a.clone(), a], 0);
+        assert!(
+            matches!(
+                r,
+                Err(Error::Invalid {
+                    op: "Tensor::cat",
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+    }
+
+    #[test]
+    fn chunk_sizes_near_usize_max_add_up() {
+        let s = chunk_sizes(usize::MAX, 2);
+        assert_eq!(s.as_slice(), &[1 << 63, (1 << 63) - 1]);
+        assert_eq!(
+            chunk_sizes(usize::MAX - 1, 3).iter().sum::<usize>(),
+            usize::MAX - 1
+        );
+    }
+
+    #[test]
+    fn eq_compares_dtype_and_values() {
+        let a = iota(&[3]);
+        assert_eq!(a, a.deep_clone());
+        assert_ne!(a, a.to_dtype(DType::F64));
+        assert_ne!(a, a.scale(2.0));
     }
 }

@@ -218,17 +218,14 @@ fn counts_displs(counts: &[usize], what: &str) -> Result<(Vec<c_int>, Vec<c_int>
     Ok((c, d))
 }
 
-/// `slice` of `len` elements of `T` at the start of `words`, growing it as needed.
+/// `slice` of `len` elements of `T` at the start of `words`, growing it as needed. The
+/// words are viewed as `T`s by a checked cast, not a pointer cast.
 fn scratch_of<T: Element>(words: &mut Vec<u64>, len: usize) -> &mut [T] {
-    let es = std::mem::size_of::<T>();
-    let need = (len * es).div_ceil(8);
+    let need = (len * std::mem::size_of::<T>()).div_ceil(8);
     if words.len() < need {
         words.resize(need, 0);
     }
-    debug_assert!(std::mem::align_of::<T>() <= 8);
-    // SAFETY: `words` holds at least `len * es` bytes, aligned to 8 ≥ align_of::<T>();
-    // every `Element` is plain old data (floats, ints, half floats): any bits are valid.
-    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<T>(), len) }
+    &mut dtensor_kernels::words_as_mut::<T>(&mut words[..need])[..len]
 }
 
 fn ptr<T>(s: &[T]) -> *const c_void {
@@ -241,12 +238,7 @@ fn ptr_mut<T>(s: &mut [T]) -> *mut c_void {
 
 /// `s` as a typed slice, if its dtype is `T`'s.
 fn typed<T: Element>(s: Slice<'_>) -> Option<&[T]> {
-    (s.dtype() == T::DTYPE).then(|| {
-        let (p, _) = s.as_bytes_ptr();
-        // SAFETY: `s` holds `s.len()` elements of `T` (its dtype is `T`'s), borrowed for
-        // the returned lifetime.
-        unsafe { std::slice::from_raw_parts(p.cast::<T>(), s.len()) }
-    })
+    s.typed()
 }
 
 /// The bytes of a typed buffer.

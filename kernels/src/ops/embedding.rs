@@ -116,7 +116,7 @@ fn gather(op: &'static str, table: &Tensor, ids: &Tensor, shard: VocabShard) -> 
     shard.check(op)?;
     let hidden = table_dims(op, table, shard.len)?;
     let ids_v = read_ids(op, ids, shard.vocab)?;
-    let mut out = Tensor::zeros(&out_shape(ids, hidden), table.dtype());
+    let mut out = Tensor::zeros_checked(op, &out_shape(ids, hidden), table.dtype())?;
     dispatch_float!(op, table.dtype(), |T| {
         let t = table.as_slice::<T>()?;
         let o = out.as_mut_slice::<T>()?;
@@ -253,7 +253,7 @@ fn embedding_masked_backward_op(
 ) -> Result<Tensor> {
     let hidden = dy_hidden(op, dy, ids)?;
     shard.check(op)?;
-    let mut dtable = Tensor::zeros(&[shard.len, hidden], dy.dtype());
+    let mut dtable = Tensor::zeros_checked(op, &[shard.len, hidden], dy.dtype())?;
     scatter(op, &mut dtable, dy, ids, shard, Accum::Replace)?;
     Ok(dtable)
 }

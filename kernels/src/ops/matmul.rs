@@ -46,7 +46,7 @@ pub struct MatmulScratch {
 /// ```
 pub fn matmul(a: &Tensor, ta: Transpose, b: &Tensor, tb: Transpose) -> Result<Tensor> {
     let plan = Plan::new(a, ta, b, tb)?;
-    let mut dst = Tensor::zeros(&plan.out_shape, a.dtype());
+    let mut dst = Tensor::zeros_checked(OP, &plan.out_shape, a.dtype())?;
     matmul_into(&mut dst, a, ta, b, tb, Accum::Replace, Parallelism::None)?;
     Ok(dst)
 }
@@ -122,12 +122,19 @@ pub fn matmul_into_with(
 
 /// One validated product: `batch` gemms of `op(a)[m,k]·op(b)[k,n]` into row-major `[m,n]`
 /// blocks of dst. Strides are in elements; a batch stride of 0 means "shared".
+///
+/// `mk`, `kn` and `mn` are the block sizes, computed once with overflow checks: gemm
+/// addresses exactly that many elements from the raw pointers it is given, so a wrapped
+/// product would make it read and write far past slices cut with the wrapped length.
 #[derive(Debug)]
 struct Plan {
     batch: usize,
     m: usize,
     n: usize,
     k: usize,
+    mk: usize,
+    kn: usize,
+    mn: usize,
     a_batch: usize,
     a_rs: isize,
     a_cs: isize,
@@ -175,23 +182,47 @@ impl Plan {
         } else {
             [m, n].as_slice().into()
         };
+        // The operands' products fit (their tensors exist), but the destination's need not:
+        // `[2^33, 0]·[0, 2^33]` is a valid product of two empty tensors with 2^66 elements.
+        let overflow = |what: &str| Error::Invalid {
+            op: OP,
+            detail: format!(
+                "{what} of the product of {:?} and {:?} overflows usize",
+                a.shape(),
+                b.shape()
+            ),
+        };
+        let (Some(mk), Some(kn), Some(mn)) = (m.checked_mul(k), k.checked_mul(n), m.checked_mul(n))
+        else {
+            return Err(overflow("an m·k, k·n or m·n block"));
+        };
+        if crate::checked_numel(&out_shape).is_none() {
+            return Err(overflow("the destination's element count"));
+        }
         let shared_rhs = sb.len() == 2;
         let mut plan = Plan {
             batch,
             m,
             n,
             k,
-            a_batch: m * k,
+            mk,
+            kn,
+            mn,
+            a_batch: mk,
             a_rs,
             a_cs,
-            b_batch: if shared_rhs { 0 } else { k * n },
+            b_batch: if shared_rhs { 0 } else { kn },
             b_rs,
             b_cs,
             out_shape,
         };
         if shared_rhs && ta == Transpose::No && batch > 1 {
             // `[b,m,k]` row-major is `[b·m, k]`, and so is the `[b,m,n]` destination.
-            plan.m *= batch;
+            let merged = |x: usize| batch.checked_mul(x).ok_or_else(|| overflow("batch·m"));
+            plan.m = merged(m)?;
+            plan.mk = merged(mk)?;
+            plan.mn = merged(mn)?;
+            plan.a_batch = plan.mk;
             plan.batch = 1;
         }
         Ok(plan)
@@ -219,14 +250,26 @@ fn run_native<T: 'static + Copy + num_traits::Zero + num_traits::One>(
         Accum::Replace => (false, T::zero()),
         Accum::Add => (true, T::one()),
     };
-    let d_batch = p.m * p.n;
     for i in 0..p.batch {
-        let d = &mut dst[i * d_batch..(i + 1) * d_batch];
-        let a = &a[i * p.a_batch..i * p.a_batch + p.m * p.k];
-        let b = &b[i * p.b_batch..i * p.b_batch + p.k * p.n];
+        // In bounds: `i < batch`, and the tensors hold `batch` blocks (checked shapes).
+        let d = &mut dst[i * p.mn..][..p.mn];
+        let a = &a[i * p.a_batch..][..p.mk];
+        let b = &b[i * p.b_batch..][..p.kn];
+        // What the SAFETY argument below rests on, checked in O(1) right here so that no
+        // change to the plan above can hand gemm short slices.
+        assert!(
+            d.len() == p.mn
+                && a.len() == p.mk
+                && b.len() == p.kn
+                && p.m.checked_mul(p.n) == Some(p.mn)
+                && p.m.checked_mul(p.k) == Some(p.mk)
+                && p.k.checked_mul(p.n) == Some(p.kn),
+            "matmul: slices do not match the gemm dimensions"
+        );
         // SAFETY: `d`, `a`, `b` are exactly the `m·n`, `m·k`, `k·n` elements the strides
-        // address (row-major blocks, possibly read transposed); `d` is a unique borrow and
-        // cannot alias the shared `a` and `b`. gemm computes `d = alpha·d + 1·a·b`.
+        // address (row-major blocks, possibly read transposed; asserted above); `d` is a
+        // unique borrow and cannot alias the shared `a` and `b`. gemm computes
+        // `d = alpha·d + 1·a·b`.
         unsafe {
             gemm::gemm(
                 p.m,
@@ -295,7 +338,7 @@ fn run_widened<H: Widen + num_traits::Zero>(
         }
         return;
     }
-    let (a_len, b_len, d_len) = (p.m * p.k, p.k * p.n, p.m * p.n);
+    let (a_len, b_len, d_len) = (p.mk, p.kn, p.mn);
     s.lhs.resize(a_len, 0.0);
     s.rhs.resize(b_len, 0.0);
     s.dst.resize(d_len, 0.0);
@@ -317,5 +360,55 @@ fn run_widened<H: Widen + num_traits::Zero>(
         }
         run_native::<f32>(&mut s.dst, &s.lhs, &s.rhs, &one_plan, accum, par);
         H::narrow(d, &s.dst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // The audit's P2 operands ([2^33, 2^33]) cannot be built any more (see the tensor
+    // tests); empty operands can, and their product may still not fit. The test profile
+    // has overflow checks on, so an unchecked `m·n` would panic here instead of erring.
+
+    #[test]
+    fn matmul_empty_operands_overflowing_product_errs() {
+        let a = Tensor::zeros(&[1 << 33, 0], DType::F32);
+        let b = Tensor::zeros(&[0, 1 << 33], DType::F32);
+        let r = matmul(&a, Transpose::No, &b, Transpose::No);
+        assert!(
+            matches!(&r, Err(Error::Invalid { op: OP, detail }) if detail.contains("overflows")),
+            "{r:?}"
+        );
+        // Transposed operands read the same extents the other way round.
+        let at = Tensor::zeros(&[0, 1 << 33], DType::F32);
+        assert!(matmul(&at, Transpose::Yes, &b, Transpose::No).is_err());
+    }
+
+    #[test]
+    fn matmul_batched_overflowing_product_errs() {
+        // m·n = 2^63 fits; batch · m·n = 3 · 2^63 does not (merged and per-batch plans).
+        let a = Tensor::zeros(&[3, 1 << 31, 0], DType::F32);
+        let b = Tensor::zeros(&[0, 1 << 32], DType::F32);
+        assert!(matmul(&a, Transpose::No, &b, Transpose::No).is_err());
+        let b3 = Tensor::zeros(&[3, 0, 1 << 32], DType::F32);
+        assert!(matmul(&a, Transpose::No, &b3, Transpose::No).is_err());
+    }
+
+    #[test]
+    fn matmul_into_overflowing_product_errs_before_touching_dst() {
+        let a = Tensor::zeros(&[1 << 33, 0], DType::BF16);
+        let b = Tensor::zeros(&[0, 1 << 33], DType::BF16);
+        let mut dst = Tensor::zeros(&[0], DType::BF16);
+        let r = matmul_into(
+            &mut dst,
+            &a,
+            Transpose::No,
+            &b,
+            Transpose::No,
+            Accum::Replace,
+            Parallelism::None,
+        );
+        assert!(matches!(r, Err(Error::Invalid { op: OP, .. })), "{r:?}");
     }
 }

@@ -73,7 +73,8 @@ pub fn sum_dim_backward(dy: &Tensor, dim: usize, extent: usize) -> Result<Tensor
     let shape = restored(OP, dy, dim, extent)?;
     let outer: usize = shape[..dim].iter().product();
     let inner: usize = shape[dim + 1..].iter().product();
-    let mut dx = Tensor::zeros(&shape, dy.dtype());
+    // `extent` comes from the caller: the restored shape may not fit.
+    let mut dx = Tensor::zeros_checked(OP, &shape, dy.dtype())?;
     dispatch_float!(OP, dy.dtype(), |T| {
         let g = dy.as_slice::<T>()?;
         let d = dx.as_mut_slice::<T>()?;
@@ -174,7 +175,8 @@ pub fn max_dim_backward(
             ),
         });
     }
-    let mut dx = Tensor::zeros(&shape, dy.dtype());
+    // `extent` comes from the caller: the restored shape may not fit.
+    let mut dx = Tensor::zeros_checked(OP, &shape, dy.dtype())?;
     dispatch_float!(OP, dy.dtype(), |T| {
         let g = dy.as_slice::<T>()?;
         let d = dx.as_mut_slice::<T>()?;
