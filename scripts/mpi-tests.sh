@@ -2,7 +2,10 @@
 # The MPI backend's checks: builds dtensor-collectives with `--features mpi`, runs the
 # conformance suite (collectives/examples/mpi_conformance.rs) under
 # `mpirun --oversubscribe -np 2` and `-np 4`, and checks that a failing rank ends the whole
-# job with a message naming it and a non-zero exit code (collectives/examples/mpi_fail.rs).
+# job with a message naming it and a non-zero exit code (collectives/examples/mpi_fail.rs),
+# and that misuse ends in an error, not a hang or a call into a finalized MPI: a rank
+# arriving after its peers timed out, handles used after `Mpi::finalize`
+# (collectives/examples/mpi_misuse.rs).
 # Then the facade's examples built with `--features mpi`: `train_gpt --backend mpi` under
 # `mpirun -np 4` must print bitwise the same 20 losses as the threads backend (and say how
 # to launch it when started without mpirun), and `bench_report --backend mpi --quick` under
@@ -73,6 +76,29 @@ for c in "${cases[@]}"; do
   else
     cat "$log"
     fail "failing rank ($mode): exit $rc (want non-zero, not the 124 of a hang), message /$want/"
+  fi
+  rm -f "$log"
+done
+
+# Misuse (mpi_misuse.rs sets its own 0.5 s timeout): mode, ranks, PASS lines expected.
+# `late`: every rank must get an error from every collective (the late one at once, not
+# `Ok` or a hang) and MPI must still finalize cleanly; `finalized`: every call on a handle
+# kept past `Mpi::finalize` must return `Error::Finalized` (each rank prints a verdict).
+misuse_cases=("late 2 1" "late 3 1" "finalized 2 2")
+for c in "${misuse_cases[@]}"; do
+  read -r mode np want <<<"$c"
+  echo "== mpi: misuse ($mode), mpirun -np $np"
+  log=$(mktemp)
+  set +e
+  timeout 60 "${MPIRUN[@]}" -np "$np" "$bin/mpi_misuse" "$mode" >"$log" 2>&1
+  rc=$?
+  set -e
+  n_pass=$(grep -c "^misuse $mode.*: PASS\$" "$log" || true)
+  if [ "$rc" -eq 0 ] && [ "$n_pass" -eq "$want" ]; then
+    pass "misuse ($mode) -np $np: $n_pass PASS line(s), exit 0"
+  else
+    cat "$log"
+    fail "misuse ($mode) -np $np: exit $rc (124: a hang), $n_pass PASS line(s) (want exit 0, $want)"
   fi
   rm -f "$log"
 done
