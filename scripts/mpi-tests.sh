@@ -3,8 +3,9 @@
 # conformance suite (collectives/examples/mpi_conformance.rs) under
 # `mpirun --oversubscribe -np 2` and `-np 4`, and checks that a failing rank ends the whole
 # job with a message naming it and a non-zero exit code (collectives/examples/mpi_fail.rs),
-# and that misuse ends in an error, not a hang or a call into a finalized MPI: a rank
-# arriving after its peers timed out, handles used after `Mpi::finalize`
+# and that misuse ends in an error (or an abort), not a hang or a call into a finalized
+# MPI: a rank arriving after its peers timed out, the same with the race forced in which
+# it passes the agreement, handles used after `Mpi::finalize`
 # (collectives/examples/mpi_misuse.rs).
 # Then the facade's examples built with `--features mpi`: `train_gpt --backend mpi` under
 # `mpirun -np 4` must print bitwise the same 20 losses as the threads backend (and say how
@@ -102,6 +103,25 @@ for c in "${misuse_cases[@]}"; do
   fi
   rm -f "$log"
 done
+
+# The race a late rank can still hit (a peer times out as it completes the agreement),
+# forced by a debug-build switch: the data phase must end in an abort naming the op and
+# the rank that gave up, about one timeout later, not a hang.
+echo "== mpi: misuse (stall), mpirun -np 2"
+log=$(mktemp)
+set +e
+DTENSOR_MPI_TEST_IGNORE_WITHDRAWALS=1 timeout 60 "${MPIRUN[@]}" -np 2 "$bin/mpi_misuse" stall >"$log" 2>&1
+rc=$?
+set -e
+want='rank 1 failed: all_reduce: the data phase did not finish within the timeout .*ranks \[0\] gave up'
+if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && grep -Eq "$want" "$log" && ! grep -q 'misuse stall: FAIL' "$log"; then
+  grep -E "$want" "$log"
+  pass "misuse (stall) -np 2: exit $rc, abort message found"
+else
+  cat "$log"
+  fail "misuse (stall) -np 2: exit $rc (want non-zero, not the 124 of a hang), message /$want/"
+fi
+rm -f "$log"
 
 # train_gpt: the threads backend and 4 MPI processes must agree bit for bit.
 train=(--mesh dp=2,tp=2 --sp --steps 20 --print-loss-bits)

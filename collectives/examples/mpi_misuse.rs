@@ -4,6 +4,7 @@
 //!
 //! ```text
 //! mpirun -np 2 target/debug/examples/mpi_misuse <late|finalized>
+//! DTENSOR_MPI_TEST_IGNORE_WITHDRAWALS=1 mpirun -np 2 target/debug/examples/mpi_misuse stall
 //! ```
 //!
 //! - `late`: the timeout is 0.5 s. While every rank is present, each makes one
@@ -15,6 +16,14 @@
 //!   barrier that nobody else completed nor a hang in a data phase. The world itself is
 //!   never failed: it carries a "done" message from the late rank and the final verdict,
 //!   then `Mpi::finalize` ends MPI cleanly.
+//! - `stall` (a debug build, run with `DTENSOR_MPI_TEST_IGNORE_WITHDRAWALS` set): as
+//!   `late` for one all-reduce, but the late rank does not look for withdrawals, as when
+//!   a peer times out at the very moment the late rank completes the header exchange. It
+//!   then waits in the data phase for a peer that has left: the job must be aborted about
+//!   one timeout later with `rank R failed: all_reduce: the data phase did not finish …`
+//!   naming the rank that gave up (the script checks the message and the exit code). No
+//!   `PASS` line: a collective that returns, or an abort that never comes (the on-time
+//!   ranks give up after a while), prints `misuse stall: FAIL`.
 //! - `finalized`: after `Mpi::finalize` returned `Ok`, handles kept from before (the world
 //!   and a split of it) must return `Error::Finalized` from every method without calling
 //!   MPI (OpenMPI would abort the job), and dropping them must not free them.
@@ -144,6 +153,28 @@ fn late(world: &Comm) -> Result<Vec<String>, Error> {
     Ok(failures)
 }
 
+fn stall(world: &Comm) -> Result<Vec<String>, Error> {
+    let (r, n) = (world.rank(), world.size());
+    let last = n - 1;
+    let comm = world.split(0, r)?;
+    world.barrier()?;
+    if r == last {
+        std::thread::sleep(LATE_BY);
+    }
+    let start = Instant::now();
+    let got = comm.all_reduce_in_place(&mut [1.0f32; 1024], ReduceOp::Sum);
+    let took = start.elapsed();
+    println!("rank {r}: all_reduce -> {got:?} after {took:.2?}");
+    if r != last {
+        // The late rank's abort ends this process too; give it time to come.
+        std::thread::sleep(LATE_BY + 2 * SLACK);
+    }
+    Ok(vec![format!(
+        "rank {r} is still running {:.2?} after the all_reduce (want the job aborted)",
+        start.elapsed()
+    )])
+}
+
 fn finalized(mpi: mpi::Mpi) -> Result<Vec<String>, Error> {
     let world = mpi.world();
     let r = world.rank();
@@ -198,6 +229,14 @@ fn main() {
             mpi.finalize().expect("finalize");
             ok
         }
+        "stall" => {
+            let failures = stall(&mpi.world()).unwrap_or_else(|e| mpi.abort(&e.to_string(), 1));
+            for f in &failures {
+                eprintln!("rank {}: FAIL: {f}", mpi.rank());
+            }
+            println!("misuse stall: FAIL");
+            std::process::exit(1);
+        }
         "finalized" => {
             let r = mpi.rank();
             let failures = finalized(mpi).expect("finalized");
@@ -210,7 +249,7 @@ fn main() {
             failures.is_empty()
         }
         other => {
-            eprintln!("usage: mpi_misuse <late|finalized> (got {other:?})");
+            eprintln!("usage: mpi_misuse <late|stall|finalized> (got {other:?})");
             std::process::exit(2);
         }
     };
