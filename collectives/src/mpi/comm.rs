@@ -571,7 +571,6 @@ impl MpiComm {
         tag: c_int,
         start: Instant,
     ) -> (ffi::MPI_Message, ffi::MPI_Status) {
-        let mut spins = 0;
         loop {
             let mut flag: c_int = 0;
             let mut message = std::mem::MaybeUninit::<ffi::MPI_Message>::uninit();
@@ -598,7 +597,7 @@ impl MpiComm {
             if waited >= self.timeout {
                 self.abort_stalled(op, waited);
             }
-            data_backoff(&mut spins, waited);
+            data_backoff(waited);
         }
     }
 
@@ -758,13 +757,12 @@ impl MpiComm {
     /// the requests complete, which they never will, so returning is not possible.
     fn wait_data(&self, op: &'static str, requests: &mut [ffi::MPI_Request]) {
         let start = Instant::now();
-        let mut spins = 0;
         while !test_all(requests) {
             let waited = start.elapsed();
             if waited >= self.timeout {
                 self.abort_stalled(op, waited);
             }
-            data_backoff(&mut spins, waited);
+            data_backoff(waited);
         }
     }
 
@@ -941,12 +939,13 @@ fn backoff(spins: &mut u32) {
 }
 
 /// Polls a data phase, `waited` into it. OpenMPI moves a non-blocking collective on only
-/// inside our test calls, so a sleep between tests stalls the transfer: spin, then yield
-/// (polite enough under `--oversubscribe`); sleep briefly only once the phase has taken
-/// longer than transfers here do, when a peer is most likely gone.
-fn data_backoff(spins: &mut u32, waited: Duration) {
-    *spins += 1;
-    if *spins <= 64 {
+/// inside our test calls, so a sleep between tests stalls the transfer: spin for the
+/// first millisecond (what a blocking MPI collective does, and most phases end in it),
+/// then yield (under `--oversubscribe` the peer may need this core); sleep briefly only
+/// once the phase has taken longer than transfers here do, when a peer is most likely
+/// gone.
+fn data_backoff(waited: Duration) {
+    if waited < Duration::from_millis(1) {
         std::hint::spin_loop();
     } else if waited < Duration::from_secs(1) {
         std::thread::yield_now();
