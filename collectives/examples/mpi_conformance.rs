@@ -451,8 +451,9 @@ fn send_from_many_threads_each_recv_gets_one_whole_message(
     comm: &Comm,
     f: &mut Fails,
 ) -> Result<(), Error> {
-    // 8 x 2500 per rank and case: before one send became one MPI message, this lost
-    // messages within a few runs of the suite (the audit saw ~1 in 10^4 go wrong).
+    // 8 x 2500 per rank and case: while a send was two MPI messages, this failed on every
+    // run at -np 2 (a payload read as a head: "attempt to multiply with overflow"). Fewer
+    // threads or messages make the interleaving rarer.
     const THREADS: usize = 8;
     const PER_THREAD: usize = 2500;
     let (r, n) = (comm.rank(), comm.size());
