@@ -2,7 +2,11 @@
 # The MPI backend's checks: builds dtensor-collectives with `--features mpi`, runs the
 # conformance suite (collectives/examples/mpi_conformance.rs) under
 # `mpirun --oversubscribe -np 2` and `-np 4`, and checks that a failing rank ends the whole
-# job with a message naming it and a non-zero exit code (collectives/examples/mpi_fail.rs).
+# job with a message naming it and a non-zero exit code (collectives/examples/mpi_fail.rs),
+# and that misuse ends in an error (or an abort), not a hang or a call into a finalized
+# MPI: a rank arriving after its peers timed out, the same with the race forced in which
+# it passes the agreement, handles used after `Mpi::finalize`
+# (collectives/examples/mpi_misuse.rs).
 # Then the facade's examples built with `--features mpi`: `train_gpt --backend mpi` under
 # `mpirun -np 4` must print bitwise the same 20 losses as the threads backend (and say how
 # to launch it when started without mpirun), and `bench_report --backend mpi --quick` under
@@ -76,6 +80,48 @@ for c in "${cases[@]}"; do
   fi
   rm -f "$log"
 done
+
+# Misuse (mpi_misuse.rs sets its own 0.5 s timeout): mode, ranks, PASS lines expected.
+# `late`: every rank must get an error from every collective (the late one at once, not
+# `Ok` or a hang) and MPI must still finalize cleanly; `finalized`: every call on a handle
+# kept past `Mpi::finalize` must return `Error::Finalized` (each rank prints a verdict).
+misuse_cases=("late 2 1" "late 3 1" "finalized 2 2")
+for c in "${misuse_cases[@]}"; do
+  read -r mode np want <<<"$c"
+  echo "== mpi: misuse ($mode), mpirun -np $np"
+  log=$(mktemp)
+  set +e
+  timeout 60 "${MPIRUN[@]}" -np "$np" "$bin/mpi_misuse" "$mode" >"$log" 2>&1
+  rc=$?
+  set -e
+  n_pass=$(grep -c "^misuse $mode.*: PASS\$" "$log" || true)
+  if [ "$rc" -eq 0 ] && [ "$n_pass" -eq "$want" ]; then
+    pass "misuse ($mode) -np $np: $n_pass PASS line(s), exit 0"
+  else
+    cat "$log"
+    fail "misuse ($mode) -np $np: exit $rc (124: a hang), $n_pass PASS line(s) (want exit 0, $want)"
+  fi
+  rm -f "$log"
+done
+
+# The race a late rank can still hit (a peer times out as it completes the agreement),
+# forced by a debug-build switch: the data phase must end in an abort naming the op and
+# the rank that gave up, about one timeout later, not a hang.
+echo "== mpi: misuse (stall), mpirun -np 2"
+log=$(mktemp)
+set +e
+DTENSOR_MPI_TEST_IGNORE_WITHDRAWALS=1 timeout 60 "${MPIRUN[@]}" -np 2 "$bin/mpi_misuse" stall >"$log" 2>&1
+rc=$?
+set -e
+want='rank 1 failed: all_reduce: the data phase did not finish within the timeout .*ranks \[0\] gave up'
+if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && grep -Eq "$want" "$log" && ! grep -q 'misuse stall: FAIL' "$log"; then
+  grep -E "$want" "$log"
+  pass "misuse (stall) -np 2: exit $rc, abort message found"
+else
+  cat "$log"
+  fail "misuse (stall) -np 2: exit $rc (want non-zero, not the 124 of a hang), message /$want/"
+fi
+rm -f "$log"
 
 # train_gpt: the threads backend and 4 MPI processes must agree bit for bit.
 train=(--mesh dp=2,tp=2 --sp --steps 20 --print-loss-bits)

@@ -49,6 +49,13 @@ pub enum Error {
         backend: &'static str,
         feature: &'static str,
     },
+    /// A communicator was used after its backend was shut down (an MPI handle kept past
+    /// `Mpi::finalize`): no call reaches the library any more.
+    #[error("{op}: the {backend} backend has been finalized in this process; its communicators cannot be used any more")]
+    Finalized {
+        op: &'static str,
+        backend: &'static str,
+    },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

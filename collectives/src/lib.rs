@@ -18,7 +18,9 @@
 //!   [`Error::CollectiveMismatch`] on every rank.
 //! - A rank that panics, errors or returns makes its peers' pending and later collectives
 //!   return [`Error::RankFailed`]; a peer that never arrives makes them return
-//!   [`Error::Timeout`] after the configured timeout. Never a hang, never UB.
+//!   [`Error::Timeout`] after the configured timeout. Never a hang, never UB. (Under MPI a
+//!   data phase that cannot finish within the timeout aborts the job instead; see
+//!   [`mpi`].)
 //!
 //! ```
 //! use dtensor_collectives::{threads, CommunicatorExt, ReduceOp};

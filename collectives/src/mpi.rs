@@ -42,21 +42,30 @@
 //!    [`Error::InvalidArgument`](crate::Error::InvalidArgument) there. MPI itself does not
 //!    detect mismatched calls (it hangs or corrupts memory); this check is the price of
 //!    the guarantee: n−1 messages of 80 bytes each way per collective, one round trip of
-//!    latency, nothing per element.
-//! 2. **data**: plain MPI collectives move the bytes. Values travel as unsigned integers
-//!    of their size (bf16 and f16 as 16-bit words), so MPI never interprets them.
+//!    latency, nothing per element. A rank that times out here cannot take back what it
+//!    posted, so it also sends each peer an empty "withdrawn" message; every rank looks
+//!    for one after its exchange, so a rank arriving after its peers gave up gets
+//!    [`Error::RankFailed`](crate::Error::RankFailed) at once instead of passing against
+//!    their leftovers.
+//! 2. **data**: non-blocking MPI collectives (`MPI_I…`) move the bytes, polled until done
+//!    for at most the timeout. Values travel as unsigned integers of their size (bf16 and
+//!    f16 as 16-bit words), so MPI never interprets them. After the agreement every peer
+//!    is in the data phase too, so the bound matters only in a race no message round can
+//!    close (a peer timing out at the instant this rank completed the exchange, before
+//!    its withdrawal lands): then the job is aborted, since MPI still holds the
+//!    caller's buffers and no error can be returned safely.
 //!
 //! | call | data phase |
 //! |---|---|
-//! | all_gather(v) | `MPI_Allgather(v)` |
-//! | all_gatherv_in_place | own piece copied to scratch, then `MPI_Allgatherv` (rsmpi does not expose `MPI_IN_PLACE`) |
-//! | reduce_scatter(v), in place too | `MPI_Alltoallv` of the blocks into reused scratch, then our kernel reduces block `r` in rank order `0..n` |
+//! | all_gather(v) | `MPI_Iallgather(v)` |
+//! | all_gatherv_in_place | own piece copied to scratch, then `MPI_Iallgatherv` (rsmpi does not expose `MPI_IN_PLACE`) |
+//! | reduce_scatter(v), in place too | `MPI_Ialltoallv` of the blocks into reused scratch, then our kernel reduces block `r` in rank order `0..n` |
 //! | all_reduce | reduce-scatter of `chunk_sizes(len, n)` blocks as above, then all-gather of the reduced blocks |
-//! | all_to_all(v) | `MPI_Alltoall(v)` |
-//! | broadcast | `MPI_Bcast` |
-//! | barrier | the agreement alone (it returns only once every rank has arrived) |
-//! | split | `MPI_Comm_split` (ordered by `(key, rank)`), then an all-gather of world ranks |
-//! | send / recv | two messages (dtype + length, then the payload) with `MPI_Isend` from a copy, so `send` never waits for the receiver; `recv` probes (with the timeout), checks dtype and length, and receives straight into the buffer |
+//! | all_to_all(v) | `MPI_Ialltoall(v)` |
+//! | broadcast | `MPI_Ibcast` |
+//! | barrier | the agreement (it completes only once every rank has arrived), then `MPI_Ibarrier`, so that no rank returns `Ok` where a peer timed out |
+//! | split | `MPI_Ibarrier` (it has no non-blocking form, so every rank must be in the data phase first), `MPI_Comm_split` (ordered by `(key, rank)`), then an all-gather of world ranks |
+//! | send / recv | one message per send (a 2-word head, dtype and length, then the payload) with `MPI_Isend` from a copy, so `send` never waits for the receiver and sends from several threads never interleave; `recv` probes (`MPI_Improbe`, with the timeout), takes the whole message (`MPI_Mrecv`), and copies the payload into the buffer if dtype and length match (else it stays queued) |
 //!
 //! **Reductions run in our kernels, never in `MPI_Allreduce`.** MPI leaves the order in
 //! which an all-reduce combines contributions to the implementation (OpenMPI picks ring,
@@ -80,6 +89,9 @@
 //! | a rank's closure errors or panics (under [`run`]) | it prints `rank R failed: …` and `MPI_Abort`s: `mpirun` kills every rank and exits non-zero |
 //! | a rank's closure returns while peers still wait in a world collective | the peers: `RankFailed` naming it ("returned before joining"); it prints `rank R failed: … ranks [..] were still in collectives` and aborts the job |
 //! | a peer does not arrive within the timeout | `Timeout` naming the missing world ranks; the group stays failed (under [`run`] the error aborts the job) |
+//! | a rank arrives after its peers timed out waiting for it | at once, `RankFailed` naming a peer that gave up ("timed out waiting for this rank and left the group"), never `Ok` nor a hang; the group stays failed |
+//! | a data phase does not finish within the timeout (only in the race described under **data** above) | `rank R failed: {op}: the data phase did not finish within the timeout …` naming the ranks that gave up, then `MPI_Abort` of the job |
+//! | a handle is used after [`Mpi::finalize`] (handles are `Arc`s and may outlive it) | [`Error::Finalized`](crate::Error::Finalized), without any MPI call; dropping it frees nothing |
 //! | an MPI call fails | MPI's default handler aborts the job |
 //!
 //! Counts are MPI ints: a buffer or displacement past 2³¹−1 elements is an

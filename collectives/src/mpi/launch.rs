@@ -1,7 +1,7 @@
 //! Starting and ending MPI: [`init`], [`Mpi`], and [`run`], which turns a failing rank into
 //! a message and an `MPI_Abort` of the whole job.
 
-use super::comm::{MpiComm, RawComm};
+use super::comm::{finalize_with, MpiComm, RawComm};
 use super::{launched_by_mpirun, Options, LAUNCH_HINT};
 use crate::{Communicator, Error, Result};
 use mpi::environment::{Threading, Universe};
@@ -96,6 +96,10 @@ impl Mpi {
     /// (one header exchange); a peer still waiting in a collective gets `RankFailed`
     /// naming this rank, and this returns an error naming the peers that were left waiting
     /// (then the job should be aborted, as [`run`] does). Waits at most the timeout.
+    ///
+    /// Communicators are `Arc`s and may outlive this: after a successful finalize, every
+    /// call on one returns [`Error::Finalized`] without touching MPI, and dropping one
+    /// frees nothing. A call in flight on another thread finishes before MPI_Finalize runs.
     pub fn finalize(mut self) -> Result<()> {
         self.finish()
     }
@@ -106,8 +110,9 @@ impl Mpi {
         };
         let r = self.world.leave();
         if r.is_ok() {
-            // MPI_Finalize; communicators still held elsewhere are not freed after it.
-            drop(universe);
+            // MPI_Finalize, once no handle method is inside MPI; from then on every
+            // handle still held elsewhere returns `Error::Finalized` and frees nothing.
+            finalize_with(|| drop(universe));
         } else {
             std::mem::forget(universe);
         }
@@ -129,7 +134,7 @@ impl Drop for Mpi {
     }
 }
 
-fn abort(rank: usize, message: &str, code: i32) -> ! {
+pub(crate) fn abort(rank: usize, message: &str, code: i32) -> ! {
     // One write of the whole line: ranks share the terminal (or mpirun's pipe), and a line
     // written in pieces interleaves with a peer's (`rank rank 1 failed: …0 failed: …`).
     let line = format!("rank {rank} failed: {message}\n");
