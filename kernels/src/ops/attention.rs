@@ -28,7 +28,9 @@
 //! with plain loops in their place (rows updated axpy-style, 8-lane dot products; what the
 //! compiler vectorizes for baseline x86-64, while gemm dispatches to AVX2/AVX-512 + FMA at
 //! run time). The `s×s` work is skipped above the diagonal at block granularity; inside a
-//! diagonal block the masked scores are computed and dropped.
+//! diagonal block the masked scores are computed and dropped, and their probability 0
+//! multiplies the future values: a non-finite v of a later token in the same block turns
+//! earlier outputs NaN (`0·∞`), where a loop over `j ≤ i` would not look at it.
 
 use super::{acc_dtype, check_dst, same_dtype, AccFloat, Float, Parallelism};
 use crate::{Error, Result, Tensor};
@@ -54,7 +56,10 @@ pub struct CausalAttention {
     /// RoPE's base (10000 in most models).
     pub rope_base: f64,
     /// Added to every token's position (its index within its sample): a rank holding a
-    /// later chunk of each sequence (context parallelism) passes the chunk's start.
+    /// later chunk of each sequence (context parallelism) passes the chunk's start. Since q
+    /// and k share it here and RoPE scores depend only on position differences, it changes
+    /// the result by rounding alone; attending to another chunk's keys will need separate
+    /// q and k offsets.
     pub pos_offset: usize,
 }
 
@@ -285,7 +290,7 @@ fn rows<A>(x: &[A], r0: usize, r1: usize, d: usize) -> Mat<'_, A> {
     Mat::new(&x[r0 * d..r1 * d], r1 - r0, d)
 }
 
-fn forward<T: Float>(
+fn forward<T: Float<Acc: ExpShifted>>(
     out: &mut [T],
     lse: &mut [T::Acc],
     qkv: &[T],
@@ -328,10 +333,10 @@ fn forward<T: Float>(
                             mx = mx.max(v);
                         }
                         let corr = (m[r] - mx).exp();
+                        T::Acc::exp_shifted(&mut row[..live], mx);
                         let mut sum = zero;
-                        for p in &mut row[..live] {
-                            *p = (*p - mx).exp();
-                            sum += *p;
+                        for &p in &row[..live] {
+                            sum += p;
                         }
                         row[live..].fill(zero);
                         if live > 0 {
@@ -364,7 +369,7 @@ fn forward<T: Float>(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn backward<T: Float>(
+fn backward<T: Float<Acc: ExpShifted>>(
     dqkv: &mut [T],
     dout: &[T],
     qkv: &[T],
@@ -422,9 +427,7 @@ fn backward<T: Float>(
                         let i = q0 + r;
                         let live = (i + 1).min(k1).saturating_sub(k0);
                         let row = &mut p[r * bk..(r + 1) * bk];
-                        for v in &mut row[..live] {
-                            *v = (*v - ls[i]).exp();
-                        }
+                        T::Acc::exp_shifted(&mut row[..live], ls[i]);
                         row[live..].fill(zero);
                     }
                     matmul(
@@ -460,6 +463,60 @@ fn backward<T: Float>(
             }
         }
     }
+}
+
+/// `x ← exp(x − shift)` over a row of scores, in the compute type.
+trait ExpShifted: AccFloat {
+    fn exp_shifted(xs: &mut [Self], shift: Self);
+}
+
+impl ExpShifted for f64 {
+    fn exp_shifted(xs: &mut [f64], shift: f64) {
+        for x in xs {
+            *x = (*x - shift).exp();
+        }
+    }
+}
+
+impl ExpShifted for f32 {
+    fn exp_shifted(xs: &mut [f32], shift: f32) {
+        // Branch-free, so this loop vectorizes; summing is left to the caller (an ordered
+        // f32 sum would keep the compiler from vectorizing it).
+        for x in xs {
+            *x = exp_f32(*x - shift);
+        }
+    }
+}
+
+/// `e^x` in `f32` within ~1 ulp (Cephes' `expf`): `e^x = 2^n·e^r` with `n = round(x·log₂e)`,
+/// `|r| ≤ ln2/2` by Cody–Waite, `e^r` by a degree-7 polynomial. Written out rather than
+/// calling libm's `expf` because it inlines and vectorizes (the exponentials were ~40% of
+/// the time at head dim 16), and plain mul/add (never fused by rustc) gives the same bits on
+/// every machine. Inputs are clamped to `[-87.34, 88]` (the softmax only passes `x ≤ 0`, and
+/// `e^-87.34 ≈ 1.2e-38` is as good as 0 next to the row's largest term, 1); NaN stays NaN.
+#[inline(always)]
+fn exp_f32(x: f32) -> f32 {
+    const HI: f32 = 88.0;
+    const LO: f32 = -87.336_54; // n = -126: 2^n stays normal
+                                // 1.5·2^23: adding it rounds to an integer held in the low mantissa bits.
+    const MAGIC: f32 = 12_582_912.0;
+    // Comparisons with NaN are false, so NaN passes through both clamps.
+    let x = if x > HI { HI } else { x };
+    let x = if x < LO { LO } else { x };
+    let t = x * std::f32::consts::LOG2_E + MAGIC;
+    let n = t - MAGIC;
+    // ln2 = C1 + C2 with C1 = 355/512 exact in 9 bits, so n·C1 is exact.
+    let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
+    let p = 1.987_569_1e-4;
+    let p = p * r + 1.398_2e-3;
+    let p = p * r + 8.333_452e-3;
+    let p = p * r + 4.166_579_6e-2;
+    let p = p * r + 1.666_666_5e-1;
+    let p = p * r + 0.5; // Cephes 5.0000001201e-1, which rounds to 0.5 in f32
+    let y = p * (r * r) + r + 1.0;
+    // 2^n from its exponent bits: t's bits are MAGIC's plus n.
+    let pow2 = f32::from_bits(t.to_bits().wrapping_sub(0x4B40_0000 - 127) << 23);
+    y * pow2
 }
 
 /// A read-only `[rows, cols]` operand whose element `(r, c)` is `data[r·rs + c·cs]`.
@@ -552,5 +609,34 @@ fn matmul<A: AccFloat>(dst: &mut [A], ld: usize, a: Mat<'_, A>, b: Mat<'_, A>, a
             false,
             Parallelism::None,
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::exp_f32;
+
+    #[test]
+    fn exp_f32_is_within_two_ulp() {
+        // Every 97th f32 in [-87.3, 88), negative and positive: relative error against f64.
+        let neg = (0x8000_0000..=(-87.3f32).to_bits()).step_by(97);
+        let pos = (0..88.0f32.to_bits()).step_by(97);
+        let worst = neg
+            .chain(pos)
+            .map(f32::from_bits)
+            .map(|x| {
+                let want = (x as f64).exp();
+                ((exp_f32(x) as f64 - want) / want).abs()
+            })
+            .fold(0.0f64, f64::max);
+        eprintln!("exp_f32: worst relative error {worst:e}");
+        assert!(
+            worst < 2.0 * f32::EPSILON as f64,
+            "worst relative error {worst:e}"
+        );
+        assert_eq!(exp_f32(0.0), 1.0);
+        assert!(exp_f32(f32::NAN).is_nan());
+        assert!(exp_f32(-1000.0) < 1.2e-38 && exp_f32(-1000.0) >= 0.0);
+        assert!(exp_f32(f32::NEG_INFINITY) < 1.2e-38);
     }
 }
