@@ -25,12 +25,13 @@
 //!
 //! The block products go through the `gemm` crate: at the `benches/attention.rs` shapes
 //! (head dims 16 and 64, f32) forward+backward took ~2.9× (d 16) and ~3.3× (d 64) as long
-//! with plain loops in their place (rows updated axpy-style, 8-lane dot products; what the
-//! compiler vectorizes for baseline x86-64, while gemm dispatches to AVX2/AVX-512 + FMA at
-//! run time). The `s×s` work is skipped above the diagonal at block granularity; inside a
-//! diagonal block the masked scores are computed and dropped, and their probability 0
-//! multiplies the future values: a non-finite v of a later token in the same block turns
-//! earlier outputs NaN (`0·∞`), where a loop over `j ≤ i` would not look at it.
+//! with plain loops in their place (rows updated axpy-style, 8-lane dot products, libm's
+//! exp in both runs; the loops vectorize for baseline x86-64, while gemm dispatches to
+//! AVX2/AVX-512 + FMA at run time). The `s×s` work is skipped above the diagonal at block
+//! granularity; inside a diagonal block the masked scores are computed and dropped, and
+//! their probability 0 multiplies the future values: a non-finite v of a later token in the
+//! same block turns earlier outputs NaN (`0·∞`), where a loop over `j ≤ i` would not look
+//! at it.
 
 use super::{acc_dtype, check_dst, same_dtype, AccFloat, Float, Parallelism};
 use crate::{Error, Result, Tensor};
