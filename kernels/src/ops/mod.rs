@@ -9,6 +9,7 @@
 //! | [`norm`] | [`layer_norm`], [`rms_norm`] over the last dim | [`layer_norm_backward`], [`rms_norm_backward`] |
 //! | [`embedding`](mod@embedding) | [`embedding()`], [`embedding_masked`] (vocab-parallel) | [`embedding_backward`], [`embedding_masked_backward`] (and `_into`) |
 //! | [`reduction`] | [`sum_dim`], [`max_dim`] (the dim is removed) | [`sum_dim_backward`], [`max_dim_backward`] |
+//! | [`attention`](mod@attention) | [`causal_attention`] (fused QKV, RoPE, causal, flash-style) | [`causal_attention_backward`] |
 //!
 //! Conventions, every op alike:
 //! - Float dtypes only (`f32`, `f64`, `bf16`, `f16`); every tensor argument of one call shares
@@ -65,6 +66,7 @@ macro_rules! dispatch_float {
 }
 
 pub mod activation;
+pub mod attention;
 pub mod elementwise;
 pub mod embedding;
 pub mod matmul;
@@ -76,6 +78,8 @@ pub use activation::{
     gelu, gelu_backward, gelu_backward_into, gelu_into, silu, silu_backward, silu_backward_into,
     silu_into, swiglu, swiglu_backward, swiglu_backward_into, swiglu_into, SwiGluGrads,
 };
+pub use attention::{causal_attention, causal_attention_backward};
+pub use attention::{CausalAttention, CausalAttentionOutput};
 pub use elementwise::{add_row, add_row_assign, sub, sum_rows, sum_rows_into};
 pub use embedding::{
     embedding, embedding_backward, embedding_backward_into, embedding_masked,

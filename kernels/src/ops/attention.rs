@@ -1,0 +1,643 @@
+//! Fused causal self-attention with rotary position embeddings (RoPE), forward and backward,
+//! computed flash-attention style: blocked over queries and keys with an online softmax, so
+//! no `seq_len × seq_len` probability matrix is ever stored.
+//!
+//! Layout (`d` the head dim, `s` the sequence length, `H` the heads):
+//!
+//! | tensor | shape | contents |
+//! |---|---|---|
+//! | `qkv` | `[tokens, H·3·d]` | head `h`: columns `h·3d .. h·3d+d` are q, the next `d` k, the next `d` v |
+//! | `out` | `[tokens, H·d]` | head `h` at columns `h·d ..` |
+//! | `lse` | `[tokens, H]` | per (token, head) `log Σ_j exp(score_j)`, compute dtype ([`acc_dtype`]) |
+//!
+//! `tokens` are whole samples of `s` tokens one after another; attention never crosses a
+//! sample. Token `i` of a sample has position `pos_offset + i`. Per head and sample:
+//!
+//! - RoPE: each pair `(x[2p], x[2p+1])` of q and k is rotated by `θ = pos / base^(2p/d)`.
+//! - `score_ij = q_i·k_j / √d` for `j ≤ i` (causal), `P = softmax_j(score)`, `out_i = Σ_j P_ij v_j`.
+//! - Backward from `dout`: `D_i = dout_i·out_i`, `dP_ij = dout_i·v_j`,
+//!   `dS_ij = P_ij (dP_ij − D_i)`, `dq_i = Σ_j dS_ij k_j / √d`, `dk_j = Σ_i dS_ij q_i / √d`,
+//!   `dv_j = Σ_i P_ij dout_i`, with `P` recomputed from the saved `lse`; dq and dk are then
+//!   rotated back (RoPE's transpose is its inverse).
+//!
+//! `f32`/`bf16`/`f16` compute in `f32` and `f64` in `f64`; every output element is rounded
+//! once. Single-threaded (ranks are the parallelism); fixed summation order.
+//!
+//! The block products go through the `gemm` crate: at the `benches/attention.rs` shapes
+//! (head dims 16 and 64, f32) forward+backward took ~2.9× (d 16) and ~3.3× (d 64) as long
+//! with plain loops in their place (rows updated axpy-style, 8-lane dot products, libm's
+//! exp in both runs; the loops vectorize for baseline x86-64, while gemm dispatches to
+//! AVX2/AVX-512 + FMA at run time). The `s×s` work is skipped above the diagonal at block
+//! granularity; inside a diagonal block the masked scores are computed and dropped, and
+//! their probability 0 multiplies the future values: a non-finite v of a later token in the
+//! same block turns earlier outputs NaN (`0·∞`), where a loop over `j ≤ i` would not look
+//! at it.
+
+use super::{acc_dtype, check_dst, same_dtype, AccFloat, Float, Parallelism};
+use crate::{Error, Result, Tensor};
+use num_traits::Float as _;
+
+const OP: &str = "ops::causal_attention";
+const OP_BACK: &str = "ops::causal_attention_backward";
+
+/// Queries and keys per block. A 64×64 score block of `f32` is 16 KiB: it, a q block and a
+/// k/v block stay in L1/L2 at head dim 64, and the products are big enough for gemm's
+/// microkernels (32 and 128 measured no faster at the bench shapes). With equal, aligned query and key blocks every row of a processed block
+/// has at least one unmasked key (the first key block is always processed), so the online
+/// softmax's running max is finite from the first block on.
+const BLOCK: usize = 64;
+
+/// The shape parameters of [`causal_attention`] (the head count is read off `qkv`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CausalAttention {
+    /// Tokens per sample: `qkv`'s rows are samples of this many tokens, one after another.
+    pub seq_len: usize,
+    /// The head dim `d` (even: RoPE rotates pairs).
+    pub head_dim: usize,
+    /// RoPE's base (10000 in most models).
+    pub rope_base: f64,
+    /// Added to every token's position (its index within its sample): a rank holding a
+    /// later chunk of each sequence (context parallelism) passes the chunk's start. Since q
+    /// and k share it here and RoPE scores depend only on position differences, it changes
+    /// the result by rounding alone; attending to another chunk's keys will need separate
+    /// q and k offsets.
+    pub pos_offset: usize,
+}
+
+/// What [`causal_attention`] returns: the output and the statistic its backward takes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CausalAttentionOutput {
+    /// `[tokens, heads·head_dim]`, `qkv`'s dtype.
+    pub out: Tensor,
+    /// `[tokens, heads]`: each row's log-sum-exp of its scaled scores, compute dtype.
+    pub lse: Tensor,
+}
+
+/// Validated sizes of one call.
+#[derive(Clone, Copy, Debug)]
+struct Dims {
+    tokens: usize,
+    heads: usize,
+    /// Samples.
+    batch: usize,
+    s: usize,
+    d: usize,
+    /// Columns of `qkv`.
+    cols: usize,
+}
+
+fn check_qkv(op: &'static str, qkv: &Tensor, cfg: &CausalAttention) -> Result<Dims> {
+    let bad = |detail: String| Err(Error::Invalid { op, detail });
+    if qkv.rank() != 2 {
+        return bad(format!(
+            "qkv must be [tokens, heads·3·head_dim], got shape {:?}",
+            qkv.shape()
+        ));
+    }
+    if !qkv.dtype().is_float() {
+        return Err(super::not_float(op, qkv.dtype()));
+    }
+    let (tokens, cols) = (qkv.shape()[0], qkv.shape()[1]);
+    let (s, d) = (cfg.seq_len, cfg.head_dim);
+    if d == 0 || d % 2 != 0 {
+        return bad(format!(
+            "head_dim {d} must be even and nonzero (RoPE rotates pairs)"
+        ));
+    }
+    if s == 0 || tokens % s != 0 {
+        return bad(format!(
+            "{tokens} tokens are not whole samples of seq_len {s}"
+        ));
+    }
+    if cols % (3 * d) != 0 {
+        return bad(format!(
+            "{cols} qkv columns are not whole heads of 3·head_dim = {} (q, k, v per head)",
+            3 * d
+        ));
+    }
+    if !(cfg.rope_base.is_finite() && cfg.rope_base > 0.0) {
+        return bad(format!(
+            "rope_base {} must be positive and finite",
+            cfg.rope_base
+        ));
+    }
+    Ok(Dims {
+        tokens,
+        heads: cols / (3 * d),
+        batch: tokens / s,
+        s,
+        d,
+        cols,
+    })
+}
+
+/// Causal multi-head self-attention with RoPE on a fused QKV (see the [module docs](self)).
+///
+/// ```
+/// use dtensor_kernels::ops::{causal_attention, CausalAttention};
+/// use dtensor_kernels::Tensor;
+/// let cfg = CausalAttention { seq_len: 4, head_dim: 2, rope_base: 10000.0, pos_offset: 0 };
+/// let qkv = Tensor::from_fn(&[8, 2 * 3 * 2], |i| (i % 7) as f32 * 0.1); // 2 samples, 2 heads
+/// let r = causal_attention(&qkv, &cfg).unwrap();
+/// assert_eq!(r.out.shape(), &[8, 4]);
+/// assert_eq!(r.lse.shape(), &[8, 2]);
+/// ```
+pub fn causal_attention(qkv: &Tensor, cfg: &CausalAttention) -> Result<CausalAttentionOutput> {
+    let g = check_qkv(OP, qkv, cfg)?;
+    let mut out = Tensor::for_overwrite(&[g.tokens, g.heads * g.d], qkv.dtype());
+    let mut lse = Tensor::for_overwrite(&[g.tokens, g.heads], acc_dtype(qkv.dtype()));
+    dispatch_float!(OP, qkv.dtype(), |T| {
+        forward::<T>(
+            out.as_mut_slice()?,
+            lse.as_mut_slice()?,
+            qkv.as_slice()?,
+            &g,
+            cfg,
+        );
+        Ok(())
+    })?;
+    Ok(CausalAttentionOutput { out, lse })
+}
+
+/// The gradient of [`causal_attention`] with respect to `qkv`, in `qkv`'s fused layout, from
+/// the output gradient `dout`, the forward's input `qkv`, and its outputs `out` and `lse`.
+pub fn causal_attention_backward(
+    dout: &Tensor,
+    qkv: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    cfg: &CausalAttention,
+) -> Result<Tensor> {
+    let g = check_qkv(OP_BACK, qkv, cfg)?;
+    same_dtype(OP_BACK, dout, qkv)?;
+    same_dtype(OP_BACK, out, qkv)?;
+    let out_shape = [g.tokens, g.heads * g.d];
+    for t in [dout, out] {
+        if t.shape() != out_shape {
+            return Err(Error::ShapeMismatch {
+                op: OP_BACK,
+                lhs: t.shape().into(),
+                rhs: out_shape.as_slice().into(),
+            });
+        }
+    }
+    check_dst(OP_BACK, lse, &[g.tokens, g.heads], acc_dtype(qkv.dtype()))?;
+    let mut dqkv = Tensor::for_overwrite(qkv.shape(), qkv.dtype());
+    dispatch_float!(OP_BACK, qkv.dtype(), |T| {
+        backward::<T>(
+            dqkv.as_mut_slice()?,
+            dout.as_slice()?,
+            qkv.as_slice()?,
+            out.as_slice()?,
+            lse.as_slice()?,
+            &g,
+            cfg,
+        );
+        Ok(())
+    })?;
+    Ok(dqkv)
+}
+
+/// RoPE's cosines and sines for the `s` positions of a sample, `[s, d/2]`, computed in `f64`
+/// (as `pos / base^(2p/d)`) and rounded once into the compute type.
+struct Rope<A> {
+    cos: Vec<A>,
+    sin: Vec<A>,
+    half: usize,
+}
+
+impl<A: AccFloat> Rope<A> {
+    fn new(cfg: &CausalAttention) -> Self {
+        let (s, d) = (cfg.seq_len, cfg.head_dim);
+        let half = d / 2;
+        let freq: Vec<f64> = (0..half)
+            .map(|p| cfg.rope_base.powf(2.0 * p as f64 / d as f64))
+            .collect();
+        let (mut cos, mut sin) = (Vec::with_capacity(s * half), Vec::with_capacity(s * half));
+        for i in 0..s {
+            let pos = (cfg.pos_offset + i) as f64;
+            for f in &freq {
+                let (sn, cs) = (pos / f).sin_cos();
+                cos.push(A::lit(cs));
+                sin.push(A::lit(sn));
+            }
+        }
+        Rope { cos, sin, half }
+    }
+
+    /// `dst = mul · R(pos_i) · src`.
+    fn rotate<T: Float<Acc = A>>(&self, dst: &mut [A], src: &[T], i: usize, mul: A) {
+        let (c, s) = self.at(i);
+        for p in 0..self.half {
+            let (a, b) = (src[2 * p].to_acc(), src[2 * p + 1].to_acc());
+            dst[2 * p] = (a * c[p] - b * s[p]) * mul;
+            dst[2 * p + 1] = (a * s[p] + b * c[p]) * mul;
+        }
+    }
+
+    /// `dst = round(mul · R(pos_i)ᵀ · src)`: the gradient through [`Rope::rotate`].
+    fn unrotate<T: Float<Acc = A>>(&self, dst: &mut [T], src: &[A], i: usize, mul: A) {
+        let (c, s) = self.at(i);
+        for p in 0..self.half {
+            let (a, b) = (src[2 * p], src[2 * p + 1]);
+            dst[2 * p] = T::from_acc((a * c[p] + b * s[p]) * mul);
+            dst[2 * p + 1] = T::from_acc((b * c[p] - a * s[p]) * mul);
+        }
+    }
+
+    fn at(&self, i: usize) -> (&[A], &[A]) {
+        let r = i * self.half..(i + 1) * self.half;
+        (&self.cos[r.clone()], &self.sin[r])
+    }
+}
+
+/// One sample's q (rotated, times `1/√d`), k (rotated) and v of one head, `[s, d]` each in
+/// the compute type; reused across (head, sample) pairs.
+struct Qkv<A> {
+    q: Vec<A>,
+    k: Vec<A>,
+    v: Vec<A>,
+}
+
+impl<A: AccFloat> Qkv<A> {
+    fn new(g: &Dims) -> Self {
+        let n = g.s * g.d;
+        Qkv {
+            q: vec![A::ZERO; n],
+            k: vec![A::ZERO; n],
+            v: vec![A::ZERO; n],
+        }
+    }
+
+    /// Loads head `h` of sample `b`, applying RoPE once and folding the score scale into q.
+    fn load<T: Float<Acc = A>>(&mut self, qkv: &[T], g: &Dims, rope: &Rope<A>, h: usize, b: usize) {
+        let (s, d) = (g.s, g.d);
+        let scale = A::lit(1.0 / (d as f64).sqrt());
+        for i in 0..s {
+            let row = (b * s + i) * g.cols + h * 3 * d;
+            let src = &qkv[row..row + 3 * d];
+            let at = i * d..(i + 1) * d;
+            rope.rotate(&mut self.q[at.clone()], &src[..d], i, scale);
+            rope.rotate(&mut self.k[at.clone()], &src[d..2 * d], i, A::ONE);
+            for (dst, x) in self.v[at].iter_mut().zip(&src[2 * d..]) {
+                *dst = x.to_acc();
+            }
+        }
+    }
+}
+
+/// Rows `r0..r1` of a row-major `[_, d]` matrix, as a `[r1 − r0, d]` operand.
+fn rows<A>(x: &[A], r0: usize, r1: usize, d: usize) -> Mat<'_, A> {
+    Mat::new(&x[r0 * d..r1 * d], r1 - r0, d)
+}
+
+fn forward<T: Float<Acc: ExpShifted>>(
+    out: &mut [T],
+    lse: &mut [T::Acc],
+    qkv: &[T],
+    g: &Dims,
+    cfg: &CausalAttention,
+) {
+    let (s, d, nh) = (g.s, g.d, g.heads);
+    let rope = Rope::<T::Acc>::new(cfg);
+    let mut x = Qkv::new(g);
+    let bmax = BLOCK.min(s);
+    let zero = T::Acc::ZERO;
+    // Scores, then probabilities, of one block; the running max, sum and unnormalized
+    // output of one query block.
+    let mut sc = vec![zero; bmax * bmax];
+    let mut m = vec![zero; bmax];
+    let mut l = vec![zero; bmax];
+    let mut acc = vec![zero; bmax * d];
+    for h in 0..nh {
+        for b in 0..g.batch {
+            x.load(qkv, g, &rope, h, b);
+            for q0 in (0..s).step_by(BLOCK) {
+                let q1 = (q0 + BLOCK).min(s);
+                let bq = q1 - q0;
+                m.fill(T::Acc::neg_infinity());
+                l.fill(zero);
+                acc.fill(zero);
+                // Key blocks past the query block's last row are masked for all its rows.
+                for k0 in (0..q1).step_by(BLOCK) {
+                    let k1 = (k0 + BLOCK).min(q1);
+                    let bk = k1 - k0;
+                    let sc = &mut sc[..bq * bk];
+                    let kv = rows(&x.k, k0, k1, d);
+                    matmul(sc, bk, rows(&x.q, q0, q1, d), kv.t(), false);
+                    for r in 0..bq {
+                        // Keys `k0 .. k0 + live` are visible from query `q0 + r`.
+                        let live = (q0 + r + 1).min(k1).saturating_sub(k0);
+                        let row = &mut sc[r * bk..(r + 1) * bk];
+                        let mut mx = m[r];
+                        for &v in &row[..live] {
+                            mx = mx.max(v);
+                        }
+                        let corr = (m[r] - mx).exp();
+                        T::Acc::exp_shifted(&mut row[..live], mx);
+                        let mut sum = zero;
+                        for &p in &row[..live] {
+                            sum += p;
+                        }
+                        row[live..].fill(zero);
+                        if live > 0 {
+                            l[r] = l[r] * corr + sum;
+                            m[r] = mx;
+                            for a in &mut acc[r * d..(r + 1) * d] {
+                                *a *= corr;
+                            }
+                        }
+                    }
+                    matmul(
+                        &mut acc[..bq * d],
+                        d,
+                        Mat::new(sc, bq, bk),
+                        rows(&x.v, k0, k1, d),
+                        true,
+                    );
+                }
+                for r in 0..bq {
+                    let t = b * s + q0 + r;
+                    let dst = &mut out[t * nh * d + h * d..][..d];
+                    for (o, &a) in dst.iter_mut().zip(&acc[r * d..(r + 1) * d]) {
+                        *o = T::from_acc(a / l[r]);
+                    }
+                    lse[t * nh + h] = m[r] + l[r].ln();
+                }
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward<T: Float<Acc: ExpShifted>>(
+    dqkv: &mut [T],
+    dout: &[T],
+    qkv: &[T],
+    out: &[T],
+    lse: &[T::Acc],
+    g: &Dims,
+    cfg: &CausalAttention,
+) {
+    let (s, d, nh) = (g.s, g.d, g.heads);
+    let rope = Rope::<T::Acc>::new(cfg);
+    let scale = T::Acc::lit(1.0 / (d as f64).sqrt());
+    let mut x = Qkv::new(g);
+    let bmax = BLOCK.min(s);
+    let zero = T::Acc::ZERO;
+    let n = s * d;
+    // One sample's dout, its `D_i = dout_i·out_i` and `lse_i`, the gradients of the rotated
+    // and scaled q, of the rotated k and of v, and one block's P and dP (then dS).
+    let mut go = vec![zero; n];
+    let mut dd = vec![zero; s];
+    let mut ls = vec![zero; s];
+    let (mut dq, mut dk, mut dv) = (vec![zero; n], vec![zero; n], vec![zero; n]);
+    let mut p = vec![zero; bmax * bmax];
+    let mut dp = vec![zero; bmax * bmax];
+    for h in 0..nh {
+        for b in 0..g.batch {
+            x.load(qkv, g, &rope, h, b);
+            for i in 0..s {
+                let t = b * s + i;
+                let at = t * nh * d + h * d;
+                let mut dot = zero;
+                for e in 0..d {
+                    let gv = dout[at + e].to_acc();
+                    go[i * d + e] = gv;
+                    dot += gv * out[at + e].to_acc();
+                }
+                dd[i] = dot;
+                ls[i] = lse[t * nh + h];
+            }
+            dq.fill(zero);
+            dk.fill(zero);
+            dv.fill(zero);
+            for k0 in (0..s).step_by(BLOCK) {
+                let k1 = (k0 + BLOCK).min(s);
+                let bk = k1 - k0;
+                let (kv, vv) = (rows(&x.k, k0, k1, d), rows(&x.v, k0, k1, d));
+                // Query blocks before the key block see none of its keys.
+                for q0 in (k0..s).step_by(BLOCK) {
+                    let q1 = (q0 + BLOCK).min(s);
+                    let bq = q1 - q0;
+                    let (p, dp) = (&mut p[..bq * bk], &mut dp[..bq * bk]);
+                    let qv = rows(&x.q, q0, q1, d);
+                    let gv = rows(&go, q0, q1, d);
+                    matmul(p, bk, qv, kv.t(), false);
+                    for r in 0..bq {
+                        let i = q0 + r;
+                        let live = (i + 1).min(k1).saturating_sub(k0);
+                        let row = &mut p[r * bk..(r + 1) * bk];
+                        T::Acc::exp_shifted(&mut row[..live], ls[i]);
+                        row[live..].fill(zero);
+                    }
+                    matmul(
+                        &mut dv[k0 * d..k1 * d],
+                        d,
+                        Mat::new(p, bq, bk).t(),
+                        gv,
+                        true,
+                    );
+                    matmul(dp, bk, gv, vv.t(), false);
+                    for r in 0..bq {
+                        let di = dd[q0 + r];
+                        let rp = &p[r * bk..(r + 1) * bk];
+                        for (ds, &pv) in dp[r * bk..(r + 1) * bk].iter_mut().zip(rp) {
+                            *ds = pv * (*ds - di);
+                        }
+                    }
+                    let ds = Mat::new(dp, bq, bk);
+                    matmul(&mut dq[q0 * d..q1 * d], d, ds, kv, true);
+                    matmul(&mut dk[k0 * d..k1 * d], d, ds.t(), qv, true);
+                }
+            }
+            for i in 0..s {
+                let row = (b * s + i) * g.cols + h * 3 * d;
+                let dst = &mut dqkv[row..row + 3 * d];
+                let at = i * d..(i + 1) * d;
+                // q was scaled by 1/√d after rotating: the chain rule scales dq by it too.
+                rope.unrotate(&mut dst[..d], &dq[at.clone()], i, scale);
+                rope.unrotate(&mut dst[d..2 * d], &dk[at.clone()], i, T::Acc::ONE);
+                for (o, &v) in dst[2 * d..].iter_mut().zip(&dv[at]) {
+                    *o = T::from_acc(v);
+                }
+            }
+        }
+    }
+}
+
+/// `x ← exp(x − shift)` over a row of scores, in the compute type.
+trait ExpShifted: AccFloat {
+    fn exp_shifted(xs: &mut [Self], shift: Self);
+}
+
+impl ExpShifted for f64 {
+    fn exp_shifted(xs: &mut [f64], shift: f64) {
+        for x in xs {
+            *x = (*x - shift).exp();
+        }
+    }
+}
+
+impl ExpShifted for f32 {
+    fn exp_shifted(xs: &mut [f32], shift: f32) {
+        // Branch-free, so this loop vectorizes; summing is left to the caller (an ordered
+        // f32 sum would keep the compiler from vectorizing it).
+        for x in xs {
+            *x = exp_f32(*x - shift);
+        }
+    }
+}
+
+/// `e^x` in `f32` within ~1 ulp (Cephes' `expf`): `e^x = 2^n·e^r` with `n = round(x·log₂e)`,
+/// `|r| ≤ ln2/2` by Cody–Waite, `e^r` by a degree-7 polynomial. Written out rather than
+/// calling libm's `expf` because it inlines and vectorizes (the exponentials were ~40% of
+/// the time at head dim 16), and plain mul/add (never fused by rustc) gives the same bits on
+/// every machine. Inputs are clamped to `[-87.34, 88]` (the softmax only passes `x ≤ 0`, and
+/// `e^-87.34 ≈ 1.2e-38` is as good as 0 next to the row's largest term, 1); NaN stays NaN.
+#[inline(always)]
+fn exp_f32(x: f32) -> f32 {
+    const HI: f32 = 88.0;
+    const LO: f32 = -87.336_54; // n = -126: 2^n stays normal
+                                // 1.5·2^23: adding it rounds to an integer held in the low mantissa bits.
+    const MAGIC: f32 = 12_582_912.0;
+    // Comparisons with NaN are false, so NaN passes through both clamps.
+    let x = if x > HI { HI } else { x };
+    let x = if x < LO { LO } else { x };
+    let t = x * std::f32::consts::LOG2_E + MAGIC;
+    let n = t - MAGIC;
+    // ln2 = C1 + C2 with C1 = 355/512 exact in 9 bits, so n·C1 is exact.
+    let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
+    let p = 1.987_569_1e-4;
+    let p = p * r + 1.398_2e-3;
+    let p = p * r + 8.333_452e-3;
+    let p = p * r + 4.166_579_6e-2;
+    let p = p * r + 1.666_666_5e-1;
+    let p = p * r + 0.5; // Cephes 5.0000001201e-1, which rounds to 0.5 in f32
+    let y = p * (r * r) + r + 1.0;
+    // 2^n from its exponent bits: t's bits are MAGIC's plus n.
+    let pow2 = f32::from_bits(t.to_bits().wrapping_sub(0x4B40_0000 - 127) << 23);
+    y * pow2
+}
+
+/// A read-only `[rows, cols]` operand whose element `(r, c)` is `data[r·rs + c·cs]`.
+#[derive(Clone, Copy)]
+struct Mat<'a, A> {
+    data: &'a [A],
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+}
+
+impl<'a, A> Mat<'a, A> {
+    /// Row-major `[rows, cols]` over `data`.
+    fn new(data: &'a [A], rows: usize, cols: usize) -> Self {
+        Mat {
+            data,
+            rows,
+            cols,
+            rs: cols,
+            cs: 1,
+        }
+    }
+
+    /// The transpose (a stride swap).
+    fn t(self) -> Self {
+        Mat {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+
+    /// Panics unless every element the strides address lies in `data`.
+    fn check(&self) {
+        if self.rows > 0 && self.cols > 0 {
+            let last = (self.rows - 1) * self.rs + (self.cols - 1) * self.cs;
+            assert!(last < self.data.len(), "operand out of bounds");
+        }
+    }
+}
+
+/// `dst = a·b` (`add = false`) or `dst += a·b`, `dst` row-major `[a.rows, b.cols]` with row
+/// stride `ld`, through `gemm` on the calling thread.
+fn matmul<A: AccFloat>(dst: &mut [A], ld: usize, a: Mat<'_, A>, b: Mat<'_, A>, add: bool) {
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    assert_eq!(k, b.rows, "inner dims");
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        n <= ld && (m - 1) * ld + n <= dst.len(),
+        "dst out of bounds"
+    );
+    if k == 0 {
+        if !add {
+            for r in 0..m {
+                dst[r * ld..r * ld + n].fill(A::ZERO);
+            }
+        }
+        return;
+    }
+    a.check();
+    b.check();
+    // SAFETY: the asserts above keep every element gemm addresses through these strides
+    // (all non-negative) inside `dst`, `a.data` and `b.data`; `dst` is a unique borrow, so
+    // it cannot alias the operands. gemm computes `dst = alpha·dst + 1·a·b` and reads `dst`
+    // only when `add`. The `gemm` crate's entry point is raw-pointer based, hence `unsafe`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            ld as isize,
+            add,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            A::ONE,
+            A::ONE,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::exp_f32;
+
+    #[test]
+    fn exp_f32_is_within_two_ulp() {
+        // Every 97th f32 in [-87.3, 88), negative and positive: relative error against f64.
+        let neg = (0x8000_0000..=(-87.3f32).to_bits()).step_by(97);
+        let pos = (0..88.0f32.to_bits()).step_by(97);
+        let worst = neg
+            .chain(pos)
+            .map(f32::from_bits)
+            .map(|x| {
+                let want = (x as f64).exp();
+                ((exp_f32(x) as f64 - want) / want).abs()
+            })
+            .fold(0.0f64, f64::max);
+        eprintln!("exp_f32: worst relative error {worst:e}");
+        assert!(
+            worst < 2.0 * f32::EPSILON as f64,
+            "worst relative error {worst:e}"
+        );
+        assert_eq!(exp_f32(0.0), 1.0);
+        assert!(exp_f32(f32::NAN).is_nan());
+        assert!(exp_f32(-1000.0) < 1.2e-38 && exp_f32(-1000.0) >= 0.0);
+        assert!(exp_f32(f32::NEG_INFINITY) < 1.2e-38);
+    }
+}

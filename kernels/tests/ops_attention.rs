@@ -1,0 +1,512 @@
+//! Fused causal attention with RoPE (`ops::causal_attention` and its backward) against a
+//! plain f64 reference written here the textbook way: RoPE on q and k, the full `s×s`
+//! scores, the causal mask, a max-subtracted softmax, `P·V`; the backward through the
+//! softmax's own Jacobian (`dS = P∘(dP − rowsum(P∘dP))`, not the kernel's `dout·out`), and
+//! central finite differences of the kernel itself.
+//!
+//! Tolerances (`scale` = the largest `|want|` of the tensor compared):
+//! - f64: `1e-12·|want| + 1e-12` everywhere (forward, lse, backward).
+//! - f32: forward and lse `tol(F32)` (`1e-5·|want| + 1e-6`); backward `1e-5·|want| + 1e-6·scale`
+//!   (each gradient element is a sum of up to `s` products).
+//! - bf16/f16 forward: `tol(dtype)` (one rounding of an f32 computation: half an ulp plus
+//!   f32 noise); lse is kept in f32, so `tol(F32)`.
+//! - bf16/f16 backward: `2^-8·|want| + 2^-8·scale` (bf16), `2^-11·|want| + 2^-11·scale` (f16):
+//!   besides the final rounding, `D_i = dout_i·out_i` reads the *rounded* forward output (as
+//!   flash attention does), an error of the order of one ulp of the output that every `dS`
+//!   of the row inherits, so it is bounded relative to the gradient's scale.
+//!
+//! The max errors are printed (`cargo test --test ops_attention -- --nocapture`).
+
+// The reference indexes its matrices the way the formulas do.
+#![allow(clippy::needless_range_loop)]
+
+mod common;
+
+use common::*;
+use dtensor_kernels::ops::{self, CausalAttention};
+use dtensor_kernels::{DType, Error, Tensor};
+
+/// One test shape: `batch` samples of `s` tokens, `heads` heads of dim `d`.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    batch: usize,
+    s: usize,
+    heads: usize,
+    d: usize,
+    pos_offset: usize,
+    base: f64,
+}
+
+impl Case {
+    const fn new(batch: usize, s: usize, heads: usize, d: usize, pos_offset: usize) -> Case {
+        Case {
+            batch,
+            s,
+            heads,
+            d,
+            pos_offset,
+            base: 10000.0,
+        }
+    }
+    fn tokens(&self) -> usize {
+        self.batch * self.s
+    }
+    fn cols(&self) -> usize {
+        self.heads * 3 * self.d
+    }
+    fn cfg(&self) -> CausalAttention {
+        CausalAttention {
+            seq_len: self.s,
+            head_dim: self.d,
+            rope_base: self.base,
+            pos_offset: self.pos_offset,
+        }
+    }
+    fn qkv(&self, seed: u64, dtype: DType) -> (Tensor, Vec<f64>) {
+        // Values in [-2, 2): scores of O(1) to O(10), so the softmax is far from uniform.
+        input(&[self.tokens(), self.cols()], seed, 2.0, dtype)
+    }
+    fn dout(&self, seed: u64, dtype: DType) -> (Tensor, Vec<f64>) {
+        input(&[self.tokens(), self.heads * self.d], seed, 1.0, dtype)
+    }
+}
+
+/// The kernel's block is 64: 1 token, sizes below, at, and across block boundaries, heads 1
+/// and 3, head dims 2, 16 and 64, several samples, non-zero position offsets, another base.
+const CASES: [Case; 8] = [
+    Case::new(1, 1, 1, 2, 0),
+    Case::new(3, 5, 3, 2, 0),
+    Case::new(2, 7, 2, 16, 5),
+    Case::new(2, 64, 1, 16, 0),
+    Case::new(2, 70, 3, 16, 0),
+    Case::new(1, 130, 1, 64, 1000),
+    Case::new(3, 65, 1, 64, 0),
+    Case {
+        base: 500.0,
+        ..Case::new(2, 33, 2, 64, 17)
+    },
+];
+
+/// Rotates each pair `(x[2i], x[2i+1])` by `sign·pos / base^(2i/d)`.
+fn rope(x: &mut [f64], base: f64, pos: usize, sign: f64) {
+    let d = x.len();
+    for i in 0..d / 2 {
+        let theta = sign * pos as f64 / base.powf(2.0 * i as f64 / d as f64);
+        let (c, s) = (theta.cos(), theta.sin());
+        let (a, b) = (x[2 * i], x[2 * i + 1]);
+        x[2 * i] = a * c - b * s;
+        x[2 * i + 1] = a * s + b * c;
+    }
+}
+
+/// One (head, sample): rotated q, rotated k, v (`[s][d]`) and the full probabilities `[s][s]`.
+struct HeadRef {
+    q: Vec<Vec<f64>>,
+    k: Vec<Vec<f64>>,
+    v: Vec<Vec<f64>>,
+    p: Vec<Vec<f64>>,
+    lse: Vec<f64>,
+}
+
+fn head_ref(qkv: &[f64], c: &Case, h: usize, b: usize) -> HeadRef {
+    let (s, d) = (c.s, c.d);
+    let (mut q, mut k, mut v) = (vec![], vec![], vec![]);
+    for i in 0..s {
+        let row = &qkv[(b * s + i) * c.cols() + h * 3 * d..][..3 * d];
+        let (mut qi, mut ki) = (row[..d].to_vec(), row[d..2 * d].to_vec());
+        rope(&mut qi, c.base, c.pos_offset + i, 1.0);
+        rope(&mut ki, c.base, c.pos_offset + i, 1.0);
+        q.push(qi);
+        k.push(ki);
+        v.push(row[2 * d..].to_vec());
+    }
+    let scale = 1.0 / (d as f64).sqrt();
+    let (mut p, mut lse) = (vec![], vec![]);
+    for i in 0..s {
+        let scores: Vec<f64> = (0..s)
+            .map(|j| {
+                if j <= i {
+                    scale * dot(&q[i], &k[j])
+                } else {
+                    f64::NEG_INFINITY
+                }
+            })
+            .collect();
+        let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = scores.iter().map(|x| (x - m).exp()).sum();
+        p.push(scores.iter().map(|x| (x - m).exp() / z).collect());
+        lse.push(m + z.ln());
+    }
+    HeadRef { q, k, v, p, lse }
+}
+
+/// `(out [tokens, heads·d], lse [tokens, heads])`.
+fn attention_ref(qkv: &[f64], c: &Case) -> (Vec<f64>, Vec<f64>) {
+    let (s, d, nh) = (c.s, c.d, c.heads);
+    let mut out = vec![0.0; c.tokens() * nh * d];
+    let mut lse = vec![0.0; c.tokens() * nh];
+    for h in 0..nh {
+        for b in 0..c.batch {
+            let r = head_ref(qkv, c, h, b);
+            for i in 0..s {
+                let t = b * s + i;
+                for e in 0..d {
+                    out[t * nh * d + h * d + e] = (0..s).map(|j| r.p[i][j] * r.v[j][e]).sum();
+                }
+                lse[t * nh + h] = r.lse[i];
+            }
+        }
+    }
+    (out, lse)
+}
+
+/// `dqkv [tokens, heads·3·d]` for the output gradient `dout`.
+fn attention_back_ref(dout: &[f64], qkv: &[f64], c: &Case) -> Vec<f64> {
+    let (s, d, nh) = (c.s, c.d, c.heads);
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut dqkv = vec![0.0; c.tokens() * c.cols()];
+    for h in 0..nh {
+        for b in 0..c.batch {
+            let r = head_ref(qkv, c, h, b);
+            let go: Vec<&[f64]> = (0..s)
+                .map(|i| &dout[(b * s + i) * nh * d + h * d..][..d])
+                .collect();
+            let (mut dq, mut dk, mut dv) = (
+                vec![vec![0.0; d]; s],
+                vec![vec![0.0; d]; s],
+                vec![vec![0.0; d]; s],
+            );
+            for i in 0..s {
+                let dp: Vec<f64> = (0..s).map(|j| dot(go[i], &r.v[j])).collect();
+                let rowdot = dot(&r.p[i], &dp);
+                for j in 0..s {
+                    let ds = r.p[i][j] * (dp[j] - rowdot);
+                    for e in 0..d {
+                        dv[j][e] += r.p[i][j] * go[i][e];
+                        dq[i][e] += ds * r.k[j][e] * scale;
+                        dk[j][e] += ds * r.q[i][e] * scale;
+                    }
+                }
+            }
+            for i in 0..s {
+                rope(&mut dq[i], c.base, c.pos_offset + i, -1.0);
+                rope(&mut dk[i], c.base, c.pos_offset + i, -1.0);
+                let row = &mut dqkv[(b * s + i) * c.cols() + h * 3 * d..][..3 * d];
+                row[..d].copy_from_slice(&dq[i]);
+                row[d..2 * d].copy_from_slice(&dk[i]);
+                row[2 * d..].copy_from_slice(&dv[i]);
+            }
+        }
+    }
+    dqkv
+}
+
+/// Largest `|got − want|`, and that over the tensor's scale (largest `|want|`).
+fn max_err(got: &Tensor, want: &[f64]) -> (f64, f64) {
+    let g = got.to_f64_vec();
+    let a = g
+        .iter()
+        .zip(want)
+        .fold(0.0f64, |a, (&g, &w)| a.max((g - w).abs()));
+    (a, a / scale_of(want).max(f64::MIN_POSITIVE))
+}
+
+fn report(what: &str, c: &Case, got: &Tensor, want: &[f64]) {
+    let (a, r) = max_err(got, want);
+    eprintln!(
+        "{what} {:?} {c:?}: max abs err {a:.2e}, over scale {r:.2e}",
+        got.dtype()
+    );
+}
+
+fn scale_of(want: &[f64]) -> f64 {
+    want.iter().fold(0.0f64, |m, w| m.max(w.abs()))
+}
+
+#[test]
+fn forward_matches_reference() {
+    for c in &CASES {
+        for dtype in ALL {
+            let (qkv, qv) = c.qkv(1, dtype);
+            let r = ops::causal_attention(&qkv, &c.cfg()).unwrap();
+            let (out, lse) = attention_ref(&qv, c);
+            assert_eq!(r.out.shape(), &[c.tokens(), c.heads * c.d]);
+            assert_eq!(r.out.dtype(), dtype);
+            assert_eq!(r.lse.shape(), &[c.tokens(), c.heads]);
+            assert_eq!(r.lse.dtype(), ops::acc_dtype(dtype));
+            report("out", c, &r.out, &out);
+            report("lse", c, &r.lse, &lse);
+            assert_close(&format!("out {c:?}"), &r.out, &out, tol(dtype));
+            assert_close(
+                &format!("lse {c:?}"),
+                &r.lse,
+                &lse,
+                tol(ops::acc_dtype(dtype)),
+            );
+        }
+    }
+}
+
+/// The stated backward tolerance (see the module docs).
+fn back_tol(dtype: DType) -> (f64, f64) {
+    match dtype {
+        DType::F64 => (1e-12, 1e-12),
+        DType::F32 => (1e-5, 1e-6),
+        DType::BF16 => (2f64.powi(-8), 2f64.powi(-8)),
+        DType::F16 => (2f64.powi(-11), 2f64.powi(-11)),
+        other => panic!("no tolerance for {other}"),
+    }
+}
+
+#[test]
+fn backward_matches_reference() {
+    for c in &CASES {
+        for dtype in ALL {
+            let cfg = c.cfg();
+            let (qkv, qv) = c.qkv(2, dtype);
+            let (dout, gv) = c.dout(3, dtype);
+            let f = ops::causal_attention(&qkv, &cfg).unwrap();
+            let dqkv = ops::causal_attention_backward(&dout, &qkv, &f.out, &f.lse, &cfg).unwrap();
+            assert_eq!(dqkv.shape(), qkv.shape());
+            assert_eq!(dqkv.dtype(), dtype);
+            let want = attention_back_ref(&gv, &qv, c);
+            report("dqkv", c, &dqkv, &want);
+            let (rtol, stol) = back_tol(dtype);
+            // f64 sums stay at ~1e-15 absolute: its atol is not scaled.
+            let atol = if dtype == DType::F64 {
+                stol
+            } else {
+                stol * scale_of(&want)
+            };
+            assert_close(&format!("dqkv {c:?}"), &dqkv, &want, Tol { rtol, atol });
+        }
+    }
+}
+
+#[test]
+fn backward_matches_finite_differences() {
+    // Small shapes (each coordinate costs two forwards); the second crosses a block edge.
+    let cases = [
+        Case::new(2, 5, 2, 4, 3),
+        Case::new(1, 67, 1, 2, 0),
+        Case::new(1, 9, 1, 16, 100),
+    ];
+    for c in &cases {
+        let cfg = c.cfg();
+        let (qkv, qv) = c.qkv(4, DType::F64);
+        let (dout, gv) = c.dout(5, DType::F64);
+        let f = ops::causal_attention(&qkv, &cfg).unwrap();
+        let dqkv = ops::causal_attention_backward(&dout, &qkv, &f.out, &f.lse, &cfg).unwrap();
+        let loss = |x: &[f64]| {
+            let y = ops::causal_attention(&t64(x, qkv.shape()), &cfg).unwrap();
+            dot(&y.out.to_f64_vec(), &gv)
+        };
+        let numeric = fd_grad(&qv, loss);
+        report("dqkv vs finite differences", c, &dqkv, &numeric);
+        assert_fd(&format!("dqkv {c:?}"), &dqkv, &numeric);
+    }
+}
+
+#[test]
+fn future_tokens_and_other_samples_do_not_leak() {
+    // Changing token 66 of sample 0 (in the second 64-block) must leave every earlier output
+    // of sample 0 and all of sample 1 bit-for-bit unchanged, and change token 66's output.
+    let c = Case::new(2, 70, 2, 16, 0);
+    for dtype in [DType::F32, DType::F64] {
+        let (qkv, mut qv) = c.qkv(6, dtype);
+        let base = ops::causal_attention(&qkv, &c.cfg())
+            .unwrap()
+            .out
+            .to_f64_vec();
+        for x in &mut qv[66 * c.cols()..67 * c.cols()] {
+            *x = -3.0 * *x + 0.5;
+        }
+        let (changed, _) = make(&qv, qkv.shape(), dtype);
+        let got = ops::causal_attention(&changed, &c.cfg())
+            .unwrap()
+            .out
+            .to_f64_vec();
+        let w = c.heads * c.d;
+        for t in 0..c.tokens() {
+            let (a, b) = (&base[t * w..(t + 1) * w], &got[t * w..(t + 1) * w]);
+            if t < 66 || t >= c.s {
+                assert_eq!(a, b, "{dtype}: token {t} sees token 66");
+            } else if t == 66 {
+                assert_ne!(a, b, "{dtype}: token 66 ignores its own q, k, v");
+            }
+        }
+    }
+}
+
+#[test]
+fn pos_offset_only_changes_rounding() {
+    // RoPE scores depend on position differences only, and q and k share the offset here:
+    // shifting every position changes the output by rounding alone (the reference tests
+    // above check that the offset is applied as specified).
+    let c = Case::new(2, 70, 2, 16, 0);
+    let (qkv, _) = c.qkv(7, DType::F64);
+    let at0 = ops::causal_attention(&qkv, &c.cfg()).unwrap();
+    let shifted = CausalAttention {
+        pos_offset: 12345,
+        ..c.cfg()
+    };
+    let at1 = ops::causal_attention(&qkv, &shifted).unwrap();
+    assert_ne!(
+        at0.out, at1.out,
+        "the offset changes the rotated values' rounding"
+    );
+    assert_close(
+        "offset 12345 vs 0",
+        &at1.out,
+        &at0.out.to_f64_vec(),
+        Tol {
+            rtol: 1e-10,
+            atol: 1e-10,
+        },
+    );
+}
+
+#[test]
+fn same_inputs_same_bits() {
+    let c = Case::new(2, 70, 3, 16, 0);
+    let (qkv, _) = c.qkv(8, DType::F32);
+    let (dout, _) = c.dout(9, DType::F32);
+    let a = ops::causal_attention(&qkv, &c.cfg()).unwrap();
+    let b = ops::causal_attention(&qkv, &c.cfg()).unwrap();
+    assert_eq!(a, b);
+    let da = ops::causal_attention_backward(&dout, &qkv, &a.out, &a.lse, &c.cfg()).unwrap();
+    let db = ops::causal_attention_backward(&dout, &qkv, &b.out, &b.lse, &c.cfg()).unwrap();
+    assert_eq!(da, db);
+}
+
+#[test]
+fn empty_inputs() {
+    // No tokens, or no heads: empty outputs, no error.
+    for shape in [[0, 12], [4, 0]] {
+        let qkv = Tensor::zeros(&shape, DType::F32);
+        let cfg = CausalAttention {
+            seq_len: 2,
+            head_dim: 4,
+            rope_base: 10000.0,
+            pos_offset: 0,
+        };
+        let r = ops::causal_attention(&qkv, &cfg).unwrap();
+        assert_eq!(r.out.shape(), &[shape[0], shape[1] / 3]);
+        assert_eq!(r.lse.shape(), &[shape[0], shape[1] / 12]);
+        let d = ops::causal_attention_backward(&r.out, &qkv, &r.out, &r.lse, &cfg).unwrap();
+        assert_eq!(d.shape(), &shape);
+    }
+}
+
+const FWD: &str = "ops::causal_attention";
+const BWD: &str = "ops::causal_attention_backward";
+
+#[test]
+fn forward_rejects_bad_arguments() {
+    let good = CausalAttention {
+        seq_len: 4,
+        head_dim: 4,
+        rope_base: 10000.0,
+        pos_offset: 0,
+    };
+    let qkv = Tensor::zeros(&[8, 24], DType::F32);
+    assert!(ops::causal_attention(&qkv, &good).is_ok());
+    let bad_cfgs = [
+        CausalAttention { seq_len: 3, ..good }, // 8 tokens are not samples of 3
+        CausalAttention { seq_len: 0, ..good }, // no samples
+        CausalAttention {
+            head_dim: 3,
+            ..good
+        }, // odd head dim
+        CausalAttention {
+            head_dim: 0,
+            ..good
+        }, // no head dim
+        CausalAttention {
+            head_dim: 6,
+            ..good
+        }, // 24 columns are not heads of 18
+        CausalAttention {
+            rope_base: 0.0,
+            ..good
+        },
+        CausalAttention {
+            rope_base: f64::NAN,
+            ..good
+        },
+    ];
+    for cfg in bad_cfgs {
+        let e = assert_names_op(ops::causal_attention(&qkv, &cfg), FWD);
+        assert!(matches!(e, Error::Invalid { .. }), "{cfg:?}: {e}");
+        assert_names_op(
+            ops::causal_attention_backward(&qkv, &qkv, &qkv, &qkv, &cfg),
+            BWD,
+        );
+    }
+    for shape in [vec![24], vec![2, 4, 24]] {
+        assert_names_op(
+            ops::causal_attention(&Tensor::zeros(&shape, DType::F32), &good),
+            FWD,
+        );
+    }
+    for dtype in [DType::I32, DType::I64] {
+        assert_names_op(
+            ops::causal_attention(&Tensor::zeros(&[8, 24], dtype), &good),
+            FWD,
+        );
+    }
+}
+
+#[test]
+fn backward_rejects_bad_arguments() {
+    let cfg = CausalAttention {
+        seq_len: 4,
+        head_dim: 4,
+        rope_base: 10000.0,
+        pos_offset: 0,
+    };
+    let qkv = Tensor::zeros(&[8, 24], DType::F32);
+    let f = ops::causal_attention(&qkv, &cfg).unwrap();
+    let (out, lse) = (&f.out, &f.lse);
+    assert!(ops::causal_attention_backward(out, &qkv, out, lse, &cfg).is_ok());
+    let out64 = out.to_dtype(DType::F64);
+    let e = assert_names_op(
+        ops::causal_attention_backward(&out64, &qkv, out, lse, &cfg),
+        BWD,
+    );
+    assert!(matches!(e, Error::DTypeMismatch { .. }), "{e}");
+    let e = assert_names_op(
+        ops::causal_attention_backward(out, &qkv, &out64, lse, &cfg),
+        BWD,
+    );
+    assert!(matches!(e, Error::DTypeMismatch { .. }), "{e}");
+    let wide = Tensor::zeros(&[8, 9], DType::F32);
+    assert_names_op(
+        ops::causal_attention_backward(&wide, &qkv, out, lse, &cfg),
+        BWD,
+    );
+    assert_names_op(
+        ops::causal_attention_backward(out, &qkv, &wide, lse, &cfg),
+        BWD,
+    );
+    // lse: the compute dtype (f32 for f32), [tokens, heads].
+    let lse64 = lse.to_dtype(DType::F64);
+    assert_names_op(
+        ops::causal_attention_backward(out, &qkv, out, &lse64, &cfg),
+        BWD,
+    );
+    let lse_t = Tensor::zeros(&[2, 8], DType::F32);
+    assert_names_op(
+        ops::causal_attention_backward(out, &qkv, out, &lse_t, &cfg),
+        BWD,
+    );
+    // bf16 inputs keep an f32 lse; a bf16 one is rejected.
+    let qkv16 = qkv.to_dtype(DType::BF16);
+    let out16 = out.to_dtype(DType::BF16);
+    assert!(ops::causal_attention_backward(&out16, &qkv16, &out16, lse, &cfg).is_ok());
+    let lse16 = lse.to_dtype(DType::BF16);
+    assert_names_op(
+        ops::causal_attention_backward(&out16, &qkv16, &out16, &lse16, &cfg),
+        BWD,
+    );
+}
