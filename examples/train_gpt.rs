@@ -428,7 +428,7 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
     };
     println!("receipt:");
     println!(
-        "  composition: dp={} (DDP all-reduce average) × tp={} ({}), vocab-parallel embedding and loss",
+        "  composition: dp={} (DDP all-reduce of the gradients) × tp={} ({}), vocab-parallel embedding and loss",
         c.dp,
         c.tp,
         if c.sp {

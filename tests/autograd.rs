@@ -390,3 +390,22 @@ fn a_loss_seeds_ones_and_intermediate_gradients_can_be_read() {
         Ok(())
     });
 }
+
+#[test]
+fn causal_attention_has_the_dual_gradient() {
+    let cfg = dtensor_kernels::ops::CausalAttention {
+        seq_len: 3,
+        head_dim: 2,
+        rope_base: 50.0,
+        pos_offset: 0,
+    };
+    // 2 samples of 3 tokens, 2 heads of dim 2: samples over Dp, heads over Tp.
+    let qkv = small(&[6, 12]);
+    grad_check::<layout![Dp: Shard<0>, Tp: Shard<1>], layout![Dp: Shard<0>, Tp: Shard<1>]>(
+        "causal_attention",
+        DP2TP2,
+        &qkv,
+        move |_, _, x| x.causal_attention(&cfg),
+        move |x| ops::causal_attention(x, &cfg).unwrap().out,
+    );
+}

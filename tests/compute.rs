@@ -311,3 +311,41 @@ fn matmul_with_mismatched_contraction_is_an_error_naming_shapes_and_placements()
         Ok(())
     });
 }
+
+fn attention_cfg() -> dtensor_kernels::ops::CausalAttention {
+    dtensor_kernels::ops::CausalAttention {
+        seq_len: 4,
+        head_dim: 4,
+        rope_base: 100.0,
+        pos_offset: 0,
+    }
+}
+
+#[test]
+fn causal_attention_on_whole_samples_and_heads_matches_the_reference() {
+    // 2 samples of 4 tokens, 2 heads of dim 4: samples over Dp, heads over Tp.
+    let qkv = float_global(&[8, 24]);
+    let want = ops::causal_attention(&qkv, &attention_cfg()).unwrap().out;
+    on_mesh(DP2TP2, |m| {
+        let x = dist::<layout![Dp: Shard<0>, Tp: Shard<1>]>(&qkv, m);
+        check("attention", &x.causal_attention(&attention_cfg())?, &want)
+    });
+}
+
+#[test]
+fn causal_attention_on_split_samples_is_an_error() {
+    // 6 tokens over 2 ranks is 3 each: not whole samples of 4.
+    let qkv = float_global(&[8, 12]);
+    on_mesh(TP2, |m| {
+        let x = dist::<layout![Tp: Shard<0>]>(&qkv.narrow(0, 0, 6).unwrap(), m);
+        let e = x
+            .causal_attention(&attention_cfg())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("DTensor::causal_attention") && e.contains("whole samples"),
+            "{e}"
+        );
+        Ok(())
+    });
+}

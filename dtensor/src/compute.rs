@@ -15,6 +15,7 @@
 //! | [`rms_norm`](DTensor::rms_norm), [`layer_norm`](DTensor::layer_norm) | rows sharded with a `Replicate` weight, or both whole | none |
 //! | [`embedding`](DTensor::embedding) | a vocab-sharded table gives `Partial` (masked lookup) | none |
 //! | [`cross_entropy`](DTensor::cross_entropy) | vocab-sharded logits give an `Invariant` loss | 3 all-reduces of `[tokens]` per vocab-sharded axis |
+//! | [`causal_attention`](DTensor::causal_attention) | samples or heads split, no `Partial` | none |
 //! | [`t`](DTensor::t) | `Shard<0>` ↔ `Shard<1>` | none |
 //!
 //! Shapes stay run-time values: every op checks them and returns an `Err` naming itself,
@@ -25,10 +26,10 @@ use crate::any::AnyDTensor;
 use crate::error::{Error, Result};
 use crate::typed::DTensor;
 use dtensor_collectives::{CommunicatorExt, ReduceOp};
-use dtensor_kernels::ops::{self, Transpose, VocabShard};
+use dtensor_kernels::ops::{self, CausalAttention, CausalAttentionOutput, Transpose, VocabShard};
 use dtensor_kernels::{DType, Tensor};
 use dtensor_placement::{
-    local_ranges, AddLayout, AddRowLayout, BatchedMatmulLayout, BatchedMatmulOut,
+    local_ranges, AddLayout, AddRowLayout, AttentionLayout, BatchedMatmulLayout, BatchedMatmulOut,
     CrossEntropyLayout, CrossEntropyOut, DivLayout, DivOut, EmbeddingLayout, EmbeddingOut, Layout,
     MatmulLayout, MatmulOut, MatmulTLayout, MatmulTOut, MaxLayout, MaxOut, MeanLayout, MeanOut,
     MulLayout, MulOut, NormLayout, NotSplitLayout, Placement, PointwiseLayout, SameAs, SumLayout,
@@ -191,6 +192,17 @@ impl<L: Layout> DTensor<L> {
         }
         let local = ops::matmul(a.as_local(), Transpose::No, b.as_local(), tb)?;
         output(op, local, &[ga[0], gb[n_dim]], a)
+    }
+
+    /// Fused causal self-attention with RoPE over a `[tokens, heads·3·d]` QKV (per head: q,
+    /// k, v columns together; tokens are samples of `cfg.seq_len` one after another) into
+    /// `[tokens, heads·d]`, laid out as the input: a rank holds whole samples and whole heads
+    /// (both checked here), so the attention is local.
+    pub fn causal_attention(&self, cfg: &CausalAttention) -> Result<DTensor<L>>
+    where
+        L: AttentionLayout,
+    {
+        Ok(attention_parts(self, cfg)?.0)
     }
 
     /// The transpose of a 2-D tensor: `Shard<0>` and `Shard<1>` swap.
@@ -626,4 +638,32 @@ pub(crate) fn transpose_local(t: &Tensor) -> Result<Tensor> {
         DType::I32 => tr!(i32),
         DType::I64 => tr!(i64),
     })
+}
+
+/// Attention's forward with the kernel's saved statistics (the output and the per-row
+/// log-sum-exp its backward needs).
+pub(crate) fn attention_parts<L: Layout>(
+    x: &DTensor<L>,
+    cfg: &CausalAttention,
+) -> Result<(DTensor<L>, CausalAttentionOutput)> {
+    const OP: &str = "DTensor::causal_attention";
+    let a = x.as_any();
+    want_rank(OP, a, 2, "the QKV")?;
+    let (rows, cols) = (a.local_shape()[0], a.local_shape()[1]);
+    let d3 = 3 * cfg.head_dim;
+    if cfg.seq_len == 0 || rows % cfg.seq_len != 0 || d3 == 0 || cols % d3 != 0 {
+        return Err(shape_err(
+            OP,
+            format!(
+                "{}: this rank's {rows} tokens × {cols} columns are not whole samples of {} tokens and whole heads of 3·{} columns (make the batch divisible by the data ranks, the heads by the tensor ranks)",
+                describe(a),
+                cfg.seq_len,
+                cfg.head_dim
+            ),
+        ));
+    }
+    let saved = ops::causal_attention(a.as_local(), cfg)?;
+    let global = [a.global_shape()[0], a.global_shape()[1] / 3];
+    let y = output(OP, saved.out.clone(), &global, a)?;
+    Ok((y, saved))
 }

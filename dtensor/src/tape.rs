@@ -46,11 +46,11 @@ use crate::typed::{Adjoint, DTensor};
 use dtensor_kernels::ops::{self, Transpose};
 use dtensor_kernels::{DType, Tensor};
 use dtensor_placement::{
-    AddLayout, AddRowLayout, CrossEntropyLayout, CrossEntropyOut, EmbeddingLayout, EmbeddingOut,
-    Invariant, IsInvariant, IsPartial, IsReplicate, IsShard, IsWhole, Layout, LinearLayout,
-    LossLayout, MatmulLayout, MatmulOut, MatmulTLayout, MatmulTOut, MeanLayout, MeanOut, MeshAxis,
-    MulLayout, MulOut, NormLayout, NotSplitLayout, Partial, PointwiseLayout, Replicate, SameAs,
-    Select, Shard, Sum, SumLayout, SumOut, TransposeLayout, Transposed,
+    AddLayout, AddRowLayout, AttentionLayout, CrossEntropyLayout, CrossEntropyOut, EmbeddingLayout,
+    EmbeddingOut, Invariant, IsInvariant, IsPartial, IsReplicate, IsShard, IsWhole, Layout,
+    LinearLayout, LossLayout, MatmulLayout, MatmulOut, MatmulTLayout, MatmulTOut, MeanLayout,
+    MeanOut, MeshAxis, MulLayout, MulOut, NormLayout, NotSplitLayout, Partial, PointwiseLayout,
+    Replicate, SameAs, Select, Shard, Sum, SumLayout, SumOut, TransposeLayout, Transposed,
 };
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -702,6 +702,26 @@ impl<'t, L: Layout> Var<'t, L> {
                 t.to_dtype(lv.dtype())
             };
             grad_of("Var::cross_entropy", t, &lv)
+        }))
+    }
+
+    /// [`DTensor::causal_attention`]: the kernel's backward recomputes the probabilities
+    /// from the saved log-sum-exp.
+    pub fn causal_attention(&self, cfg: &ops::CausalAttention) -> Result<Var<'t, L>>
+    where
+        L: AttentionLayout,
+    {
+        let (y, saved) = crate::compute::attention_parts(&self.value, cfg)?;
+        let (xv, cfg) = (self.value.as_any().clone(), *cfg);
+        Ok(self.unary(y, false, move |dy| {
+            let dx = ops::causal_attention_backward(
+                dy.as_local(),
+                xv.as_local(),
+                &saved.out,
+                &saved.lse,
+                &cfg,
+            )?;
+            grad_of("Var::causal_attention", dx, &xv)
         }))
     }
 

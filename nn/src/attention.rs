@@ -8,14 +8,15 @@
 //! `h·3·d .. h·3·d + d` are q, the next `d` are k, the next `d` are v (`d` the head dim).
 //! `Shard<0>` over `Tp` therefore gives rank `r` heads `r·heads/tp ..`, complete.
 //!
-//! The local attention is a custom op on the tape ([`Var::custom`]): laid out [`ColOut`] in
-//! and out (samples whole over `Dp`, heads whole over `Tp`, both checked when it runs).
+//! The local attention is the typed fused op [`Var::causal_attention`] (a blocked kernel with
+//! an online softmax, `dtensor_kernels::ops::causal_attention`): laid out [`ColOut`](crate::ColOut) in and
+//! out (samples whole over `Dp`, heads whole over `Tp`, both checked when it runs).
 
 use crate::linear::{ColumnParallelLinear, ParamInit, RowParallelLinear};
 use crate::optim::{join_name, Module, ParamVisitor};
-use crate::seq::{axis_size, ColOut, SeqMode, Stream};
+use crate::seq::{axis_size, SeqMode, Stream};
 use dtensor_core::{DeviceMesh, Error, Result, Tape, Var};
-use dtensor_kernels::{DType, Tensor};
+use dtensor_kernels::ops::CausalAttention;
 use dtensor_placement::AxisKind;
 use std::sync::Arc;
 
@@ -65,159 +66,6 @@ pub struct ParallelAttention<M: SeqMode> {
     pub config: AttentionConfig,
 }
 
-/// The RoPE angle's cosine and sine for position `pos`, pair `i` of a head of dim `d`.
-fn rope_angle(base: f64, pos: usize, i: usize, d: usize) -> (f64, f64) {
-    let theta = pos as f64 / base.powf(2.0 * i as f64 / d as f64);
-    (theta.cos(), theta.sin())
-}
-
-/// Rotates each pair `(x[2i], x[2i+1])` by the position's angle (`sign = -1`: back).
-fn rope(x: &mut [f64], base: f64, pos: usize, sign: f64) {
-    let d = x.len();
-    for i in 0..d / 2 {
-        let (c, s) = rope_angle(base, pos, i, d);
-        let s = sign * s;
-        let (a, b) = (x[2 * i], x[2 * i + 1]);
-        x[2 * i] = a * c - b * s;
-        x[2 * i + 1] = a * s + b * c;
-    }
-}
-
-fn to_tensor(v: Vec<f64>, shape: &[usize], dtype: DType) -> Result<Tensor> {
-    let t = Tensor::from_vec(v, shape)?;
-    Ok(if dtype == DType::F64 {
-        t
-    } else {
-        t.to_dtype(dtype)
-    })
-}
-
-/// `(local heads, samples, seq, head dim)` for a local QKV of `rows` tokens.
-fn dims(
-    cfg: &AttentionConfig,
-    rows: usize,
-    local_cols: usize,
-) -> Result<(usize, usize, usize, usize)> {
-    let (s, d) = (cfg.seq_len, cfg.head_dim());
-    if s == 0 || rows % s != 0 || local_cols % (3 * d) != 0 {
-        return Err(Error::ShapeMismatch {
-            op: "ParallelAttention::forward",
-            detail: format!(
-                "{rows} tokens × {local_cols} QKV columns on this rank are not whole samples of seq_len {s} and whole heads of 3·{d} columns (make the batch divisible by dp, the heads by tp)"
-            ),
-        });
-    }
-    Ok((local_cols / (3 * d), rows / s, s, d))
-}
-
-/// Rotated q, k, v and the probabilities, `[local head][sample]…`.
-struct Attn {
-    q: Vec<f64>,
-    k: Vec<f64>,
-    v: Vec<f64>,
-    p: Vec<f64>,
-    o: Vec<f64>,
-}
-
-fn attention_local(cfg: &AttentionConfig, qkv: &Tensor) -> Result<Attn> {
-    let (rows, cols) = (qkv.shape()[0], qkv.shape()[1]);
-    let (nh, nb, s, d) = dims(cfg, rows, cols)?;
-    let base = cfg.rope_base;
-    let scale = 1.0 / (d as f64).sqrt();
-    let src = qkv.to_f64_vec();
-    let n = nh * nb * s * d;
-    let (mut q, mut k, mut v) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
-    let mut p = vec![0.0; nh * nb * s * s];
-    let mut o = vec![0.0; rows * nh * d];
-    for h in 0..nh {
-        for b in 0..nb {
-            let blk = (h * nb + b) * s * d;
-            for i in 0..s {
-                let row = (b * s + i) * cols + h * 3 * d;
-                let at = blk + i * d;
-                q[at..at + d].copy_from_slice(&src[row..row + d]);
-                k[at..at + d].copy_from_slice(&src[row + d..row + 2 * d]);
-                v[at..at + d].copy_from_slice(&src[row + 2 * d..row + 3 * d]);
-                rope(&mut q[at..at + d], base, i, 1.0);
-                rope(&mut k[at..at + d], base, i, 1.0);
-            }
-            let pblk = (h * nb + b) * s * s;
-            for i in 0..s {
-                let qi = &q[blk + i * d..blk + (i + 1) * d];
-                let pr = &mut p[pblk + i * s..pblk + (i + 1) * s];
-                let mut m = f64::NEG_INFINITY;
-                for j in 0..=i {
-                    let kj = &k[blk + j * d..blk + (j + 1) * d];
-                    pr[j] = scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>();
-                    m = m.max(pr[j]);
-                }
-                let mut z = 0.0;
-                for pj in pr.iter_mut().take(i + 1) {
-                    *pj = (*pj - m).exp();
-                    z += *pj;
-                }
-                let orow = (b * s + i) * nh * d + h * d;
-                for j in 0..=i {
-                    pr[j] /= z;
-                    let vj = &v[blk + j * d..blk + (j + 1) * d];
-                    for (e, vv) in vj.iter().enumerate() {
-                        o[orow + e] += pr[j] * vv;
-                    }
-                }
-            }
-        }
-    }
-    Ok(Attn { q, k, v, p, o })
-}
-
-fn attention_backward_local(cfg: &AttentionConfig, dout: &Tensor, qkv: &Tensor) -> Result<Tensor> {
-    let (rows, cols) = (qkv.shape()[0], qkv.shape()[1]);
-    let (nh, nb, s, d) = dims(cfg, rows, cols)?;
-    let Attn { q, k, v, p, .. } = attention_local(cfg, qkv)?;
-    let base = cfg.rope_base;
-    let scale = 1.0 / (d as f64).sqrt();
-    let g = dout.to_f64_vec();
-    let mut dqkv = vec![0.0; rows * cols];
-    let mut dp = vec![0.0; s];
-    for h in 0..nh {
-        for b in 0..nb {
-            let blk = (h * nb + b) * s * d;
-            let pblk = (h * nb + b) * s * s;
-            let (mut dq, mut dk, mut dv) = (vec![0.0; s * d], vec![0.0; s * d], vec![0.0; s * d]);
-            for i in 0..s {
-                let grow = (b * s + i) * nh * d + h * d;
-                let go = &g[grow..grow + d];
-                let pr = &p[pblk + i * s..pblk + (i + 1) * s];
-                let mut dot = 0.0;
-                for j in 0..=i {
-                    let vj = &v[blk + j * d..blk + (j + 1) * d];
-                    dp[j] = go.iter().zip(vj).map(|(a, b)| a * b).sum::<f64>();
-                    dot += pr[j] * dp[j];
-                    for e in 0..d {
-                        dv[j * d + e] += pr[j] * go[e];
-                    }
-                }
-                for j in 0..=i {
-                    let ds = scale * pr[j] * (dp[j] - dot);
-                    for e in 0..d {
-                        dq[i * d + e] += ds * k[blk + j * d + e];
-                        dk[j * d + e] += ds * q[blk + i * d + e];
-                    }
-                }
-            }
-            for i in 0..s {
-                rope(&mut dq[i * d..(i + 1) * d], base, i, -1.0);
-                rope(&mut dk[i * d..(i + 1) * d], base, i, -1.0);
-                let row = (b * s + i) * cols + h * 3 * d;
-                dqkv[row..row + d].copy_from_slice(&dq[i * d..(i + 1) * d]);
-                dqkv[row + d..row + 2 * d].copy_from_slice(&dk[i * d..(i + 1) * d]);
-                dqkv[row + 2 * d..row + 3 * d].copy_from_slice(&dv[i * d..(i + 1) * d]);
-            }
-        }
-    }
-    to_tensor(dqkv, &[rows, cols], qkv.dtype())
-}
-
 impl<M: SeqMode> ParallelAttention<M> {
     /// Parameter ids `init.id` (QKV weight), `+1` (its bias), `+2` (output weight), `+3`
     /// (its bias). The output projection is drawn with `out_std`.
@@ -245,19 +93,13 @@ impl<M: SeqMode> ParallelAttention<M> {
         x: &Var<'t, Stream<M>>,
     ) -> Result<Var<'t, Stream<M>>> {
         let qkv = self.qkv.forward::<M>(tape, x)?;
-        let cfg = self.config;
-        let global = [qkv.value().global_shape()[0], cfg.hidden];
-        let o = qkv.custom::<ColOut>(
-            "ParallelAttention::attention",
-            &global,
-            |qkv| {
-                let rows = qkv.shape()[0];
-                let a = attention_local(&cfg, qkv)?;
-                let cols = a.o.len().checked_div(rows).unwrap_or(0);
-                to_tensor(a.o, &[rows, cols], qkv.dtype())
-            },
-            move |dout, qkv| attention_backward_local(&cfg, dout, qkv),
-        )?;
+        let cfg = CausalAttention {
+            seq_len: self.config.seq_len,
+            head_dim: self.config.head_dim(),
+            rope_base: self.config.rope_base,
+            pos_offset: 0,
+        };
+        let o = qkv.causal_attention(&cfg)?; // ColOut: whole heads, whole samples
         self.out.forward(tape, &o)
     }
 }

@@ -18,6 +18,7 @@
 //! | [`NormRule<X, D>`] (rms / layer norm over dim `D`, weight `Self`) | (S<e≠D>, R)→S<e>, (R, R)→R, (I, I)→I | no rule |
 //! | [`EmbeddingRule<T>`] (table `T`, ids `Self`) | (S0, R or I)→P (masked lookup), (S1, R or I)→S1, (R, S0)→S0, (R, R)→R, (R, I)→R, (I, I)→I | no rule |
 //! | [`CrossEntropyRule<Lg>`] (logits `Lg[t,v]`, targets `Self[t]`) | (S1, R or I)→I (vocab-parallel, reduced inside), (S0, S0)→S0, (R, R)→R, (I, I)→I | no rule |
+//! | [`AttentionRule`] (fused causal attention of a `[tokens, heads·3·d]` QKV) | S0 (whole samples), S1 (whole heads), R, I stay | P: no rule |
 //! | [`TransposeRule`] (2-D) | S0↔S1; R, I, P stay | — |
 //!
 //! Each rule trait is implemented on the *right* operand, so rustc reads the operand's type
@@ -189,6 +190,20 @@ pub trait EmbeddingRule<T: PlacementType>: PlacementType {
 pub trait CrossEntropyRule<Lg: PlacementType>: PlacementType {
     type Out: PlacementType;
 }
+
+/// Fused causal attention over a `[tokens, heads·3·d]` QKV on one axis: tokens may be split
+/// (whole samples per rank, checked when it runs), columns split by whole heads (checked
+/// too), or the tensor whole; never pending sums. The output keeps the placement.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot feed attention: it needs whole samples and whole heads on every rank, and no pending sums",
+    label = "attention reads this axis's QKV as is",
+    note = "per axis: Shard<0> (samples), Shard<1> (heads), Replicate or Invariant; reduce a Partial first (all_reduce)"
+)]
+pub trait AttentionRule: PlacementType {}
+impl AttentionRule for S<0> {}
+impl AttentionRule for S<1> {}
+impl AttentionRule for R {}
+impl AttentionRule for I {}
 
 /// Every axis `Partial<Sum>` or `Invariant`: a loss whose seed gradient (the dual: ones,
 /// `Replicate` or `Invariant`) is exact.
@@ -670,6 +685,11 @@ impl<X: MeshAxis, P: TransposeLastRule, Rest: TransposeLastLayout> TransposeLast
 {
     type T = (On<X, P::T>, Rest::T);
 }
+
+/// Every axis may feed fused attention (see [`AttentionRule`]).
+pub trait AttentionLayout: Layout {}
+impl AttentionLayout for () {}
+impl<X: MeshAxis, P: AttentionRule, Rest: AttentionLayout> AttentionLayout for (On<X, P>, Rest) {}
 
 /// Every axis `Partial<Sum>` or `Invariant`: a loss `backward()` can seed exactly.
 pub trait LossLayout: Layout {}
