@@ -409,3 +409,18 @@ fn causal_attention_has_the_dual_gradient() {
         move |x| ops::causal_attention(x, &cfg).unwrap().out,
     );
 }
+
+#[test]
+fn split_and_merge_have_the_dual_gradients() {
+    let x = small(&[4, 6]);
+    grad_check::<layout![Dp: Shard<0>, Tp: Shard<1>], layout![Dp: Shard<0>, Tp: Shard<1>]>(
+        "split then softmax over the trailing dim, merged back",
+        DP2TP2,
+        &x,
+        |_, _, x| x.split_dim::<1>(3)?.softmax::<2>()?.merge_dims::<1>(),
+        |x| {
+            let s = ops::softmax(&x.clone().reshape(&[4, 2, 3]).unwrap()).unwrap();
+            s.reshape(&[4, 6]).unwrap()
+        },
+    );
+}

@@ -349,3 +349,36 @@ fn causal_attention_on_split_samples_is_an_error() {
         Ok(())
     });
 }
+
+#[test]
+fn split_and_merge_move_shard_dims_and_refuse_uneven_shards() {
+    let x = int_global(&[4, 6]);
+    let split = x.clone().reshape(&[4, 2, 3]).unwrap();
+    on_mesh(DP2TP2, |m| {
+        // [tokens, heads·d] → [tokens, heads, d]: heads sharded over Tp follow into dim 1.
+        let t = dist::<layout![Dp: Shard<0>, Tp: Shard<1>]>(&x, m);
+        let s: DTensor<layout![Dp: Shard<0>, Tp: Shard<1>]> = t.split_dim::<1>(3)?;
+        check("split dim 1", &s, &split)?;
+        // Splitting dim 0 moves a shard of dim 1 to dim 2.
+        let r = dist::<layout![Dp: Replicate, Tp: Shard<1>]>(&x, m);
+        let s0: DTensor<layout![Dp: Replicate, Tp: Shard<2>]> = r.split_dim::<0>(2)?;
+        check("split dim 0", &s0, &x.clone().reshape(&[2, 2, 6]).unwrap())?;
+        // And back.
+        let back: DTensor<layout![Dp: Shard<0>, Tp: Shard<1>]> = s.merge_dims::<1>()?;
+        check("merge dims 1, 2", &back, &x)?;
+        let p = dist::<layout![Dp: Shard<0>, Tp: Partial]>(&split, m);
+        let pm: DTensor<layout![Dp: Shard<0>, Tp: Partial]> = p.merge_dims::<1>()?;
+        check("merge of a partial", &pm, &x)
+    });
+    // 3 heads over 2 ranks: the shards of the split dim would hold other rows.
+    let y = int_global(&[2, 9]);
+    on_mesh(TP2, |m| {
+        let t = dist::<layout![Tp: Shard<1>]>(&y, m);
+        let e = t.split_dim::<1>(3).unwrap_err().to_string();
+        assert!(
+            e.contains("DTensor::split_dim") && e.contains("evenly"),
+            "{e}"
+        );
+        Ok(())
+    });
+}

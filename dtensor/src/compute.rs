@@ -17,6 +17,7 @@
 //! | [`cross_entropy`](DTensor::cross_entropy) | vocab-sharded logits give an `Invariant` loss | 3 all-reduces of `[tokens]` per vocab-sharded axis |
 //! | [`causal_attention`](DTensor::causal_attention) | samples or heads split, no `Partial` | none |
 //! | [`t`](DTensor::t) | `Shard<0>` ↔ `Shard<1>` | none |
+//! | [`split_dim`](DTensor::split_dim), [`merge_dims`](DTensor::merge_dims) | `Shard<e>` moves with the dims (even shards of a reshaped dim) | none |
 //!
 //! Shapes stay run-time values: every op checks them and returns an `Err` naming itself,
 //! the shapes and the placements. The result is wrapped only after its local shape was
@@ -32,8 +33,8 @@ use dtensor_placement::{
     local_ranges, AddLayout, AddRowLayout, AttentionLayout, BatchedMatmulLayout, BatchedMatmulOut,
     CrossEntropyLayout, CrossEntropyOut, DivLayout, DivOut, EmbeddingLayout, EmbeddingOut, Layout,
     MatmulLayout, MatmulOut, MatmulTLayout, MatmulTOut, MaxLayout, MaxOut, MeanLayout, MeanOut,
-    MulLayout, MulOut, NormLayout, NotSplitLayout, Placement, PointwiseLayout, SameAs, SumLayout,
-    SumOut, TransposeLayout, Transposed,
+    MergeLayout, MergeOut, MulLayout, MulOut, NormLayout, NotSplitLayout, Placement,
+    PointwiseLayout, SameAs, SplitLayout, SplitOut, SumLayout, SumOut, TransposeLayout, Transposed,
 };
 
 fn fmt_placements(p: &[Placement]) -> String {
@@ -203,6 +204,62 @@ impl<L: Layout> DTensor<L> {
         L: AttentionLayout,
     {
         Ok(attention_parts(self, cfg)?.0)
+    }
+
+    /// Dim `D` (extent `n`) split into `(n / inner, inner)`: `[tokens, heads·d]` →
+    /// `[tokens, heads, d]`, say. A sharded `D` shards the leading part, which must split
+    /// evenly over its ranks (`torch.chunk` of the two shapes differs otherwise): checked.
+    pub fn split_dim<const D: usize>(&self, inner: usize) -> Result<DTensor<SplitOut<L, D>>>
+    where
+        L: SplitLayout<D>,
+    {
+        const OP: &str = "DTensor::split_dim";
+        let a = self.as_any();
+        check_dim(OP, a, D)?;
+        let n = a.global_shape()[D];
+        if inner == 0 || n % inner != 0 {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "dim {D} of {} does not split into pieces of {inner}",
+                    describe(a)
+                ),
+            ));
+        }
+        let outer = n / inner;
+        even_over_shards(OP, a, D, outer)?;
+        let split = |shape: &[usize], lead: usize| -> Vec<usize> {
+            let mut v = shape.to_vec();
+            v.splice(D..=D, [lead, inner]);
+            v
+        };
+        let local_lead = a.local_shape()[D] / inner;
+        let local = a
+            .as_local()
+            .clone()
+            .reshape(&split(a.local_shape(), local_lead))?;
+        output(OP, local, &split(a.global_shape(), outer), a)
+    }
+
+    /// Dims `D` and `D + 1` merged into one: `[samples, seq, hidden]` → `[tokens, hidden]`.
+    /// A sharded `D` must be split evenly over its ranks (checked); a sharded `D + 1` does
+    /// not compile.
+    pub fn merge_dims<const D: usize>(&self) -> Result<DTensor<MergeOut<L, D>>>
+    where
+        L: MergeLayout<D>,
+    {
+        const OP: &str = "DTensor::merge_dims";
+        let a = self.as_any();
+        check_dim(OP, a, D + 1)?;
+        even_over_shards(OP, a, D, a.global_shape()[D])?;
+        let merge = |shape: &[usize]| -> Vec<usize> {
+            let mut v = shape.to_vec();
+            let m = v[D] * v[D + 1];
+            v.splice(D..=D + 1, [m]);
+            v
+        };
+        let local = a.as_local().clone().reshape(&merge(a.local_shape()))?;
+        output(OP, local, &merge(a.global_shape()), a)
     }
 
     /// The transpose of a 2-D tensor: `Shard<0>` and `Shard<1>` swap.
@@ -577,6 +634,25 @@ fn same_shape(op: &'static str, a: &AnyDTensor, b: &AnyDTensor) -> Result<()> {
         return Err(shape_err(
             op,
             format!("{} and {}: shapes differ", describe(a), describe(b)),
+        ));
+    }
+    Ok(())
+}
+
+/// `extent` (of dim `d`, or its leading part) divides evenly over the ranks of every axis
+/// that shards `d`, so `torch.chunk` of the reshaped dim gives the same rows.
+fn even_over_shards(op: &'static str, a: &AnyDTensor, d: usize, extent: usize) -> Result<()> {
+    let parts: usize = a
+        .placements()
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.shard_dim() == Some(d))
+        .map(|(i, _)| a.device_mesh().mesh().size(i))
+        .product();
+    if extent % parts != 0 {
+        return Err(shape_err(
+            op,
+            format!("dim {d} of {}: {extent} rows do not split evenly over {parts} ranks, so the reshaped shards would hold other rows", describe(a)),
         ));
     }
     Ok(())

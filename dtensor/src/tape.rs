@@ -49,8 +49,9 @@ use dtensor_placement::{
     AddLayout, AddRowLayout, AttentionLayout, CrossEntropyLayout, CrossEntropyOut, EmbeddingLayout,
     EmbeddingOut, Invariant, IsInvariant, IsPartial, IsReplicate, IsShard, IsWhole, Layout,
     LinearLayout, LossLayout, MatmulLayout, MatmulOut, MatmulTLayout, MatmulTOut, MeanLayout,
-    MeanOut, MeshAxis, MulLayout, MulOut, NormLayout, NotSplitLayout, Partial, PointwiseLayout,
-    Replicate, SameAs, Select, Shard, Sum, SumLayout, SumOut, TransposeLayout, Transposed,
+    MeanOut, MergeLayout, MergeOut, MeshAxis, MulLayout, MulOut, NormLayout, NotSplitLayout,
+    Partial, PointwiseLayout, Replicate, SameAs, Select, Shard, SplitLayout, SplitOut, Sum,
+    SumLayout, SumOut, TransposeLayout, Transposed,
 };
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -722,6 +723,32 @@ impl<'t, L: Layout> Var<'t, L> {
                 &cfg,
             )?;
             grad_of("Var::causal_attention", dx, &xv)
+        }))
+    }
+
+    /// [`DTensor::split_dim`]: the gradient is merged back.
+    pub fn split_dim<const D: usize>(&self, inner: usize) -> Result<Var<'t, SplitOut<L, D>>>
+    where
+        L: SplitLayout<D>,
+    {
+        let y = self.value.split_dim::<D>(inner)?;
+        let xv = self.value.as_any().clone();
+        Ok(self.unary(y, false, move |dy| {
+            let g = dy.as_local().clone().reshape(xv.local_shape())?;
+            grad_of("Var::split_dim", g, &xv)
+        }))
+    }
+
+    /// [`DTensor::merge_dims`]: the gradient is split back.
+    pub fn merge_dims<const D: usize>(&self) -> Result<Var<'t, MergeOut<L, D>>>
+    where
+        L: MergeLayout<D>,
+    {
+        let y = self.value.merge_dims::<D>()?;
+        let xv = self.value.as_any().clone();
+        Ok(self.unary(y, false, move |dy| {
+            let g = dy.as_local().clone().reshape(xv.local_shape())?;
+            grad_of("Var::merge_dims", g, &xv)
         }))
     }
 

@@ -20,6 +20,8 @@
 //! | [`CrossEntropyRule<Lg>`] (logits `Lg[t,v]`, targets `Self[t]`) | (S1, R or I)→I (vocab-parallel, reduced inside), (S0, S0)→S0, (R, R)→R, (I, I)→I | no rule |
 //! | [`AttentionRule`] (fused causal attention of a `[tokens, heads·3·d]` QKV) | S0 (whole samples), S1 (whole heads), R, I stay | P: no rule |
 //! | [`TransposeRule`] (2-D) | S0↔S1; R, I, P stay | — |
+//! | [`SplitRule<D>`] (dim `D` into two) | S<D> stays (even shards), S<e>→S<e+1> when e > D; R, I, P stay | — |
+//! | [`MergeRule<D>`] (dims `D`, `D+1` into one) | S<D> stays (even shards), S<e>→S<e−1> when e > D+1; R, I, P stay | S<D+1>: no rule |
 //!
 //! Each rule trait is implemented on the *right* operand, so rustc reads the operand's type
 //! and prints our message instead of guessing it from the one impl that fits.
@@ -190,6 +192,46 @@ pub trait EmbeddingRule<T: PlacementType>: PlacementType {
 pub trait CrossEntropyRule<Lg: PlacementType>: PlacementType {
     type Out: PlacementType;
 }
+
+/// Splitting tensor dim `D` into two (`D`, `D + 1`) on one axis: `Shard<D>` shards the
+/// leading part (even shards only, checked when it runs), a later `Shard<e>` moves up.
+#[diagnostic::on_unimplemented(
+    message = "no rule for splitting dim {D} of a `{Self}` axis",
+    label = "tensors of more than 4 dims are not supported here",
+    note = "per axis: Shard<D> stays (the leading part is split), Shard<e> moves to Shard<e+1> when e > D; R, I and Partial stay"
+)]
+pub trait SplitRule<const D: usize>: PlacementType {
+    type Out: PlacementType;
+}
+
+/// Merging tensor dims `D` and `D + 1` into one on one axis: `Shard<D>` stays (even shards
+/// only, checked when it runs); a shard of the trailing dim `D + 1` has no rule (its rows
+/// would interleave); a later `Shard<e>` moves down.
+#[diagnostic::on_unimplemented(
+    message = "no rule for merging dims {D} and {D}+1 of a `{Self}` axis",
+    label = "a shard of the trailing merged dim would interleave with the others: gather it (all_gather) or move it (all_to_all) first",
+    note = "per axis: Shard<D> stays, Shard<e> moves to Shard<e-1> when e > D + 1; R, I and Partial stay"
+)]
+pub trait MergeRule<const D: usize>: PlacementType {
+    type Out: PlacementType;
+}
+
+macro_rules! keeps_for_every_dim {
+    ($rule:ident: $($p:ty),*) => {$(
+        impl<const D: usize> $rule<D> for $p { type Out = $p; }
+    )*};
+}
+keeps_for_every_dim!(SplitRule: R, I, Partial<Sum>, Partial<Avg>, Partial<Max>, Partial<crate::Min>);
+keeps_for_every_dim!(MergeRule: R, I, Partial<Sum>, Partial<Avg>, Partial<Max>, Partial<crate::Min>);
+macro_rules! dim_moves {
+    ($rule:ident: $($d:literal: [$($e:literal => $o:literal),*]);*) => {
+        $($(impl $rule<$d> for S<$e> { type Out = S<$o>; })*)*
+    };
+}
+// Split dim D: e ≤ D stays, e > D moves up (at most 4 dims out).
+dim_moves!(SplitRule: 0: [0 => 0, 1 => 2, 2 => 3]; 1: [0 => 0, 1 => 1, 2 => 3]; 2: [0 => 0, 1 => 1, 2 => 2]);
+// Merge dims D, D+1: e ≤ D stays, e = D + 1 has no rule, e > D + 1 moves down.
+dim_moves!(MergeRule: 0: [0 => 0, 2 => 1, 3 => 2]; 1: [0 => 0, 1 => 1, 3 => 2]; 2: [0 => 0, 1 => 1, 2 => 2]);
 
 /// Fused causal attention over a `[tokens, heads·3·d]` QKV on one axis: tokens may be split
 /// (whole samples per rank, checked when it runs), columns split by whole heads (checked
@@ -638,6 +680,14 @@ lift_predicate!(
         note = "both operands need the same mesh axes in the same order"
     )]
     NormLayout, NormRule, const D
+);
+lift_unary_dim!(
+    /// Dim `D` split in two, every axis.
+    SplitLayout, SplitRule, SplitOut
+);
+lift_unary_dim!(
+    /// Dims `D` and `D + 1` merged, every axis.
+    MergeLayout, MergeRule, MergeOut
 );
 lift_unary_dim!(
     /// A sum over dim `D`, every axis.
