@@ -7,7 +7,8 @@
 //! | [`swiglu`] | `silu(gate)·up` | `d_gate = dy·up·silu'(gate)`, `d_up = dy·silu(gate)` (`dy`, `gate`, `up`) |
 //!
 //! Each is evaluated in the compute type (`f32` for `f32`/`bf16`/`f16`, `f64` for `f64`) and
-//! rounded once. The sigmoid is the overflow-free form (`e^x/(1+e^x)` for `x < 0`).
+//! rounded once. The sigmoid is `1/(1 + e^-x)` with a vectorizable exp clamped so it never
+//! overflows to NaN; GELU is evaluated as `x·σ(2u)`, which equals the tanh form exactly.
 
 use super::{check_dst, same_layout, store, AccFloat, Accum, Float};
 use crate::{Result, Tensor};
@@ -16,31 +17,38 @@ use crate::{Result, Tensor};
 const GELU_C: f64 = 0.797_884_560_802_865_4;
 const GELU_A: f64 = 0.044715;
 
-fn gelu_f<A: AccFloat>(x: A) -> A {
-    let u = A::lit(GELU_C) * (x + A::lit(GELU_A) * x * x * x);
-    A::lit(0.5) * x * (A::ONE + u.tanh())
+/// `σ(z) = 1/(1 + e^-z)` with the vectorizable exp, exactly 0 below `z = -80` (where it is
+/// under `2e-35`): the clamped f32 exp would leave a tiny non-zero `σ` there, which a huge
+/// `|x|` multiplying it would blow up. Never NaN.
+#[inline(always)]
+fn sigmoid<A: AccFloat>(z: A) -> A {
+    if z < A::lit(-80.0) {
+        return A::ZERO;
+    }
+    A::ONE / (A::ONE + (-z).exp_fast())
 }
 
+// GELU's tanh form, rewritten without tanh: `0.5·(1 + tanh(u)) = σ(2u)`, so
+// `gelu(x) = x·σ(2u)` with `u = c·(x + a·x³)`. One exp, no cancellation (the `1 +` is
+// inside σ), and it vectorizes; libm's `tanhf` (through `expm1f`) was half of an MLP's time.
+#[inline(always)]
+fn gelu_f<A: AccFloat>(x: A) -> A {
+    let u = A::lit(GELU_C) * (x + A::lit(GELU_A) * x * x * x);
+    x * sigmoid(u + u)
+}
+
+/// `gelu'(x) = σ(2u) + x·σ(2u)·(1 − σ(2u))·2u'`, `u' = c·(1 + 3a·x²)`.
+#[inline(always)]
 fn gelu_grad<A: AccFloat>(x: A) -> A {
     let x2 = x * x;
     let u = A::lit(GELU_C) * x * (A::ONE + A::lit(GELU_A) * x2);
-    let t = u.tanh();
-    let sech2 = A::ONE - t * t;
-    let first = A::lit(0.5) * (A::ONE + t);
-    if sech2 == A::ZERO {
+    let s = sigmoid(u + u);
+    let ds = s * (A::ONE - s);
+    if ds == A::ZERO {
         // Saturated: the second term is 0, but `x2` may have overflowed to inf (0·inf = NaN).
-        return first;
+        return s;
     }
-    first + A::lit(0.5) * x * sech2 * A::lit(GELU_C) * (A::ONE + A::lit(3.0 * GELU_A) * x2)
-}
-
-fn sigmoid<A: AccFloat>(x: A) -> A {
-    if x >= A::ZERO {
-        A::ONE / (A::ONE + (-x).exp())
-    } else {
-        let e = x.exp();
-        e / (A::ONE + e)
-    }
+    s + x * ds * A::lit(2.0 * GELU_C) * (A::ONE + A::lit(3.0 * GELU_A) * x2)
 }
 
 fn silu_f<A: AccFloat>(x: A) -> A {
