@@ -168,6 +168,11 @@ impl AnyDTensor {
     pub fn as_local(&self) -> &Tensor {
         &self.local
     }
+    /// This rank's piece, mutable: for in-place updates that keep the shape and dtype (the
+    /// typed wrapper checks that they did).
+    pub(crate) fn local_mut(&mut self) -> &mut Tensor {
+        &mut self.local
+    }
     pub fn into_local(self) -> Tensor {
         self.local
     }

@@ -199,6 +199,29 @@ impl<L: Layout> DTensor<L> {
         Ok(())
     }
 
+    /// Updates this rank's piece in place (an optimizer step): `f` may change values, not
+    /// the shape or dtype (an `Err` if it did). The storage is copied first only if a clone
+    /// elsewhere still shares it.
+    pub fn update_local_in_place(
+        &mut self,
+        f: impl FnOnce(&mut Tensor) -> Result<()>,
+    ) -> Result<()> {
+        let (shape, dtype) = (self.local_shape().to_vec(), self.as_local().dtype());
+        f(self.inner.local_mut())?;
+        let t = self.as_local();
+        if t.shape() != shape.as_slice() || t.dtype() != dtype {
+            return Err(Error::ShapeMismatch {
+                op: "DTensor::update_local_in_place",
+                detail: format!(
+                    "the update changed the local piece from {shape:?} {dtype} to {:?} {}",
+                    t.shape(),
+                    t.dtype()
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Checks a run-time-placed tensor against `L`.
     pub fn try_from_any(t: AnyDTensor) -> Result<Self> {
         check_layout::<L>("DTensor::try_from_any", &t)?;

@@ -374,35 +374,88 @@ impl Optimizer for AdamW {
     {
         check_grad("AdamW::update", p, g)?;
         let t = self.step.max(1) as i32;
-        let shape: Vec<usize> = p.local().shape().to_vec();
-        let n = p.local().numel();
-        if p.state.len() != 2 {
-            p.state = vec![
-                Tensor::zeros(&shape, DType::F64),
-                Tensor::zeros(&shape, DType::F64),
-            ];
-        }
-        let gv = g.as_local().to_f64_vec();
-        let mut w = p.local().to_f64_vec();
-        let (c1, c2) = (1.0 - self.beta1.powi(t), 1.0 - self.beta2.powi(t));
         let decay = if p.value().global_shape().len() >= 2 || self.decay_vectors {
             self.weight_decay
         } else {
             0.0
         };
+        let h = AdamHyper {
+            lr: self.lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            decay,
+            c1: 1.0 - self.beta1.powi(t),
+            c2: 1.0 - self.beta2.powi(t),
+        };
+        // The moments live in the parameter's dtype for f32 and f64 (as PyTorch keeps them),
+        // in f64 for the 16-bit dtypes.
+        let state_dtype = match p.local().dtype() {
+            DType::F32 => DType::F32,
+            _ => DType::F64,
+        };
+        if p.state.len() != 2 || p.state[0].dtype() != state_dtype {
+            let shape = p.local().shape().to_vec();
+            p.state = vec![
+                Tensor::zeros(&shape, state_dtype),
+                Tensor::zeros(&shape, state_dtype),
+            ];
+        }
         let [m, v] = &mut p.state[..] else {
             unreachable!("two moments set above")
         };
-        let m = m.as_mut_slice::<f64>()?;
-        let v = v.as_mut_slice::<f64>()?;
-        for i in 0..n {
-            m[i] = self.beta1 * m[i] + (1.0 - self.beta1) * gv[i];
-            v[i] = self.beta2 * v[i] + (1.0 - self.beta2) * gv[i] * gv[i];
-            let upd = (m[i] / c1) / ((v[i] / c2).sqrt() + self.eps);
-            w[i] -= self.lr * (upd + decay * w[i]);
+        match p.value.as_local().dtype() {
+            DType::F32 => {
+                let (m, v) = (m.as_mut_slice::<f32>()?, v.as_mut_slice::<f32>()?);
+                let g = g.as_local().as_slice::<f32>()?;
+                p.value.update_local_in_place(|w| {
+                    adamw_step(w.as_mut_slice::<f32>()?, g, m, v, &h);
+                    Ok(())
+                })
+            }
+            DType::F64 => {
+                let (m, v) = (m.as_mut_slice::<f64>()?, v.as_mut_slice::<f64>()?);
+                let g = g.as_local().as_slice::<f64>()?;
+                p.value.update_local_in_place(|w| {
+                    adamw_step(w.as_mut_slice::<f64>()?, g, m, v, &h);
+                    Ok(())
+                })
+            }
+            dtype => {
+                // 16-bit values: step in f64, round once.
+                let (m, v) = (m.as_mut_slice::<f64>()?, v.as_mut_slice::<f64>()?);
+                let g = g.as_local().to_f64_vec();
+                let mut w = p.value.as_local().to_f64_vec();
+                adamw_step(&mut w, &g, m, v, &h);
+                let t = to_dtype(w, p.value.local_shape(), dtype)?;
+                p.value.update_local(|_| Ok(t))
+            }
         }
-        let t = to_dtype(w, &shape, p.local().dtype())?;
-        p.set_local(t)
+    }
+}
+
+/// One AdamW step's constants (`c1`, `c2`: the bias corrections).
+struct AdamHyper {
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    decay: f64,
+    c1: f64,
+    c2: f64,
+}
+
+/// `m ← β1·m + (1−β1)·g`, `v ← β2·v + (1−β2)·g²`,
+/// `w ← w − lr·((m/c1)/(√(v/c2) + eps) + decay·w)`, in place, in `T`'s arithmetic.
+fn adamw_step<T: num_traits::Float>(w: &mut [T], g: &[T], m: &mut [T], v: &mut [T], h: &AdamHyper) {
+    let c = |x: f64| T::from(x).unwrap_or_else(T::nan);
+    let (b1, b2, one) = (c(h.beta1), c(h.beta2), T::one());
+    let (c1, c2, eps, lr, decay) = (c(h.c1), c(h.c2), c(h.eps), c(h.lr), c(h.decay));
+    for i in 0..w.len() {
+        m[i] = b1 * m[i] + (one - b1) * g[i];
+        v[i] = b2 * v[i] + (one - b2) * g[i] * g[i];
+        let upd = (m[i] / c1) / ((v[i] / c2).sqrt() + eps);
+        w[i] = w[i] - lr * (upd + decay * w[i]);
     }
 }
 
