@@ -56,7 +56,8 @@ pub mod prelude {
         threads, CollectiveKind, Communicator, CommunicatorExt, CounterSnapshot, ReduceOp,
     };
     pub use dtensor_core::{
-        Adjoint, AnyDTensor, DTensor, DeviceMesh, Error, Plan, Result, Step, StepKind, TypedPlan,
+        Adjoint, AnyDTensor, DTensor, DeviceMesh, Error, Gradients, Plan, Result, Step, StepKind,
+        Tape, TypedPlan, Var,
     };
     pub use dtensor_kernels::{DType, Tensor};
     pub use dtensor_placement::{
