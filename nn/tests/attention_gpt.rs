@@ -359,3 +359,33 @@ fn block_communication_matches_the_analytic_bytes_per_token() {
         assert_eq!(no_sp % T as u64, 0);
     }
 }
+
+#[test]
+fn gpt_params_are_enumerable_by_name_layout_and_value() {
+    // LayerNorm + SwiGLU + biases: 1 embedding, 14 tensors per block, 2 final-norm, 1 head.
+    let mut cfg = gpt_config();
+    cfg.norm = NormKind::Layer;
+    let named = on_mesh(1, 2, |mesh| {
+        let mut model = Gpt::<Sp>::new(cfg, mesh)?;
+        named_params(&mut model)
+    })
+    .swap_remove(0);
+    assert_eq!(named.len(), 1 + 14 * cfg.layers + 2 + 1);
+    let names: std::collections::BTreeSet<&str> = named.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(names.len(), named.len(), "names are unique");
+    let find = |n: &str| {
+        named
+            .iter()
+            .find(|p| p.name == n)
+            .unwrap_or_else(|| panic!("no {n}"))
+    };
+    use dtensor_placement::Placement::{Replicate as R, Shard as S};
+    assert_eq!(find("embedding.weight").placements, [R, S(0)]);
+    assert_eq!(find("blocks.0.attn.qkv.bias").placements, [R, S(0)]);
+    assert_eq!(find("blocks.1.attn.out.weight").placements, [R, S(1)]);
+    assert_eq!(find("blocks.1.mlp.up.weight").value.shape(), &[cfg.ffn, H]);
+    // Under SP a stream parameter is Replicate over Tp (its gradient needs the Tp reduction).
+    assert_eq!(find("blocks.0.norm2.bias").placements, [R, R]);
+    assert_eq!(find("norm.weight").placements, [R, R]);
+    assert_eq!(find("head.weight").value.shape(), &[cfg.vocab, H]);
+}
