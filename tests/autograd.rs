@@ -1,9 +1,13 @@
 //! The tape's gradients against central finite differences of the single-rank reference, in
-//! f64. Each case lays a global input out as the rule's layout on a 1-D (2 ranks) or 2-D
-//! (2×2) mesh, runs the op on the tape, seeds the output with a gradient laid out as the
-//! output's dual (partial terms spread so no rank holds the whole seed), and compares the
-//! input's gradient (`full_tensor()`, laid out as the input's dual) with
-//! `d⟨seed, f(x)⟩/dx` computed from the reference op on the global tensors.
+//! f64. Each case lays the global inputs out as the rule's layouts on one rank, a 1-D (2
+//! ranks) or a 2-D (2×2) mesh, runs the op on the tape, seeds the output with a gradient
+//! laid out as the output's dual (partial terms spread so no rank holds the whole seed), and
+//! compares every differentiable input's gradient (`full_tensor()`, laid out as the input's
+//! dual) with `d⟨seed, f(x)⟩/dx` computed from the reference op on the global tensors.
+//!
+//! The `every_*` tests cover every `Var` op, every combination of its per-axis rule table,
+//! and every differentiable input, one combination a line (the `check*!` macros); the
+//! tests before them are the compositions a model uses (column → row, SP, vocab-parallel).
 
 #![allow(clippy::type_complexity)]
 
@@ -50,30 +54,41 @@ fn numeric_grad(x: &Tensor, seed: &Tensor, f: &dyn Fn(&Tensor) -> Tensor) -> Vec
         .collect()
 }
 
-fn grad_check<LX: Layout, Out: Layout>(
+/// What every rank returns: the forward value (`full_tensor()`) and the full gradient of
+/// every differentiable input, in order.
+type RankOut = (Tensor, Vec<Tensor>);
+
+/// The non-generic half of every check: the reference value, the seed, the finite
+/// differences of each input marked differentiable, and the comparison of every rank's
+/// forward value and gradients (shapes first, so a short gradient cannot pass).
+fn check_core(
     what: &str,
     axes: &[(AxisKind, usize)],
-    x: &Tensor,
-    f_dist: impl for<'t> Fn(&'t Tape, &Arc<DeviceMesh>, Var<'t, LX>) -> Result<Var<'t, Out>> + Sync,
-    f_ref: impl Fn(&Tensor) -> Tensor,
+    inputs: &[(&Tensor, bool)],
+    f_ref: &dyn Fn(&[Tensor]) -> Tensor,
+    per_rank: &(dyn Fn(&Arc<DeviceMesh>, &Tensor) -> Result<RankOut> + Sync),
 ) {
-    let y_ref = f_ref(x);
+    let owned: Vec<Tensor> = inputs.iter().map(|(t, _)| (*t).clone()).collect();
+    let y_ref = f_ref(&owned);
     let seed = float_global(y_ref.shape()).map(|v| v + 0.5);
-    let want = numeric_grad(x, &seed, &f_ref);
-    let results = on_mesh(axes, |m| {
-        let tape = Tape::new();
-        let xv = tape.leaf(dist::<LX>(x, m));
-        let y = f_dist(&tape, m, xv.clone())?;
-        let y_full = y.value().full_tensor()?;
-        let mut grads = y.backward_with(dist::<Out::Grad>(&seed, m))?;
-        let g: DTensor<LX::Grad> = grads.take(&xv)?;
+    let want: Vec<(usize, Vec<f64>)> = (0..inputs.len())
+        .filter(|&i| inputs[i].1)
+        .map(|i| {
+            let f = |xi: &Tensor| {
+                let mut v = owned.clone();
+                v[i] = xi.clone();
+                f_ref(&v)
+            };
+            (i, numeric_grad(&owned[i], &seed, &f))
+        })
+        .collect();
+    let results = on_mesh(axes, |m| per_rank(m, &seed));
+    for (rank, (y_full, grads)) in results.into_iter().enumerate() {
         assert_eq!(
-            g.placements(),
-            <LX::Grad as Layout>::placements().as_slice()
+            y_full.shape(),
+            y_ref.shape(),
+            "{what}: rank {rank} forward shape"
         );
-        Ok((y_full, g.full_tensor()?))
-    });
-    for (rank, (y_full, g)) in results.into_iter().enumerate() {
         let (y, yr) = (y_full.to_f64_vec(), y_ref.to_f64_vec());
         for (a, b) in y.iter().zip(&yr) {
             assert!(
@@ -81,13 +96,124 @@ fn grad_check<LX: Layout, Out: Layout>(
                 "{what}: rank {rank} forward {a} vs {b}"
             );
         }
-        for (i, (a, b)) in g.to_f64_vec().iter().zip(&want).enumerate() {
-            assert!(
-                (a - b).abs() <= 1e-6 * (1.0 + b.abs()),
-                "{what}: rank {rank} d/dx[{i}]: tape {a}, finite differences {b}"
+        assert_eq!(grads.len(), want.len(), "{what}: rank {rank} gradients");
+        for (g, (k, w)) in grads.iter().zip(&want) {
+            assert_eq!(
+                g.shape(),
+                owned[*k].shape(),
+                "{what}: rank {rank} input {k}"
             );
+            for (i, (a, b)) in g.to_f64_vec().iter().zip(w).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-6 * (1.0 + b.abs()),
+                    "{what}: rank {rank} d/d(input {k})[{i}]: tape {a}, finite differences {b}"
+                );
+            }
         }
     }
+}
+
+/// `v`'s gradient, checked to be laid out as the dual of `v`'s layout, as a full tensor.
+fn full_grad<L: Layout>(grads: &mut Gradients, v: &Var<'_, L>) -> Result<Tensor> {
+    let g: DTensor<L::Grad> = grads.take(v)?;
+    assert_eq!(g.placements(), <L::Grad as Layout>::placements().as_slice());
+    g.full_tensor()
+}
+
+fn grad_check<LX: Layout, Out: Layout>(
+    what: &str,
+    axes: &[(AxisKind, usize)],
+    x: &Tensor,
+    f_dist: impl for<'t> Fn(&'t Tape, &Arc<DeviceMesh>, Var<'t, LX>) -> Result<Var<'t, Out>> + Sync,
+    f_ref: impl Fn(&Tensor) -> Tensor,
+) {
+    check_core(what, axes, &[(x, true)], &|v| f_ref(&v[0]), &|m, seed| {
+        let tape = Tape::new();
+        let xv = tape.leaf(dist::<LX>(x, m));
+        let y = f_dist(&tape, m, xv.clone())?;
+        let y_full = y.value().full_tensor()?;
+        let mut grads = y.backward_with(dist::<Out::Grad>(seed, m))?;
+        Ok((y_full, vec![full_grad(&mut grads, &xv)?]))
+    });
+}
+
+/// Two inputs laid out `LA` and `LB`; checks `b`'s gradient as well when `b_diff`.
+fn grad_check_two<LA: Layout, LB: Layout, Out: Layout>(
+    what: &str,
+    axes: &[(AxisKind, usize)],
+    (a, b, b_diff): (&Tensor, &Tensor, bool),
+    f_dist: impl for<'t> Fn(&'t Tape, Var<'t, LA>, Var<'t, LB>) -> Result<Var<'t, Out>> + Sync,
+    f_ref: &dyn Fn(&[Tensor]) -> Tensor,
+) {
+    check_core(what, axes, &[(a, true), (b, b_diff)], f_ref, &|m, seed| {
+        let tape = Tape::new();
+        let av = tape.leaf(dist::<LA>(a, m));
+        let bv = tape.leaf(dist::<LB>(b, m));
+        let y = f_dist(&tape, av.clone(), bv.clone())?;
+        let y_full = y.value().full_tensor()?;
+        let mut grads = y.backward_with(dist::<Out::Grad>(seed, m))?;
+        let mut g = vec![full_grad(&mut grads, &av)?];
+        if b_diff {
+            g.push(full_grad(&mut grads, &bv)?);
+        }
+        Ok((y_full, g))
+    });
+}
+
+/// Both operands' gradients.
+fn grad_check2<LA: Layout, LB: Layout, Out: Layout>(
+    what: &str,
+    axes: &[(AxisKind, usize)],
+    a: &Tensor,
+    b: &Tensor,
+    f_dist: impl for<'t> Fn(&'t Tape, Var<'t, LA>, Var<'t, LB>) -> Result<Var<'t, Out>> + Sync,
+    f_ref: impl Fn(&Tensor, &Tensor) -> Tensor,
+) {
+    grad_check_two(what, axes, (a, b, true), f_dist, &|v| f_ref(&v[0], &v[1]));
+}
+
+/// The first operand's gradient; the second (ids, targets) is an input without one.
+fn grad_check_with<LA: Layout, LB: Layout, Out: Layout>(
+    what: &str,
+    axes: &[(AxisKind, usize)],
+    a: &Tensor,
+    b: &Tensor,
+    f_dist: impl for<'t> Fn(&'t Tape, Var<'t, LA>, Var<'t, LB>) -> Result<Var<'t, Out>> + Sync,
+    f_ref: impl Fn(&Tensor, &Tensor) -> Tensor,
+) {
+    grad_check_two(what, axes, (a, b, false), f_dist, &|v| f_ref(&v[0], &v[1]));
+}
+
+/// Three inputs (layer norm: x, weight and bias, the last two laid out alike).
+fn grad_check3<LX: Layout, LW: Layout, Out: Layout>(
+    what: &str,
+    axes: &[(AxisKind, usize)],
+    (x, w, b): (&Tensor, &Tensor, &Tensor),
+    f_dist: impl for<'t> Fn(Var<'t, LX>, Var<'t, LW>, Var<'t, LW>) -> Result<Var<'t, Out>> + Sync,
+    f_ref: impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor,
+) {
+    let inputs = [(x, true), (w, true), (b, true)];
+    check_core(
+        what,
+        axes,
+        &inputs,
+        &|v| f_ref(&v[0], &v[1], &v[2]),
+        &|m, seed| {
+            let tape = Tape::new();
+            let xv = tape.leaf(dist::<LX>(x, m));
+            let wv = tape.leaf(dist::<LW>(w, m));
+            let bv = tape.leaf(dist::<LW>(b, m));
+            let y = f_dist(xv.clone(), wv.clone(), bv.clone())?;
+            let y_full = y.value().full_tensor()?;
+            let mut grads = y.backward_with(dist::<Out::Grad>(seed, m))?;
+            let g = vec![
+                full_grad(&mut grads, &xv)?,
+                full_grad(&mut grads, &wv)?,
+                full_grad(&mut grads, &bv)?,
+            ];
+            Ok((y_full, g))
+        },
+    );
 }
 
 fn small(shape: &[usize]) -> Tensor {
@@ -422,5 +548,566 @@ fn split_and_merge_have_the_dual_gradients() {
             let s = ops::softmax(&x.clone().reshape(&[4, 2, 3]).unwrap()).unwrap();
             s.reshape(&[4, 6]).unwrap()
         },
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Every `Var` op, every combination of its per-axis rule table (placement/src/rules.rs),
+// each input's gradient: on one rank and two (1-D layouts over `Tp`, uneven extents where
+// the rule allows them), and representative mixed combinations on the 2×2 mesh.
+// `div` and `max_dim` have no `Var` twin, nor has `bmm`: nothing to check on the tape.
+// ---------------------------------------------------------------------------------------
+
+type Axes = &'static [(AxisKind, usize)];
+const ONE: Axes = &[(AxisKind::Tp, 1)];
+/// 1-D layouts: one rank and two.
+const MESH1: [Axes; 2] = [ONE, TP2];
+const MESH2: [Axes; 1] = [DP2TP2];
+
+type R = Replicate;
+type I = Invariant;
+type P = Partial;
+type PAvg = Partial<Avg>;
+type S0 = Shard<0>;
+type S1 = Shard<1>;
+type S2 = Shard<2>;
+type S3 = Shard<3>;
+
+/// One combination a line: `[layout of x]`, on every mesh of `$meshes`.
+macro_rules! check1 {
+    ($meshes:expr, $what:expr, $x:expr, $f:expr, $r:expr; $([$($l:tt)*]),+ $(,)?) => {$(
+        for axes in $meshes {
+            let what = format!("{} [{}] on {:?}", $what, stringify!($($l)*), axes);
+            grad_check::<layout![$($l)*], _>(&what, axes, $x, $f, $r);
+        }
+    )+};
+}
+
+/// One combination a line: `[layout of a] [layout of b]`; both gradients checked
+/// (`check2`), or only `a`'s (`check_with`: `b` is ids or targets).
+macro_rules! check2 {
+    ($check:ident, $meshes:expr, $what:expr, ($a:expr, $b:expr), $f:expr, $r:expr;
+     $([$($la:tt)*] [$($lb:tt)*]),+ $(,)?) => {$(
+        for axes in $meshes {
+            let what = format!(
+                "{} [{}] [{}] on {:?}",
+                $what,
+                stringify!($($la)*),
+                stringify!($($lb)*),
+                axes
+            );
+            $check::<layout![$($la)*], layout![$($lb)*], _>(&what, axes, $a, $b, $f, $r);
+        }
+    )+};
+    ($meshes:expr, $($rest:tt)*) => { check2!(grad_check2, $meshes, $($rest)*) };
+}
+
+macro_rules! check_with {
+    ($($rest:tt)*) => { check2!(grad_check_with, $($rest)*) };
+}
+
+/// One combination a line: `[layout of x] [layout of weight and bias]`.
+macro_rules! check3 {
+    ($meshes:expr, $what:expr, $inputs:expr, $f:expr, $r:expr;
+     $([$($lx:tt)*] [$($lw:tt)*]),+ $(,)?) => {$(
+        for axes in $meshes {
+            let what = format!(
+                "{} [{}] [{}] on {:?}",
+                $what,
+                stringify!($($lx)*),
+                stringify!($($lw)*),
+                axes
+            );
+            grad_check3::<layout![$($lx)*], layout![$($lw)*], _>(&what, axes, $inputs, $f, $r);
+        }
+    )+};
+}
+
+fn mm(a: &Tensor, b: &Tensor) -> Tensor {
+    ops::matmul(a, Transpose::No, b, Transpose::No).unwrap()
+}
+
+fn mm_t(a: &Tensor, w: &Tensor) -> Tensor {
+    ops::matmul(a, Transpose::No, w, Transpose::Yes).unwrap()
+}
+
+fn transpose(x: &Tensor) -> Tensor {
+    let (r, c) = (x.shape()[0], x.shape()[1]);
+    let v = x.to_f64_vec();
+    Tensor::from_fn(&[c, r], |i| v[(i % r) * c + i / r])
+}
+
+fn reshaped(x: &Tensor, shape: &[usize]) -> Tensor {
+    x.clone().reshape(shape).unwrap()
+}
+
+fn mean_ref(x: &Tensor, d: usize) -> Tensor {
+    ops::sum_dim(x, d).unwrap().scale(1.0 / x.shape()[d] as f64)
+}
+
+/// Per-token `logsumexp(row) − row[target]`, from the global tensors.
+fn ce_ref(l: &Tensor, targets: &Tensor) -> Tensor {
+    let (t, v) = (l.shape()[0], l.shape()[1]);
+    let lv = l.to_f64_vec();
+    let ids = targets.to_f64_vec();
+    Tensor::from_fn(&[t], |r| {
+        let row = &lv[r * v..(r + 1) * v];
+        row.iter().map(|x| x.exp()).sum::<f64>().ln() - row[ids[r] as usize]
+    })
+}
+
+/// A user op through `Var::custom`: elementwise `x²`, backward `2x·dy`, laid out as `x`.
+fn square<'t, L: Layout>(x: Var<'t, L>) -> Result<Var<'t, L>> {
+    let shape = x.value().global_shape().to_vec();
+    x.custom::<L>(
+        "square",
+        &shape,
+        |x| Ok(x.mul(x)?),
+        |dy, x| Ok(dy.mul(&x.scale(2.0))?),
+    )
+}
+
+/// 4-D, so every `Shard<0..3>` of the elementwise rules has a dim (3 and 3 split unevenly).
+fn four_d() -> (Tensor, Tensor) {
+    let x = small(&[3, 2, 2, 3]);
+    (x.clone(), x.map(|v| 0.3 - v / 2.0))
+}
+
+#[test]
+fn every_matmul_rule_has_both_gradients() {
+    // Uneven everywhere on two ranks: m = 5, k = 3, n = 5.
+    let (a, b) = (small(&[5, 3]), small(&[3, 5]).map(|v| v + 0.25));
+    check2!(MESH1, "matmul", (&a, &b), |_, a, b| a.matmul(&b), mm;
+        [Tp: R] [Tp: R],
+        [Tp: I] [Tp: I],
+        [Tp: S0] [Tp: R],
+        [Tp: R] [Tp: S1],
+        [Tp: S1] [Tp: S0],
+        [Tp: P] [Tp: R],
+        [Tp: R] [Tp: P],
+    );
+    check2!(MESH2, "matmul", (&a, &b), |_, a, b| a.matmul(&b), mm;
+        [Dp: S0, Tp: S1] [Dp: R, Tp: S0],
+        [Dp: P, Tp: R] [Dp: R, Tp: S1],
+        [Dp: I, Tp: R] [Dp: I, Tp: P],
+    );
+    let w = small(&[5, 3]).map(|v| v - 0.25);
+    check2!(MESH1, "matmul_t", (&a, &w), |_, a, w| a.matmul_t(&w), mm_t;
+        [Tp: R] [Tp: R],
+        [Tp: I] [Tp: I],
+        [Tp: S0] [Tp: R],
+        [Tp: R] [Tp: S0],
+        [Tp: S1] [Tp: S1],
+        [Tp: P] [Tp: R],
+        [Tp: R] [Tp: P],
+    );
+    check2!(MESH2, "matmul_t", (&a, &w), |_, a, w| a.matmul_t(&w), mm_t;
+        [Dp: S0, Tp: R] [Dp: R, Tp: S0],
+        [Dp: R, Tp: S1] [Dp: P, Tp: S1],
+        [Dp: I, Tp: P] [Dp: I, Tp: R],
+    );
+}
+
+#[test]
+fn every_add_sub_and_mul_rule_has_both_gradients() {
+    let (x, y) = four_d();
+    let add = |a: &Tensor, b: &Tensor| a.add(b).unwrap();
+    let sub = |a: &Tensor, b: &Tensor| ops::sub(a, b).unwrap();
+    check2!(MESH1, "add", (&x, &y), |_, a, b| a.add(&b), add;
+        [Tp: S0] [Tp: S0],
+        [Tp: S1] [Tp: S1],
+        [Tp: S2] [Tp: S2],
+        [Tp: S3] [Tp: S3],
+        [Tp: R] [Tp: R],
+        [Tp: I] [Tp: I],
+        [Tp: P] [Tp: P],
+        [Tp: PAvg] [Tp: PAvg],
+    );
+    check2!(MESH2, "add", (&x, &y), |_, a, b| a.add(&b), add;
+        [Dp: S0, Tp: P] [Dp: S0, Tp: P],
+        [Dp: PAvg, Tp: S3] [Dp: PAvg, Tp: S3],
+        [Dp: I, Tp: S1] [Dp: I, Tp: S1],
+    );
+    check2!(MESH1, "sub", (&x, &y), |_, a, b| a.sub(&b), sub;
+        [Tp: S0] [Tp: S0],
+        [Tp: S1] [Tp: S1],
+        [Tp: S2] [Tp: S2],
+        [Tp: S3] [Tp: S3],
+        [Tp: R] [Tp: R],
+        [Tp: I] [Tp: I],
+        [Tp: P] [Tp: P],
+        [Tp: PAvg] [Tp: PAvg],
+    );
+    check2!(MESH2, "sub", (&x, &y), |_, a, b| a.sub(&b), sub;
+        [Dp: P, Tp: S2] [Dp: P, Tp: S2],
+        [Dp: R, Tp: PAvg] [Dp: R, Tp: PAvg],
+    );
+    let mul = |a: &Tensor, b: &Tensor| a.mul(b).unwrap();
+    check2!(MESH1, "mul", (&x, &y), |_, a, b| a.mul(&b), mul;
+        [Tp: R] [Tp: R],
+        [Tp: I] [Tp: I],
+        [Tp: S0] [Tp: S0],
+        [Tp: S1] [Tp: S1],
+        [Tp: S2] [Tp: S2],
+        [Tp: S3] [Tp: S3],
+        [Tp: P] [Tp: R],
+        [Tp: R] [Tp: P],
+    );
+    check2!(MESH2, "mul", (&x, &y), |_, a, b| a.mul(&b), mul;
+        [Dp: P, Tp: S2] [Dp: R, Tp: S2],
+        [Dp: S0, Tp: R] [Dp: S0, Tp: P],
+        [Dp: I, Tp: S3] [Dp: I, Tp: S3],
+    );
+}
+
+#[test]
+fn every_unary_pointwise_layout_has_its_gradient() {
+    let (x, _) = four_d();
+    check1!(MESH1, "scale", &x, |_, _, x| x.scale(-1.5), |x| x.scale(-1.5);
+        [Tp: S0], [Tp: S1], [Tp: S2], [Tp: S3], [Tp: R], [Tp: I], [Tp: P], [Tp: PAvg],
+    );
+    check1!(MESH2, "scale", &x, |_, _, x| x.scale(-1.5), |x| x.scale(-1.5);
+        [Dp: P, Tp: S1], [Dp: PAvg, Tp: I],
+    );
+    let gelu = |x: &Tensor| ops::gelu(x).unwrap();
+    check1!(MESH1, "gelu", &x, |_, _, x| x.gelu(), gelu;
+        [Tp: S0], [Tp: S1], [Tp: S2], [Tp: S3], [Tp: R], [Tp: I],
+    );
+    check1!(MESH2, "gelu", &x, |_, _, x| x.gelu(), gelu;
+        [Dp: S0, Tp: S3], [Dp: I, Tp: R],
+    );
+    let silu = |x: &Tensor| ops::silu(x).unwrap();
+    check1!(MESH1, "silu", &x, |_, _, x| x.silu(), silu;
+        [Tp: S0], [Tp: S1], [Tp: S2], [Tp: S3], [Tp: R], [Tp: I],
+    );
+    check1!(MESH2, "silu", &x, |_, _, x| x.silu(), silu;
+        [Dp: S2, Tp: S1], [Dp: R, Tp: I],
+    );
+    let sq = |x: &Tensor| x.mul(x).unwrap();
+    check1!(MESH1, "custom square", &x, |_, _, x| square(x), sq;
+        [Tp: S0], [Tp: S1], [Tp: S2], [Tp: S3], [Tp: R], [Tp: I],
+    );
+    check1!(MESH2, "custom square", &x, |_, _, x| square(x), sq;
+        [Dp: S0, Tp: S2], [Dp: R, Tp: I],
+    );
+}
+
+#[test]
+fn every_swiglu_layout_has_both_gradients() {
+    let (g, u) = four_d();
+    let swiglu = |g: &Tensor, u: &Tensor| ops::swiglu(g, u).unwrap();
+    check2!(MESH1, "swiglu", (&g, &u), |_, g, u| g.swiglu(&u), swiglu;
+        [Tp: S0] [Tp: S0],
+        [Tp: S1] [Tp: S1],
+        [Tp: S2] [Tp: S2],
+        [Tp: S3] [Tp: S3],
+        [Tp: R] [Tp: R],
+        [Tp: I] [Tp: I],
+    );
+    check2!(MESH2, "swiglu", (&g, &u), |_, g, u| g.swiglu(&u), swiglu;
+        [Dp: S1, Tp: S3] [Dp: S1, Tp: S3],
+        [Dp: I, Tp: R] [Dp: I, Tp: R],
+    );
+}
+
+#[test]
+fn every_add_row_rule_has_both_gradients() {
+    let (x, b) = (small(&[5, 3]), small(&[3]).map(|v| v + 0.5));
+    let add_row = |x: &Tensor, b: &Tensor| ops::add_row(x, b).unwrap();
+    check2!(MESH1, "add_row", (&x, &b), |_, x, b| x.add_row(&b), add_row;
+        [Tp: S0] [Tp: R],
+        [Tp: S1] [Tp: S0],
+        [Tp: R] [Tp: R],
+        [Tp: I] [Tp: I],
+        [Tp: P] [Tp: P],
+    );
+    check2!(MESH2, "add_row", (&x, &b), |_, x, b| x.add_row(&b), add_row;
+        [Dp: S0, Tp: S1] [Dp: R, Tp: S0],
+        [Dp: P, Tp: S0] [Dp: P, Tp: R],
+    );
+}
+
+#[test]
+fn every_sum_and_mean_rule_has_its_gradient() {
+    // Sums: uneven (3 and 5 over two ranks); means: even shards only.
+    let x = small(&[3, 2, 5]);
+    let sum = |d: usize| move |x: &Tensor| ops::sum_dim(x, d).unwrap();
+    check1!(MESH1, "sum_dim 0", &x, |_, _, x| x.sum_dim::<0>(), sum(0);
+        [Tp: S0], [Tp: S1], [Tp: S2], [Tp: R], [Tp: I], [Tp: P], [Tp: PAvg],
+    );
+    check1!(MESH1, "sum_dim 1", &x, |_, _, x| x.sum_dim::<1>(), sum(1);
+        [Tp: S0], [Tp: S1], [Tp: S2], [Tp: R], [Tp: I], [Tp: P], [Tp: PAvg],
+    );
+    check1!(MESH1, "sum_dim 2", &x, |_, _, x| x.sum_dim::<2>(), sum(2);
+        [Tp: S0], [Tp: S1], [Tp: S2], [Tp: R], [Tp: I], [Tp: P], [Tp: PAvg],
+    );
+    check1!(MESH2, "sum_dim 0", &x, |_, _, x| x.sum_dim::<0>(), sum(0);
+        [Dp: S0, Tp: S1],
+    );
+    check1!(MESH2, "sum_dim 2", &x, |_, _, x| x.sum_dim::<2>(), sum(2);
+        [Dp: P, Tp: S2], [Dp: S2, Tp: PAvg],
+    );
+    let x = small(&[2, 2, 4]);
+    let mean = |d: usize| move |x: &Tensor| mean_ref(x, d);
+    check1!(MESH1, "mean_dim 0", &x, |_, _, x| x.mean_dim::<0>(), mean(0);
+        [Tp: S0], [Tp: S1], [Tp: S2], [Tp: R], [Tp: I], [Tp: P], [Tp: PAvg],
+    );
+    check1!(MESH1, "mean_dim 1", &x, |_, _, x| x.mean_dim::<1>(), mean(1);
+        [Tp: S0], [Tp: S1], [Tp: S2], [Tp: R], [Tp: I], [Tp: P], [Tp: PAvg],
+    );
+    check1!(MESH1, "mean_dim 2", &x, |_, _, x| x.mean_dim::<2>(), mean(2);
+        [Tp: S0], [Tp: S1], [Tp: S2], [Tp: R], [Tp: I], [Tp: P], [Tp: PAvg],
+    );
+    check1!(MESH2, "mean_dim 0", &x, |_, _, x| x.mean_dim::<0>(), mean(0);
+        [Dp: S0, Tp: S2],
+    );
+    check1!(MESH2, "mean_dim 2", &x, |_, _, x| x.mean_dim::<2>(), mean(2);
+        [Dp: S0, Tp: S2], [Dp: S1, Tp: P],
+    );
+}
+
+#[test]
+fn every_softmax_layout_has_its_gradient() {
+    let (x3, x2) = (small(&[3, 2, 4]), small(&[5, 4]));
+    let softmax = |x: &Tensor| ops::softmax(x).unwrap();
+    let log_softmax = |x: &Tensor| ops::log_softmax(x).unwrap();
+    check1!(MESH1, "softmax 3-D", &x3, |_, _, x| x.softmax::<2>(), softmax;
+        [Tp: R], [Tp: I], [Tp: S0], [Tp: S1],
+    );
+    check1!(MESH1, "softmax 2-D", &x2, |_, _, x| x.softmax::<1>(), softmax;
+        [Tp: R], [Tp: I], [Tp: S0],
+    );
+    check1!(MESH2, "softmax", &x3, |_, _, x| x.softmax::<2>(), softmax;
+        [Dp: S0, Tp: S1], [Dp: R, Tp: I],
+    );
+    check1!(MESH1, "log_softmax 3-D", &x3, |_, _, x| x.log_softmax::<2>(), log_softmax;
+        [Tp: R], [Tp: I], [Tp: S0], [Tp: S1],
+    );
+    check1!(MESH1, "log_softmax 2-D", &x2, |_, _, x| x.log_softmax::<1>(), log_softmax;
+        [Tp: R], [Tp: I], [Tp: S0],
+    );
+    check1!(MESH2, "log_softmax", &x3, |_, _, x| x.log_softmax::<2>(), log_softmax;
+        [Dp: S1, Tp: S0], [Dp: I, Tp: R],
+    );
+}
+
+#[test]
+fn every_norm_rule_has_the_gradients_of_input_weight_and_bias() {
+    let (x3, x2) = (small(&[3, 2, 4]), small(&[5, 4]));
+    let (w, b) = (small(&[4]).map(|v| v + 1.0), small(&[4]).map(|v| 0.2 - v));
+    let rms = |x: &Tensor, w: &Tensor| ops::rms_norm(x, w, 1e-5).unwrap().y;
+    check2!(MESH1, "rms_norm 3-D", (&x3, &w), |_, x, w| x.rms_norm::<2, _>(&w, 1e-5), rms;
+        [Tp: S0] [Tp: R],
+        [Tp: S1] [Tp: R],
+        [Tp: R] [Tp: R],
+        [Tp: I] [Tp: I],
+    );
+    check2!(MESH1, "rms_norm 2-D", (&x2, &w), |_, x, w| x.rms_norm::<1, _>(&w, 1e-5), rms;
+        [Tp: S0] [Tp: R],
+        [Tp: R] [Tp: R],
+        [Tp: I] [Tp: I],
+    );
+    check2!(MESH2, "rms_norm", (&x3, &w), |_, x, w| x.rms_norm::<2, _>(&w, 1e-5), rms;
+        [Dp: S0, Tp: S1] [Dp: R, Tp: R],
+        [Dp: I, Tp: S0] [Dp: I, Tp: R],
+    );
+    let ln = |x: &Tensor, w: &Tensor, b: &Tensor| ops::layer_norm(x, w, b, 1e-5).unwrap().y;
+    check3!(MESH1, "layer_norm 3-D", (&x3, &w, &b), |x, w, b| x.layer_norm::<2, _>(&w, &b, 1e-5), ln;
+        [Tp: S0] [Tp: R],
+        [Tp: S1] [Tp: R],
+        [Tp: R] [Tp: R],
+        [Tp: I] [Tp: I],
+    );
+    check3!(MESH1, "layer_norm 2-D", (&x2, &w, &b), |x, w, b| x.layer_norm::<1, _>(&w, &b, 1e-5), ln;
+        [Tp: S0] [Tp: R],
+        [Tp: R] [Tp: R],
+        [Tp: I] [Tp: I],
+    );
+    check3!(MESH2, "layer_norm", (&x3, &w, &b), |x, w, b| x.layer_norm::<2, _>(&w, &b, 1e-5), ln;
+        [Dp: S1, Tp: S0] [Dp: R, Tp: R],
+        [Dp: R, Tp: I] [Dp: R, Tp: I],
+    );
+}
+
+#[test]
+fn every_embedding_and_cross_entropy_rule_has_its_gradient() {
+    // Vocab 7 over two ranks (uneven), 5 tokens.
+    let (table, id) = (small(&[7, 3]), ids(5, 7));
+    let emb = |t: &Tensor, i: &Tensor| ops::embedding(t, i).unwrap();
+    check_with!(MESH1, "embedding table", (&table, &id), |_, t, i| t.embedding(&i), emb;
+        [Tp: S0] [Tp: R],
+        [Tp: S0] [Tp: I],
+        [Tp: S1] [Tp: R],
+        [Tp: S1] [Tp: I],
+        [Tp: R] [Tp: S0],
+        [Tp: R] [Tp: R],
+        [Tp: R] [Tp: I],
+        [Tp: I] [Tp: I],
+    );
+    check_with!(MESH2, "embedding table", (&table, &id), |_, t, i| t.embedding(&i), emb;
+        [Dp: R, Tp: S0] [Dp: S0, Tp: I],
+        [Dp: I, Tp: S1] [Dp: I, Tp: R],
+    );
+    let logits = small(&[5, 7]);
+    check_with!(MESH1, "cross_entropy logits", (&logits, &id), |_, l, t| l.cross_entropy(&t), ce_ref;
+        [Tp: S1] [Tp: R],
+        [Tp: S1] [Tp: I],
+        [Tp: S0] [Tp: S0],
+        [Tp: R] [Tp: R],
+        [Tp: I] [Tp: I],
+    );
+    check_with!(MESH2, "cross_entropy logits", (&logits, &id), |_, l, t| l.cross_entropy(&t), ce_ref;
+        [Dp: S0, Tp: S1] [Dp: S0, Tp: I],
+        [Dp: S1, Tp: S0] [Dp: R, Tp: S0],
+    );
+}
+
+#[test]
+fn every_view_rule_has_its_gradient() {
+    let x = small(&[5, 3]);
+    check1!(MESH1, "t", &x, |_, _, x| x.t(), transpose;
+        [Tp: S0], [Tp: S1], [Tp: R], [Tp: I], [Tp: P], [Tp: PAvg],
+    );
+    check1!(MESH2, "t", &x, |_, _, x| x.t(), transpose;
+        [Dp: S0, Tp: S1], [Dp: P, Tp: I],
+    );
+    // Split / merge: a sharded reshaped dim needs even shards (4 = 2·2 over two ranks).
+    let x = small(&[4, 6]);
+    check1!(MESH1, "split_dim 0", &x, |_, _, x| x.split_dim::<0>(2), |x| reshaped(x, &[2, 2, 6]);
+        [Tp: S0], [Tp: S1], [Tp: R], [Tp: I], [Tp: P], [Tp: PAvg],
+    );
+    check1!(MESH1, "split_dim 1", &x, |_, _, x| x.split_dim::<1>(3), |x| reshaped(x, &[4, 2, 3]);
+        [Tp: S0], [Tp: S1], [Tp: R], [Tp: I], [Tp: P], [Tp: PAvg],
+    );
+    check1!(MESH2, "split_dim 0", &x, |_, _, x| x.split_dim::<0>(2), |x| reshaped(x, &[2, 2, 6]);
+        [Dp: P, Tp: S0], [Dp: S1, Tp: I],
+    );
+    let x3 = small(&[4, 2, 3]);
+    check1!(MESH1, "split_dim 0 (3-D)", &x3, |_, _, x| x.split_dim::<0>(2), |x| reshaped(x, &[2, 2, 2, 3]);
+        [Tp: S2],
+    );
+    check1!(MESH1, "split_dim 1 (3-D)", &x3, |_, _, x| x.split_dim::<1>(2), |x| reshaped(x, &[4, 1, 2, 3]);
+        [Tp: S2],
+    );
+    check1!(MESH1, "merge_dims 0", &x3, |_, _, x| x.merge_dims::<0>(), |x| reshaped(x, &[8, 3]);
+        [Tp: S0], [Tp: S2], [Tp: R], [Tp: I], [Tp: P], [Tp: PAvg],
+    );
+    check1!(MESH1, "merge_dims 1", &x3, |_, _, x| x.merge_dims::<1>(), |x| reshaped(x, &[4, 6]);
+        [Tp: S0], [Tp: S1], [Tp: R], [Tp: I], [Tp: P], [Tp: PAvg],
+    );
+    check1!(MESH2, "merge_dims 0", &x3, |_, _, x| x.merge_dims::<0>(), |x| reshaped(x, &[8, 3]);
+        [Dp: S0, Tp: S2], [Dp: I, Tp: S0],
+    );
+    check1!(MESH2, "merge_dims 1", &x3, |_, _, x| x.merge_dims::<1>(), |x| reshaped(x, &[4, 6]);
+        [Dp: P, Tp: S1],
+    );
+    let x4 = small(&[2, 2, 2, 3]);
+    check1!(MESH1, "merge_dims 0 (4-D)", &x4, |_, _, x| x.merge_dims::<0>(), |x| reshaped(x, &[4, 2, 3]);
+        [Tp: S3],
+    );
+    check1!(MESH1, "merge_dims 1 (4-D)", &x4, |_, _, x| x.merge_dims::<1>(), |x| reshaped(x, &[2, 4, 3]);
+        [Tp: S3],
+    );
+    check1!(MESH1, "merge_dims 2 (4-D)", &x4, |_, _, x| x.merge_dims::<2>(), |x| reshaped(x, &[2, 2, 6]);
+        [Tp: S0], [Tp: S1], [Tp: S2],
+    );
+}
+
+#[test]
+fn every_attention_layout_has_its_gradient() {
+    let cfg = dtensor_kernels::ops::CausalAttention {
+        seq_len: 3,
+        head_dim: 2,
+        rope_base: 50.0,
+        pos_offset: 1,
+    };
+    // 2 samples of 3 tokens, 2 heads of dim 2: one sample or one head per rank.
+    let qkv = small(&[6, 12]);
+    let attn = |x: &Tensor| ops::causal_attention(x, &cfg).unwrap().out;
+    check1!(MESH1, "causal_attention", &qkv, |_, _, x| x.causal_attention(&cfg), attn;
+        [Tp: S0], [Tp: S1], [Tp: R], [Tp: I],
+    );
+    check1!(MESH2, "causal_attention", &qkv, |_, _, x| x.causal_attention(&cfg), attn;
+        [Dp: R, Tp: S0], [Dp: S1, Tp: I],
+    );
+}
+
+#[test]
+fn every_named_transition_has_its_adjoint() {
+    // From `Partial<Sum>` only: reduce_scatter / all_reduce of an avg (max, min) partial
+    // compile (`IsPartial`) but have no linear adjoint, by design (`NotDifferentiable`).
+    let x = small(&[5, 3]);
+    let id = |x: &Tensor| x.clone();
+    check1!(MESH1, "all_gather", &x, |_, _, x| x.all_gather(Tp), id; [Tp: S0], [Tp: S1]);
+    check1!(MESH2, "all_gather Tp", &x, |_, _, x| x.all_gather(Tp), id; [Dp: S0, Tp: S1]);
+    check1!(MESH2, "all_gather Dp", &x, |_, _, x| x.all_gather(Dp), id; [Dp: S1, Tp: P]);
+    check1!(MESH1, "all_gather_invariant", &x, |_, _, x| x.all_gather_invariant(Tp), id;
+        [Tp: S0], [Tp: S1],
+    );
+    check1!(MESH2, "all_gather_invariant Tp", &x, |_, _, x| x.all_gather_invariant(Tp), id;
+        [Dp: P, Tp: S0],
+    );
+    check1!(MESH2, "all_gather_invariant Dp", &x, |_, _, x| x.all_gather_invariant(Dp), id;
+        [Dp: S0, Tp: I],
+    );
+    check1!(MESH1, "reduce_scatter 0", &x, |_, _, x| x.reduce_scatter::<_, _, 0>(Tp), id;
+        [Tp: P],
+    );
+    check1!(MESH1, "reduce_scatter 1", &x, |_, _, x| x.reduce_scatter::<_, _, 1>(Tp), id;
+        [Tp: P],
+    );
+    check1!(MESH2, "reduce_scatter 0 Tp", &x, |_, _, x| x.reduce_scatter::<_, _, 0>(Tp), id;
+        [Dp: S1, Tp: P],
+    );
+    check1!(MESH2, "reduce_scatter 1 Dp", &x, |_, _, x| x.reduce_scatter::<_, _, 1>(Dp), id;
+        [Dp: P, Tp: S0],
+    );
+    check1!(MESH1, "all_reduce", &x, |_, _, x| x.all_reduce(Tp), id; [Tp: P]);
+    check1!(MESH2, "all_reduce Tp", &x, |_, _, x| x.all_reduce(Tp), id; [Dp: S0, Tp: P]);
+    check1!(MESH2, "all_reduce Dp", &x, |_, _, x| x.all_reduce(Dp), id; [Dp: P, Tp: S1]);
+    check1!(MESH1, "all_to_all 0→1", &x, |_, _, x| x.all_to_all::<_, _, 1>(Tp), id; [Tp: S0]);
+    check1!(MESH1, "all_to_all 1→0", &x, |_, _, x| x.all_to_all::<_, _, 0>(Tp), id; [Tp: S1]);
+    check1!(MESH2, "all_to_all 0→1 Tp", &x, |_, _, x| x.all_to_all::<_, _, 1>(Tp), id;
+        [Dp: R, Tp: S0],
+    );
+    check1!(MESH2, "all_to_all 1→0 Dp", &x, |_, _, x| x.all_to_all::<_, _, 0>(Dp), id;
+        [Dp: S1, Tp: I],
+    );
+    check1!(MESH1, "chunk 0", &x, |_, _, x| x.chunk::<_, _, 0>(Tp), id; [Tp: R], [Tp: I]);
+    check1!(MESH1, "chunk 1", &x, |_, _, x| x.chunk::<_, _, 1>(Tp), id; [Tp: R], [Tp: I]);
+    check1!(MESH2, "chunk 0 Tp", &x, |_, _, x| x.chunk::<_, _, 0>(Tp), id; [Dp: S1, Tp: R]);
+    check1!(MESH2, "chunk 1 Dp", &x, |_, _, x| x.chunk::<_, _, 1>(Dp), id; [Dp: I, Tp: S0]);
+    check1!(MESH1, "to_replicate", &x, |_, _, x| x.to_replicate(Tp), id; [Tp: I]);
+    check1!(MESH2, "to_replicate Tp", &x, |_, _, x| x.to_replicate(Tp), id; [Dp: S0, Tp: I]);
+    check1!(MESH2, "to_replicate Dp", &x, |_, _, x| x.to_replicate(Dp), id; [Dp: I, Tp: P]);
+    check1!(MESH1, "to_invariant", &x, |_, _, x| x.to_invariant(Tp), id; [Tp: R]);
+    check1!(MESH2, "to_invariant Tp", &x, |_, _, x| x.to_invariant(Tp), id; [Dp: P, Tp: R]);
+    check1!(MESH2, "to_invariant Dp", &x, |_, _, x| x.to_invariant(Dp), id; [Dp: R, Tp: S1]);
+    check1!(MESH1, "replicate_to_partial", &x, |_, _, x| x.replicate_to_partial(Tp), id;
+        [Tp: R],
+    );
+    check1!(MESH2, "replicate_to_partial Tp", &x, |_, _, x| x.replicate_to_partial(Tp), id;
+        [Dp: S0, Tp: R],
+    );
+    check1!(MESH2, "replicate_to_partial Dp", &x, |_, _, x| x.replicate_to_partial(Dp), id;
+        [Dp: R, Tp: I],
+    );
+    check1!(MESH1, "invariant_to_partial", &x, |_, _, x| x.invariant_to_partial(Tp), id;
+        [Tp: I],
+    );
+    check1!(MESH2, "invariant_to_partial Tp", &x, |_, _, x| x.invariant_to_partial(Tp), id;
+        [Dp: S1, Tp: I],
+    );
+    check1!(MESH2, "invariant_to_partial Dp", &x, |_, _, x| x.invariant_to_partial(Dp), id;
+        [Dp: I, Tp: S0],
+    );
+    check1!(MESH1, "pad_to_partial", &x, |_, _, x| x.pad_to_partial(Tp), id;
+        [Tp: S0], [Tp: S1],
+    );
+    check1!(MESH2, "pad_to_partial Tp", &x, |_, _, x| x.pad_to_partial(Tp), id;
+        [Dp: R, Tp: S1],
+    );
+    check1!(MESH2, "pad_to_partial Dp", &x, |_, _, x| x.pad_to_partial(Dp), id;
+        [Dp: S0, Tp: P],
     );
 }
