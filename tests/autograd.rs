@@ -1111,3 +1111,36 @@ fn every_named_transition_has_its_adjoint() {
         [Dp: S0, Tp: P],
     );
 }
+
+#[test]
+fn bmm_every_rule_has_the_dual_gradients() {
+    let (a, b) = (small(&[3, 4, 5]), small(&[3, 5, 2]));
+    let bmm = |x: &Tensor, y: &Tensor| ops::matmul(x, Transpose::No, y, Transpose::No).unwrap();
+    macro_rules! both {
+        ($mesh:expr, [$($la:tt)*], [$($lb:tt)*], [$($lo:tt)*]) => {{
+            let (a2, b2, br, ar) = (a.clone(), b.clone(), b.clone(), a.clone());
+            grad_check::<layout![$($la)*], layout![$($lo)*]>(
+                concat!("bmm dA ", stringify!($($la)*), " · ", stringify!($($lb)*)), $mesh, &a,
+                move |t, m, x| x.bmm(&t.leaf(dist::<layout![$($lb)*]>(&b2, m))),
+                move |x| bmm(x, &br),
+            );
+            grad_check::<layout![$($lb)*], layout![$($lo)*]>(
+                concat!("bmm dB ", stringify!($($la)*), " · ", stringify!($($lb)*)), $mesh, &b,
+                move |t, m, y| t.leaf(dist::<layout![$($la)*]>(&a2, m)).bmm(&y),
+                move |y| bmm(&ar, y),
+            );
+        }};
+    }
+    for mesh in [&[(AxisKind::Tp, 1)][..], TP2] {
+        both!(mesh, [Tp: Shard<0>], [Tp: Shard<0>], [Tp: Shard<0>]);
+        both!(mesh, [Tp: Replicate], [Tp: Replicate], [Tp: Replicate]);
+        both!(mesh, [Tp: Invariant], [Tp: Invariant], [Tp: Invariant]);
+        both!(mesh, [Tp: Shard<1>], [Tp: Replicate], [Tp: Shard<1>]);
+        both!(mesh, [Tp: Replicate], [Tp: Shard<2>], [Tp: Shard<2>]);
+        both!(mesh, [Tp: Shard<2>], [Tp: Shard<1>], [Tp: Partial]);
+        both!(mesh, [Tp: Partial], [Tp: Replicate], [Tp: Partial]);
+        both!(mesh, [Tp: Replicate], [Tp: Partial], [Tp: Partial]);
+    }
+    both!(DP2TP2, [Dp: Shard<0>, Tp: Shard<2>], [Dp: Shard<0>, Tp: Shard<1>], [Dp: Shard<0>, Tp: Partial]);
+    both!(DP2TP2, [Dp: Replicate, Tp: Shard<1>], [Dp: Replicate, Tp: Replicate], [Dp: Replicate, Tp: Shard<1>]);
+}

@@ -46,12 +46,12 @@ use crate::typed::{Adjoint, DTensor};
 use dtensor_kernels::ops::{self, Transpose};
 use dtensor_kernels::{DType, Tensor};
 use dtensor_placement::{
-    AddLayout, AddRowLayout, AttentionLayout, CrossEntropyLayout, CrossEntropyOut, EmbeddingLayout,
-    EmbeddingOut, Invariant, IsInvariant, IsPartial, IsReplicate, IsShard, IsWhole, Layout,
-    LinearLayout, LossLayout, MatmulLayout, MatmulOut, MatmulTLayout, MatmulTOut, MeanLayout,
-    MeanOut, MergeLayout, MergeOut, MeshAxis, MulLayout, MulOut, NormLayout, NotSplitLayout,
-    Partial, PointwiseLayout, Replicate, SameAs, Select, Shard, SplitLayout, SplitOut, Sum,
-    SumLayout, SumOut, TransposeLayout, Transposed,
+    AddLayout, AddRowLayout, AttentionLayout, BatchedMatmulLayout, BatchedMatmulOut,
+    CrossEntropyLayout, CrossEntropyOut, EmbeddingLayout, EmbeddingOut, Invariant, IsInvariant,
+    IsPartial, IsReplicate, IsShard, IsWhole, Layout, LinearLayout, LossLayout, MatmulLayout,
+    MatmulOut, MatmulTLayout, MatmulTOut, MeanLayout, MeanOut, MergeLayout, MergeOut, MeshAxis,
+    MulLayout, MulOut, NormLayout, NotSplitLayout, Partial, PointwiseLayout, Replicate, SameAs,
+    Select, Shard, SplitLayout, SplitOut, Sum, SumLayout, SumOut, TransposeLayout, Transposed,
 };
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -427,6 +427,21 @@ impl<'t, L: Layout> Var<'t, L> {
                 grad_of("Var::matmul_t", da, &av)?,
                 grad_of("Var::matmul_t", dw, &wv)?,
             ))
+        }))
+    }
+
+    /// [`DTensor::bmm`]: `dA = dC·Bᵀ`, `dB = Aᵀ·dC`, batch by batch.
+    pub fn bmm<LB: BatchedMatmulLayout<L>>(
+        &self,
+        b: &Var<'t, LB>,
+    ) -> Result<Var<'t, BatchedMatmulOut<L, LB>>> {
+        let y = self.value.bmm(&b.value)?;
+        let (av, bv) = (self.value.as_any().clone(), b.value.as_any().clone());
+        Ok(self.binary(b, y, move |dy| {
+            let g = dy.as_local();
+            let da = ops::matmul(g, Transpose::No, bv.as_local(), Transpose::Yes)?;
+            let db = ops::matmul(av.as_local(), Transpose::Yes, g, Transpose::No)?;
+            Ok((grad_of("Var::bmm", da, &av)?, grad_of("Var::bmm", db, &bv)?))
         }))
     }
 
