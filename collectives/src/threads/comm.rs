@@ -299,8 +299,11 @@ impl ThreadComm {
         self.barrier_after(fault, op)
     }
 
-    /// Runs a data phase, catching a panic (a broken internal invariant) so that this rank
-    /// still reaches the next barrier instead of freeing buffers its peers are reading.
+    /// Runs a data phase, catching a panic (a broken internal invariant, or a bounds check
+    /// of the `View` that failed) so that this rank still reaches the next barrier instead
+    /// of freeing buffers its peers are reading (invariant 4 in `group.rs`). A panic that
+    /// escaped here would unwind through `run` and release this rank's buffers while its
+    /// peers still read them.
     fn guarded(&self, f: impl FnOnce()) -> Option<Box<dyn Any + Send>> {
         match catch_unwind(AssertUnwindSafe(f)) {
             Ok(()) => None,
