@@ -679,9 +679,7 @@ fn move_data<T: Element>(v: &mut View<'_, T>) {
             let offsets = prefix_sums(counts);
             for p in std::iter::once(me).chain(others(me, n)) {
                 let (w, c) = (counts[p] / rows, offsets[p] / rows);
-                for r in 0..rows {
-                    v.copy_to_own(r * width + c, p, Buf::Send, r * w, w);
-                }
+                v.copy_rows_to_own((c, width), p, Buf::Send, (0, w), w, rows);
             }
         }
         Call::AllGatherV { counts, .. } => {
@@ -733,9 +731,7 @@ fn move_data<T: Element>(v: &mut View<'_, T>) {
                     let rows = *rows;
                     let width = send_counts.iter().sum::<usize>() / rows;
                     let (w, c) = (send_counts[me] / rows, src_off / rows);
-                    for r in 0..rows {
-                        v.copy_to_own(dst + r * w, p, Buf::Send, r * width + c, w);
-                    }
+                    v.copy_rows_to_own((dst, w), p, Buf::Send, (c, width), w, rows);
                 } else {
                     v.copy_to_own(dst, p, Buf::Send, src_off, recv_counts[p]);
                 }
