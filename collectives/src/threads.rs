@@ -29,6 +29,12 @@
 //! No region is written while another rank reads it, and each reduced element is combined
 //! by one rank in rank order `0..n`, so all replicas hold the same bits.
 //!
+//! The data phase reaches posted buffers only through a `View` (`view.rs`), whose two
+//! dereferencing methods check every range against the length the poster declared, and
+//! refuse to read the receive buffer the rank is writing. Why the rest is sound (a poster
+//! cannot return while peers read, every rank reaches every barrier) is written down as
+//! the protocol invariants in `group.rs`.
+//!
 //! A rank waits for the others by spinning briefly on the barrier's generation, then
 //! blocking on a condvar (it only spins when the world has no more ranks than cores).
 //!
@@ -59,6 +65,7 @@
 mod call;
 mod comm;
 mod group;
+mod view;
 
 pub use comm::ThreadComm;
 

@@ -1,27 +1,25 @@
 //! What a rank posts before a collective (a [`Post`]), and the checks every rank runs on
 //! all posts once everyone has joined. All ranks see the same posts, so all reach the same
 //! verdict: either every rank moves data or every rank returns an error.
+//!
+//! # Invariant: `check` is panic-free and gives every rank the same verdict
+//!
+//! `check` runs after the join, outside the data phase's panic guard. If it panicked, or
+//! said "go" on one rank and "stop" on another, a rank would leave `run` (and free or
+//! reuse its buffers) while its peers go on to read them through the posted addresses.
+//! So `check`:
+//!
+//! - is a pure function of the posts, which every rank receives identically from the
+//!   join; the only use of `me` is to tell the rank with invalid arguments `Invalid` where
+//!   its peers get `Mismatch`, and both are errors;
+//! - indexes nothing it has not checked. Slices are reached with `get`, and a missing
+//!   entry is a mismatch, not a panic.
 
+use super::view::RawBuf;
 pub(super) use crate::call::Call;
 use dtensor_kernels::DType;
 #[cfg(test)]
 use dtensor_kernels::ReduceOp;
-
-/// The address of one rank's buffer, published to its peers in the group's post table.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct RawBuf(pub(super) *mut u8);
-
-// SAFETY: a `RawBuf` is only an address. Peers dereference it only between the join and
-// the leave barrier of the collective that posted it: all that time the poster keeps the
-// buffer borrowed (it is blocked in the protocol and cannot return), and the protocol in
-// `comm.rs` fixes which rank writes which region, so no region is read and written at once.
-unsafe impl Send for RawBuf {}
-
-impl RawBuf {
-    pub(super) fn null() -> RawBuf {
-        RawBuf(std::ptr::null_mut())
-    }
-}
 
 /// One rank's side of a collective, as its peers see it.
 #[derive(Clone, Debug)]
@@ -29,9 +27,10 @@ pub(super) struct Post {
     pub(super) call: Call,
     /// `None` for the calls that move no data (barrier, split).
     pub(super) dtype: Option<DType>,
-    /// Read-only for everyone (for in-place calls, the same address as `recv`).
+    /// Read-only for everyone (for in-place calls, the same memory as `recv`, or the
+    /// rank's own block of it).
     pub(super) send: RawBuf,
-    /// Written only by its owner.
+    /// Written only by its owner (for an in-place reduce-scatter, only its own block).
     pub(super) recv: RawBuf,
     /// The caller's own arguments were inconsistent: the reason. Posted anyway so that
     /// every rank fails together instead of its peers waiting for it.
@@ -58,10 +57,15 @@ pub(super) enum Problem {
 /// the same answer except that the rank with invalid arguments gets `Invalid` where its
 /// peers get `Mismatch`. `members` maps group ranks to world ranks, for the message.
 pub(super) fn check(posts: &[Post], me: usize, members: &[usize]) -> Result<(), Problem> {
-    if let Some(detail) = &posts[me].invalid {
+    let (Some(mine), Some(first)) = (posts.get(me), posts.first()) else {
+        return Err(Problem::Mismatch(format!(
+            "rank {me} of a group of {} ranks",
+            posts.len()
+        )));
+    };
+    if let Some(detail) = &mine.invalid {
         return Err(Problem::Invalid(detail.clone()));
     }
-    let first = &posts[0];
     let mismatch = |what: String| {
         let described: Vec<String> = posts.iter().map(Post::describe).collect();
         Err(Problem::Mismatch(crate::mismatch::mismatch_detail(
@@ -114,10 +118,14 @@ pub(super) fn check(posts: &[Post], me: usize, members: &[usize]) -> Result<(), 
             let Call::AllToAllV { recv_counts, .. } = &peer.call else {
                 break;
             };
-            if send_counts[r] != recv_counts[p] {
+            // Every valid post has one count per rank (`counts_sum`), but a missing entry
+            // must be a mismatch here, never a panic (see the module docs).
+            let (Some(sent), Some(expected)) = (send_counts.get(r), recv_counts.get(p)) else {
+                return mismatch(format!("rank {p} or {r} passed counts of the wrong length"));
+            };
+            if sent != expected {
                 return mismatch(format!(
-                    "rank {p} sends {} elements to rank {r}, which expects {} from it",
-                    send_counts[r], recv_counts[p]
+                    "rank {p} sends {sent} elements to rank {r}, which expects {expected} from it"
                 ));
             }
         }

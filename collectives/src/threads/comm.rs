@@ -2,12 +2,12 @@
 //!
 //! The protocol is described in the `threads` module docs.
 
-use super::call::{self, Call, Post, Problem, RawBuf};
+use super::call::{self, Call, Post, Problem};
 use super::group::{Group, Message};
+use super::view::{Buf, RawBuf, View};
 use crate::args::{counts_sum, equal_blocks, is_multiple, same_dtype};
 use crate::{CollectiveKind, Communicator, CounterSnapshot, Counters, Error, Result};
-use dtensor_kernels::reduce::reduce_sources_with;
-use dtensor_kernels::{chunk_sizes, DType, ReduceOp, Slice, SliceMut};
+use dtensor_kernels::{chunk_sizes, DType, Element, ReduceOp, Slice, SliceMut};
 use smallvec::SmallVec;
 use std::any::Any;
 use std::fmt;
@@ -96,13 +96,11 @@ impl ThreadComm {
             )),
             Ok(_) => None,
         };
-        let es = buf.dtype().size_in_bytes();
         let post = post(call, invalid, None, Some(buf));
         let own = post.invalid.is_none().then(|| {
             let off: usize = counts[..self.rank].iter().sum();
-            // SAFETY: `off` plus this rank's count is within the buffer (counts sum to its
-            // length).
-            RawBuf(unsafe { post.recv.0.add(off * es) })
+            // In bounds: the counts sum to the buffer's length (checked above).
+            post.recv.block(off, counts[self.rank])
         });
         (post, own)
     }
@@ -253,25 +251,19 @@ impl ThreadComm {
                 detail,
             },
         })?;
+        // From here to the last barrier every rank takes the same path (they all passed the
+        // same `check`), and nothing returns early: a data phase's panic is caught by
+        // `guarded` and resumed only after the barrier that follows it, and `sync` fails
+        // (if at all) on every rank alike, after every rank stopped touching peer memory.
         let mine = &posts[me];
         match &mine.call {
             Call::Barrier | Call::Split { .. } => {}
             Call::AllReduce { .. } if n == 1 => {}
             Call::AllReduce { .. } => {
-                // SAFETY: the posts passed `check`; every poster waits in the middle and
-                // leave barriers until this rank is through each phase.
-                let fault = self.guarded(|| unsafe { all_reduce_own_block(posts, me) });
-                self.barrier_after(fault, op)?;
-                // SAFETY: as above; phase 1 is complete on every rank.
-                let fault = self.guarded(|| unsafe { all_reduce_peer_blocks(posts, me) });
-                self.barrier_after(fault, op)?;
+                self.data_phase(posts, Phase::AllReduceOwnBlock, op)?;
+                self.data_phase(posts, Phase::AllReducePeerBlocks, op)?;
             }
-            _ => {
-                // SAFETY: the posts passed `check`; every poster waits in the leave barrier
-                // until this rank is done.
-                let fault = self.guarded(|| unsafe { move_data(posts, me) });
-                self.barrier_after(fault, op)?;
-            }
+            _ => self.data_phase(posts, Phase::Move, op)?,
         }
         let es = mine.dtype.map_or(0, DType::size_in_bytes) as u64;
         let (sent, received) = mine.call.elements_moved(me, n);
@@ -280,8 +272,38 @@ impl ThreadComm {
         Ok(joined.split)
     }
 
-    /// Runs a data phase, catching a panic (a broken internal invariant) so that this rank
-    /// still reaches the next barrier instead of freeing buffers its peers are reading.
+    /// Runs one data phase on the joined `posts` (which passed `check`), then the barrier
+    /// that ends it.
+    fn data_phase(&self, posts: &[Post], phase: Phase, op: &'static str) -> Result<()> {
+        let me = self.rank;
+        let fault = self.guarded(|| {
+            let Some(dtype) = posts[me].dtype else {
+                return;
+            };
+            with_dtype!(dtype, T => {
+                // SAFETY (the contract of `View::new`):
+                // 1. liveness: the join that produced `posts` completed, and the view and
+                //    its slices die inside this closure, before `barrier_after` below; every
+                //    poster is blocked in this collective until that barrier (`run` on each
+                //    rank returns only after its last barrier, `sync` has no timeout);
+                // 2. agreement: `run` calls this only after `call::check` passed, and
+                //    `check` gives every rank the same verdict;
+                // 3. disjoint roles: `Phase::run` follows the reads/writes table of the
+                //    module docs, and every rank runs the same phase between the same
+                //    barriers;
+                // 4. `T` is the element type `with_dtype!` picked for the posts' dtype.
+                let mut view = unsafe { View::<T>::new(posts, me) };
+                phase.run(&mut view)
+            })
+        });
+        self.barrier_after(fault, op)
+    }
+
+    /// Runs a data phase, catching a panic (a broken internal invariant, or a bounds check
+    /// of the `View` that failed) so that this rank still reaches the next barrier instead
+    /// of freeing buffers its peers are reading (invariant 4 in `group.rs`). A panic that
+    /// escaped here would unwind through `run` and release this rank's buffers while its
+    /// peers still read them.
     fn guarded(&self, f: impl FnOnce()) -> Option<Box<dyn Any + Send>> {
         match catch_unwind(AssertUnwindSafe(f)) {
             Ok(()) => None,
@@ -315,9 +337,9 @@ fn post(
     let dtype = send
         .map(Slice::dtype)
         .or_else(|| recv.as_ref().map(|r| r.dtype()));
-    let recv = recv.map_or(RawBuf::null(), |r| RawBuf(r.as_bytes_mut_ptr().0));
+    let recv = recv.map_or(RawBuf::null(), RawBuf::of_mut);
     // Peers only read through `send` (see `Post::send`).
-    let send = send.map_or(recv, |s| RawBuf(s.as_bytes_ptr().0 as *mut u8));
+    let send = send.map_or(recv, RawBuf::of);
     Post {
         call,
         dtype,
@@ -585,42 +607,6 @@ fn prefix_sums(counts: &[usize]) -> SmallVec<[usize; 16]> {
     out
 }
 
-/// Copies `count` elements of `dtype` from `src` to `dst`.
-///
-/// # Safety
-/// Both regions are in bounds of live buffers, do not overlap, nobody else accesses the
-/// destination meanwhile, and nobody writes the source.
-unsafe fn copy(src: *const u8, dst: *mut u8, count: usize, dtype: DType) {
-    // SAFETY: the caller's contract.
-    unsafe { std::ptr::copy_nonoverlapping(src, dst, count * dtype.size_in_bytes()) }
-}
-
-/// `dst[..count] = ⊕_k source(posts[k])[off..][..count]` over `k = 0..n`, in rank order
-/// (offsets in elements of `dtype`).
-///
-/// # Safety
-/// Every source region is in bounds and nobody writes it during the call, except that one
-/// may be `dst` itself (written only by this call, each block after it is read); `dst` is
-/// in bounds and nobody else accesses it.
-unsafe fn reduce(
-    dtype: DType,
-    dst: *mut u8,
-    count: usize,
-    posts: &[Post],
-    source: impl Fn(&Post) -> *mut u8,
-    off: usize,
-    op: ReduceOp,
-) {
-    with_dtype!(dtype, T => {
-        // SAFETY: the caller's contract, which is `reduce_sources_with`'s.
-        unsafe {
-            reduce_sources_with::<T>(dst as *mut T, count, posts.len(), op, |k| {
-                (source(&posts[k]) as *const T).add(off)
-            })
-        }
-    })
-}
-
 /// The blocks of an all-reduce of `len` elements over `n` ranks, and their offsets.
 fn all_reduce_blocks(len: usize, n: usize) -> (SmallVec<[usize; 8]>, SmallVec<[usize; 16]>) {
     let blocks = chunk_sizes(len, n);
@@ -628,174 +614,136 @@ fn all_reduce_blocks(len: usize, n: usize) -> (SmallVec<[usize; 8]>, SmallVec<[u
     (blocks, offsets)
 }
 
-/// All-reduce phase 1: block `me` of this rank's buffer = the reduction of block `me` of
-/// every rank's buffer, in rank order.
-///
-/// # Safety
-/// `posts` passed [`call::check`] and every poster waits in the middle barrier. Peers read
-/// only their own block index of this rank's buffer in this phase, never block `me`.
-unsafe fn all_reduce_own_block(posts: &[Post], me: usize) {
-    let mine = &posts[me];
-    let (Call::AllReduce { len, op }, Some(dtype)) = (&mine.call, mine.dtype) else {
-        return;
-    };
-    let (blocks, offsets) = all_reduce_blocks(*len, posts.len());
-    let off = offsets[me];
-    // SAFETY: block `me` is in bounds of every buffer (same length everywhere); it is
-    // written only here, and `reduce_sources_with` reads each block before writing it.
-    unsafe {
-        let dst = mine.recv.0.add(off * dtype.size_in_bytes());
-        reduce(dtype, dst, blocks[me], posts, |p| p.recv.0, off, *op)
-    }
+/// One data phase of a joined collective (see the reads/writes table in the module docs).
+#[derive(Clone, Copy, Debug)]
+enum Phase {
+    /// All-reduce, phase 1: block `me` of this rank's buffer = the reduction of block `me`
+    /// of every rank's buffer, in rank order. Peers read only their own block index of this
+    /// rank's buffer, never block `me`.
+    AllReduceOwnBlock,
+    /// All-reduce, phase 2 (after the middle barrier): block `p` of this rank's buffer =
+    /// block `p` of rank `p`'s buffer (reduced there in phase 1), for every peer `p`. Peers
+    /// read only block `me` of this rank's buffer, which this rank does not write.
+    AllReducePeerBlocks,
+    /// The single phase of every other collective that moves data.
+    Move,
 }
 
-/// All-reduce phase 2: block `p` of this rank's buffer = block `p` of rank `p`'s buffer
-/// (reduced there in phase 1), for every peer `p`.
-///
-/// # Safety
-/// `posts` passed [`call::check`], phase 1 is complete on every rank, and every poster
-/// waits in the leave barrier. Peers read only block `me` of this rank's buffer in this
-/// phase, which this rank does not write.
-unsafe fn all_reduce_peer_blocks(posts: &[Post], me: usize) {
-    let mine = &posts[me];
-    let (Call::AllReduce { len, .. }, Some(dtype)) = (&mine.call, mine.dtype) else {
-        return;
-    };
-    let n = posts.len();
-    let es = dtype.size_in_bytes();
-    let (blocks, offsets) = all_reduce_blocks(*len, n);
-    for p in others(me, n) {
-        let at = offsets[p] * es;
-        // SAFETY: block `p` is in bounds of both buffers; rank `p` no longer writes it.
-        unsafe {
-            copy(
-                posts[p].recv.0.add(at),
-                mine.recv.0.add(at),
-                blocks[p],
-                dtype,
-            )
-        };
-    }
-}
-
-/// The data phase of every collective but barrier, split and all-reduce.
-///
-/// # Safety
-/// `posts` passed [`call::check`] and every poster waits in the leave barrier until this
-/// rank returns from here.
-unsafe fn move_data(posts: &[Post], me: usize) {
-    let n = posts.len();
-    let mine = &posts[me];
-    let Some(dtype) = mine.dtype else { return };
-    let es = dtype.size_in_bytes();
-    let (send, recv) = (|p: usize| posts[p].send.0, mine.recv.0);
-    // SAFETY (every block below): `check` guarantees all ranks agree on the call and each
-    // rank's buffers have the lengths it declared, so the offsets and counts below stay in
-    // bounds; this rank writes only its own recv (non-roots only, for broadcast), which no
-    // peer reads in these calls (in broadcast they read only the root's buffer).
-    unsafe {
-        match &mine.call {
-            Call::AllGather { send: k, .. } => {
-                for p in std::iter::once(me).chain(others(me, n)) {
-                    let dst = recv.add(p * k * es);
-                    if send(p) != dst {
-                        copy(send(p), dst, *k, dtype);
-                    }
-                }
-            }
-            Call::AllGatherV { counts, rows, .. } if *rows > 1 => {
-                // Piece p's row r lands in row r of the result, at column offset c_p.
-                let (rows, width) = (*rows, counts.iter().sum::<usize>() / rows);
-                let offsets = prefix_sums(counts);
-                for p in std::iter::once(me).chain(others(me, n)) {
-                    let (w, c) = (counts[p] / rows, offsets[p] / rows);
-                    for r in 0..rows {
-                        copy(
-                            send(p).add(r * w * es),
-                            recv.add((r * width + c) * es),
-                            w,
-                            dtype,
-                        );
-                    }
-                }
-            }
-            Call::AllGatherV { counts, .. } => {
-                let offsets = prefix_sums(counts);
-                for p in std::iter::once(me).chain(others(me, n)) {
-                    let dst = recv.add(offsets[p] * es);
-                    if send(p) != dst {
-                        copy(send(p), dst, counts[p], dtype);
-                    }
-                }
-            }
-            Call::ReduceScatter { recv: k, op, .. } => {
-                reduce(dtype, recv, *k, posts, |p| p.send.0, me * k, *op);
-            }
-            Call::ReduceScatterV {
-                counts, op, rows, ..
-            } if *rows > 1 => {
-                // Row r of this rank's column block, reduced across ranks row by row.
-                let (rows, width) = (*rows, counts.iter().sum::<usize>() / rows);
-                let (w, c) = (counts[me] / rows, counts[..me].iter().sum::<usize>() / rows);
-                for r in 0..rows {
-                    reduce(
-                        dtype,
-                        recv.add(r * w * es),
-                        w,
-                        posts,
-                        |p| p.send.0,
-                        r * width + c,
-                        *op,
-                    );
-                }
-            }
-            Call::ReduceScatterV { counts, op, .. } => {
-                let off = counts[..me].iter().sum();
-                reduce(dtype, recv, counts[me], posts, |p| p.send.0, off, *op);
-            }
-            Call::AllToAll { send: len, .. } => {
-                let k = len / n;
-                for p in std::iter::once(me).chain(others(me, n)) {
-                    copy(send(p).add(me * k * es), recv.add(p * k * es), k, dtype);
-                }
-            }
-            Call::AllToAllV { recv_counts, .. } => {
-                let recv_offsets = prefix_sums(recv_counts);
-                for p in std::iter::once(me).chain(others(me, n)) {
-                    let Call::AllToAllV {
-                        send_counts, rows, ..
-                    } = &posts[p].call
-                    else {
-                        continue;
-                    };
-                    let src_off: usize = send_counts[..me].iter().sum();
-                    let dst = recv.add(recv_offsets[p] * es);
-                    if *rows > 1 {
-                        // Rank p's block for this rank: columns c.. of each of its rows.
-                        let rows = *rows;
-                        let width = send_counts.iter().sum::<usize>() / rows;
-                        let (w, c) = (send_counts[me] / rows, src_off / rows);
-                        for r in 0..rows {
-                            copy(
-                                send(p).add((r * width + c) * es),
-                                dst.add(r * w * es),
-                                w,
-                                dtype,
-                            );
-                        }
-                    } else {
-                        copy(send(p).add(src_off * es), dst, recv_counts[p], dtype);
-                    }
-                }
-            }
-            Call::Broadcast { len, root } if me != *root => {
-                copy(posts[*root].recv.0, recv, *len, dtype);
-            }
-            Call::Broadcast { .. }
-            | Call::AllReduce { .. }
-            | Call::Barrier
-            | Call::Split { .. }
-            | Call::Leave => {}
+impl Phase {
+    fn run<T: Element>(self, v: &mut View<'_, T>) {
+        match self {
+            Phase::AllReduceOwnBlock => all_reduce_own_block(v),
+            Phase::AllReducePeerBlocks => all_reduce_peer_blocks(v),
+            Phase::Move => move_data(v),
         }
+    }
+}
+
+fn all_reduce_own_block<T: Element>(v: &mut View<'_, T>) {
+    let me = v.me();
+    let Call::AllReduce { len, op } = v.posts()[me].call else {
+        return;
+    };
+    let (blocks, offsets) = all_reduce_blocks(len, v.posts().len());
+    let off = offsets[me];
+    // In place: this rank's own source is exactly the block it writes.
+    v.reduce_own(off, blocks[me], op, |_| (Buf::Recv, off));
+}
+
+fn all_reduce_peer_blocks<T: Element>(v: &mut View<'_, T>) {
+    let (me, n) = (v.me(), v.posts().len());
+    let Call::AllReduce { len, .. } = v.posts()[me].call else {
+        return;
+    };
+    let (blocks, offsets) = all_reduce_blocks(len, n);
+    for p in others(me, n) {
+        v.copy_to_own(offsets[p], p, Buf::Recv, offsets[p], blocks[p]);
+    }
+}
+
+/// The data phase of every collective but barrier, split and all-reduce: this rank reads
+/// its peers' `send` buffers (the root's buffer, for broadcast) and writes only its own
+/// `recv` (non-roots only, for broadcast), which no peer reads in these calls.
+fn move_data<T: Element>(v: &mut View<'_, T>) {
+    let posts = v.posts();
+    let (me, n) = (v.me(), posts.len());
+    match &posts[me].call {
+        Call::AllGather { send: k, .. } => {
+            for p in std::iter::once(me).chain(others(me, n)) {
+                v.copy_to_own(p * k, p, Buf::Send, 0, *k);
+            }
+        }
+        Call::AllGatherV { counts, rows, .. } if *rows > 1 => {
+            // Piece p's row r lands in row r of the result, at column offset c_p.
+            let (rows, width) = (*rows, counts.iter().sum::<usize>() / rows);
+            let offsets = prefix_sums(counts);
+            for p in std::iter::once(me).chain(others(me, n)) {
+                let (w, c) = (counts[p] / rows, offsets[p] / rows);
+                v.copy_rows_to_own((c, width), p, Buf::Send, (0, w), w, rows);
+            }
+        }
+        Call::AllGatherV { counts, .. } => {
+            // In place, this rank's own piece already lies where it goes (`copy_to_own`
+            // leaves it).
+            let offsets = prefix_sums(counts);
+            for p in std::iter::once(me).chain(others(me, n)) {
+                v.copy_to_own(offsets[p], p, Buf::Send, 0, counts[p]);
+            }
+        }
+        Call::ReduceScatter { recv: k, op, .. } => {
+            v.reduce_own(0, *k, *op, |_| (Buf::Send, me * k));
+        }
+        Call::ReduceScatterV {
+            counts, op, rows, ..
+        } if *rows > 1 => {
+            // Row r of this rank's column block, reduced across ranks row by row.
+            let (rows, width) = (*rows, counts.iter().sum::<usize>() / rows);
+            let (w, c) = (counts[me] / rows, counts[..me].iter().sum::<usize>() / rows);
+            for r in 0..rows {
+                v.reduce_own(r * w, w, *op, |_| (Buf::Send, r * width + c));
+            }
+        }
+        Call::ReduceScatterV { counts, op, .. } => {
+            // In place, this rank's own source is exactly its `recv` (its block of the
+            // buffer), which `reduce_own` allows.
+            let off = counts[..me].iter().sum();
+            v.reduce_own(0, counts[me], *op, |_| (Buf::Send, off));
+        }
+        Call::AllToAll { send: len, .. } => {
+            let k = len / n;
+            for p in std::iter::once(me).chain(others(me, n)) {
+                v.copy_to_own(p * k, p, Buf::Send, me * k, k);
+            }
+        }
+        Call::AllToAllV { recv_counts, .. } => {
+            let recv_offsets = prefix_sums(recv_counts);
+            for p in std::iter::once(me).chain(others(me, n)) {
+                let Call::AllToAllV {
+                    send_counts, rows, ..
+                } = &posts[p].call
+                else {
+                    continue;
+                };
+                let src_off: usize = send_counts[..me].iter().sum();
+                let dst = recv_offsets[p];
+                if *rows > 1 {
+                    // Rank p's block for this rank: columns c.. of each of its rows.
+                    let rows = *rows;
+                    let width = send_counts.iter().sum::<usize>() / rows;
+                    let (w, c) = (send_counts[me] / rows, src_off / rows);
+                    v.copy_rows_to_own((dst, w), p, Buf::Send, (c, width), w, rows);
+                } else {
+                    v.copy_to_own(dst, p, Buf::Send, src_off, recv_counts[p]);
+                }
+            }
+        }
+        Call::Broadcast { len, root } if me != *root => {
+            v.copy_to_own(0, *root, Buf::Recv, 0, *len);
+        }
+        Call::Broadcast { .. }
+        | Call::AllReduce { .. }
+        | Call::Barrier
+        | Call::Split { .. }
+        | Call::Leave => {}
     }
 }

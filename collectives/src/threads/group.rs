@@ -4,6 +4,35 @@
 //! Lock order: a group's mutex, then the world's mutex (split creates and registers groups
 //! while holding its parent's mutex). Departure takes the world mutex alone, releases it,
 //! then takes each affected group's mutex alone.
+//!
+//! # Protocol invariants the data phase relies on
+//!
+//! During a data phase every rank reads its peers' buffers through the raw addresses they
+//! posted (`view.rs`). That is sound only because a poster cannot return, and so free or
+//! reuse its buffers, while a peer may still read them. These invariants guarantee it.
+//! Each is also stated at the code that keeps it.
+//!
+//! 1. **A post is in the table only while its owner waits in `join`.** Every way out of
+//!    `join` except success withdraws the post: timeout and poison alike. So the table
+//!    never holds the address of a buffer its owner has already released. A completed join
+//!    hands the posts to every member at once, in `Joined`.
+//! 2. **Poison is permanent.** Once set, `poison` is never cleared and no join can complete
+//!    on the group again. A late member fails at the top of `join` without posting. So a
+//!    rank that left with an error can never be the missing member of a join that others
+//!    complete.
+//! 3. **`sync` has no timeout and no poison check.** Once a join completes, every member
+//!    has passed the same `call::check` and runs the same data phases, which only copy and
+//!    reduce memory: nothing in them blocks, waits for another rank, or calls user code.
+//!    So every member reaches each barrier. A timeout there could only let a rank return
+//!    while its peers still read its buffers.
+//! 4. **A data-phase panic unwinds to the barrier, not past it.** `ThreadComm::guarded`
+//!    catches it, `record_fault` makes the coming barrier fail on every rank, and the
+//!    panicking rank resumes the panic only after that barrier. (With `panic = "abort"`
+//!    the process ends instead, which is also safe.)
+//! 5. **Stale addresses are never dereferenced.** After a collective, `Inner.joined` and
+//!    each rank's `Joined.posts` still hold the addresses. Only a `View` dereferences
+//!    them, and a view lives inside one data phase (`ThreadComm::data_phase`). The next
+//!    join replaces `Inner.joined`.
 
 use super::call::{Call, Post};
 use super::Options;
@@ -115,7 +144,8 @@ pub(super) struct Message {
 
 /// What a rank gets back from a completed join.
 pub(super) struct Joined {
-    /// Every rank's post, indexed by group rank.
+    /// Every rank's post, indexed by group rank. The addresses in them may be dereferenced
+    /// only through a `View`, in a data phase of this same collective (invariant 5).
     pub(super) posts: Vec<Post>,
     /// For `split`: the new group this rank belongs to.
     pub(super) split: Option<Arc<Group>>,
@@ -145,9 +175,14 @@ pub(super) struct Group {
 struct Inner {
     generation: u64,
     arrived: usize,
+    /// The posts of the members waiting in the current join. A post is here only while its
+    /// owner waits in `join` (invariant 1).
     posts: Vec<Option<Post>>,
+    /// The posts of the last completed join. Kept only so late wakers can copy them, and
+    /// never dereferenced from here (invariant 5).
     joined: Vec<Post>,
     split_out: Vec<Option<Arc<Group>>>,
+    /// Set once and never cleared (invariant 2).
     poison: Option<Poison>,
     /// A rank panicked inside a data phase: (generation of the barrier it went on to,
     /// world rank, message).
@@ -248,7 +283,9 @@ impl Group {
     /// Posts `post` as rank `me` and waits (up to the world's timeout) until every member
     /// has posted; returns everyone's posts. Fails if the group is or becomes poisoned. On
     /// timeout, withdraws this rank's post and poisons the group, so a late peer fails
-    /// instead of reading a buffer that no longer exists.
+    /// instead of reading a buffer that no longer exists. On poison it withdraws its post
+    /// too: its caller returns and releases the buffer, so the address must not stay in
+    /// the table (invariant 1).
     pub(super) fn join(&self, me: usize, post: Post, op: &'static str) -> Result<Joined, Error> {
         let n = self.size();
         let arrived_at = Instant::now();
@@ -285,7 +322,13 @@ impl Group {
                 });
             }
             if let Some(p) = &g.poison {
-                return Err(p.error(op));
+                let err = p.error(op);
+                // Withdraw, as on timeout: the caller is about to release the buffer. No
+                // join can complete on a poisoned group (invariant 2), so nobody would read
+                // the post. But the table must not hold an address whose buffer is gone.
+                g.posts[me] = None;
+                g.arrived -= 1;
+                return Err(err);
             }
             let now = Instant::now();
             if now >= deadline {
@@ -321,6 +364,12 @@ impl Group {
     /// and no poison: every member has joined, and between join and leave a rank only
     /// copies memory, so every member reaches it. Fails on every rank alike if a member
     /// faulted in the phase before it.
+    ///
+    /// This is invariant 3 of the module docs. The barrier is what keeps the posted
+    /// buffers alive while peers read them. A timeout or a poison check here would let one
+    /// rank return (and free its buffers) while the others still read them. Do not add
+    /// either. Anything that can block between join and leave (a callback, a device
+    /// stream) needs a new argument for why every member still arrives.
     pub(super) fn sync(&self, op: &'static str) -> Result<(), Error> {
         let n = self.size();
         let mut g = lock(&self.inner);
@@ -453,5 +502,72 @@ fn fault_error(g: &Inner, gen: u64, op: &'static str) -> Result<(), Error> {
             reason: reason.clone(),
         }),
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+impl Group {
+    /// (posts in the table, members counted as arrived), for tests of invariant 1.
+    fn table(&self) -> (usize, usize) {
+        let g = lock(&self.inner);
+        (g.posts.iter().filter(|p| p.is_some()).count(), g.arrived)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::threads::view::RawBuf;
+
+    fn barrier_post() -> Post {
+        Post {
+            call: Call::Barrier,
+            dtype: None,
+            send: RawBuf::null(),
+            recv: RawBuf::null(),
+            invalid: None,
+        }
+    }
+
+    /// Rank 0 joins alone and waits; `leave` makes its join fail (poison or timeout).
+    /// Returns its error and the table afterwards.
+    fn lone_join(timeout: Duration, leave: impl FnOnce(&World)) -> (Error, (usize, usize)) {
+        let world = World::new(2, Options { timeout });
+        let group = Group::create(&world, vec![0, 1]);
+        let err = std::thread::scope(|s| {
+            let waiter = s.spawn(|| group.join(0, barrier_post(), "barrier").map(drop));
+            // Only once rank 0's post is in the table does `leave` hit a waiting join (a
+            // short timeout may end the join first).
+            while group.table() != (1, 1) && !waiter.is_finished() {
+                std::thread::yield_now();
+            }
+            leave(&world);
+            waiter.join().expect("join does not panic")
+        });
+        (err.expect_err("rank 1 never joins"), group.table())
+    }
+
+    #[test]
+    fn join_poisoned_while_waiting_withdraws_its_post() {
+        let (err, table) = lone_join(Duration::from_secs(600), |world| {
+            world.depart(1, "closure returned".into())
+        });
+        assert!(matches!(err, Error::RankFailed { rank: 1, .. }), "{err:?}");
+        assert_eq!(
+            table,
+            (0, 0),
+            "the poisoned join left its post (posts, arrived)"
+        );
+    }
+
+    #[test]
+    fn join_timed_out_withdraws_its_post() {
+        let (err, table) = lone_join(Duration::from_millis(50), |_| {});
+        assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+        assert_eq!(
+            table,
+            (0, 0),
+            "the timed-out join left its post (posts, arrived)"
+        );
     }
 }
