@@ -237,7 +237,7 @@ pub trait Communicator: Send + Sync {
 
 /// The element counts of column blocks ([`columns::counts`]), or `InvalidArgument` if they
 /// overflow.
-fn col_counts(op: &'static str, rows: usize, widths: &[usize]) -> Result<Vec<usize>> {
+pub(crate) fn col_counts(op: &'static str, rows: usize, widths: &[usize]) -> Result<Vec<usize>> {
     columns::counts(rows, widths).ok_or_else(|| Error::InvalidArgument {
         op,
         detail: format!("{rows} rows x widths {widths:?} overflow usize"),

@@ -1446,3 +1446,43 @@ fn column_block_rows_disagree_every_rank_mismatch() {
         assert!(e.contains("2 rows"), "{e}");
     }
 }
+
+#[test]
+fn column_collectives_with_overflowing_widths_are_invalid_on_every_rank() {
+    // rows × width wraps usize: before the checked count it wrapped into a "valid" count.
+    let huge = usize::MAX / 2 + 1;
+    let results = launch_with(2, long(), |comm| -> Result<Vec<String>, Error> {
+        let send = [0.0f32; 4];
+        let mut recv = [0.0f32; 8];
+        let widths = [huge, 2];
+        let errs = vec![
+            comm.all_gather_cols(Slice::F32(&send), SliceMut::F32(&mut recv), 2, &widths),
+            comm.reduce_scatter_cols(
+                Slice::F32(&send),
+                SliceMut::F32(&mut recv),
+                2,
+                &widths,
+                ReduceOp::Sum,
+            ),
+            comm.all_to_all_cols(
+                Slice::F32(&send),
+                2,
+                &widths,
+                SliceMut::F32(&mut recv),
+                &[4, 4],
+            ),
+        ];
+        Ok(errs
+            .into_iter()
+            .map(|e| format!("{:?}", e.unwrap_err()))
+            .collect())
+    });
+    for errs in all_ok(results) {
+        for e in errs {
+            assert!(
+                e.contains("InvalidArgument") && e.contains("overflow"),
+                "{e}"
+            );
+        }
+    }
+}

@@ -390,7 +390,7 @@ impl Communicator for ThreadComm {
         rows: usize,
         widths: &[usize],
     ) -> Result<()> {
-        let counts: Vec<usize> = widths.iter().map(|w| w * rows).collect();
+        let counts = crate::col_counts("all_gather_cols", rows, widths)?;
         self.all_gather_rows(send, recv, &counts, rows)
     }
 
@@ -464,7 +464,7 @@ impl Communicator for ThreadComm {
         widths: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
-        let counts: Vec<usize> = widths.iter().map(|w| w * rows).collect();
+        let counts = crate::col_counts("reduce_scatter_cols", rows, widths)?;
         self.reduce_scatter_rows(send, recv, &counts, op, rows)
     }
 
@@ -497,7 +497,7 @@ impl Communicator for ThreadComm {
         recv: SliceMut<'_>,
         recv_counts: &[usize],
     ) -> Result<()> {
-        let send_counts: Vec<usize> = send_widths.iter().map(|w| w * rows).collect();
+        let send_counts = crate::col_counts("all_to_all_cols", rows, send_widths)?;
         self.all_to_all_rows(send, &send_counts, recv, recv_counts, rows)
     }
 
