@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::{float_global, int_global, on_mesh, spread_partial_terms};
+use common::{dist, float_global, int_global, on_mesh};
 use dtensor::prelude::*;
 use dtensor_core::{Tape, Var};
 use dtensor_kernels::ops::{self, Transpose};
@@ -21,14 +21,6 @@ use std::sync::Arc;
 
 const TP2: &[(AxisKind, usize)] = &[(AxisKind::Tp, 2)];
 const DP2TP2: &[(AxisKind, usize)] = &[(AxisKind::Dp, 2), (AxisKind::Tp, 2)];
-
-fn dist<L: Layout>(full: &Tensor, mesh: &Arc<DeviceMesh>) -> DTensor<L> {
-    let x = DTensor::<L>::distribute(Some(full).filter(|_| mesh.rank() == 0), 0, mesh).unwrap();
-    if !L::placements().iter().any(|p| p.is_partial()) {
-        return x;
-    }
-    DTensor::try_from_any(spread_partial_terms(x.into_any())).unwrap()
-}
 
 fn dot(a: &Tensor, b: &Tensor) -> f64 {
     a.to_f64_vec()

@@ -10,6 +10,8 @@
 //! All cases are checked with one `cargo check --bins --keep-going` of a scratch crate
 //! that depends on this package.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -70,14 +72,7 @@ fn strip_paths(msg: &str) -> String {
 #[test]
 fn placement_mistakes_do_not_compile_and_say_why() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target"));
-    let target = if target.is_absolute() {
-        target
-    } else {
-        root.join(target)
-    };
+    let target = common::target_dir();
     let krate = target.join("compile-fail").join("crate");
     let bin_dir = krate.join("src").join("bin");
     let _ = std::fs::remove_dir_all(&bin_dir);

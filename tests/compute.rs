@@ -9,22 +9,12 @@
 
 mod common;
 
-use common::{float_global, int_global, on_mesh, spread_partial_terms};
+use common::{dist, float_global, int_global, on_mesh};
 use dtensor::prelude::*;
 use dtensor_kernels::ops::{self, Transpose};
-use std::sync::Arc;
 
 const TP2: &[(AxisKind, usize)] = &[(AxisKind::Tp, 2)];
 const DP2TP2: &[(AxisKind, usize)] = &[(AxisKind::Dp, 2), (AxisKind::Tp, 2)];
-
-/// `full` laid out as `L` on this rank (rank 0 is the source), partial terms spread.
-fn dist<L: Layout>(full: &Tensor, mesh: &Arc<DeviceMesh>) -> DTensor<L> {
-    let x = DTensor::<L>::distribute(Some(full).filter(|_| mesh.rank() == 0), 0, mesh).unwrap();
-    if !L::placements().iter().any(|p| p.is_partial()) {
-        return x;
-    }
-    DTensor::try_from_any(spread_partial_terms(x.into_any())).unwrap()
-}
 
 fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
     assert_eq!(got.shape(), want.shape(), "{what}: shape");

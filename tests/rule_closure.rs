@@ -4,19 +4,14 @@
 //! operand's gradient would come out `Partial`); this test builds the crate with and without
 //! it.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
 
 fn check_placement(features: &[&str]) -> (bool, String) {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target"));
-    let target = if target.is_absolute() {
-        target
-    } else {
-        root.join(target)
-    };
+    let target = common::target_dir();
     let mut cmd = Command::new(env!("CARGO"));
     cmd.args([
         "check",

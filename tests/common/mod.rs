@@ -113,3 +113,27 @@ pub fn total_counters(mesh: &DeviceMesh) -> Vec<(AxisKind, CounterSnapshot)> {
 }
 
 pub const SUM: Placement = Placement::Partial(PartialOp::Sum);
+
+/// `full` laid out as `L` on this rank (rank 0 is the source), partial terms spread so no
+/// rank holds the whole value.
+pub fn dist<L: Layout>(full: &Tensor, mesh: &Arc<DeviceMesh>) -> DTensor<L> {
+    let x = DTensor::<L>::distribute(Some(full).filter(|_| mesh.rank() == 0), 0, mesh).unwrap();
+    if !L::placements().iter().any(|p| p.is_partial()) {
+        return x;
+    }
+    DTensor::try_from_any(spread_partial_terms(x.into_any())).unwrap()
+}
+
+/// The workspace's target directory (`CARGO_TARGET_DIR` or `target/`), absolute: tests that
+/// run cargo themselves build in a folder under it.
+pub fn target_dir() -> std::path::PathBuf {
+    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| root.join("target"));
+    if target.is_absolute() {
+        target
+    } else {
+        root.join(target)
+    }
+}
