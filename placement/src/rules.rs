@@ -29,8 +29,8 @@
 //! **Duality closure.** A reverse-mode tape types every gradient as the dual layout
 //! (`R↔P`, `S↔S`, `I↔I`) without computing it. That is sound only if, for every forward
 //! rule, the backward products are again rules of the same table and give exactly the
-//! duals of the inputs. The rules below are declared through macros that also emit that
-//! check, so a rule that does not close is a build error of this crate (the feature
+//! duals of the inputs. The matmul, product, division, bias, reduction and norm tables are
+//! checked that way here, so a rule that does not close is a build error of this crate (the feature
 //! `_check-rule-closure-fails` adds one on purpose: `S0·I→S0`, whose weight gradient would
 //! come out `Partial` where `Invariant` needs `Invariant`).
 
@@ -489,6 +489,78 @@ macro_rules! reduction_rules {
 reduction_rules!(SumRule, Partial<Sum>, [Partial<Sum>, Partial<Avg>]);
 reduction_rules!(MeanRule, Partial<Avg>, [Partial<Sum>, Partial<Avg>]);
 reduction_rules!(MaxRule, Partial<Max>, []);
+
+/// The gradient of a reduction over dim `D` comes back by broadcasting the output's
+/// gradient along `D` (a local op): placed `Self`, it can give `Target`. `Replicate`
+/// broadcast to a rank's own extent is its chunk, so `R` reaches `Shard<D>` too.
+pub trait ExpandTo<const D: usize, Target>: PlacementType {}
+impl<const D: usize> ExpandTo<D, R> for R {}
+impl<const D: usize> ExpandTo<D, I> for I {}
+impl<const D: usize> ExpandTo<D, P> for P {}
+macro_rules! expand_table {
+    ($($d:literal: [$($e:literal => $o:literal),*]);*) => {
+        $($(impl ExpandTo<$d, S<$o>> for S<$e> {})*)*
+        $(impl ExpandTo<$d, S<$d>> for R {})*
+    };
+}
+// Inverse of the reductions' moves: Shard<e> of the output is Shard<e + [e ≥ D]> of the input.
+expand_table!(0: [0 => 1, 1 => 2, 2 => 3]; 1: [0 => 0, 1 => 2, 2 => 3]; 2: [0 => 0, 1 => 1, 2 => 3]; 3: [0 => 0, 1 => 1, 2 => 2]);
+
+/// Closure of a sum over `D` (`Self` is the input's placement): the output's gradient,
+/// broadcast back along `D`, is placed as the input's dual.
+pub trait SumClosed<const D: usize>: SumRule<D> {}
+impl<const D: usize, X> SumClosed<D> for X
+where
+    X: SumRule<D>,
+    GradOf<<X as SumRule<D>>::Out>: ExpandTo<D, GradOf<X>>,
+{
+}
+/// Closure of a mean over `D`: as the sum's (the gradient is scaled, not moved).
+pub trait MeanClosed<const D: usize>: MeanRule<D> {}
+impl<const D: usize, X> MeanClosed<D> for X
+where
+    X: MeanRule<D>,
+    GradOf<<X as MeanRule<D>>::Out>: ExpandTo<D, GradOf<X>>,
+{
+}
+#[allow(dead_code)]
+fn reduction_rules_close() {
+    fn sum<const D: usize, X: SumClosed<D> + MeanClosed<D>>() {}
+    macro_rules! every {
+        ($($d:literal),*) => {$(
+            sum::<$d, R>();
+            sum::<$d, I>();
+            sum::<$d, P>();
+            sum::<$d, Partial<Avg>>();
+            sum::<$d, S<0>>();
+            sum::<$d, S<1>>();
+            sum::<$d, S<2>>();
+            sum::<$d, S<3>>();
+        )*};
+    }
+    every!(0, 1, 2, 3);
+}
+
+/// Closure of a norm over the last dim of a 2-D input placed `X` with a weight placed
+/// `Self`: the input's gradient keeps `X`'s dual (it is elementwise in rows), and the
+/// weight's gradient is the sum over rows of `dy ⊙ x̂`, a product rule then a sum over
+/// dim 0, placed as the weight's dual.
+pub trait NormClosed<X: PlacementType>: NormRule<X, 1> {}
+impl<X, W> NormClosed<X> for W
+where
+    X: PlacementType,
+    W: NormRule<X, 1>,
+    GradOf<X>: MulRule<X>,
+    <GradOf<X> as MulRule<X>>::Out: SumRule<0, Out = GradOf<W>>,
+{
+}
+#[allow(dead_code)]
+fn norm_rules_close() {
+    fn closed<X: PlacementType, W: NormClosed<X>>() {}
+    closed::<S<0>, R>();
+    closed::<R, R>();
+    closed::<I, I>();
+}
 
 impl<const D: usize> NotSplitOn<D> for R {}
 impl<const D: usize> NotSplitOn<D> for I {}
