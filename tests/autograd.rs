@@ -547,7 +547,6 @@ fn split_and_merge_have_the_dual_gradients() {
 // Every `Var` op, every combination of its per-axis rule table (placement/src/rules.rs),
 // each input's gradient: on one rank and two (1-D layouts over `Tp`, uneven extents where
 // the rule allows them), and representative mixed combinations on the 2×2 mesh.
-// `div` and `max_dim` have no `Var` twin, nor has `bmm`: nothing to check on the tape.
 // ---------------------------------------------------------------------------------------
 
 type Axes = &'static [(AxisKind, usize)];
@@ -1135,4 +1134,40 @@ fn bmm_every_rule_has_the_dual_gradients() {
     }
     both!(DP2TP2, [Dp: Shard<0>, Tp: Shard<2>], [Dp: Shard<0>, Tp: Shard<1>], [Dp: Shard<0>, Tp: Partial]);
     both!(DP2TP2, [Dp: Replicate, Tp: Shard<1>], [Dp: Replicate, Tp: Replicate], [Dp: Replicate, Tp: Shard<1>]);
+}
+
+#[test]
+fn div_and_max_have_the_dual_gradients() {
+    let (x, y) = four_d();
+    // Divisors kept away from 0.
+    let y = y.map(|v| 1.5 + v.abs());
+    let div = |a: &Tensor, b: &Tensor| {
+        let (a, b) = (a.to_f64_vec(), b.to_f64_vec());
+        Tensor::from_vec(
+            a.iter().zip(&b).map(|(a, b)| a / b).collect(),
+            &[3, 2, 2, 3],
+        )
+        .unwrap()
+    };
+    check2!(MESH1, "div", (&x, &y), |_, a, b| a.div(&b), div;
+        [Tp: R] [Tp: R],
+        [Tp: I] [Tp: I],
+        [Tp: S0] [Tp: S0],
+        [Tp: S1] [Tp: S1],
+        [Tp: S2] [Tp: S2],
+        [Tp: S3] [Tp: S3],
+        [Tp: P] [Tp: R],
+    );
+    check2!(MESH2, "div", (&x, &y), |_, a, b| a.div(&b), div;
+        [Dp: P, Tp: S2] [Dp: R, Tp: S2],
+        [Dp: S0, Tp: I] [Dp: S0, Tp: I],
+    );
+    // The max over a dim every rank holds whole (distinct values: no ties).
+    let m = Tensor::from_fn(&[5, 4, 3], |i| ((i * 37) % 61) as f64 / 7.0);
+    check1!(MESH1, "max_dim<1>", &m, |_, _, x| x.max_dim::<1>(), |x| ops::max_dim(x, 1).unwrap().values;
+        [Tp: R], [Tp: I], [Tp: S0], [Tp: S2],
+    );
+    check1!(MESH2, "max_dim<2>", &m, |_, _, x| x.max_dim::<2>(), |x| ops::max_dim(x, 2).unwrap().values;
+        [Dp: S0, Tp: S1], [Dp: R, Tp: S0],
+    );
 }

@@ -389,7 +389,7 @@ impl<L: Layout> DTensor<L> {
         output(
             OP,
             ops::sum_dim(a.as_local(), D)?,
-            &without(a.global_shape(), D),
+            &without_dim(a.global_shape(), D),
             a,
         )
     }
@@ -424,7 +424,7 @@ impl<L: Layout> DTensor<L> {
         output(
             OP,
             sum.scale(1.0 / l as f64),
-            &without(a.global_shape(), D),
+            &without_dim(a.global_shape(), D),
             a,
         )
     }
@@ -438,13 +438,13 @@ impl<L: Layout> DTensor<L> {
         const OP: &str = "DTensor::max_dim";
         let a = self.as_any();
         check_dim(OP, a, D)?;
-        let out_shape = without(a.local_shape(), D);
+        let out_shape = without_dim(a.local_shape(), D);
         let local = if a.local_shape()[D] == 0 {
             Tensor::zeros(&out_shape, a.dtype()).map(|_| f64::NEG_INFINITY)
         } else {
             ops::max_dim(a.as_local(), D)?.values
         };
-        output(OP, local, &without(a.global_shape(), D), a)
+        output(OP, local, &without_dim(a.global_shape(), D), a)
     }
 
     /// Softmax over dim `D`, which must be the last dim, whole on every rank.
@@ -687,7 +687,7 @@ fn check_norm(op: &'static str, x: &AnyDTensor, w: &AnyDTensor, d: usize) -> Res
     Ok(())
 }
 
-fn without(shape: &[usize], d: usize) -> Vec<usize> {
+pub(crate) fn without_dim(shape: &[usize], d: usize) -> Vec<usize> {
     shape
         .iter()
         .enumerate()

@@ -47,11 +47,12 @@ use dtensor_kernels::ops::{self, Transpose};
 use dtensor_kernels::{DType, Tensor};
 use dtensor_placement::{
     AddLayout, AddRowLayout, AttentionLayout, BatchedMatmulLayout, BatchedMatmulOut,
-    CrossEntropyLayout, CrossEntropyOut, EmbeddingLayout, EmbeddingOut, Invariant, IsInvariant,
-    IsPartial, IsReplicate, IsShard, IsWhole, Layout, LinearLayout, LossLayout, MatmulLayout,
-    MatmulOut, MatmulTLayout, MatmulTOut, MeanLayout, MeanOut, MergeLayout, MergeOut, MeshAxis,
-    MulLayout, MulOut, NormLayout, NotSplitLayout, Partial, PointwiseLayout, Replicate, SameAs,
-    Select, Shard, SplitLayout, SplitOut, Sum, SumLayout, SumOut, TransposeLayout, Transposed,
+    CrossEntropyLayout, CrossEntropyOut, DivLayout, DivOut, EmbeddingLayout, EmbeddingOut,
+    Invariant, IsInvariant, IsPartial, IsReplicate, IsShard, IsWhole, Layout, LinearLayout,
+    LossLayout, MatmulLayout, MatmulOut, MatmulTLayout, MatmulTOut, MaxLayout, MaxOut, MeanLayout,
+    MeanOut, MergeLayout, MergeOut, MeshAxis, MulLayout, MulOut, NormLayout, NotSplitLayout,
+    Partial, PointwiseLayout, Replicate, SameAs, Select, Shard, SplitLayout, SplitOut, Sum,
+    SumLayout, SumOut, TransposeLayout, Transposed,
 };
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -480,6 +481,64 @@ impl<'t, L: Layout> Var<'t, L> {
             let da = g.mul(bv.as_local())?;
             let db = g.mul(av.as_local())?;
             Ok((grad_of("Var::mul", da, &av)?, grad_of("Var::mul", db, &bv)?))
+        }))
+    }
+
+    /// [`DTensor::div`]: `da = dc / b`, `db = −dc·a / b²`.
+    pub fn div<M: DivLayout<L>>(&self, other: &Var<'t, M>) -> Result<Var<'t, DivOut<L, M>>> {
+        let y = self.value.div(&other.value)?;
+        let (av, bv) = (self.value.as_any().clone(), other.value.as_any().clone());
+        Ok(self.binary(other, y, move |dy| {
+            let (g, a, b) = (
+                dy.as_local().to_f64_vec(),
+                av.as_local().to_f64_vec(),
+                bv.as_local().to_f64_vec(),
+            );
+            let da: Vec<f64> = g.iter().zip(&b).map(|(g, b)| g / b).collect();
+            let db: Vec<f64> = g
+                .iter()
+                .zip(&a)
+                .zip(&b)
+                .map(|((g, a), b)| -g * a / (b * b))
+                .collect();
+            let t = |v: Vec<f64>, like: &AnyDTensor| -> Result<Tensor> {
+                let t = Tensor::from_vec(v, like.local_shape())?;
+                Ok(if like.dtype() == DType::F64 {
+                    t
+                } else {
+                    t.to_dtype(like.dtype())
+                })
+            };
+            Ok((
+                grad_of("Var::div", t(da, &av)?, &av)?,
+                grad_of("Var::div", t(db, &bv)?, &bv)?,
+            ))
+        }))
+    }
+
+    /// The max over dim `D`, on the tape only where `D` is whole on every rank: a max over
+    /// a sharded dim is `Partial<Max>`, whose gradient would reach every rank's local
+    /// argmax instead of the global one. The gradient goes to the (first) argmax.
+    pub fn max_dim<const D: usize>(&self) -> Result<Var<'t, MaxOut<L, D>>>
+    where
+        L: MaxLayout<D> + NotSplitLayout<D>,
+    {
+        let xv = self.value.as_any().clone();
+        let m = ops::max_dim(xv.as_local(), D)?;
+        let y: DTensor<MaxOut<L, D>> = output(
+            "DTensor::max_dim",
+            m.values,
+            &crate::compute::without_dim(xv.global_shape(), D),
+            &xv,
+        )?;
+        let idx = m.indices;
+        Ok(self.unary(y, false, move |dy| {
+            let n = xv.local_shape()[D];
+            grad_of(
+                "Var::max_dim",
+                ops::max_dim_backward(dy.as_local(), &idx, D, n)?,
+                &xv,
+            )
         }))
     }
 

@@ -281,9 +281,18 @@ fn tokens() -> (Tensor, Tensor) {
     )
 }
 
+/// Every parameter's local piece on this rank, in visiting order.
+struct Locals(Vec<Tensor>);
+impl ParamVisitor for Locals {
+    fn visit<T: TpParam>(&mut self, _: &str, p: &mut Param<ParamLayout<T>>) -> Result<()> {
+        self.0.push(p.local().clone());
+        Ok(())
+    }
+}
+
 fn gpt_train<M: SeqMode>(dp: usize, tp: usize, steps: usize) -> (Vec<f64>, Vec<Tensor>) {
     let (ids, tg) = tokens();
-    on_mesh(dp, tp, |mesh| {
+    let ranks = on_mesh(dp, tp, |mesh| {
         let mut cfg = gpt_config();
         cfg.seed = 17;
         let mut model = Gpt::<M>::new(cfg, mesh)?;
@@ -292,9 +301,34 @@ fn gpt_train<M: SeqMode>(dp: usize, tp: usize, steps: usize) -> (Vec<f64>, Vec<T
         let losses = (0..steps)
             .map(|_| Ok(model.train_step(&i, &t, &mut opt, 1.0)?.loss))
             .collect::<Result<Vec<_>>>()?;
-        Ok((losses, model.full_params()?))
-    })
-    .swap_remove(0)
+        let mut locals = Locals(Vec::new());
+        model.visit_params("", &mut locals)?;
+        Ok((losses, model.full_params()?, mesh.coords()[1], locals.0))
+    });
+    // Replicas are bitwise identical: every rank reports the same losses, and ranks at the
+    // same Tp coordinate (Dp replicas) hold the same bits of every parameter.
+    for (l, _, tp_coord, local) in &ranks {
+        assert_eq!(
+            l.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            ranks[0].0.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+        let twin = ranks.iter().find(|r| r.2 == *tp_coord).expect("itself");
+        for (a, b) in local.iter().zip(&twin.3) {
+            assert_eq!(
+                a.to_f64_vec()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect::<Vec<_>>(),
+                b.to_f64_vec()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect::<Vec<_>>(),
+                "Dp replicas differ"
+            );
+        }
+    }
+    let (losses, params, _, _) = ranks.into_iter().next().expect("rank 0");
+    (losses, params)
 }
 
 #[test]

@@ -157,8 +157,8 @@ pub trait MaxRule<const D: usize>: PlacementType {
 /// An axis that holds dim `D` whole and no pending sums: what softmax and log-softmax over
 /// `D` read.
 #[diagnostic::on_unimplemented(
-    message = "`{Self}` splits or holds partial terms of dim {D}, which this op normalizes over",
-    label = "softmax / norms need the reduced dim whole on every rank",
+    message = "`{Self}` splits or holds partial terms of dim {D}, which this op reduces over",
+    label = "softmax, log-softmax and a differentiable max need the dim whole on every rank",
     note = "gather the dim first (all_gather), or reduce pending partial sums (all_reduce); R, I and Shard<e> with e ≠ D are fine"
 )]
 pub trait NotSplitOn<const D: usize>: PlacementType {}
