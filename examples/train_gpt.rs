@@ -231,6 +231,9 @@ fn train_rank<M: SeqMode>(
     let start_counters = dm.counters();
     let mut losses = Vec::with_capacity(a.steps);
     let t0 = Instant::now();
+    // The first step pays for warm-up (fresh buffers page-fault, the pool fills): the steady
+    // rate is timed from its end, as PyTorch benchmarks time after warm-up steps.
+    let mut after_first = None;
     for step in 0..a.steps {
         let (ids, tg) = global_batch(a, step);
         let t = Instant::now();
@@ -241,6 +244,9 @@ fn train_rank<M: SeqMode>(
             a.clip,
         )?;
         losses.push(r.loss);
+        if step == 0 {
+            after_first = Some(Instant::now());
+        }
         let tokens = (a.batch * a.seq) as f64;
         if verbose && dm.rank() == 0 && (step % a.log_every == 0 || step + 1 == a.steps) {
             println!(
@@ -256,8 +262,15 @@ fn train_rank<M: SeqMode>(
     }
     if verbose && dm.rank() == 0 {
         let secs = t0.elapsed().as_secs_f64();
+        let steady = match after_first {
+            Some(t) if a.steps > 1 => format!(
+                " ({:.0} tokens/s after the first step)",
+                ((a.steps - 1) * a.batch * a.seq) as f64 / t.elapsed().as_secs_f64()
+            ),
+            _ => String::new(),
+        };
         println!(
-            "trained {} steps in {secs:.2}s: {:.0} tokens/s",
+            "trained {} steps in {secs:.2}s: {:.0} tokens/s{steady}",
             a.steps,
             (a.steps * a.batch * a.seq) as f64 / secs
         );
