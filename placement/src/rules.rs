@@ -29,10 +29,15 @@
 //! **Duality closure.** A reverse-mode tape types every gradient as the dual layout
 //! (`R↔P`, `S↔S`, `I↔I`) without computing it. That is sound only if, for every forward
 //! rule, the backward products are again rules of the same table and give exactly the
-//! duals of the inputs. The matmul, product, division, bias, reduction and norm tables are
-//! checked that way here, so a rule that does not close is a build error of this crate (the feature
-//! `_check-rule-closure-fails` adds one on purpose: `S0·I→S0`, whose weight gradient would
-//! come out `Partial` where `Invariant` needs `Invariant`).
+//! duals of the inputs. Every table but cross-entropy's is checked that way here (matmul,
+//! `x·Wᵀ`, batched matmul, product, division, bias, sum, mean, norms, the local-linear ops:
+//! activations, softmax, attention; transpose, split/merge, embedding as `onehot · table`),
+//! so a rule that does not close is a build error of this crate. (Cross-entropy's backward
+//! multiplies the `Invariant` per-token gradient into vocab-sharded probabilities, a
+//! broadcast the product table rightly refuses between differentiable operands; its
+//! gradient is checked numerically in the tests instead.) The feature
+//! `_check-rule-closure-fails` adds a rule that does not close, on purpose: `S0·I→S0`, whose
+//! `Invariant` operand's gradient would come out `Partial`.
 
 use crate::axis::MeshAxis;
 use crate::layout::{Layout, On};
@@ -559,6 +564,127 @@ fn norm_rules_close() {
     fn closed<X: PlacementType, W: NormClosed<X>>() {}
     closed::<S<0>, R>();
     closed::<R, R>();
+    closed::<I, I>();
+}
+
+/// Closure of an op whose output keeps its input's placement and whose backward multiplies
+/// the output's gradient by factors placed like the input (activations, softmax and
+/// log-softmax over a whole dim, attention): the product rule gives the input's dual.
+pub trait LocalLinearClosed: PlacementType {}
+impl<X> LocalLinearClosed for X
+where
+    X: PlacementType,
+    GradOf<X>: MulRule<X, Out = GradOf<X>>,
+{
+}
+#[allow(dead_code)]
+fn local_linear_rules_close() {
+    fn closed<X: LocalLinearClosed>() {}
+    // Everything NotSplitOn, AttentionRule and Pointwise admit.
+    closed::<R>();
+    closed::<I>();
+    closed::<S<0>>();
+    closed::<S<1>>();
+    closed::<S<2>>();
+    closed::<S<3>>();
+}
+
+/// Closure of the 2-D transpose: the gradient of the transpose is the transpose of the
+/// gradient.
+pub trait TransposeClosed: TransposeRule {}
+impl<X> TransposeClosed for X
+where
+    X: TransposeRule,
+    GradOf<X>: TransposeRule<T = GradOf<<X as TransposeRule>::T>>,
+{
+}
+#[allow(dead_code)]
+fn transpose_rules_close() {
+    fn closed<X: TransposeClosed>() {}
+    closed::<R>();
+    closed::<I>();
+    closed::<P>();
+    closed::<S<0>>();
+    closed::<S<1>>();
+}
+
+/// Closure of a split of dim `D`: the gradient is merged back, and merging the output's
+/// dual gives the input's dual (and the other way round for a merge).
+pub trait SplitClosed<const D: usize>: SplitRule<D> {}
+impl<const D: usize, X> SplitClosed<D> for X
+where
+    X: SplitRule<D>,
+    GradOf<<X as SplitRule<D>>::Out>: MergeRule<D, Out = GradOf<X>>,
+{
+}
+#[allow(dead_code)]
+fn split_merge_rules_close() {
+    fn closed<const D: usize, X: SplitClosed<D>>() {}
+    macro_rules! every {
+        ($($d:literal: [$($e:literal),*]);*) => {$(
+            closed::<$d, R>();
+            closed::<$d, I>();
+            closed::<$d, P>();
+            $(closed::<$d, S<$e>>();)*
+        )*};
+    }
+    every!(0: [0, 1, 2]; 1: [0, 1, 2]; 2: [0, 1, 2]);
+}
+
+/// The one-hot matrix `[tokens, vocab]` an embedding lookup multiplies its table by, placed
+/// per axis from the ids (`Self`) and the table: the lookup is `onehot · table`, so its
+/// closure is the matmul table's.
+pub trait OneHotRule<T: PlacementType>: PlacementType {
+    type Out: PlacementType + TransposeRule;
+}
+impl OneHotRule<S<0>> for R {
+    type Out = S<1>; // each rank's vocab columns (the masked lookup)
+}
+impl OneHotRule<S<0>> for I {
+    type Out = S<1>;
+}
+impl OneHotRule<S<1>> for R {
+    type Out = R;
+}
+impl OneHotRule<S<1>> for I {
+    type Out = R;
+}
+impl OneHotRule<R> for S<0> {
+    type Out = S<0>;
+}
+impl OneHotRule<R> for R {
+    type Out = R;
+}
+impl OneHotRule<R> for I {
+    type Out = R; // ids carry no gradient: the same on every rank is as good as replicated
+}
+impl OneHotRule<I> for I {
+    type Out = I;
+}
+
+/// Closure of `table[ids]` (`Self` is the ids' placement): the lookup's output is
+/// `onehot · table` by the matmul rule, and the table's gradient `onehotᵀ · dy` is placed
+/// as the table's dual.
+pub trait EmbeddingClosed<T: PlacementType>: EmbeddingRule<T> {}
+impl<T, Ids> EmbeddingClosed<T> for Ids
+where
+    T: PlacementType + MatmulRule<<Ids as OneHotRule<T>>::Out>,
+    Ids:
+        OneHotRule<T> + EmbeddingRule<T, Out = <T as MatmulRule<<Ids as OneHotRule<T>>::Out>>::Out>,
+    GradOf<<Ids as EmbeddingRule<T>>::Out>:
+        MatmulRule<<<Ids as OneHotRule<T>>::Out as TransposeRule>::T, Out = GradOf<T>>,
+{
+}
+#[allow(dead_code)]
+fn embedding_rules_close() {
+    fn closed<T: PlacementType, Ids: EmbeddingClosed<T>>() {}
+    closed::<S<0>, R>();
+    closed::<S<0>, I>();
+    closed::<S<1>, R>();
+    closed::<S<1>, I>();
+    closed::<R, S<0>>();
+    closed::<R, R>();
+    closed::<R, I>();
     closed::<I, I>();
 }
 
