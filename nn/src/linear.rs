@@ -4,7 +4,7 @@
 //! | layer | weight `[out, in]` | input | output | backward communication (from the tape) |
 //! |---|---|---|---|---|
 //! | [`ColumnParallelLinear`] | `Shard<0>` on `Tp` | [`Full`] (entered from the stream with [`SeqMode::enter`]) | [`ColOut`] (`Shard<1>`) | the entry's adjoint: `all_reduce` (no SP) or `reduce_scatter` (SP) of the `Partial` input gradient |
-//! | [`RowParallelLinear`] | `Shard<1>` on `Tp` | [`ColOut`] | `x·Wᵀ` is [`RowPartial`] (derived: `Shard<1>·Shard<1>ᵀ` is a pending sum), left with [`SeqMode::exit`]; bias added after the reduction | the exit's adjoint: none (no SP) or `all_gather` (SP) |
+//! | [`RowParallelLinear`] | `Shard<1>` on `Tp` | [`ColOut`] | `x·Wᵀ` is [`RowPartial`](crate::RowPartial) (derived: `Shard<1>·Shard<1>ᵀ` is a pending sum), left with [`SeqMode::exit`]; bias added after the reduction | the exit's adjoint: none (no SP) or `all_gather` (SP) |
 //!
 //! No flag says whether an input is parallel or an output gathered: the placements do.
 

@@ -10,18 +10,18 @@
 //! | [`MatmulRule`] `A[m,k]·B[k,n]` | R·R→R, I·I→I, S0·R→S0, R·S1→S1, S1·S0→P, P·R→P, R·P→P | no rule |
 //! | [`MatmulTRule`] `A[m,k]·W[n,k]ᵀ` | R·R→R, I·I→I, S0·R→S0, R·S0→S1, S1·S1→P, P·R→P, R·P→P | no rule |
 //! | [`BatchedMatmulRule`] `A[b,m,k]·B[b,k,n]` | S0·S0→S0, and the matmul rules one dim up | no rule |
-//! | [`MulRule`] `a⊙b` | X·X→X for X ∈ {R, I, S<d>}; P·R→P; R·P→P | no rule |
-//! | [`DivRule`] `a/b` | X/X→X for X ∈ {R, I, S<d>}; P/R→P | no rule |
+//! | [`MulRule`] `a⊙b` | X·X→X for X ∈ {R, I, `S<d>`}; P·R→P; R·P→P | no rule |
+//! | [`DivRule`] `a/b` | X/X→X for X ∈ {R, I, `S<d>`}; P/R→P | no rule |
 //! | [`AddRowRule`] `x[r,c] + bias[c]` | (S0, R)→S0, (S1, S0)→S1, R+R→R, I+I→I, P+P→P | no rule |
-//! | [`SumRule<D>`] / [`MeanRule<D>`] / [`MaxRule<D>`] over dim `D` | S<D>→P(sum / avg / max); S<e>→S<e−[e>D]>; R, I stay; a sum or mean keeps a linear P | max of P: no rule |
-//! | [`NotSplitOn<D>`] (softmax, log-softmax over `D`) | R, I, S<e≠D> stay | S<D>, P: no rule |
-//! | [`NormRule<X, D>`] (rms / layer norm over dim `D`, weight `Self`) | (S<e≠D>, R)→S<e>, (R, R)→R, (I, I)→I | no rule |
+//! | [`SumRule<D>`] / [`MeanRule<D>`] / [`MaxRule<D>`] over dim `D` | `S<D>`→P(sum / avg / max); `S<e>`→`S<e−1>` when e > D; R, I stay; a sum or mean keeps a linear P | max of P: no rule |
+//! | [`NotSplitOn<D>`] (softmax, log-softmax over `D`) | R, I, `S<e≠D>` stay | `S<D>`, P: no rule |
+//! | [`NormRule<X, D>`] (rms / layer norm over dim `D`, weight `Self`) | (`S<e≠D>`, R)→`S<e>`, (R, R)→R, (I, I)→I | no rule |
 //! | [`EmbeddingRule<T>`] (table `T`, ids `Self`) | (S0, R or I)→P (masked lookup), (S1, R or I)→S1, (R, S0)→S0, (R, R)→R, (R, I)→R, (I, I)→I | no rule |
 //! | [`CrossEntropyRule<Lg>`] (logits `Lg[t,v]`, targets `Self[t]`) | (S1, R or I)→I (vocab-parallel, reduced inside), (S0, S0)→S0, (R, R)→R, (I, I)→I | no rule |
 //! | [`AttentionRule`] (fused causal attention of a `[tokens, heads·3·d]` QKV) | S0 (whole samples), S1 (whole heads), R, I stay | P: no rule |
 //! | [`TransposeRule`] (2-D) | S0↔S1; R, I, P stay | — |
-//! | [`SplitRule<D>`] (dim `D` into two) | S<D> stays (even shards), S<e>→S<e+1> when e > D; R, I, P stay | — |
-//! | [`MergeRule<D>`] (dims `D`, `D+1` into one) | S<D> stays (even shards), S<e>→S<e−1> when e > D+1; R, I, P stay | S<D+1>: no rule |
+//! | [`SplitRule<D>`] (dim `D` into two) | `S<D>` stays (even shards), `S<e>`→`S<e+1>` when e > D; R, I, P stay | — |
+//! | [`MergeRule<D>`] (dims `D`, `D+1` into one) | `S<D>` stays (even shards), `S<e>`→`S<e−1>` when e > D+1; R, I, P stay | `S<D+1>`: no rule |
 //!
 //! Each rule trait is implemented on the *right* operand, so rustc reads the operand's type
 //! and prints our message instead of guessing it from the one impl that fits.
