@@ -1171,3 +1171,21 @@ fn div_and_max_have_the_dual_gradients() {
         [Dp: S0, Tp: S1], [Dp: R, Tp: S0],
     );
 }
+
+#[test]
+fn mul_row_every_rule_has_both_gradients() {
+    let (x, w) = (small(&[5, 4]), small(&[4]).map(|v| v + 0.5));
+    let mr = |x: &Tensor, w: &Tensor| ops::mul_row(x, w).unwrap();
+    check2!(MESH1, "mul_row", (&x, &w), |_, x, w| x.mul_row(&w), mr;
+        [Tp: S0] [Tp: R],
+        [Tp: S1] [Tp: S0],
+        [Tp: R] [Tp: R],
+        [Tp: I] [Tp: I],
+        [Tp: P] [Tp: R],
+        [Tp: R] [Tp: P],
+    );
+    check2!(MESH2, "mul_row", (&x, &w), |_, x, w| x.mul_row(&w), mr;
+        [Dp: S0, Tp: S1] [Dp: R, Tp: S0],
+        [Dp: P, Tp: S0] [Dp: R, Tp: R],
+    );
+}

@@ -372,3 +372,15 @@ fn split_and_merge_move_shard_dims_and_refuse_uneven_shards() {
         Ok(())
     });
 }
+
+#[test]
+fn mul_row_scales_columns_along_sharded_rows_and_columns() {
+    let (x, w) = (int_global(&[5, 4]), float_global(&[4]));
+    let want = ops::mul_row(&x, &w).unwrap();
+    binary_case!(TP2, mul_row, [Tp: Shard<0>], [Tp: Replicate], x.clone(), w.clone(), want.clone());
+    binary_case!(TP2, mul_row, [Tp: Shard<1>], [Tp: Shard<0>], x.clone(), w.clone(), want.clone());
+    binary_case!(TP2, mul_row, [Tp: Partial], [Tp: Replicate], x.clone(), w.clone(), want.clone());
+    binary_case!(TP2, mul_row, [Tp: Replicate], [Tp: Partial], x.clone(), w.clone(), want.clone());
+    binary_case!(DP2TP2, mul_row, [Dp: Shard<0>, Tp: Shard<1>], [Dp: Replicate, Tp: Shard<0>],
+        x, w, want);
+}

@@ -9,7 +9,7 @@
 //! | [`mul`](DTensor::mul), [`div`](DTensor::div) | one `Partial` factor at most | none |
 //! | [`sub`](DTensor::sub) | as `add` | none |
 //! | [`silu`](DTensor::silu), [`swiglu`](DTensor::swiglu) (and `gelu`) | no `Partial` | none |
-//! | [`add_row`](DTensor::add_row) | bias broadcast along the rows | none |
+//! | [`add_row`](DTensor::add_row), [`mul_row`](DTensor::mul_row) | bias / scale broadcast along the rows | none |
 //! | [`sum_dim`](DTensor::sum_dim), [`mean_dim`](DTensor::mean_dim), [`max_dim`](DTensor::max_dim) | a sharded reduced dim gives `Partial` | none |
 //! | [`softmax`](DTensor::softmax), [`log_softmax`](DTensor::log_softmax) | the dim whole, no `Partial` | none |
 //! | [`rms_norm`](DTensor::rms_norm), [`layer_norm`](DTensor::layer_norm) | rows sharded with a `Replicate` weight, or both whole | none |
@@ -33,8 +33,9 @@ use dtensor_placement::{
     local_ranges, AddLayout, AddRowLayout, AttentionLayout, BatchedMatmulLayout, BatchedMatmulOut,
     CrossEntropyLayout, CrossEntropyOut, DivLayout, DivOut, EmbeddingLayout, EmbeddingOut, Layout,
     MatmulLayout, MatmulOut, MatmulTLayout, MatmulTOut, MaxLayout, MaxOut, MeanLayout, MeanOut,
-    MergeLayout, MergeOut, MulLayout, MulOut, NormLayout, NotSplitLayout, Placement,
-    PointwiseLayout, SameAs, SplitLayout, SplitOut, SumLayout, SumOut, TransposeLayout, Transposed,
+    MergeLayout, MergeOut, MulLayout, MulOut, MulRowLayout, MulRowOut, NormLayout, NotSplitLayout,
+    Placement, PointwiseLayout, SameAs, SplitLayout, SplitOut, SumLayout, SumOut, TransposeLayout,
+    Transposed,
 };
 
 fn fmt_placements(p: &[Placement]) -> String {
@@ -373,6 +374,35 @@ impl<L: Layout> DTensor<L> {
         output(
             OP,
             ops::add_row(x.as_local(), b.as_local())?,
+            x.global_shape(),
+            x,
+        )
+    }
+
+    /// `x[r,c] · w[c]`, a per-feature scale broadcast along the rows: rows sharded take a
+    /// `Replicate` scale, columns sharded a scale sharded alike; one `Partial` factor at most.
+    pub fn mul_row<LW: MulRowLayout<L>>(
+        &self,
+        w: &DTensor<LW>,
+    ) -> Result<DTensor<MulRowOut<L, LW>>> {
+        const OP: &str = "DTensor::mul_row";
+        let (x, s) = (self.as_any(), w.as_any());
+        same_mesh(OP, x, s)?;
+        want_rank(OP, x, 2, "the rows")?;
+        want_rank(OP, s, 1, "the scale")?;
+        if x.global_shape()[1] != s.global_shape()[0] || x.local_shape()[1] != s.local_shape()[0] {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "rows {} · scale {}: widths differ",
+                    describe(x),
+                    describe(s)
+                ),
+            ));
+        }
+        output(
+            OP,
+            ops::mul_row(x.as_local(), s.as_local())?,
             x.global_shape(),
             x,
         )

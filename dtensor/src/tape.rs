@@ -50,9 +50,9 @@ use dtensor_placement::{
     CrossEntropyLayout, CrossEntropyOut, DivLayout, DivOut, EmbeddingLayout, EmbeddingOut,
     Invariant, IsInvariant, IsPartial, IsReplicate, IsShard, IsWhole, Layout, LinearLayout,
     LossLayout, MatmulLayout, MatmulOut, MatmulTLayout, MatmulTOut, MaxLayout, MaxOut, MeanLayout,
-    MeanOut, MergeLayout, MergeOut, MeshAxis, MulLayout, MulOut, NormLayout, NotSplitLayout,
-    Partial, PointwiseLayout, Replicate, SameAs, Select, Shard, SplitLayout, SplitOut, Sum,
-    SumLayout, SumOut, TransposeLayout, Transposed,
+    MeanOut, MergeLayout, MergeOut, MeshAxis, MulLayout, MulOut, MulRowLayout, MulRowOut,
+    NormLayout, NotSplitLayout, Partial, PointwiseLayout, Replicate, SameAs, Select, Shard,
+    SplitLayout, SplitOut, Sum, SumLayout, SumOut, TransposeLayout, Transposed,
 };
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -612,6 +612,24 @@ impl<'t, L: Layout> Var<'t, L> {
             Ok((
                 grad_of("Var::add_row", g.clone(), &xv)?,
                 grad_of("Var::add_row", db, &bv)?,
+            ))
+        }))
+    }
+
+    /// [`DTensor::mul_row`]: `dx = dy · w` along the rows, `dw = Σ_rows dy ⊙ x`.
+    pub fn mul_row<LW: MulRowLayout<L>>(
+        &self,
+        w: &Var<'t, LW>,
+    ) -> Result<Var<'t, MulRowOut<L, LW>>> {
+        let y = self.value.mul_row(&w.value)?;
+        let (xv, wv) = (self.value.as_any().clone(), w.value.as_any().clone());
+        Ok(self.binary(w, y, move |dy| {
+            let g = dy.as_local();
+            let dx = ops::mul_row(g, wv.as_local())?;
+            let dw = ops::sum_rows(&g.mul(xv.as_local())?)?;
+            Ok((
+                grad_of("Var::mul_row", dx, &xv)?,
+                grad_of("Var::mul_row", dw, &wv)?,
             ))
         }))
     }

@@ -1,4 +1,4 @@
-//! `ops::sub`, `ops::add_row` and its backward `ops::sum_rows`, against plain f64 loops.
+//! `ops::sub`, `ops::add_row` and its backward `ops::sum_rows`, `ops::mul_row`, against plain f64 loops.
 //! Tolerances: `common::tol` (half an ulp for bf16/f16: each output is rounded once).
 
 mod common;
@@ -176,4 +176,22 @@ fn sum_rows_bad_input_errs_naming_op() {
         ops::sum_rows_into(&mut wrong_dtype, &x, Accum::Replace),
         "ops::sum_rows",
     );
+}
+
+#[test]
+fn mul_row_matches_reference() {
+    for dtype in ALL {
+        let (x, xv) = input(&[3, 4, 5], 7, 2.0, dtype);
+        let (w, wv) = input(&[5], 8, 2.0, dtype);
+        let want: Vec<f64> = xv.iter().enumerate().map(|(i, v)| v * wv[i % 5]).collect();
+        assert_close("mul_row", &ops::mul_row(&x, &w).unwrap(), &want, tol(dtype));
+    }
+}
+
+#[test]
+fn mul_row_of_the_wrong_width_is_an_error() {
+    let x = Tensor::zeros(&[2, 3], DType::F32);
+    let w = Tensor::zeros(&[4], DType::F32);
+    let e = ops::mul_row(&x, &w).unwrap_err().to_string();
+    assert!(e.contains("ops::mul_row"), "{e}");
 }

@@ -13,6 +13,7 @@
 //! | [`MulRule`] `a⊙b` | X·X→X for X ∈ {R, I, `S<d>`}; P·R→P; R·P→P | no rule |
 //! | [`DivRule`] `a/b` | X/X→X for X ∈ {R, I, `S<d>`}; P/R→P | no rule |
 //! | [`AddRowRule`] `x[r,c] + bias[c]` | (S0, R)→S0, (S1, S0)→S1, R+R→R, I+I→I, P+P→P | no rule |
+//! | [`MulRowRule`] `x[r,c] · w[c]` | (S0, R)→S0, (S1, S0)→S1, R·R→R, I·I→I, (P, R)→P, (R, P)→P | no rule |
 //! | [`SumRule<D>`] / [`MeanRule<D>`] / [`MaxRule<D>`] over dim `D` | `S<D>`→P(sum / avg / max); `S<e>`→`S<e−1>` when e > D; R, I stay; a sum or mean keeps a linear P | max of P: no rule |
 //! | [`NotSplitOn<D>`] (softmax, log-softmax over `D`) | R, I, `S<e≠D>` stay | `S<D>`, P: no rule |
 //! | [`NormRule<X, D>`] (rms / layer norm over dim `D`, weight `Self`) | (`S<e≠D>`, R)→`S<e>`, (R, R)→R, (I, I)→I | no rule |
@@ -30,7 +31,7 @@
 //! (`R↔P`, `S↔S`, `I↔I`) without computing it. That is sound only if, for every forward
 //! rule, the backward products are again rules of the same table and give exactly the
 //! duals of the inputs. Every table but cross-entropy's is checked that way here (matmul,
-//! `x·Wᵀ`, batched matmul, product, division, bias, sum, mean, norms, the local-linear ops:
+//! `x·Wᵀ`, batched matmul, product, division, bias, row scale, sum, mean, norms, the local-linear ops:
 //! activations, softmax, attention; transpose, split/merge, embedding as `onehot · table`),
 //! so a rule that does not close is a build error of this crate. (Cross-entropy's backward
 //! multiplies the `Invariant` per-token gradient into vocab-sharded probabilities, a
@@ -128,6 +129,17 @@ pub trait DivRule<A: PlacementType>: PlacementType {
     note = "per axis: rows S0 take a Replicate bias; rows S1 (columns split) take a bias S0; R+R, I+I, P+P (sum); a Replicate bias added to Partial rows would be counted once per rank"
 )]
 pub trait AddRowRule<X: PlacementType>: PlacementType {}
+
+/// `x[r,c] · w[c]` on one axis (a per-feature scale broadcast along the rows); implemented
+/// on the scale's placement.
+#[diagnostic::on_unimplemented(
+    message = "no rule for rows `{X}` scaled by a per-column `{Self}` on a mesh axis",
+    label = "this scale placement does not match the rows' placement",
+    note = "per axis: rows S0 take a Replicate scale; rows S1 (columns split) a scale S0; R·R, I·I; one Partial<Sum> factor with a Replicate one"
+)]
+pub trait MulRowRule<X: PlacementType>: PlacementType {
+    type Out: PlacementType;
+}
 
 /// A sum over tensor dim `D` on one axis.
 #[diagnostic::on_unimplemented(
@@ -460,6 +472,47 @@ fn add_row_rules_close() {
     closed::<R, R>();
     closed::<I, I>();
     closed::<P, P>();
+}
+
+impl MulRowRule<S<0>> for R {
+    type Out = S<0>;
+}
+impl MulRowRule<S<1>> for S<0> {
+    type Out = S<1>;
+}
+impl MulRowRule<R> for R {
+    type Out = R;
+}
+impl MulRowRule<I> for I {
+    type Out = I;
+}
+impl MulRowRule<P> for R {
+    type Out = P;
+}
+impl MulRowRule<R> for P {
+    type Out = P;
+}
+
+/// Closure of `x · w` along rows: `dx = dy · w` (the same broadcast) is placed as `x`'s
+/// dual, and `dw = Σ_rows dy ⊙ x` (a product, then a sum over dim 0) as `w`'s.
+pub trait MulRowClosed<X: PlacementType>: MulRowRule<X> {}
+impl<X, W> MulRowClosed<X> for W
+where
+    X: PlacementType,
+    W: MulRowRule<X> + MulRowRule<GradOf<<W as MulRowRule<X>>::Out>, Out = GradOf<X>>,
+    GradOf<<W as MulRowRule<X>>::Out>: MulRule<X>,
+    <GradOf<<W as MulRowRule<X>>::Out> as MulRule<X>>::Out: SumRule<0, Out = GradOf<W>>,
+{
+}
+#[allow(dead_code)]
+fn mul_row_rules_close() {
+    fn closed<X: PlacementType, W: MulRowClosed<X>>() {}
+    closed::<S<0>, R>();
+    closed::<S<1>, S<0>>();
+    closed::<R, R>();
+    closed::<I, I>();
+    closed::<P, R>();
+    closed::<R, P>();
 }
 
 // Reductions over dim D: Shard<D> becomes the reduction's Partial, Shard<e> with e > D
@@ -859,6 +912,15 @@ lift_binary!(
         note = "both operands need the same mesh axes in the same order"
     )]
     CrossEntropyLayout, CrossEntropyRule, CrossEntropyOut
+);
+lift_binary!(
+    /// `x · w` along the rows over every axis (`Self` is the scale's layout).
+    #[diagnostic::on_unimplemented(
+        message = "cannot scale rows laid out as `{LA}` by a per-column DTensor laid out as `{Self}`",
+        label = "the layouts are over different mesh axes",
+        note = "both operands need the same mesh axes in the same order"
+    )]
+    MulRowLayout, MulRowRule, MulRowOut
 );
 lift_predicate!(
     /// `x + bias` along the rows over every axis (`Self` is the bias's layout).

@@ -32,6 +32,33 @@ pub fn add_row(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
     Ok(out)
 }
 
+/// `x[.., j] · w[j]`: a per-feature scale broadcast along the rows, rounded once.
+pub fn mul_row(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    const OP: &str = "ops::mul_row";
+    let (_, n) = rows_last(OP, x)?;
+    same_dtype(OP, x, w)?;
+    if w.shape() != [n] {
+        return Err(Error::ShapeMismatch {
+            op: OP,
+            lhs: x.shape().into(),
+            rhs: w.shape().into(),
+        });
+    }
+    let mut out = x.clone();
+    dispatch_float!(OP, x.dtype(), |T| {
+        let ws = w.as_slice::<T>()?;
+        if n > 0 {
+            for row in out.as_mut_slice::<T>()?.chunks_exact_mut(n) {
+                for (o, &s) in row.iter_mut().zip(ws) {
+                    *o = T::from_acc(o.to_acc() * s.to_acc());
+                }
+            }
+        }
+        Ok(())
+    })?;
+    Ok(out)
+}
+
 /// In place `x[.., j] += bias[j]`.
 pub fn add_row_assign(x: &mut Tensor, bias: &Tensor) -> Result<()> {
     add_row_assign_op("ops::add_row_assign", x, bias)

@@ -3,7 +3,7 @@
 //! | topic | forward | backward |
 //! |---|---|---|
 //! | [`matmul`](mod@matmul) | [`matmul()`], [`matmul_into`] (`[m,k]·[k,n]`, `[b,m,k]·[b,k,n]`, `[b,m,k]·[k,n]`) | matmuls with other [`Transpose`]s |
-//! | [`elementwise`] | [`sub`], [`add_row`], [`add_row_assign`] | [`sum_rows`], [`sum_rows_into`] (of `add_row`) |
+//! | [`elementwise`] | [`sub`], [`add_row`], [`add_row_assign`], [`mul_row`] | [`sum_rows`], [`sum_rows_into`] (of `add_row`) |
 //! | [`activation`] | [`gelu`], [`silu`], [`swiglu`] (and `_into`) | [`gelu_backward`], [`silu_backward`], [`swiglu_backward`] (and `_into`) |
 //! | [`softmax`](mod@softmax) | [`softmax()`], [`log_softmax`] along the last dim | [`softmax_backward`], [`log_softmax_backward`] |
 //! | [`norm`] | [`layer_norm`], [`rms_norm`] over the last dim | [`layer_norm_backward`], [`rms_norm_backward`] |
@@ -80,7 +80,7 @@ pub use activation::{
 };
 pub use attention::{causal_attention, causal_attention_backward};
 pub use attention::{CausalAttention, CausalAttentionOutput};
-pub use elementwise::{add_row, add_row_assign, sub, sum_rows, sum_rows_into};
+pub use elementwise::{add_row, add_row_assign, mul_row, sub, sum_rows, sum_rows_into};
 pub use embedding::{
     embedding, embedding_backward, embedding_backward_into, embedding_masked,
     embedding_masked_backward, embedding_masked_backward_into, VocabShard,
