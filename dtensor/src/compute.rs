@@ -94,13 +94,7 @@ pub(crate) fn output<L: Layout>(
 
 /// Runs `f` on the local values as f64 and rounds the result into `dtype` once.
 fn via_f64(t: &Tensor, dtype: DType, f: impl FnOnce(Vec<f64>) -> Vec<f64>) -> Result<Tensor> {
-    let v = f(t.to_f64_vec());
-    let out = Tensor::from_vec(v, t.shape())?;
-    Ok(if dtype == DType::F64 {
-        out
-    } else {
-        out.to_dtype(dtype)
-    })
+    Ok(Tensor::from_f64_vec(f(t.to_f64_vec()), t.shape(), dtype)?)
 }
 
 fn ids_of(op: &'static str, t: &Tensor) -> Result<Vec<usize>> {
@@ -646,12 +640,7 @@ pub(crate) fn cross_entropy_parts<L: Layout, LT: CrossEntropyLayout<L>>(
             .for_each(|p| *p /= sum[r]);
     }
     let loss: Vec<f64> = (0..rows).map(|r| sum[r].ln() - target[r]).collect();
-    let local = Tensor::from_vec(loss, &[rows])?;
-    let local = if lg.dtype() == DType::F64 {
-        local
-    } else {
-        local.to_dtype(lg.dtype())
-    };
+    let local = Tensor::from_f64_vec(loss, &[rows], lg.dtype())?;
     Ok((
         output(OP, local, &[lg.global_shape()[0]], lg)?,
         probs,

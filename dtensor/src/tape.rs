@@ -502,12 +502,7 @@ impl<'t, L: Layout> Var<'t, L> {
                 .map(|((g, a), b)| -g * a / (b * b))
                 .collect();
             let t = |v: Vec<f64>, like: &AnyDTensor| -> Result<Tensor> {
-                let t = Tensor::from_vec(v, like.local_shape())?;
-                Ok(if like.dtype() == DType::F64 {
-                    t
-                } else {
-                    t.to_dtype(like.dtype())
-                })
+                Ok(Tensor::from_f64_vec(v, like.local_shape(), like.dtype())?)
             };
             Ok((
                 grad_of("Var::div", t(da, &av)?, &av)?,
@@ -788,12 +783,7 @@ impl<'t, L: Layout> Var<'t, L> {
                     .iter_mut()
                     .for_each(|v| *v *= d[r]);
             }
-            let t = Tensor::from_vec(g, &[rows, cols])?;
-            let t = if lv.dtype() == DType::F64 {
-                t
-            } else {
-                t.to_dtype(lv.dtype())
-            };
+            let t = Tensor::from_f64_vec(g, &[rows, cols], lv.dtype())?;
             grad_of("Var::cross_entropy", t, &lv)
         }))
     }

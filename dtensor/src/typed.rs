@@ -161,12 +161,7 @@ impl<L: Layout> DTensor<L> {
                 idx[d] = 0;
             }
         }
-        let t = Tensor::from_vec(vals, &local_shape)?;
-        let t = if dtype == dtensor_kernels::DType::F64 {
-            t
-        } else {
-            t.to_dtype(dtype)
-        };
+        let t = Tensor::from_f64_vec(vals, &local_shape, dtype)?;
         Ok(Self::wrap(AnyDTensor::from_local_for(
             OP,
             t,

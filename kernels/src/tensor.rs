@@ -430,6 +430,17 @@ impl Tensor {
             .collect())
     }
 
+    /// `values` (row-major, `shape`) rounded once into `dtype` (no copy for `F64`): what a
+    /// kernel that computes in f64 returns.
+    pub fn from_f64_vec(values: Vec<f64>, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let t = Tensor::from_vec(values, shape)?;
+        Ok(if dtype == DType::F64 {
+            t
+        } else {
+            t.to_dtype(dtype)
+        })
+    }
+
     /// A copy with every element converted to `dtype` (through `f64`).
     pub fn to_dtype(&self, dtype: DType) -> Tensor {
         let vals = self.to_f64_vec();

@@ -291,15 +291,6 @@ fn check_grad<L: Layout, G: Layout>(op: &'static str, p: &Param<L>, g: &DTensor<
     Ok(())
 }
 
-fn to_dtype(v: Vec<f64>, shape: &[usize], dtype: DType) -> Result<Tensor> {
-    let t = Tensor::from_vec(v, shape)?;
-    Ok(if dtype == DType::F64 {
-        t
-    } else {
-        t.to_dtype(dtype)
-    })
-}
-
 /// Plain SGD: `p -= lr·g`.
 #[derive(Clone, Debug)]
 pub struct Sgd {
@@ -323,7 +314,7 @@ impl Optimizer for Sgd {
             .zip(&gv)
             .map(|(w, d)| w - self.lr * d)
             .collect();
-        let t = to_dtype(v, p.local().shape(), p.local().dtype())?;
+        let t = Tensor::from_f64_vec(v, p.local().shape(), p.local().dtype())?;
         p.set_local(t)
     }
 }
@@ -427,7 +418,7 @@ impl Optimizer for AdamW {
                 let g = g.as_local().to_f64_vec();
                 let mut w = p.value.as_local().to_f64_vec();
                 adamw_step(&mut w, &g, m, v, &h);
-                let t = to_dtype(w, p.value.local_shape(), dtype)?;
+                let t = Tensor::from_f64_vec(w, p.value.local_shape(), dtype)?;
                 p.value.update_local(|_| Ok(t))
             }
         }
