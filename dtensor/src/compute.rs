@@ -427,13 +427,7 @@ impl<L: Layout> DTensor<L> {
         const OP: &str = "DTensor::mean_dim";
         let a = self.as_any();
         check_dim(OP, a, D)?;
-        let parts: usize = a
-            .placements()
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| p.shard_dim() == Some(D))
-            .map(|(i, _)| a.device_mesh().mesh().size(i))
-            .product();
+        let parts = shard_parts(a, D);
         let (g, l) = (a.global_shape()[D], a.local_shape()[D]);
         if l == 0 || l * parts != g {
             return Err(shape_err(
@@ -658,16 +652,20 @@ fn same_shape(op: &'static str, a: &AnyDTensor, b: &AnyDTensor) -> Result<()> {
     Ok(())
 }
 
-/// `extent` (of dim `d`, or its leading part) divides evenly over the ranks of every axis
-/// that shards `d`, so `torch.chunk` of the reshaped dim gives the same rows.
-fn even_over_shards(op: &'static str, a: &AnyDTensor, d: usize, extent: usize) -> Result<()> {
-    let parts: usize = a
-        .placements()
+/// How many pieces dim `d` is cut into: the product of the sizes of the axes that shard it.
+fn shard_parts(a: &AnyDTensor, d: usize) -> usize {
+    a.placements()
         .iter()
         .enumerate()
         .filter(|(_, p)| p.shard_dim() == Some(d))
         .map(|(i, _)| a.device_mesh().mesh().size(i))
-        .product();
+        .product()
+}
+
+/// `extent` (of dim `d`, or its leading part) divides evenly over the ranks of every axis
+/// that shards `d`, so `torch.chunk` of the reshaped dim gives the same rows.
+fn even_over_shards(op: &'static str, a: &AnyDTensor, d: usize, extent: usize) -> Result<()> {
+    let parts = shard_parts(a, d);
     if extent % parts != 0 {
         return Err(shape_err(
             op,
