@@ -499,14 +499,68 @@ fn a_loss_seeds_ones_and_intermediate_gradients_can_be_read() {
         let tape = Tape::new();
         let xv = tape.leaf(dist::<layout![Dp: Shard<0>, Tp: Invariant]>(&x, m));
         let h = xv.scale(3.0)?;
-        let loss = h.sum_dim::<1>()?.sum_dim::<0>()?; // [Dp: Partial, Tp: Invariant]
+        h.retain_grad();
+        let h2 = h.scale(1.0)?; // not retained: freed during backward
+        let loss = h2.sum_dim::<1>()?.sum_dim::<0>()?; // [Dp: Partial, Tp: Invariant]
         let mut g = loss.backward()?;
         let gh: DTensor<layout![Dp: Shard<0>, Tp: Invariant]> = g.take(&h)?;
         assert_eq!(gh.full_tensor()?.to_f64_vec(), vec![1.0; 12]);
         let gx = g.take(&xv)?;
         assert_eq!(gx.full_tensor()?.to_f64_vec(), vec![3.0; 12]);
+        let e = g.take(&h2).map(|_| ()).unwrap_err();
+        assert!(e.to_string().contains("retain_grad"), "{e}");
         Ok(())
     });
+}
+
+type RegionIn = layout![Dp: Shard<0>, Tp: Invariant];
+type RegionW = layout![Dp: Replicate, Tp: Shard<0>];
+type RegionOut = layout![Dp: Shard<0>, Tp: Shard<1>];
+
+/// The recomputed region of the test below: `2·gelu(x·Wᵀ)`, `W` bound as parameter 7.
+fn region<'s>(
+    t: &'s Tape,
+    x: &Var<'s, RegionIn>,
+    w: &DTensor<RegionW>,
+) -> Result<Var<'s, RegionOut>, Error> {
+    let w = t.param(7, w.clone());
+    x.to_replicate(Tp)?.matmul_t(&w)?.gelu()?.scale(2.0)
+}
+
+#[test]
+fn a_recomputed_region_has_the_same_gradients_and_keeps_only_its_ends() {
+    // y = gelu(x·Wᵀ)·2 on [Dp: Shard<0>, Tp: Replicate] × [Dp: Replicate, Tp: Shard<0>],
+    // through a recomputed region (W a parameter bound inside it) and without one.
+    let x = small(&[4, 3]);
+    let w = small(&[6, 3]);
+    let run = |recompute: bool| {
+        let (x, w) = (x.clone(), w.clone());
+        on_mesh(DP2TP2, move |m| {
+            let tape = Tape::new();
+            let xv = tape.leaf(dist::<layout![Dp: Shard<0>, Tp: Invariant]>(&x, m));
+            let wv = dist::<layout![Dp: Replicate, Tp: Shard<0>]>(&w, m);
+            let nodes_before = tape.len();
+            let y = if recompute {
+                xv.checkpoint(move |t, x| region(t, x, &wv))?
+            } else {
+                region(&tape, &xv, &wv)?
+            };
+            let recorded = tape.len() - nodes_before;
+            let loss = y.sum_dim::<1>()?.all_reduce(Tp)?.sum_dim::<0>()?;
+            let mut g = loss.backward()?;
+            let gx = g.take(&xv)?.full_tensor()?;
+            let like = dist::<layout![Dp: Replicate, Tp: Shard<0>]>(&w, m);
+            let gw = g.of_key(7, &like)?.all_reduce(Dp)?.full_tensor()?;
+            Ok((gx, gw, recorded))
+        })
+    };
+    let (plain, recomputed) = (run(false), run(true));
+    for (a, b) in plain.iter().zip(&recomputed) {
+        assert_eq!(a.0, b.0, "input gradient");
+        assert_eq!(a.1, b.1, "parameter gradient");
+        assert_eq!(b.2, 1, "one node for the whole region");
+        assert!(a.2 > 1);
+    }
 }
 
 #[test]

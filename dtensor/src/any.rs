@@ -501,17 +501,22 @@ impl AnyDTensor {
             return Ok(out);
         }
         // Along the leading dim the blocks are contiguous: reduce in place, so this rank's
-        // block of its own buffer receives the result and the output is a view of it (no
-        // allocation, no copy). The view keeps the whole buffer alive, trading memory for
-        // a pass over it.
+        // block of its own buffer receives the result, then copy that block out. A view
+        // would save the copy (1/n of the buffer) but keep the whole buffer alive: n times
+        // the memory of a shard, which is what FSDP and ZeRO gradients must not hold.
         let mut send = local;
         comm.reduce_scatterv_in_place(send.as_dyn_slice_mut(), &counts, reduce_op(p))?;
         let offset: usize = counts[..me].iter().sum();
         let total = send.numel();
-        Ok(send
+        let block = send
             .reshape(&[total])?
             .narrow(0, offset, counts[me])?
-            .reshape(&out_shape)?)
+            .reshape(&out_shape)?;
+        Ok(if counts[me] < total {
+            block.deep_clone()
+        } else {
+            block
+        })
     }
 
     fn all_to_all_dims(

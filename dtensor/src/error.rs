@@ -36,6 +36,9 @@ pub enum Error {
     /// The adjoint of a non-linear reduction (max / min / avg partial) is not provided.
     #[error("{op}: no linear adjoint for {detail}")]
     NotDifferentiable { op: &'static str, detail: String },
+    /// An API called out of order (a gradient read that backward did not keep, …).
+    #[error("{op}: {detail}")]
+    InvalidUse { op: &'static str, detail: String },
     #[error(transparent)]
     Kernel(#[from] dtensor_kernels::Error),
     #[error(transparent)]

@@ -73,6 +73,11 @@ struct TapeInner {
     vars: usize,
     /// `(key, value id)` of every [`Tape::param`] leaf.
     params: Vec<(u64, usize)>,
+    /// The values of those leaves, in the same order (a recomputed region re-binds its
+    /// parameters' gradients to the outer tape through them).
+    param_values: Vec<AnyDTensor>,
+    /// Computed values whose gradient is kept after backward ([`Var::retain_grad`]).
+    retained: Vec<usize>,
 }
 
 /// One rank's record of the forward pass, in program order. Not `Send`: build it inside
@@ -129,9 +134,15 @@ impl GradStore {
 
     /// Adds `g` into value `id`'s gradient.
     fn accumulate<L: Layout>(&mut self, id: usize, g: DTensor<L::Grad>) -> Result<()> {
+        self.accumulate_any(id, g.into_any())
+    }
+
+    /// [`accumulate`](Self::accumulate) for a gradient whose layout the caller took from
+    /// the same value's gradient on another tape (a recomputed region's parameters).
+    fn accumulate_any(&mut self, id: usize, g: AnyDTensor) -> Result<()> {
         let slot = &mut self.slots[id];
         *slot = Some(match slot.take() {
-            None => g.into_any(),
+            None => g,
             Some(old) => {
                 let sum = old.as_local().add(g.as_local())?;
                 AnyDTensor::from_local_for(
@@ -151,13 +162,24 @@ impl GradStore {
 pub struct Gradients {
     store: GradStore,
     params: Vec<(u64, usize)>,
+    /// Computed values whose gradients backward freed after passing them on.
+    freed: Vec<bool>,
 }
 
 impl Gradients {
     /// The gradient of `v`, laid out as the dual of `v`'s layout (zeros if `v` did not
-    /// reach the value backward started from). Works for intermediate values as well as
-    /// leaves.
+    /// reach the value backward started from). For leaves (constants, parameters) and for
+    /// computed values marked with [`Var::retain_grad`] before backward; backward frees
+    /// the other computed values' gradients, and asking for one is an `Err`.
     pub fn take<L: Layout>(&mut self, v: &Var<'_, L>) -> Result<DTensor<L::Grad>> {
+        if self.freed.get(v.id).copied().unwrap_or(false) {
+            return Err(crate::Error::InvalidUse {
+                op: "Gradients::take",
+                detail: "this computed value's gradient was freed during backward; call \
+                         retain_grad() on it before backward to keep it"
+                    .into(),
+            });
+        }
         let meta = Meta::of(v.value.as_any());
         let g = self.store.grad_or_zeros::<L>(v.id, &meta)?;
         self.store.slots[v.id] = None;
@@ -168,29 +190,39 @@ impl Gradients {
     /// layout): the sum over its leaves, zeros if it was not used.
     pub fn of_key<L: Layout>(&mut self, key: u64, value: &DTensor<L>) -> Result<DTensor<L::Grad>> {
         let meta = Meta::of(value.as_any());
+        match self.sum_of_key(key)? {
+            Some(g) => Ok(DTensor::wrap(g)),
+            None => self.store.grad_or_zeros::<L>(usize::MAX, &meta),
+        }
+    }
+
+    /// The sum of the gradients of the leaves bound to `key`, if any reached them.
+    fn sum_of_key(&mut self, key: u64) -> Result<Option<AnyDTensor>> {
         let ids: Vec<usize> = self
             .params
             .iter()
             .filter(|(k, _)| *k == key)
             .map(|&(_, id)| id)
             .collect();
-        let mut total: Option<DTensor<L::Grad>> = None;
+        let mut total: Option<AnyDTensor> = None;
         for id in ids {
             if let Some(g) = self.store.slots[id].take() {
-                let g: DTensor<L::Grad> = DTensor::wrap(g);
                 total = Some(match total {
                     None => g,
                     Some(t) => {
                         let sum = t.as_local().add(g.as_local())?;
-                        output("Gradients::of_key", sum, t.global_shape(), t.as_any())?
+                        AnyDTensor::from_local_for(
+                            "Gradients::of_key",
+                            sum,
+                            t.global_shape(),
+                            t.placements(),
+                            t.device_mesh(),
+                        )?
                     }
                 });
             }
         }
-        match total {
-            Some(t) => Ok(t),
-            None => self.store.grad_or_zeros::<L>(usize::MAX, &meta),
-        }
+        Ok(total)
     }
 }
 
@@ -241,9 +273,56 @@ impl Tape {
     /// backward, [`Gradients::of_key`] sums the gradients of every leaf bound to it (a
     /// parameter used twice, such as tied embeddings, gets both contributions).
     pub fn param<L: Layout>(&self, key: u64, value: DTensor<L>) -> Var<'_, L> {
-        let v = self.constant(value);
-        self.inner.borrow_mut().params.push((key, v.id));
-        v
+        let id = self.param_any(key, value.as_any().clone());
+        Var {
+            value,
+            id,
+            tape: self,
+        }
+    }
+
+    fn param_any(&self, key: u64, value: AnyDTensor) -> usize {
+        let id = self.new_id();
+        let mut inner = self.inner.borrow_mut();
+        inner.params.push((key, id));
+        inner.param_values.push(value);
+        id
+    }
+
+    /// The parameters bound on this tape so far, one entry per key (first value seen).
+    fn bound_params(&self) -> Vec<(u64, AnyDTensor)> {
+        let inner = self.inner.borrow();
+        let mut out: Vec<(u64, AnyDTensor)> = Vec::new();
+        for ((key, _), v) in inner.params.iter().zip(&inner.param_values) {
+            if !out.iter().any(|(k, _)| k == key) {
+                out.push((*key, v.clone()));
+            }
+        }
+        out
+    }
+
+    /// Binds, on this tape, one leaf per parameter `scratch` bound (a recomputed region's
+    /// parameters): `(key, leaf id, value)`.
+    fn rebind_params(&self, scratch: &Tape) -> Vec<(u64, usize, AnyDTensor)> {
+        scratch
+            .bound_params()
+            .into_iter()
+            .map(|(key, v)| (key, self.param_any(key, v.clone()), v))
+            .collect()
+    }
+
+    /// Adds a recomputed region's parameter gradients into this tape's leaves for them.
+    fn accumulate_params(
+        g: &mut Gradients,
+        params: &[(u64, usize, AnyDTensor)],
+        store: &mut GradStore,
+    ) -> Result<()> {
+        for (key, id, _) in params {
+            if let Some(gk) = g.sum_of_key(*key)? {
+                store.accumulate_any(*id, gk)?;
+            }
+        }
+        Ok(())
     }
 
     /// Number of recorded backward nodes.
@@ -283,16 +362,30 @@ impl Tape {
     fn run_backward(&self, mut store: GradStore) -> Result<Gradients> {
         let nodes = std::mem::take(&mut self.inner.borrow_mut().nodes);
         let params = std::mem::take(&mut self.inner.borrow_mut().params);
+        let retained = std::mem::take(&mut self.inner.borrow_mut().retained);
+        self.inner.borrow_mut().param_values.clear();
         let n = self.inner.borrow().vars;
         store.slots.resize(n, None);
+        let mut freed = vec![false; n];
         for node in nodes.into_iter().rev() {
             // A compute node nobody sent a gradient to contributes nothing; a collective
             // node runs anyway, so every rank issues the same collectives.
             if node.collective || store.slots[node.out].is_some() {
                 (node.run)(&mut store)?;
             }
+            // Its output's gradient has been passed on: free it (as PyTorch frees non-leaf
+            // gradients), so a backward holds the activations' gradients only while they
+            // are in flight.
+            if !retained.contains(&node.out) {
+                store.slots[node.out] = None;
+                freed[node.out] = true;
+            }
         }
-        Ok(Gradients { store, params })
+        Ok(Gradients {
+            store,
+            params,
+            freed,
+        })
     }
 }
 
@@ -313,6 +406,12 @@ impl<'t, L: Layout> Var<'t, L> {
     /// The forward value.
     pub fn value(&self) -> &DTensor<L> {
         &self.value
+    }
+
+    /// Keeps this computed value's gradient after backward (for [`Gradients::take`]);
+    /// leaves keep theirs anyway.
+    pub fn retain_grad(&self) {
+        self.tape.inner.borrow_mut().retained.push(self.id);
     }
 
     pub fn into_value(self) -> DTensor<L> {
@@ -390,6 +489,67 @@ impl<'t, L: Layout> Var<'t, L> {
         Ok(self.unary(DTensor::wrap(any), false, move |dy| {
             let dx = backward(dy.as_local(), x.as_local())?;
             grad_of(name, dx, &x)
+        }))
+    }
+
+    /// [`DTensor::to_dtype`]: the gradient is cast back to this value's dtype.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Var<'t, L>> {
+        let y = self.value.to_dtype(dtype)?;
+        let back = self.value.as_local().dtype();
+        Ok(self.unary(y, false, move |dy| dy.to_dtype(back)))
+    }
+
+    /// Activation recomputation: `f(self)` without keeping its intermediates. The forward
+    /// runs `f` on a scratch tape and keeps only the output; the backward runs `f` again
+    /// (re-issuing its collectives, in the same order on every rank) and back-propagates
+    /// through the fresh record. Parameters `f` binds ([`Tape::param`]) get their
+    /// gradients on this tape as if `f` had run here. `f` must compute the same thing both
+    /// times (no randomness of its own), and owns what it reads (`'static`: clone the
+    /// layer into it; tensors are shared, not copied).
+    pub fn checkpoint<Out: Layout>(
+        &self,
+        f: impl for<'s> Fn(&'s Tape, &Var<'s, L>) -> Result<Var<'s, Out>> + 'static,
+    ) -> Result<Var<'t, Out>> {
+        let scratch = Tape::new();
+        let y = f(&scratch, &scratch.leaf(self.value.clone()))?.into_value();
+        let params = self.tape.rebind_params(&scratch);
+        drop(scratch);
+        let (xv, x_id) = (self.value.clone(), self.id);
+        Ok(self.tape.record(y, true, move |dy, store| {
+            let scratch = Tape::new();
+            let x = scratch.leaf(xv);
+            let mut g = f(&scratch, &x)?.backward_with(dy)?;
+            store.accumulate::<L>(x_id, g.take(&x)?)?;
+            Tape::accumulate_params(&mut g, &params, store)
+        }))
+    }
+
+    /// [`checkpoint`](Self::checkpoint) of a function of two values (an input and a
+    /// parameter stored sharded, say, so the gathered parameter is dropped after the
+    /// forward and gathered again in the backward).
+    pub fn checkpoint_with<M: Layout, Out: Layout>(
+        &self,
+        other: &Var<'t, M>,
+        f: impl for<'s> Fn(&'s Tape, &Var<'s, L>, &Var<'s, M>) -> Result<Var<'s, Out>> + 'static,
+    ) -> Result<Var<'t, Out>> {
+        let scratch = Tape::new();
+        let y = f(
+            &scratch,
+            &scratch.leaf(self.value.clone()),
+            &scratch.leaf(other.value.clone()),
+        )?
+        .into_value();
+        let params = self.tape.rebind_params(&scratch);
+        drop(scratch);
+        let (av, a_id) = (self.value.clone(), self.id);
+        let (bv, b_id) = (other.value.clone(), other.id);
+        Ok(self.tape.record(y, true, move |dy, store| {
+            let scratch = Tape::new();
+            let (a, b) = (scratch.leaf(av), scratch.leaf(bv));
+            let mut g = f(&scratch, &a, &b)?.backward_with(dy)?;
+            store.accumulate::<L>(a_id, g.take(&a)?)?;
+            store.accumulate::<M>(b_id, g.take(&b)?)?;
+            Tape::accumulate_params(&mut g, &params, store)
         }))
     }
 

@@ -26,7 +26,7 @@ use crate::any::AnyDTensor;
 use crate::device_mesh::DeviceMesh;
 use crate::error::{Error, Result};
 use crate::plan::{Plan, StepKind};
-use dtensor_kernels::Tensor;
+use dtensor_kernels::{DType, Tensor};
 use dtensor_placement::{
     AddLayout, Invariant, IsInvariant, IsPartial, IsReplicate, IsShard, IsWhole, Layout,
     LinearLayout, MeshAxis, Partial, Placement, PointwiseLayout, RedistributeLayout, Replicate,
@@ -442,6 +442,25 @@ impl<L: Layout> DTensor<L> {
         M: Layout + AddLayout<L>,
     {
         Ok(DTensor::wrap(self.inner.add(&other.inner)?))
+    }
+
+    /// The same tensor with its elements converted to `dtype` (rounded once; a view of the
+    /// same elements when the dtype already is `dtype`). Mixed precision casts f32 master
+    /// weights to bf16 for compute this way. On a `Partial` axis each term is rounded, so
+    /// the pending sum is the sum of rounded terms.
+    pub fn to_dtype(&self, dtype: DType) -> Result<DTensor<L>> {
+        if self.as_local().dtype() == dtype {
+            return Ok(self.clone());
+        }
+        let local = self.as_local().to_dtype(dtype);
+        let any = AnyDTensor::from_local_for(
+            "DTensor::to_dtype",
+            local,
+            self.global_shape(),
+            &L::placements(),
+            self.device_mesh(),
+        )?;
+        Ok(DTensor::wrap(any))
     }
 
     /// Every element times `factor` (linear: allowed on sum/avg `Partial` axes).

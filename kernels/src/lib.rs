@@ -19,6 +19,7 @@
 
 pub mod dtype;
 pub mod error;
+pub mod memory;
 pub mod ops;
 pub mod pool;
 pub mod reduce;

@@ -31,9 +31,17 @@ impl CpuBuffer {
     }
 }
 
+impl CpuBuffer {
+    fn new(data: CpuStorage) -> Self {
+        crate::memory::on_alloc(data.len() * data.dtype().size_in_bytes());
+        CpuBuffer { data }
+    }
+}
+
 impl Drop for CpuBuffer {
     fn drop(&mut self) {
         let data = std::mem::replace(&mut self.data, CpuStorage::F32(Vec::new()));
+        crate::memory::on_free(data.len() * data.dtype().size_in_bytes());
         crate::pool::recycle(data);
     }
 }
@@ -222,7 +230,7 @@ impl Tensor {
         debug_assert_eq!(data.len(), numel(shape));
         Tensor {
             shape: shape.into(),
-            storage: Storage::Cpu(Arc::new(CpuBuffer { data })),
+            storage: Storage::Cpu(Arc::new(CpuBuffer::new(data))),
             offset: 0,
         }
     }

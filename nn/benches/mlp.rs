@@ -11,7 +11,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use dtensor_collectives::threads;
 use dtensor_core::{DTensor, DeviceMesh, Error, Tape};
 use dtensor_kernels::DType;
-use dtensor_nn::{Activation, Init, NoSp, ParallelMlp, ParamInit, Stream};
+use dtensor_nn::{Activation, Ddp, Init, NoSp, ParallelMlp, ParamInit, Stream};
 use dtensor_placement::{AxisKind, Mesh};
 use std::time::{Duration, Instant};
 
@@ -24,7 +24,8 @@ fn run(tp: usize, iters: u64) -> Duration {
     let times = threads::launch(tp, |world| -> Result<Duration, Error> {
         let dm = DeviceMesh::new(world, mesh.clone())?;
         let init = ParamInit::new(1, 0, 0.02, DType::F32);
-        let mlp = ParallelMlp::<NoSp>::new(HIDDEN, FFN, Activation::Gelu, true, init, 0.02, &dm)?;
+        let mlp =
+            ParallelMlp::<NoSp, Ddp>::new(HIDDEN, FFN, Activation::Gelu, true, init, 0.02, &dm)?;
         let x = Init::Normal { std: 1.0 }.param::<Stream<NoSp>>(
             2,
             0,

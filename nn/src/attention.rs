@@ -12,6 +12,7 @@
 //! an online softmax, `dtensor_kernels::ops::causal_attention`): laid out [`ColOut`](crate::ColOut) in and
 //! out (samples whole over `Dp`, heads whole over `Tp`, both checked when it runs).
 
+use crate::data::{DataMode, Ddp};
 use crate::linear::{ColumnParallelLinear, ParamInit, RowParallelLinear};
 use crate::optim::{join_name, Module, ParamVisitor};
 use crate::seq::{axis_size, SeqMode, Stream};
@@ -60,13 +61,14 @@ impl AttentionConfig {
 }
 
 /// Causal self-attention, heads split over `Tp`.
-pub struct ParallelAttention<M: SeqMode> {
-    pub qkv: ColumnParallelLinear,
-    pub out: RowParallelLinear<M>,
+#[derive(Clone)]
+pub struct ParallelAttention<M: SeqMode, D: DataMode = Ddp> {
+    pub qkv: ColumnParallelLinear<D>,
+    pub out: RowParallelLinear<M, D>,
     pub config: AttentionConfig,
 }
 
-impl<M: SeqMode> ParallelAttention<M> {
+impl<M: SeqMode, D: DataMode> ParallelAttention<M, D> {
     /// Parameter ids `init.id` (QKV weight), `+1` (its bias), `+2` (output weight), `+3`
     /// (its bias). The output projection is drawn with `out_std`.
     pub fn new(
@@ -104,7 +106,7 @@ impl<M: SeqMode> ParallelAttention<M> {
     }
 }
 
-impl<M: SeqMode> Module for ParallelAttention<M> {
+impl<M: SeqMode, D: DataMode> Module for ParallelAttention<M, D> {
     fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
         self.qkv.visit_params(&join_name(prefix, "qkv"), v)?;
         self.out.visit_params(&join_name(prefix, "out"), v)

@@ -11,6 +11,7 @@
 //! (DP reduction, clipping, update).
 
 use crate::attention::{AttentionConfig, ParallelAttention};
+use crate::data::{DataMode, Ddp, Precision};
 use crate::embedding::{
     loss_value, mean_loss, vocab_parallel_cross_entropy, VocabParallelEmbedding,
 };
@@ -37,8 +38,14 @@ pub struct GptConfig {
     /// Biases in the linear layers.
     pub bias: bool,
     pub eps: f64,
+    /// The parameters' (master) dtype.
     pub dtype: DType,
     pub seed: u64,
+    /// Compute and gradient-reduction dtypes (mixed precision), FSDP's reshard flag.
+    pub precision: Precision,
+    /// Activation recomputation: each block's forward runs again in the backward instead
+    /// of keeping its intermediates (only the block's input is kept).
+    pub recompute: bool,
 }
 
 impl GptConfig {
@@ -57,6 +64,8 @@ impl GptConfig {
             eps: 1e-5,
             dtype,
             seed: 1234,
+            precision: Precision::default(),
+            recompute: false,
         }
     }
 
@@ -71,14 +80,15 @@ impl GptConfig {
 }
 
 /// Pre-norm transformer block.
-pub struct TransformerBlock<M: SeqMode> {
-    pub norm1: Norm<M>,
-    pub attn: ParallelAttention<M>,
-    pub norm2: Norm<M>,
-    pub mlp: ParallelMlp<M>,
+#[derive(Clone)]
+pub struct TransformerBlock<M: SeqMode, D: DataMode = Ddp> {
+    pub norm1: Norm<M, D>,
+    pub attn: ParallelAttention<M, D>,
+    pub norm2: Norm<M, D>,
+    pub mlp: ParallelMlp<M, D>,
 }
 
-impl<M: SeqMode> TransformerBlock<M> {
+impl<M: SeqMode, D: DataMode> TransformerBlock<M, D> {
     /// Parameter ids `init.id .. init.id + 16`.
     pub fn new(cfg: &GptConfig, init: ParamInit, mesh: &Arc<DeviceMesh>) -> Result<Self> {
         let id = init.id;
@@ -120,9 +130,17 @@ impl<M: SeqMode> TransformerBlock<M> {
         let h = x.add(&self.attn.forward(tape, &self.norm1.forward(tape, x)?)?)?;
         h.add(&self.mlp.forward(tape, &self.norm2.forward(tape, &h)?)?)
     }
+
+    /// [`forward`](Self::forward) as a recomputed region: only the input and output stay
+    /// on `tape`; the backward runs the block again (its collectives too) and
+    /// differentiates that run.
+    pub fn forward_recomputed<'t>(&self, x: &Var<'t, Stream<M>>) -> Result<Var<'t, Stream<M>>> {
+        let block = self.clone();
+        x.checkpoint(move |tape, x| block.forward(tape, x))
+    }
 }
 
-impl<M: SeqMode> Module for TransformerBlock<M> {
+impl<M: SeqMode, D: DataMode> Module for TransformerBlock<M, D> {
     fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
         self.norm1.visit_params(&join_name(prefix, "norm1"), v)?;
         self.attn.visit_params(&join_name(prefix, "attn"), v)?;
@@ -131,13 +149,13 @@ impl<M: SeqMode> Module for TransformerBlock<M> {
     }
 }
 
-/// A small GPT under sequence mode `M`.
-pub struct Gpt<M: SeqMode> {
+/// A small GPT under sequence mode `M`, its parameters held over `Dp` as `D` says.
+pub struct Gpt<M: SeqMode, D: DataMode = Ddp> {
     pub config: GptConfig,
-    pub embedding: VocabParallelEmbedding,
-    pub blocks: Vec<TransformerBlock<M>>,
-    pub norm: Norm<M>,
-    pub head: ColumnParallelLinear,
+    pub embedding: VocabParallelEmbedding<D>,
+    pub blocks: Vec<TransformerBlock<M, D>>,
+    pub norm: Norm<M, D>,
+    pub head: ColumnParallelLinear<D>,
 }
 
 /// What one training step reports.
@@ -149,10 +167,11 @@ pub struct StepReport {
     pub grad_norm: f64,
 }
 
-impl<M: SeqMode> Gpt<M> {
+impl<M: SeqMode, D: DataMode> Gpt<M, D> {
     /// Parameter ids: embedding 0, block `l` from `10 + 20·l`, final norm `5`, head `7`.
     pub fn new(config: GptConfig, mesh: &Arc<DeviceMesh>) -> Result<Self> {
-        let init = ParamInit::new(config.seed, 0, 0.02, config.dtype);
+        let init =
+            ParamInit::new(config.seed, 0, 0.02, config.dtype).with_precision(config.precision);
         let embedding = VocabParallelEmbedding::new(config.vocab, config.hidden, init, mesh)?;
         let blocks = (0..config.layers)
             .map(|l| TransformerBlock::new(&config, init.with_id(10 + 20 * l as u64), mesh))
@@ -190,10 +209,18 @@ impl<M: SeqMode> Gpt<M> {
             .embedding
             .forward::<M>(tape, &tape.constant(ids.clone()))?;
         for b in &self.blocks {
-            x = b.forward(tape, &x)?;
+            x = if self.config.recompute {
+                b.forward_recomputed(&x)?
+            } else {
+                b.forward(tape, &x)?
+            };
         }
         let x = self.norm.forward(tape, &x)?;
-        let logits = self.head.forward::<M>(tape, &x)?;
+        // Mixed precision: the loss in the masters' dtype (f32), as Megatron computes it.
+        let logits = self
+            .head
+            .forward::<M>(tape, &x)?
+            .to_dtype(self.config.dtype)?;
         mean_loss(&vocab_parallel_cross_entropy(
             &logits,
             &tape.constant(targets.clone()),
@@ -226,7 +253,7 @@ impl<M: SeqMode> Gpt<M> {
     }
 }
 
-impl<M: SeqMode> Module for Gpt<M> {
+impl<M: SeqMode, D: DataMode> Module for Gpt<M, D> {
     fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
         self.embedding
             .visit_params(&join_name(prefix, "embedding"), v)?;

@@ -7,20 +7,22 @@
 //! gives per-token losses `Invariant` over `Tp`, reducing only `[tokens]`-sized statistics
 //! (the row max, the sum of exponentials, the target's logit), never the logits.
 
+use crate::data::{ColW, DataMode, Ddp, MasterLayout, Weight};
 use crate::init::Init;
 use crate::linear::ParamInit;
-use crate::optim::{join_name, Module, Param, ParamVisitor};
-use crate::seq::{ColOut, ColWeight, Ids, Loss, SeqMode, Stream, TokenInvariant};
+use crate::optim::{join_name, Module, ParamVisitor};
+use crate::seq::{ColOut, Ids, Loss, SeqMode, Stream, TokenInvariant};
 use dtensor_core::{DeviceMesh, Result, Tape, Var};
 use dtensor_placement::{Dp, LinearLayout, SumLayout, SumOut};
 use std::sync::Arc;
 
 /// The token embedding, its table sharded over `Tp` by vocabulary rows.
-pub struct VocabParallelEmbedding {
-    pub weight: Param<ColWeight>,
+#[derive(Clone)]
+pub struct VocabParallelEmbedding<D: DataMode = Ddp> {
+    pub weight: Weight<D, ColW>,
 }
 
-impl VocabParallelEmbedding {
+impl<D: DataMode> VocabParallelEmbedding<D> {
     /// Table drawn `Normal(0, init.std)`, parameter id `init.id`.
     pub fn new(
         vocab: usize,
@@ -28,7 +30,7 @@ impl VocabParallelEmbedding {
         init: ParamInit,
         mesh: &Arc<DeviceMesh>,
     ) -> Result<Self> {
-        let w = Init::Normal { std: init.std }.param::<ColWeight>(
+        let w = Init::Normal { std: init.std }.param::<MasterLayout<D, ColW>>(
             init.seed,
             init.id,
             &[vocab, hidden],
@@ -36,7 +38,7 @@ impl VocabParallelEmbedding {
             mesh,
         )?;
         Ok(VocabParallelEmbedding {
-            weight: Param::new(w),
+            weight: Weight::new(w, init.precision)?,
         })
     }
 
@@ -50,11 +52,11 @@ impl VocabParallelEmbedding {
         tape: &'t Tape,
         ids: &Var<'t, Ids>,
     ) -> Result<Var<'t, Stream<M>>> {
-        M::exit(&self.weight.on(tape).embedding(ids)?)
+        M::exit(&self.weight.apply(tape, ids, |ids, w| w.embedding(ids))?)
     }
 }
 
-impl Module for VocabParallelEmbedding {
+impl<D: DataMode> Module for VocabParallelEmbedding<D> {
     fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
         v.visit(&join_name(prefix, "weight"), &mut self.weight)
     }

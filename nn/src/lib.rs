@@ -34,7 +34,7 @@
 //! let results = threads::launch(2, |world| -> dtensor_core::Result<()> {
 //!     let dm = DeviceMesh::new(world, mesh.clone())?;
 //!     let init = ParamInit::new(0, 0, 0.1, DType::F64);
-//!     let mut mlp = ParallelMlp::<Sp>::new(8, 32, Activation::Gelu, true, init, 0.1, &dm)?;
+//!     let mut mlp = ParallelMlp::<Sp, Ddp>::new(8, 32, Activation::Gelu, true, init, 0.1, &dm)?;
 //!     // 6 tokens of width 8, sharded over Tp along the tokens (sequence parallelism).
 //!     let x: DTensor<Stream<Sp>> = Init::Normal { std: 1.0 }.param(1, 0, &[6, 8], DType::F64, &dm)?;
 //!     let tape = Tape::new();
@@ -52,6 +52,7 @@
 
 pub mod attention;
 pub mod block;
+pub mod data;
 pub mod embedding;
 pub mod init;
 pub mod linear;
@@ -62,6 +63,11 @@ pub mod seq;
 
 pub use attention::{AttentionConfig, ParallelAttention};
 pub use block::{Gpt, GptConfig, StepReport, TransformerBlock};
+pub use data::{
+    ColB, ColW, DataMode, Ddp, DpGather, DpLayout, DpMaster, DpReducedOf, DpShardPlacement, Fsdp,
+    MasterLayout, ParamKind, Precision, ReducedLayout, RowW, StreamP, Weight, WorkLayout, Zero1,
+    Zero2,
+};
 pub use dtensor_core;
 pub use embedding::{loss_value, mean_loss, vocab_parallel_cross_entropy, VocabParallelEmbedding};
 pub use init::Init;

@@ -8,9 +8,10 @@
 //!
 //! No flag says whether an input is parallel or an output gathered: the placements do.
 
+use crate::data::{ColB, ColW, DataMode, Ddp, MasterLayout, Precision, RowW, StreamP, Weight};
 use crate::init::Init;
-use crate::optim::{join_name, Module, Param, ParamVisitor};
-use crate::seq::{ColOut, ColWeight, Full, RowWeight, SeqMode, Stream, StreamParam};
+use crate::optim::{join_name, Module, ParamVisitor};
+use crate::seq::{ColOut, Full, SeqMode, Stream};
 use dtensor_core::{DeviceMesh, Result, Tape, Var};
 use dtensor_kernels::DType;
 use std::sync::Arc;
@@ -24,7 +25,10 @@ pub struct ParamInit {
     pub std: f64,
     /// Biases' standard deviation (0: zeros, as Megatron initialises them).
     pub bias_std: f64,
+    /// The masters' dtype.
     pub dtype: DType,
+    /// Compute and reduction dtypes, FSDP's reshard flag.
+    pub precision: Precision,
 }
 
 impl ParamInit {
@@ -35,7 +39,12 @@ impl ParamInit {
             std,
             bias_std: 0.0,
             dtype,
+            precision: Precision::default(),
         }
+    }
+    /// The same init with these dtypes and flags for the parameters.
+    pub fn with_precision(self, precision: Precision) -> Self {
+        ParamInit { precision, ..self }
     }
     /// The same init for the parameter ids starting at `id`.
     pub fn with_id(self, id: u64) -> Self {
@@ -51,13 +60,15 @@ impl ParamInit {
     }
 }
 
-/// `y = x·Wᵀ (+ b)` with the output features sharded over `Tp`.
-pub struct ColumnParallelLinear {
-    pub weight: Param<ColWeight>,
-    pub bias: Option<Param<ColWeight>>,
+/// `y = x·Wᵀ (+ b)` with the output features sharded over `Tp`; parameters held over `Dp`
+/// as the data mode `D` says.
+#[derive(Clone)]
+pub struct ColumnParallelLinear<D: DataMode = Ddp> {
+    pub weight: Weight<D, ColW>,
+    pub bias: Option<Weight<D, ColB>>,
 }
 
-impl ColumnParallelLinear {
+impl<D: DataMode> ColumnParallelLinear<D> {
     /// Weight `[out, in]` drawn `Normal(0, init.std)` (id `init.id`), bias from [`ParamInit::bias`] (id + 1).
     pub fn new(
         in_features: usize,
@@ -66,7 +77,7 @@ impl ColumnParallelLinear {
         init: ParamInit,
         mesh: &Arc<DeviceMesh>,
     ) -> Result<Self> {
-        let w = Init::Normal { std: init.std }.param::<ColWeight>(
+        let w = Init::Normal { std: init.std }.param::<MasterLayout<D, ColW>>(
             init.seed,
             init.id,
             &[out_features, in_features],
@@ -75,26 +86,28 @@ impl ColumnParallelLinear {
         )?;
         let b = bias
             .then(|| {
-                init.bias().param::<ColWeight>(
+                let b = init.bias().param::<MasterLayout<D, ColB>>(
                     init.seed,
                     init.id + 1,
                     &[out_features],
                     init.dtype,
                     mesh,
-                )
+                )?;
+                Weight::new(b, init.precision)
             })
             .transpose()?;
         Ok(ColumnParallelLinear {
-            weight: Param::new(w),
-            bias: b.map(Param::new),
+            weight: Weight::new(w, init.precision)?,
+            bias: b,
         })
     }
 
-    /// The product on tokens already replicated over `Tp`: no communication.
+    /// The product on tokens already replicated over `Tp`: no communication (but the
+    /// weight's gather over `Dp` under FSDP).
     pub fn forward_full<'t>(&self, tape: &'t Tape, x: &Var<'t, Full>) -> Result<Var<'t, ColOut>> {
-        let y = x.matmul_t(&self.weight.on(tape))?;
+        let y = self.weight.apply(tape, x, |x, w| x.matmul_t(w))?;
         match &self.bias {
-            Some(b) => y.add_row(&b.on(tape)),
+            Some(b) => y.add_row(&b.on(tape)?),
             None => Ok(y),
         }
     }
@@ -110,7 +123,7 @@ impl ColumnParallelLinear {
     }
 }
 
-impl Module for ColumnParallelLinear {
+impl<D: DataMode> Module for ColumnParallelLinear<D> {
     fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
         v.visit(&join_name(prefix, "weight"), &mut self.weight)?;
         match &mut self.bias {
@@ -122,12 +135,13 @@ impl Module for ColumnParallelLinear {
 
 /// `y = x·Wᵀ (+ b)` with the input features sharded over `Tp`: each rank's product is a
 /// `Partial` term; the bias is added once, after the reduction (as Megatron does).
-pub struct RowParallelLinear<M: SeqMode> {
-    pub weight: Param<RowWeight>,
-    pub bias: Option<Param<StreamParam<M>>>,
+#[derive(Clone)]
+pub struct RowParallelLinear<M: SeqMode, D: DataMode = Ddp> {
+    pub weight: Weight<D, RowW>,
+    pub bias: Option<Weight<D, StreamP<M>>>,
 }
 
-impl<M: SeqMode> RowParallelLinear<M> {
+impl<M: SeqMode, D: DataMode> RowParallelLinear<M, D> {
     /// Weight `[out, in]` drawn `Normal(0, init.std)` (id `init.id`), bias from [`ParamInit::bias`] (id + 1).
     pub fn new(
         in_features: usize,
@@ -136,7 +150,7 @@ impl<M: SeqMode> RowParallelLinear<M> {
         init: ParamInit,
         mesh: &Arc<DeviceMesh>,
     ) -> Result<Self> {
-        let w = Init::Normal { std: init.std }.param::<RowWeight>(
+        let w = Init::Normal { std: init.std }.param::<MasterLayout<D, RowW>>(
             init.seed,
             init.id,
             &[out_features, in_features],
@@ -145,33 +159,34 @@ impl<M: SeqMode> RowParallelLinear<M> {
         )?;
         let b = bias
             .then(|| {
-                init.bias().param::<StreamParam<M>>(
+                let b = init.bias().param::<MasterLayout<D, StreamP<M>>>(
                     init.seed,
                     init.id + 1,
                     &[out_features],
                     init.dtype,
                     mesh,
-                )
+                )?;
+                Weight::new(b, init.precision)
             })
             .transpose()?;
         Ok(RowParallelLinear {
-            weight: Param::new(w),
-            bias: b.map(Param::new),
+            weight: Weight::new(w, init.precision)?,
+            bias: b,
         })
     }
 
     /// The product, reduced back into the stream (`all_reduce`, or `reduce_scatter` of the
     /// tokens under SP), plus the bias.
     pub fn forward<'t>(&self, tape: &'t Tape, x: &Var<'t, ColOut>) -> Result<Var<'t, Stream<M>>> {
-        let y = M::exit(&x.matmul_t(&self.weight.on(tape))?)?;
+        let y = M::exit(&self.weight.apply(tape, x, |x, w| x.matmul_t(w))?)?;
         match &self.bias {
-            Some(b) => y.add_row(&b.on(tape)),
+            Some(b) => b.apply(tape, &y, |y, b| y.add_row(b)),
             None => Ok(y),
         }
     }
 }
 
-impl<M: SeqMode> Module for RowParallelLinear<M> {
+impl<M: SeqMode, D: DataMode> Module for RowParallelLinear<M, D> {
     fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
         v.visit(&join_name(prefix, "weight"), &mut self.weight)?;
         match &mut self.bias {

@@ -2,6 +2,7 @@
 //! features (no communication), row-parallel down projection. One entry (`to_replicate` /
 //! `all_gather`) and one exit (`all_reduce` / `reduce_scatter`) per call, as Megatron.
 
+use crate::data::{DataMode, Ddp};
 use crate::linear::{ColumnParallelLinear, ParamInit, RowParallelLinear};
 use crate::optim::{join_name, Module, ParamVisitor};
 use crate::seq::{SeqMode, Stream};
@@ -18,14 +19,15 @@ pub enum Activation {
 }
 
 /// `fc2(act(fc1(x)))`, with `up` as SwiGLU's second projection.
-pub struct ParallelMlp<M: SeqMode> {
-    pub fc1: ColumnParallelLinear,
-    pub up: Option<ColumnParallelLinear>,
-    pub fc2: RowParallelLinear<M>,
+#[derive(Clone)]
+pub struct ParallelMlp<M: SeqMode, D: DataMode = Ddp> {
+    pub fc1: ColumnParallelLinear<D>,
+    pub up: Option<ColumnParallelLinear<D>>,
+    pub fc2: RowParallelLinear<M, D>,
     pub activation: Activation,
 }
 
-impl<M: SeqMode> ParallelMlp<M> {
+impl<M: SeqMode, D: DataMode> ParallelMlp<M, D> {
     /// Parameter ids: `fc1` from `init.id`, `up` from `+2`, `fc2` from `+4` (drawn with
     /// `out_std`).
     pub fn new(
@@ -76,7 +78,7 @@ impl<M: SeqMode> ParallelMlp<M> {
     }
 }
 
-impl<M: SeqMode> Module for ParallelMlp<M> {
+impl<M: SeqMode, D: DataMode> Module for ParallelMlp<M, D> {
     fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
         self.fc1.visit_params(&join_name(prefix, "fc1"), v)?;
         if let Some(up) = &mut self.up {

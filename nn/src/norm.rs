@@ -9,10 +9,11 @@
 //! The norm rule (`NormRule`) derives both pairings; an `Invariant` weight on an SP stream
 //! does not compile.
 
+use crate::data::{DataMode, Ddp, MasterLayout, StreamP, Weight};
 use crate::init::Init;
 use crate::linear::ParamInit;
-use crate::optim::{join_name, Module, Param, ParamVisitor};
-use crate::seq::{SeqMode, Stream, StreamParam};
+use crate::optim::{join_name, Module, ParamVisitor};
+use crate::seq::{SeqMode, Stream};
 use dtensor_core::{DeviceMesh, Result, Tape, Var};
 use std::sync::Arc;
 
@@ -26,14 +27,15 @@ pub enum NormKind {
 }
 
 /// A norm over the last (feature) dim of the stream.
-pub struct Norm<M: SeqMode> {
-    pub weight: Param<StreamParam<M>>,
-    pub bias: Option<Param<StreamParam<M>>>,
+#[derive(Clone)]
+pub struct Norm<M: SeqMode, D: DataMode = Ddp> {
+    pub weight: Weight<D, StreamP<M>>,
+    pub bias: Option<Weight<D, StreamP<M>>>,
     pub kind: NormKind,
     pub eps: f64,
 }
 
-impl<M: SeqMode> Norm<M> {
+impl<M: SeqMode, D: DataMode> Norm<M, D> {
     /// Weight `1 + Normal(0, init.std)` (id `init.id`); LayerNorm's bias from
     /// [`ParamInit::bias`] (id + 1).
     pub fn new(
@@ -44,24 +46,27 @@ impl<M: SeqMode> Norm<M> {
         mesh: &Arc<DeviceMesh>,
     ) -> Result<Self> {
         let normal = Init::Normal { std: init.std };
-        let w = dtensor_core::DTensor::<StreamParam<M>>::from_global_fn(
+        let w = dtensor_core::DTensor::<MasterLayout<D, StreamP<M>>>::from_global_fn(
             &[hidden],
             init.dtype,
             mesh,
             |i| 1.0 + normal.value(init.seed, init.id, i as u64),
         )?;
         let bias = match kind {
-            NormKind::Layer => Some(Param::new(init.bias().param::<StreamParam<M>>(
-                init.seed,
-                init.id + 1,
-                &[hidden],
-                init.dtype,
-                mesh,
-            )?)),
+            NormKind::Layer => Some(Weight::new(
+                init.bias().param::<MasterLayout<D, StreamP<M>>>(
+                    init.seed,
+                    init.id + 1,
+                    &[hidden],
+                    init.dtype,
+                    mesh,
+                )?,
+                init.precision,
+            )?),
             NormKind::Rms => None,
         };
         Ok(Norm {
-            weight: Param::new(w),
+            weight: Weight::new(w, init.precision)?,
             bias,
             kind,
             eps,
@@ -73,15 +78,18 @@ impl<M: SeqMode> Norm<M> {
         tape: &'t Tape,
         x: &Var<'t, Stream<M>>,
     ) -> Result<Var<'t, Stream<M>>> {
-        let w = self.weight.on(tape);
+        let eps = self.eps;
         match &self.bias {
-            Some(b) => x.layer_norm::<1, _>(&w, &b.on(tape), self.eps),
-            None => x.rms_norm::<1, _>(&w, self.eps),
+            // Two parameters in one op: both gathered, kept until the backward under FSDP.
+            Some(b) => x.layer_norm::<1, _>(&self.weight.on(tape)?, &b.on(tape)?, eps),
+            None => self
+                .weight
+                .apply(tape, x, move |x, w| x.rms_norm::<1, _>(w, eps)),
         }
     }
 }
 
-impl<M: SeqMode> Module for Norm<M> {
+impl<M: SeqMode, D: DataMode> Module for Norm<M, D> {
     fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
         v.visit(&join_name(prefix, "weight"), &mut self.weight)?;
         match &mut self.bias {

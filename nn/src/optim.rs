@@ -19,13 +19,14 @@
 //! value). [`step`] is one optimizer step over a module: reduce every gradient, clip by the
 //! global norm, update.
 
-use crate::seq::{axis_size, DpPartial, DpReduced, ParamLayout};
+use crate::data::{DataMode, DpLayout, ParamKind, ReducedLayout, Weight};
+use crate::seq::{axis_size, DpPartial, DpReduced};
 use dtensor_collectives::{CommunicatorExt, ReduceOp};
 use dtensor_core::{AnyDTensor, DTensor, Error, Gradients, Result, Tape, Var};
 use dtensor_kernels::{DType, Tensor};
 use dtensor_placement::{
-    AxisKind, Dp, Invariant, IsWhole, Layout, Linear, MeshAxis, On, Placement, PlacementType,
-    Replicate, Shard, Tp,
+    AxisKind, Dp, Invariant, Layout, Linear, MeshAxis, On, Placement, PlacementType, Replicate,
+    Shard, Tp,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -37,7 +38,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 )]
 pub trait ReducedPlacement<P>: PlacementType {}
 impl<const D: usize> ReducedPlacement<Shard<D>> for Shard<D> {}
-impl<P: IsWhole> ReducedPlacement<P> for Invariant {}
+// Spelled out per whole placement (not `impl<P: IsWhole>`), so a gradient reduced to the
+// wrong placement reports this trait's message, not `IsWhole`'s.
+impl ReducedPlacement<Replicate> for Invariant {}
+impl ReducedPlacement<Invariant> for Invariant {}
 
 /// A gradient layout (`Self`) reduced to the placement of a parameter laid out as `P` on
 /// every axis: what [`Optimizer::update`] accepts.
@@ -64,6 +68,17 @@ pub struct Param<L: Layout> {
     key: u64,
 }
 
+/// The same parameter: same key and shared tensors (copied only if one side is written).
+impl<L: Layout> Clone for Param<L> {
+    fn clone(&self) -> Self {
+        Param {
+            value: self.value.clone(),
+            state: self.state.clone(),
+            key: self.key,
+        }
+    }
+}
+
 /// Unique per parameter (the tape binds a parameter's leaves to it).
 static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
 
@@ -86,6 +101,15 @@ impl<L: Layout> Param<L> {
     pub fn on<'t>(&self, tape: &'t Tape) -> Var<'t, L> {
         tape.param(self.key, self.value.clone())
     }
+    /// The key the tape binds this parameter's leaves to.
+    pub fn key(&self) -> u64 {
+        self.key
+    }
+    /// The optimizer's per-element state (AdamW's two moments; empty before the first
+    /// update).
+    pub fn state(&self) -> &[Tensor] {
+        &self.state
+    }
     /// The gradient backward produced for this parameter (summed over its uses on the
     /// tape; zeros if unused), laid out as the dual.
     pub fn grad(&self, grads: &mut Gradients) -> Result<DTensor<L::Grad>> {
@@ -103,31 +127,36 @@ impl<L: Layout> Param<L> {
 pub trait TpParam: PlacementType<Grad: Linear> + Linear {
     /// The gradient's placement over `Tp` once reduced there.
     type Reduced: ReducedPlacement<Self> + Linear;
-    /// Collective over `Tp` where needed.
-    fn reduce_over_tp(
-        g: DTensor<DpReduced<Self::Grad>>,
-    ) -> Result<DTensor<DpReduced<Self::Reduced>>>;
+    /// Collective over `Tp` where needed (whatever the gradient's placement `Q` over `Dp`:
+    /// `Invariant` after DDP's all-reduce, `Shard` after ZeRO's or FSDP's reduce-scatter).
+    fn reduce_over_tp<Q: PlacementType>(
+        g: DTensor<DpLayout<Q, Self::Grad>>,
+    ) -> Result<DTensor<DpLayout<Q, Self::Reduced>>>;
 }
 
 impl<const D: usize> TpParam for Shard<D> {
     type Reduced = Shard<D>;
-    fn reduce_over_tp(g: DTensor<DpReduced<Shard<D>>>) -> Result<DTensor<DpReduced<Shard<D>>>> {
+    fn reduce_over_tp<Q: PlacementType>(
+        g: DTensor<DpLayout<Q, Shard<D>>>,
+    ) -> Result<DTensor<DpLayout<Q, Shard<D>>>> {
         Ok(g)
     }
 }
 
 impl TpParam for Invariant {
     type Reduced = Invariant;
-    fn reduce_over_tp(g: DTensor<DpReduced<Invariant>>) -> Result<DTensor<DpReduced<Invariant>>> {
+    fn reduce_over_tp<Q: PlacementType>(
+        g: DTensor<DpLayout<Q, Invariant>>,
+    ) -> Result<DTensor<DpLayout<Q, Invariant>>> {
         Ok(g)
     }
 }
 
 impl TpParam for Replicate {
     type Reduced = Invariant;
-    fn reduce_over_tp(
-        g: DTensor<DpReduced<dtensor_placement::Partial>>,
-    ) -> Result<DTensor<DpReduced<Invariant>>> {
+    fn reduce_over_tp<Q: PlacementType>(
+        g: DTensor<DpLayout<Q, dtensor_placement::Partial>>,
+    ) -> Result<DTensor<DpLayout<Q, Invariant>>> {
         g.all_reduce(Tp)
     }
 }
@@ -144,7 +173,7 @@ pub fn reduce_grad<T: TpParam>(
 
 /// Visits parameters one by one with their names (see [`Module::visit_params`]).
 pub trait ParamVisitor {
-    fn visit<T: TpParam>(&mut self, name: &str, p: &mut Param<ParamLayout<T>>) -> Result<()>;
+    fn visit<D: DataMode, K: ParamKind>(&mut self, name: &str, w: &mut Weight<D, K>) -> Result<()>;
 }
 
 /// Something with parameters: a layer or a model.
@@ -162,7 +191,8 @@ pub fn join_name(prefix: &str, name: &str) -> String {
     }
 }
 
-/// One described parameter: name, placements (`[Dp, Tp]`) and the whole value.
+/// One described parameter: name, the master's placements (`[Dp, Tp]`) and the whole
+/// value.
 #[derive(Clone, Debug)]
 pub struct NamedParam {
     pub name: String,
@@ -174,11 +204,15 @@ pub struct NamedParam {
 pub fn named_params(m: &mut impl Module) -> Result<Vec<NamedParam>> {
     struct Collect(Vec<NamedParam>);
     impl ParamVisitor for Collect {
-        fn visit<T: TpParam>(&mut self, name: &str, p: &mut Param<ParamLayout<T>>) -> Result<()> {
+        fn visit<D: DataMode, K: ParamKind>(
+            &mut self,
+            name: &str,
+            w: &mut Weight<D, K>,
+        ) -> Result<()> {
             self.0.push(NamedParam {
                 name: name.to_string(),
-                placements: p.value().placements().to_vec(),
-                value: p.value().full_tensor()?,
+                placements: w.value().placements().to_vec(),
+                value: w.value().full_tensor()?,
             });
             Ok(())
         }
@@ -188,9 +222,11 @@ pub fn named_params(m: &mut impl Module) -> Result<Vec<NamedParam>> {
     Ok(c.0)
 }
 
-/// Collective: one optimizer step over every parameter of `m`. Reduces each gradient
-/// ([`reduce_grad`]), clips them all to a global norm of `max_norm`, begins the
-/// optimizer's step and updates. Returns the global norm before clipping.
+/// Collective: one optimizer step over every parameter of `m`. Reduces each gradient to
+/// its master's placement ([`Weight::reduced_grad`]: over `Dp` as the data mode says, then
+/// over `Tp` for sequence-parallel parameters), clips them all to a global norm of
+/// `max_norm`, begins the optimizer's step and updates (rebuilding the compute copies).
+/// Returns the global norm before clipping.
 pub fn step<O: Optimizer>(
     m: &mut impl Module,
     grads: &mut Gradients,
@@ -204,8 +240,12 @@ pub fn step<O: Optimizer>(
         mesh: Option<std::sync::Arc<dtensor_core::DeviceMesh>>,
     }
     impl ParamVisitor for Reduce<'_> {
-        fn visit<T: TpParam>(&mut self, _: &str, p: &mut Param<ParamLayout<T>>) -> Result<()> {
-            let g = reduce_grad::<T>(p.grad(self.grads)?)?;
+        fn visit<D: DataMode, K: ParamKind>(
+            &mut self,
+            _: &str,
+            w: &mut Weight<D, K>,
+        ) -> Result<()> {
+            let g = w.reduced_grad(self.grads)?;
             self.norm.add(&g)?;
             self.mesh.get_or_insert_with(|| g.device_mesh().clone());
             self.reduced.push(g.into_any());
@@ -218,18 +258,22 @@ pub fn step<O: Optimizer>(
         reduced: std::vec::IntoIter<AnyDTensor>,
     }
     impl<O: Optimizer> ParamVisitor for Update<'_, O> {
-        fn visit<T: TpParam>(&mut self, _: &str, p: &mut Param<ParamLayout<T>>) -> Result<()> {
+        fn visit<D: DataMode, K: ParamKind>(
+            &mut self,
+            _: &str,
+            w: &mut Weight<D, K>,
+        ) -> Result<()> {
             let any = self.reduced.next().ok_or_else(|| Error::ShapeMismatch {
                 op: "optim::step",
                 detail: "the module visited more parameters in its second pass".into(),
             })?;
-            let g = DTensor::<DpReduced<T::Reduced>>::try_from_any(any)?;
+            let g = DTensor::<ReducedLayout<D, K>>::try_from_any(any)?;
             let g = if self.scale < 1.0 {
                 g.scale(self.scale)?
             } else {
                 g
             };
-            self.opt.update(p, &g)
+            w.update(self.opt, &g)
         }
     }
     let mut r = Reduce {

@@ -69,7 +69,7 @@ pub type Loss = layout![Dp: Partial, Tp: Invariant];
 /// type is implied wherever `M: SeqMode` is), so a layer written once for both modes needs
 /// no where clause: the stream adds to itself, and a stream parameter may be a row bias or
 /// a norm weight for it.
-pub trait SeqMode: Send + Sync + Sized + 'static {
+pub trait SeqMode: Clone + Send + Sync + Sized + 'static {
     /// The residual stream's placement on `Tp` (its own dual).
     type Tp: PlacementType<Grad = Self::Tp> + Pointwise + Linear + AddPlacement<Self::Tp>;
     /// The placement on `Tp` of a parameter applied to the stream.

@@ -99,7 +99,7 @@ fn attention_at_tp1_matches_naive_forward_and_finite_differences() {
     let dy = randn(82, &[T, H]);
     let y_ref = naive_attention(&x);
     on_mesh(1, 1, |mesh| {
-        let attn = ParallelAttention::<NoSp>::new(acfg(), true, ainit(), 0.2, mesh)?;
+        let attn = ParallelAttention::<NoSp, Ddp>::new(acfg(), true, ainit(), 0.2, mesh)?;
         // Output and input gradient for the seed dy.
         let run = |x: &Tensor| -> Result<(Tensor, Tensor)> {
             let tape = Tape::new();
@@ -140,7 +140,7 @@ fn attention_run<M: SeqMode>(dp: usize, tp: usize) -> Run {
     let x = randn(81, &[T, H]);
     let dy = randn(82, &[T, H]);
     on_mesh(dp, tp, |mesh| {
-        let attn = ParallelAttention::<M>::new(acfg(), true, ainit(), 0.2, mesh)?;
+        let attn = ParallelAttention::<M, Ddp>::new(acfg(), true, ainit(), 0.2, mesh)?;
         let tape = Tape::new();
         let xs = tape.leaf(piece::<Stream<M>>(&x, mesh)?);
         let y = attn.forward(&tape, &xs)?;
@@ -206,6 +206,8 @@ fn gpt_config() -> GptConfig {
         eps: 1e-5,
         dtype: DType::F64,
         seed: 9,
+        precision: Precision::default(),
+        recompute: false,
     }
 }
 
@@ -216,7 +218,7 @@ fn block_run<M: SeqMode>(dp: usize, tp: usize) -> Run {
     cfg.norm = NormKind::Layer;
     on_mesh(dp, tp, |mesh| {
         let init = ParamInit::new(9, 10, 0.3, DType::F64).with_bias_std(0.1);
-        let block = TransformerBlock::<M>::new(&cfg, init, mesh)?;
+        let block = TransformerBlock::<M, Ddp>::new(&cfg, init, mesh)?;
         let tape = Tape::new();
         let xs = tape.leaf(piece::<Stream<M>>(&x, mesh)?);
         let y = block.forward(&tape, &xs)?;
@@ -284,7 +286,7 @@ fn tokens() -> (Tensor, Tensor) {
 /// Every parameter's local piece on this rank, in visiting order.
 struct Locals(Vec<Tensor>);
 impl ParamVisitor for Locals {
-    fn visit<T: TpParam>(&mut self, _: &str, p: &mut Param<ParamLayout<T>>) -> Result<()> {
+    fn visit<D: DataMode, K: ParamKind>(&mut self, _: &str, p: &mut Weight<D, K>) -> Result<()> {
         self.0.push(p.local().clone());
         Ok(())
     }
@@ -295,7 +297,7 @@ fn gpt_train<M: SeqMode>(dp: usize, tp: usize, steps: usize) -> (Vec<f64>, Vec<T
     let ranks = on_mesh(dp, tp, |mesh| {
         let mut cfg = gpt_config();
         cfg.seed = 17;
-        let mut model = Gpt::<M>::new(cfg, mesh)?;
+        let mut model = Gpt::<M, Ddp>::new(cfg, mesh)?;
         let mut opt = AdamW::new(3e-3);
         let (i, t): (DTensor<Ids>, DTensor<Ids>) = (piece(&ids, mesh)?, piece(&tg, mesh)?);
         let losses = (0..steps)
@@ -357,7 +359,7 @@ fn gpt_five_adamw_steps_at_dp2_tp2_sp_equal_one_rank() {
 fn block_tp_bytes<M: SeqMode>(tp: usize) -> (u64, u64) {
     let x = randn(91, &[T, H]);
     let per_rank = on_mesh(1, tp, |mesh: &Arc<DeviceMesh>| {
-        let block = TransformerBlock::<M>::new(
+        let block = TransformerBlock::<M, Ddp>::new(
             &gpt_config(),
             ParamInit::new(9, 10, 0.3, DType::F64),
             mesh,
@@ -400,7 +402,7 @@ fn gpt_params_are_enumerable_by_name_layout_and_value() {
     let mut cfg = gpt_config();
     cfg.norm = NormKind::Layer;
     let named = on_mesh(1, 2, |mesh| {
-        let mut model = Gpt::<Sp>::new(cfg, mesh)?;
+        let mut model = Gpt::<Sp, Ddp>::new(cfg, mesh)?;
         named_params(&mut model)
     })
     .swap_remove(0);

@@ -44,7 +44,7 @@ fn column_matches_reference_with<M: SeqMode>(t: usize, dp: usize, tp: usize) -> 
     let b = Init::Normal { std: 0.3 }.full(7, 101, &[F], DType::F64);
     let [y_ref, dx_ref, dw_ref, db_ref] = reference_linear(&x, &w, &b, &dy);
     let errs = on_mesh(dp, tp, |mesh| {
-        let layer = ColumnParallelLinear::new(H, F, true, init(), mesh)?;
+        let layer = ColumnParallelLinear::<Ddp>::new(H, F, true, init(), mesh)?;
         let tape = Tape::new();
         let xs = tape.leaf(piece::<Stream<M>>(&x, mesh)?);
         let y = layer.forward::<M>(&tape, &xs)?;
@@ -73,7 +73,7 @@ fn row_matches_reference_with<M: SeqMode>(t: usize, dp: usize, tp: usize) -> f64
     let b = Init::Normal { std: 0.3 }.full(7, 101, &[H], DType::F64);
     let [y_ref, dx_ref, dw_ref, db_ref] = reference_linear(&x, &w, &b, &dy);
     let errs = on_mesh(dp, tp, |mesh| {
-        let layer = RowParallelLinear::<M>::new(F, H, true, init(), mesh)?;
+        let layer = RowParallelLinear::<M, Ddp>::new(F, H, true, init(), mesh)?;
         let tape = Tape::new();
         let xs = tape.leaf(piece::<ColOut>(&x, mesh)?);
         let y: Var<Stream<M>> = layer.forward(&tape, &xs)?;
@@ -131,10 +131,10 @@ fn init_at_tp_k_is_the_slice_of_tp_1() {
     let full = Init::Normal { std: 0.5 }.full(7, 100, &[F, H], DType::F64);
     for tp in TPS {
         on_mesh(1, tp, |mesh| {
-            let col = ColumnParallelLinear::new(H, F, false, init(), mesh)?;
+            let col = ColumnParallelLinear::<Ddp>::new(H, F, false, init(), mesh)?;
             let want: DTensor<ColWeight> = piece(&full, mesh)?;
             assert_eq!(col.weight.local(), want.as_local());
-            let row = RowParallelLinear::<NoSp>::new(H, F, false, init(), mesh)?;
+            let row = RowParallelLinear::<NoSp, Ddp>::new(H, F, false, init(), mesh)?;
             let want: DTensor<RowWeight> = piece(&full, mesh)?;
             assert_eq!(row.weight.local(), want.as_local());
             Ok(())

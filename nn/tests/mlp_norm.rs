@@ -73,7 +73,7 @@ fn mlp_matches_reference<M: SeqMode>(act: Activation, dp: usize, tp: usize) -> f
     let (y_ref, dx_ref, g_ref) = reference_mlp(act, &x, &dy);
     let errs = on_mesh(dp, tp, |mesh| {
         let init = ParamInit::new(11, 200, 0.4, DType::F64).with_bias_std(0.2);
-        let mlp = ParallelMlp::<M>::new(H, FFN, act, true, init, 0.3, mesh)?;
+        let mlp = ParallelMlp::<M, Ddp>::new(H, FFN, act, true, init, 0.3, mesh)?;
         let tape = Tape::new();
         let xs = tape.leaf(piece::<Stream<M>>(&x, mesh)?);
         let y = mlp.forward(&tape, &xs)?;
@@ -136,7 +136,7 @@ fn norm_matches_reference<M: SeqMode>(kind: NormKind, dp: usize, tp: usize) -> f
     };
     let errs = on_mesh(dp, tp, |mesh| {
         let init = ParamInit::new(11, 300, 0.3, DType::F64).with_bias_std(0.2);
-        let norm = Norm::<M>::new(kind, H, 1e-5, init, mesh)?;
+        let norm = Norm::<M, Ddp>::new(kind, H, 1e-5, init, mesh)?;
         let tape = Tape::new();
         let xs = tape.leaf(piece::<Stream<M>>(&x, mesh)?);
         let y = norm.forward(&tape, &xs)?;

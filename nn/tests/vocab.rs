@@ -26,8 +26,12 @@ fn embedding_matches_reference<M: SeqMode>(vocab: usize, dp: usize, tp: usize) -
     let y_ref = ops::embedding(&table, &id).unwrap();
     let dw_ref = ops::embedding_backward(&dy, &id, vocab).unwrap();
     let errs = on_mesh(dp, tp, |mesh| {
-        let emb =
-            VocabParallelEmbedding::new(vocab, H, ParamInit::new(9, 400, 0.7, DType::F64), mesh)?;
+        let emb = VocabParallelEmbedding::<Ddp>::new(
+            vocab,
+            H,
+            ParamInit::new(9, 400, 0.7, DType::F64),
+            mesh,
+        )?;
         let tape = Tape::new();
         let y = emb.forward::<M>(&tape, &tape.constant(piece(&id, mesh)?))?;
         let y_full = y.value().full_tensor()?;

@@ -6,7 +6,7 @@ use dtensor::prelude::*;
 // product's pending partial sums to the Shard<0> residual stream does not compile.
 fn f(x: DTensor<Stream<Sp>>, h: DTensor<ColOut>, row: &RowParallelLinear<Sp>) {
     let tape = Tape::new();
-    let partial = tape.leaf(h).matmul_t(&row.weight.on(&tape)).unwrap();
+    let partial = tape.leaf(h).matmul_t(&row.weight.on(&tape).unwrap()).unwrap();
     let _ = tape.leaf(x).add(&partial);
 }
 fn main() {}

@@ -4,7 +4,7 @@
 use dtensor_collectives::threads;
 use dtensor_core::{DTensor, DeviceMesh, Gradients, Result};
 use dtensor_kernels::{DType, Tensor};
-use dtensor_nn::{reduce_grad, Init, Param, ParamLayout, TpParam};
+use dtensor_nn::{DataMode, Init, ParamKind, Weight};
 use dtensor_placement::{AxisKind, Layout, Mesh};
 use std::sync::Arc;
 
@@ -67,12 +67,12 @@ pub const TPS: [usize; 3] = [1, 2, 4];
 /// A parameter's gradient reduced as the optimizer takes it (summed over `Dp`, reduced
 /// over `Tp` where needed): the full-batch gradient, as a whole tensor. (`dp` only checks
 /// the mesh.)
-pub fn reduced<T: TpParam>(
-    p: &Param<ParamLayout<T>>,
+pub fn reduced<D: DataMode, K: ParamKind>(
+    p: &Weight<D, K>,
     g: &mut Gradients,
     dp: usize,
 ) -> Result<Tensor> {
-    let g = reduce_grad::<T>(p.grad(g)?)?;
+    let g = p.reduced_grad(g)?;
     assert_eq!(g.device_mesh().mesh().size(0), dp);
     g.full_tensor()
 }

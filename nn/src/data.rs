@@ -1,0 +1,587 @@
+//! Data parallelism as a parameter's placement over `Dp`: DDP, ZeRO-1, ZeRO-2 and FSDP
+//! (ZeRO-3), chosen by a type ([`DataMode`]) on the layers.
+//!
+//! Every parameter has a *master* copy (the value the optimizer updates, with its state)
+//! and a *compute* copy (what the forward reads, in the compute dtype). Their placements
+//! over `Dp` are the data mode:
+//!
+//! | mode | compute copy over `Dp` | master (and optimizer state) over `Dp` | gradient path over `Dp` | `Dp` bytes per step (bus convention) |
+//! |---|---|---|---|---|
+//! | [`Ddp`] | `Replicate` | `Replicate` | `all_reduce` → `Invariant` | 2·(dp−1)/dp·P |
+//! | [`Zero1`], [`Zero2`] | `Replicate` | `Shard<F>` | `reduce_scatter` → `Shard<F>`, then the updated shard is all-gathered | 2·(dp−1)/dp·P |
+//! | [`Fsdp`] | `Shard<F>`, all-gathered in the forward (`Shard → Replicate`) | `Shard<F>` | the gather's typed adjoint, a `reduce_scatter`: the gradient arrives `Shard<F>` | 3·(dp−1)/dp·P (gather, re-gather in backward, reduce-scatter) |
+//!
+//! Nothing here is a flag the optimizer could ignore: the optimizer takes a gradient only
+//! if it is reduced to the master's placement ([`ReducedGrad`](crate::ReducedGrad)), so an
+//! FSDP gradient all-reduced instead of reduce-scattered (`Invariant` for a `Shard<F>`
+//! master) does not compile, and an FSDP parameter used in the forward without its gather
+//! (`Shard<F>` over `Dp` meeting tokens that are `Shard<0>` over `Dp`) has no matmul rule.
+//!
+//! ## How `Dp` and `Tp` shard one parameter
+//!
+//! `F` is the dim tensor parallelism leaves whole ([`ParamKind`]): a column weight
+//! `[out, in]` is `Shard<0>` over `Tp` and `Shard<1>` over `Dp`; a row weight the other
+//! way round; a norm weight or row bias `Shard<0>` over `Dp`. Sharding *another* dim needs
+//! no strided shard (PyTorch's `_StridedShard`): every rank's piece is one rectangular
+//! block of the global tensor, the all-gather over `Dp` is a plain gather, and a checkpoint
+//! reads the same blocks. The other order — `Dp` cutting the dim `Tp` already cut — is a
+//! layout such as `[Dp: Shard<0>, Tp: Shard<0>]`, whose axes nest left to right (`Dp`
+//! outer): gathering it over `Dp` would interleave pieces, so `all_gather(Dp)` returns
+//! `Err` naming the inner axis. A parameter with no whole dim (the column-parallel bias,
+//! 1-D and sharded over `Tp`) stays `Replicate` over `Dp` in every mode and is
+//! all-reduced: it holds `out/tp` elements.
+//!
+//! ## Precision
+//!
+//! [`Precision`] sets the compute dtype (bf16 parameters and activations with f32 masters:
+//! mixed precision) and the dtype gradients are reduced in. With FSDP and an f32 reduction
+//! of bf16 compute, the gather runs in f32 and casts after it, so its adjoint
+//! reduce-scatters in f32 (twice the gather bytes; FSDP2's `reduce_dtype` gathers in bf16
+//! and casts the gradient up inside its hook).
+//!
+//! ## Reshard after forward
+//!
+//! With [`Precision::reshard_after_forward`] (FSDP2's default) a gathered parameter is not
+//! kept for the backward: the op that uses it is a recomputed region
+//! ([`Var::checkpoint_with`]) whose backward gathers the shard again and recomputes the op
+//! before differentiating it (for a linear layer, one extra product). Our tape keeps the
+//! values an op's backward reads, so re-gathering alone, as FSDP2 does, would need values
+//! the tape can drop and rebuild; the recomputed op is the price. LayerNorm's weight and
+//! bias, two parameters of one op, stay gathered until the backward.
+
+use crate::optim::{Optimizer, Param, ReducedPlacement, TpParam};
+use crate::seq::{ParamLayout, SeqMode};
+use dtensor_core::{DTensor, Gradients, Result, Tape, Var};
+use dtensor_kernels::DType;
+use dtensor_placement::{
+    layout, Dp, Invariant, Layout, Linear, PlacementType, Replicate, Shard, Tp,
+};
+use std::marker::PhantomData;
+
+/// A parameter's layout with placement `P` over `Dp` and `T` over `Tp`.
+pub type DpLayout<P, T> = layout![Dp: P, Tp: T];
+
+/// The compute copy's layout of a parameter of kind `K` under data mode `D`.
+pub type WorkLayout<D, K> = DpLayout<<D as DataMode>::Work<K>, <K as ParamKind>::Tp>;
+/// The master's layout (the optimizer's view) of a parameter of kind `K` under mode `D`.
+pub type MasterLayout<D, K> = DpLayout<<D as DataMode>::Master<K>, <K as ParamKind>::Tp>;
+
+/// What kind of parameter this is for data parallelism: its placement over `Tp`, and the
+/// placement over `Dp` a sharding data mode gives it (the dim `Tp` leaves whole).
+pub trait ParamKind: Send + Sync + 'static {
+    /// Placement over `Tp`.
+    type Tp: TpParam;
+    /// Placement over `Dp` when the mode shards parameters: `Shard<F>` of a dim `Tp`
+    /// leaves whole, `Replicate` when there is none.
+    type DpShard: DpShardPlacement;
+}
+
+/// A column-parallel weight `[out, in]` (and the vocabulary-parallel embedding table
+/// `[vocab, hidden]`): `Shard<0>` over `Tp`, `Shard<1>` over a sharding `Dp`.
+pub struct ColW;
+/// A row-parallel weight `[out, in]`: `Shard<1>` over `Tp`, `Shard<0>` over a sharding `Dp`.
+pub struct RowW;
+/// A column-parallel bias `[out]`: `Shard<0>` over `Tp`, no whole dim left, so
+/// `Replicate` over `Dp` in every mode.
+pub struct ColB;
+/// A parameter applied to the residual stream (norm weight, row bias) `[hidden]` under
+/// sequence mode `M`: `M::ParamTp` over `Tp`, `Shard<0>` over a sharding `Dp`.
+pub struct StreamP<M>(PhantomData<M>);
+
+impl ParamKind for ColW {
+    type Tp = Shard<0>;
+    type DpShard = Shard<1>;
+}
+impl ParamKind for RowW {
+    type Tp = Shard<1>;
+    type DpShard = Shard<0>;
+}
+impl ParamKind for ColB {
+    type Tp = Shard<0>;
+    type DpShard = Replicate;
+}
+impl<M: SeqMode> ParamKind for StreamP<M> {
+    type Tp = M::ParamTp;
+    type DpShard = Shard<0>;
+}
+
+/// Dtypes and the reshard flag of a model's parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Precision {
+    /// The compute copy's dtype (`None`: the master's). bf16 with f32 masters is mixed
+    /// precision.
+    pub compute: Option<DType>,
+    /// The dtype gradients are reduced over `Dp` in (`None`: the compute dtype).
+    pub reduce: Option<DType>,
+    /// FSDP: drop gathered matrices after the forward and gather them again in the
+    /// backward (FSDP2's `reshard_after_forward`). Ignored by the other modes.
+    pub reshard_after_forward: bool,
+}
+
+impl Precision {
+    /// Mixed precision: compute in `compute`, reduce gradients in `reduce`.
+    pub fn mixed(compute: DType, reduce: DType) -> Self {
+        Precision {
+            compute: Some(compute),
+            reduce: Some(reduce),
+            reshard_after_forward: false,
+        }
+    }
+    /// The same, with `reshard_after_forward` set.
+    pub fn resharded(self, on: bool) -> Self {
+        Precision {
+            reshard_after_forward: on,
+            ..self
+        }
+    }
+    fn compute_of(&self, master: DType) -> DType {
+        self.compute.unwrap_or(master)
+    }
+    fn reduce_of(&self, master: DType) -> DType {
+        self.reduce.unwrap_or(self.compute_of(master))
+    }
+}
+
+/// A compute copy's placement over `Dp` and how the forward makes it whole
+/// (`Replicate`): nothing, or an all-gather whose adjoint is the reduce-scatter.
+pub trait DpGather: PlacementType {
+    /// Whether the compute copy is sharded (FSDP), so the forward gathers it.
+    const SHARDED: bool;
+    /// The whole parameter in `compute` dtype from the stored compute copy (or, for an
+    /// f32-reduced FSDP shard, the f32 master: gathered, then cast).
+    fn gather<'t, T: PlacementType>(
+        stored: &Var<'t, DpLayout<Self, T>>,
+        compute: DType,
+    ) -> Result<Var<'t, ParamLayout<T>>>;
+}
+
+impl DpGather for Replicate {
+    const SHARDED: bool = false;
+    fn gather<'t, T: PlacementType>(
+        stored: &Var<'t, DpLayout<Self, T>>,
+        compute: DType,
+    ) -> Result<Var<'t, ParamLayout<T>>> {
+        stored.to_dtype(compute)
+    }
+}
+
+impl<const F: usize> DpGather for Shard<F> {
+    const SHARDED: bool = true;
+    fn gather<'t, T: PlacementType>(
+        stored: &Var<'t, DpLayout<Self, T>>,
+        compute: DType,
+    ) -> Result<Var<'t, ParamLayout<T>>> {
+        stored.all_gather(Dp)?.to_dtype(compute)
+    }
+}
+
+/// A master's placement over `Dp` (`Self`) paired with its compute copy's (`W`): how the
+/// compute copy is bound on a tape, how its gradient is reduced to the master's placement,
+/// and how the compute copy is rebuilt after an update.
+pub trait DpMaster<W: DpGather>: PlacementType {
+    /// The gradient's placement over `Dp` once reduced (what the optimizer takes).
+    type Reduced: ReducedPlacement<Self> + Linear;
+
+    /// The parameter's stored form on `tape` (a leaf bound to `key`), not yet gathered.
+    fn stored<'t, T: PlacementType>(
+        tape: &'t Tape,
+        key: u64,
+        master: &DTensor<DpLayout<Self, T>>,
+        work: Option<&DTensor<DpLayout<W, T>>>,
+        p: &Precision,
+    ) -> Result<Var<'t, DpLayout<W, T>>>;
+
+    /// The gradient the tape produced for `key`, reduced over `Dp` to `Reduced`, in the
+    /// master's dtype.
+    fn reduced_grad<T: PlacementType>(
+        grads: &mut Gradients,
+        key: u64,
+        master: &DTensor<DpLayout<Self, T>>,
+        work: Option<&DTensor<DpLayout<W, T>>>,
+        p: &Precision,
+    ) -> Result<DTensor<DpLayout<Self::Reduced, T::Grad>>>;
+
+    /// The compute copy after the master changed; `None` when the master serves as it.
+    fn refresh<T: PlacementType>(
+        master: &DTensor<DpLayout<Self, T>>,
+        p: &Precision,
+    ) -> Result<Option<DTensor<DpLayout<W, T>>>>;
+}
+
+/// Casts `g` to `dtype` unless it already is.
+fn cast<L: dtensor_placement::Layout>(g: DTensor<L>, dtype: DType) -> Result<DTensor<L>> {
+    if g.as_local().dtype() == dtype {
+        Ok(g)
+    } else {
+        g.to_dtype(dtype)
+    }
+}
+
+/// DDP (and a column bias in any mode): replicated master and compute copy; the gradient
+/// is all-reduced.
+impl DpMaster<Replicate> for Replicate {
+    type Reduced = Invariant;
+
+    fn stored<'t, T: PlacementType>(
+        tape: &'t Tape,
+        key: u64,
+        master: &DTensor<DpLayout<Self, T>>,
+        work: Option<&DTensor<DpLayout<Replicate, T>>>,
+        _: &Precision,
+    ) -> Result<Var<'t, DpLayout<Replicate, T>>> {
+        Ok(tape.param(key, work.unwrap_or(master).clone()))
+    }
+
+    fn reduced_grad<T: PlacementType>(
+        grads: &mut Gradients,
+        key: u64,
+        master: &DTensor<DpLayout<Self, T>>,
+        work: Option<&DTensor<DpLayout<Replicate, T>>>,
+        p: &Precision,
+    ) -> Result<DTensor<DpLayout<Invariant, T::Grad>>> {
+        let m = master.as_local().dtype();
+        let g = grads.of_key(key, work.unwrap_or(master))?;
+        cast(cast(g, p.reduce_of(m))?.all_reduce(Dp)?, m)
+    }
+
+    fn refresh<T: PlacementType>(
+        master: &DTensor<DpLayout<Self, T>>,
+        p: &Precision,
+    ) -> Result<Option<DTensor<DpLayout<Replicate, T>>>> {
+        let c = p.compute_of(master.as_local().dtype());
+        (c != master.as_local().dtype())
+            .then(|| master.to_dtype(c))
+            .transpose()
+    }
+}
+
+/// ZeRO-1/2: a replicated compute copy, a master (and optimizer state) sharded over `Dp`;
+/// the gradient is reduce-scattered and the updated shard all-gathered.
+impl<const F: usize> DpMaster<Replicate> for Shard<F> {
+    type Reduced = Shard<F>;
+
+    fn stored<'t, T: PlacementType>(
+        tape: &'t Tape,
+        key: u64,
+        master: &DTensor<DpLayout<Self, T>>,
+        work: Option<&DTensor<DpLayout<Replicate, T>>>,
+        p: &Precision,
+    ) -> Result<Var<'t, DpLayout<Replicate, T>>> {
+        match work {
+            Some(w) => Ok(tape.param(key, w.clone())),
+            // Only between a release and a refresh: rebuild it.
+            None => {
+                let w = cast(master.clone(), p.compute_of(master.as_local().dtype()))?
+                    .all_gather(Dp)?;
+                Ok(tape.param(key, w))
+            }
+        }
+    }
+
+    fn reduced_grad<T: PlacementType>(
+        grads: &mut Gradients,
+        key: u64,
+        master: &DTensor<DpLayout<Self, T>>,
+        work: Option<&DTensor<DpLayout<Replicate, T>>>,
+        p: &Precision,
+    ) -> Result<DTensor<DpLayout<Shard<F>, T::Grad>>> {
+        let m = master.as_local().dtype();
+        let g = match work {
+            Some(w) => grads.of_key(key, w)?,
+            None => grads.of_key(key, &master.clone().all_gather(Dp)?)?,
+        };
+        cast(cast(g, p.reduce_of(m))?.reduce_scatter::<_, _, F>(Dp)?, m)
+    }
+
+    fn refresh<T: PlacementType>(
+        master: &DTensor<DpLayout<Self, T>>,
+        p: &Precision,
+    ) -> Result<Option<DTensor<DpLayout<Replicate, T>>>> {
+        let c = p.compute_of(master.as_local().dtype());
+        Ok(Some(cast(master.clone(), c)?.all_gather(Dp)?))
+    }
+}
+
+/// FSDP: master and compute copy sharded over `Dp`; the forward gathers, and the gather's
+/// adjoint reduce-scatters the gradient into the master's placement.
+impl<const F: usize> DpMaster<Shard<F>> for Shard<F> {
+    type Reduced = Shard<F>;
+
+    fn stored<'t, T: PlacementType>(
+        tape: &'t Tape,
+        key: u64,
+        master: &DTensor<DpLayout<Self, T>>,
+        work: Option<&DTensor<DpLayout<Shard<F>, T>>>,
+        p: &Precision,
+    ) -> Result<Var<'t, DpLayout<Shard<F>, T>>> {
+        let m = master.as_local().dtype();
+        // Reducing wider than computing: bind the master, gather it, cast after.
+        let value = if p.reduce_of(m).size_in_bytes() > p.compute_of(m).size_in_bytes() {
+            master
+        } else {
+            work.unwrap_or(master)
+        };
+        Ok(tape.param(key, value.clone()))
+    }
+
+    fn reduced_grad<T: PlacementType>(
+        grads: &mut Gradients,
+        key: u64,
+        master: &DTensor<DpLayout<Self, T>>,
+        work: Option<&DTensor<DpLayout<Shard<F>, T>>>,
+        p: &Precision,
+    ) -> Result<DTensor<DpLayout<Shard<F>, T::Grad>>> {
+        let m = master.as_local().dtype();
+        let bound = if p.reduce_of(m).size_in_bytes() > p.compute_of(m).size_in_bytes() {
+            master
+        } else {
+            work.unwrap_or(master)
+        };
+        cast(grads.of_key(key, bound)?, m)
+    }
+
+    fn refresh<T: PlacementType>(
+        master: &DTensor<DpLayout<Self, T>>,
+        p: &Precision,
+    ) -> Result<Option<DTensor<DpLayout<Shard<F>, T>>>> {
+        let (m, c) = (
+            master.as_local().dtype(),
+            p.compute_of(master.as_local().dtype()),
+        );
+        if c == m || p.reduce_of(m).size_in_bytes() > c.size_in_bytes() {
+            Ok(None)
+        } else {
+            Ok(Some(master.to_dtype(c)?))
+        }
+    }
+}
+
+/// A placement over `Dp` a sharding mode may give a parameter kind: usable as the master
+/// of a replicated compute copy (ZeRO) and of a compute copy laid out like itself (FSDP).
+pub trait DpShardPlacement: DpGather + DpMaster<Replicate> + DpMaster<Self> {}
+impl DpShardPlacement for Replicate {}
+impl<const F: usize> DpShardPlacement for Shard<F> {}
+
+/// How a model's parameters are held over `Dp` (see the module docs' table).
+pub trait DataMode: Clone + Send + Sync + Sized + 'static {
+    /// The compute copy's placement over `Dp`.
+    type Work<K: ParamKind>: DpGather;
+    /// The master's placement over `Dp`.
+    type Master<K: ParamKind>: DpMaster<Self::Work<K>>;
+    /// Name for receipts and errors.
+    const NAME: &'static str;
+    /// Gradients are reduced after every backward (ZeRO-2, FSDP: only the shard is kept
+    /// across microbatches) rather than once per step (DDP, ZeRO-1: the full gradient is
+    /// accumulated).
+    const REDUCE_EACH_BACKWARD: bool;
+}
+
+/// Data parallelism with replicated parameters and optimizer state (PyTorch DDP).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Ddp;
+/// ZeRO stage 1: optimizer state (and the f32 master) sharded over `Dp`; full gradients
+/// accumulated, reduce-scattered once per step.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Zero1;
+/// ZeRO stage 2: as ZeRO-1, and gradients reduce-scattered after every backward, so only
+/// their shard is kept.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Zero2;
+/// FSDP (ZeRO stage 3): parameters sharded over `Dp` too, gathered for use.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Fsdp;
+
+impl DataMode for Ddp {
+    type Work<K: ParamKind> = Replicate;
+    type Master<K: ParamKind> = Replicate;
+    const NAME: &'static str = "ddp";
+    const REDUCE_EACH_BACKWARD: bool = false;
+}
+impl DataMode for Zero1 {
+    type Work<K: ParamKind> = Replicate;
+    type Master<K: ParamKind> = K::DpShard;
+    const NAME: &'static str = "zero1";
+    const REDUCE_EACH_BACKWARD: bool = false;
+}
+impl DataMode for Zero2 {
+    type Work<K: ParamKind> = Replicate;
+    type Master<K: ParamKind> = K::DpShard;
+    const NAME: &'static str = "zero2";
+    const REDUCE_EACH_BACKWARD: bool = true;
+}
+impl DataMode for Fsdp {
+    type Work<K: ParamKind> = K::DpShard;
+    type Master<K: ParamKind> = K::DpShard;
+    const NAME: &'static str = "fsdp";
+    const REDUCE_EACH_BACKWARD: bool = true;
+}
+
+/// A layer's parameter under data mode `D`: the master ([`Param`], with the optimizer's
+/// state) laid out [`MasterLayout<D, K>`], and the compute copy laid out
+/// [`WorkLayout<D, K>`] when it is not the master itself (another dtype, or ZeRO's
+/// replicated copy of a sharded master).
+pub struct Weight<D: DataMode, K: ParamKind> {
+    master: Param<MasterLayout<D, K>>,
+    work: Option<DTensor<WorkLayout<D, K>>>,
+    precision: Precision,
+}
+
+/// The same parameter (same key, shared tensors, nothing copied): what a recomputed
+/// region captures to run its layer again in the backward.
+impl<D: DataMode, K: ParamKind> Clone for Weight<D, K> {
+    fn clone(&self) -> Self {
+        Weight {
+            master: self.master.clone(),
+            work: self.work.clone(),
+            precision: self.precision,
+        }
+    }
+}
+
+impl<D: DataMode, K: ParamKind> Weight<D, K> {
+    /// A parameter whose master value is `master`. Collective for ZeRO (it all-gathers the
+    /// compute copy).
+    pub fn new(master: DTensor<MasterLayout<D, K>>, precision: Precision) -> Result<Self> {
+        let work = <D::Master<K> as DpMaster<D::Work<K>>>::refresh(&master, &precision)?;
+        Ok(Weight {
+            master: Param::new(master),
+            work,
+            precision,
+        })
+    }
+
+    /// The master: the value the optimizer updates, with its state.
+    pub fn master(&self) -> &Param<MasterLayout<D, K>> {
+        &self.master
+    }
+
+    /// The master's value.
+    pub fn value(&self) -> &DTensor<MasterLayout<D, K>> {
+        self.master.value()
+    }
+
+    pub fn precision(&self) -> &Precision {
+        &self.precision
+    }
+
+    /// The compute copy as stored, bound on `tape` (a leaf whose gradient `step` reads
+    /// back), not yet gathered: under FSDP it is `Shard` over `Dp` and no compute op takes
+    /// it with the tokens.
+    pub fn stored<'t>(&self, tape: &'t Tape) -> Result<Var<'t, WorkLayout<D, K>>> {
+        <D::Master<K> as DpMaster<D::Work<K>>>::stored(
+            tape,
+            self.master.key(),
+            self.master.value(),
+            self.work.as_ref(),
+            &self.precision,
+        )
+    }
+
+    /// The whole parameter for compute, on `tape`: the stored copy, all-gathered over
+    /// `Dp` under FSDP (its adjoint reduce-scatters the gradient).
+    pub fn on<'t>(&self, tape: &'t Tape) -> Result<Var<'t, ParamLayout<K::Tp>>> {
+        <D::Work<K> as DpGather>::gather(&self.stored(tape)?, self.compute_dtype())
+    }
+
+    /// `f(x, whole parameter)`. Under FSDP with `reshard_after_forward` the gathered
+    /// parameter is not kept: `f` runs as a recomputed region whose backward gathers
+    /// again (and recomputes `f`, one product for a linear layer).
+    pub fn apply<'t, Lx: Layout, Out: Layout>(
+        &self,
+        tape: &'t Tape,
+        x: &Var<'t, Lx>,
+        f: impl for<'s> Fn(&Var<'s, Lx>, &Var<'s, ParamLayout<K::Tp>>) -> Result<Var<'s, Out>> + 'static,
+    ) -> Result<Var<'t, Out>> {
+        if <D::Work<K> as DpGather>::SHARDED && self.precision.reshard_after_forward {
+            let c = self.compute_dtype();
+            x.checkpoint_with(&self.stored(tape)?, move |_, x, s| {
+                f(x, &<D::Work<K> as DpGather>::gather(s, c)?)
+            })
+        } else {
+            f(x, &self.on(tape)?)
+        }
+    }
+
+    /// The master's local piece.
+    pub fn local(&self) -> &dtensor_kernels::Tensor {
+        self.master.local()
+    }
+
+    /// The raw gradient backward produced for the stored copy (summed over its uses,
+    /// zeros if unused), before any reduction: `Partial` over `Dp` for a replicated copy,
+    /// already reduce-scattered for an FSDP shard.
+    pub fn grad(
+        &self,
+        grads: &mut Gradients,
+    ) -> Result<DTensor<<WorkLayout<D, K> as Layout>::Grad>> {
+        let bound = match &self.work {
+            Some(w) => w.clone(),
+            // No separate compute copy: the master is bound, laid out the same way.
+            None => DTensor::try_from_any(self.master.value().as_any().clone())?,
+        };
+        grads.of_key(self.master.key(), &bound)
+    }
+
+    /// The dtype compute runs in.
+    pub fn compute_dtype(&self) -> DType {
+        self.precision.compute_of(self.master.local().dtype())
+    }
+
+    /// The gradient backward produced for this parameter, reduced over `Dp` to the
+    /// master's placement (all-reduce, reduce-scatter, or nothing under FSDP), in the
+    /// master's dtype. Collective over `Dp`.
+    #[allow(clippy::type_complexity)]
+    pub fn dp_reduced_grad(
+        &self,
+        grads: &mut Gradients,
+    ) -> Result<DTensor<DpLayout<DpReducedOf<D, K>, <K::Tp as PlacementType>::Grad>>> {
+        <D::Master<K> as DpMaster<D::Work<K>>>::reduced_grad(
+            grads,
+            self.master.key(),
+            self.master.value(),
+            self.work.as_ref(),
+            &self.precision,
+        )
+    }
+
+    /// [`dp_reduced_grad`](Self::dp_reduced_grad), then reduced over `Tp` where the
+    /// parameter is `Replicate` there (sequence-parallel norm weights): what the optimizer
+    /// takes.
+    pub fn reduced_grad(&self, grads: &mut Gradients) -> Result<DTensor<ReducedLayout<D, K>>> {
+        <K::Tp as TpParam>::reduce_over_tp(self.dp_reduced_grad(grads)?)
+    }
+
+    /// Updates the master from its reduced gradient and rebuilds the compute copy (for
+    /// ZeRO an all-gather over `Dp` of the updated shard).
+    pub fn update<O: Optimizer>(
+        &mut self,
+        opt: &O,
+        g: &DTensor<ReducedLayout<D, K>>,
+    ) -> Result<()> {
+        // Drop the compute copy first: it may share the master's buffer, which the
+        // in-place update would otherwise copy.
+        self.work = None;
+        opt.update(&mut self.master, g)?;
+        self.work =
+            <D::Master<K> as DpMaster<D::Work<K>>>::refresh(self.master.value(), &self.precision)?;
+        Ok(())
+    }
+
+    /// Bytes of parameter values this rank holds (master, and the compute copy when it is
+    /// another tensor).
+    pub fn held_bytes(&self) -> usize {
+        self.master.local().size_in_bytes()
+            + self
+                .work
+                .as_ref()
+                .map_or(0, |w| w.as_local().size_in_bytes())
+    }
+}
+
+/// The `Dp` placement of a reduced gradient of kind `K` under mode `D`.
+pub type DpReducedOf<D, K> =
+    <<D as DataMode>::Master<K> as DpMaster<<D as DataMode>::Work<K>>>::Reduced;
+/// A gradient of kind `K` under mode `D` reduced over `Dp` and `Tp`: what the optimizer
+/// takes for the master.
+pub type ReducedLayout<D, K> =
+    DpLayout<DpReducedOf<D, K>, <<K as ParamKind>::Tp as TpParam>::Reduced>;
