@@ -9,6 +9,25 @@
 //! non-linear op on a `Partial` axis, `Partial + Replicate`, or an all-gather of an axis
 //! that is not sharded does not compile.
 //!
+//! Mesh axes are zero-sized marker types: the built-in `Dp`, `Tp`, `Cp`, `Ep`, `Pp`, and any
+//! a model declares with [`mesh_axis!`] when it needs more, such as HSDP's two
+//! data-parallel axes:
+//!
+//! ```
+//! use dtensor::prelude::*;
+//!
+//! // Each axis has a name and a role (the built-in parallelism it carries), which places
+//! // it in the mesh's rank order: dp_shard groups are nearer ranks than dp_replicate ones.
+//! dtensor::mesh_axis!(pub DpReplicate, "dp_replicate", role = Dp);
+//! dtensor::mesh_axis!(pub DpShard, "dp_shard", role = Dp);
+//!
+//! type Param = layout![DpReplicate: Replicate, DpShard: Shard<0>, Tp: Shard<1>];
+//! let mesh = Mesh::new(&[(DpReplicate::KIND, 2), (DpShard::KIND, 2), (AxisKind::Tp, 2)]).unwrap();
+//! assert_eq!(mesh.to_string(), "[dp_replicate=2, dp_shard=2, tp=2]");
+//! assert_eq!(mesh.axes_with_role(AxisRole::Dp).as_slice(), &[0, 1]);
+//! assert_eq!(Param::axes().as_slice(), &[DpReplicate::KIND, DpShard::KIND, AxisKind::Tp]);
+//! ```
+//!
 //! Ranks run as threads in one process by default ([`threads::launch`]); the same model
 //! code will run over MPI and NCCL backends.
 //!
@@ -49,6 +68,7 @@ pub use dtensor_placement as placement;
 
 pub use dtensor_collectives::threads;
 pub use dtensor_core::{AnyDTensor, DTensor, DeviceMesh, Error, Plan, Result};
+pub use dtensor_placement::mesh_axis;
 
 /// What a model file imports: `use dtensor::prelude::*;`.
 pub mod prelude {
@@ -61,8 +81,9 @@ pub mod prelude {
     };
     pub use dtensor_kernels::{DType, Tensor};
     pub use dtensor_placement::{
-        layout, Avg, AxisKind, Cp, Dp, Ep, Invariant, Layout, Max, Mesh, Min, ParallelConfig,
-        Partial, PartialOp, Placement, Pp, Replicate, Shard, Sum, Tp,
+        layout, mesh_axis, Avg, AxisKind, AxisRole, Cp, Dp, Ep, Invariant, Layout, Max, Mesh,
+        MeshAxis, Min, ParallelConfig, Partial, PartialOp, Placement, Pp, Replicate, Shard, Sum,
+        Tp,
     };
 }
 

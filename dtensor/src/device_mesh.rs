@@ -68,7 +68,8 @@ impl DeviceMesh {
     pub fn axis_comm(&self, axis: usize) -> &Arc<dyn Communicator> {
         &self.axes[axis]
     }
-    /// The communicator of the axis of kind `kind`, if the mesh has it.
+    /// The communicator of the axis of kind `kind` (looked up by name: built-in or
+    /// declared with `mesh_axis!`), if the mesh has it.
     pub fn comm(&self, kind: AxisKind) -> Option<&Arc<dyn Communicator>> {
         self.mesh.index_of(kind).map(|i| &self.axes[i])
     }

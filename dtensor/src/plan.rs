@@ -424,7 +424,7 @@ pub fn plan(t: PlanTarget<'_>, from: &[Placement], to: &[Placement]) -> Result<P
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dtensor_placement::AxisKind::{Dp, Tp};
+    use dtensor_placement::AxisKind;
     use Placement::*;
 
     #[test]
@@ -465,7 +465,7 @@ mod tests {
 
     #[test]
     fn planner_gathers_inner_axes_first() {
-        let mesh = Mesh::new(&[(Dp, 2), (Tp, 2)]).unwrap();
+        let mesh = Mesh::new(&[(AxisKind::Dp, 2), (AxisKind::Tp, 2)]).unwrap();
         let t = PlanTarget {
             mesh: &mesh,
             coords: &[0, 0],
@@ -477,9 +477,9 @@ mod tests {
         assert_eq!(
             kinds,
             vec![
-                (Tp, StepKind::AllGather { dim: 0 }),
-                (Dp, StepKind::AllGather { dim: 0 }),
-                (Tp, StepKind::Chunk { dim: 0 }),
+                (AxisKind::Tp, StepKind::AllGather { dim: 0 }),
+                (AxisKind::Dp, StepKind::AllGather { dim: 0 }),
+                (AxisKind::Tp, StepKind::Chunk { dim: 0 }),
             ]
         );
         // tp gather: 2x4 -> 4x4 receives 8 floats; dp gather: 4x4 -> 8x4 receives 16 floats
@@ -490,7 +490,7 @@ mod tests {
 
     #[test]
     fn partial_to_other_partial_is_refused() {
-        let mesh = Mesh::new(&[(Tp, 2)]).unwrap();
+        let mesh = Mesh::new(&[(AxisKind::Tp, 2)]).unwrap();
         let t = PlanTarget {
             mesh: &mesh,
             coords: &[0],

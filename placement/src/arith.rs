@@ -97,7 +97,7 @@ pub fn global_offset(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::axis::AxisKind::*;
+    use crate::axis::AxisKind;
 
     #[test]
     fn chunk_range_matches_torch_chunk() {
@@ -114,7 +114,7 @@ mod tests {
 
     #[test]
     fn two_axes_on_one_dim_nest_left_to_right() {
-        let mesh = Mesh::new(&[(Dp, 2), (Tp, 2)]).unwrap();
+        let mesh = Mesh::new(&[(AxisKind::Dp, 2), (AxisKind::Tp, 2)]).unwrap();
         let p = [Placement::Shard(0), Placement::Shard(0)];
         // 10 rows: dp chunks 0..5 | 5..10; tp chunks those into 0..3,3..5 | 5..8,8..10
         let got: Vec<_> = (0..4)
@@ -131,7 +131,7 @@ mod tests {
 
     #[test]
     fn different_dims_shard_independently() {
-        let mesh = Mesh::new(&[(Dp, 2), (Tp, 4)]).unwrap();
+        let mesh = Mesh::new(&[(AxisKind::Dp, 2), (AxisKind::Tp, 4)]).unwrap();
         let p = [Placement::Shard(1), Placement::Shard(0)];
         let shape = local_shape(&mesh, &p, &[1, 3], &[6, 5]).unwrap();
         assert_eq!(shape.as_slice(), &[0, 2]);
@@ -141,7 +141,7 @@ mod tests {
 
     #[test]
     fn bad_placements_are_rejected() {
-        let mesh = Mesh::new(&[(Tp, 2)]).unwrap();
+        let mesh = Mesh::new(&[(AxisKind::Tp, 2)]).unwrap();
         let e = local_shape(&mesh, &[Placement::Shard(2)], &[0], &[4, 4]).unwrap_err();
         assert!(e.to_string().contains("shards dim 2"), "{e}");
         assert!(local_shape(

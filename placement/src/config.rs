@@ -1,7 +1,7 @@
 //! `ParallelConfig`: the degrees of each kind of parallelism, parsed from a string such as
 //! `dp=2,tp=2,sp` and validated with one-line errors.
 
-use crate::axis::AxisKind;
+use crate::axis::{AxisKind, AxisRole};
 use crate::error::{Error, Result};
 use crate::mesh::Mesh;
 use std::fmt;
@@ -141,19 +141,35 @@ impl ParallelConfig {
     }
 
     /// The degree of one axis (`ep` folds, so it is reported but not a world-size factor).
+    /// A user-declared axis is not a key of the config: 1 (its size is given to
+    /// [`Mesh::new`] directly; [`ParallelConfig::mesh`] refuses it).
     pub fn degree(&self, axis: AxisKind) -> usize {
-        match axis {
-            AxisKind::Dp => self.dp,
-            AxisKind::Tp => self.tp,
-            AxisKind::Pp => self.pp,
-            AxisKind::Cp => self.cp,
-            AxisKind::Ep => self.ep,
+        if !axis.is_builtin() {
+            return 1;
+        }
+        match axis.role() {
+            AxisRole::Dp => self.dp,
+            AxisRole::Tp => self.tp,
+            AxisRole::Pp => self.pp,
+            AxisRole::Cp => self.cp,
+            AxisRole::Ep => self.ep,
         }
     }
 
     /// The mesh for a model whose layouts use `axes` (in that layout order), with the
-    /// default composition order. Axes the model does not use must have degree 1.
+    /// default composition order. Axes the model does not use must have degree 1. Only
+    /// built-in axes have a degree here; a mesh with user-declared axes (HSDP's
+    /// `dp_replicate`, `dp_shard`) is built with [`Mesh::new`].
     pub fn mesh(&self, axes: &[AxisKind]) -> Result<Mesh> {
+        if let Some(a) = axes.iter().find(|a| !a.is_builtin()) {
+            return Err(Error::InvalidConfig {
+                input: self.to_string(),
+                detail: format!(
+                    "axis {} (`{a}`) is not one of dp, tp, pp, cp, ep: build its mesh with Mesh::new",
+                    a.name()
+                ),
+            });
+        }
         if axes.contains(&AxisKind::Ep) {
             return Err(Error::InvalidConfig {
                 input: self.to_string(),
@@ -249,5 +265,10 @@ mod tests {
         assert_eq!(m.to_string(), "[dp=2, tp=2]");
         assert!(c.mesh(&[AxisKind::Tp]).is_err());
         assert!(c.mesh(&[AxisKind::Dp, AxisKind::Tp, AxisKind::Ep]).is_err());
+        crate::mesh_axis!(DpShard, "dp_shard", role = Dp);
+        let k = <DpShard as crate::MeshAxis>::KIND;
+        assert_eq!(c.degree(k), 1);
+        let e = c.mesh(&[k, AxisKind::Tp]).unwrap_err().to_string();
+        assert!(e.contains("dp_shard"), "{e}");
     }
 }

@@ -1,6 +1,8 @@
 //! # dtensor-placement
 //!
-//! Where a distributed tensor lives: the device [`Mesh`] (named axes, rank layout),
+//! Where a distributed tensor lives: the device [`Mesh`] (named axes, rank layout), the
+//! axis markers (built-in [`Dp`], [`Tp`], [`Cp`], [`Ep`], [`Pp`], and user-declared ones
+//! from [`mesh_axis!`], each with a name and an [`AxisRole`]),
 //! [`ParallelConfig`] (`dp=2,tp=2,sp`), the placements of one axis as types
 //! ([`Shard<D>`], [`Replicate`], [`Invariant`], [`Partial<Op>`]) and at run time
 //! ([`Placement`]), layouts (one placement per axis, [`layout!`]), and the layout
@@ -27,7 +29,7 @@ pub mod placement;
 pub mod rules;
 
 pub use arith::{check_placements, chunk_range, global_offset, local_ranges, local_shape};
-pub use axis::{AxisKind, Cp, Dp, Ep, MeshAxis, Pp, Tp};
+pub use axis::{AxisDef, AxisKind, AxisRole, Cp, Dp, Ep, MeshAxis, Pp, Tp};
 pub use config::ParallelConfig;
 pub use error::{Error, Result};
 pub use layout::{

@@ -1,12 +1,13 @@
 //! The device mesh: named axes with sizes, and how world ranks map onto them.
 
-use crate::axis::AxisKind;
+use crate::axis::{AxisKind, AxisRole};
 use crate::error::{Error, Result};
 use smallvec::SmallVec;
 use std::fmt;
 
 /// The default composition order, fastest-varying first (Megatron's `tp-cp-ep-dp-pp`):
-/// TP neighbours are adjacent ranks (the fastest links), PP is outermost.
+/// TP neighbours are adjacent ranks (the fastest links), PP is outermost. [`Mesh::new`]
+/// places a user-declared axis by its [role](AxisKind::role) in this order.
 pub const DEFAULT_ORDER: [AxisKind; 5] = [
     AxisKind::Tp,
     AxisKind::Cp,
@@ -17,10 +18,11 @@ pub const DEFAULT_ORDER: [AxisKind; 5] = [
 
 /// A mesh of 1 to 4 named axes.
 ///
-/// Invariants: axes are distinct, every size is ≥ 1, and `order` lists every axis of the
-/// mesh exactly once (fastest-varying first). "Layout order" is the order the axes were
-/// given in (the order of a `DTensor`'s placements); "composition order" only decides which
-/// world rank sits at which coordinates.
+/// Invariants: axes have distinct names (a mesh identifies its axes by name), every size is
+/// ≥ 1, and `order` lists every axis of the mesh exactly once (fastest-varying first).
+/// "Layout order" is the order the axes were given in (the order of a `DTensor`'s
+/// placements); "composition order" only decides which world rank sits at which
+/// coordinates.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Mesh {
     axes: SmallVec<[(AxisKind, usize); 4]>,
@@ -29,13 +31,30 @@ pub struct Mesh {
 }
 
 impl Mesh {
-    /// A mesh with these axes (in layout order) and the default composition order.
+    /// A mesh with these axes (in layout order) and the default composition order: axes
+    /// by [role](AxisKind::role) as in [`DEFAULT_ORDER`] (`tp-cp-ep-dp-pp`, fastest first),
+    /// and among axes of one role, the one further left in the layout is outer (varies
+    /// slower). So TorchTitan's HSDP mesh `[dp_replicate, dp_shard, cp, tp]` puts
+    /// `dp_shard` groups on nearer ranks than `dp_replicate` groups: the frequent
+    /// all-gathers and reduce-scatters run over the closer links. For built-in axes alone
+    /// (one per role) this is exactly `DEFAULT_ORDER`.
     pub fn new(axes: &[(AxisKind, usize)]) -> Result<Mesh> {
-        Mesh::with_order(axes, &DEFAULT_ORDER)
+        let order: SmallVec<[AxisKind; 4]> = DEFAULT_ORDER
+            .iter()
+            .flat_map(|d| {
+                axes.iter()
+                    .rev()
+                    .filter(move |(a, _)| a.role() == d.role())
+                    .map(|&(a, _)| a)
+            })
+            .collect();
+        Mesh::with_order(axes, &order)
     }
 
     /// A mesh whose ranks are laid out by `order` (fastest-varying first). Axes of `order`
-    /// that the mesh lacks are skipped; every mesh axis must appear in it.
+    /// that the mesh lacks are skipped; every mesh axis must appear in it. Entries are
+    /// matched to the mesh's axes by name, so custom kinds (`DpShard::KIND`) go in `order`
+    /// like built-in ones.
     pub fn with_order(axes: &[(AxisKind, usize)], order: &[AxisKind]) -> Result<Mesh> {
         if axes.is_empty() || axes.len() > 4 {
             return Err(Error::InvalidMesh(format!(
@@ -47,13 +66,17 @@ impl Mesh {
             if n == 0 {
                 return Err(Error::InvalidMesh(format!("axis {a} has size 0")));
             }
-            if axes[..i].iter().any(|&(b, _)| b == a) {
-                return Err(Error::InvalidMesh(format!("axis {a} appears twice")));
+            if let Some(&(b, _)) = axes[..i].iter().find(|(b, _)| b.name() == a.name()) {
+                return Err(Error::InvalidMesh(if b == a {
+                    format!("axis {a} appears twice")
+                } else {
+                    format!("axes {b} and {a} are both named `{}`", a.name())
+                }));
             }
         }
         let mut idx: SmallVec<[usize; 4]> = SmallVec::new();
         for &k in order {
-            if let Some(i) = axes.iter().position(|&(a, _)| a == k) {
+            if let Some(i) = axes.iter().position(|&(a, _)| a.name() == k.name()) {
                 if idx.contains(&i) {
                     return Err(Error::InvalidMesh(format!(
                         "axis {k} appears twice in the order"
@@ -75,7 +98,11 @@ impl Mesh {
         })
     }
 
-    /// Parses a composition order such as `tp-cp-ep-dp-pp`.
+    /// Parses a composition order such as `tp-cp-ep-dp-pp`. Only the built-in names
+    /// (`dp`, `pp`, `ep`, `cp`, `tp`) are known here: a custom axis is a type of the user's
+    /// crate, not an entry of a registry, so an order that places one is built as a slice
+    /// of kinds (`[AxisKind::Tp, DpShard::KIND, DpReplicate::KIND]`) for
+    /// [`Mesh::with_order`].
     pub fn parse_order(s: &str) -> Result<Vec<AxisKind>> {
         s.split('-')
             .map(|t| {
@@ -98,9 +125,16 @@ impl Mesh {
     pub fn size(&self, axis: usize) -> usize {
         self.axes[axis].1
     }
-    /// Layout index of `axis`, if the mesh has it.
+    /// Layout index of `axis` (looked up by name), if the mesh has it.
     pub fn index_of(&self, axis: AxisKind) -> Option<usize> {
-        self.axes.iter().position(|&(a, _)| a == axis)
+        self.axes.iter().position(|&(a, _)| a.name() == axis.name())
+    }
+    /// Layout indices of the axes that carry `role` (`AxisRole::Dp`: `dp`, or HSDP's
+    /// `dp_replicate` and `dp_shard`), in layout order.
+    pub fn axes_with_role(&self, role: AxisRole) -> SmallVec<[usize; 4]> {
+        (0..self.ndim())
+            .filter(|&i| self.axes[i].0.role() == role)
+            .collect()
     }
     pub fn world_size(&self) -> usize {
         self.axes.iter().map(|&(_, n)| n).product()
@@ -179,11 +213,10 @@ impl fmt::Display for Mesh {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use AxisKind::*;
 
     #[test]
     fn default_order_puts_tp_fastest() {
-        let m = Mesh::new(&[(Dp, 2), (Tp, 2)]).unwrap();
+        let m = Mesh::new(&[(AxisKind::Dp, 2), (AxisKind::Tp, 2)]).unwrap();
         // rank = tp + 2*dp
         assert_eq!(m.coords(0).unwrap().as_slice(), &[0, 0]);
         assert_eq!(m.coords(1).unwrap().as_slice(), &[0, 1]);
@@ -194,7 +227,13 @@ mod tests {
 
     #[test]
     fn four_axes_follow_tp_cp_dp_pp() {
-        let m = Mesh::new(&[(Pp, 2), (Dp, 2), (Cp, 2), (Tp, 2)]).unwrap();
+        let m = Mesh::new(&[
+            (AxisKind::Pp, 2),
+            (AxisKind::Dp, 2),
+            (AxisKind::Cp, 2),
+            (AxisKind::Tp, 2),
+        ])
+        .unwrap();
         // rank = tp + 2*(cp + 2*(dp + 2*pp))
         assert_eq!(m.rank_of(&[1, 0, 1, 1]).unwrap(), 1 + 2 * (1 + 2 * (2)));
         for r in 0..16 {
@@ -207,21 +246,98 @@ mod tests {
     #[test]
     fn custom_order_changes_layout() {
         let order = Mesh::parse_order("dp-tp").unwrap();
-        let m = Mesh::with_order(&[(Dp, 2), (Tp, 3)], &order).unwrap();
+        let m = Mesh::with_order(&[(AxisKind::Dp, 2), (AxisKind::Tp, 3)], &order).unwrap();
         assert_eq!(m.coords(1).unwrap().as_slice(), &[1, 0]);
         assert_eq!(m.axis_group(0, 1).unwrap(), vec![0, 2, 4]);
+    }
+
+    crate::mesh_axis!(DpReplicate, "dp_replicate", role = Dp);
+    crate::mesh_axis!(DpShard, "dp_shard", role = Dp);
+    crate::mesh_axis!(OtherShard, "dp_shard", role = Dp);
+    use crate::axis::MeshAxis;
+
+    #[test]
+    fn custom_axes_follow_their_role_left_outer() {
+        let (r, s) = (DpReplicate::KIND, DpShard::KIND);
+        let m = Mesh::new(&[(r, 2), (s, 2), (AxisKind::Tp, 2)]).unwrap();
+        assert_eq!(m.to_string(), "[dp_replicate=2, dp_shard=2, tp=2]");
+        // rank = tp + 2*(dp_shard + 2*dp_replicate)
+        assert_eq!(m.coords(1).unwrap().as_slice(), &[0, 0, 1]);
+        assert_eq!(m.coords(2).unwrap().as_slice(), &[0, 1, 0]);
+        assert_eq!(m.coords(4).unwrap().as_slice(), &[1, 0, 0]);
+        assert_eq!(m.coords(7).unwrap().as_slice(), &[1, 1, 1]);
+        assert_eq!(m.rank_of(&[1, 0, 1]).unwrap(), 5);
+        assert_eq!(m.rank_of(&[0, 1, 1]).unwrap(), 3);
+        for rank in 0..8 {
+            assert_eq!(m.rank_of(&m.coords(rank).unwrap()).unwrap(), rank);
+        }
+        assert_eq!(m.axis_group(0, 2).unwrap(), vec![0, 1]);
+        assert_eq!(m.axis_group(0, 1).unwrap(), vec![0, 2]);
+        assert_eq!(m.axis_group(5, 1).unwrap(), vec![5, 7]);
+        assert_eq!(m.axis_group(0, 0).unwrap(), vec![0, 4]);
+        assert_eq!(m.axis_group(3, 0).unwrap(), vec![3, 7]);
+        assert_eq!(m.index_of(s), Some(1));
+        assert_eq!(m.index_of(AxisKind::Dp), None);
+        assert_eq!(m.axes_with_role(AxisRole::Dp).as_slice(), &[0, 1]);
+        assert_eq!(m.axes_with_role(AxisRole::Tp).as_slice(), &[2]);
+        assert!(m.axes_with_role(AxisRole::Pp).is_empty());
+
+        // Written the other way round, dp_shard is the outer one.
+        let m = Mesh::new(&[(s, 2), (r, 2)]).unwrap();
+        assert_eq!(m.coords(1).unwrap().as_slice(), &[0, 1]);
+        // Custom axes sit between built-ins by role: tp < dp_shard < pp.
+        let m = Mesh::new(&[(AxisKind::Pp, 2), (s, 2), (AxisKind::Tp, 2)]).unwrap();
+        assert_eq!(m.coords(1).unwrap().as_slice(), &[0, 0, 1]);
+        assert_eq!(m.coords(2).unwrap().as_slice(), &[0, 1, 0]);
+        assert_eq!(m.coords(4).unwrap().as_slice(), &[1, 0, 0]);
+    }
+
+    #[test]
+    fn explicit_orders_place_custom_axes() {
+        let (r, s) = (DpReplicate::KIND, DpShard::KIND);
+        // dp_replicate fastest.
+        let m = Mesh::with_order(&[(r, 2), (s, 3)], &[r, AxisKind::Tp, s]).unwrap();
+        assert_eq!(m.coords(1).unwrap().as_slice(), &[1, 0]);
+        assert_eq!(m.axis_group(0, 1).unwrap(), vec![0, 2, 4]);
+        assert!(Mesh::with_order(&[(r, 2), (s, 3)], &[r, AxisKind::Dp]).is_err());
+        assert!(Mesh::with_order(&[(r, 2), (s, 3)], &[r, s, r]).is_err());
+        // parse_order knows the built-in names only.
+        assert!(Mesh::parse_order("tp-dp_shard").is_err());
+    }
+
+    #[test]
+    fn axes_are_identified_by_name() {
+        let e = Mesh::new(&[(DpShard::KIND, 2), (DpShard::KIND, 2)]).unwrap_err();
+        assert!(e.to_string().contains("DpShard appears twice"), "{e}");
+        let e = Mesh::new(&[(DpShard::KIND, 2), (OtherShard::KIND, 2)]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("axes DpShard and OtherShard are both named `dp_shard`"),
+            "{e}"
+        );
+        let m = Mesh::new(&[(DpShard::KIND, 2)]).unwrap();
+        assert_eq!(m.index_of(OtherShard::KIND), Some(0));
     }
 
     #[test]
     fn invalid_meshes_are_rejected() {
         assert!(Mesh::new(&[]).is_err());
-        assert!(Mesh::new(&[(Dp, 1), (Tp, 1), (Cp, 1), (Ep, 1), (Pp, 1)]).is_err());
-        assert!(Mesh::new(&[(Dp, 0)]).is_err());
-        let e = Mesh::new(&[(Tp, 2), (Tp, 2)]).unwrap_err();
+        assert!(Mesh::new(&[
+            (AxisKind::Dp, 1),
+            (AxisKind::Tp, 1),
+            (AxisKind::Cp, 1),
+            (AxisKind::Ep, 1),
+            (AxisKind::Pp, 1)
+        ])
+        .is_err());
+        assert!(Mesh::new(&[(AxisKind::Dp, 0)]).is_err());
+        let e = Mesh::new(&[(AxisKind::Tp, 2), (AxisKind::Tp, 2)]).unwrap_err();
         assert!(e.to_string().contains("Tp appears twice"), "{e}");
-        assert!(Mesh::with_order(&[(Dp, 2), (Tp, 2)], &[Tp]).is_err());
+        assert!(
+            Mesh::with_order(&[(AxisKind::Dp, 2), (AxisKind::Tp, 2)], &[AxisKind::Tp]).is_err()
+        );
         assert!(Mesh::parse_order("tp-xx").is_err());
-        let m = Mesh::new(&[(Tp, 4)]).unwrap();
+        let m = Mesh::new(&[(AxisKind::Tp, 4)]).unwrap();
         assert!(matches!(
             m.coords(4),
             Err(Error::RankOutOfRange {
