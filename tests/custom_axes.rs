@@ -130,3 +130,96 @@ fn a_mesh_with_two_axes_of_one_name_is_an_error() {
     let e = Mesh::new(&[(DpShard::KIND, 2), (Shadow::KIND, 2)]).unwrap_err();
     assert!(e.to_string().contains("both named `dp_shard`"), "{e}");
 }
+
+/// HSDP's placements over `[dp_replicate, dp_shard]`.
+type Tokens = layout![DpReplicate: Shard<0>, DpShard: Shard<0>];
+type W1Stored = layout![DpReplicate: Replicate, DpShard: Shard<1>];
+type W2Stored = layout![DpReplicate: Replicate, DpShard: Shard<0>];
+
+/// Trains `y = gelu(x·W1ᵀ)·W2ᵀ` on the mean of `Σ y²` over all tokens for 3 AdamW steps on
+/// an HSDP mesh of `axes`; returns the losses and the whole parameters.
+fn hsdp_mlp(axes: &[(AxisKind, usize); 2]) -> (Vec<f64>, Vec<Tensor>) {
+    use dtensor::core::Tape;
+    use dtensor::nn::{AdamW, Init, Optimizer, Param};
+    const N: usize = 8;
+    const H: usize = 4;
+    const F: usize = 6;
+    let x = Init::Normal { std: 1.0 }.full(5, 0, &[N, H], DType::F64);
+    let w1 = Init::Normal { std: 0.5 }.full(5, 1, &[F, H], DType::F64);
+    let w2 = Init::Normal { std: 0.5 }.full(5, 2, &[H, F], DType::F64);
+    let mut ranks = on_mesh(axes, |mesh| {
+        let root = |t: &Tensor| Some(t.clone()).filter(|_| mesh.rank() == 0);
+        let xs = DTensor::<Tokens>::distribute(root(&x).as_ref(), 0, mesh)?;
+        let mut p1 = Param::new(DTensor::<W1Stored>::distribute(
+            root(&w1).as_ref(),
+            0,
+            mesh,
+        )?);
+        let mut p2 = Param::new(DTensor::<W2Stored>::distribute(
+            root(&w2).as_ref(),
+            0,
+            mesh,
+        )?);
+        let mut opt = AdamW::new(0.05);
+        let mut losses = Vec::new();
+        for _ in 0..3 {
+            let tape = Tape::new();
+            // Forward: each parameter gathered over dp_shard only (FSDP within a group).
+            let w1 = p1.on(&tape).all_gather(DpShard)?;
+            let w2 = p2.on(&tape).all_gather(DpShard)?;
+            let y = tape
+                .constant(xs.clone())
+                .matmul_t(&w1)?
+                .gelu()?
+                .matmul_t(&w2)?;
+            let loss = y
+                .mul(&y)?
+                .sum_dim::<1>()?
+                .sum_dim::<0>()?
+                .scale(1.0 / N as f64)?;
+            losses.push(
+                loss.value()
+                    .clone()
+                    .all_reduce(DpShard)?
+                    .all_reduce(DpReplicate)?
+                    .as_local()
+                    .to_f64_vec()[0],
+            );
+            let mut g = loss.backward()?;
+            // The gathers' adjoints reduce-scattered over dp_shard; what is left pending
+            // is the sum over the replica groups.
+            let g1: DTensor<layout![DpReplicate: Partial, DpShard: Shard<1>]> = p1.grad(&mut g)?;
+            let g2 = p2.grad(&mut g)?;
+            opt.begin_step();
+            opt.update(&mut p1, &g1.all_reduce(DpReplicate)?)?;
+            opt.update(&mut p2, &g2.all_reduce(DpReplicate)?)?;
+        }
+        Ok((
+            losses,
+            vec![p1.value().full_tensor()?, p2.value().full_tensor()?],
+        ))
+    });
+    for r in &ranks {
+        assert_eq!(r, &ranks[0], "replicas agree bitwise");
+    }
+    ranks.swap_remove(0)
+}
+
+#[test]
+fn hsdp_2x2_trains_like_one_rank() {
+    let (want_l, want_p) = hsdp_mlp(&[(DpReplicate::KIND, 1), (DpShard::KIND, 1)]);
+    let (l, p) = hsdp_mlp(&HSDP);
+    assert!(want_l[2] < want_l[0], "the loss goes down: {want_l:?}");
+    for (a, b) in l.iter().zip(&want_l) {
+        assert!((a - b).abs() <= 1e-12 * b.abs(), "loss {a} vs {b}");
+    }
+    for (a, b) in p.iter().zip(&want_p) {
+        let (a, b) = (a.to_f64_vec(), b.to_f64_vec());
+        let scale = b.iter().fold(0f64, |m, v| m.max(v.abs()));
+        let err = a
+            .iter()
+            .zip(&b)
+            .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+        assert!(err <= 1e-12 * scale, "params differ by {err:e}");
+    }
+}
