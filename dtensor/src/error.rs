@@ -36,6 +36,11 @@ pub enum Error {
     /// The adjoint of a non-linear reduction (max / min / avg partial) is not provided.
     #[error("{op}: no linear adjoint for {detail}")]
     NotDifferentiable { op: &'static str, detail: String },
+    /// A pipeline schedule that cannot run as written: a generator given impossible sizes,
+    /// or per-rank action lists that `dtensor_nn::pipeline::Schedule::validate` rejects.
+    /// The detail names the rank, the action index and the offending action.
+    #[error("invalid pipeline schedule: {detail}")]
+    InvalidSchedule { detail: String },
     #[error(transparent)]
     Kernel(#[from] dtensor_kernels::Error),
     #[error(transparent)]
