@@ -135,6 +135,8 @@ fn a_mesh_with_two_axes_of_one_name_is_an_error() {
 type Tokens = layout![DpReplicate: Shard<0>, DpShard: Shard<0>];
 type W1Stored = layout![DpReplicate: Replicate, DpShard: Shard<1>];
 type W2Stored = layout![DpReplicate: Replicate, DpShard: Shard<0>];
+/// `W1Stored`'s raw gradient: reduce-scattered over dp_shard, pending over dp_replicate.
+type W1Grad = layout![DpReplicate: Partial, DpShard: Shard<1>];
 
 /// Trains `y = gelu(x·W1ᵀ)·W2ᵀ` on the mean of `Σ y²` over all tokens for 3 AdamW steps on
 /// an HSDP mesh of `axes`; returns the losses and the whole parameters.
@@ -188,7 +190,7 @@ fn hsdp_mlp(axes: &[(AxisKind, usize); 2]) -> (Vec<f64>, Vec<Tensor>) {
             let mut g = loss.backward()?;
             // The gathers' adjoints reduce-scattered over dp_shard; what is left pending
             // is the sum over the replica groups.
-            let g1: DTensor<layout![DpReplicate: Partial, DpShard: Shard<1>]> = p1.grad(&mut g)?;
+            let g1: DTensor<W1Grad> = p1.grad(&mut g)?;
             let g2 = p2.grad(&mut g)?;
             opt.begin_step();
             opt.update(&mut p1, &g1.all_reduce(DpReplicate)?)?;

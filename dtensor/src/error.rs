@@ -39,6 +39,11 @@ pub enum Error {
     /// An API called out of order (a gradient read that backward did not keep, …).
     #[error("{op}: {detail}")]
     InvalidUse { op: &'static str, detail: String },
+    /// A pipeline schedule that cannot run as written: a generator given impossible sizes,
+    /// or per-rank action lists that `dtensor_nn::pipeline::Schedule::validate` rejects.
+    /// The detail names the rank, the action index and the offending action.
+    #[error("invalid pipeline schedule: {detail}")]
+    InvalidSchedule { detail: String },
     #[error(transparent)]
     Kernel(#[from] dtensor_kernels::Error),
     #[error(transparent)]

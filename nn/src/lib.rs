@@ -23,6 +23,10 @@
 //! | [`vocab_parallel_cross_entropy`] | [`ColOut`] logits → per-token loss | three `all_reduce`s of `[tokens]` (max, Σexp, target) |
 //! | [`TransformerBlock`], [`Gpt`] | pre-norm blocks with residuals; embedding → blocks → norm → LM head → loss | the layers' |
 //!
+//! Pipeline parallelism starts with [`pipeline`]: GPipe, 1F1B, interleaved 1F1B and ZB-H1
+//! schedules as per-rank action lists, validated (complete, matched, deadlock-free, within
+//! their memory bound) and timed before any runtime executes them.
+//!
 //! ```
 //! use dtensor_collectives::threads;
 //! use dtensor_core::{DTensor, DeviceMesh, Tape};
@@ -59,6 +63,7 @@ pub mod linear;
 pub mod mlp;
 pub mod norm;
 pub mod optim;
+pub mod pipeline;
 pub mod seq;
 
 pub use attention::{AttentionConfig, ParallelAttention};
@@ -79,6 +84,7 @@ pub use optim::{
     Module, NamedParam, Optimizer, Param, ParamVisitor, ReducedGrad, ReducedPlacement, Sgd,
     TpParam,
 };
+pub use pipeline::{Action, Costs, Schedule, ScheduleKind, Timeline};
 pub use seq::{
     ColOut, ColWeight, DpPartial, DpReduced, Full, Grad, Ids, Loss, NoSp, ParamLayout, RowPartial,
     RowWeight, SeqMode, Sp, Stream, StreamParam, TokenInvariant,
