@@ -16,6 +16,10 @@ pub struct DeviceMesh {
     coords: SmallVec<[usize; 4]>,
     world: Arc<dyn Communicator>,
     axes: Vec<Arc<dyn Communicator>>,
+    /// The world of the mesh this one was cut from ([`sub_mesh`](Self::sub_mesh)), or
+    /// `world` itself: what a global reduction (the gradient norm across pipeline stages)
+    /// runs over.
+    root: Arc<dyn Communicator>,
 }
 
 impl DeviceMesh {
@@ -45,9 +49,37 @@ impl DeviceMesh {
             mesh,
             rank,
             coords,
+            root: world.clone(),
             world,
             axes,
         }))
+    }
+
+    /// Collective over the world: the mesh without `axis`, as the ranks sharing this
+    /// rank's coordinate on it see it (a pipeline stage's `[Dp, Tp]` inside `[Pp, Dp, Tp]`).
+    /// Its axis communicators are this mesh's (the same groups); its world is the group of
+    /// ranks with this rank's coordinate on `axis`.
+    pub fn sub_mesh(&self, axis: AxisKind) -> Result<Arc<DeviceMesh>> {
+        let sub = self.mesh.without(axis)?;
+        let cut = self.mesh.index_of(axis).expect("checked by without");
+        let keep: Vec<usize> = (0..self.mesh.ndim()).filter(|&i| i != cut).collect();
+        let coords: SmallVec<[usize; 4]> = keep.iter().map(|&i| self.coords[i]).collect();
+        let rank = sub.rank_of(&coords)?;
+        let world = self.world.split(self.coords[cut], rank)?;
+        debug_assert_eq!(world.rank(), rank);
+        Ok(Arc::new(DeviceMesh {
+            mesh: sub,
+            rank,
+            coords,
+            world,
+            axes: keep.iter().map(|&i| self.axes[i].clone()).collect(),
+            root: self.root.clone(),
+        }))
+    }
+
+    /// The world of the outermost mesh this one was cut from (itself if it was not cut).
+    pub fn root_world(&self) -> &Arc<dyn Communicator> {
+        &self.root
     }
 
     pub fn mesh(&self) -> &Mesh {

@@ -54,7 +54,7 @@ use crate::seq::{ParamLayout, SeqMode};
 use dtensor_core::{DTensor, Gradients, Result, Tape, Var};
 use dtensor_kernels::DType;
 use dtensor_placement::{
-    layout, Dp, Invariant, Layout, Linear, PlacementType, Replicate, Shard, Tp,
+    layout, Dp, Invariant, Layout, Linear, Partial, PlacementType, Replicate, Shard, Tp,
 };
 use std::marker::PhantomData;
 
@@ -175,31 +175,29 @@ impl<const F: usize> DpGather for Shard<F> {
     }
 }
 
-/// A master's placement over `Dp` (`Self`) paired with its compute copy's (`W`): how the
-/// compute copy is bound on a tape, how its gradient is reduced to the master's placement,
-/// and how the compute copy is rebuilt after an update.
+/// A master's placement over `Dp` (`Self`) paired with its compute copy's (`W`): which
+/// value the tape binds, how its gradient is reduced to the master's placement, and how
+/// the compute copy is rebuilt after an update.
 pub trait DpMaster<W: DpGather>: PlacementType {
     /// The gradient's placement over `Dp` once reduced (what the optimizer takes).
     type Reduced: ReducedPlacement<Self> + Linear;
 
-    /// The parameter's stored form on `tape` (a leaf bound to `key`), not yet gathered.
-    fn stored<'t, T: PlacementType>(
-        tape: &'t Tape,
-        key: u64,
+    /// The value the tape binds for the parameter: the compute copy, or the master where
+    /// it serves as one (same placement and dtype, or an FSDP shard gathered in f32 and
+    /// cast after).
+    fn bound<T: PlacementType>(
         master: &DTensor<DpLayout<Self, T>>,
         work: Option<&DTensor<DpLayout<W, T>>>,
         p: &Precision,
-    ) -> Result<Var<'t, DpLayout<W, T>>>;
+    ) -> Result<DTensor<DpLayout<W, T>>>;
 
-    /// The gradient the tape produced for `key`, reduced over `Dp` to `Reduced`, in the
-    /// master's dtype.
-    fn reduced_grad<T: PlacementType>(
-        grads: &mut Gradients,
-        key: u64,
-        master: &DTensor<DpLayout<Self, T>>,
-        work: Option<&DTensor<DpLayout<W, T>>>,
+    /// A raw gradient of the bound value (summed over microbatches, say) reduced over `Dp`
+    /// to `Reduced`, in `master`'s dtype: an all-reduce, a reduce-scatter, or nothing.
+    fn reduce<G: PlacementType>(
+        raw: DTensor<DpLayout<W::Grad, G>>,
+        master: DType,
         p: &Precision,
-    ) -> Result<DTensor<DpLayout<Self::Reduced, T::Grad>>>;
+    ) -> Result<DTensor<DpLayout<Self::Reduced, G>>>;
 
     /// The compute copy after the master changed; `None` when the master serves as it.
     fn refresh<T: PlacementType>(
@@ -209,7 +207,7 @@ pub trait DpMaster<W: DpGather>: PlacementType {
 }
 
 /// Casts `g` to `dtype` unless it already is.
-fn cast<L: dtensor_placement::Layout>(g: DTensor<L>, dtype: DType) -> Result<DTensor<L>> {
+fn cast<L: Layout>(g: DTensor<L>, dtype: DType) -> Result<DTensor<L>> {
     if g.as_local().dtype() == dtype {
         Ok(g)
     } else {
@@ -222,26 +220,20 @@ fn cast<L: dtensor_placement::Layout>(g: DTensor<L>, dtype: DType) -> Result<DTe
 impl DpMaster<Replicate> for Replicate {
     type Reduced = Invariant;
 
-    fn stored<'t, T: PlacementType>(
-        tape: &'t Tape,
-        key: u64,
+    fn bound<T: PlacementType>(
         master: &DTensor<DpLayout<Self, T>>,
         work: Option<&DTensor<DpLayout<Replicate, T>>>,
         _: &Precision,
-    ) -> Result<Var<'t, DpLayout<Replicate, T>>> {
-        Ok(tape.param(key, work.unwrap_or(master).clone()))
+    ) -> Result<DTensor<DpLayout<Replicate, T>>> {
+        Ok(work.unwrap_or(master).clone())
     }
 
-    fn reduced_grad<T: PlacementType>(
-        grads: &mut Gradients,
-        key: u64,
-        master: &DTensor<DpLayout<Self, T>>,
-        work: Option<&DTensor<DpLayout<Replicate, T>>>,
+    fn reduce<G: PlacementType>(
+        raw: DTensor<DpLayout<Partial, G>>,
+        master: DType,
         p: &Precision,
-    ) -> Result<DTensor<DpLayout<Invariant, T::Grad>>> {
-        let m = master.as_local().dtype();
-        let g = grads.of_key(key, work.unwrap_or(master))?;
-        cast(cast(g, p.reduce_of(m))?.all_reduce(Dp)?, m)
+    ) -> Result<DTensor<DpLayout<Invariant, G>>> {
+        cast(cast(raw, p.reduce_of(master))?.all_reduce(Dp)?, master)
     }
 
     fn refresh<T: PlacementType>(
@@ -260,37 +252,27 @@ impl DpMaster<Replicate> for Replicate {
 impl<const F: usize> DpMaster<Replicate> for Shard<F> {
     type Reduced = Shard<F>;
 
-    fn stored<'t, T: PlacementType>(
-        tape: &'t Tape,
-        key: u64,
+    fn bound<T: PlacementType>(
         master: &DTensor<DpLayout<Self, T>>,
         work: Option<&DTensor<DpLayout<Replicate, T>>>,
         p: &Precision,
-    ) -> Result<Var<'t, DpLayout<Replicate, T>>> {
+    ) -> Result<DTensor<DpLayout<Replicate, T>>> {
         match work {
-            Some(w) => Ok(tape.param(key, w.clone())),
+            Some(w) => Ok(w.clone()),
             // Only between a release and a refresh: rebuild it.
-            None => {
-                let w = cast(master.clone(), p.compute_of(master.as_local().dtype()))?
-                    .all_gather(Dp)?;
-                Ok(tape.param(key, w))
-            }
+            None => cast(master.clone(), p.compute_of(master.as_local().dtype()))?.all_gather(Dp),
         }
     }
 
-    fn reduced_grad<T: PlacementType>(
-        grads: &mut Gradients,
-        key: u64,
-        master: &DTensor<DpLayout<Self, T>>,
-        work: Option<&DTensor<DpLayout<Replicate, T>>>,
+    fn reduce<G: PlacementType>(
+        raw: DTensor<DpLayout<Partial, G>>,
+        master: DType,
         p: &Precision,
-    ) -> Result<DTensor<DpLayout<Shard<F>, T::Grad>>> {
-        let m = master.as_local().dtype();
-        let g = match work {
-            Some(w) => grads.of_key(key, w)?,
-            None => grads.of_key(key, &master.clone().all_gather(Dp)?)?,
-        };
-        cast(cast(g, p.reduce_of(m))?.reduce_scatter::<_, _, F>(Dp)?, m)
+    ) -> Result<DTensor<DpLayout<Shard<F>, G>>> {
+        cast(
+            cast(raw, p.reduce_of(master))?.reduce_scatter::<_, _, F>(Dp)?,
+            master,
+        )
     }
 
     fn refresh<T: PlacementType>(
@@ -307,47 +289,34 @@ impl<const F: usize> DpMaster<Replicate> for Shard<F> {
 impl<const F: usize> DpMaster<Shard<F>> for Shard<F> {
     type Reduced = Shard<F>;
 
-    fn stored<'t, T: PlacementType>(
-        tape: &'t Tape,
-        key: u64,
+    fn bound<T: PlacementType>(
         master: &DTensor<DpLayout<Self, T>>,
         work: Option<&DTensor<DpLayout<Shard<F>, T>>>,
         p: &Precision,
-    ) -> Result<Var<'t, DpLayout<Shard<F>, T>>> {
+    ) -> Result<DTensor<DpLayout<Shard<F>, T>>> {
+        // Reducing wider than computing: bind the master, gather it, cast after (so the
+        // gather's adjoint reduce-scatters in the wide dtype).
         let m = master.as_local().dtype();
-        // Reducing wider than computing: bind the master, gather it, cast after.
-        let value = if p.reduce_of(m).size_in_bytes() > p.compute_of(m).size_in_bytes() {
-            master
+        Ok(if p.reduce_of(m).size_in_bytes() > p.compute_of(m).size_in_bytes() {
+            master.clone()
         } else {
-            work.unwrap_or(master)
-        };
-        Ok(tape.param(key, value.clone()))
+            work.unwrap_or(master).clone()
+        })
     }
 
-    fn reduced_grad<T: PlacementType>(
-        grads: &mut Gradients,
-        key: u64,
-        master: &DTensor<DpLayout<Self, T>>,
-        work: Option<&DTensor<DpLayout<Shard<F>, T>>>,
-        p: &Precision,
-    ) -> Result<DTensor<DpLayout<Shard<F>, T::Grad>>> {
-        let m = master.as_local().dtype();
-        let bound = if p.reduce_of(m).size_in_bytes() > p.compute_of(m).size_in_bytes() {
-            master
-        } else {
-            work.unwrap_or(master)
-        };
-        cast(grads.of_key(key, bound)?, m)
+    fn reduce<G: PlacementType>(
+        raw: DTensor<DpLayout<Shard<F>, G>>,
+        master: DType,
+        _: &Precision,
+    ) -> Result<DTensor<DpLayout<Shard<F>, G>>> {
+        cast(raw, master)
     }
 
     fn refresh<T: PlacementType>(
         master: &DTensor<DpLayout<Self, T>>,
         p: &Precision,
     ) -> Result<Option<DTensor<DpLayout<Shard<F>, T>>>> {
-        let (m, c) = (
-            master.as_local().dtype(),
-            p.compute_of(master.as_local().dtype()),
-        );
+        let (m, c) = (master.as_local().dtype(), p.compute_of(master.as_local().dtype()));
         if c == m || p.reduce_of(m).size_in_bytes() > c.size_in_bytes() {
             Ok(None)
         } else {
@@ -468,9 +437,11 @@ impl<D: DataMode, K: ParamKind> Weight<D, K> {
     /// back), not yet gathered: under FSDP it is `Shard` over `Dp` and no compute op takes
     /// it with the tokens.
     pub fn stored<'t>(&self, tape: &'t Tape) -> Result<Var<'t, WorkLayout<D, K>>> {
-        <D::Master<K> as DpMaster<D::Work<K>>>::stored(
-            tape,
-            self.master.key(),
+        Ok(tape.param(self.master.key(), self.bound()?))
+    }
+
+    fn bound(&self) -> Result<DTensor<WorkLayout<D, K>>> {
+        <D::Master<K> as DpMaster<D::Work<K>>>::bound(
             self.master.value(),
             self.work.as_ref(),
             &self.precision,
@@ -510,16 +481,12 @@ impl<D: DataMode, K: ParamKind> Weight<D, K> {
     /// The raw gradient backward produced for the stored copy (summed over its uses,
     /// zeros if unused), before any reduction: `Partial` over `Dp` for a replicated copy,
     /// already reduce-scattered for an FSDP shard.
+    #[allow(clippy::type_complexity)]
     pub fn grad(
         &self,
         grads: &mut Gradients,
     ) -> Result<DTensor<<WorkLayout<D, K> as Layout>::Grad>> {
-        let bound = match &self.work {
-            Some(w) => w.clone(),
-            // No separate compute copy: the master is bound, laid out the same way.
-            None => DTensor::try_from_any(self.master.value().as_any().clone())?,
-        };
-        grads.of_key(self.master.key(), &bound)
+        grads.of_key(self.master.key(), &self.bound()?)
     }
 
     /// The dtype compute runs in.
@@ -527,21 +494,28 @@ impl<D: DataMode, K: ParamKind> Weight<D, K> {
         self.precision.compute_of(self.master.local().dtype())
     }
 
-    /// The gradient backward produced for this parameter, reduced over `Dp` to the
-    /// master's placement (all-reduce, reduce-scatter, or nothing under FSDP), in the
-    /// master's dtype. Collective over `Dp`.
+    /// A raw gradient ([`grad`](Self::grad), or a sum of them over microbatches) reduced
+    /// over `Dp` to the master's placement (all-reduce, reduce-scatter, or nothing under
+    /// FSDP), in the master's dtype. Collective over `Dp`.
+    #[allow(clippy::type_complexity)]
+    pub fn dp_reduce(
+        &self,
+        raw: DTensor<<WorkLayout<D, K> as Layout>::Grad>,
+    ) -> Result<DTensor<DpLayout<DpReducedOf<D, K>, <K::Tp as PlacementType>::Grad>>> {
+        <D::Master<K> as DpMaster<D::Work<K>>>::reduce(
+            raw,
+            self.master.local().dtype(),
+            &self.precision,
+        )
+    }
+
+    /// [`grad`](Self::grad) then [`dp_reduce`](Self::dp_reduce).
     #[allow(clippy::type_complexity)]
     pub fn dp_reduced_grad(
         &self,
         grads: &mut Gradients,
     ) -> Result<DTensor<DpLayout<DpReducedOf<D, K>, <K::Tp as PlacementType>::Grad>>> {
-        <D::Master<K> as DpMaster<D::Work<K>>>::reduced_grad(
-            grads,
-            self.master.key(),
-            self.master.value(),
-            self.work.as_ref(),
-            &self.precision,
-        )
+        self.dp_reduce(self.grad(grads)?)
     }
 
     /// [`dp_reduced_grad`](Self::dp_reduced_grad), then reduced over `Tp` where the

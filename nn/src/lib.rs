@@ -80,7 +80,8 @@ pub use linear::{ColumnParallelLinear, ParamInit, RowParallelLinear};
 pub use mlp::{Activation, ParallelMlp};
 pub use norm::{Norm, NormKind};
 pub use optim::{
-    clip_coefficient, dp_average, join_name, named_params, reduce_grad, step, AdamW, GradNorm,
+    clip_coefficient, dp_average, join_name, named_params, reduce_grad, step, step_accumulated,
+    AdamW, GradAccumulator, GradNorm,
     Module, NamedParam, Optimizer, Param, ParamVisitor, ReducedGrad, ReducedPlacement, Sgd,
     TpParam,
 };

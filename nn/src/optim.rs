@@ -222,19 +222,115 @@ pub fn named_params(m: &mut impl Module) -> Result<Vec<NamedParam>> {
     Ok(c.0)
 }
 
-/// Collective: one optimizer step over every parameter of `m`. Reduces each gradient to
-/// its master's placement ([`Weight::reduced_grad`]: over `Dp` as the data mode says, then
-/// over `Tp` for sequence-parallel parameters), clips them all to a global norm of
-/// `max_norm`, begins the optimizer's step and updates (rebuilding the compute copies).
-/// Returns the global norm before clipping.
+/// Parameter gradients summed over the microbatches of one step, each in the form its
+/// data mode keeps between backwards: ZeRO-2 and FSDP reduce over `Dp` after every
+/// backward and keep only their shard; DDP and ZeRO-1 keep the raw, unreduced gradient
+/// (summed in the master's dtype) and reduce it once, at the step.
+#[derive(Default)]
+pub struct GradAccumulator {
+    sums: std::collections::HashMap<u64, AnyDTensor>,
+    backwards: usize,
+}
+
+impl GradAccumulator {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Backwards added so far.
+    pub fn backwards(&self) -> usize {
+        self.backwards
+    }
+
+    /// Collective over `Dp` for the modes that reduce after every backward: takes every
+    /// parameter's gradient of one backward out of `grads` into the sums.
+    pub fn add(&mut self, m: &mut impl Module, grads: &mut Gradients) -> Result<()> {
+        struct Add<'a> {
+            acc: &'a mut GradAccumulator,
+            grads: &'a mut Gradients,
+        }
+        impl ParamVisitor for Add<'_> {
+            fn visit<D: DataMode, K: ParamKind>(
+                &mut self,
+                _: &str,
+                w: &mut Weight<D, K>,
+            ) -> Result<()> {
+                let g = if D::REDUCE_EACH_BACKWARD {
+                    w.dp_reduced_grad(self.grads)?.into_any()
+                } else {
+                    w.grad(self.grads)?
+                        .to_dtype(w.local().dtype())?
+                        .into_any()
+                };
+                self.acc.sum_into(w.master().key(), g)
+            }
+        }
+        m.visit_params("", &mut Add { acc: self, grads })?;
+        self.backwards += 1;
+        Ok(())
+    }
+
+    fn sum_into(&mut self, key: u64, g: AnyDTensor) -> Result<()> {
+        match self.sums.remove(&key) {
+            None => {
+                self.sums.insert(key, g);
+            }
+            Some(old) => {
+                self.sums.insert(key, old.add(&g)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// The sum for `w`, reduced to its master's placement over `Dp` and `Tp`.
+    fn reduced<D: DataMode, K: ParamKind>(
+        &mut self,
+        w: &Weight<D, K>,
+    ) -> Result<DTensor<ReducedLayout<D, K>>> {
+        let any = self
+            .sums
+            .remove(&w.master().key())
+            .ok_or_else(|| Error::InvalidUse {
+                op: "optim::step",
+                detail: "no gradient was accumulated for a parameter (no backward added, or \
+                         another module's accumulator)"
+                    .into(),
+            })?;
+        let dp = if D::REDUCE_EACH_BACKWARD {
+            DTensor::try_from_any(any)?
+        } else {
+            w.dp_reduce(DTensor::try_from_any(any)?)?
+        };
+        <K::Tp as TpParam>::reduce_over_tp(dp)
+    }
+}
+
+/// Collective: one optimizer step over every parameter of `m` from one backward's
+/// gradients: [`step_accumulated`] of a [`GradAccumulator`] holding just them.
 pub fn step<O: Optimizer>(
     m: &mut impl Module,
     grads: &mut Gradients,
     opt: &mut O,
     max_norm: f64,
 ) -> Result<f64> {
+    let mut acc = GradAccumulator::new();
+    acc.add(m, grads)?;
+    step_accumulated(m, acc, opt, max_norm)
+}
+
+/// Collective: one optimizer step over every parameter of `m`. Reduces each accumulated
+/// gradient to its master's placement (over `Dp` as the data mode says, over `Tp` for
+/// sequence-parallel parameters), clips them all to a global norm of `max_norm` (across
+/// pipeline stages too), begins the optimizer's step and updates (rebuilding the compute
+/// copies). Returns the global norm before clipping.
+pub fn step_accumulated<O: Optimizer>(
+    m: &mut impl Module,
+    mut acc: GradAccumulator,
+    opt: &mut O,
+    max_norm: f64,
+) -> Result<f64> {
     struct Reduce<'g> {
-        grads: &'g mut Gradients,
+        acc: &'g mut GradAccumulator,
         norm: GradNorm,
         reduced: Vec<AnyDTensor>,
         mesh: Option<std::sync::Arc<dtensor_core::DeviceMesh>>,
@@ -245,7 +341,7 @@ pub fn step<O: Optimizer>(
             _: &str,
             w: &mut Weight<D, K>,
         ) -> Result<()> {
-            let g = w.reduced_grad(self.grads)?;
+            let g = self.acc.reduced(w)?;
             self.norm.add(&g)?;
             self.mesh.get_or_insert_with(|| g.device_mesh().clone());
             self.reduced.push(g.into_any());
@@ -277,7 +373,7 @@ pub fn step<O: Optimizer>(
         }
     }
     let mut r = Reduce {
-        grads,
+        acc: &mut acc,
         norm: GradNorm::new(),
         reduced: Vec::new(),
         mesh: None,
@@ -532,10 +628,12 @@ impl GradNorm {
         Ok(())
     }
 
-    /// Collective over every rank of `mesh`: the global norm.
+    /// Collective over every rank of `mesh`'s root world (a pipeline stage's sub-mesh sums
+    /// over the other stages too, whose parameters are their own): the global norm.
     pub fn finish(&self, mesh: &dtensor_core::DeviceMesh) -> Result<f64> {
         let mut s = [self.sum_sq];
-        mesh.world().all_reduce_in_place(&mut s, ReduceOp::Sum)?;
+        mesh.root_world()
+            .all_reduce_in_place(&mut s, ReduceOp::Sum)?;
         Ok(s[0].sqrt())
     }
 }

@@ -112,6 +112,30 @@ impl Mesh {
             .collect()
     }
 
+    /// The composition order: the mesh's axes, fastest-varying first.
+    pub fn order(&self) -> SmallVec<[AxisKind; 4]> {
+        self.order.iter().map(|&i| self.axes[i].0).collect()
+    }
+
+    /// The mesh without `axis` (the other axes in the same layout and composition order):
+    /// the sub-mesh of the ranks that share a coordinate on `axis`, as a pipeline stage
+    /// sees the mesh without `Pp`. `Err` if the mesh lacks `axis` or has no other axis.
+    pub fn without(&self, axis: AxisKind) -> Result<Mesh> {
+        let i = self.index_of(axis).ok_or_else(|| {
+            Error::InvalidMesh(format!("the mesh {self} has no axis {axis} to leave out"))
+        })?;
+        let rest: SmallVec<[(AxisKind, usize); 4]> = self
+            .axes
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != i)
+            .map(|(_, &a)| a)
+            .collect();
+        let order: SmallVec<[AxisKind; 4]> =
+            self.order().into_iter().filter(|&k| k != axis).collect();
+        Mesh::with_order(&rest, &order)
+    }
+
     pub fn ndim(&self) -> usize {
         self.axes.len()
     }
