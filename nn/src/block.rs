@@ -13,7 +13,7 @@
 use crate::attention::{AttentionConfig, ParallelAttention};
 use crate::data::{DataMode, Ddp, Precision};
 use crate::embedding::{
-    loss_value, mean_loss, vocab_parallel_cross_entropy, VocabParallelEmbedding,
+    loss_value, vocab_parallel_cross_entropy, VocabParallelEmbedding,
 };
 use crate::linear::{ColumnParallelLinear, ParamInit};
 use crate::mlp::{Activation, ParallelMlp};
@@ -149,6 +149,28 @@ impl<M: SeqMode, D: DataMode> Module for TransformerBlock<M, D> {
     }
 }
 
+/// The loss head on the residual stream: final norm, LM head (logits sharded over the
+/// vocabulary), vocab-parallel cross-entropy, summed over this `Dp` rank's tokens and
+/// divided by `total_tokens` (the global batch's, whatever the microbatch), so that the
+/// sum over `Dp` ranks and microbatches is the mean over the global batch.
+pub(crate) fn head_loss<'t, M: SeqMode, D: DataMode>(
+    norm: &Norm<M, D>,
+    head: &ColumnParallelLinear<D>,
+    loss_dtype: DType,
+    tape: &'t Tape,
+    x: &Var<'t, Stream<M>>,
+    targets: &DTensor<Ids>,
+    total_tokens: usize,
+) -> Result<Var<'t, Loss>> {
+    let x = norm.forward(tape, x)?;
+    // Mixed precision: the loss in the masters' dtype (f32), as Megatron computes it.
+    let logits = head.forward::<M>(tape, &x)?.to_dtype(loss_dtype)?;
+    let losses = vocab_parallel_cross_entropy(&logits, &tape.constant(targets.clone()))?;
+    losses
+        .sum_dim::<0>()?
+        .scale(1.0 / total_tokens.max(1) as f64)
+}
+
 /// A small GPT under sequence mode `M`, its parameters held over `Dp` as `D` says.
 pub struct Gpt<M: SeqMode, D: DataMode = Ddp> {
     pub config: GptConfig,
@@ -215,16 +237,16 @@ impl<M: SeqMode, D: DataMode> Gpt<M, D> {
                 b.forward(tape, &x)?
             };
         }
-        let x = self.norm.forward(tape, &x)?;
-        // Mixed precision: the loss in the masters' dtype (f32), as Megatron computes it.
-        let logits = self
-            .head
-            .forward::<M>(tape, &x)?
-            .to_dtype(self.config.dtype)?;
-        mean_loss(&vocab_parallel_cross_entropy(
-            &logits,
-            &tape.constant(targets.clone()),
-        )?)
+        let tokens = targets.global_shape()[0];
+        head_loss(
+            &self.norm,
+            &self.head,
+            self.config.dtype,
+            tape,
+            &x,
+            targets,
+            tokens,
+        )
     }
 
     /// One training step: forward, `backward()`, then [`optim::step`] (the DDP average over

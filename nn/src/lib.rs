@@ -85,7 +85,9 @@ pub use optim::{
     Module, NamedParam, Optimizer, Param, ParamVisitor, ReducedGrad, ReducedPlacement, Sgd,
     TpParam,
 };
-pub use pipeline::{Action, Costs, Schedule, ScheduleKind, Timeline};
+pub use pipeline::{
+    Action, Costs, GptStage, Pipeline, PipelineReport, Schedule, ScheduleKind, Timeline,
+};
 pub use seq::{
     ColOut, ColWeight, DpPartial, DpReduced, Full, Grad, Ids, Loss, NoSp, ParamLayout, RowPartial,
     RowWeight, SeqMode, Sp, Stream, StreamParam, TokenInvariant,

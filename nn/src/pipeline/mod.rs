@@ -6,10 +6,11 @@
 //! and both show up on a cluster, far from their cause. So a schedule here is plain data,
 //! a [`Schedule`] with one ordered list of [`Action`]s per rank, made by a generator,
 //! checked by [`Schedule::validate`] before anything runs, and timed by
-//! [`Schedule::simulate`] without hardware. The runtime that executes it (not in this
-//! module) is a loop over `actions[rank]` with no scheduling logic of its own.
+//! [`Schedule::simulate`] without hardware. The runtime that executes it ([`Pipeline`]) is a
+//! loop over `actions[rank]` with no scheduling logic of its own.
 //!
-//! This module has no tensors and no communicators: it is pure logic.
+//! The schedules are pure logic (no tensors, no communicators); [`Pipeline`] runs one on
+//! ranks with a GPT cut into [`GptStage`]s.
 //!
 //! ## Layout
 //!
@@ -144,8 +145,12 @@
 //! activation recomputation, and the data-parallel gradient reduction after the last `W`.
 
 #![warn(missing_docs)]
+mod runtime;
 mod schedule;
+mod stage;
 
+pub use runtime::{check_pipeline, microbatches, Pipeline, PipelineReport};
+pub use stage::{GptStage, StageInput, StageOutput};
 pub use schedule::{
     gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1, Action, Costs, LiveCount, Schedule,
     ScheduleKind, Span, Timeline,

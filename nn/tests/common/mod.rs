@@ -76,3 +76,22 @@ pub fn reduced<D: DataMode, K: ParamKind>(
     assert_eq!(g.device_mesh().mesh().size(0), dp);
     g.full_tensor()
 }
+
+/// Runs `f` on every rank of a `[Pp: pp, Dp: dp, Tp: tp]` mesh of threads; each rank's
+/// value.
+pub fn on_pp_mesh<T: Send>(
+    pp: usize,
+    dp: usize,
+    tp: usize,
+    f: impl Fn(&Arc<DeviceMesh>) -> Result<T> + Sync,
+) -> Vec<T> {
+    let mesh = Mesh::new(&[(AxisKind::Pp, pp), (AxisKind::Dp, dp), (AxisKind::Tp, tp)]).unwrap();
+    threads::launch(pp * dp * tp, |world| {
+        let dm = DeviceMesh::new(world, mesh.clone())?;
+        f(&dm)
+    })
+    .into_iter()
+    .enumerate()
+    .map(|(r, res)| res.unwrap_or_else(|e| panic!("rank {r}: {e}")))
+    .collect()
+}

@@ -1,0 +1,177 @@
+//! A pipeline stage of the GPT: a contiguous run of its layers, the first stage with the
+//! embedding, the last with the final norm, the LM head and the loss.
+//!
+//! A stage builds exactly the parameters the whole model would have for its layers (same
+//! seed, same parameter ids, same names), so a pipelined model is the one-rank model cut
+//! into pieces, and its parameters compare by name.
+
+use crate::block::{head_loss, GptConfig, TransformerBlock};
+use crate::data::{DataMode, Ddp};
+use crate::embedding::VocabParallelEmbedding;
+use crate::linear::{ColumnParallelLinear, ParamInit};
+use crate::norm::Norm;
+use crate::optim::{join_name, Module, ParamVisitor};
+use crate::seq::{Ids, Loss, SeqMode, Stream};
+use dtensor_core::{DTensor, DeviceMesh, Error, Result, Tape, Var};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// What enters a stage: token ids (the first stage) or the previous stage's output.
+pub enum StageInput<'a, 't, M: SeqMode> {
+    /// The microbatch's token ids (first stage).
+    Ids(&'a DTensor<Ids>),
+    /// The previous stage's output, received over the hop (a leaf on this stage's tape).
+    Hidden(&'a Var<'t, Stream<M>>),
+}
+
+/// What leaves a stage: the residual stream for the next stage, or the loss (the last).
+pub enum StageOutput<'t, M: SeqMode> {
+    /// The residual stream, for the next stage.
+    Hidden(Var<'t, Stream<M>>),
+    /// The microbatch's loss (last stage).
+    Loss(Var<'t, Loss>),
+}
+
+/// Layers `layers` of a GPT, with the embedding if it is the first stage and the loss
+/// head if it is the last.
+#[derive(Clone)]
+pub struct GptStage<M: SeqMode, D: DataMode = Ddp> {
+    /// The whole model's shape.
+    pub config: GptConfig,
+    /// The model's layers this stage holds.
+    pub layers: Range<usize>,
+    /// The token embedding (first stage only).
+    pub embedding: Option<VocabParallelEmbedding<D>>,
+    /// The blocks of `layers`, in order.
+    pub blocks: Vec<TransformerBlock<M, D>>,
+    /// Final norm and LM head.
+    pub head: Option<(Norm<M, D>, ColumnParallelLinear<D>)>,
+}
+
+impl<M: SeqMode, D: DataMode> GptStage<M, D> {
+    /// The stage holding `layers` of the model `config` describes (`first`: the
+    /// embedding, `last`: the loss head), on the stage's mesh (`[Dp, Tp]`). Parameter ids
+    /// as [`Gpt::new`](crate::Gpt::new) gives them.
+    pub fn new(
+        config: GptConfig,
+        layers: Range<usize>,
+        first: bool,
+        last: bool,
+        mesh: &Arc<DeviceMesh>,
+    ) -> Result<Self> {
+        if layers.end > config.layers {
+            return Err(Error::ShapeMismatch {
+                op: "GptStage::new",
+                detail: format!(
+                    "layers {layers:?} of a model with {} layers",
+                    config.layers
+                ),
+            });
+        }
+        let init =
+            ParamInit::new(config.seed, 0, 0.02, config.dtype).with_precision(config.precision);
+        let embedding = first
+            .then(|| VocabParallelEmbedding::new(config.vocab, config.hidden, init, mesh))
+            .transpose()?;
+        let blocks = layers
+            .clone()
+            .map(|l| TransformerBlock::new(&config, init.with_id(10 + 20 * l as u64), mesh))
+            .collect::<Result<_>>()?;
+        let head = last
+            .then(|| -> Result<_> {
+                let norm = Norm::new(
+                    config.norm,
+                    config.hidden,
+                    config.eps,
+                    ParamInit {
+                        std: 0.0,
+                        ..init.with_id(5)
+                    },
+                    mesh,
+                )?;
+                let head = ColumnParallelLinear::new(
+                    config.hidden,
+                    config.vocab,
+                    false,
+                    init.with_id(7),
+                    mesh,
+                )?;
+                Ok((norm, head))
+            })
+            .transpose()?;
+        Ok(GptStage {
+            config,
+            layers,
+            embedding,
+            blocks,
+            head,
+        })
+    }
+
+    /// This stage's forward of one microbatch, on `tape`. The last stage needs the
+    /// microbatch's `targets` and the global batch's token count (the loss is divided by
+    /// it, so the losses of all microbatches and `Dp` ranks add up to the batch mean).
+    pub fn forward<'t>(
+        &self,
+        tape: &'t Tape,
+        input: StageInput<'_, 't, M>,
+        targets: Option<&DTensor<Ids>>,
+        total_tokens: usize,
+    ) -> Result<StageOutput<'t, M>> {
+        let mut x = match (input, &self.embedding) {
+            (StageInput::Ids(ids), Some(e)) => e.forward::<M>(tape, &tape.constant(ids.clone()))?,
+            (StageInput::Hidden(h), None) => h.clone(),
+            _ => {
+                return Err(Error::InvalidUse {
+                    op: "GptStage::forward",
+                    detail: "the first stage takes token ids, the others the previous stage's \
+                             output"
+                        .into(),
+                })
+            }
+        };
+        for b in &self.blocks {
+            x = if self.config.recompute {
+                b.forward_recomputed(&x)?
+            } else {
+                b.forward(tape, &x)?
+            };
+        }
+        match &self.head {
+            None => Ok(StageOutput::Hidden(x)),
+            Some((norm, head)) => {
+                let targets = targets.ok_or_else(|| Error::InvalidUse {
+                    op: "GptStage::forward",
+                    detail: "the last stage needs the microbatch's targets".into(),
+                })?;
+                Ok(StageOutput::Loss(head_loss(
+                    norm,
+                    head,
+                    self.config.dtype,
+                    tape,
+                    &x,
+                    targets,
+                    total_tokens,
+                )?))
+            }
+        }
+    }
+}
+
+impl<M: SeqMode, D: DataMode> Module for GptStage<M, D> {
+    /// The names the whole model gives these parameters (`blocks.{l}` with `l` the layer's
+    /// index in the model).
+    fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
+        if let Some(e) = &mut self.embedding {
+            e.visit_params(&join_name(prefix, "embedding"), v)?;
+        }
+        for (b, l) in self.blocks.iter_mut().zip(self.layers.clone()) {
+            b.visit_params(&join_name(prefix, &format!("blocks.{l}")), v)?;
+        }
+        if let Some((norm, head)) = &mut self.head {
+            norm.visit_params(&join_name(prefix, "norm"), v)?;
+            head.visit_params(&join_name(prefix, "head"), v)?;
+        }
+        Ok(())
+    }
+}
