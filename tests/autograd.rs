@@ -1243,3 +1243,44 @@ fn mul_row_every_rule_has_both_gradients() {
         [Dp: P, Tp: S0] [Dp: R, Tp: R],
     );
 }
+
+#[test]
+fn a_split_backward_gives_the_same_gradients_as_a_whole_one() {
+    // y = (gelu(x·W1ᵀ)·W2ᵀ) + b on [Dp: Shard<0>, Tp: ·]: the input pass gives dx, the
+    // weight pass dW1, dW2, db; together, bitwise the whole backward's.
+    let x = small(&[4, 3]);
+    let w1 = small(&[6, 3]);
+    let w2 = small(&[3, 6]);
+    let run = |split: bool| {
+        let (x, w1, w2) = (x.clone(), w1.clone(), w2.clone());
+        on_mesh(DP2TP2, move |m| {
+            let tape = Tape::new();
+            let xv = tape.leaf(dist::<layout![Dp: Shard<0>, Tp: Invariant]>(&x, m));
+            let p1 = tape.param(1, dist::<layout![Dp: Replicate, Tp: Shard<0>]>(&w1, m));
+            let p2 = tape.param(2, dist::<layout![Dp: Replicate, Tp: Shard<1>]>(&w2, m));
+            let y = xv
+                .to_replicate(Tp)?
+                .matmul_t(&p1)?
+                .gelu()?
+                .matmul_t(&p2)?
+                .all_reduce(Tp)?;
+            let dy = y.value().clone();
+            let (dx, mut g) = if split {
+                let (dx, pass) = y.backward_input(dy, &xv)?;
+                (dx, pass.run()?)
+            } else {
+                let mut g = y.backward_with(dy)?;
+                (g.take(&xv)?, g)
+            };
+            let l1 = dist::<layout![Dp: Replicate, Tp: Shard<0>]>(&w1, m);
+            let l2 = dist::<layout![Dp: Replicate, Tp: Shard<1>]>(&w2, m);
+            Ok((
+                dx.full_tensor()?,
+                g.of_key(1, &l1)?.all_reduce(Dp)?.full_tensor()?,
+                g.of_key(2, &l2)?.all_reduce(Dp)?.full_tensor()?,
+            ))
+        })
+    };
+    let (whole, split) = (run(false), run(true));
+    assert_eq!(whole, split);
+}

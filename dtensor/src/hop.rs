@@ -13,19 +13,44 @@ use crate::error::{Error, Result};
 use crate::typed::DTensor;
 use dtensor_collectives::Communicator;
 use dtensor_kernels::{DType, Tensor};
-use dtensor_placement::{local_shape, Layout};
+use dtensor_placement::{
+    local_shape, Invariant, Layout, MeshAxis, On, Partial, PlacementType, ReduceMarker, Replicate,
+    Shard,
+};
 use std::marker::PhantomData;
 use std::sync::Arc;
 
 /// A hop that carries values laid out as `Self` may be received as `Recv`: only the same
-/// layout.
+/// layout (the same axes, the same placement on each).
 #[diagnostic::on_unimplemented(
     message = "a stage hop carries tensors laid out as `{Self}`, but the receiving stage expects `{Recv}`",
     label = "the receiver's layout differs from the sender's",
     note = "both ends of a pipeline hop hold the same layout (the hop moves local pieces, never redistributes); change the layout inside a stage, with a named transition"
 )]
 pub trait HopTo<Recv: Layout>: Layout {}
-impl<L: Layout> HopTo<L> for L {}
+impl HopTo<()> for () {}
+impl<X: MeshAxis, P, Q, R, S> HopTo<(On<X, Q>, S)> for (On<X, P>, R)
+where
+    P: HopPlacement<Q>,
+    Q: PlacementType,
+    R: HopTo<S>,
+    S: Layout,
+{
+}
+
+/// One axis of [`HopTo`]: the same placement on both ends. Spelled out per placement (not
+/// `impl<P> HopPlacement<P> for P`), so a mismatch reports this message instead of a bare
+/// type mismatch.
+#[diagnostic::on_unimplemented(
+    message = "a stage hop carries tensors laid out as `{Self}` on a mesh axis where the receiving stage expects `{Q}`",
+    label = "the receiver's placement differs from the sender's",
+    note = "both ends of a pipeline hop hold the same layout; change it inside a stage, with a named transition"
+)]
+pub trait HopPlacement<Q>: PlacementType {}
+impl HopPlacement<Replicate> for Replicate {}
+impl HopPlacement<Invariant> for Invariant {}
+impl<const D: usize> HopPlacement<Shard<D>> for Shard<D> {}
+impl<O: ReduceMarker> HopPlacement<Partial<O>> for Partial<O> {}
 
 /// The boundary between two pipeline stages for values laid out `L` of a fixed global
 /// shape and dtype (a microbatch's activation), over `pp`, the `Pp` axis communicator;
@@ -73,8 +98,7 @@ impl<L: Layout> StageHop<L> {
                 ),
             });
         }
-        if !Arc::ptr_eq(t.device_mesh(), &self.mesh) && t.device_mesh().mesh() != self.mesh.mesh()
-        {
+        if !Arc::ptr_eq(t.device_mesh(), &self.mesh) && t.device_mesh().mesh() != self.mesh.mesh() {
             return Err(Error::MeshMismatch {
                 op,
                 lhs: t.device_mesh().mesh().to_string(),
@@ -113,7 +137,11 @@ impl<L: Layout> StageHop<L> {
     where
         L: HopTo<R>,
     {
-        Ok(DTensor::wrap(self.recv_any::<R>("StageHop::recv", peer, tag)?))
+        Ok(DTensor::wrap(self.recv_any::<R>(
+            "StageHop::recv",
+            peer,
+            tag,
+        )?))
     }
 
     /// Sends the gradient of a received value back to the stage it came from.

@@ -54,17 +54,38 @@ use dtensor_placement::{
     NormLayout, NotSplitLayout, Partial, PointwiseLayout, Replicate, SameAs, Select, Shard,
     SplitLayout, SplitOut, Sum, SumLayout, SumOut, TransposeLayout, Transposed,
 };
+use smallvec::SmallVec;
 use std::cell::RefCell;
 use std::sync::Arc;
 
 type Backward = Box<dyn FnOnce(&mut GradStore) -> Result<()>>;
+/// A backward that computes the gradients of the inputs `want` marks, and can run again
+/// for the others (zero-bubble pipelines defer a weight's half of a product).
+type HalfBackward = Box<dyn Fn(&mut GradStore, &[bool]) -> Result<()>>;
+
+enum Run {
+    Whole(Backward),
+    Halves(HalfBackward),
+}
 
 struct Node {
     /// The value this node produced.
     out: usize,
+    /// The values it was computed from.
+    inputs: SmallVec<[usize; 3]>,
     /// Issues a collective in backward: runs even when no gradient reached `out`.
     collective: bool,
-    run: Backward,
+    run: Run,
+}
+
+impl Node {
+    /// Runs the whole backward (every input's gradient).
+    fn run_all(self, store: &mut GradStore) -> Result<()> {
+        match self.run {
+            Run::Whole(f) => f(store),
+            Run::Halves(f) => f(store, &[true; 3][..self.inputs.len()]),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -338,6 +359,7 @@ impl Tape {
         &'t self,
         value: DTensor<Out>,
         collective: bool,
+        inputs: &[usize],
         back: impl FnOnce(DTensor<Out::Grad>, &mut GradStore) -> Result<()> + 'static,
     ) -> Var<'t, Out> {
         let id = self.new_id();
@@ -346,16 +368,43 @@ impl Tape {
             let dy = store.grad_or_zeros::<Out>(id, &meta)?;
             back(dy, store)
         });
-        self.inner.borrow_mut().nodes.push(Node {
-            out: id,
-            collective,
-            run,
-        });
+        self.push(id, inputs, collective, Run::Whole(run));
         Var {
             value,
             id,
             tape: self,
         }
+    }
+
+    /// [`record`](Self::record) for a node whose backward computes each input's gradient
+    /// on demand (`want[i]`), so a split backward can defer some of them.
+    fn record_halves<'t, Out: Layout>(
+        &'t self,
+        value: DTensor<Out>,
+        inputs: &[usize],
+        back: impl Fn(&DTensor<Out::Grad>, &[bool], &mut GradStore) -> Result<()> + 'static,
+    ) -> Var<'t, Out> {
+        let id = self.new_id();
+        let meta = Meta::of(value.as_any());
+        let run: HalfBackward = Box::new(move |store: &mut GradStore, want: &[bool]| {
+            let dy = store.grad_or_zeros::<Out>(id, &meta)?;
+            back(&dy, want, store)
+        });
+        self.push(id, inputs, false, Run::Halves(run));
+        Var {
+            value,
+            id,
+            tape: self,
+        }
+    }
+
+    fn push(&self, out: usize, inputs: &[usize], collective: bool, run: Run) {
+        self.inner.borrow_mut().nodes.push(Node {
+            out,
+            inputs: inputs.iter().copied().collect(),
+            collective,
+            run,
+        });
     }
 
     /// Runs every recorded node in reverse from a seeded store.
@@ -370,21 +419,126 @@ impl Tape {
         for node in nodes.into_iter().rev() {
             // A compute node nobody sent a gradient to contributes nothing; a collective
             // node runs anyway, so every rank issues the same collectives.
-            if node.collective || store.slots[node.out].is_some() {
-                (node.run)(&mut store)?;
+            let out = node.out;
+            if node.collective || store.slots[out].is_some() {
+                node.run_all(&mut store)?;
             }
             // Its output's gradient has been passed on: free it (as PyTorch frees non-leaf
             // gradients), so a backward holds the activations' gradients only while they
             // are in flight.
-            if !retained.contains(&node.out) {
-                store.slots[node.out] = None;
-                freed[node.out] = true;
+            if !retained.contains(&out) {
+                store.slots[out] = None;
+                freed[out] = true;
             }
         }
         Ok(Gradients {
             store,
             params,
             freed,
+        })
+    }
+}
+
+impl Tape {
+    /// The input-gradient pass of a split backward (a zero-bubble pipeline's `B`): runs the
+    /// nodes whose output depends on value `input`, computing only the gradients along that
+    /// dependence; a product's weight half (an input that does not depend on `input`) is
+    /// deferred with its output gradient, and the nodes that do not depend on `input` at
+    /// all (a parameter's gather, its cast) wait too. [`WeightPass::run`] finishes them.
+    fn run_input_pass(&self, mut store: GradStore, input: usize) -> Result<WeightPass> {
+        let nodes = std::mem::take(&mut self.inner.borrow_mut().nodes);
+        let params = std::mem::take(&mut self.inner.borrow_mut().params);
+        let retained = std::mem::take(&mut self.inner.borrow_mut().retained);
+        self.inner.borrow_mut().param_values.clear();
+        let n = self.inner.borrow().vars;
+        store.slots.resize(n, None);
+        let mut dep = vec![false; n];
+        dep[input] = true;
+        for node in &nodes {
+            if node.inputs.iter().any(|&i| dep[i]) {
+                dep[node.out] = true;
+            }
+        }
+        let mut freed = vec![false; n];
+        let (mut later, mut deferred) = (Vec::new(), Vec::new());
+        for node in nodes.into_iter().rev() {
+            let out = node.out;
+            if !dep[out] {
+                later.push(node);
+                continue;
+            }
+            let mut keep = retained.contains(&out);
+            if node.collective || store.slots[out].is_some() {
+                match node.run {
+                    Run::Whole(f) => f(&mut store)?,
+                    Run::Halves(f) => {
+                        let now: SmallVec<[bool; 3]> =
+                            node.inputs.iter().map(|&i| dep[i]).collect();
+                        f(&mut store, &now)?;
+                        if now.iter().any(|w| !w) {
+                            let rest = now.iter().map(|w| !w).collect();
+                            deferred.push((f, rest, out));
+                            // The weight half needs this output's gradient.
+                            keep = true;
+                        }
+                    }
+                }
+            }
+            if !keep {
+                store.slots[out] = None;
+                freed[out] = true;
+            }
+        }
+        Ok(WeightPass {
+            store,
+            deferred,
+            later,
+            params,
+            retained,
+            freed,
+        })
+    }
+}
+
+/// The weight-gradient pass a split backward left ([`Var::backward_input`]): the
+/// deferred halves of the products and the nodes that only parameters flow through.
+/// Run it once, on the same rank; it issues the collectives those nodes carry (an FSDP
+/// gather's reduce-scatter), so every rank of their groups runs it at the same point of
+/// its schedule.
+pub struct WeightPass {
+    store: GradStore,
+    deferred: Vec<(HalfBackward, SmallVec<[bool; 3]>, usize)>,
+    later: Vec<Node>,
+    params: Vec<(u64, usize)>,
+    retained: Vec<usize>,
+    freed: Vec<bool>,
+}
+
+impl WeightPass {
+    /// Computes the remaining gradients: the parameters'.
+    pub fn run(mut self) -> Result<Gradients> {
+        let store = &mut self.store;
+        for (f, rest, out) in std::mem::take(&mut self.deferred) {
+            f(store, &rest)?;
+            if !self.retained.contains(&out) {
+                store.slots[out] = None;
+                self.freed[out] = true;
+            }
+        }
+        for node in std::mem::take(&mut self.later) {
+            let out = node.out;
+            if node.collective || store.slots[out].is_some() {
+                node.run_all(store)?;
+            }
+            if !self.retained.contains(&out) {
+                store.slots[out] = None;
+                self.freed[out] = true;
+            }
+        }
+        Ok(Gradients {
+            store: self.store,
+            params: self.params,
+            freed: self.freed,
         })
     }
 }
@@ -439,6 +593,41 @@ impl<'t, L: Layout> Var<'t, L> {
         self.tape.run_backward(store)
     }
 
+    /// A split backward from this value given its gradient: the gradient of `input`
+    /// (computed now, along the path from `input` only) and the [`WeightPass`] that
+    /// computes every other gradient later. Zero-bubble pipelines send the input gradient
+    /// to the previous stage first and fill their idle time with the weight pass. The two
+    /// passes together give the same gradients as [`backward_with`](Self::backward_with).
+    pub fn backward_input<LI: Layout>(
+        self,
+        grad: DTensor<L::Grad>,
+        input: &Var<'t, LI>,
+    ) -> Result<(DTensor<LI::Grad>, WeightPass)> {
+        let n = self.tape.inner.borrow().vars;
+        let mut store = GradStore {
+            slots: vec![None; n],
+        };
+        store.slots[self.id] = Some(grad.into_any());
+        let mut pass = self.tape.run_input_pass(store, input.id)?;
+        let meta = Meta::of(input.value.as_any());
+        let dx = pass.store.grad_or_zeros::<LI>(input.id, &meta)?;
+        pass.store.slots[input.id] = None;
+        Ok((dx, pass))
+    }
+
+    /// [`backward_input`](Self::backward_input) from a loss (seeded with ones, as
+    /// [`backward`](Self::backward)).
+    pub fn backward_input_from_loss<LI: Layout>(
+        self,
+        input: &Var<'t, LI>,
+    ) -> Result<(DTensor<LI::Grad>, WeightPass)>
+    where
+        L: LossLayout,
+    {
+        let seed = ones_like(&self.value)?;
+        self.backward_input(seed, input)
+    }
+
     fn unary<Out: Layout>(
         &self,
         value: DTensor<Out>,
@@ -446,24 +635,39 @@ impl<'t, L: Layout> Var<'t, L> {
         back: impl FnOnce(DTensor<Out::Grad>) -> Result<DTensor<L::Grad>> + 'static,
     ) -> Var<'t, Out> {
         let id = self.id;
-        self.tape.record(value, collective, move |dy, store| {
-            let dx = back(dy)?;
-            store.accumulate::<L>(id, dx)
-        })
+        self.tape
+            .record(value, collective, &[id], move |dy, store| {
+                let dx = back(dy)?;
+                store.accumulate::<L>(id, dx)
+            })
     }
 
+    /// A two-input op; `back(dy, want)` returns the gradients `want` asks for (the other
+    /// may be `None`, or computed anyway where one kernel gives both cheaply: only the
+    /// wanted ones are accumulated).
+    #[allow(clippy::type_complexity)]
     fn binary<M: Layout, Out: Layout>(
         &self,
         other: &Var<'t, M>,
         value: DTensor<Out>,
-        back: impl FnOnce(DTensor<Out::Grad>) -> Result<(DTensor<L::Grad>, DTensor<M::Grad>)> + 'static,
+        back: impl Fn(
+                &DTensor<Out::Grad>,
+                [bool; 2],
+            ) -> Result<(Option<DTensor<L::Grad>>, Option<DTensor<M::Grad>>)>
+            + 'static,
     ) -> Var<'t, Out> {
         let (a, b) = (self.id, other.id);
-        self.tape.record(value, false, move |dy, store| {
-            let (da, db) = back(dy)?;
-            store.accumulate::<L>(a, da)?;
-            store.accumulate::<M>(b, db)
-        })
+        self.tape
+            .record_halves(value, &[a, b], move |dy, want, store| {
+                let (da, db) = back(dy, [want[0], want[1]])?;
+                if let (true, Some(da)) = (want[0], da) {
+                    store.accumulate::<L>(a, da)?;
+                }
+                match (want[1], db) {
+                    (true, Some(db)) => store.accumulate::<M>(b, db),
+                    _ => Ok(()),
+                }
+            })
     }
 
     /// A user's op: `forward` computes this rank's output from the local input, `backward`
@@ -515,7 +719,7 @@ impl<'t, L: Layout> Var<'t, L> {
         let params = self.tape.rebind_params(&scratch);
         drop(scratch);
         let (xv, x_id) = (self.value.clone(), self.id);
-        Ok(self.tape.record(y, true, move |dy, store| {
+        Ok(self.tape.record(y, true, &[x_id], move |dy, store| {
             let scratch = Tape::new();
             let x = scratch.leaf(xv);
             let mut g = f(&scratch, &x)?.backward_with(dy)?;
@@ -543,7 +747,7 @@ impl<'t, L: Layout> Var<'t, L> {
         drop(scratch);
         let (av, a_id) = (self.value.clone(), self.id);
         let (bv, b_id) = (other.value.clone(), other.id);
-        Ok(self.tape.record(y, true, move |dy, store| {
+        Ok(self.tape.record(y, true, &[a_id, b_id], move |dy, store| {
             let scratch = Tape::new();
             let (a, b) = (scratch.leaf(av), scratch.leaf(bv));
             let mut g = f(&scratch, &a, &b)?.backward_with(dy)?;
@@ -562,13 +766,17 @@ impl<'t, L: Layout> Var<'t, L> {
     ) -> Result<Var<'t, MatmulOut<L, LB>>> {
         let y = self.value.matmul(&b.value)?;
         let (av, bv) = (self.value.as_any().clone(), b.value.as_any().clone());
-        Ok(self.binary(b, y, move |dy| {
+        Ok(self.binary(b, y, move |dy, want| {
             let g = dy.as_local();
-            let da = ops::matmul(g, Transpose::No, bv.as_local(), Transpose::Yes)?;
-            let db = ops::matmul(av.as_local(), Transpose::Yes, g, Transpose::No)?;
+            let da = want[0]
+                .then(|| ops::matmul(g, Transpose::No, bv.as_local(), Transpose::Yes))
+                .transpose()?;
+            let db = want[1]
+                .then(|| ops::matmul(av.as_local(), Transpose::Yes, g, Transpose::No))
+                .transpose()?;
             Ok((
-                grad_of("Var::matmul", da, &av)?,
-                grad_of("Var::matmul", db, &bv)?,
+                da.map(|d| grad_of("Var::matmul", d, &av)).transpose()?,
+                db.map(|d| grad_of("Var::matmul", d, &bv)).transpose()?,
             ))
         }))
     }
@@ -580,13 +788,17 @@ impl<'t, L: Layout> Var<'t, L> {
     ) -> Result<Var<'t, MatmulTOut<L, LW>>> {
         let y = self.value.matmul_t(&w.value)?;
         let (av, wv) = (self.value.as_any().clone(), w.value.as_any().clone());
-        Ok(self.binary(w, y, move |dy| {
+        Ok(self.binary(w, y, move |dy, want| {
             let g = dy.as_local();
-            let da = ops::matmul(g, Transpose::No, wv.as_local(), Transpose::No)?;
-            let dw = ops::matmul(g, Transpose::Yes, av.as_local(), Transpose::No)?;
+            let da = want[0]
+                .then(|| ops::matmul(g, Transpose::No, wv.as_local(), Transpose::No))
+                .transpose()?;
+            let dw = want[1]
+                .then(|| ops::matmul(g, Transpose::Yes, av.as_local(), Transpose::No))
+                .transpose()?;
             Ok((
-                grad_of("Var::matmul_t", da, &av)?,
-                grad_of("Var::matmul_t", dw, &wv)?,
+                da.map(|d| grad_of("Var::matmul_t", d, &av)).transpose()?,
+                dw.map(|d| grad_of("Var::matmul_t", d, &wv)).transpose()?,
             ))
         }))
     }
@@ -598,11 +810,18 @@ impl<'t, L: Layout> Var<'t, L> {
     ) -> Result<Var<'t, BatchedMatmulOut<L, LB>>> {
         let y = self.value.bmm(&b.value)?;
         let (av, bv) = (self.value.as_any().clone(), b.value.as_any().clone());
-        Ok(self.binary(b, y, move |dy| {
+        Ok(self.binary(b, y, move |dy, want| {
             let g = dy.as_local();
-            let da = ops::matmul(g, Transpose::No, bv.as_local(), Transpose::Yes)?;
-            let db = ops::matmul(av.as_local(), Transpose::Yes, g, Transpose::No)?;
-            Ok((grad_of("Var::bmm", da, &av)?, grad_of("Var::bmm", db, &bv)?))
+            let da = want[0]
+                .then(|| ops::matmul(g, Transpose::No, bv.as_local(), Transpose::Yes))
+                .transpose()?;
+            let db = want[1]
+                .then(|| ops::matmul(av.as_local(), Transpose::Yes, g, Transpose::No))
+                .transpose()?;
+            Ok((
+                da.map(|d| grad_of("Var::bmm", d, &av)).transpose()?,
+                db.map(|d| grad_of("Var::bmm", d, &bv)).transpose()?,
+            ))
         }))
     }
 
@@ -610,11 +829,11 @@ impl<'t, L: Layout> Var<'t, L> {
     pub fn add<M: Layout + AddLayout<L>>(&self, other: &Var<'t, M>) -> Result<Var<'t, L>> {
         let y = self.value.add(&other.value)?;
         let (av, bv) = (self.value.as_any().clone(), other.value.as_any().clone());
-        Ok(self.binary(other, y, move |dy| {
+        Ok(self.binary(other, y, move |dy, _want| {
             let g = dy.as_local().clone();
             Ok((
-                grad_of("Var::add", g.clone(), &av)?,
-                grad_of("Var::add", g, &bv)?,
+                Some(grad_of("Var::add", g.clone(), &av)?),
+                Some(grad_of("Var::add", g, &bv)?),
             ))
         }))
     }
@@ -623,11 +842,11 @@ impl<'t, L: Layout> Var<'t, L> {
     pub fn sub<M: Layout + AddLayout<L>>(&self, other: &Var<'t, M>) -> Result<Var<'t, L>> {
         let y = self.value.sub(&other.value)?;
         let (av, bv) = (self.value.as_any().clone(), other.value.as_any().clone());
-        Ok(self.binary(other, y, move |dy| {
+        Ok(self.binary(other, y, move |dy, _want| {
             let g = dy.as_local();
             Ok((
-                grad_of("Var::sub", g.clone(), &av)?,
-                grad_of("Var::sub", g.scale(-1.0), &bv)?,
+                Some(grad_of("Var::sub", g.clone(), &av)?),
+                Some(grad_of("Var::sub", g.scale(-1.0), &bv)?),
             ))
         }))
     }
@@ -636,11 +855,14 @@ impl<'t, L: Layout> Var<'t, L> {
     pub fn mul<M: MulLayout<L>>(&self, other: &Var<'t, M>) -> Result<Var<'t, MulOut<L, M>>> {
         let y = self.value.mul(&other.value)?;
         let (av, bv) = (self.value.as_any().clone(), other.value.as_any().clone());
-        Ok(self.binary(other, y, move |dy| {
+        Ok(self.binary(other, y, move |dy, _want| {
             let g = dy.as_local();
             let da = g.mul(bv.as_local())?;
             let db = g.mul(av.as_local())?;
-            Ok((grad_of("Var::mul", da, &av)?, grad_of("Var::mul", db, &bv)?))
+            Ok((
+                Some(grad_of("Var::mul", da, &av)?),
+                Some(grad_of("Var::mul", db, &bv)?),
+            ))
         }))
     }
 
@@ -648,7 +870,7 @@ impl<'t, L: Layout> Var<'t, L> {
     pub fn div<M: DivLayout<L>>(&self, other: &Var<'t, M>) -> Result<Var<'t, DivOut<L, M>>> {
         let y = self.value.div(&other.value)?;
         let (av, bv) = (self.value.as_any().clone(), other.value.as_any().clone());
-        Ok(self.binary(other, y, move |dy| {
+        Ok(self.binary(other, y, move |dy, _want| {
             let (g, a, b) = (
                 dy.as_local().to_f64_vec(),
                 av.as_local().to_f64_vec(),
@@ -665,8 +887,8 @@ impl<'t, L: Layout> Var<'t, L> {
                 Ok(Tensor::from_f64_vec(v, like.local_shape(), like.dtype())?)
             };
             Ok((
-                grad_of("Var::div", t(da, &av)?, &av)?,
-                grad_of("Var::div", t(db, &bv)?, &bv)?,
+                Some(grad_of("Var::div", t(da, &av)?, &av)?),
+                Some(grad_of("Var::div", t(db, &bv)?, &bv)?),
             ))
         }))
     }
@@ -748,11 +970,11 @@ impl<'t, L: Layout> Var<'t, L> {
     {
         let y = self.value.swiglu(&up.value)?;
         let (gv, uv) = (self.value.as_any().clone(), up.value.as_any().clone());
-        Ok(self.binary(up, y, move |dy| {
+        Ok(self.binary(up, y, move |dy, _want| {
             let g = ops::swiglu_backward(dy.as_local(), gv.as_local(), uv.as_local())?;
             Ok((
-                grad_of("Var::swiglu", g.d_gate, &gv)?,
-                grad_of("Var::swiglu", g.d_up, &uv)?,
+                Some(grad_of("Var::swiglu", g.d_gate, &gv)?),
+                Some(grad_of("Var::swiglu", g.d_up, &uv)?),
             ))
         }))
     }
@@ -761,12 +983,12 @@ impl<'t, L: Layout> Var<'t, L> {
     pub fn add_row<LB: AddRowLayout<L>>(&self, bias: &Var<'t, LB>) -> Result<Var<'t, L>> {
         let y = self.value.add_row(&bias.value)?;
         let (xv, bv) = (self.value.as_any().clone(), bias.value.as_any().clone());
-        Ok(self.binary(bias, y, move |dy| {
+        Ok(self.binary(bias, y, move |dy, _want| {
             let g = dy.as_local();
             let db = ops::sum_rows(g)?;
             Ok((
-                grad_of("Var::add_row", g.clone(), &xv)?,
-                grad_of("Var::add_row", db, &bv)?,
+                Some(grad_of("Var::add_row", g.clone(), &xv)?),
+                Some(grad_of("Var::add_row", db, &bv)?),
             ))
         }))
     }
@@ -778,13 +1000,13 @@ impl<'t, L: Layout> Var<'t, L> {
     ) -> Result<Var<'t, MulRowOut<L, LW>>> {
         let y = self.value.mul_row(&w.value)?;
         let (xv, wv) = (self.value.as_any().clone(), w.value.as_any().clone());
-        Ok(self.binary(w, y, move |dy| {
+        Ok(self.binary(w, y, move |dy, _want| {
             let g = dy.as_local();
             let dx = ops::mul_row(g, wv.as_local())?;
             let dw = ops::sum_rows(&g.mul(xv.as_local())?)?;
             Ok((
-                grad_of("Var::mul_row", dx, &xv)?,
-                grad_of("Var::mul_row", dw, &wv)?,
+                Some(grad_of("Var::mul_row", dx, &xv)?),
+                Some(grad_of("Var::mul_row", dw, &wv)?),
             ))
         }))
     }
@@ -864,11 +1086,11 @@ impl<'t, L: Layout> Var<'t, L> {
         let y = self.value.rms_norm::<D, LW>(&weight.value, eps)?;
         let (xv, wv) = (self.value.as_any().clone(), weight.value.as_any().clone());
         let rstd = ops::rms_norm(xv.as_local(), wv.as_local(), eps)?.rstd;
-        Ok(self.binary(weight, y, move |dy| {
+        Ok(self.binary(weight, y, move |dy, _want| {
             let g = ops::rms_norm_backward(dy.as_local(), xv.as_local(), wv.as_local(), &rstd)?;
             Ok((
-                grad_of("Var::rms_norm", g.dx, &xv)?,
-                grad_of("Var::rms_norm", g.dweight, &wv)?,
+                Some(grad_of("Var::rms_norm", g.dx, &xv)?),
+                Some(grad_of("Var::rms_norm", g.dweight, &wv)?),
             ))
         }))
     }
@@ -888,18 +1110,27 @@ impl<'t, L: Layout> Var<'t, L> {
         let stats = ops::layer_norm(xv.as_local(), wv.as_local(), bv.as_local(), eps)?;
         let (mean, rstd) = (stats.mean, stats.rstd);
         let (x_id, w_id, b_id) = (self.id, weight.id, bias.id);
-        Ok(self.tape.record(y, false, move |dy, store| {
-            let g = ops::layer_norm_backward(
-                dy.as_local(),
-                xv.as_local(),
-                wv.as_local(),
-                &mean,
-                &rstd,
-            )?;
-            store.accumulate::<L>(x_id, grad_of("Var::layer_norm", g.dx, &xv)?)?;
-            store.accumulate::<LW>(w_id, grad_of("Var::layer_norm", g.dweight, &wv)?)?;
-            store.accumulate::<LW>(b_id, grad_of("Var::layer_norm", g.dbias, &bv)?)
-        }))
+        Ok(self
+            .tape
+            .record_halves(y, &[x_id, w_id, b_id], move |dy, want, store| {
+                let g = ops::layer_norm_backward(
+                    dy.as_local(),
+                    xv.as_local(),
+                    wv.as_local(),
+                    &mean,
+                    &rstd,
+                )?;
+                if want[0] {
+                    store.accumulate::<L>(x_id, grad_of("Var::layer_norm", g.dx, &xv)?)?;
+                }
+                if want[1] {
+                    store.accumulate::<LW>(w_id, grad_of("Var::layer_norm", g.dweight, &wv)?)?;
+                }
+                if want[2] {
+                    store.accumulate::<LW>(b_id, grad_of("Var::layer_norm", g.dbias, &bv)?)?;
+                }
+                Ok(())
+            }))
     }
 
     /// [`DTensor::embedding`] (`self` is the table; the ids get no gradient).

@@ -12,9 +12,7 @@
 
 use crate::attention::{AttentionConfig, ParallelAttention};
 use crate::data::{DataMode, Ddp, Precision};
-use crate::embedding::{
-    loss_value, vocab_parallel_cross_entropy, VocabParallelEmbedding,
-};
+use crate::embedding::{loss_value, vocab_parallel_cross_entropy, VocabParallelEmbedding};
 use crate::linear::{ColumnParallelLinear, ParamInit};
 use crate::mlp::{Activation, ParallelMlp};
 use crate::norm::{Norm, NormKind};

@@ -297,11 +297,13 @@ impl<const F: usize> DpMaster<Shard<F>> for Shard<F> {
         // Reducing wider than computing: bind the master, gather it, cast after (so the
         // gather's adjoint reduce-scatters in the wide dtype).
         let m = master.as_local().dtype();
-        Ok(if p.reduce_of(m).size_in_bytes() > p.compute_of(m).size_in_bytes() {
-            master.clone()
-        } else {
-            work.unwrap_or(master).clone()
-        })
+        Ok(
+            if p.reduce_of(m).size_in_bytes() > p.compute_of(m).size_in_bytes() {
+                master.clone()
+            } else {
+                work.unwrap_or(master).clone()
+            },
+        )
     }
 
     fn reduce<G: PlacementType>(
@@ -316,7 +318,10 @@ impl<const F: usize> DpMaster<Shard<F>> for Shard<F> {
         master: &DTensor<DpLayout<Self, T>>,
         p: &Precision,
     ) -> Result<Option<DTensor<DpLayout<Shard<F>, T>>>> {
-        let (m, c) = (master.as_local().dtype(), p.compute_of(master.as_local().dtype()));
+        let (m, c) = (
+            master.as_local().dtype(),
+            p.compute_of(master.as_local().dtype()),
+        );
         if c == m || p.reduce_of(m).size_in_bytes() > c.size_in_bytes() {
             Ok(None)
         } else {

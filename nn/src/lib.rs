@@ -81,9 +81,8 @@ pub use mlp::{Activation, ParallelMlp};
 pub use norm::{Norm, NormKind};
 pub use optim::{
     clip_coefficient, dp_average, join_name, named_params, reduce_grad, step, step_accumulated,
-    AdamW, GradAccumulator, GradNorm,
-    Module, NamedParam, Optimizer, Param, ParamVisitor, ReducedGrad, ReducedPlacement, Sgd,
-    TpParam,
+    AdamW, GradAccumulator, GradNorm, Module, NamedParam, Optimizer, Param, ParamVisitor,
+    ReducedGrad, ReducedPlacement, Sgd, TpParam,
 };
 pub use pipeline::{
     Action, Costs, GptStage, Pipeline, PipelineReport, Schedule, ScheduleKind, Timeline,

@@ -258,9 +258,7 @@ impl GradAccumulator {
                 let g = if D::REDUCE_EACH_BACKWARD {
                     w.dp_reduced_grad(self.grads)?.into_any()
                 } else {
-                    w.grad(self.grads)?
-                        .to_dtype(w.local().dtype())?
-                        .into_any()
+                    w.grad(self.grads)?.to_dtype(w.local().dtype())?.into_any()
                 };
                 self.acc.sum_into(w.master().key(), g)
             }

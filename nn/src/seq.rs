@@ -25,7 +25,7 @@
 //! their typed adjoints.
 
 use crate::optim::TpParam;
-use dtensor_core::{Result, Var};
+use dtensor_core::{HopPlacement, Result, Var};
 use dtensor_placement::{
     layout, AddPlacement, AddRowRule, Dp, Invariant, IsWhole, Layout, Linear, NormRule, Partial,
     PlacementType, Pointwise, Replicate, Shard, Tp,
@@ -71,7 +71,11 @@ pub type Loss = layout![Dp: Partial, Tp: Invariant];
 /// a norm weight for it.
 pub trait SeqMode: Clone + Send + Sync + Sized + 'static {
     /// The residual stream's placement on `Tp` (its own dual).
-    type Tp: PlacementType<Grad = Self::Tp> + Pointwise + Linear + AddPlacement<Self::Tp>;
+    type Tp: PlacementType<Grad = Self::Tp>
+        + Pointwise
+        + Linear
+        + AddPlacement<Self::Tp>
+        + HopPlacement<Self::Tp>;
     /// The placement on `Tp` of a parameter applied to the stream.
     type ParamTp: TpParam + IsWhole + AddRowRule<Self::Tp> + NormRule<Self::Tp, 1>;
     /// Whether the sequence is sharded over `Tp`.

@@ -86,7 +86,10 @@ fn pipelined<M: SeqMode, D: DataMode>(
     let ranks = on_pp_mesh(schedule.pp, dp, tp, |mesh| {
         let mut p = Pipeline::<M, D>::new(cfg, schedule.clone(), mesh)?;
         let sm = p.stage_mesh().clone();
-        let i: Vec<DTensor<Ids>> = ids.iter().map(|x| piece(x, &sm)).collect::<Result<_, _>>()?;
+        let i: Vec<DTensor<Ids>> = ids
+            .iter()
+            .map(|x| piece(x, &sm))
+            .collect::<Result<_, _>>()?;
         let t: Vec<DTensor<Ids>> = tg.iter().map(|x| piece(x, &sm)).collect::<Result<_, _>>()?;
         let mut opt = AdamW::new(3e-3);
         let losses = (0..steps)
@@ -161,6 +164,10 @@ fn pp2_dp2_tp2_with_sp_and_fsdp_trains_like_one_rank() {
     let s = pipeline::interleaved_1f1b(2, 2, 4).unwrap();
     let got = pipelined::<Sp, Zero2>(cfg, &s, (2, 2), 8, 3);
     check("interleaved pp=2 dp=2 tp=2 sp zero2", &got, &want);
+    // ZB-H1's weight passes carry the FSDP gathers' reduce-scatters.
+    let s = pipeline::zero_bubble_h1(2, 4).unwrap();
+    let got = pipelined::<Sp, Fsdp>(cfg, &s, (2, 2), 8, 3);
+    check("zb-h1 pp=2 dp=2 tp=2 sp fsdp", &got, &want);
 }
 
 #[test]
@@ -173,13 +180,24 @@ fn bad_pipelines_are_errors_before_any_rank_starts() {
     // 3 microbatches do not divide 4 samples.
     let (ids, _) = batch(4);
     let e = microbatches(&ids, 3, S).unwrap_err().to_string();
-    assert!(e.contains("3 microbatches do not divide a batch of 4 samples"), "{e}");
+    assert!(
+        e.contains("3 microbatches do not divide a batch of 4 samples"),
+        "{e}"
+    );
     // A schedule whose rank 1 runs a backward before its forward.
     let mut s = pipeline::gpipe(2, 2).unwrap();
     let r1 = &mut s.actions[1];
-    let f = r1.iter().position(|a| matches!(a, Action::Forward { .. })).unwrap();
-    let b = r1.iter().position(|a| matches!(a, Action::Backward { .. })).unwrap();
+    let f = r1
+        .iter()
+        .position(|a| matches!(a, Action::Forward { .. }))
+        .unwrap();
+    let b = r1
+        .iter()
+        .position(|a| matches!(a, Action::Backward { .. }))
+        .unwrap();
     r1.swap(f, b);
-    let e = pipeline::check_pipeline(&config(2), &s).unwrap_err().to_string();
+    let e = pipeline::check_pipeline(&config(2), &s)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("rank 1"), "{e}");
 }

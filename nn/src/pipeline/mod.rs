@@ -150,8 +150,8 @@ mod schedule;
 mod stage;
 
 pub use runtime::{check_pipeline, microbatches, Pipeline, PipelineReport};
-pub use stage::{GptStage, StageInput, StageOutput};
 pub use schedule::{
     gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1, Action, Costs, LiveCount, Schedule,
     ScheduleKind, Span, Timeline,
 };
+pub use stage::{GptStage, StageInput, StageOutput};

@@ -20,7 +20,7 @@ use crate::pipeline::schedule::{Action, Schedule};
 use crate::pipeline::stage::{GptStage, StageInput, StageOutput};
 use crate::seq::{Grad, Ids, Loss, SeqMode, Stream};
 use dtensor_collectives::{Communicator, CommunicatorExt};
-use dtensor_core::{DTensor, DeviceMesh, Error, Result, StageHop, Tape, Var};
+use dtensor_core::{DTensor, DeviceMesh, Error, Result, StageHop, Tape, Var, WeightPass};
 use dtensor_kernels::Tensor;
 use dtensor_placement::{AxisKind, Dp};
 use std::sync::Arc;
@@ -185,7 +185,9 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
         let slot = |mb: usize, stage: usize| mb * v + stage / pp;
         // Tags name the boundary (the sending stage), the microbatch and the direction,
         // so a transfer can only match its own peer.
-        let tag = |grad: bool, mb: usize, boundary: usize| ((boundary * m + mb) * 2 + grad as usize) as u32;
+        let tag = |grad: bool, mb: usize, boundary: usize| {
+            ((boundary * m + mb) * 2 + grad as usize) as u32
+        };
         let hop_for = |mb: usize| -> Result<StageHop<Stream<M>>> {
             let pp = self.pp.clone().ok_or_else(|| Error::InvalidUse {
                 op: "Pipeline::train_step",
@@ -210,6 +212,7 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
             (0..m * v).map(|_| None).collect();
         let mut in_grads: Vec<Option<DTensor<Grad<Stream<M>>>>> =
             (0..m * v).map(|_| None).collect();
+        let mut weight_passes: Vec<Option<WeightPass>> = (0..m * v).map(|_| None).collect();
         let mut losses: Vec<DTensor<Loss>> = Vec::new();
         let mut acc = GradAccumulator::new();
         let mut busy = 0.0;
@@ -254,13 +257,31 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
                     let g = hop_for(mb)?.recv_grad::<Stream<M>>(peer, tag(true, mb, stage))?;
                     out_grads[slot(mb, stage)] = Some(g);
                 }
+                // Zero-bubble `B`: the input gradient now, the weights' later.
+                Action::BackwardInput { mb, stage } if stage > 0 => {
+                    let i = slot(mb, stage);
+                    let x = inputs[i].take().ok_or_else(|| missing("input", a))?;
+                    let (dx, pass) = match outputs[i].take() {
+                        Some(StageOutput::Loss(l)) => l.backward_input_from_loss(&x)?,
+                        Some(StageOutput::Hidden(h)) => h.backward_input(
+                            out_grads[i].take().ok_or_else(|| missing("gradient", a))?,
+                            &x,
+                        )?,
+                        None => return Err(missing("forward", a)),
+                    };
+                    in_grads[i] = Some(dx);
+                    weight_passes[i] = Some(pass);
+                    busy += t0.elapsed().as_secs_f64();
+                }
+                // A full backward (and the first stage's `B`, which has no input gradient
+                // to send: it runs whole, and its `W` finds nothing left).
                 Action::Backward { mb, stage } | Action::BackwardInput { mb, stage } => {
                     let i = slot(mb, stage);
                     let mut grads = match outputs[i].take() {
                         Some(StageOutput::Loss(l)) => l.backward()?,
-                        Some(StageOutput::Hidden(h)) => {
-                            h.backward_with(out_grads[i].take().ok_or_else(|| missing("gradient", a))?)?
-                        }
+                        Some(StageOutput::Hidden(h)) => h.backward_with(
+                            out_grads[i].take().ok_or_else(|| missing("gradient", a))?,
+                        )?,
                         None => return Err(missing("forward", a)),
                     };
                     if stage > 0 {
@@ -270,9 +291,13 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
                     acc.add(&mut self.chunks[stage / pp], &mut grads)?;
                     busy += t0.elapsed().as_secs_f64();
                 }
-                // The tape computes input and weight gradients in one pass (in `B`), so
-                // the weight pass has nothing left to do.
-                Action::BackwardWeight { .. } => {}
+                Action::BackwardWeight { mb, stage } => {
+                    if let Some(pass) = weight_passes[slot(mb, stage)].take() {
+                        let mut grads = pass.run()?;
+                        acc.add(&mut self.chunks[stage / pp], &mut grads)?;
+                    }
+                    busy += t0.elapsed().as_secs_f64();
+                }
                 Action::SendGradient { mb, stage, peer } => {
                     let g = in_grads[slot(mb, stage)]
                         .take()

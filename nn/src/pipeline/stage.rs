@@ -62,10 +62,7 @@ impl<M: SeqMode, D: DataMode> GptStage<M, D> {
         if layers.end > config.layers {
             return Err(Error::ShapeMismatch {
                 op: "GptStage::new",
-                detail: format!(
-                    "layers {layers:?} of a model with {} layers",
-                    config.layers
-                ),
+                detail: format!("layers {layers:?} of a model with {} layers", config.layers),
             });
         }
         let init =
