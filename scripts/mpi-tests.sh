@@ -8,7 +8,8 @@
 # it passes the agreement, handles used after `Mpi::finalize`
 # (collectives/examples/mpi_misuse.rs).
 # Then the facade's examples built with `--features mpi`: `train_gpt --backend mpi` under
-# `mpirun -np 4` must print bitwise the same 20 losses as the threads backend (and say how
+# `mpirun -np 4` must print bitwise the same 20 losses as the threads backend (dp=2,tp=2
+# with SP, and pp=2,dp=2 with FSDP and 1F1B) (and say how
 # to launch it when started without mpirun), and `bench_report --backend mpi --quick` under
 # `mpirun -np 2` must print a `backend=mpi` line for every redistribution op.
 #
@@ -123,32 +124,39 @@ else
 fi
 rm -f "$log"
 
-# train_gpt: the threads backend and 4 MPI processes must agree bit for bit.
-train=(--mesh dp=2,tp=2 --sp --steps 20 --print-loss-bits)
-echo "== mpi: train_gpt --backend threads vs mpirun -np 4 --backend mpi, ${train[*]}"
-thr_log=$(mktemp)
-mpi_log=$(mktemp)
-set +e
-timeout 600 "$bin/train_gpt" --backend threads "${train[@]}" >"$thr_log" 2>&1
-thr_rc=$?
-timeout 600 "${MPIRUN[@]}" -np 4 "$bin/train_gpt" --backend mpi "${train[@]}" >"$mpi_log" 2>&1
-mpi_rc=$?
-set -e
-thr_bits=$(grep -o 'loss_bits=0x[0-9a-f]*' "$thr_log" || true)
-mpi_bits=$(grep -o 'loss_bits=0x[0-9a-f]*' "$mpi_log" || true)
-n_bits=$(printf '%s\n' "$mpi_bits" | grep -c . || true)
-if [ "$thr_rc" -eq 0 ] && [ "$mpi_rc" -eq 0 ] && [ "$n_bits" -eq 20 ] && [ "$thr_bits" = "$mpi_bits" ]; then
-  grep -v 'loss_bits=' "$mpi_log" || true
-  pass "train_gpt: 20 losses bitwise equal, threads vs mpi -np 4"
-else
-  echo "-- threads (exit $thr_rc):"
-  cat "$thr_log"
-  echo "-- mpi (exit $mpi_rc):"
-  cat "$mpi_log"
-  diff <(echo "$thr_bits") <(echo "$mpi_bits") || true
-  fail "train_gpt: threads vs mpi -np 4 (exits $thr_rc / $mpi_rc, $n_bits mpi losses; want 0 / 0, 20 equal)"
-fi
-rm -f "$thr_log" "$mpi_log"
+# train_gpt: the threads backend and 4 MPI processes must agree bit for bit, with TP + SP
+# and with pipeline stages over data parallelism (FSDP, 1F1B, 4 microbatches).
+train_cases=(
+  "--mesh dp=2,tp=2 --sp --steps 20 --print-loss-bits"
+  "--mesh pp=2,dp=2 --fsdp --schedule 1f1b --microbatches 4 --layers 2 --steps 20 --print-loss-bits"
+)
+for spec in "${train_cases[@]}"; do
+  read -r -a train <<<"$spec"
+  echo "== mpi: train_gpt --backend threads vs mpirun -np 4 --backend mpi, ${train[*]}"
+  thr_log=$(mktemp)
+  mpi_log=$(mktemp)
+  set +e
+  timeout 600 "$bin/train_gpt" --backend threads "${train[@]}" >"$thr_log" 2>&1
+  thr_rc=$?
+  timeout 600 "${MPIRUN[@]}" -np 4 "$bin/train_gpt" --backend mpi "${train[@]}" >"$mpi_log" 2>&1
+  mpi_rc=$?
+  set -e
+  thr_bits=$(grep -o 'loss_bits=0x[0-9a-f]*' "$thr_log" || true)
+  mpi_bits=$(grep -o 'loss_bits=0x[0-9a-f]*' "$mpi_log" || true)
+  n_bits=$(printf '%s\n' "$mpi_bits" | grep -c . || true)
+  if [ "$thr_rc" -eq 0 ] && [ "$mpi_rc" -eq 0 ] && [ "$n_bits" -eq 20 ] && [ "$thr_bits" = "$mpi_bits" ]; then
+    grep -v 'loss_bits=' "$mpi_log" || true
+    pass "train_gpt ${train[*]}: 20 losses bitwise equal, threads vs mpi -np 4"
+  else
+    echo "-- threads (exit $thr_rc):"
+    cat "$thr_log"
+    echo "-- mpi (exit $mpi_rc):"
+    cat "$mpi_log"
+    diff <(echo "$thr_bits") <(echo "$mpi_bits") || true
+    fail "train_gpt ${train[*]}: threads vs mpi -np 4 (exits $thr_rc / $mpi_rc, $n_bits mpi losses; want 0 / 0, 20 equal)"
+  fi
+  rm -f "$thr_log" "$mpi_log"
+done
 
 # name, expected message (grep -E), command...
 launch_cases=(

@@ -6,7 +6,7 @@
 //! `Tp` with SP, `Invariant` without.
 //!
 //! GPT: vocab-parallel embedding → blocks → final norm → column-parallel LM head (vocab
-//! sharded over `Tp`) → vocab-parallel cross-entropy → [`mean_loss`]. The logits are never
+//! sharded over `Tp`) → vocab-parallel cross-entropy → [`mean_loss`](crate::mean_loss). The logits are never
 //! gathered. [`Gpt::train_step`] is forward, `loss.backward()`, and one [`optim::step`]
 //! (DP reduction, clipping, update).
 

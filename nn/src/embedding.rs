@@ -1,6 +1,6 @@
 //! Vocab-parallel embedding and the vocab-parallel cross-entropy loss.
 //!
-//! The table `[vocab, hidden]` is sharded over `Tp` by vocabulary rows ([`ColWeight`]).
+//! The table `[vocab, hidden]` is sharded over `Tp` by vocabulary rows ([`ColWeight`](crate::ColWeight)).
 //! The lookup of `Tp`-invariant ids is derived `Partial` over `Tp` (each rank finds the ids
 //! it holds, zeros for the rest: Megatron's masked lookup) and leaves into the stream with
 //! [`SeqMode::exit`]. The loss takes logits sharded over the vocabulary ([`ColOut`]) and

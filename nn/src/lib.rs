@@ -6,11 +6,14 @@
 //! its value's layout. No layer relabels a tensor (`nn` never calls `from_local`, and
 //! `clippy.toml` forbids it), so a pending sum cannot be called a replica.
 //!
-//! Parameters are `Replicate` over `Dp` ([`ParamLayout`]), so their gradients arrive
-//! `Partial` over `Dp`; the optimizer takes only gradients reduced to their parameter's
-//! placement ([`optim`]), so the DP all-reduce (and, under SP, the norm weights' reduction
-//! over `Tp`) is written, not forgotten. Every parameter is enumerable with its name and
-//! layout through [`Module::visit_params`].
+//! Layers compute with parameters laid out [`ParamLayout`] (`Replicate` over `Dp`), whose
+//! gradients arrive `Partial` over `Dp`. How a parameter is *held* over `Dp` is the data
+//! mode, a type parameter of every layer ([`data`]: [`Ddp`] by default, [`Zero1`], [`Zero2`],
+//! [`Fsdp`]; a layer's [`Weight`] holds the master and the compute copy). The optimizer
+//! takes only gradients reduced to their master's placement ([`optim`]), so the DP
+//! all-reduce or reduce-scatter (and, under SP, the norm weights' reduction over `Tp`) is
+//! written, not forgotten. Every parameter is enumerable with its name and layout through
+//! [`Module::visit_params`].
 //!
 //! | layer | input → output (stream `S` = `Stream<M>`) | forward communication (no SP / SP) |
 //! |---|---|---|
@@ -23,9 +26,10 @@
 //! | [`vocab_parallel_cross_entropy`] | [`ColOut`] logits → per-token loss | three `all_reduce`s of `[tokens]` (max, Σexp, target) |
 //! | [`TransformerBlock`], [`Gpt`] | pre-norm blocks with residuals; embedding → blocks → norm → LM head → loss | the layers' |
 //!
-//! Pipeline parallelism starts with [`pipeline`]: GPipe, 1F1B, interleaved 1F1B and ZB-H1
-//! schedules as per-rank action lists, validated (complete, matched, deadlock-free, within
-//! their memory bound) and timed before any runtime executes them.
+//! Pipeline parallelism is [`pipeline`]: GPipe, 1F1B, interleaved 1F1B and ZB-H1 schedules
+//! as per-rank action lists, validated (complete, matched, deadlock-free, within their
+//! memory bound) and timed before they run, and [`Pipeline`], which runs one on a
+//! `[Pp, Dp, Tp]` mesh with the GPT cut into [`GptStage`]s and typed hops between them.
 //!
 //! ```
 //! use dtensor_collectives::threads;

@@ -9,15 +9,18 @@
 //!
 //! | parameter axis | raw gradient (dual) | reduce with | reduced |
 //! |---|---|---|---|
-//! | `Replicate` over `Dp` | `Partial` | `all_reduce` over `Dp` ([`reduce_grad`]) | `Invariant` |
+//! | `Replicate` over `Dp` (DDP) | `Partial` | `all_reduce` over `Dp` ([`reduce_grad`]) | `Invariant` |
+//! | `Shard<F>` over `Dp`, compute copy `Replicate` (ZeRO) | `Partial` | `reduce_scatter` over `Dp` | `Shard<F>` |
+//! | `Shard<F>` over `Dp`, gathered for use (FSDP) | `Shard<F>` (the gather's adjoint reduce-scattered it) | nothing | `Shard<F>` |
 //! | `Shard<D>` over `Tp` | `Shard<D>` | nothing | `Shard<D>` |
 //! | `Invariant` over `Tp` (no SP) | `Invariant` | nothing | `Invariant` |
 //! | `Replicate` over `Tp` (SP) | `Partial` | [`TpParam::reduce_over_tp`] (`all_reduce` over `Tp`) | `Invariant` |
 //!
-//! Every parameter of the layers is laid out [`ParamLayout<T>`] (`Replicate` over `Dp`, `T`
-//! over `Tp`) and is enumerable as a whole through [`Module::visit_params`] (name, layout,
-//! value). [`step`] is one optimizer step over a module: reduce every gradient, clip by the
-//! global norm, update.
+//! Every parameter of the layers is a [`Weight`]: its master laid out as the data mode
+//! says, computed with as [`ParamLayout<T>`](crate::ParamLayout) (`Replicate` over `Dp`, `T`
+//! over `Tp`), enumerable through [`Module::visit_params`] (name, layout, value). [`step`]
+//! is one optimizer step over a module: reduce every gradient, clip by the global norm,
+//! update; [`GradAccumulator`] and [`step_accumulated`] do the same over microbatches.
 
 use crate::data::{DataMode, DpLayout, ParamKind, ReducedLayout, Weight};
 use crate::seq::{axis_size, DpPartial, DpReduced};
