@@ -1284,3 +1284,53 @@ fn a_split_backward_gives_the_same_gradients_as_a_whole_one() {
     let (whole, split) = (run(false), run(true));
     assert_eq!(whole, split);
 }
+
+#[test]
+fn a_backward_hook_gets_each_parameter_gradient_once_when_it_is_final() {
+    // y = gelu(x·W1ᵀ)·W2ᵀ, W1 bound twice (two leaves, one key), W3 bound and unused.
+    let x = small(&[4, 3]);
+    let w1 = small(&[6, 3]);
+    let w2 = small(&[3, 6]);
+    on_mesh(DP2TP2, move |m| {
+        let run = |hooked: bool| -> Result<Vec<(u64, Tensor)>, Error> {
+            let tape = Tape::new();
+            let xv = tape.constant(dist::<layout![Dp: Shard<0>, Tp: Invariant]>(&x, m));
+            let d1 = dist::<layout![Dp: Replicate, Tp: Shard<0>]>(&w1, m);
+            let d2 = dist::<layout![Dp: Replicate, Tp: Shard<1>]>(&w2, m);
+            let (a, b) = (tape.param(1, d1.clone()), tape.param(1, d1.clone()));
+            let p2 = tape.param(2, d2.clone());
+            let _unused = tape.param(3, d2.clone());
+            let h = xv.to_replicate(Tp)?;
+            let y = h.matmul_t(&a)?.add(&h.matmul_t(&b)?)?.gelu()?.matmul_t(&p2)?;
+            let loss = y.all_reduce(Tp)?.sum_dim::<1>()?.sum_dim::<0>()?;
+            if hooked {
+                let mut got = Vec::new();
+                let mut g = loss.backward_hooked(&mut |key, g| {
+                    got.push((key, g.as_local().clone()));
+                    Ok(())
+                })?;
+                // Hooked gradients left the store: of_key now finds zeros.
+                let z = g.of_key(1, &d1)?;
+                assert!(z.as_local().to_f64_vec().iter().all(|v| *v == 0.0));
+                Ok(got)
+            } else {
+                let mut g = loss.backward()?;
+                Ok(vec![
+                    (2, g.of_key(2, &d2)?.as_local().clone()),
+                    (1, g.of_key(1, &d1)?.as_local().clone()),
+                    (3, g.of_key(3, &d2)?.as_local().clone()),
+                ])
+            }
+        };
+        let hooked = run(true)?;
+        let keys: Vec<u64> = hooked.iter().map(|k| k.0).collect();
+        // The unused one first (final from the start), then W2 (read last in forward), W1.
+        assert_eq!(keys, vec![3, 2, 1]);
+        let mut plain = run(false)?;
+        plain.sort_by_key(|k| k.0);
+        let mut hooked = hooked;
+        hooked.sort_by_key(|k| k.0);
+        assert_eq!(hooked, plain, "the same gradients, bit for bit");
+        Ok(())
+    });
+}

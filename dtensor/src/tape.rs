@@ -59,6 +59,8 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 type Backward = Box<dyn FnOnce(&mut GradStore) -> Result<()>>;
+/// Receives a parameter's key and its final gradient during a backward.
+type ParamHook<'h> = &'h mut dyn FnMut(u64, AnyDTensor) -> Result<()>;
 /// A backward that computes the gradients of the inputs `want` marks, and can run again
 /// for the others (zero-bubble pipelines defer a weight's half of a product).
 type HalfBackward = Box<dyn Fn(&mut GradStore, &[bool]) -> Result<()>>;
@@ -407,16 +409,82 @@ impl Tape {
         });
     }
 
-    /// Runs every recorded node in reverse from a seeded store.
-    fn run_backward(&self, mut store: GradStore) -> Result<Gradients> {
+    /// Runs every recorded node in reverse from a seeded store. With a `hook`, each
+    /// parameter's gradient is handed to it (and leaves the store) as soon as it is final:
+    /// when every node that read one of the parameter's leaves has run.
+    fn run_backward(
+        &self,
+        mut store: GradStore,
+        mut hook: Option<ParamHook<'_>>,
+    ) -> Result<Gradients> {
         let nodes = std::mem::take(&mut self.inner.borrow_mut().nodes);
         let params = std::mem::take(&mut self.inner.borrow_mut().params);
         let retained = std::mem::take(&mut self.inner.borrow_mut().retained);
-        self.inner.borrow_mut().param_values.clear();
+        let values = std::mem::take(&mut self.inner.borrow_mut().param_values);
         let n = self.inner.borrow().vars;
         store.slots.resize(n, None);
         let mut freed = vec![false; n];
-        for node in nodes.into_iter().rev() {
+        // Where each parameter's gradient becomes final: after the first node (in forward
+        // order) that reads any of its leaves, the last to run backward.
+        let mut finals: Vec<SmallVec<[u64; 2]>> = Vec::new();
+        let mut unread: Vec<u64> = Vec::new();
+        if hook.is_some() {
+            let mut last_reader: std::collections::HashMap<u64, usize> = Default::default();
+            for &(key, id) in &params {
+                let first = nodes.iter().position(|nd| nd.inputs.contains(&id));
+                let e = last_reader.entry(key).or_insert(usize::MAX);
+                if let Some(i) = first {
+                    *e = if *e == usize::MAX { i } else { (*e).min(i) };
+                }
+            }
+            finals = vec![SmallVec::new(); nodes.len()];
+            for (key, i) in last_reader {
+                match i {
+                    usize::MAX => unread.push(key),
+                    i => finals[i].push(key),
+                }
+            }
+            unread.sort_unstable();
+            for v in &mut finals {
+                v.sort_unstable();
+            }
+        }
+        let deliver = |store: &mut GradStore, key: u64, hook: &mut ParamHook<'_>| -> Result<()> {
+            let ids: Vec<usize> = params.iter().filter(|p| p.0 == key).map(|p| p.1).collect();
+            let mut total: Option<AnyDTensor> = None;
+            for &id in &ids {
+                if let Some(g) = store.slots[id].take() {
+                    total = Some(match total {
+                        None => g,
+                        Some(t) => t.add(&g)?,
+                    });
+                }
+            }
+            let g = match total {
+                Some(g) => g,
+                None => {
+                    // Nothing reached it: zeros laid out as its leaf's dual.
+                    let leaf = params.iter().position(|p| p.0 == key).expect("a bound key");
+                    let v = &values[leaf];
+                    let dual: SmallVec<[dtensor_placement::Placement; 4]> =
+                        v.placements().iter().map(|p| p.dual()).collect();
+                    AnyDTensor::from_local_for(
+                        "Tape::backward (zero gradient)",
+                        Tensor::zeros(v.local_shape(), v.dtype()),
+                        v.global_shape(),
+                        &dual,
+                        v.device_mesh(),
+                    )?
+                }
+            };
+            hook(key, g)
+        };
+        if let Some(h) = hook.as_mut() {
+            for &key in &unread {
+                deliver(&mut store, key, h)?;
+            }
+        }
+        for (i, node) in nodes.into_iter().enumerate().rev() {
             // A compute node nobody sent a gradient to contributes nothing; a collective
             // node runs anyway, so every rank issues the same collectives.
             let out = node.out;
@@ -429,6 +497,11 @@ impl Tape {
             if !retained.contains(&out) {
                 store.slots[out] = None;
                 freed[out] = true;
+            }
+            if let Some(h) = hook.as_mut() {
+                for &key in &finals[i] {
+                    deliver(&mut store, key, h)?;
+                }
             }
         }
         Ok(Gradients {
@@ -590,7 +663,37 @@ impl<'t, L: Layout> Var<'t, L> {
             slots: vec![None; n],
         };
         store.slots[self.id] = Some(grad.into_any());
-        self.tape.run_backward(store)
+        self.tape.run_backward(store, None)
+    }
+
+    /// [`backward_with`](Self::backward_with), handing each parameter's gradient (summed
+    /// over its leaves, laid out as the dual of its value) to `hook` as soon as it is final,
+    /// in the order they become final: data parallelism starts reducing a bucket while the
+    /// backward goes on. The hooked gradients are no longer in the returned [`Gradients`].
+    pub fn backward_with_hook(
+        self,
+        grad: DTensor<L::Grad>,
+        hook: &mut dyn FnMut(u64, AnyDTensor) -> Result<()>,
+    ) -> Result<Gradients> {
+        let n = self.tape.inner.borrow().vars;
+        let mut store = GradStore {
+            slots: vec![None; n],
+        };
+        store.slots[self.id] = Some(grad.into_any());
+        self.tape.run_backward(store, Some(hook))
+    }
+
+    /// [`backward`](Self::backward) with a parameter hook (see
+    /// [`backward_with_hook`](Self::backward_with_hook)).
+    pub fn backward_hooked(
+        self,
+        hook: &mut dyn FnMut(u64, AnyDTensor) -> Result<()>,
+    ) -> Result<Gradients>
+    where
+        L: LossLayout,
+    {
+        let seed = ones_like(&self.value)?;
+        self.backward_with_hook(seed, hook)
     }
 
     /// A split backward from this value given its gradient: the gradient of `input`
