@@ -65,6 +65,7 @@ mod counters;
 mod error;
 mod mismatch;
 pub mod mpi;
+mod progress;
 mod request;
 pub mod threads;
 
