@@ -207,6 +207,15 @@ impl Progress {
     }
 }
 
+impl Drop for Progress {
+    /// The handles call [`Progress::shutdown`] in their own drop, before their other
+    /// fields go (so that the worker's references to the handle's core are gone first);
+    /// this only makes a `Progress` dropped any other way end its worker too.
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
 /// Runs one job and counts it finished (waking a blocking call that drains the queue).
 fn run_job(shared: &Shared, job: Job) {
     job();
@@ -278,5 +287,114 @@ impl Pending for Queued {
             Ok(outcome) => Queued::finish(outcome),
             Err(mpsc::RecvError) => Err(self.lost()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Mutex as StdMutex;
+
+    fn progress() -> Progress {
+        Progress::new("test-progress".into(), 0)
+    }
+
+    fn ok() -> Result<Buffer> {
+        Ok(Buffer::from(vec![1i32]))
+    }
+
+    #[test]
+    fn requests_run_in_start_order_and_wait_in_any_order() {
+        let p = progress();
+        let log = Arc::new(StdMutex::new(Vec::new()));
+        let reqs: Vec<Request> = (0..20)
+            .map(|i| {
+                let log = log.clone();
+                p.submit("job", move || {
+                    log.lock().unwrap().push(i);
+                    Ok(Buffer::from(vec![i]))
+                })
+            })
+            .collect();
+        for (i, r) in reqs.into_iter().enumerate().rev() {
+            assert_eq!(r.wait().unwrap(), Buffer::from(vec![i as i32]));
+        }
+        assert_eq!(*log.lock().unwrap(), (0..20).collect::<Vec<i32>>());
+    }
+
+    #[test]
+    fn blocking_call_runs_after_the_requests_started_before_it() {
+        let p = progress();
+        let log = Arc::new(StdMutex::new(Vec::new()));
+        let (go, gate) = mpsc::channel::<()>();
+        let job_log = log.clone();
+        let req = p.submit("job", move || {
+            gate.recv().unwrap();
+            job_log.lock().unwrap().push("request");
+            ok()
+        });
+        std::thread::scope(|s| {
+            let blocking = s.spawn(|| {
+                let _gate = p.blocking("blocking").unwrap();
+                log.lock().unwrap().push("blocking");
+                // While it runs, no request may start (only another thread could try).
+                let e = p.submit("late", ok).wait().unwrap_err();
+                assert!(
+                    matches!(e, Error::InvalidArgument { op: "late", .. }),
+                    "{e}"
+                );
+                // Nor a second blocking call.
+                assert!(p.blocking("second").is_err());
+            });
+            go.send(()).unwrap();
+            blocking.join().unwrap();
+        });
+        assert_eq!(*log.lock().unwrap(), ["request", "blocking"]);
+        req.wait().unwrap();
+        // The gate is released: requests start again.
+        p.submit("after", ok).wait().unwrap();
+    }
+
+    #[test]
+    fn dropped_request_waits_and_shutdown_finishes_the_queue() {
+        let p = progress();
+        let done = Arc::new(AtomicU64::new(0));
+        for _ in 0..3 {
+            let done = done.clone();
+            drop(p.submit("job", move || {
+                done.fetch_add(1, Ordering::SeqCst);
+                ok()
+            }));
+        }
+        // Each drop waited for its request.
+        assert_eq!(done.load(Ordering::SeqCst), 3);
+        let d = done.clone();
+        let (go, gate) = mpsc::channel::<()>();
+        let pending = p.submit("queued", move || {
+            gate.recv().unwrap();
+            d.fetch_add(1, Ordering::SeqCst);
+            ok()
+        });
+        go.send(()).unwrap();
+        p.shutdown();
+        // The worker ran the queued request before ending.
+        assert_eq!(done.load(Ordering::SeqCst), 4);
+        let mut pending = pending;
+        assert!(pending.test());
+        pending.wait().unwrap();
+    }
+
+    #[test]
+    fn panic_in_a_request_reaches_its_wait_and_the_worker_goes_on() {
+        let p = progress();
+        let bad = p.submit("bad", || panic!("broken invariant"));
+        let good = p.submit("good", ok);
+        let caught = catch_unwind(AssertUnwindSafe(|| bad.wait())).unwrap_err();
+        assert_eq!(caught.downcast_ref::<&str>(), Some(&"broken invariant"));
+        good.wait().unwrap();
+        // Dropping a request whose job panics does not panic.
+        drop(p.submit("bad again", || panic!("again")));
+        p.submit("still good", ok).wait().unwrap();
     }
 }
