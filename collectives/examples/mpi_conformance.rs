@@ -973,7 +973,7 @@ fn async_counters_equal_blocking(comm: &Comm, f: &mut Fails) -> Result<(), Error
     let (r, n) = (comm.rank(), comm.size());
     let counts = uneven(n);
     let blocking = delta(comm, || {
-        comm.all_reduce_in_place(&mut vec![1.0f32; 10], ReduceOp::Sum)?;
+        comm.all_reduce_in_place(&mut [1.0f32; 10], ReduceOp::Sum)?;
         comm.all_gather_vec(&[1.0f64; 4])?;
         let mut out = [0i32; 2];
         comm.reduce_scatter(

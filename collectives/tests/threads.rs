@@ -1498,8 +1498,10 @@ fn column_collectives_with_overflowing_widths_are_invalid_on_every_rank() {
 fn check_async_equals_blocking<T: StorageElement>(n: usize) {
     all_ok(launch_with(n, long(), |comm| {
         let r = comm.rank();
-        for len in unless_miri(vec![0, 1, 37, 5000], vec![1, 11]) {
-            for op in ops() {
+        // Under Miri one length and op: the data phases are the blocking calls' (checked
+        // above); what is new here is the worker, the owned buffers and the hand-back.
+        for len in unless_miri(vec![0, 1, 37, 5000], vec![11]) {
+            for op in unless_miri(ops(), vec![ReduceOp::Avg]) {
                 // all_reduce
                 let mut blocking = vals::<T>(r, len);
                 comm.all_reduce_in_place(&mut blocking, op)?;
@@ -2116,11 +2118,11 @@ fn async_default_stand_in_runs_at_start_with_the_same_results() {
     all_ok(launch_with(3, long(), |comm| {
         let r = comm.rank();
         let wrapped = DefaultsOnly(comm.clone());
-        let mut a = wrapped.start_all_reduce_vec(vals::<bf16>(r, 700), ReduceOp::Avg);
+        let mut a = wrapped.start_all_reduce_vec(vals::<bf16>(r, big(700)), ReduceOp::Avg);
         // The stand-in ran the blocking call at start: already complete.
         assert!(a.test());
         let blocking = {
-            let mut v = vals::<bf16>(r, 700);
+            let mut v = vals::<bf16>(r, big(700));
             comm.all_reduce_in_place(&mut v, ReduceOp::Avg)?;
             v
         };

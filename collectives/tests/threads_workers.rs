@@ -18,6 +18,7 @@ fn progress_threads() -> usize {
 
 #[cfg(target_os = "linux")]
 #[test]
+#[cfg_attr(miri, ignore = "reads /proc, which Miri's isolation hides")]
 fn progress_workers_end_with_their_communicators() {
     assert_eq!(progress_threads(), 0);
     let opts = Options {
