@@ -2,7 +2,8 @@
 # The MPI backend's checks: builds dtensor-collectives with `--features mpi`, runs the
 # conformance suite (collectives/examples/mpi_conformance.rs) under
 # `mpirun --oversubscribe -np 2` and `-np 4`, and checks that a failing rank ends the whole
-# job with a message naming it and a non-zero exit code (collectives/examples/mpi_fail.rs),
+# job with a message naming it and a non-zero exit code, with blocking and with asynchronous
+# collectives (collectives/examples/mpi_fail.rs),
 # and that misuse ends in an error (or an abort), not a hang or a call into a finalized
 # MPI: a rank arriving after its peers timed out, the same with the race forced in which
 # it passes the agreement, handles used after `Mpi::finalize`
@@ -63,6 +64,10 @@ cases=(
   "panic|rank 1 failed: panicked: panicking on purpose"
   "early|rank 0 failed: returned an error: rank 1 failed \(returned before joining\)"
   "absent|rank 0 failed: returned an error: all_reduce timed out after .* waiting for ranks \[1\]"
+  "async-error|rank 1 failed: returned an error: .*failing on purpose"
+  "async-panic|rank 1 failed: panicked: panicking on purpose"
+  "async-early|rank 0 failed: returned an error: rank 1 failed \(returned before joining\)"
+  "async-absent|rank 0 failed: returned an error: all_reduce timed out after .* waiting for ranks \[1\]"
 )
 for c in "${cases[@]}"; do
   mode="${c%%|*}"

@@ -2,7 +2,10 @@
 //! the MPI backend: every collective and dtype against slow references, uneven counts with
 //! zeros, bitwise-identical order-sensitive all-reduce (and bitwise equal to the threads
 //! backend), in-place variants, send / recv, split into sub-groups, counters, and
-//! mismatches failing on every rank.
+//! mismatches failing on every rank; and the asynchronous collectives (`start_*`): equal
+//! to the blocking ones bit for bit, several in flight, waits in any order, dropped
+//! unwaited, mixed with blocking calls, counted alike, mismatches from `wait`, and
+//! progress while the caller computes.
 //!
 //! Run under MPI (built with `--features mpi`):
 //!
@@ -15,8 +18,8 @@
 //! (a split), so group sizes 1..=n are covered.
 
 use dtensor_collectives::{
-    mpi, threads, CollectiveKind, Communicator, CommunicatorExt, CounterSnapshot, Element, Error,
-    ReduceOp,
+    mpi, threads, Buffer, CollectiveKind, Communicator, CommunicatorExt, CounterSnapshot, DType,
+    Element, Error, ReduceOp, Request, StorageElement,
 };
 use dtensor_kernels::half::{bf16, f16};
 use std::fmt::Debug;
@@ -814,6 +817,335 @@ fn mismatch_every_kind_every_rank_errs_and_group_stays_usable(
     Ok(())
 }
 
+// ---------------------------------------------------------------------------------------
+// Asynchronous collectives
+// ---------------------------------------------------------------------------------------
+
+fn async_t<T: StorageElement>(comm: &Comm, f: &mut Fails) -> Result<(), Error> {
+    let (r, n) = (comm.rank(), comm.size());
+    for len in [0, 1, 37, 5000] {
+        for op in OPS {
+            let what = |c: &str| format!("{} {c} n={n} len={len} op={op}", T::DTYPE);
+            let mut blocking = vals::<T>(r, len);
+            comm.all_reduce_in_place(&mut blocking, op)?;
+            let got = comm.start_all_reduce_vec(vals::<T>(r, len), op).wait()?;
+            f.eq(&bits(&got), &bits(&blocking), || what("all_reduce"));
+            let k = len / n + 1;
+            let send = vals::<T>(r, n * k);
+            let mut blocking = vec![T::zero(); k];
+            comm.reduce_scatter(T::slice(&send), T::slice_mut(&mut blocking), op)?;
+            let got = comm.start_reduce_scatter_vec(send, op).wait()?;
+            f.eq(&bits(&got), &bits(&blocking), || what("reduce_scatter"));
+            let counts: Vec<usize> = uneven(n).iter().map(|c| c * (len % 7 + 1)).collect();
+            let send = vals::<T>(r, counts.iter().sum());
+            let mut blocking = vec![T::zero(); counts[r]];
+            comm.reduce_scatterv(T::slice(&send), T::slice_mut(&mut blocking), &counts, op)?;
+            let recv = Buffer::zeros(T::DTYPE, counts[r]);
+            let got = comm
+                .start_reduce_scatterv(Buffer::from(send), recv, &counts, op)
+                .wait()?;
+            f.eq(&got, &Buffer::from(blocking), || what("reduce_scatterv"));
+        }
+        let send = vals::<T>(r, len);
+        let blocking = comm.all_gather_vec(&send)?;
+        let got = comm.start_all_gather_vec(send).wait()?;
+        f.eq(&bits(&got), &bits(&blocking), || {
+            format!("{} all_gather n={n} len={len}", T::DTYPE)
+        });
+        let counts: Vec<usize> = uneven(n).iter().map(|c| c * (len % 5)).collect();
+        let send = vals::<T>(r, counts[r]);
+        let mut blocking = vec![T::zero(); counts.iter().sum()];
+        comm.all_gatherv(T::slice(&send), T::slice_mut(&mut blocking), &counts)?;
+        let recv = Buffer::zeros(T::DTYPE, blocking.len());
+        let got = comm
+            .start_all_gatherv(Buffer::from(send), recv, &counts)
+            .wait()?;
+        f.eq(&got, &Buffer::from(blocking), || {
+            format!("{} all_gatherv {counts:?}", T::DTYPE)
+        });
+    }
+    Ok(())
+}
+
+fn async_every_kind_dtype_op_equals_blocking_bitwise(
+    comm: &Comm,
+    f: &mut Fails,
+) -> Result<(), Error> {
+    each_dtype!(async_t(comm, f));
+    Ok(())
+}
+
+fn async_in_flight_any_wait_order_dropped_and_mixed_with_blocking(
+    comm: &Comm,
+    f: &mut Fails,
+) -> Result<(), Error> {
+    let (r, n) = (comm.rank(), comm.size());
+    let len = 3000;
+    let sum_of = |i: usize, j: usize| (0..n).map(|p| val::<f32>(p + i, j)).collect::<Vec<_>>();
+    // Six in flight; the last waited first: every earlier one has completed by then.
+    let mut reqs: Vec<Option<Request<Vec<f32>>>> = (0..6)
+        .map(|i| {
+            Some(match i % 3 {
+                0 => comm.start_all_reduce_vec(vals::<f32>(r + i, len), ReduceOp::Sum),
+                1 => comm.start_all_gather_vec(vals::<f32>(r + i, len)),
+                _ => comm.start_reduce_scatter_vec(vals::<f32>(r + i, n * len), ReduceOp::Max),
+            })
+        })
+        .collect();
+    let mut results = vec![Vec::new(); 6];
+    results[5] = reqs[5].take().expect("once").wait()?;
+    for req in reqs.iter_mut().flatten() {
+        f.check(req.test(), || {
+            format!(
+                "{} started before a completed one is not complete",
+                req.op()
+            )
+        });
+    }
+    for i in [2, 0, 4, 1, 3] {
+        results[i] = reqs[i].take().expect("once").wait()?;
+    }
+    for (i, got) in results.iter().enumerate() {
+        let expect: Vec<f32> = match i % 3 {
+            0 => (0..len)
+                .map(|j| reduce_ref(&sum_of(i, j), ReduceOp::Sum))
+                .collect(),
+            1 => (0..n).flat_map(|p| vals::<f32>(p + i, len)).collect(),
+            _ => (r * len..(r + 1) * len)
+                .map(|j| reduce_ref(&sum_of(i, j), ReduceOp::Max))
+                .collect(),
+        };
+        f.eq(&bits(got), &bits(&expect), || format!("request {i}"));
+    }
+    // Dropped unwaited (on rank 0 only, then on every rank): the collective still runs
+    // and later calls still pair up.
+    let before = comm.counters();
+    let a = comm.start_all_reduce_vec(vec![1i64; 4], ReduceOp::Sum);
+    if r == 0 {
+        drop(a);
+        f.eq(
+            &comm
+                .counters()
+                .since(&before)
+                .calls(CollectiveKind::AllReduce),
+            &1,
+            || "a dropped request was not complete after its drop".into(),
+        );
+    } else {
+        f.eq(&a.wait()?, &vec![n as i64; 4], || {
+            "beside a dropped request".into()
+        });
+    }
+    drop(comm.start_all_gather_vec(vec![r as i32; 3]));
+    // Mixed: rank r alternates blocking and asynchronous calls in its own pattern; a
+    // blocking call first completes the requests started before it.
+    let blocking = |i: usize| (i + r) % 2 == 0;
+    let mut pending: Vec<(usize, Request<Vec<f32>>)> = Vec::new();
+    for i in 0..4 {
+        let v = vec![i as f32; 8];
+        if blocking(i) {
+            let mut v = v;
+            comm.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+            f.eq(&v, &vec![(i * n) as f32; 8], || {
+                format!("blocking call {i}")
+            });
+            for (j, req) in &mut pending {
+                f.check(req.test(), || {
+                    format!("request {j} not complete after a later blocking call")
+                });
+            }
+        } else {
+            pending.push((i, comm.start_all_reduce_vec(v, ReduceOp::Sum)));
+        }
+    }
+    for (i, req) in pending {
+        f.eq(&req.wait()?, &vec![(i * n) as f32; 8], || {
+            format!("request {i}")
+        });
+    }
+    let mut v = [1.0f32; 3];
+    comm.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+    f.eq(&v, &[n as f32; 3], || "group unusable after drops".into());
+    Ok(())
+}
+
+fn async_counters_equal_blocking(comm: &Comm, f: &mut Fails) -> Result<(), Error> {
+    let (r, n) = (comm.rank(), comm.size());
+    let counts = uneven(n);
+    let blocking = delta(comm, || {
+        comm.all_reduce_in_place(&mut [1.0f32; 10], ReduceOp::Sum)?;
+        comm.all_gather_vec(&[1.0f64; 4])?;
+        let mut out = [0i32; 2];
+        comm.reduce_scatter(
+            i32::slice(&vec![1; 2 * n]),
+            i32::slice_mut(&mut out),
+            ReduceOp::Sum,
+        )?;
+        let mut out = vec![0.0f32; counts.iter().sum()];
+        comm.all_gatherv(
+            f32::slice(&vec![0.0; counts[r]]),
+            f32::slice_mut(&mut out),
+            &counts,
+        )
+    })?;
+    let asynchronous = delta(comm, || {
+        let reqs = [
+            comm.start_all_reduce(Buffer::from(vec![1.0f32; 10]), ReduceOp::Sum),
+            comm.start_all_gather(
+                Buffer::from(vec![1.0f64; 4]),
+                Buffer::zeros(DType::F64, 4 * n),
+            ),
+            comm.start_reduce_scatter(
+                Buffer::from(vec![1i32; 2 * n]),
+                Buffer::zeros(DType::I32, 2),
+                ReduceOp::Sum,
+            ),
+            comm.start_all_gatherv(
+                Buffer::zeros(DType::F32, counts[r]),
+                Buffer::zeros(DType::F32, counts.iter().sum()),
+                &counts,
+            ),
+        ];
+        for q in reqs {
+            q.wait()?;
+        }
+        Ok(())
+    })?;
+    f.eq(&asynchronous, &blocking, || {
+        "async counters differ from blocking".into()
+    });
+    Ok(())
+}
+
+fn async_mismatch_every_rank_from_wait_and_group_stays_usable(
+    comm: &Comm,
+    f: &mut Fails,
+) -> Result<(), Error> {
+    let (r, n) = (comm.rank(), comm.size());
+    if n < 2 {
+        return Ok(());
+    }
+    expect_mismatch(
+        comm,
+        f,
+        "async different op",
+        &["ranks called different collectives", "rank 0: all_reduce"],
+        None,
+        || {
+            if r == 0 {
+                comm.start_all_reduce_vec(vec![0.0f32; 16], ReduceOp::Sum)
+                    .wait()
+                    .map(drop)
+            } else {
+                comm.start_all_gather_vec(vec![0.0f32; 8]).wait().map(drop)
+            }
+        },
+    )?;
+    expect_mismatch(comm, f, "async lengths", &["lengths differ"], None, || {
+        comm.start_all_reduce_vec(vec![0.0f32; 4 + r], ReduceOp::Sum)
+            .wait()
+            .map(drop)
+    })?;
+    expect_mismatch(comm, f, "async dtypes", &["dtypes differ"], None, || {
+        if r == 0 {
+            comm.start_all_gather_vec(vec![0.0f64; 2]).wait().map(drop)
+        } else {
+            comm.start_all_gather_vec(vec![0.0f32; 2]).wait().map(drop)
+        }
+    })?;
+    expect_mismatch(
+        comm,
+        f,
+        "async reduce ops",
+        &["reduce ops differ"],
+        None,
+        || {
+            let op = if r == 0 { ReduceOp::Max } else { ReduceOp::Sum };
+            comm.start_reduce_scatter_vec(vec![0.0f32; 2 * n], op)
+                .wait()
+                .map(drop)
+        },
+    )?;
+    expect_mismatch(
+        comm,
+        f,
+        "async vs blocking lengths",
+        &["lengths differ"],
+        None,
+        || {
+            if r == 0 {
+                comm.all_reduce_in_place(&mut [0i64; 3], ReduceOp::Sum)
+            } else {
+                comm.start_all_reduce_vec(vec![0i64; 5], ReduceOp::Sum)
+                    .wait()
+                    .map(drop)
+            }
+        },
+    )?;
+    expect_mismatch(
+        comm,
+        f,
+        "async invalid argument",
+        &["rank 1 passed invalid arguments"],
+        Some(1),
+        || {
+            let k = if r == 1 { 5 } else { 2 * n };
+            comm.start_all_gather(Buffer::from(vec![0.0f32; 2]), Buffer::zeros(DType::F32, k))
+                .wait()
+                .map(drop)
+        },
+    )?;
+    Ok(())
+}
+
+/// Rank 0 starts a large all-reduce and tells its peers (by `send`, which does not wait for
+/// requests); they start their side only then, so rank 0's request cannot complete inside
+/// its `start`. Rank 0 then computes, polling `test` (which never blocks), and must see the
+/// request complete and counted before it calls `wait`: the progress thread moved the
+/// data while rank 0 computed. The deadline only turns a stall into a failure.
+fn async_overlap_completes_while_caller_computes(comm: &Comm, f: &mut Fails) -> Result<(), Error> {
+    let (r, n) = (comm.rank(), comm.size());
+    if n < 2 {
+        return Ok(());
+    }
+    let len = 1 << 20;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let buf = vec![r as f32 + 1.0; len];
+    let before = comm.counters().calls(CollectiveKind::AllReduce);
+    let got = if r == 0 {
+        let mut req = comm.start_all_reduce_vec(buf, ReduceOp::Sum);
+        f.check(!req.test(), || "complete before the peers started".into());
+        for p in 1..n {
+            comm.send(i32::slice(&[1]), p, 77)?;
+        }
+        let (mut acc, mut slices) = (1.0f64, 0u64);
+        while !req.test() && std::time::Instant::now() < deadline {
+            for i in 0..1000 {
+                acc = std::hint::black_box(acc * 1.000_000_1 + f64::from(i));
+            }
+            slices += 1;
+        }
+        std::hint::black_box(acc);
+        f.check(req.test(), || "no progress without wait".into());
+        f.eq(
+            &(comm.counters().calls(CollectiveKind::AllReduce) - before),
+            &1,
+            || "not counted before wait".into(),
+        );
+        f.check(slices > 0, || "no compute overlapped".into());
+        req.wait()?
+    } else {
+        let mut go = [0i32];
+        comm.recv(i32::slice_mut(&mut go), 0, 77)?;
+        comm.start_all_reduce_vec(buf, ReduceOp::Sum).wait()?
+    };
+    let want = (n * (n + 1) / 2) as f32;
+    f.check(got.iter().all(|&x| x == want), || {
+        "overlapped all-reduce result".into()
+    });
+    Ok(())
+}
+
 const CASES: &[(&str, Case)] = &[
     (
         "all_reduce_every_dtype_op_matches_reference",
@@ -878,6 +1210,26 @@ const CASES: &[(&str, Case)] = &[
     (
         "mismatch_every_kind_every_rank_errs_and_group_stays_usable",
         mismatch_every_kind_every_rank_errs_and_group_stays_usable,
+    ),
+    (
+        "async_every_kind_dtype_op_equals_blocking_bitwise",
+        async_every_kind_dtype_op_equals_blocking_bitwise,
+    ),
+    (
+        "async_in_flight_any_wait_order_dropped_and_mixed_with_blocking",
+        async_in_flight_any_wait_order_dropped_and_mixed_with_blocking,
+    ),
+    (
+        "async_counters_equal_blocking",
+        async_counters_equal_blocking,
+    ),
+    (
+        "async_mismatch_every_rank_from_wait_and_group_stays_usable",
+        async_mismatch_every_rank_from_wait_and_group_stays_usable,
+    ),
+    (
+        "async_overlap_completes_while_caller_computes",
+        async_overlap_completes_while_caller_computes,
     ),
 ];
 

@@ -26,7 +26,9 @@
 //!   ranks give up after a while), prints `misuse stall: FAIL`.
 //! - `finalized`: after `Mpi::finalize` returned `Ok`, handles kept from before (the world
 //!   and a split of it) must return `Error::Finalized` from every method without calling
-//!   MPI (OpenMPI would abort the job), and dropping them must not free them.
+//!   MPI (OpenMPI would abort the job), asynchronous ones (from `wait`) included, whether
+//!   the handle's progress worker ran before finalize or starts after it; and dropping
+//!   them must not free them.
 
 use dtensor_collectives::{mpi, Communicator, CommunicatorExt, Element, Error, ReduceOp};
 use std::sync::Arc;
@@ -179,9 +181,13 @@ fn finalized(mpi: mpi::Mpi) -> Result<Vec<String>, Error> {
     let world = mpi.world();
     let r = world.rank();
     let half = world.split(r % 2, r)?;
-    // Both handles have been used before MPI goes away.
+    // Both handles have been used before MPI goes away; the world's progress worker is
+    // running (an asynchronous all-reduce), the half's starts only after finalize.
     half.barrier()?;
     world.all_reduce_in_place(&mut [1.0f32; 8], ReduceOp::Sum)?;
+    world
+        .start_all_reduce_vec(vec![1.0f32; 8], ReduceOp::Sum)
+        .wait()?;
     mpi.finalize()?;
     let mut failures = Vec::new();
     for (label, comm) in [("world", &world), ("half", &half)] {
@@ -196,6 +202,16 @@ fn finalized(mpi: mpi::Mpi) -> Result<Vec<String>, Error> {
             ("split", comm.split(0, 0).map(drop)),
             ("send", comm.send(f32::slice(&buf), 0, 1)),
             ("recv", comm.recv(f32::slice_mut(&mut buf), 0, 1)),
+            (
+                "start_all_reduce",
+                comm.start_all_reduce_vec(vec![1.0f32; 4], ReduceOp::Sum)
+                    .wait()
+                    .map(drop),
+            ),
+            (
+                "start_all_gather",
+                comm.start_all_gather_vec(vec![1i64; 2]).wait().map(drop),
+            ),
         ];
         for (op, got) in results {
             println!("rank {r} [{label}] after finalize: {op} -> {got:?}");

@@ -33,6 +33,30 @@
 //!     assert_eq!(r.unwrap(), vec![6.0; 3]);
 //! }
 //! ```
+//!
+//! # Asynchronous collectives
+//!
+//! `start_all_reduce`, `start_all_gather(v)` and `start_reduce_scatter(v)` take owned
+//! [`Buffer`]s (the `_vec` forms of [`CommunicatorExt`] take `Vec`s) and return a
+//! [`Request`] at once; the collective moves data while the caller computes, and
+//! [`Request::wait`] returns the result buffer. Results, errors and counters are those of
+//! the blocking calls; the rules for ordering, mixing with blocking calls and dropping a
+//! request unwaited are on [`Request`]. The threads and MPI backends run requests on a
+//! progress thread per handle; a backend that does not override the `start_*` methods
+//! gets the trait's stand-ins, which run the blocking call at start (no overlap).
+//!
+//! ```
+//! use dtensor_collectives::{threads, CommunicatorExt, ReduceOp};
+//! let results = threads::launch(2, |comm| {
+//!     let grads = comm.start_all_reduce_vec(vec![comm.rank() as f32 + 1.0; 4], ReduceOp::Sum);
+//!     let other_work: f32 = (0..1000).map(|i| i as f32).sum(); // overlaps the all-reduce
+//!     let grads = grads.wait()?;
+//!     Ok::<_, dtensor_collectives::Error>((grads, other_work))
+//! });
+//! for r in results {
+//!     assert_eq!(r.unwrap().0, vec![3.0; 4]);
+//! }
+//! ```
 
 mod args;
 mod call;
@@ -41,11 +65,14 @@ mod counters;
 mod error;
 mod mismatch;
 pub mod mpi;
+mod progress;
+mod request;
 pub mod threads;
 
 pub use counters::{CollectiveKind, CounterSnapshot, Counters};
-pub use dtensor_kernels::{DType, Element, ReduceOp, Slice, SliceMut};
+pub use dtensor_kernels::{DType, Element, ReduceOp, Slice, SliceMut, StorageElement};
 pub use error::{Error, Result};
+pub use request::{Buffer, Pending, Request};
 
 use std::sync::Arc;
 
@@ -233,6 +260,68 @@ pub trait Communicator: Send + Sync {
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>>;
     /// Calls and bytes this handle has issued so far.
     fn counters(&self) -> CounterSnapshot;
+
+    /// Starts [`all_reduce`](Self::all_reduce) of `buf`; [`Request::wait`] returns `buf`
+    /// reduced. See [`Request`] for the rules every asynchronous call follows.
+    ///
+    /// The default (the stand-in for a backend without asynchronous collectives) runs the
+    /// blocking call here and returns a completed request: the same results, errors,
+    /// order and counters, but no overlap, since it returns only once the collective is
+    /// done. The threads and MPI backends override every `start_*` method.
+    fn start_all_reduce(&self, mut buf: Buffer, op: ReduceOp) -> Request {
+        let r = self.all_reduce(buf.as_slice_mut(), op).map(|()| buf);
+        Request::ready("all_reduce", r)
+    }
+    /// Starts [`all_gather`](Self::all_gather) from `send` into `recv` (`size × send.len()`
+    /// elements, its contents overwritten); [`Request::wait`] returns `recv`.
+    ///
+    /// The default runs the blocking call at start (see
+    /// [`start_all_reduce`](Self::start_all_reduce)).
+    fn start_all_gather(&self, send: Buffer, mut recv: Buffer) -> Request {
+        let r = self
+            .all_gather(send.as_slice(), recv.as_slice_mut())
+            .map(|()| recv);
+        Request::ready("all_gather", r)
+    }
+    /// Starts [`all_gatherv`](Self::all_gatherv) from `send` into `recv` (`Σ counts`
+    /// elements); [`Request::wait`] returns `recv`.
+    ///
+    /// The default runs the blocking call at start (see
+    /// [`start_all_reduce`](Self::start_all_reduce)).
+    fn start_all_gatherv(&self, send: Buffer, mut recv: Buffer, counts: &[usize]) -> Request {
+        let r = self
+            .all_gatherv(send.as_slice(), recv.as_slice_mut(), counts)
+            .map(|()| recv);
+        Request::ready("all_gatherv", r)
+    }
+    /// Starts [`reduce_scatter`](Self::reduce_scatter) of `send` (`size × recv.len()`
+    /// elements) into `recv`; [`Request::wait`] returns `recv`.
+    ///
+    /// The default runs the blocking call at start (see
+    /// [`start_all_reduce`](Self::start_all_reduce)).
+    fn start_reduce_scatter(&self, send: Buffer, mut recv: Buffer, op: ReduceOp) -> Request {
+        let r = self
+            .reduce_scatter(send.as_slice(), recv.as_slice_mut(), op)
+            .map(|()| recv);
+        Request::ready("reduce_scatter", r)
+    }
+    /// Starts [`reduce_scatterv`](Self::reduce_scatterv) of `send` (`Σ counts` elements)
+    /// into `recv` (`counts[rank()]`); [`Request::wait`] returns `recv`.
+    ///
+    /// The default runs the blocking call at start (see
+    /// [`start_all_reduce`](Self::start_all_reduce)).
+    fn start_reduce_scatterv(
+        &self,
+        send: Buffer,
+        mut recv: Buffer,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Request {
+        let r = self
+            .reduce_scatterv(send.as_slice(), recv.as_slice_mut(), counts, op)
+            .map(|()| recv);
+        Request::ready("reduce_scatterv", r)
+    }
 }
 
 /// The element counts of column blocks ([`columns::counts`]), or `InvalidArgument` if they
@@ -257,6 +346,33 @@ pub trait CommunicatorExt: Communicator {
     }
     fn broadcast_in_place<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         self.broadcast(T::slice_mut(buf), root)
+    }
+    /// [`start_all_reduce`](Communicator::start_all_reduce) of a `Vec`: `wait` returns it
+    /// reduced.
+    fn start_all_reduce_vec<T: StorageElement>(
+        &self,
+        buf: Vec<T>,
+        op: ReduceOp,
+    ) -> Request<Vec<T>> {
+        self.start_all_reduce(Buffer::from_vec(buf), op).typed()
+    }
+    /// [`start_all_gather`](Communicator::start_all_gather) of a `Vec` into a new one of
+    /// `size × send.len()` elements, which `wait` returns.
+    fn start_all_gather_vec<T: StorageElement>(&self, send: Vec<T>) -> Request<Vec<T>> {
+        let recv = vec![T::zero(); send.len() * self.size()];
+        self.start_all_gather(Buffer::from_vec(send), Buffer::from_vec(recv))
+            .typed()
+    }
+    /// [`start_reduce_scatter`](Communicator::start_reduce_scatter) of a `Vec` of
+    /// `size × k` elements into a new one of `k`, which `wait` returns.
+    fn start_reduce_scatter_vec<T: StorageElement>(
+        &self,
+        send: Vec<T>,
+        op: ReduceOp,
+    ) -> Request<Vec<T>> {
+        let recv = vec![T::zero(); send.len() / self.size().max(1)];
+        self.start_reduce_scatter(Buffer::from_vec(send), Buffer::from_vec(recv), op)
+            .typed()
     }
 }
 

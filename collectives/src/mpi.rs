@@ -78,6 +78,34 @@
 //! (MPI's ring all-reduce moves the same). The latency is one all-to-all plus one
 //! all-gather rather than log n rounds.
 //!
+//! # Asynchronous collectives: a progress thread per handle
+//!
+//! `start_all_reduce`, `start_all_gather(v)` and `start_reduce_scatter(v)` (see
+//! [`Request`](crate::Request) for the rules) run on a progress thread of the handle,
+//! started with its first request: the thread runs the handle's requests one after
+//! another, in start order, through exactly the steps above (agreement with its bounded
+//! wait and withdrawals, then the `MPI_I…` data phase polled up to the timeout, aborting
+//! past it), while the caller's thread computes. A blocking call on the handle first waits
+//! for the requests started before it. The handle's drop lets the thread finish what was
+//! started, then joins it.
+//!
+//! Why a thread rather than `MPI_Iallreduce` & co. posted at start and completed by
+//! `wait`: [`init`] runs MPI at `MPI_THREAD_MULTIPLE` (it refuses less), so a second
+//! thread may call MPI, and the alternative would not overlap:
+//!
+//! - no data may be posted before the agreement has passed (MPI does not detect
+//!   mismatched calls; it hangs or corrupts memory), and the agreement is a round trip to
+//!   every peer: posting at start would make `start` wait for the slowest peer to arrive;
+//! - OpenMPI moves a non-blocking collective on only inside MPI calls of the process (it
+//!   has no asynchronous progress by default), so a request posted at start would mostly
+//!   move inside `wait`, after the computation it was meant to overlap;
+//! - our all-reduce is two dependent exchanges with our own reduction kernel between
+//!   them (see below), which no single MPI request covers.
+//!
+//! The price: while a data phase runs, the progress thread polls it (spinning for the
+//! first millisecond, then yielding), which competes with the caller for a core when
+//! ranks share cores (`--oversubscribe`).
+//!
 //! Counters follow the table in `counters.rs`, as in the threads backend (they count the
 //! data phase; the agreement's headers are not counted).
 //!

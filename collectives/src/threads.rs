@@ -52,6 +52,15 @@
 //! `Timeout::missing` are world ranks; mismatch details use group ranks (and list the
 //! group's world ranks when they differ).
 //!
+//! Asynchronous collectives (`start_*`, see [`crate::Request`]) run this same protocol on
+//! a progress worker of the handle: a thread started with the handle's first request,
+//! which runs the requests one after another in start order and posts the buffers each
+//! request owns, so the data phase moves bytes while the caller's thread computes. A
+//! blocking call on the handle first waits for the requests started before it, so the
+//! worker and the caller never run a collective of one handle at once (the protocol allows
+//! one post per rank per group). Dropping the handle lets its worker finish what was
+//! started, then joins it.
+//!
 //! `split` creates the new groups when its join completes (one per color, ordered by
 //! `(key, parent rank)`); every group is registered with the world, so a departure
 //! reaches all groups containing that rank. `send` copies into a per-`(src, dst, tag)`

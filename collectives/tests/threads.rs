@@ -2,8 +2,8 @@
 
 use dtensor_collectives::threads::{launch, launch_with, Options, RankError};
 use dtensor_collectives::{
-    CollectiveKind, Communicator, CommunicatorExt, CounterSnapshot, Element, Error, ReduceOp,
-    Slice, SliceMut,
+    Buffer, CollectiveKind, Communicator, CommunicatorExt, CounterSnapshot, DType, Element, Error,
+    ReduceOp, Request, Slice, SliceMut, StorageElement,
 };
 use dtensor_kernels::half::{bf16, f16};
 use std::sync::Arc;
@@ -1485,4 +1485,682 @@ fn column_collectives_with_overflowing_widths_are_invalid_on_every_rank() {
             );
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Asynchronous collectives (`start_*`, `Request`): the blocking calls' results, errors and
+// counters; ordering, dropping, mixing with blocking calls; progress while the caller
+// computes
+// ---------------------------------------------------------------------------------------
+
+/// Every asynchronous call against the blocking call with the same inputs: the same bits,
+/// for each size, length and reduce op.
+fn check_async_equals_blocking<T: StorageElement>(n: usize) {
+    all_ok(launch_with(n, long(), |comm| {
+        let r = comm.rank();
+        // Under Miri one length and op: the data phases are the blocking calls' (checked
+        // above); what is new here is the worker, the owned buffers and the hand-back.
+        for len in unless_miri(vec![0, 1, 37, 5000], vec![11]) {
+            for op in unless_miri(ops(), vec![ReduceOp::Avg]) {
+                // all_reduce
+                let mut blocking = vals::<T>(r, len);
+                comm.all_reduce_in_place(&mut blocking, op)?;
+                let got = comm.start_all_reduce_vec(vals::<T>(r, len), op).wait()?;
+                assert_eq!(
+                    bits(&got),
+                    bits(&blocking),
+                    "all_reduce n={n} len={len} {op}"
+                );
+                // reduce_scatter of n blocks of `len / n + 1`
+                let k = len / n + 1;
+                let mut blocking = vec![T::zero(); k];
+                let send = vals::<T>(r, n * k);
+                comm.reduce_scatter(T::slice(&send), T::slice_mut(&mut blocking), op)?;
+                let got = comm.start_reduce_scatter_vec(send, op).wait()?;
+                assert_eq!(
+                    bits(&got),
+                    bits(&blocking),
+                    "reduce_scatter n={n} k={k} {op}"
+                );
+                // reduce_scatterv, uneven counts with zeros
+                let counts: Vec<usize> = uneven(n).iter().map(|c| c * (len % 7 + 1)).collect();
+                let send = vals::<T>(r, counts.iter().sum());
+                let mut blocking = vec![T::zero(); counts[r]];
+                comm.reduce_scatterv(T::slice(&send), T::slice_mut(&mut blocking), &counts, op)?;
+                let recv = Buffer::zeros(T::DTYPE, counts[r]);
+                let got = comm
+                    .start_reduce_scatterv(Buffer::from(send), recv, &counts, op)
+                    .wait()?
+                    .into_vec::<T>()
+                    .expect("the dtype given");
+                assert_eq!(
+                    bits(&got),
+                    bits(&blocking),
+                    "reduce_scatterv {counts:?} {op}"
+                );
+            }
+            // all_gather and all_gatherv
+            let send = vals::<T>(r, len);
+            let blocking = comm.all_gather_vec(&send)?;
+            let got = comm.start_all_gather_vec(send).wait()?;
+            assert_eq!(bits(&got), bits(&blocking), "all_gather n={n} len={len}");
+            let counts: Vec<usize> = uneven(n).iter().map(|c| c * (len % 5)).collect();
+            let send = vals::<T>(r, counts[r]);
+            let mut blocking = vec![T::zero(); counts.iter().sum()];
+            comm.all_gatherv(T::slice(&send), T::slice_mut(&mut blocking), &counts)?;
+            let recv = Buffer::zeros(T::DTYPE, blocking.len());
+            let got = comm
+                .start_all_gatherv(Buffer::from(send), recv, &counts)
+                .wait()?;
+            assert_eq!(got, Buffer::from(blocking), "all_gatherv {counts:?}");
+        }
+        Ok(())
+    }));
+}
+
+#[test]
+fn async_every_size_dtype_op_equals_blocking_bitwise() {
+    for n in ranks() {
+        each_dtype!(check_async_equals_blocking(n));
+    }
+}
+
+#[test]
+fn async_order_sensitive_sum_is_the_left_to_right_sum_on_every_rank() {
+    let len = big(10_001);
+    let x = |rank: usize, i: usize| [1.0e16, 1.0, -1.0e16, 0.5][(rank + i) % 4];
+    let out = all_ok(launch_with(3, long(), |comm| {
+        let buf: Vec<f64> = (0..len).map(|i| x(comm.rank(), i)).collect();
+        comm.start_all_reduce_vec(buf, ReduceOp::Sum).wait()
+    }));
+    let expect: Vec<u64> = (0..len)
+        .map(|i| ((x(0, i) + x(1, i)) + x(2, i)).to_bits())
+        .collect();
+    for buf in &out {
+        let b: Vec<u64> = buf.iter().map(|v| v.to_bits()).collect();
+        assert!(b == expect, "not the left-to-right sum");
+    }
+}
+
+#[test]
+fn async_several_in_flight_complete_in_start_order_and_wait_in_any_order() {
+    all_ok(launch_with(3, long(), |comm| {
+        let (r, n) = (comm.rank(), comm.size());
+        let len = big(3000);
+        let mut reqs: Vec<Request<Vec<f32>>> = (0..6)
+            .map(|i| match i % 3 {
+                0 => comm.start_all_reduce_vec(vals::<f32>(r + i, len), ReduceOp::Sum),
+                1 => comm.start_all_gather_vec(vals::<f32>(r + i, len)),
+                _ => comm.start_reduce_scatter_vec(vals::<f32>(r + i, n * len), ReduceOp::Max),
+            })
+            .collect();
+        // The last one first: once it completed, every request started before it has.
+        let last = reqs.pop().expect("six requests");
+        let last = last.wait()?;
+        for req in &mut reqs {
+            assert!(req.test(), "{} started earlier is not complete", req.op());
+        }
+        assert_eq!(comm.counters().collectives(), 6);
+        // The rest in a shuffled order.
+        let mut reqs: Vec<Option<Request<Vec<f32>>>> = reqs.into_iter().map(Some).collect();
+        let mut results: Vec<Vec<f32>> = vec![Vec::new(); 5];
+        for i in [2, 0, 4, 1, 3] {
+            results[i] = reqs[i].take().expect("once").wait()?;
+        }
+        results.push(last);
+        for (i, got) in results.into_iter().enumerate() {
+            let expect: Vec<f32> = match i % 3 {
+                0 => (0..len)
+                    .map(|j| {
+                        reduce_ref(
+                            &(0..n).map(|p| val(p + i, j)).collect::<Vec<f32>>(),
+                            ReduceOp::Sum,
+                        )
+                    })
+                    .collect(),
+                1 => (0..n).flat_map(|p| vals::<f32>(p + i, len)).collect(),
+                _ => (r * len..(r + 1) * len)
+                    .map(|j| {
+                        reduce_ref(
+                            &(0..n).map(|p| val(p + i, j)).collect::<Vec<f32>>(),
+                            ReduceOp::Max,
+                        )
+                    })
+                    .collect(),
+            };
+            assert_eq!(bits(&got), bits(&expect), "request {i}");
+        }
+        Ok(())
+    }));
+}
+
+#[test]
+fn async_waited_out_of_order_across_ranks_still_match() {
+    // Rank 0 waits for its requests newest first, rank 1 oldest first: the waits do not
+    // take part in the matching, the start order does.
+    let out = all_ok(launch_with(2, long(), |comm| {
+        let r = comm.rank();
+        let reqs: Vec<_> = (0..4)
+            .map(|i| comm.start_all_reduce_vec(vec![(r * 10 + i) as i64; 5], ReduceOp::Sum))
+            .collect();
+        let mut got = vec![Vec::new(); 4];
+        let order: Vec<usize> = if r == 0 {
+            vec![3, 2, 1, 0]
+        } else {
+            vec![0, 1, 2, 3]
+        };
+        let mut reqs: Vec<Option<_>> = reqs.into_iter().map(Some).collect();
+        for i in order {
+            got[i] = reqs[i].take().expect("once").wait()?;
+        }
+        Ok(got)
+    }));
+    for got in out {
+        for (i, v) in got.iter().enumerate() {
+            assert_eq!(v, &vec![(10 + 2 * i) as i64; 5]);
+        }
+    }
+}
+
+#[test]
+fn async_dropped_unwaited_still_runs_and_later_collectives_match() {
+    all_ok(launch_with(3, long(), |comm| {
+        let r = comm.rank();
+        let before = comm.counters();
+        // Dropped at once on rank 0, waited elsewhere: the collective runs on every rank.
+        let req = comm.start_all_reduce_vec(vec![1.0f32; 64], ReduceOp::Sum);
+        if r == 0 {
+            drop(req);
+            // The drop waited: counted, and nothing of it is pending any more.
+            assert_eq!(
+                comm.counters()
+                    .since(&before)
+                    .calls(CollectiveKind::AllReduce),
+                1
+            );
+        } else {
+            assert_eq!(req.wait()?, vec![3.0f32; 64]);
+        }
+        // Dropped on every rank, in the middle of a sequence.
+        let a = comm.start_all_gather_vec(vec![r as i32; 2]);
+        drop(comm.start_reduce_scatter_vec(vec![1.0f64; 6], ReduceOp::Sum));
+        let b = comm.start_all_reduce_vec(vec![2i64; 3], ReduceOp::Sum);
+        assert_eq!(a.wait()?, vec![0, 0, 1, 1, 2, 2]);
+        assert_eq!(b.wait()?, vec![6i64; 3]);
+        // Later blocking calls still pair up.
+        let mut v = [1.0f32; 4];
+        comm.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+        assert_eq!(v, [3.0; 4]);
+        let d = comm.counters().since(&before);
+        assert_eq!(
+            (
+                d.calls(CollectiveKind::AllReduce),
+                d.calls(CollectiveKind::AllGather),
+                d.calls(CollectiveKind::ReduceScatter)
+            ),
+            (3, 1, 1)
+        );
+        Ok(())
+    }));
+}
+
+#[test]
+fn async_mixed_with_blocking_blocking_call_waits_for_earlier_requests() {
+    all_ok(launch_with(3, long(), |comm| {
+        let r = comm.rank();
+        // The same sequence on every rank, each rank choosing which calls are blocking:
+        // all_reduce, all_gather, reduce_scatter, barrier, all_reduce.
+        let blocking = |i: usize| (i + r) % 2 == 0;
+        let mut pending: Vec<Request<Vec<f32>>> = Vec::new();
+        let mut results: Vec<Vec<f32>> = Vec::new();
+        for i in 0..5 {
+            if blocking(i) {
+                match i {
+                    0 | 4 => {
+                        let mut v = vec![i as f32; 8];
+                        comm.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+                        results.push(v);
+                    }
+                    1 => results.push(comm.all_gather_vec(&[r as f32])?),
+                    2 => {
+                        let mut out = vec![0.0f32; 2];
+                        comm.reduce_scatter(
+                            f32::slice(&[1.0; 6]),
+                            f32::slice_mut(&mut out),
+                            ReduceOp::Sum,
+                        )?;
+                        results.push(out);
+                    }
+                    _ => {
+                        comm.barrier()?;
+                        results.push(Vec::new());
+                    }
+                }
+                // The rule: a blocking call first completes every request started before
+                // it on this handle.
+                for req in &mut pending {
+                    assert!(
+                        req.test(),
+                        "{} before a blocking call not complete",
+                        req.op()
+                    );
+                }
+            } else {
+                match i {
+                    0 | 4 => {
+                        pending.push(comm.start_all_reduce_vec(vec![i as f32; 8], ReduceOp::Sum))
+                    }
+                    1 => pending.push(comm.start_all_gather_vec(vec![r as f32])),
+                    2 => {
+                        pending.push(comm.start_reduce_scatter_vec(vec![1.0f32; 6], ReduceOp::Sum))
+                    }
+                    _ => {
+                        // No asynchronous barrier: a blocking one in its place.
+                        comm.barrier()?;
+                        results.push(Vec::new());
+                        continue;
+                    }
+                }
+                results.push(Vec::new());
+            }
+        }
+        let mut pending = pending.into_iter();
+        for (i, slot) in results.iter_mut().enumerate() {
+            if i != 3 && !blocking(i) {
+                *slot = pending
+                    .next()
+                    .expect("one request per asynchronous call")
+                    .wait()?;
+            }
+        }
+        assert_eq!(results[0], vec![0.0; 8]);
+        assert_eq!(results[1], vec![0.0, 1.0, 2.0]);
+        assert_eq!(results[2], vec![3.0; 2]);
+        assert_eq!(results[4], vec![12.0; 8]);
+        Ok(())
+    }));
+}
+
+#[test]
+fn async_counters_equal_blocking_counted_once_on_completion() {
+    use CollectiveKind::*;
+    all_ok(launch_with(3, long(), |comm| {
+        let r = comm.rank();
+        let len = 10;
+        let blocking = delta(&comm, || {
+            comm.all_reduce_in_place(&mut vec![1.0f32; len], ReduceOp::Sum)?;
+            comm.all_gather_vec(&[1.0f64; 4])?;
+            let mut out = [0i32; 2];
+            comm.reduce_scatter(i32::slice(&[1; 6]), i32::slice_mut(&mut out), ReduceOp::Sum)?;
+            let counts = uneven(3);
+            let mut out = vec![0.0f32; counts.iter().sum()];
+            comm.all_gatherv(
+                f32::slice(&vec![0.0; counts[r]]),
+                f32::slice_mut(&mut out),
+                &counts,
+            )
+        })?;
+        let before = comm.counters();
+        let mut reqs = vec![
+            comm.start_all_reduce(Buffer::from(vec![1.0f32; len]), ReduceOp::Sum),
+            comm.start_all_gather(Buffer::from(vec![1.0f64; 4]), Buffer::zeros(DType::F64, 12)),
+            comm.start_reduce_scatter(
+                Buffer::from(vec![1i32; 6]),
+                Buffer::zeros(DType::I32, 2),
+                ReduceOp::Sum,
+            ),
+        ];
+        let counts = uneven(3);
+        reqs.push(comm.start_all_gatherv(
+            Buffer::zeros(DType::F32, counts[r]),
+            Buffer::zeros(DType::F32, counts.iter().sum()),
+            &counts,
+        ));
+        // Counted when complete, before wait: test() until done, then compare.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !reqs.iter_mut().all(|q| q.test()) {
+            assert!(Instant::now() < deadline, "requests never completed");
+            std::thread::yield_now();
+        }
+        let completed = comm.counters().since(&before);
+        for q in reqs {
+            q.wait()?;
+        }
+        let waited = comm.counters().since(&before);
+        assert_eq!(completed, blocking, "async counters differ from blocking");
+        assert_eq!(waited, blocking, "wait counted again");
+        assert_eq!(
+            (
+                blocking.calls(AllReduce),
+                blocking.calls(AllGather),
+                blocking.calls(ReduceScatter)
+            ),
+            (1, 2, 1)
+        );
+        Ok(())
+    }));
+}
+
+#[test]
+fn async_overlap_collective_completes_while_caller_computes() {
+    // Rank 1 starts its side only once rank 0's start has returned, so rank 0's request
+    // cannot have completed inside its start. Rank 0 then computes, polling `test` (which
+    // never blocks), and must see the all-reduce complete, counted and all, before it ever
+    // calls `wait`: the data moved on another thread while this one computed. No timing
+    // threshold: the deadline only turns a broken worker into a failure instead of a hang.
+    let len = big(1 << 20);
+    let rank0_started = std::sync::atomic::AtomicBool::new(false);
+    let out = all_ok(launch_with(2, long(), |comm| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let buf = vec![comm.rank() as f32 + 1.0; len];
+        if comm.rank() == 1 {
+            while !rank0_started.load(std::sync::atomic::Ordering::Acquire) {
+                assert!(Instant::now() < deadline, "rank 0 never started");
+                std::thread::yield_now();
+            }
+            return Ok((0, comm.start_all_reduce_vec(buf, ReduceOp::Sum).wait()?));
+        }
+        let mut req = comm.start_all_reduce_vec(buf, ReduceOp::Sum);
+        assert!(!req.test(), "complete before rank 1 started its side");
+        assert_eq!(comm.counters().calls(CollectiveKind::AllReduce), 0);
+        rank0_started.store(true, std::sync::atomic::Ordering::Release);
+        // Compute: a dependent chain the optimizer cannot drop, in slices between polls.
+        let (mut acc, mut slices) = (1.0f64, 0u64);
+        while !req.test() {
+            assert!(Instant::now() < deadline, "no progress without wait");
+            for i in 0..1000 {
+                acc = std::hint::black_box(acc * 1.000_000_1 + f64::from(i));
+            }
+            slices += 1;
+        }
+        std::hint::black_box(acc);
+        // Complete and counted before wait was called.
+        assert_eq!(comm.counters().calls(CollectiveKind::AllReduce), 1);
+        Ok((slices, req.wait()?))
+    }));
+    for (_, v) in &out {
+        assert!(v.iter().all(|&x| x == 3.0));
+    }
+    assert!(out[0].0 > 0, "rank 0 computed while the all-reduce ran");
+}
+
+#[test]
+fn async_mismatch_every_rank_collective_mismatch_from_wait() {
+    expect_mismatch(
+        &[
+            "different collectives",
+            "rank 0: all_reduce(f32 x 16, sum)",
+            "rank 1: all_gather(f32 x 8 -> 16)",
+        ],
+        |comm| {
+            if comm.rank() == 0 {
+                comm.start_all_reduce_vec(vec![0.0f32; 16], ReduceOp::Sum)
+                    .wait()
+                    .map(drop)
+            } else {
+                comm.start_all_gather_vec(vec![0.0f32; 8]).wait().map(drop)
+            }
+        },
+    );
+    expect_mismatch(&["lengths differ"], |comm| {
+        let len = 4 + comm.rank();
+        comm.start_all_reduce_vec(vec![0.0f32; len], ReduceOp::Sum)
+            .wait()
+            .map(drop)
+    });
+    expect_mismatch(&["dtypes differ"], |comm| {
+        if comm.rank() == 0 {
+            comm.start_all_gather_vec(vec![0.0f64; 2]).wait().map(drop)
+        } else {
+            comm.start_all_gather_vec(vec![0.0f32; 2]).wait().map(drop)
+        }
+    });
+    expect_mismatch(&["reduce ops differ"], |comm| {
+        let op = if comm.rank() == 0 {
+            ReduceOp::Max
+        } else {
+            ReduceOp::Sum
+        };
+        comm.start_reduce_scatter_vec(vec![0.0f32; 4], op)
+            .wait()
+            .map(drop)
+    });
+    // Blocking on one rank, asynchronous on the other: still matched, still a mismatch.
+    expect_mismatch(&["lengths differ"], |comm| {
+        if comm.rank() == 0 {
+            comm.all_reduce_in_place(&mut [0i64; 3], ReduceOp::Sum)
+        } else {
+            comm.start_all_reduce_vec(vec![0i64; 5], ReduceOp::Sum)
+                .wait()
+                .map(drop)
+        }
+    });
+}
+
+#[test]
+fn async_invalid_argument_on_one_rank_mismatch_on_its_peers() {
+    let results = all_ok(launch_with(2, long(), |comm| {
+        // Rank 1's recv is the wrong size.
+        let recv = Buffer::zeros(DType::F32, if comm.rank() == 1 { 5 } else { 4 });
+        let e = comm
+            .start_all_gather(Buffer::from(vec![0.0f32; 2]), recv)
+            .wait()
+            .expect_err("invalid on rank 1");
+        // A matching request still works afterwards.
+        assert_eq!(
+            comm.start_all_reduce_vec(vec![1i32], ReduceOp::Sum)
+                .wait()?,
+            vec![2]
+        );
+        Ok(e)
+    }));
+    assert!(
+        matches!(&results[0], Error::CollectiveMismatch { detail, .. } if detail.contains("rank 1 passed invalid arguments")),
+        "{}",
+        results[0]
+    );
+    assert!(
+        matches!(
+            &results[1],
+            Error::InvalidArgument {
+                op: "all_gather",
+                ..
+            }
+        ),
+        "{}",
+        results[1]
+    );
+}
+
+#[test]
+fn async_rank_panics_or_errors_peers_wait_rank_failed_quickly() {
+    for how in ["panic", "error"] {
+        let start = Instant::now();
+        let results = launch_with(3, long(), |comm| {
+            // Every rank starts A; rank 1 then fails without waiting for it (its drop waits).
+            let a = comm.start_all_reduce_vec(vec![1.0f32; 8], ReduceOp::Sum);
+            if comm.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(50));
+                if how == "panic" {
+                    panic!("boom on rank 1");
+                }
+                return Err("gave up".to_string());
+            }
+            let b = comm.start_all_reduce_vec(vec![1.0f32; 8], ReduceOp::Sum);
+            let c = comm.start_all_gather_vec(vec![1i64; 2]);
+            assert_eq!(a.wait().map_err(|e| e.to_string())?, vec![3.0; 8]);
+            Ok((b.wait().unwrap_err(), c.wait().unwrap_err()))
+        });
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{how}: {:?}",
+            start.elapsed()
+        );
+        for r in [0, 2] {
+            let (b, c) = results[r]
+                .as_ref()
+                .unwrap_or_else(|e| panic!("rank {r}: {e}"));
+            for (e, op) in [(b, "all_reduce"), (c, "all_gather")] {
+                let Error::RankFailed {
+                    rank: 1,
+                    op: got,
+                    reason,
+                } = e
+                else {
+                    panic!("{how}: rank {r}: expected RankFailed, got {e}");
+                };
+                assert_eq!(*got, op);
+                let want = if how == "panic" {
+                    "panicked: boom on rank 1"
+                } else {
+                    "returned an error: gave up"
+                };
+                assert_eq!(reason, want);
+            }
+        }
+    }
+}
+
+#[test]
+fn async_rank_never_arrives_peers_wait_timeout_late_rank_fails_at_once() {
+    let start = Instant::now();
+    let results = launch_with(3, opts(Duration::from_millis(300)), |comm| {
+        if comm.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(900));
+            let t = Instant::now();
+            let e = comm
+                .start_all_reduce_vec(vec![1.0f32; 8], ReduceOp::Sum)
+                .wait()
+                .unwrap_err();
+            assert!(t.elapsed() < Duration::from_millis(200));
+            return Ok(e);
+        }
+        let a = comm.start_all_reduce_vec(vec![1.0f32; 8], ReduceOp::Sum);
+        let b = comm.start_all_gather_vec(vec![1.0f32; 8]);
+        let e = a.wait().unwrap_err();
+        assert!(
+            matches!(&e, Error::Timeout { op: "all_reduce", missing, .. } if missing == &[2]),
+            "{e}"
+        );
+        // The request behind it fails too (the group stays failed), at once.
+        assert!(matches!(
+            b.wait(),
+            Err(Error::Timeout {
+                op: "all_gather",
+                ..
+            })
+        ));
+        Ok::<_, Error>(e)
+    });
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+    let errs = all_ok(results);
+    assert!(
+        matches!(&errs[2], Error::Timeout { missing, .. } if missing == &[2]),
+        "{}",
+        errs[2]
+    );
+}
+
+#[test]
+fn async_start_while_another_thread_blocks_on_the_handle_invalid_argument() {
+    all_ok(launch_with(2, long(), |comm| {
+        if comm.rank() == 0 {
+            std::thread::scope(|s| {
+                let first = s.spawn(|| comm.barrier());
+                std::thread::sleep(Duration::from_millis(100));
+                let err = comm
+                    .start_all_reduce_vec(vec![1.0f32], ReduceOp::Sum)
+                    .wait()
+                    .unwrap_err();
+                assert!(
+                    matches!(
+                        err,
+                        Error::InvalidArgument {
+                            op: "all_reduce",
+                            ..
+                        }
+                    ),
+                    "{err}"
+                );
+                comm.send(i32::slice(&[1]), 1, 0)?;
+                first.join().expect("barrier thread")
+            })
+        } else {
+            let mut go = [0i32];
+            comm.recv(i32::slice_mut(&mut go), 0, 0)?;
+            comm.barrier()
+        }
+    }));
+}
+
+#[test]
+fn async_on_split_groups_and_after_dropping_the_handle() {
+    all_ok(launch_with(4, long(), |comm| {
+        let r = comm.rank();
+        let row = comm.split(r / 2, r)?;
+        let a = row.start_all_reduce_vec(vec![r as i32; 3], ReduceOp::Sum);
+        let b = comm.start_all_reduce_vec(vec![1i32; 3], ReduceOp::Sum);
+        // Dropping the handle lets its worker finish what was started: `a` still completes.
+        drop(row);
+        let want = if r < 2 { 1 } else { 5 };
+        assert_eq!(a.wait()?, vec![want; 3]);
+        assert_eq!(b.wait()?, vec![4; 3]);
+        Ok(())
+    }));
+}
+
+#[test]
+fn async_default_stand_in_runs_at_start_with_the_same_results() {
+    all_ok(launch_with(3, long(), |comm| {
+        let r = comm.rank();
+        let wrapped = DefaultsOnly(comm.clone());
+        let mut a = wrapped.start_all_reduce_vec(vals::<bf16>(r, big(700)), ReduceOp::Avg);
+        // The stand-in ran the blocking call at start: already complete.
+        assert!(a.test());
+        let blocking = {
+            let mut v = vals::<bf16>(r, big(700));
+            comm.all_reduce_in_place(&mut v, ReduceOp::Avg)?;
+            v
+        };
+        assert_eq!(bits(&a.wait()?), bits(&blocking));
+        assert_eq!(
+            wrapped.start_all_gather_vec(vec![r as i64]).wait()?,
+            vec![0, 1, 2]
+        );
+        assert_eq!(
+            wrapped
+                .start_reduce_scatter_vec(vec![1.0f32; 6], ReduceOp::Sum)
+                .wait()?,
+            vec![3.0; 2]
+        );
+        let counts = [1, 0, 2];
+        let got = wrapped
+            .start_all_gatherv(
+                Buffer::from(vec![r as i32; counts[r]]),
+                Buffer::zeros(DType::I32, 3),
+                &counts,
+            )
+            .wait()?;
+        assert_eq!(got, Buffer::from(vec![0i32, 2, 2]));
+        let got = wrapped
+            .start_reduce_scatterv(
+                Buffer::from(vec![1i32; 3]),
+                Buffer::zeros(DType::I32, counts[r]),
+                &counts,
+                ReduceOp::Sum,
+            )
+            .wait()?;
+        assert_eq!(got.len(), counts[r]);
+        // Mismatch through the stand-in: every rank, from wait.
+        let e = wrapped
+            .start_all_reduce_vec(vec![0.0f32; 1 + r], ReduceOp::Sum)
+            .wait()
+            .unwrap_err();
+        assert!(matches!(e, Error::CollectiveMismatch { .. }), "{e}");
+        Ok(())
+    }));
 }

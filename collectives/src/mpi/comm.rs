@@ -1,10 +1,15 @@
 //! [`MpiComm`]: one process's end of an MPI communicator, and the data phase of each
-//! collective. The protocol is described in the `mpi` module docs.
+//! collective. The collectives themselves live on `MpiCore`, which the handle's blocking
+//! calls (on the caller's thread) and its progress worker (the asynchronous `start_*`
+//! calls, on the worker's thread) share. The protocol is described in the `mpi` module docs.
 
 use super::call::{self, Call, Header, Verdict, HEADER_WORDS};
 use super::launch::abort;
 use crate::args::{counts_sum, equal_blocks, is_multiple, same_dtype};
-use crate::{CollectiveKind, Communicator, CounterSnapshot, Counters, Error, Result};
+use crate::progress::{busy_error, Progress};
+use crate::{
+    Buffer, CollectiveKind, Communicator, CounterSnapshot, Counters, Error, Request, Result,
+};
 use dtensor_kernels::reduce::reduce_into;
 use dtensor_kernels::{chunk_sizes, DType, Element, ReduceOp, Slice, SliceMut};
 use mpi::ffi;
@@ -20,7 +25,7 @@ const BACKEND: &str = "mpi";
 const TAG_HEADER: c_int = 1;
 const TAG_DESCRIBE: c_int = 2;
 /// An empty message a rank sends each peer when it gives up on the group (a timeout in the
-/// agreement), so that a peer arriving late learns it (see [`MpiComm::agree`]).
+/// agreement), so that a peer arriving late learns it (see [`MpiCore::agree`]).
 const TAG_WITHDRAW: c_int = 3;
 /// Words in front of each point-to-point payload: dtype code and length in elements.
 const P2P_HEAD: usize = 2;
@@ -107,7 +112,8 @@ pub(crate) struct RawComm(pub(crate) ffi::MPI_Comm);
 
 // SAFETY: a communicator handle is an opaque reference into the MPI library, which was
 // initialized with MPI_THREAD_MULTIPLE (`init` refuses less), so any thread may use it.
-// Collectives on one communicator never run concurrently: `MpiComm::busy` enforces it.
+// Collectives on one communicator never run concurrently: the handle's `Progress` orders
+// its blocking calls and its worker's requests, and `MpiCore::busy` checks it.
 unsafe impl Send for RawComm {}
 // SAFETY: as above.
 unsafe impl Sync for RawComm {}
@@ -182,10 +188,23 @@ struct Parked {
 /// `send` copies the buffer and returns at once; dropping a handle waits (up to the
 /// timeout) until MPI has delivered its sends, so a message nobody receives delays the drop.
 ///
+/// Its asynchronous collectives (`start_*`) run on a progress worker of its own, a thread
+/// started with the first request that runs them in start order through the same
+/// agreement and data phases as the blocking calls (see the `mpi` module docs for why a
+/// thread, and [`crate::Request`] for the rules). The handle's drop lets the worker finish
+/// what was started, then joins it.
+///
 /// Invariants: `data` and `ctrl` have the same members in the same order (`ctrl` is a
 /// duplicate of `data`, so the headers never mix with data or user messages); `members[r]`
 /// is the world rank of group rank `r`; once `failed` is set, every collective returns it.
 pub struct MpiComm {
+    core: Arc<MpiCore>,
+    progress: Progress,
+}
+
+/// What runs a handle's collectives (see the module docs); the fields' invariants are
+/// [`MpiComm`]'s.
+pub(crate) struct MpiCore {
     data: RawComm,
     ctrl: RawComm,
     rank: usize,
@@ -194,6 +213,7 @@ pub struct MpiComm {
     timeout: Duration,
     counters: Counters,
     /// A collective is in flight on this handle (two at once would mix their messages).
+    /// `Progress` already serializes the handle's collectives; this is the last line.
     busy: AtomicBool,
     /// Reused receive space for reductions and in-place gathers (u64: aligned for every
     /// dtype), so a collective does not page-fault a fresh allocation each call.
@@ -212,9 +232,9 @@ pub struct MpiComm {
 impl fmt::Debug for MpiComm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MpiComm")
-            .field("rank", &self.rank)
-            .field("size", &self.size)
-            .field("world_ranks", &self.members)
+            .field("rank", &self.core.rank)
+            .field("size", &self.core.size)
+            .field("world_ranks", &self.core.members)
             .finish()
     }
 }
@@ -292,14 +312,14 @@ fn bytes_of<'a>(s: &Slice<'a>) -> &'a [u8] {
     unsafe { std::slice::from_raw_parts(p, n) }
 }
 
-impl MpiComm {
-    /// A handle on `data` (whose members are the given world ranks), with a private
-    /// duplicate for the headers. Collective over `data`.
-    pub(crate) fn new(data: RawComm, members: Vec<usize>, timeout: Duration) -> MpiComm {
+impl MpiCore {
+    /// The core of a handle on `data` (whose members are the given world ranks), with a
+    /// private duplicate for the headers. Collective over `data`.
+    fn new(data: RawComm, members: Vec<usize>, timeout: Duration) -> MpiCore {
         let ctrl = RawComm::dup(data.0);
         let (rank, size) = rank_size(data.0);
         debug_assert_eq!(members.len(), size);
-        MpiComm {
+        MpiCore {
             data,
             ctrl,
             rank,
@@ -316,7 +336,7 @@ impl MpiComm {
     }
 
     /// This rank's index in the world.
-    pub fn world_rank(&self) -> usize {
+    fn world_rank(&self) -> usize {
         self.members[self.rank]
     }
 
@@ -345,7 +365,7 @@ impl MpiComm {
     ///    very moment its late peer completes the exchange, before the withdrawal
     ///    lands): a second "go" round would only move it to that round's timeout. So the
     ///    data phase itself is bounded: non-blocking collectives polled up to the
-    ///    timeout ([`MpiComm::wait_data`]), and past it the job is aborted with a message
+    ///    timeout ([`MpiCore::wait_data`]), and past it the job is aborted with a message
     ///    naming the op and the ranks that withdrew. Aborting, not returning an error,
     ///    because MPI still owns the caller's buffers and cannot give them back.
     ///
@@ -500,7 +520,7 @@ impl MpiComm {
 
     /// Every rank's string (indexed by group rank). Only on the mismatch path, after a
     /// header exchange in which every peer arrived, so the peers are normally all here;
-    /// bounded by the timeout all the same, like a data phase (see [`MpiComm::agree`]).
+    /// bounded by the timeout all the same, like a data phase (see [`MpiCore::agree`]).
     fn all_strings(&self, op: &'static str, mine: &str) -> Vec<String> {
         let n = self.size;
         let mut out = vec![String::new(); n];
@@ -605,12 +625,7 @@ impl MpiComm {
         let op = call.name();
         let _alive = alive(op)?;
         if self.busy.swap(true, Ordering::Acquire) {
-            return Err(Error::InvalidArgument {
-                op,
-                detail: "another collective is in flight on this handle (a handle is one \
-                         rank's end of a group: call its collectives from one thread)"
-                    .into(),
-            });
+            return Err(busy_error(op));
         }
         let _busy = Busy(&self.busy);
         self.agree(&call, dtype, invalid)?;
@@ -745,7 +760,7 @@ impl MpiComm {
     /// this call), at most the timeout from now. The data phase starts only after the
     /// agreement, so normally every peer is in it too and this takes transfer time. It
     /// stalls only when a peer gave up on the collective in the window described in
-    /// [`MpiComm::agree`]; then the job is aborted: MPI owns the caller's buffers until
+    /// [`MpiCore::agree`]; then the job is aborted: MPI owns the caller's buffers until
     /// the requests complete, which they never will, so returning is not possible.
     fn wait_data(&self, op: &'static str, requests: &mut [ffi::MPI_Request]) {
         let start = Instant::now();
@@ -758,7 +773,7 @@ impl MpiComm {
         }
     }
 
-    /// Ends the job from a data phase that cannot finish (see [`MpiComm::wait_data`]),
+    /// Ends the job from a data phase that cannot finish (see [`MpiCore::wait_data`]),
     /// naming the op and the peers known to have given up.
     fn abort_stalled(&self, op: &'static str, waited: Duration) -> ! {
         let left = self.withdrawn();
@@ -780,7 +795,7 @@ impl MpiComm {
         )
     }
 
-    /// A barrier as a data phase: `MPI_Ibarrier`, bounded by [`MpiComm::wait_data`].
+    /// A barrier as a data phase: `MPI_Ibarrier`, bounded by [`MpiCore::wait_data`].
     fn data_barrier(&self, op: &'static str) {
         if self.size == 1 {
             return;
@@ -791,7 +806,7 @@ impl MpiComm {
         self.wait_data(op, std::slice::from_mut(&mut req));
     }
 
-    /// Tells every peer that this rank has left the group (see [`MpiComm::agree`]).
+    /// Tells every peer that this rank has left the group (see [`MpiCore::agree`]).
     fn withdraw(&self) {
         static NOTHING: u64 = 0;
         for p in self.others() {
@@ -946,7 +961,7 @@ fn data_backoff(waited: Duration) {
     }
 }
 
-impl Drop for MpiComm {
+impl Drop for MpiCore {
     fn drop(&mut self) {
         // After finalize the sends cannot be tested any more (and MPI_Finalize waited
         // for them).
@@ -956,19 +971,9 @@ impl Drop for MpiComm {
     }
 }
 
-impl Communicator for MpiComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.size
-    }
-
-    fn backend(&self) -> &'static str {
-        BACKEND
-    }
-
+/// The collectives themselves, as the handle's blocking calls and its worker's requests
+/// both run them (documented on the `Communicator` methods of the same names).
+impl MpiCore {
     fn all_reduce(&self, buf: SliceMut<'_>, op: ReduceOp) -> Result<()> {
         let (n, me) = (self.size, self.rank);
         let call = Call::AllReduce { len: buf.len(), op };
@@ -1557,7 +1562,7 @@ impl Communicator for MpiComm {
         self.run(Call::Barrier, None, None, || self.data_barrier("barrier"))
     }
 
-    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {
+    fn split(&self, color: usize, key: usize) -> Result<MpiCore> {
         let call = Call::Split { color, key };
         let invalid = count(color, "color")
             .and(count(key, "key"))
@@ -1603,18 +1608,11 @@ impl Communicator for MpiComm {
                 )
             };
             let members = members.into_iter().map(|w| w as usize).collect();
-            out = Some(MpiComm::new(new, members, self.timeout));
+            out = Some(MpiCore::new(new, members, self.timeout));
         })?;
-        let comm = out.expect("a completed split made a communicator");
-        Ok(Arc::new(comm))
+        Ok(out.expect("a completed split made a communicator"))
     }
 
-    fn counters(&self) -> CounterSnapshot {
-        self.counters.snapshot()
-    }
-}
-
-impl MpiComm {
     /// The end-of-program exchange (see `Call::Leave`): `Ok` when every rank of this group
     /// is leaving too; otherwise the peers still in collectives fail with `RankFailed`
     /// and this returns which ranks were left waiting.
@@ -1652,6 +1650,203 @@ impl MpiComm {
                 ),
             })
         }
+    }
+}
+
+impl MpiComm {
+    /// A handle on `data` (whose members are the given world ranks), with a private
+    /// duplicate for the headers. Collective over `data`.
+    pub(crate) fn new(data: RawComm, members: Vec<usize>, timeout: Duration) -> MpiComm {
+        MpiComm::of(MpiCore::new(data, members, timeout))
+    }
+
+    fn of(core: MpiCore) -> MpiComm {
+        let world_rank = core.world_rank();
+        MpiComm {
+            core: Arc::new(core),
+            progress: Progress::new(format!("rank-{world_rank}-progress"), world_rank),
+        }
+    }
+
+    /// This rank's index in the world.
+    pub fn world_rank(&self) -> usize {
+        self.core.world_rank()
+    }
+
+    /// The end-of-program exchange (see `MpiCore::leave`), after the requests started on
+    /// this handle.
+    pub(crate) fn leave(&self) -> Result<()> {
+        self.gated(Call::Leave.name(), MpiCore::leave)
+    }
+
+    /// A blocking collective: after the requests started before it (see `Progress`). The
+    /// gate comes before `alive`: a caller holding the finalize read lock while it waits
+    /// for the worker, which needs that lock too, could deadlock behind a waiting
+    /// `finalize_with`.
+    fn gated<R>(&self, op: &'static str, f: impl FnOnce(&MpiCore) -> Result<R>) -> Result<R> {
+        let _gate = self.progress.blocking(op)?;
+        f(&self.core)
+    }
+
+    /// Queues `job` on this handle's progress worker.
+    fn start(
+        &self,
+        op: &'static str,
+        job: impl FnOnce(&MpiCore) -> Result<Buffer> + Send + 'static,
+    ) -> Request {
+        let core = self.core.clone();
+        self.progress.submit(op, move || job(&core))
+    }
+}
+
+impl Drop for MpiComm {
+    /// Ends the progress worker once it has finished the requests already started (each
+    /// within the timeout, or the job is aborted); the core's drop then waits for the
+    /// handle's sends.
+    fn drop(&mut self) {
+        self.progress.shutdown();
+    }
+}
+
+impl Communicator for MpiComm {
+    fn rank(&self) -> usize {
+        self.core.rank
+    }
+
+    fn size(&self) -> usize {
+        self.core.size
+    }
+
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn all_reduce(&self, buf: SliceMut<'_>, op: ReduceOp) -> Result<()> {
+        self.gated("all_reduce", |c| c.all_reduce(buf, op))
+    }
+
+    fn all_gather(&self, send: Slice<'_>, recv: SliceMut<'_>) -> Result<()> {
+        self.gated("all_gather", |c| c.all_gather(send, recv))
+    }
+
+    fn all_gatherv(&self, send: Slice<'_>, recv: SliceMut<'_>, counts: &[usize]) -> Result<()> {
+        self.gated("all_gatherv", |c| c.all_gatherv(send, recv, counts))
+    }
+
+    fn all_gatherv_in_place(&self, buf: SliceMut<'_>, counts: &[usize]) -> Result<()> {
+        self.gated("all_gatherv", |c| c.all_gatherv_in_place(buf, counts))
+    }
+
+    fn reduce_scatterv_in_place(
+        &self,
+        buf: SliceMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.gated("reduce_scatterv", |c| {
+            c.reduce_scatterv_in_place(buf, counts, op)
+        })
+    }
+
+    fn reduce_scatter(&self, send: Slice<'_>, recv: SliceMut<'_>, op: ReduceOp) -> Result<()> {
+        self.gated("reduce_scatter", |c| c.reduce_scatter(send, recv, op))
+    }
+
+    fn reduce_scatterv(
+        &self,
+        send: Slice<'_>,
+        recv: SliceMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.gated("reduce_scatterv", |c| {
+            c.reduce_scatterv(send, recv, counts, op)
+        })
+    }
+
+    fn all_to_all(&self, send: Slice<'_>, recv: SliceMut<'_>) -> Result<()> {
+        self.gated("all_to_all", |c| c.all_to_all(send, recv))
+    }
+
+    fn all_to_allv(
+        &self,
+        send: Slice<'_>,
+        send_counts: &[usize],
+        recv: SliceMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.gated("all_to_allv", |c| {
+            c.all_to_allv(send, send_counts, recv, recv_counts)
+        })
+    }
+
+    fn broadcast(&self, buf: SliceMut<'_>, root: usize) -> Result<()> {
+        self.gated("broadcast", |c| c.broadcast(buf, root))
+    }
+
+    /// Not in the collective sequence: does not wait for pending requests.
+    fn send(&self, buf: Slice<'_>, dst: usize, tag: u32) -> Result<()> {
+        self.core.send(buf, dst, tag)
+    }
+
+    /// Not in the collective sequence: does not wait for pending requests.
+    fn recv(&self, buf: SliceMut<'_>, src: usize, tag: u32) -> Result<()> {
+        self.core.recv(buf, src, tag)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.gated("barrier", MpiCore::barrier)
+    }
+
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {
+        let core = self.gated("split", |c| c.split(color, key))?;
+        Ok(Arc::new(MpiComm::of(core)))
+    }
+
+    fn counters(&self) -> CounterSnapshot {
+        self.core.counters.snapshot()
+    }
+
+    fn start_all_reduce(&self, mut buf: Buffer, op: ReduceOp) -> Request {
+        self.start("all_reduce", move |c| {
+            c.all_reduce(buf.as_slice_mut(), op).map(|()| buf)
+        })
+    }
+
+    fn start_all_gather(&self, send: Buffer, mut recv: Buffer) -> Request {
+        self.start("all_gather", move |c| {
+            c.all_gather(send.as_slice(), recv.as_slice_mut())
+                .map(|()| recv)
+        })
+    }
+
+    fn start_all_gatherv(&self, send: Buffer, mut recv: Buffer, counts: &[usize]) -> Request {
+        let counts = counts.to_vec();
+        self.start("all_gatherv", move |c| {
+            c.all_gatherv(send.as_slice(), recv.as_slice_mut(), &counts)
+                .map(|()| recv)
+        })
+    }
+
+    fn start_reduce_scatter(&self, send: Buffer, mut recv: Buffer, op: ReduceOp) -> Request {
+        self.start("reduce_scatter", move |c| {
+            c.reduce_scatter(send.as_slice(), recv.as_slice_mut(), op)
+                .map(|()| recv)
+        })
+    }
+
+    fn start_reduce_scatterv(
+        &self,
+        send: Buffer,
+        mut recv: Buffer,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Request {
+        let counts = counts.to_vec();
+        self.start("reduce_scatterv", move |c| {
+            c.reduce_scatterv(send.as_slice(), recv.as_slice_mut(), &counts, op)
+                .map(|()| recv)
+        })
     }
 }
 

@@ -6,7 +6,10 @@ use super::call::{self, Call, Post, Problem};
 use super::group::{Group, Message};
 use super::view::{Buf, RawBuf, View};
 use crate::args::{counts_sum, equal_blocks, is_multiple, same_dtype};
-use crate::{CollectiveKind, Communicator, CounterSnapshot, Counters, Error, Result};
+use crate::progress::{busy_error, Progress};
+use crate::{
+    Buffer, CollectiveKind, Communicator, CounterSnapshot, Counters, Error, Request, Result,
+};
 use dtensor_kernels::{chunk_sizes, DType, Element, ReduceOp, Slice, SliceMut};
 use smallvec::SmallVec;
 use std::any::Any;
@@ -51,20 +54,35 @@ macro_rules! with_dtype {
 
 /// Rank `rank()`'s handle on a group of ranks running as threads of one process (see
 /// [`super::launch`]). Each handle counts its own calls and bytes.
+///
+/// Its asynchronous collectives (`start_*`) run on a progress worker of its own, a thread
+/// started with the first request, that executes them in start order with the same code
+/// as the blocking calls (so the same results, errors and counters) while the caller
+/// computes; see [`crate::Request`] for the rules. The worker ends with the handle: its
+/// drop lets the worker finish the requests already started, then joins it.
 pub struct ThreadComm {
+    core: Arc<Core>,
+    progress: Progress,
+}
+
+/// What runs a handle's collectives: shared by the handle (blocking calls, on the caller's
+/// thread) and its progress worker (requests, on the worker's thread). `Progress` keeps
+/// the two from running a collective of the handle at the same time.
+struct Core {
     group: Arc<Group>,
     rank: usize,
     counters: Counters,
     /// A collective is in flight on this handle (two at once would corrupt the protocol).
+    /// `Progress` already serializes the handle's collectives; this is the last line.
     busy: AtomicBool,
 }
 
 impl fmt::Debug for ThreadComm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ThreadComm")
-            .field("rank", &self.rank)
-            .field("size", &self.group.size())
-            .field("world_ranks", &self.group.members)
+            .field("rank", &self.core.rank)
+            .field("size", &self.core.group.size())
+            .field("world_ranks", &self.core.group.members)
             .finish()
     }
 }
@@ -78,7 +96,7 @@ impl Drop for Busy<'_> {
     }
 }
 
-impl ThreadComm {
+impl Core {
     /// The post of an in-place call on `buf` (whose length must be `Σ counts`), with both
     /// addresses at the buffer's start, and the address of this rank's own block in it
     /// (`None` when the arguments are invalid; the post then says why).
@@ -208,17 +226,8 @@ impl ThreadComm {
             .map(drop)
     }
 
-    pub(super) fn new(group: Arc<Group>, rank: usize) -> ThreadComm {
-        ThreadComm {
-            group,
-            rank,
-            counters: Counters::default(),
-            busy: AtomicBool::new(false),
-        }
-    }
-
     /// This rank's index in the world (the `launch` group).
-    pub(crate) fn world_rank(&self) -> usize {
+    fn world_rank(&self) -> usize {
         self.group.members[self.rank]
     }
 
@@ -231,12 +240,7 @@ impl ThreadComm {
     fn run(&self, post: Post) -> Result<Option<Arc<Group>>> {
         let op = post.call.name();
         if self.busy.swap(true, Ordering::Acquire) {
-            return Err(Error::InvalidArgument {
-                op,
-                detail: "another collective is in flight on this handle (a handle is one \
-                         rank's end of a group: call its collectives from one thread)"
-                    .into(),
-            });
+            return Err(busy_error(op));
         }
         let _busy = Busy(&self.busy);
         let (n, me) = (self.n(), self.rank);
@@ -349,19 +353,9 @@ fn post(
     }
 }
 
-impl Communicator for ThreadComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn size(&self) -> usize {
-        self.n()
-    }
-
-    fn backend(&self) -> &'static str {
-        BACKEND
-    }
-
+/// The collectives themselves, as the handle's blocking calls and its worker's requests
+/// both run them (the handle's `Communicator` methods documented there).
+impl Core {
     fn all_reduce(&self, mut buf: SliceMut<'_>, op: ReduceOp) -> Result<()> {
         let call = Call::AllReduce { len: buf.len(), op };
         self.run(post(call, None, None, Some(&mut buf))).map(drop)
@@ -571,7 +565,8 @@ impl Communicator for ThreadComm {
         self.run(post(Call::Barrier, None, None, None)).map(drop)
     }
 
-    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {
+    /// The new group and this rank's index in it.
+    fn split(&self, color: usize, key: usize) -> Result<(Arc<Group>, usize)> {
         let call = Call::Split { color, key };
         let group = self
             .run(post(call, None, None, None))?
@@ -582,11 +577,225 @@ impl Communicator for ThreadComm {
             .iter()
             .position(|&w| w == me)
             .expect("a split group contains its members");
+        Ok((group, rank))
+    }
+}
+
+impl ThreadComm {
+    pub(super) fn new(group: Arc<Group>, rank: usize) -> ThreadComm {
+        let world_rank = group.members[rank];
+        ThreadComm {
+            core: Arc::new(Core {
+                group,
+                rank,
+                counters: Counters::default(),
+                busy: AtomicBool::new(false),
+            }),
+            progress: Progress::new(format!("rank-{world_rank}-progress"), world_rank),
+        }
+    }
+
+    /// A blocking collective: after the requests started before it (see `Progress`).
+    fn gated<R>(&self, op: &'static str, f: impl FnOnce(&Core) -> Result<R>) -> Result<R> {
+        let _gate = self.progress.blocking(op)?;
+        f(&self.core)
+    }
+
+    /// Queues `job` on this handle's progress worker.
+    fn start(
+        &self,
+        op: &'static str,
+        job: impl FnOnce(&Core) -> Result<Buffer> + Send + 'static,
+    ) -> Request {
+        let core = self.core.clone();
+        self.progress.submit(op, move || job(&core))
+    }
+}
+
+impl Drop for ThreadComm {
+    /// Ends the progress worker, once it has finished the requests already started.
+    fn drop(&mut self) {
+        self.progress.shutdown();
+    }
+}
+
+impl Communicator for ThreadComm {
+    fn rank(&self) -> usize {
+        self.core.rank
+    }
+
+    fn size(&self) -> usize {
+        self.core.n()
+    }
+
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn all_reduce(&self, buf: SliceMut<'_>, op: ReduceOp) -> Result<()> {
+        self.gated("all_reduce", |c| c.all_reduce(buf, op))
+    }
+
+    fn all_gather(&self, send: Slice<'_>, recv: SliceMut<'_>) -> Result<()> {
+        self.gated("all_gather", |c| c.all_gather(send, recv))
+    }
+
+    fn all_gatherv(&self, send: Slice<'_>, recv: SliceMut<'_>, counts: &[usize]) -> Result<()> {
+        self.gated("all_gatherv", |c| c.all_gatherv(send, recv, counts))
+    }
+
+    fn all_gatherv_in_place(&self, buf: SliceMut<'_>, counts: &[usize]) -> Result<()> {
+        self.gated("all_gatherv", |c| c.all_gatherv_in_place(buf, counts))
+    }
+
+    fn reduce_scatterv_in_place(
+        &self,
+        buf: SliceMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.gated("reduce_scatterv", |c| {
+            c.reduce_scatterv_in_place(buf, counts, op)
+        })
+    }
+
+    fn all_gather_cols(
+        &self,
+        send: Slice<'_>,
+        recv: SliceMut<'_>,
+        rows: usize,
+        widths: &[usize],
+    ) -> Result<()> {
+        self.gated("all_gatherv", |c| {
+            c.all_gather_cols(send, recv, rows, widths)
+        })
+    }
+
+    fn reduce_scatter_cols(
+        &self,
+        send: Slice<'_>,
+        recv: SliceMut<'_>,
+        rows: usize,
+        widths: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.gated("reduce_scatterv", |c| {
+            c.reduce_scatter_cols(send, recv, rows, widths, op)
+        })
+    }
+
+    fn all_to_all_cols(
+        &self,
+        send: Slice<'_>,
+        rows: usize,
+        send_widths: &[usize],
+        recv: SliceMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.gated("all_to_allv", |c| {
+            c.all_to_all_cols(send, rows, send_widths, recv, recv_counts)
+        })
+    }
+
+    fn reduce_scatter(&self, send: Slice<'_>, recv: SliceMut<'_>, op: ReduceOp) -> Result<()> {
+        self.gated("reduce_scatter", |c| c.reduce_scatter(send, recv, op))
+    }
+
+    fn reduce_scatterv(
+        &self,
+        send: Slice<'_>,
+        recv: SliceMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.gated("reduce_scatterv", |c| {
+            c.reduce_scatterv(send, recv, counts, op)
+        })
+    }
+
+    fn all_to_all(&self, send: Slice<'_>, recv: SliceMut<'_>) -> Result<()> {
+        self.gated("all_to_all", |c| c.all_to_all(send, recv))
+    }
+
+    fn all_to_allv(
+        &self,
+        send: Slice<'_>,
+        send_counts: &[usize],
+        recv: SliceMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.gated("all_to_allv", |c| {
+            c.all_to_allv(send, send_counts, recv, recv_counts)
+        })
+    }
+
+    fn broadcast(&self, buf: SliceMut<'_>, root: usize) -> Result<()> {
+        self.gated("broadcast", |c| c.broadcast(buf, root))
+    }
+
+    /// Not in the collective sequence: does not wait for pending requests.
+    fn send(&self, buf: Slice<'_>, dst: usize, tag: u32) -> Result<()> {
+        self.core.send(buf, dst, tag)
+    }
+
+    /// Not in the collective sequence: does not wait for pending requests.
+    fn recv(&self, buf: SliceMut<'_>, src: usize, tag: u32) -> Result<()> {
+        self.core.recv(buf, src, tag)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.gated("barrier", Core::barrier)
+    }
+
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {
+        let (group, rank) = self.gated("split", |c| c.split(color, key))?;
         Ok(Arc::new(ThreadComm::new(group, rank)))
     }
 
     fn counters(&self) -> CounterSnapshot {
-        self.counters.snapshot()
+        self.core.counters.snapshot()
+    }
+
+    fn start_all_reduce(&self, mut buf: Buffer, op: ReduceOp) -> Request {
+        self.start("all_reduce", move |c| {
+            c.all_reduce(buf.as_slice_mut(), op).map(|()| buf)
+        })
+    }
+
+    fn start_all_gather(&self, send: Buffer, mut recv: Buffer) -> Request {
+        self.start("all_gather", move |c| {
+            c.all_gather(send.as_slice(), recv.as_slice_mut())
+                .map(|()| recv)
+        })
+    }
+
+    fn start_all_gatherv(&self, send: Buffer, mut recv: Buffer, counts: &[usize]) -> Request {
+        let counts = counts.to_vec();
+        self.start("all_gatherv", move |c| {
+            c.all_gatherv(send.as_slice(), recv.as_slice_mut(), &counts)
+                .map(|()| recv)
+        })
+    }
+
+    fn start_reduce_scatter(&self, send: Buffer, mut recv: Buffer, op: ReduceOp) -> Request {
+        self.start("reduce_scatter", move |c| {
+            c.reduce_scatter(send.as_slice(), recv.as_slice_mut(), op)
+                .map(|()| recv)
+        })
+    }
+
+    fn start_reduce_scatterv(
+        &self,
+        send: Buffer,
+        mut recv: Buffer,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Request {
+        let counts = counts.to_vec();
+        self.start("reduce_scatterv", move |c| {
+            c.reduce_scatterv(send.as_slice(), recv.as_slice_mut(), &counts, op)
+                .map(|()| recv)
+        })
     }
 }
 
