@@ -1301,17 +1301,23 @@ fn a_backward_hook_gets_each_parameter_gradient_once_when_it_is_final() {
             let p2 = tape.param(2, d2.clone());
             let _unused = tape.param(3, d2.clone());
             let h = xv.to_replicate(Tp)?;
-            let y = h.matmul_t(&a)?.add(&h.matmul_t(&b)?)?.gelu()?.matmul_t(&p2)?;
+            let y = h
+                .matmul_t(&a)?
+                .add(&h.matmul_t(&b)?)?
+                .gelu()?
+                .matmul_t(&p2)?;
             let loss = y.all_reduce(Tp)?.sum_dim::<1>()?.sum_dim::<0>()?;
             if hooked {
                 let mut got = Vec::new();
                 let mut g = loss.backward_hooked(&mut |key, g| {
                     got.push((key, g.as_local().clone()));
-                    Ok(())
+                    // Take all but W2's.
+                    Ok(Some(g).filter(|_| key == 2))
                 })?;
-                // Hooked gradients left the store: of_key now finds zeros.
+                // Taken gradients left the store: of_key now finds zeros; W2's stayed.
                 let z = g.of_key(1, &d1)?;
                 assert!(z.as_local().to_f64_vec().iter().all(|v| *v == 0.0));
+                assert_eq!(g.of_key(2, &d2)?.as_local(), &got[1].1);
                 Ok(got)
             } else {
                 let mut g = loss.backward()?;

@@ -60,7 +60,9 @@ use std::sync::Arc;
 
 type Backward = Box<dyn FnOnce(&mut GradStore) -> Result<()>>;
 /// Receives a parameter's key and its final gradient during a backward.
-type ParamHook<'h> = &'h mut dyn FnMut(u64, AnyDTensor) -> Result<()>;
+/// Returns the gradient back when it does not take it (it then stays in the
+/// [`Gradients`]).
+type ParamHook<'h> = &'h mut dyn FnMut(u64, AnyDTensor) -> Result<Option<AnyDTensor>>;
 /// A backward that computes the gradients of the inputs `want` marks, and can run again
 /// for the others (zero-bubble pipelines defer a weight's half of a product).
 type HalfBackward = Box<dyn Fn(&mut GradStore, &[bool]) -> Result<()>>;
@@ -477,7 +479,11 @@ impl Tape {
                     )?
                 }
             };
-            hook(key, g)
+            if let Some(back) = hook(key, g)? {
+                let first = params.iter().find(|p| p.0 == key).expect("a bound key").1;
+                store.slots[first] = Some(back);
+            }
+            Ok(())
         };
         if let Some(h) = hook.as_mut() {
             for &key in &unread {
@@ -669,11 +675,12 @@ impl<'t, L: Layout> Var<'t, L> {
     /// [`backward_with`](Self::backward_with), handing each parameter's gradient (summed
     /// over its leaves, laid out as the dual of its value) to `hook` as soon as it is final,
     /// in the order they become final: data parallelism starts reducing a bucket while the
-    /// backward goes on. The hooked gradients are no longer in the returned [`Gradients`].
+    /// backward goes on. A gradient the hook takes (returns `None` for) is no longer in the
+    /// returned [`Gradients`]; one it returns stays there.
     pub fn backward_with_hook(
         self,
         grad: DTensor<L::Grad>,
-        hook: &mut dyn FnMut(u64, AnyDTensor) -> Result<()>,
+        hook: &mut dyn FnMut(u64, AnyDTensor) -> Result<Option<AnyDTensor>>,
     ) -> Result<Gradients> {
         let n = self.tape.inner.borrow().vars;
         let mut store = GradStore {
@@ -687,7 +694,7 @@ impl<'t, L: Layout> Var<'t, L> {
     /// [`backward_with_hook`](Self::backward_with_hook)).
     pub fn backward_hooked(
         self,
-        hook: &mut dyn FnMut(u64, AnyDTensor) -> Result<()>,
+        hook: &mut dyn FnMut(u64, AnyDTensor) -> Result<Option<AnyDTensor>>,
     ) -> Result<Gradients>
     where
         L: LossLayout,

@@ -383,6 +383,31 @@ impl Tensor {
         ))
     }
 
+    /// The elements, copied into an owned storage (what an asynchronous collective
+    /// takes: it must own its buffer while the caller goes on).
+    pub fn to_storage(&self) -> CpuStorage {
+        match self.as_dyn_slice() {
+            Slice::F32(s) => CpuStorage::F32(s.to_vec()),
+            Slice::F64(s) => CpuStorage::F64(s.to_vec()),
+            Slice::BF16(s) => CpuStorage::BF16(s.to_vec()),
+            Slice::F16(s) => CpuStorage::F16(s.to_vec()),
+            Slice::I32(s) => CpuStorage::I32(s.to_vec()),
+            Slice::I64(s) => CpuStorage::I64(s.to_vec()),
+        }
+    }
+
+    /// A tensor of `shape` over `data` (no copy); `Err` unless the element counts agree.
+    pub fn from_cpu_storage(shape: &[usize], data: CpuStorage) -> Result<Tensor> {
+        if checked_numel(shape) != Some(data.len()) {
+            return Err(Error::ShapeMismatch {
+                op: "Tensor::from_cpu_storage",
+                lhs: shape.into(),
+                rhs: smallvec::smallvec![data.len()],
+            });
+        }
+        Ok(Tensor::from_storage(shape, data))
+    }
+
     /// A copy that owns its elements (no storage shared with `self`).
     pub fn deep_clone(&self) -> Tensor {
         let mut out = Tensor::for_overwrite(&self.shape, self.dtype());

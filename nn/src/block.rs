@@ -11,12 +11,15 @@
 //! (DP reduction, clipping, update).
 
 use crate::attention::{AttentionConfig, ParallelAttention};
+use crate::buckets::{DdpBuckets, DEFAULT_BUCKET_BYTES};
 use crate::data::{DataMode, Ddp, Precision};
 use crate::embedding::{loss_value, vocab_parallel_cross_entropy, VocabParallelEmbedding};
 use crate::linear::{ColumnParallelLinear, ParamInit};
 use crate::mlp::{Activation, ParallelMlp};
 use crate::norm::{Norm, NormKind};
-use crate::optim::{self, join_name, named_params, Module, Optimizer, ParamVisitor};
+use crate::optim::{
+    self, join_name, named_params, GradAccumulator, Module, Optimizer, ParamVisitor,
+};
 use crate::seq::{Ids, Loss, SeqMode, Stream};
 use dtensor_core::{DTensor, DeviceMesh, Result, Tape, Var};
 use dtensor_kernels::{DType, Tensor};
@@ -172,6 +175,10 @@ pub(crate) fn head_loss<'t, M: SeqMode, D: DataMode>(
 /// A small GPT under sequence mode `M`, its parameters held over `Dp` as `D` says.
 pub struct Gpt<M: SeqMode, D: DataMode = Ddp> {
     pub config: GptConfig,
+    /// DDP's gradient buckets: all-reduced over `Dp` while the backward runs, `Some(bytes)`
+    /// per bucket (the default, [`DEFAULT_BUCKET_BYTES`]); `None` reduces every gradient
+    /// after the backward.
+    pub ddp_bucket_bytes: Option<usize>,
     pub embedding: VocabParallelEmbedding<D>,
     pub blocks: Vec<TransformerBlock<M, D>>,
     pub norm: Norm<M, D>,
@@ -210,6 +217,7 @@ impl<M: SeqMode, D: DataMode> Gpt<M, D> {
             ColumnParallelLinear::new(config.hidden, config.vocab, false, init.with_id(7), mesh)?;
         Ok(Gpt {
             config,
+            ddp_bucket_bytes: Some(DEFAULT_BUCKET_BYTES),
             embedding,
             blocks,
             norm,
@@ -259,8 +267,19 @@ impl<M: SeqMode, D: DataMode> Gpt<M, D> {
         let tape = Tape::new();
         let loss = self.forward(&tape, ids, targets)?;
         let value = loss_value(&loss)?;
-        let mut grads = loss.backward()?;
-        let grad_norm = optim::step(self, &mut grads, opt, max_norm)?;
+        let mut acc = GradAccumulator::new();
+        match self.ddp_bucket_bytes {
+            Some(cap) => {
+                let mut buckets = DdpBuckets::new(self, cap)?;
+                let mut grads =
+                    loss.backward_hooked(&mut |key, g| buckets.push(&mut acc, key, g))?;
+                buckets.flush()?;
+                acc.add(self, &mut grads)?;
+                buckets.finish(&mut acc)?;
+            }
+            None => acc.add(self, &mut loss.backward()?)?,
+        }
+        let grad_norm = optim::step_accumulated(self, acc, opt, max_norm)?;
         Ok(StepReport {
             loss: value,
             grad_norm,

@@ -134,10 +134,12 @@ impl Precision {
             ..self
         }
     }
-    fn compute_of(&self, master: DType) -> DType {
+    /// The compute dtype for masters of dtype `master`.
+    pub fn compute_of(&self, master: DType) -> DType {
         self.compute.unwrap_or(master)
     }
-    fn reduce_of(&self, master: DType) -> DType {
+    /// The dtype gradients of masters of dtype `master` are reduced in.
+    pub fn reduce_of(&self, master: DType) -> DType {
         self.reduce.unwrap_or(self.compute_of(master))
     }
 }
@@ -181,6 +183,9 @@ impl<const F: usize> DpGather for Shard<F> {
 pub trait DpMaster<W: DpGather>: PlacementType {
     /// The gradient's placement over `Dp` once reduced (what the optimizer takes).
     type Reduced: ReducedPlacement<Self> + Linear;
+    /// The reduction over `Dp` is an all-reduce of the whole raw gradient (DDP), which
+    /// data parallelism may fuse with other parameters' into one bucket.
+    const ALL_REDUCE: bool = false;
 
     /// The value the tape binds for the parameter: the compute copy, or the master where
     /// it serves as one (same placement and dtype, or an FSDP shard gathered in f32 and
@@ -219,6 +224,7 @@ fn cast<L: Layout>(g: DTensor<L>, dtype: DType) -> Result<DTensor<L>> {
 /// is all-reduced.
 impl DpMaster<Replicate> for Replicate {
     type Reduced = Invariant;
+    const ALL_REDUCE: bool = true;
 
     fn bound<T: PlacementType>(
         master: &DTensor<DpLayout<Self, T>>,
@@ -492,6 +498,12 @@ impl<D: DataMode, K: ParamKind> Weight<D, K> {
         grads: &mut Gradients,
     ) -> Result<DTensor<<WorkLayout<D, K> as Layout>::Grad>> {
         grads.of_key(self.master.key(), &self.bound()?)
+    }
+
+    /// Whether this parameter's gradient is all-reduced over `Dp` (DDP, or a column bias
+    /// in any mode): what [`DdpBuckets`](crate::DdpBuckets) may fuse.
+    pub fn is_all_reduced(&self) -> bool {
+        <D::Master<K> as DpMaster<D::Work<K>>>::ALL_REDUCE
     }
 
     /// The dtype compute runs in.

@@ -60,6 +60,7 @@
 
 pub mod attention;
 pub mod block;
+pub mod buckets;
 pub mod data;
 pub mod embedding;
 pub mod init;
@@ -72,6 +73,7 @@ pub mod seq;
 
 pub use attention::{AttentionConfig, ParallelAttention};
 pub use block::{Gpt, GptConfig, StepReport, TransformerBlock};
+pub use buckets::{DdpBuckets, DEFAULT_BUCKET_BYTES};
 pub use data::{
     ColB, ColW, DataMode, Ddp, DpGather, DpLayout, DpMaster, DpReducedOf, DpShardPlacement, Fsdp,
     MasterLayout, ParamKind, Precision, ReducedLayout, RowW, StreamP, Weight, WorkLayout, Zero1,

@@ -232,6 +232,10 @@ pub fn named_params(m: &mut impl Module) -> Result<Vec<NamedParam>> {
 #[derive(Default)]
 pub struct GradAccumulator {
     sums: std::collections::HashMap<u64, AnyDTensor>,
+    /// Gradients already reduced over `Dp` by [`DdpBuckets`](crate::DdpBuckets).
+    dp_reduced: std::collections::HashMap<u64, AnyDTensor>,
+    /// Parameters a bucket took in this backward (the plain `add` skips them).
+    bucketed: std::collections::HashSet<u64>,
     backwards: usize,
 }
 
@@ -258,6 +262,9 @@ impl GradAccumulator {
                 _: &str,
                 w: &mut Weight<D, K>,
             ) -> Result<()> {
+                if self.acc.bucketed.contains(&w.master().key()) {
+                    return Ok(());
+                }
                 let g = if D::REDUCE_EACH_BACKWARD {
                     w.dp_reduced_grad(self.grads)?.into_any()
                 } else {
@@ -267,8 +274,25 @@ impl GradAccumulator {
             }
         }
         m.visit_params("", &mut Add { acc: self, grads })?;
+        self.bucketed.clear();
         self.backwards += 1;
         Ok(())
+    }
+
+    /// The raw sum accumulated for `key` so far, taken out (a bucket adds it to the last
+    /// backward's gradient before reducing).
+    pub(crate) fn take_raw(&mut self, key: u64) -> Option<AnyDTensor> {
+        self.sums.remove(&key)
+    }
+
+    /// A bucket took `key`'s gradient in this backward.
+    pub(crate) fn mark_bucketed(&mut self, key: u64) {
+        self.bucketed.insert(key);
+    }
+
+    /// A bucket's reduced gradient for `key`.
+    pub(crate) fn put_dp_reduced(&mut self, key: u64, g: AnyDTensor) {
+        self.dp_reduced.insert(key, g);
     }
 
     fn sum_into(&mut self, key: u64, g: AnyDTensor) -> Result<()> {
@@ -288,6 +312,9 @@ impl GradAccumulator {
         &mut self,
         w: &Weight<D, K>,
     ) -> Result<DTensor<ReducedLayout<D, K>>> {
+        if let Some(any) = self.dp_reduced.remove(&w.master().key()) {
+            return <K::Tp as TpParam>::reduce_over_tp(DTensor::try_from_any(any)?);
+        }
         let any = self
             .sums
             .remove(&w.master().key())

@@ -344,3 +344,43 @@ fn recomputation_lowers_the_activation_peak() {
     eprintln!("peak of forward + backward: {kept} B kept, {recomputed} B recomputed");
     assert!(recomputed < kept, "{recomputed} vs {kept}");
 }
+
+/// Losses and whole parameters after 3 DDP steps at dp = 2, tp = 2 with SP, buckets of
+/// `cap` bytes (`None`: reduced after the backward), and the `Dp` all-reduces per step.
+fn ddp_run(cap: Option<usize>) -> (Vec<f64>, Vec<Tensor>, u64) {
+    let (ids, tg) = tokens();
+    on_mesh(2, 2, |mesh| {
+        let mut model = Gpt::<Sp, Ddp>::new(config(), mesh)?;
+        model.ddp_bucket_bytes = cap;
+        let mut opt = AdamW::new(3e-3);
+        let (i, t): (DTensor<Ids>, DTensor<Ids>) = (piece(&ids, mesh)?, piece(&tg, mesh)?);
+        let comm = mesh.comm(AxisKind::Dp).unwrap().clone();
+        let before = comm.counters();
+        let losses = (0..3)
+            .map(|_| Ok(model.train_step(&i, &t, &mut opt, 1.0)?.loss))
+            .collect::<Result<Vec<_>>>()?;
+        let calls = comm
+            .counters()
+            .since(&before)
+            .calls(dtensor_collectives::CollectiveKind::AllReduce);
+        Ok((losses, model.full_params()?, calls / 3))
+    })
+    .swap_remove(0)
+}
+
+#[test]
+fn bucketed_ddp_reduction_is_bitwise_the_unbucketed_one() {
+    let (l0, p0, calls0) = ddp_run(None);
+    let (l1, p1, calls1) = ddp_run(Some(2048));
+    let (l2, p2, calls2) = ddp_run(Some(DEFAULT_BUCKET_BYTES));
+    assert_eq!(l0, l1);
+    assert_eq!(p0, p1);
+    assert_eq!(l0, l2);
+    assert_eq!(p0, p2);
+    // Per step: the loss's all-reduce, and one per parameter unbucketed, one per bucket.
+    let params = (p0.len()) as u64;
+    assert_eq!(calls0, 1 + params);
+    assert_eq!(calls2, 1 + 1, "everything fits one 25 MB bucket");
+    assert!(calls1 > 2 && calls1 < calls0, "2 kB buckets: {calls1}");
+    eprintln!("dp all-reduces per step: {calls0} per parameter, {calls1} in 2 kB buckets, {calls2} in one");
+}

@@ -14,6 +14,7 @@
 //! mean whatever the microbatch count, and so do their gradients.
 
 use crate::block::GptConfig;
+use crate::buckets::{DdpBuckets, DEFAULT_BUCKET_BYTES};
 use crate::data::{DataMode, Ddp};
 use crate::optim::{step_accumulated, GradAccumulator, Module, Optimizer, ParamVisitor};
 use crate::pipeline::schedule::{Action, Schedule};
@@ -93,6 +94,9 @@ pub struct Pipeline<M: SeqMode, D: DataMode = Ddp> {
     pub schedule: Schedule,
     /// Chunk `c` is virtual stage `c·pp + rank`.
     pub chunks: Vec<GptStage<M, D>>,
+    /// DDP's gradient buckets, started during each chunk's last backward of a step (see
+    /// [`Gpt::ddp_bucket_bytes`](crate::Gpt)); `None`: reduced after the schedule.
+    pub ddp_bucket_bytes: Option<usize>,
     stage_mesh: Arc<DeviceMesh>,
     pp: Option<Arc<dyn Communicator>>,
     rank: usize,
@@ -140,6 +144,7 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
             config,
             schedule,
             chunks,
+            ddp_bucket_bytes: Some(DEFAULT_BUCKET_BYTES),
             stage_mesh,
             pp,
             rank,
@@ -215,6 +220,9 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
         let mut weight_passes: Vec<Option<WeightPass>> = (0..m * v).map(|_| None).collect();
         let mut losses: Vec<DTensor<Loss>> = Vec::new();
         let mut acc = GradAccumulator::new();
+        // Per chunk: backwards run so far, and its buckets once its last backward starts.
+        let mut backwards = vec![0usize; v];
+        let mut buckets: Vec<DdpBuckets> = Vec::new();
         let mut busy = 0.0;
         let actions = self.schedule.actions[rank].clone();
         if let Some(pp) = &self.pp {
@@ -277,13 +285,36 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
                 // to send: it runs whole, and its `W` finds nothing left).
                 Action::Backward { mb, stage } | Action::BackwardInput { mb, stage } => {
                     let i = slot(mb, stage);
-                    let mut grads = match outputs[i].take() {
-                        Some(StageOutput::Loss(l)) => l.backward()?,
-                        Some(StageOutput::Hidden(h)) => h.backward_with(
-                            out_grads[i].take().ok_or_else(|| missing("gradient", a))?,
-                        )?,
-                        None => return Err(missing("forward", a)),
+                    let c = stage / pp;
+                    backwards[c] += 1;
+                    // The chunk's last backward of the step reduces its DDP gradients in
+                    // buckets as they become final; the earlier ones accumulate.
+                    let mut bucket = match self.ddp_bucket_bytes {
+                        Some(cap) if backwards[c] == m => {
+                            Some(DdpBuckets::new(&mut self.chunks[c], cap)?)
+                        }
+                        _ => None,
                     };
+                    let out = outputs[i].take().ok_or_else(|| missing("forward", a))?;
+                    let mut grads = match (out, &mut bucket) {
+                        (StageOutput::Loss(l), None) => l.backward()?,
+                        (StageOutput::Loss(l), Some(b)) => {
+                            l.backward_hooked(&mut |k, g| b.push(&mut acc, k, g))?
+                        }
+                        (StageOutput::Hidden(h), b) => {
+                            let dy = out_grads[i].take().ok_or_else(|| missing("gradient", a))?;
+                            match b {
+                                None => h.backward_with(dy)?,
+                                Some(b) => {
+                                    h.backward_with_hook(dy, &mut |k, g| b.push(&mut acc, k, g))?
+                                }
+                            }
+                        }
+                    };
+                    if let Some(mut b) = bucket {
+                        b.flush()?;
+                        buckets.push(b);
+                    }
                     if stage > 0 {
                         let x = inputs[i].take().ok_or_else(|| missing("input", a))?;
                         in_grads[i] = Some(grads.take(&x)?);
@@ -305,6 +336,9 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
                     hop_for(mb)?.send_grad(&g, peer, tag(true, mb, stage - 1))?;
                 }
             }
+        }
+        for b in buckets {
+            b.finish(&mut acc)?;
         }
         let step_secs = start.elapsed().as_secs_f64();
         drop(outputs);
