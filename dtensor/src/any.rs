@@ -608,6 +608,21 @@ impl AnyDTensor {
         Ok(())
     }
 
+    /// The same tensor with its elements converted to `dtype` (rounded once; a cheap view
+    /// when it already is `dtype`).
+    pub fn to_dtype(&self, dtype: dtensor_kernels::DType) -> Result<AnyDTensor> {
+        if self.dtype() == dtype {
+            return Ok(self.clone());
+        }
+        AnyDTensor::from_local_for(
+            "AnyDTensor::to_dtype",
+            self.as_local().to_dtype(dtype),
+            self.global_shape(),
+            self.placements(),
+            self.device_mesh(),
+        )
+    }
+
     /// Elementwise sum. Both operands need the same mesh, global shape and placements, and
     /// no max/min partial axis.
     pub fn add(&self, other: &AnyDTensor) -> Result<AnyDTensor> {

@@ -17,38 +17,31 @@
 
 use crate::data::{DataMode, ParamKind, Weight};
 use crate::optim::{GradAccumulator, Module, ParamVisitor};
-use dtensor_collectives::{Buffer, Communicator, ReduceOp, Request};
-use dtensor_core::{AnyDTensor, Error, Result};
-use dtensor_kernels::{DType, Tensor};
-use dtensor_placement::{AxisKind, Placement};
+use dtensor_core::{AnyDTensor, FusedAllReduce, Result};
+use dtensor_kernels::DType;
+use dtensor_placement::AxisKind;
 use std::collections::HashMap;
-use std::sync::Arc;
 
 /// PyTorch DDP's default bucket size.
 pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
-
-/// What a bucket needs of one parameter to put its reduced gradient back together.
-struct Entry {
-    key: u64,
-    raw: AnyDTensor,
-    master: DType,
-}
 
 /// Buckets of gradients all-reduced over `Dp` while the backward runs.
 pub struct DdpBuckets {
     cap: usize,
     /// Parameters reduced by an all-reduce: their reduction and master dtypes.
     plan: HashMap<u64, (DType, DType)>,
-    comm: Option<Arc<dyn Communicator>>,
-    open: Vec<Entry>,
+    has_dp: bool,
+    open: Vec<(u64, AnyDTensor)>,
     open_bytes: usize,
-    flying: Vec<(Vec<Entry>, Request)>,
+    flying: Vec<(Vec<(u64, DType)>, FusedAllReduce)>,
+    /// Gradients of a mesh without `Dp`: nothing to reduce.
+    done: Vec<(u64, AnyDTensor, DType)>,
 }
 
 impl DdpBuckets {
     /// Buckets of about `cap_bytes` for the all-reduced parameters of `m`.
     pub fn new(m: &mut impl Module, cap_bytes: usize) -> Result<Self> {
-        struct Plan(HashMap<u64, (DType, DType)>, Option<Arc<dyn Communicator>>);
+        struct Plan(HashMap<u64, (DType, DType)>, bool);
         impl ParamVisitor for Plan {
             fn visit<D: DataMode, K: ParamKind>(
                 &mut self,
@@ -61,22 +54,21 @@ impl DdpBuckets {
                     let master = w.local().dtype();
                     self.0
                         .insert(w.master().key(), (w.precision().reduce_of(master), master));
-                    if self.1.is_none() {
-                        self.1 = w.value().device_mesh().comm(AxisKind::Dp).cloned();
-                    }
+                    self.1 |= w.value().device_mesh().comm(AxisKind::Dp).is_some();
                 }
                 Ok(())
             }
         }
-        let mut p = Plan(HashMap::new(), None);
+        let mut p = Plan(HashMap::new(), false);
         m.visit_params("", &mut p)?;
         Ok(DdpBuckets {
             cap: cap_bytes.max(1),
             plan: p.0,
-            comm: p.1,
+            has_dp: p.1,
             open: Vec::new(),
             open_bytes: 0,
             flying: Vec::new(),
+            done: Vec::new(),
         })
     }
 
@@ -93,20 +85,20 @@ impl DdpBuckets {
             return Ok(Some(g));
         };
         let g = match acc.take_raw(key) {
-            Some(earlier) => earlier.add(&cast(&g, master)?)?,
+            Some(earlier) => earlier.add(&g.to_dtype(master)?)?,
             None => g,
         };
-        let g = cast(&g, reduce)?;
+        let g = g.to_dtype(reduce)?;
         acc.mark_bucketed(key);
-        if self.open.first().is_some_and(|e| e.raw.dtype() != reduce) {
+        if !self.has_dp {
+            self.done.push((key, g, master));
+            return Ok(None);
+        }
+        if self.open.first().is_some_and(|(_, o)| o.dtype() != reduce) {
             self.flush()?;
         }
         self.open_bytes += g.as_local().size_in_bytes();
-        self.open.push(Entry {
-            key,
-            raw: g,
-            master,
-        });
+        self.open.push((key, g));
         if self.open_bytes >= self.cap {
             self.flush()?;
         }
@@ -118,23 +110,12 @@ impl DdpBuckets {
         if self.open.is_empty() {
             return Ok(());
         }
-        let entries = std::mem::take(&mut self.open);
+        let (keys, grads): (Vec<u64>, Vec<AnyDTensor>) =
+            std::mem::take(&mut self.open).into_iter().unzip();
         self.open_bytes = 0;
-        let flat: Vec<Tensor> = entries
-            .iter()
-            .map(|e| {
-                let t = e.raw.as_local().clone();
-                let n = t.numel();
-                t.reshape(&[n])
-            })
-            .collect::<std::result::Result<_, _>>()?;
-        let flat = Tensor::cat(&flat, 0)?;
-        let req = match &self.comm {
-            Some(c) => c.start_all_reduce(Buffer::from(flat.to_storage()), ReduceOp::Sum),
-            // No Dp axis: nothing to reduce.
-            None => Request::ready("all_reduce", Ok(Buffer::from(flat.to_storage()))),
-        };
-        self.flying.push((entries, req));
+        let masters = keys.iter().map(|k| (*k, self.plan[k].1)).collect();
+        self.flying
+            .push((masters, FusedAllReduce::start(grads, AxisKind::Dp)?));
         Ok(())
     }
 
@@ -147,61 +128,14 @@ impl DdpBuckets {
     /// `Invariant` there) in their masters' dtype.
     pub fn finish(mut self, acc: &mut GradAccumulator) -> Result<()> {
         self.flush()?;
-        for (entries, req) in self.flying {
-            let buf = req.wait()?;
-            let len = buf.len();
-            let flat = Tensor::from_cpu_storage(&[len], buf.into_storage())?;
-            let mut offset = 0;
-            for e in entries {
-                let n = e.raw.as_local().numel();
-                let piece = flat
-                    .narrow(0, offset, n)?
-                    .reshape(e.raw.local_shape())?
-                    .deep_clone();
-                offset += n;
-                let piece = if piece.dtype() == e.master {
-                    piece
-                } else {
-                    piece.to_dtype(e.master)
-                };
-                let mesh = e.raw.device_mesh();
-                let dp = mesh.mesh().index_of(AxisKind::Dp);
-                let placements: Vec<Placement> = e
-                    .raw
-                    .placements()
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &p)| {
-                        if Some(i) == dp {
-                            Placement::Invariant
-                        } else {
-                            p
-                        }
-                    })
-                    .collect();
-                let reduced =
-                    AnyDTensor::from_local(piece, e.raw.global_shape(), &placements, mesh)?;
-                acc.put_dp_reduced(e.key, reduced);
-            }
-            if offset != len {
-                return Err(Error::InvalidUse {
-                    op: "DdpBuckets::finish",
-                    detail: format!("a bucket of {len} elements came back for {offset}"),
-                });
+        for (key, g, master) in self.done {
+            acc.put_dp_reduced(key, g.to_dtype(master)?);
+        }
+        for (keys, bucket) in self.flying {
+            for ((key, master), g) in keys.into_iter().zip(bucket.wait()?) {
+                acc.put_dp_reduced(key, g.to_dtype(master)?);
             }
         }
         Ok(())
     }
-}
-
-fn cast(g: &AnyDTensor, dtype: DType) -> Result<AnyDTensor> {
-    if g.dtype() == dtype {
-        return Ok(g.clone());
-    }
-    AnyDTensor::from_local(
-        g.as_local().to_dtype(dtype),
-        g.global_shape(),
-        g.placements(),
-        g.device_mesh(),
-    )
 }
