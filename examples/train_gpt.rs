@@ -43,6 +43,9 @@ usage: train_gpt [flags]
   --fsdp            FSDP (ZeRO-3): parameters sharded over dp, gathered for use
   --zero <1|2>      ZeRO-1 / ZeRO-2: optimizer state (and gradients) sharded over dp
   --no-reshard      FSDP: keep gathered parameters until the backward (default: gather again)
+  --no-overlap      reduce DDP gradients after the backward instead of in ~25 MB buckets
+                    during it, and do not prefetch FSDP's next-layer gathers
+  --bucket-mb <x>   DDP bucket size in MiB (default 25)
   --schedule <s>    pipeline schedule: gpipe, 1f1b (default), interleaved, zb (ZB-H1)
   --microbatches <m> microbatches per step (default pp; must divide the batch per dp rank)
   --virtual <v>     interleaved: model chunks per pp rank (default 2)
@@ -97,6 +100,8 @@ struct Args {
     recompute: bool,
     bf16: bool,
     reduce_bf16: bool,
+    overlap: bool,
+    bucket_mb: f64,
 }
 
 /// How parameters are held over dp.
@@ -139,6 +144,8 @@ fn parse_args() -> Result<Option<Args>, String> {
         recompute: false,
         bf16: false,
         reduce_bf16: false,
+        overlap: true,
+        bucket_mb: 25.0,
     };
     let mut sp = false;
     let mut it = std::env::args().skip(1);
@@ -192,6 +199,8 @@ fn parse_args() -> Result<Option<Args>, String> {
                 }
             }
             "--no-reshard" => a.reshard = false,
+            "--no-overlap" => a.overlap = false,
+            "--bucket-mb" => a.bucket_mb = num(&flag, value()?)?,
             "--schedule" => a.schedule = value()?,
             "--microbatches" => a.microbatches = Some(num(&flag, value()?)?),
             "--virtual" => a.virtual_stages = num(&flag, value()?)?,
@@ -271,7 +280,9 @@ fn model_config(a: &Args) -> GptConfig {
         ffn: 4 * a.hidden,
         seq_len: a.seq,
         seed: a.seed,
-        precision: precision.resharded(a.data == DataKind::Fsdp && a.reshard),
+        precision: precision
+            .resharded(a.data == DataKind::Fsdp && a.reshard)
+            .prefetched(a.data == DataKind::Fsdp && a.overlap),
         recompute: a.recompute,
         ..GptConfig::small(a.dtype)
     }
@@ -342,6 +353,9 @@ fn train_rank<M: SeqMode, D: DataMode>(
     let sched = schedule(a).map_err(|detail| Error::InvalidSchedule { detail })?;
     let m = sched.microbatches;
     let mut model = Pipeline::<M, D>::new(model_config(a), sched, &dm)?;
+    model.ddp_bucket_bytes = a
+        .overlap
+        .then_some(((a.bucket_mb * (1u64 << 20) as f64) as usize).max(1));
     let sm = model.stage_mesh().clone();
     let mut opt = AdamW::new(a.lr);
     let start_counters = dm.counters();
@@ -615,7 +629,7 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
     println!("receipt:");
     let sched = schedule(a)?;
     println!(
-        "  composition: pp={} ({:?}, {} microbatches{}) × dp={} ({}) × tp={} ({}), vocab-parallel embedding and loss{}{}",
+        "  composition: pp={} ({:?}, {} microbatches{}) × dp={} ({}) × tp={} ({}), vocab-parallel embedding and loss{}{}{}",
         c.pp,
         sched.kind,
         sched.microbatches,
@@ -639,6 +653,15 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
             "Megatron TP: to_replicate / all_reduce"
         },
         if a.recompute { ", blocks recomputed in backward" } else { "" },
+        if !a.overlap {
+            ", no overlap"
+        } else if a.data == DataKind::Fsdp {
+            ", FSDP gathers prefetched one layer ahead"
+        } else if matches!(a.data, DataKind::Ddp) {
+            ", DDP gradients all-reduced in buckets during the backward"
+        } else {
+            ""
+        },
         if a.bf16 {
             if a.reduce_bf16 { ", bf16 compute, f32 masters, bf16 gradient reduction" } else { ", bf16 compute, f32 masters, f32 gradient reduction" }
         } else { "" },

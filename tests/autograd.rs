@@ -1340,3 +1340,33 @@ fn a_backward_hook_gets_each_parameter_gradient_once_when_it_is_final() {
         Ok(())
     });
 }
+
+#[test]
+fn a_prefetched_gather_is_the_gather_forward_and_backward() {
+    // W [6, 4] sharded over Dp on dim 1 (FSDP's column weight) and over Tp on dim 0.
+    let x = small(&[4, 4]);
+    let w = small(&[6, 4]);
+    let run = |prefetch: bool| {
+        let (x, w) = (x.clone(), w.clone());
+        on_mesh(DP2TP2, move |m| {
+            let tape = Tape::new();
+            let wd = dist::<layout![Dp: Shard<1>, Tp: Shard<0>]>(&w, m);
+            let pending = wd.clone().start_all_gather(Dp)?;
+            let ws = tape.param(9, wd.clone());
+            let whole = if prefetch {
+                ws.all_gather_prefetched(pending)?
+            } else {
+                drop(pending);
+                ws.all_gather(Dp)?
+            };
+            let xv = tape.constant(dist::<layout![Dp: Shard<0>, Tp: Invariant]>(&x, m));
+            let y = xv.to_replicate(Tp)?.matmul_t(&whole)?.gelu()?;
+            let loss = y.sum_dim::<1>()?.all_reduce(Tp)?.sum_dim::<0>()?;
+            let mut g = loss.backward()?;
+            // The gather's adjoint reduce-scattered the gradient back to Shard<1> over Dp.
+            let gw: DTensor<layout![Dp: Shard<1>, Tp: Shard<0>]> = g.of_key(9, &wd)?;
+            Ok((y.value().full_tensor()?, gw.full_tensor()?))
+        })
+    };
+    assert_eq!(run(true), run(false));
+}

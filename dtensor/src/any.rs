@@ -400,6 +400,62 @@ impl AnyDTensor {
         })
     }
 
+    /// Starts the all-gather of `Shard<d>` on the axis at layout index `axis` (to
+    /// `Replicate`) and returns at once; [`PendingGather::wait`] gives the result, bitwise
+    /// what [`apply`](Self::apply) with an all-gather step gives, and the plan its adjoint
+    /// reverses. FSDP prefetches the next layer's parameters this way.
+    pub fn start_all_gather(self, axis: usize) -> Result<PendingGather> {
+        const OP: &str = "all_gather (started)";
+        let kind_of = |p: Placement| match p {
+            Placement::Shard(d) => Ok(StepKind::AllGather { dim: d }),
+            _ => Err(Error::PlacementMismatch {
+                op: OP,
+                axis: self.mesh.mesh().axes()[axis].0,
+                placements: self.placements.clone(),
+                detail: "only a Shard axis is all-gathered".into(),
+            }),
+        };
+        if axis >= self.placements.len() {
+            return Err(Error::InvalidUse {
+                op: OP,
+                detail: format!("axis index {axis} outside the mesh {}", self.mesh.mesh()),
+            });
+        }
+        let kind = kind_of(self.placements[axis])?;
+        let StepKind::AllGather { dim } = kind else {
+            unreachable!("built above")
+        };
+        if let Some(b) = nesting_blocker(&self.placements, axis, &[dim]) {
+            return Err(Error::PlacementMismatch {
+                op: OP,
+                axis: self.mesh.mesh().axes()[axis].0,
+                placements: self.placements.clone(),
+                detail: format!(
+                    "axis {} also shards dim {dim} and nests inside it; gather it first",
+                    self.mesh.mesh().axes()[b].0
+                ),
+            });
+        }
+        let comm = self.mesh.axis_comm(axis).clone();
+        let parent = self.parent_extent(axis, dim)?;
+        let sizes = chunk_sizes(parent, comm.size());
+        let rest = Self::rest(self.local.shape(), &[dim]);
+        let counts: Vec<usize> = sizes.iter().map(|s| s * rest).collect();
+        let total: usize = counts.iter().sum();
+        let send = dtensor_collectives::Buffer::from(self.local.to_storage());
+        let recv = dtensor_collectives::Buffer::from(
+            Tensor::for_overwrite(&[total], self.dtype()).to_storage(),
+        );
+        let request = comm.start_all_gatherv(send, recv, &counts);
+        Ok(PendingGather {
+            src: self,
+            axis,
+            dim,
+            sizes: sizes.to_vec(),
+            request,
+        })
+    }
+
     /// Extent of `dim` as sharded by the axes left of `axis` only: what `axis`'s group
     /// collectively covers.
     fn parent_extent(&self, axis: usize, dim: usize) -> Result<usize> {
@@ -700,5 +756,51 @@ impl fmt::Debug for AnyDTensor {
             self.mesh.rank(),
             self.mesh.mesh()
         )
+    }
+}
+
+/// An all-gather started by [`AnyDTensor::start_all_gather`].
+pub struct PendingGather {
+    src: AnyDTensor,
+    axis: usize,
+    dim: usize,
+    sizes: Vec<usize>,
+    request: dtensor_collectives::Request,
+}
+
+impl PendingGather {
+    /// The tensor the gather started from.
+    pub fn source(&self) -> &AnyDTensor {
+        &self.src
+    }
+
+    /// Waits for the gather: the tensor `Replicate` on the axis, and the plan of the step
+    /// (what its adjoint, a reduce-scatter, reverses).
+    pub fn wait(self) -> Result<(AnyDTensor, Plan)> {
+        let flat = self.request.wait()?;
+        let len = flat.len();
+        let flat = Tensor::from_cpu_storage(&[len], flat.into_storage())?;
+        let mut pieces = Vec::with_capacity(self.sizes.len());
+        let mut offset = 0;
+        for &s in &self.sizes {
+            let mut shape: Shape = self.src.local.shape().into();
+            shape[self.dim] = s;
+            let n = numel(&shape);
+            pieces.push(flat.narrow(0, offset, n)?.reshape(&shape)?);
+            offset += n;
+        }
+        let local = Tensor::cat(&pieces, self.dim)?;
+        let mut placements = self.src.placements.clone();
+        let from = placements.clone();
+        placements[self.axis] = Placement::Replicate;
+        let out = AnyDTensor::from_local_for(
+            "all_gather (started)",
+            local,
+            &self.src.global_shape,
+            &placements,
+            &self.src.mesh,
+        )?;
+        let plan = out.record_step(&from, self.axis, StepKind::AllGather { dim: self.dim })?;
+        Ok((out, plan))
     }
 }

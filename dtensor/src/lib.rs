@@ -41,4 +41,4 @@ pub use fused::FusedAllReduce;
 pub use hop::{HopPlacement, HopTo, StageHop};
 pub use plan::{Plan, Step, StepKind};
 pub use tape::{Gradients, Tape, Var, WeightPass};
-pub use typed::{Adjoint, DTensor, SameLayout, TypedPlan};
+pub use typed::{Adjoint, DTensor, PendingAllGather, SameLayout, TypedPlan};

@@ -42,7 +42,7 @@ use crate::any::AnyDTensor;
 use crate::compute::output;
 use crate::device_mesh::DeviceMesh;
 use crate::error::Result;
-use crate::typed::{Adjoint, DTensor};
+use crate::typed::{Adjoint, DTensor, PendingAllGather};
 use dtensor_kernels::ops::{self, Transpose};
 use dtensor_kernels::{DType, Tensor};
 use dtensor_placement::{
@@ -1351,6 +1351,33 @@ impl<'t, L: Layout> Var<'t, L> {
     }
 
     // ---- named transitions: each records its typed adjoint, which always runs ----
+
+    /// [`all_gather`](Self::all_gather) whose forward was started earlier from this value
+    /// ([`DTensor::start_all_gather`], FSDP's prefetch): waits for it and records the same
+    /// adjoint, a reduce-scatter. `Err` if the gather started from another value (another
+    /// shape, dtype or placement).
+    pub fn all_gather_prefetched<Out: Layout>(
+        &self,
+        pending: PendingAllGather<L, Out>,
+    ) -> Result<Var<'t, Out>> {
+        let (src, me) = (pending.source(), self.value.as_any());
+        if src.global_shape() != me.global_shape()
+            || src.local_shape() != me.local_shape()
+            || src.dtype() != me.dtype()
+        {
+            return Err(crate::Error::InvalidUse {
+                op: "Var::all_gather_prefetched",
+                detail: format!(
+                    "the gather started from a {:?} {} tensor, this value is {:?} {}",
+                    src.global_shape(),
+                    src.dtype(),
+                    me.global_shape(),
+                    me.dtype()
+                ),
+            });
+        }
+        self.transition(|_| pending.wait_vjp())
+    }
 
     fn transition<Out: Layout>(
         &self,

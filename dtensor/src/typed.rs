@@ -288,6 +288,59 @@ impl<L: Layout> DTensor<L> {
     }
 }
 
+impl<L: Layout> DTensor<L> {
+    /// [`all_gather`](Self::all_gather) started now and finished by
+    /// [`PendingAllGather::wait`]: the collective moves data while the caller computes
+    /// (FSDP gathers the next layer's parameters during this layer's forward).
+    #[allow(clippy::type_complexity)]
+    pub fn start_all_gather<X: MeshAxis, I>(
+        self,
+        axis: X,
+    ) -> Result<PendingAllGather<L, <L as Select<X, I>>::With<Replicate>>>
+    where
+        L: Select<X, I>,
+        <L as Select<X, I>>::P: IsShard,
+    {
+        let _ = axis;
+        let a = self.device_mesh().mesh().index_of(X::KIND).ok_or_else(|| {
+            dtensor_placement::Error::AxisNotInMesh {
+                op: "start_all_gather",
+                axis: X::KIND,
+                mesh: self.device_mesh().mesh().to_string(),
+            }
+        })?;
+        Ok(PendingAllGather {
+            inner: self.inner.start_all_gather(a)?,
+            _layouts: PhantomData,
+        })
+    }
+}
+
+/// An all-gather started from a value laid out `In`, to be received laid out `Out`.
+pub struct PendingAllGather<In: Layout, Out: Layout> {
+    inner: crate::any::PendingGather,
+    _layouts: PhantomData<fn() -> (In, Out)>,
+}
+
+impl<In: Layout, Out: Layout> PendingAllGather<In, Out> {
+    /// The value the gather started from.
+    pub fn source(&self) -> &AnyDTensor {
+        self.inner.source()
+    }
+
+    /// Waits for the gathered value.
+    pub fn wait(self) -> Result<DTensor<Out>> {
+        Ok(self.wait_vjp()?.0)
+    }
+
+    /// Waits for the gathered value and its adjoint (a reduce-scatter).
+    pub fn wait_vjp(self) -> Result<(DTensor<Out>, Adjoint<Out, In>)> {
+        let (out, plan) = self.inner.wait()?;
+        check_layout::<Out>("PendingAllGather::wait", &out)?;
+        Ok((DTensor::wrap(out), Adjoint::new(plan)))
+    }
+}
+
 fn check_mesh_axes<L: Layout>(op: &'static str, mesh: &DeviceMesh) -> Result<()> {
     let want = L::axes();
     let got = mesh.mesh().axis_kinds();

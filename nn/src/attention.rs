@@ -89,6 +89,12 @@ impl<M: SeqMode, D: DataMode> ParallelAttention<M, D> {
         Ok(ParallelAttention { qkv, out, config })
     }
 
+    /// Starts gathering the parameters over `Dp` (FSDP's prefetch; nothing otherwise).
+    pub fn prefetch(&self) -> Result<()> {
+        self.qkv.prefetch()?;
+        self.out.prefetch()
+    }
+
     pub fn forward<'t>(
         &self,
         tape: &'t Tape,

@@ -123,6 +123,15 @@ impl<M: SeqMode, D: DataMode> TransformerBlock<M, D> {
         })
     }
 
+    /// Starts gathering the block's parameters over `Dp`, in the order its forward uses
+    /// them (FSDP's prefetch; nothing otherwise).
+    pub fn prefetch(&self) -> Result<()> {
+        self.norm1.prefetch()?;
+        self.attn.prefetch()?;
+        self.norm2.prefetch()?;
+        self.mlp.prefetch()
+    }
+
     pub fn forward<'t>(
         &self,
         tape: &'t Tape,
@@ -233,10 +242,28 @@ impl<M: SeqMode, D: DataMode> Gpt<M, D> {
         ids: &DTensor<Ids>,
         targets: &DTensor<Ids>,
     ) -> Result<Var<'t, Loss>> {
+        // FSDP's prefetch: each layer's gather starts one layer ahead, so it overlaps the
+        // previous layer's compute (gathers complete in start order on the Dp handle).
+        let prefetch = self.config.precision.prefetch;
+        if prefetch {
+            self.embedding.prefetch()?;
+            if let Some(b) = self.blocks.first() {
+                b.prefetch()?;
+            }
+        }
         let mut x = self
             .embedding
             .forward::<M>(tape, &tape.constant(ids.clone()))?;
-        for b in &self.blocks {
+        for (i, b) in self.blocks.iter().enumerate() {
+            if prefetch {
+                match self.blocks.get(i + 1) {
+                    Some(next) => next.prefetch()?,
+                    None => {
+                        self.norm.prefetch()?;
+                        self.head.prefetch()?;
+                    }
+                }
+            }
             x = if self.config.recompute {
                 b.forward_recomputed(&x)?
             } else {

@@ -51,12 +51,13 @@
 
 use crate::optim::{Optimizer, Param, ReducedPlacement, TpParam};
 use crate::seq::{ParamLayout, SeqMode};
-use dtensor_core::{DTensor, Gradients, Result, Tape, Var};
+use dtensor_core::{DTensor, Gradients, PendingAllGather, Result, Tape, Var};
 use dtensor_kernels::DType;
 use dtensor_placement::{
     layout, Dp, Invariant, Layout, Linear, Partial, PlacementType, Replicate, Shard, Tp,
 };
 use std::marker::PhantomData;
+use std::sync::{Arc, Mutex};
 
 /// A parameter's layout with placement `P` over `Dp` and `T` over `Tp`.
 pub type DpLayout<P, T> = layout![Dp: P, Tp: T];
@@ -116,6 +117,10 @@ pub struct Precision {
     /// FSDP: drop gathered matrices after the forward and gather them again in the
     /// backward (FSDP2's `reshard_after_forward`). Ignored by the other modes.
     pub reshard_after_forward: bool,
+    /// FSDP: start gathering the next block's parameters before this block's forward, so
+    /// the all-gather overlaps compute (FSDP2's forward prefetch). Ignored by the other
+    /// modes.
+    pub prefetch: bool,
 }
 
 impl Precision {
@@ -125,6 +130,14 @@ impl Precision {
             compute: Some(compute),
             reduce: Some(reduce),
             reshard_after_forward: false,
+            prefetch: false,
+        }
+    }
+    /// The same, with `prefetch` set.
+    pub fn prefetched(self, on: bool) -> Self {
+        Precision {
+            prefetch: on,
+            ..self
         }
     }
     /// The same, with `reshard_after_forward` set.
@@ -155,6 +168,20 @@ pub trait DpGather: PlacementType {
         stored: &Var<'t, DpLayout<Self, T>>,
         compute: DType,
     ) -> Result<Var<'t, ParamLayout<T>>>;
+
+    /// Starts gathering `stored` now (FSDP's prefetch); `None` where nothing is gathered.
+    #[allow(clippy::type_complexity)]
+    fn start_gather<T: PlacementType>(
+        stored: &DTensor<DpLayout<Self, T>>,
+    ) -> Result<Option<PendingAllGather<DpLayout<Self, T>, ParamLayout<T>>>>;
+
+    /// [`gather`](Self::gather) finishing a gather [`start_gather`](Self::start_gather)
+    /// started from the same value.
+    fn gather_prefetched<'t, T: PlacementType>(
+        stored: &Var<'t, DpLayout<Self, T>>,
+        pending: PendingAllGather<DpLayout<Self, T>, ParamLayout<T>>,
+        compute: DType,
+    ) -> Result<Var<'t, ParamLayout<T>>>;
 }
 
 impl DpGather for Replicate {
@@ -165,6 +192,18 @@ impl DpGather for Replicate {
     ) -> Result<Var<'t, ParamLayout<T>>> {
         stored.to_dtype(compute)
     }
+    fn start_gather<T: PlacementType>(
+        _: &DTensor<DpLayout<Self, T>>,
+    ) -> Result<Option<PendingAllGather<DpLayout<Self, T>, ParamLayout<T>>>> {
+        Ok(None)
+    }
+    fn gather_prefetched<'t, T: PlacementType>(
+        stored: &Var<'t, DpLayout<Self, T>>,
+        _: PendingAllGather<DpLayout<Self, T>, ParamLayout<T>>,
+        compute: DType,
+    ) -> Result<Var<'t, ParamLayout<T>>> {
+        Self::gather(stored, compute)
+    }
 }
 
 impl<const F: usize> DpGather for Shard<F> {
@@ -174,6 +213,18 @@ impl<const F: usize> DpGather for Shard<F> {
         compute: DType,
     ) -> Result<Var<'t, ParamLayout<T>>> {
         stored.all_gather(Dp)?.to_dtype(compute)
+    }
+    fn start_gather<T: PlacementType>(
+        stored: &DTensor<DpLayout<Self, T>>,
+    ) -> Result<Option<PendingAllGather<DpLayout<Self, T>, ParamLayout<T>>>> {
+        Ok(Some(stored.clone().start_all_gather(Dp)?))
+    }
+    fn gather_prefetched<'t, T: PlacementType>(
+        stored: &Var<'t, DpLayout<Self, T>>,
+        pending: PendingAllGather<DpLayout<Self, T>, ParamLayout<T>>,
+        compute: DType,
+    ) -> Result<Var<'t, ParamLayout<T>>> {
+        stored.all_gather_prefetched(pending)?.to_dtype(compute)
     }
 }
 
@@ -404,7 +455,13 @@ pub struct Weight<D: DataMode, K: ParamKind> {
     master: Param<MasterLayout<D, K>>,
     work: Option<DTensor<WorkLayout<D, K>>>,
     precision: Precision,
+    /// A gather [`prefetch`](Self::prefetch) started, shared with clones (a recomputed
+    /// block runs a clone).
+    prefetched: Arc<Mutex<Option<Prefetch<D, K>>>>,
 }
+
+/// A started gather of a weight's stored copy.
+type Prefetch<D, K> = PendingAllGather<WorkLayout<D, K>, ParamLayout<<K as ParamKind>::Tp>>;
 
 /// The same parameter (same key, shared tensors, nothing copied): what a recomputed
 /// region captures to run its layer again in the backward.
@@ -414,6 +471,7 @@ impl<D: DataMode, K: ParamKind> Clone for Weight<D, K> {
             master: self.master.clone(),
             work: self.work.clone(),
             precision: self.precision,
+            prefetched: self.prefetched.clone(),
         }
     }
 }
@@ -427,6 +485,7 @@ impl<D: DataMode, K: ParamKind> Weight<D, K> {
             master: Param::new(master),
             work,
             precision,
+            prefetched: Arc::default(),
         })
     }
 
@@ -462,7 +521,19 @@ impl<D: DataMode, K: ParamKind> Weight<D, K> {
     /// The whole parameter for compute, on `tape`: the stored copy, all-gathered over
     /// `Dp` under FSDP (its adjoint reduce-scatters the gradient).
     pub fn on<'t>(&self, tape: &'t Tape) -> Result<Var<'t, ParamLayout<K::Tp>>> {
-        <D::Work<K> as DpGather>::gather(&self.stored(tape)?, self.compute_dtype())
+        gather_or_finish::<D, K>(&self.stored(tape)?, &self.prefetched, self.compute_dtype())
+    }
+
+    /// Starts gathering the stored copy over `Dp` now (FSDP; nothing otherwise), so that
+    /// the next [`on`](Self::on) or [`apply`](Self::apply) only waits for it: called for
+    /// the next block while this one computes.
+    pub fn prefetch(&self) -> Result<()> {
+        if !<D::Work<K> as DpGather>::SHARDED {
+            return Ok(());
+        }
+        let pending = <D::Work<K> as DpGather>::start_gather(&self.bound()?)?;
+        *lock(&self.prefetched) = pending;
+        Ok(())
     }
 
     /// `f(x, whole parameter)`. Under FSDP with `reshard_after_forward` the gathered
@@ -476,8 +547,11 @@ impl<D: DataMode, K: ParamKind> Weight<D, K> {
     ) -> Result<Var<'t, Out>> {
         if <D::Work<K> as DpGather>::SHARDED && self.precision.reshard_after_forward {
             let c = self.compute_dtype();
+            // The forward may finish a prefetched gather; the backward's recomputation
+            // finds none and gathers again.
+            let cell = self.prefetched.clone();
             x.checkpoint_with(&self.stored(tape)?, move |_, x, s| {
-                f(x, &<D::Work<K> as DpGather>::gather(s, c)?)
+                f(x, &gather_or_finish::<D, K>(s, &cell, c)?)
             })
         } else {
             f(x, &self.on(tape)?)
@@ -550,8 +624,9 @@ impl<D: DataMode, K: ParamKind> Weight<D, K> {
         g: &DTensor<ReducedLayout<D, K>>,
     ) -> Result<()> {
         // Drop the compute copy first: it may share the master's buffer, which the
-        // in-place update would otherwise copy.
+        // in-place update would otherwise copy. A gather still pending holds the old value.
         self.work = None;
+        *lock(&self.prefetched) = None;
         opt.update(&mut self.master, g)?;
         self.work =
             <D::Master<K> as DpMaster<D::Work<K>>>::refresh(self.master.value(), &self.precision)?;
@@ -567,6 +642,23 @@ impl<D: DataMode, K: ParamKind> Weight<D, K> {
                 .as_ref()
                 .map_or(0, |w| w.as_local().size_in_bytes())
     }
+}
+
+/// The stored copy made whole: a prefetched gather finished, or a gather now.
+fn gather_or_finish<'t, D: DataMode, K: ParamKind>(
+    stored: &Var<'t, WorkLayout<D, K>>,
+    cell: &Mutex<Option<Prefetch<D, K>>>,
+    compute: DType,
+) -> Result<Var<'t, ParamLayout<K::Tp>>> {
+    match lock(cell).take() {
+        Some(p) => <D::Work<K> as DpGather>::gather_prefetched(stored, p, compute),
+        None => <D::Work<K> as DpGather>::gather(stored, compute),
+    }
+}
+
+/// The lock, even if a panicking rank poisoned it (the value is an `Option` either way).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The `Dp` placement of a reduced gradient of kind `K` under mode `D`.

@@ -42,6 +42,11 @@ impl<D: DataMode> VocabParallelEmbedding<D> {
         })
     }
 
+    /// Starts gathering the table over `Dp` (FSDP's prefetch; nothing otherwise).
+    pub fn prefetch(&self) -> Result<()> {
+        self.weight.prefetch()
+    }
+
     pub fn vocab(&self) -> usize {
         self.weight.value().global_shape()[0]
     }

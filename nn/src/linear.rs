@@ -102,6 +102,12 @@ impl<D: DataMode> ColumnParallelLinear<D> {
         })
     }
 
+    /// Starts gathering the parameters over `Dp` (FSDP's prefetch; nothing otherwise).
+    pub fn prefetch(&self) -> Result<()> {
+        self.weight.prefetch()?;
+        self.bias.as_ref().map_or(Ok(()), |b| b.prefetch())
+    }
+
     /// The product on tokens already replicated over `Tp`: no communication (but the
     /// weight's gather over `Dp` under FSDP).
     pub fn forward_full<'t>(&self, tape: &'t Tape, x: &Var<'t, Full>) -> Result<Var<'t, ColOut>> {
@@ -173,6 +179,12 @@ impl<M: SeqMode, D: DataMode> RowParallelLinear<M, D> {
             weight: Weight::new(w, init.precision)?,
             bias: b,
         })
+    }
+
+    /// Starts gathering the parameters over `Dp` (FSDP's prefetch; nothing otherwise).
+    pub fn prefetch(&self) -> Result<()> {
+        self.weight.prefetch()?;
+        self.bias.as_ref().map_or(Ok(()), |b| b.prefetch())
     }
 
     /// The product, reduced back into the stream (`all_reduce`, or `reduce_scatter` of the

@@ -63,6 +63,15 @@ impl<M: SeqMode, D: DataMode> ParallelMlp<M, D> {
         })
     }
 
+    /// Starts gathering the parameters over `Dp` (FSDP's prefetch; nothing otherwise).
+    pub fn prefetch(&self) -> Result<()> {
+        self.fc1.prefetch()?;
+        if let Some(up) = &self.up {
+            up.prefetch()?;
+        }
+        self.fc2.prefetch()
+    }
+
     pub fn forward<'t>(
         &self,
         tape: &'t Tape,

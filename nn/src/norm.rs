@@ -73,6 +73,12 @@ impl<M: SeqMode, D: DataMode> Norm<M, D> {
         })
     }
 
+    /// Starts gathering the parameters over `Dp` (FSDP's prefetch; nothing otherwise).
+    pub fn prefetch(&self) -> Result<()> {
+        self.weight.prefetch()?;
+        self.bias.as_ref().map_or(Ok(()), |b| b.prefetch())
+    }
+
     pub fn forward<'t>(
         &self,
         tape: &'t Tape,

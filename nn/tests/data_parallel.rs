@@ -384,3 +384,25 @@ fn bucketed_ddp_reduction_is_bitwise_the_unbucketed_one() {
     assert!(calls1 > 2 && calls1 < calls0, "2 kB buckets: {calls1}");
     eprintln!("dp all-reduces per step: {calls0} per parameter, {calls1} in 2 kB buckets, {calls2} in one");
 }
+
+#[test]
+fn fsdp_prefetch_trains_bitwise_the_same() {
+    let cfg = config();
+    for (reshard, recompute) in [(false, false), (true, false), (true, true)] {
+        let mut plain = cfg;
+        plain.precision = Precision::default().resharded(reshard);
+        plain.recompute = recompute;
+        let mut pre = plain;
+        pre.precision = plain.precision.prefetched(true);
+        let a = train::<Sp, Fsdp>(plain, 2, 2, 3);
+        let b = train::<Sp, Fsdp>(pre, 2, 2, 3);
+        assert_eq!(
+            a.losses, b.losses,
+            "reshard={reshard} recompute={recompute}"
+        );
+        assert_eq!(
+            a.params, b.params,
+            "reshard={reshard} recompute={recompute}"
+        );
+    }
+}

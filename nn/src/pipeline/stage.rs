@@ -115,6 +115,16 @@ impl<M: SeqMode, D: DataMode> GptStage<M, D> {
         targets: Option<&DTensor<Ids>>,
         total_tokens: usize,
     ) -> Result<StageOutput<'t, M>> {
+        // FSDP's prefetch, one layer ahead (see `Gpt::forward`).
+        let prefetch = self.config.precision.prefetch;
+        if prefetch {
+            if let Some(e) = &self.embedding {
+                e.prefetch()?;
+            }
+            if let Some(b) = self.blocks.first() {
+                b.prefetch()?;
+            }
+        }
         let mut x = match (input, &self.embedding) {
             (StageInput::Ids(ids), Some(e)) => e.forward::<M>(tape, &tape.constant(ids.clone()))?,
             (StageInput::Hidden(h), None) => h.clone(),
@@ -127,7 +137,17 @@ impl<M: SeqMode, D: DataMode> GptStage<M, D> {
                 })
             }
         };
-        for b in &self.blocks {
+        for (i, b) in self.blocks.iter().enumerate() {
+            if prefetch {
+                match (self.blocks.get(i + 1), &self.head) {
+                    (Some(next), _) => next.prefetch()?,
+                    (None, Some((norm, head))) => {
+                        norm.prefetch()?;
+                        head.prefetch()?;
+                    }
+                    (None, None) => {}
+                }
+            }
             x = if self.config.recompute {
                 b.forward_recomputed(&x)?
             } else {
