@@ -43,9 +43,11 @@ usage: train_gpt [flags]
   --fsdp            FSDP (ZeRO-3): parameters sharded over dp, gathered for use
   --zero <1|2>      ZeRO-1 / ZeRO-2: optimizer state (and gradients) sharded over dp
   --no-reshard      FSDP: keep gathered parameters until the backward (default: gather again)
-  --no-overlap      reduce DDP gradients after the backward instead of in ~25 MB buckets
-                    during it, and do not prefetch FSDP's next-layer gathers
-  --bucket-mb <x>   DDP bucket size in MiB (default 25)
+  --overlap         overlap communication with compute: DDP gradients all-reduced in
+                    buckets during the backward, FSDP's gathers prefetched one layer ahead
+                    (off by default: on thread ranks that fill every core it costs more
+                    than it hides)
+  --bucket-mb <x>   with --overlap: DDP bucket size in MiB (default 25)
   --schedule <s>    pipeline schedule: gpipe, 1f1b (default), interleaved, zb (ZB-H1)
   --microbatches <m> microbatches per step (default pp; must divide the batch per dp rank)
   --virtual <v>     interleaved: model chunks per pp rank (default 2)
@@ -144,7 +146,7 @@ fn parse_args() -> Result<Option<Args>, String> {
         recompute: false,
         bf16: false,
         reduce_bf16: false,
-        overlap: true,
+        overlap: false,
         bucket_mb: 25.0,
     };
     let mut sp = false;
@@ -199,7 +201,7 @@ fn parse_args() -> Result<Option<Args>, String> {
                 }
             }
             "--no-reshard" => a.reshard = false,
-            "--no-overlap" => a.overlap = false,
+            "--overlap" => a.overlap = true,
             "--bucket-mb" => a.bucket_mb = num(&flag, value()?)?,
             "--schedule" => a.schedule = value()?,
             "--microbatches" => a.microbatches = Some(num(&flag, value()?)?),
@@ -654,7 +656,7 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
         },
         if a.recompute { ", blocks recomputed in backward" } else { "" },
         if !a.overlap {
-            ", no overlap"
+            ""
         } else if a.data == DataKind::Fsdp {
             ", FSDP gathers prefetched one layer ahead"
         } else if matches!(a.data, DataKind::Ddp) {

@@ -11,7 +11,9 @@
 //! (DP reduction, clipping, update).
 
 use crate::attention::{AttentionConfig, ParallelAttention};
-use crate::buckets::{DdpBuckets, DEFAULT_BUCKET_BYTES};
+use crate::buckets::DdpBuckets;
+#[cfg(doc)]
+use crate::buckets::DEFAULT_BUCKET_BYTES;
 use crate::data::{DataMode, Ddp, Precision};
 use crate::embedding::{loss_value, vocab_parallel_cross_entropy, VocabParallelEmbedding};
 use crate::linear::{ColumnParallelLinear, ParamInit};
@@ -185,8 +187,10 @@ pub(crate) fn head_loss<'t, M: SeqMode, D: DataMode>(
 pub struct Gpt<M: SeqMode, D: DataMode = Ddp> {
     pub config: GptConfig,
     /// DDP's gradient buckets: all-reduced over `Dp` while the backward runs, `Some(bytes)`
-    /// per bucket (the default, [`DEFAULT_BUCKET_BYTES`]); `None` reduces every gradient
-    /// after the backward.
+    /// per bucket (PyTorch's default is [`DEFAULT_BUCKET_BYTES`]); `None` (the default)
+    /// reduces every gradient after the backward. Overlap pays where a rank's compute
+    /// leaves a core (or a copy engine) free for the transfer; with every core computing,
+    /// as thread ranks on a small CPU, the bucket copies cost more than they hide.
     pub ddp_bucket_bytes: Option<usize>,
     pub embedding: VocabParallelEmbedding<D>,
     pub blocks: Vec<TransformerBlock<M, D>>,
@@ -226,7 +230,7 @@ impl<M: SeqMode, D: DataMode> Gpt<M, D> {
             ColumnParallelLinear::new(config.hidden, config.vocab, false, init.with_id(7), mesh)?;
         Ok(Gpt {
             config,
-            ddp_bucket_bytes: Some(DEFAULT_BUCKET_BYTES),
+            ddp_bucket_bytes: None,
             embedding,
             blocks,
             norm,

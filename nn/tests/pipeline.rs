@@ -77,6 +77,17 @@ fn pipelined<M: SeqMode, D: DataMode>(
     samples: usize,
     steps: usize,
 ) -> (Vec<f64>, Named) {
+    pipelined_with::<M, D>(cfg, schedule, (dp, tp), samples, steps, None)
+}
+
+fn pipelined_with<M: SeqMode, D: DataMode>(
+    cfg: GptConfig,
+    schedule: &Schedule,
+    (dp, tp): (usize, usize),
+    samples: usize,
+    steps: usize,
+    buckets: Option<usize>,
+) -> (Vec<f64>, Named) {
     let (ids, tg) = batch(samples);
     let m = schedule.microbatches;
     let (ids, tg) = (
@@ -85,6 +96,7 @@ fn pipelined<M: SeqMode, D: DataMode>(
     );
     let ranks = on_pp_mesh(schedule.pp, dp, tp, |mesh| {
         let mut p = Pipeline::<M, D>::new(cfg, schedule.clone(), mesh)?;
+        p.ddp_bucket_bytes = buckets;
         let sm = p.stage_mesh().clone();
         let i: Vec<DTensor<Ids>> = ids
             .iter()
@@ -164,6 +176,15 @@ fn pp2_dp2_tp2_with_sp_and_fsdp_trains_like_one_rank() {
     let s = pipeline::interleaved_1f1b(2, 2, 4).unwrap();
     let got = pipelined::<Sp, Zero2>(cfg, &s, (2, 2), 8, 3);
     check("interleaved pp=2 dp=2 tp=2 sp zero2", &got, &want);
+    // DDP buckets started in each chunk's last backward, and FSDP's prefetch.
+    let s = pipeline::interleaved_1f1b(2, 2, 4).unwrap();
+    let got = pipelined_with::<Sp, Ddp>(cfg, &s, (2, 2), 8, 3, Some(2048));
+    check("interleaved pp=2 dp=2 tp=2 sp ddp buckets", &got, &want);
+    let mut pre = cfg;
+    pre.precision = Precision::default().resharded(true).prefetched(true);
+    let s = pipeline::one_f_one_b(2, 4).unwrap();
+    let got = pipelined::<Sp, Fsdp>(pre, &s, (2, 2), 8, 3);
+    check("1f1b pp=2 dp=2 tp=2 sp fsdp prefetch", &got, &want);
     // ZB-H1's weight passes carry the FSDP gathers' reduce-scatters.
     let s = pipeline::zero_bubble_h1(2, 4).unwrap();
     let got = pipelined::<Sp, Fsdp>(cfg, &s, (2, 2), 8, 3);

@@ -14,7 +14,7 @@
 //! mean whatever the microbatch count, and so do their gradients.
 
 use crate::block::GptConfig;
-use crate::buckets::{DdpBuckets, DEFAULT_BUCKET_BYTES};
+use crate::buckets::DdpBuckets;
 use crate::data::{DataMode, Ddp};
 use crate::optim::{step_accumulated, GradAccumulator, Module, Optimizer, ParamVisitor};
 use crate::pipeline::schedule::{Action, Schedule};
@@ -95,7 +95,8 @@ pub struct Pipeline<M: SeqMode, D: DataMode = Ddp> {
     /// Chunk `c` is virtual stage `c·pp + rank`.
     pub chunks: Vec<GptStage<M, D>>,
     /// DDP's gradient buckets, started during each chunk's last backward of a step (see
-    /// [`Gpt::ddp_bucket_bytes`](crate::Gpt)); `None`: reduced after the schedule.
+    /// [`Gpt::ddp_bucket_bytes`](crate::Gpt)); `None` (the default): reduced after the
+    /// schedule.
     pub ddp_bucket_bytes: Option<usize>,
     stage_mesh: Arc<DeviceMesh>,
     pp: Option<Arc<dyn Communicator>>,
@@ -144,7 +145,7 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
             config,
             schedule,
             chunks,
-            ddp_bucket_bytes: Some(DEFAULT_BUCKET_BYTES),
+            ddp_bucket_bytes: None,
             stage_mesh,
             pp,
             rank,
