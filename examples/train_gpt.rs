@@ -430,41 +430,45 @@ fn train_rank<M: SeqMode, D: DataMode>(
     })
 }
 
-/// Runs `$body` with `M` and `D` bound to the sequence and data modes the flags ask for.
-macro_rules! with_modes {
-    ($a:expr, |$m:ident, $d:ident| $body:expr) => {{
-        macro_rules! pick_d {
-            ($mm:ty) => {
-                match $a.data {
-                    DataKind::Ddp => {
-                        type $m = $mm;
-                        type $d = Ddp;
-                        $body
-                    }
-                    DataKind::Zero1 => {
-                        type $m = $mm;
-                        type $d = Zero1;
-                        $body
-                    }
-                    DataKind::Zero2 => {
-                        type $m = $mm;
-                        type $d = Zero2;
-                        $body
-                    }
-                    DataKind::Fsdp => {
-                        type $m = $mm;
-                        type $d = Fsdp;
-                        $body
-                    }
-                }
-            };
+/// Something to run with the sequence mode `M` and data mode `D` the flags ask for.
+trait WithModes {
+    type Out;
+    fn run<M: SeqMode, D: DataMode>(self, a: &Args) -> Self::Out;
+}
+
+/// Calls `f` with the modes of `a` (one monomorphization per pair).
+fn with_modes<F: WithModes>(a: &Args, f: F) -> F::Out {
+    fn pick_d<M: SeqMode, F: WithModes>(a: &Args, f: F) -> F::Out {
+        match a.data {
+            DataKind::Ddp => f.run::<M, Ddp>(a),
+            DataKind::Zero1 => f.run::<M, Zero1>(a),
+            DataKind::Zero2 => f.run::<M, Zero2>(a),
+            DataKind::Fsdp => f.run::<M, Fsdp>(a),
         }
-        if $a.config.sp {
-            pick_d!(Sp)
-        } else {
-            pick_d!(NoSp)
-        }
-    }};
+    }
+    if a.config.sp {
+        pick_d::<Sp, F>(a, f)
+    } else {
+        pick_d::<NoSp, F>(a, f)
+    }
+}
+
+/// Training on thread ranks.
+struct OnThreads;
+impl WithModes for OnThreads {
+    type Out = Result<RankOut, String>;
+    fn run<M: SeqMode, D: DataMode>(self, a: &Args) -> Self::Out {
+        train::<M, D>(a, a.config, true)
+    }
+}
+
+/// Training on MPI ranks.
+struct OnMpi;
+impl WithModes for OnMpi {
+    type Out = Result<MpiOut, String>;
+    fn run<M: SeqMode, D: DataMode>(self, a: &Args) -> Self::Out {
+        train_mpi::<M, D>(a)
+    }
 }
 
 /// `[Dp, Tp]`, or `[Pp, Dp, Tp]` with pipeline stages.
@@ -616,11 +620,11 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
     let out = match a.backend {
         Backend::Threads => {
             println!("{}", header(a, "thread"));
-            with_modes!(a, |M, D| train::<M, D>(a, *c, true)?)
+            with_modes(a, OnThreads)?
         }
         Backend::Mpi => {
             mpi_preflight(a)?;
-            let out = with_modes!(a, |M, D| train_mpi::<M, D>(a)?);
+            let out = with_modes(a, OnMpi)?;
             match out {
                 MpiOut::Root(out) => out,
                 MpiOut::Peer => return Ok(None),

@@ -629,6 +629,36 @@ fn ones_like<L: Layout>(v: &DTensor<L>) -> Result<DTensor<L::Grad>> {
     output("Var::backward (seed)", ones, t.global_shape(), t)
 }
 
+/// `grad_of(f())` if `want` (a split backward asks for one operand's gradient at a time).
+fn grad_if<L: Layout>(
+    want: bool,
+    op: &'static str,
+    like: &AnyDTensor,
+    f: impl FnOnce() -> dtensor_kernels::Result<Tensor>,
+) -> Result<Option<DTensor<L>>> {
+    want.then(|| grad_of(op, f()?, like)).transpose()
+}
+
+/// The gradients of `C = A·B` (batched or not) that `want` asks for: `dA = dC·Bᵀ`,
+/// `dB = Aᵀ·dC`.
+#[allow(clippy::type_complexity)]
+fn product_grads<LA: Layout, LB: Layout>(
+    op: &'static str,
+    g: &Tensor,
+    want: [bool; 2],
+    a: &AnyDTensor,
+    b: &AnyDTensor,
+) -> Result<(Option<DTensor<LA>>, Option<DTensor<LB>>)> {
+    Ok((
+        grad_if(want[0], op, a, || {
+            ops::matmul(g, Transpose::No, b.as_local(), Transpose::Yes)
+        })?,
+        grad_if(want[1], op, b, || {
+            ops::matmul(a.as_local(), Transpose::Yes, g, Transpose::No)
+        })?,
+    ))
+}
+
 /// Applies a local function to a gradient and wraps it as layout `L` (a dual, by the rule
 /// tables' closure), checking the local shape.
 fn grad_of<L: Layout>(op: &'static str, local: Tensor, like: &AnyDTensor) -> Result<DTensor<L>> {
@@ -877,17 +907,7 @@ impl<'t, L: Layout> Var<'t, L> {
         let y = self.value.matmul(&b.value)?;
         let (av, bv) = (self.value.as_any().clone(), b.value.as_any().clone());
         Ok(self.binary(b, y, move |dy, want| {
-            let g = dy.as_local();
-            let da = want[0]
-                .then(|| ops::matmul(g, Transpose::No, bv.as_local(), Transpose::Yes))
-                .transpose()?;
-            let db = want[1]
-                .then(|| ops::matmul(av.as_local(), Transpose::Yes, g, Transpose::No))
-                .transpose()?;
-            Ok((
-                da.map(|d| grad_of("Var::matmul", d, &av)).transpose()?,
-                db.map(|d| grad_of("Var::matmul", d, &bv)).transpose()?,
-            ))
+            product_grads("Var::matmul", dy.as_local(), want, &av, &bv)
         }))
     }
 
@@ -900,15 +920,13 @@ impl<'t, L: Layout> Var<'t, L> {
         let (av, wv) = (self.value.as_any().clone(), w.value.as_any().clone());
         Ok(self.binary(w, y, move |dy, want| {
             let g = dy.as_local();
-            let da = want[0]
-                .then(|| ops::matmul(g, Transpose::No, wv.as_local(), Transpose::No))
-                .transpose()?;
-            let dw = want[1]
-                .then(|| ops::matmul(g, Transpose::Yes, av.as_local(), Transpose::No))
-                .transpose()?;
             Ok((
-                da.map(|d| grad_of("Var::matmul_t", d, &av)).transpose()?,
-                dw.map(|d| grad_of("Var::matmul_t", d, &wv)).transpose()?,
+                grad_if(want[0], "Var::matmul_t", &av, || {
+                    ops::matmul(g, Transpose::No, wv.as_local(), Transpose::No)
+                })?,
+                grad_if(want[1], "Var::matmul_t", &wv, || {
+                    ops::matmul(g, Transpose::Yes, av.as_local(), Transpose::No)
+                })?,
             ))
         }))
     }
@@ -921,17 +939,7 @@ impl<'t, L: Layout> Var<'t, L> {
         let y = self.value.bmm(&b.value)?;
         let (av, bv) = (self.value.as_any().clone(), b.value.as_any().clone());
         Ok(self.binary(b, y, move |dy, want| {
-            let g = dy.as_local();
-            let da = want[0]
-                .then(|| ops::matmul(g, Transpose::No, bv.as_local(), Transpose::Yes))
-                .transpose()?;
-            let db = want[1]
-                .then(|| ops::matmul(av.as_local(), Transpose::Yes, g, Transpose::No))
-                .transpose()?;
-            Ok((
-                da.map(|d| grad_of("Var::bmm", d, &av)).transpose()?,
-                db.map(|d| grad_of("Var::bmm", d, &bv)).transpose()?,
-            ))
+            product_grads("Var::bmm", dy.as_local(), want, &av, &bv)
         }))
     }
 

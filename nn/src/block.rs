@@ -22,6 +22,7 @@ use crate::norm::{Norm, NormKind};
 use crate::optim::{
     self, join_name, named_params, GradAccumulator, Module, Optimizer, ParamVisitor,
 };
+use crate::pipeline::GptStage;
 use crate::seq::{Ids, Loss, SeqMode, Stream};
 use dtensor_core::{DTensor, DeviceMesh, Result, Tape, Var};
 use dtensor_kernels::{DType, Tensor};
@@ -210,29 +211,16 @@ pub struct StepReport {
 impl<M: SeqMode, D: DataMode> Gpt<M, D> {
     /// Parameter ids: embedding 0, block `l` from `10 + 20·l`, final norm `5`, head `7`.
     pub fn new(config: GptConfig, mesh: &Arc<DeviceMesh>) -> Result<Self> {
-        let init =
-            ParamInit::new(config.seed, 0, 0.02, config.dtype).with_precision(config.precision);
-        let embedding = VocabParallelEmbedding::new(config.vocab, config.hidden, init, mesh)?;
-        let blocks = (0..config.layers)
-            .map(|l| TransformerBlock::new(&config, init.with_id(10 + 20 * l as u64), mesh))
-            .collect::<Result<_>>()?;
-        let norm = Norm::new(
-            config.norm,
-            config.hidden,
-            config.eps,
-            ParamInit {
-                std: 0.0,
-                ..init.with_id(5)
-            },
-            mesh,
-        )?;
-        let head =
-            ColumnParallelLinear::new(config.hidden, config.vocab, false, init.with_id(7), mesh)?;
+        // The whole model is the one stage that is both first and last.
+        let stage = GptStage::new(config, 0..config.layers, true, true, mesh)?;
+        let (Some(embedding), Some((norm, head))) = (stage.embedding, stage.head) else {
+            unreachable!("a first and last stage has the embedding and the head")
+        };
         Ok(Gpt {
             config,
             ddp_bucket_bytes: None,
             embedding,
-            blocks,
+            blocks: stage.blocks,
             norm,
             head,
         })

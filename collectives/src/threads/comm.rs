@@ -620,6 +620,8 @@ impl Drop for ThreadComm {
 }
 
 impl Communicator for ThreadComm {
+    crate::progress::forward_to_core!();
+
     fn rank(&self) -> usize {
         self.core.rank
     }
@@ -630,33 +632,6 @@ impl Communicator for ThreadComm {
 
     fn backend(&self) -> &'static str {
         BACKEND
-    }
-
-    fn all_reduce(&self, buf: SliceMut<'_>, op: ReduceOp) -> Result<()> {
-        self.gated("all_reduce", |c| c.all_reduce(buf, op))
-    }
-
-    fn all_gather(&self, send: Slice<'_>, recv: SliceMut<'_>) -> Result<()> {
-        self.gated("all_gather", |c| c.all_gather(send, recv))
-    }
-
-    fn all_gatherv(&self, send: Slice<'_>, recv: SliceMut<'_>, counts: &[usize]) -> Result<()> {
-        self.gated("all_gatherv", |c| c.all_gatherv(send, recv, counts))
-    }
-
-    fn all_gatherv_in_place(&self, buf: SliceMut<'_>, counts: &[usize]) -> Result<()> {
-        self.gated("all_gatherv", |c| c.all_gatherv_in_place(buf, counts))
-    }
-
-    fn reduce_scatterv_in_place(
-        &self,
-        buf: SliceMut<'_>,
-        counts: &[usize],
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.gated("reduce_scatterv", |c| {
-            c.reduce_scatterv_in_place(buf, counts, op)
-        })
     }
 
     fn all_gather_cols(
@@ -697,105 +672,9 @@ impl Communicator for ThreadComm {
         })
     }
 
-    fn reduce_scatter(&self, send: Slice<'_>, recv: SliceMut<'_>, op: ReduceOp) -> Result<()> {
-        self.gated("reduce_scatter", |c| c.reduce_scatter(send, recv, op))
-    }
-
-    fn reduce_scatterv(
-        &self,
-        send: Slice<'_>,
-        recv: SliceMut<'_>,
-        counts: &[usize],
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.gated("reduce_scatterv", |c| {
-            c.reduce_scatterv(send, recv, counts, op)
-        })
-    }
-
-    fn all_to_all(&self, send: Slice<'_>, recv: SliceMut<'_>) -> Result<()> {
-        self.gated("all_to_all", |c| c.all_to_all(send, recv))
-    }
-
-    fn all_to_allv(
-        &self,
-        send: Slice<'_>,
-        send_counts: &[usize],
-        recv: SliceMut<'_>,
-        recv_counts: &[usize],
-    ) -> Result<()> {
-        self.gated("all_to_allv", |c| {
-            c.all_to_allv(send, send_counts, recv, recv_counts)
-        })
-    }
-
-    fn broadcast(&self, buf: SliceMut<'_>, root: usize) -> Result<()> {
-        self.gated("broadcast", |c| c.broadcast(buf, root))
-    }
-
-    /// Not in the collective sequence: does not wait for pending requests.
-    fn send(&self, buf: Slice<'_>, dst: usize, tag: u32) -> Result<()> {
-        self.core.send(buf, dst, tag)
-    }
-
-    /// Not in the collective sequence: does not wait for pending requests.
-    fn recv(&self, buf: SliceMut<'_>, src: usize, tag: u32) -> Result<()> {
-        self.core.recv(buf, src, tag)
-    }
-
-    fn barrier(&self) -> Result<()> {
-        self.gated("barrier", Core::barrier)
-    }
-
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {
         let (group, rank) = self.gated("split", |c| c.split(color, key))?;
         Ok(Arc::new(ThreadComm::new(group, rank)))
-    }
-
-    fn counters(&self) -> CounterSnapshot {
-        self.core.counters.snapshot()
-    }
-
-    fn start_all_reduce(&self, mut buf: Buffer, op: ReduceOp) -> Request {
-        self.start("all_reduce", move |c| {
-            c.all_reduce(buf.as_slice_mut(), op).map(|()| buf)
-        })
-    }
-
-    fn start_all_gather(&self, send: Buffer, mut recv: Buffer) -> Request {
-        self.start("all_gather", move |c| {
-            c.all_gather(send.as_slice(), recv.as_slice_mut())
-                .map(|()| recv)
-        })
-    }
-
-    fn start_all_gatherv(&self, send: Buffer, mut recv: Buffer, counts: &[usize]) -> Request {
-        let counts = counts.to_vec();
-        self.start("all_gatherv", move |c| {
-            c.all_gatherv(send.as_slice(), recv.as_slice_mut(), &counts)
-                .map(|()| recv)
-        })
-    }
-
-    fn start_reduce_scatter(&self, send: Buffer, mut recv: Buffer, op: ReduceOp) -> Request {
-        self.start("reduce_scatter", move |c| {
-            c.reduce_scatter(send.as_slice(), recv.as_slice_mut(), op)
-                .map(|()| recv)
-        })
-    }
-
-    fn start_reduce_scatterv(
-        &self,
-        send: Buffer,
-        mut recv: Buffer,
-        counts: &[usize],
-        op: ReduceOp,
-    ) -> Request {
-        let counts = counts.to_vec();
-        self.start("reduce_scatterv", move |c| {
-            c.reduce_scatterv(send.as_slice(), recv.as_slice_mut(), &counts, op)
-                .map(|()| recv)
-        })
     }
 }
 

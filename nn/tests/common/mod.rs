@@ -14,8 +14,16 @@ pub fn on_mesh<T: Send>(
     tp: usize,
     f: impl Fn(&Arc<DeviceMesh>) -> Result<T> + Sync,
 ) -> Vec<T> {
-    let mesh = Mesh::new(&[(AxisKind::Dp, dp), (AxisKind::Tp, tp)]).unwrap();
-    threads::launch(dp * tp, |world| {
+    on_axes(&[(AxisKind::Dp, dp), (AxisKind::Tp, tp)], f)
+}
+
+/// Runs `f` on every rank of a mesh of `axes` on threads; each rank's value.
+pub fn on_axes<T: Send>(
+    axes: &[(AxisKind, usize)],
+    f: impl Fn(&Arc<DeviceMesh>) -> Result<T> + Sync,
+) -> Vec<T> {
+    let mesh = Mesh::new(axes).unwrap();
+    threads::launch(mesh.world_size(), |world| {
         let dm = DeviceMesh::new(world, mesh.clone())?;
         f(&dm)
     })
@@ -85,13 +93,8 @@ pub fn on_pp_mesh<T: Send>(
     tp: usize,
     f: impl Fn(&Arc<DeviceMesh>) -> Result<T> + Sync,
 ) -> Vec<T> {
-    let mesh = Mesh::new(&[(AxisKind::Pp, pp), (AxisKind::Dp, dp), (AxisKind::Tp, tp)]).unwrap();
-    threads::launch(pp * dp * tp, |world| {
-        let dm = DeviceMesh::new(world, mesh.clone())?;
-        f(&dm)
-    })
-    .into_iter()
-    .enumerate()
-    .map(|(r, res)| res.unwrap_or_else(|e| panic!("rank {r}: {e}")))
-    .collect()
+    on_axes(
+        &[(AxisKind::Pp, pp), (AxisKind::Dp, dp), (AxisKind::Tp, tp)],
+        f,
+    )
 }
