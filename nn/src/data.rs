@@ -9,7 +9,11 @@
 //! |---|---|---|---|---|
 //! | [`Ddp`] | `Replicate` | `Replicate` | `all_reduce` → `Invariant` | 2·(dp−1)/dp·P |
 //! | [`Zero1`], [`Zero2`] | `Replicate` | `Shard<F>` | `reduce_scatter` → `Shard<F>`, then the updated shard is all-gathered | 2·(dp−1)/dp·P |
-//! | [`Fsdp`] | `Shard<F>`, all-gathered in the forward (`Shard → Replicate`) | `Shard<F>` | the gather's typed adjoint, a `reduce_scatter`: the gradient arrives `Shard<F>` | 3·(dp−1)/dp·P (gather, re-gather in backward, reduce-scatter) |
+//! | [`Fsdp`] | `Shard<F>`, all-gathered in the forward (`Shard → Replicate`) | `Shard<F>` | the gather's typed adjoint, a `reduce_scatter`: the gradient arrives `Shard<F>` | 3·(dp−1)/dp·P with reshard after forward (gather, re-gather in backward, reduce-scatter), 2·(dp−1)/dp·P without |
+//!
+//! ZeRO-1 and ZeRO-2 differ in when they reduce ([`DataMode::REDUCE_EACH_BACKWARD`]): over
+//! the microbatches of a step ZeRO-1 accumulates the full gradient and reduce-scatters it
+//! once, ZeRO-2 reduce-scatters after every backward and keeps only its shard (as FSDP).
 //!
 //! Nothing here is a flag the optimizer could ignore: the optimizer takes a gradient only
 //! if it is reduced to the master's placement ([`ReducedGrad`](crate::ReducedGrad)), so an
@@ -48,6 +52,13 @@
 //! values an op's backward reads, so re-gathering alone, as FSDP2 does, would need values
 //! the tape can drop and rebuild; the recomputed op is the price. LayerNorm's weight and
 //! bias, two parameters of one op, stay gathered until the backward.
+//!
+//! ## Prefetch
+//!
+//! With [`Precision::prefetch`] the GPT starts each block's gathers (asynchronous
+//! collectives, [`DTensor::start_all_gather`]) one block ahead, so they move while the
+//! previous block computes; [`Weight::on`] then only waits for them, recording the same
+//! adjoint ([`Var::all_gather_prefetched`]). The training is bitwise the same.
 
 use crate::optim::{Optimizer, Param, ReducedPlacement, TpParam};
 use crate::seq::{ParamLayout, SeqMode};
