@@ -21,7 +21,7 @@
 //! that crossed each mesh axis (summed over ranks), and the measured pipeline bubble beside
 //! the schedule's analytic one.
 
-use dtensor::collectives::{mpi as mpi_backend, Counters};
+use dtensor::collectives::{mpi as mpi_backend, trace, Counters};
 use dtensor::nn::pipeline::{self, check_pipeline, microbatches, Pipeline};
 use dtensor::nn::{
     AdamW, DataMode, Ddp, Fsdp, GptConfig, Ids, NoSp, Precision, Schedule, SeqMode, Sp, Zero1,
@@ -48,6 +48,10 @@ usage: train_gpt [flags]
                     (off by default: on thread ranks that fill every core it costs more
                     than it hides)
   --bucket-mb <x>   with --overlap: DDP bucket size in MiB (default 25)
+  --trace <file>    write a timeline (Chrome trace-event JSON: open it in Perfetto or
+                    chrome://tracing): one row per rank, forward and backward of each
+                    layer, every collective with its axis, bytes and wait time, the
+                    optimizer step, pipeline actions
   --schedule <s>    pipeline schedule: gpipe, 1f1b (default), interleaved, zb (ZB-H1)
   --microbatches <m> microbatches per step (default pp; must divide the batch per dp rank)
   --virtual <v>     interleaved: model chunks per pp rank (default 2)
@@ -104,6 +108,7 @@ struct Args {
     reduce_bf16: bool,
     overlap: bool,
     bucket_mb: f64,
+    trace: Option<String>,
 }
 
 /// How parameters are held over dp.
@@ -148,6 +153,7 @@ fn parse_args() -> Result<Option<Args>, String> {
         reduce_bf16: false,
         overlap: false,
         bucket_mb: 25.0,
+        trace: None,
     };
     let mut sp = false;
     let mut it = std::env::args().skip(1);
@@ -202,6 +208,7 @@ fn parse_args() -> Result<Option<Args>, String> {
             }
             "--no-reshard" => a.reshard = false,
             "--overlap" => a.overlap = true,
+            "--trace" => a.trace = Some(value()?),
             "--bucket-mb" => a.bucket_mb = num(&flag, value()?)?,
             "--schedule" => a.schedule = value()?,
             "--microbatches" => a.microbatches = Some(num(&flag, value()?)?),
@@ -564,6 +571,31 @@ fn train_mpi<M: SeqMode, D: DataMode>(a: &Args) -> Result<MpiOut, String> {
             println!("{}", header(a, "MPI"));
         }
         let out = train_rank::<M, D>(a, world.clone(), mesh.clone(), true)?;
+        if let Some(path) = &a.trace {
+            // Every process renders its own events; rank 0 gathers and writes them.
+            let mine: Vec<i32> = trace::chrome_lines(&trace::take())
+                .bytes()
+                .map(i32::from)
+                .collect();
+            let lens = world.all_gather_vec(&[mine.len() as i64])?;
+            let counts: Vec<usize> = lens.iter().map(|&n| n as usize).collect();
+            let mut all = vec![0i32; counts.iter().sum()];
+            world.all_gatherv(
+                dtensor::kernels::Slice::I32(&mine[..]),
+                dtensor::kernels::SliceMut::I32(&mut all[..]),
+                &counts,
+            )?;
+            if rank == 0 {
+                let mut parts = Vec::new();
+                let mut at = 0;
+                for n in counts {
+                    let bytes: Vec<u8> = all[at..at + n].iter().map(|&b| b as u8).collect();
+                    parts.push(String::from_utf8_lossy(&bytes).into_owned());
+                    at += n;
+                }
+                write_trace(path, &trace::wrap(&parts));
+            }
+        }
         // Sum the counters (counted before this all-reduce, on the axis communicators).
         let mut totals: Vec<i64> = out
             .counters
@@ -615,12 +647,30 @@ fn mpi_preflight(a: &Args) -> Result<(), String> {
 }
 
 /// Ok(None): this process has nothing more to do (an MPI rank other than 0).
+/// Writes a trace document and says where.
+fn write_trace(path: &str, json: &str) {
+    match std::fs::write(path, json) {
+        Ok(()) => println!(
+            "trace: {path} ({} bytes; open it in https://ui.perfetto.dev or chrome://tracing)",
+            json.len()
+        ),
+        Err(e) => eprintln!("error: --trace {path}: {e}"),
+    }
+}
+
 fn run(a: &Args) -> Result<Option<bool>, String> {
     let c = &a.config;
+    if a.trace.is_some() {
+        trace::enable();
+    }
     let out = match a.backend {
         Backend::Threads => {
             println!("{}", header(a, "thread"));
-            with_modes(a, OnThreads)?
+            let out = with_modes(a, OnThreads)?;
+            if let Some(path) = &a.trace {
+                write_trace(path, &trace::chrome_json(&trace::take()));
+            }
+            out
         }
         Backend::Mpi => {
             mpi_preflight(a)?;

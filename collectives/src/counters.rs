@@ -61,6 +61,8 @@ pub struct Counters {
     calls: [AtomicU64; 9],
     bytes_sent: AtomicU64,
     bytes_received: AtomicU64,
+    /// What the communicator carries (a mesh axis), for the timeline.
+    label: std::sync::OnceLock<&'static str>,
 }
 
 impl Counters {
@@ -70,6 +72,39 @@ impl Counters {
         self.bytes_sent.fetch_add(sent, Ordering::Relaxed);
         self.bytes_received.fetch_add(received, Ordering::Relaxed);
     }
+    /// [`record`](Self::record), and the collective's span on the timeline when
+    /// [`trace`](crate::trace) is on: it started at `start`, every peer had arrived at
+    /// `arrived`, and it ends now.
+    pub fn record_timed(
+        &self,
+        kind: CollectiveKind,
+        sent: u64,
+        received: u64,
+        start: std::time::Instant,
+        arrived: std::time::Instant,
+    ) {
+        self.record(kind, sent, received);
+        crate::trace::collective(
+            kind.name(),
+            self.label(),
+            start,
+            arrived,
+            std::time::Instant::now(),
+            sent,
+            received,
+        );
+    }
+
+    /// Names what the communicator carries (the first name given sticks).
+    pub fn set_label(&self, label: &'static str) {
+        let _ = self.label.set(label);
+    }
+
+    /// The communicator's label, `world` if none was given.
+    pub fn label(&self) -> &'static str {
+        self.label.get().copied().unwrap_or("world")
+    }
+
     pub fn snapshot(&self) -> CounterSnapshot {
         CounterSnapshot {
             calls: std::array::from_fn(|i| self.calls[i].load(Ordering::Relaxed)),

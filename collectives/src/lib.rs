@@ -68,6 +68,7 @@ pub mod mpi;
 mod progress;
 mod request;
 pub mod threads;
+pub mod trace;
 
 pub use counters::{CollectiveKind, CounterSnapshot, Counters};
 pub use dtensor_kernels::{DType, Element, ReduceOp, Slice, SliceMut, StorageElement};
@@ -260,6 +261,10 @@ pub trait Communicator: Send + Sync {
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>>;
     /// Calls and bytes this handle has issued so far.
     fn counters(&self) -> CounterSnapshot;
+
+    /// Names what this communicator carries (a mesh axis) on the [`trace`] timeline; the
+    /// first name given sticks. Backends without a timeline ignore it.
+    fn set_label(&self, _label: &'static str) {}
 
     /// Starts [`all_reduce`](Self::all_reduce) of `buf`; [`Request::wait`] returns `buf`
     /// reduced. See [`Request`] for the rules every asynchronous call follows.

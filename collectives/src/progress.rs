@@ -149,10 +149,14 @@ impl Progress {
             return;
         }
         let shared = self.shared.clone();
+        let rank = self.world_rank;
         match std::thread::Builder::new()
             .name(self.name.clone())
-            .spawn(move || work(&shared))
-        {
+            .spawn(move || {
+                // The worker's collectives show on its rank's row, as its second thread.
+                crate::trace::set_row(rank, 1);
+                work(&shared)
+            }) {
             Ok(handle) => *worker = Some(handle),
             Err(_) => {
                 drop(worker);
@@ -377,6 +381,10 @@ macro_rules! forward_to_core {
 
         fn counters(&self) -> CounterSnapshot {
             self.core.counters.snapshot()
+        }
+
+        fn set_label(&self, label: &'static str) {
+            self.core.counters.set_label(label)
         }
 
         fn start_all_reduce(&self, mut buf: Buffer, op: ReduceOp) -> Request {

@@ -37,12 +37,15 @@ impl DeviceMesh {
         }
         let rank = world.rank();
         let coords = mesh.coords(rank)?;
+        // This thread records on this rank's row of a timeline.
+        dtensor_collectives::trace::set_row(rank, 0);
         let mut axes = Vec::with_capacity(mesh.ndim());
         for axis in 0..mesh.ndim() {
             // Color: the group's lowest-coordinate member; key: the coordinate on the axis.
             let group = mesh.axis_group(rank, axis)?;
             let comm = world.split(group[0], coords[axis])?;
             debug_assert_eq!(comm.rank(), coords[axis]);
+            comm.set_label(mesh.axes()[axis].0.name());
             axes.push(comm);
         }
         Ok(Arc::new(DeviceMesh {

@@ -105,6 +105,11 @@ struct TapeInner {
     retained: Vec<usize>,
 }
 
+/// A region of the forward opened by [`Tape::trace_begin`].
+pub struct TraceRegion {
+    cell: Arc<std::sync::Mutex<Option<(String, std::time::Instant)>>>,
+}
+
 /// One rank's record of the forward pass, in program order. Not `Send`: build it inside
 /// the SPMD closure.
 #[derive(Default)]
@@ -348,6 +353,53 @@ impl Tape {
             }
         }
         Ok(())
+    }
+
+    /// The start of a named region of the forward (a layer) for the timeline: with
+    /// [`trace_end`](Self::trace_end) after it, the backward records a span
+    /// `"{name} backward"` from the region's last node to its first. Records nothing when
+    /// [`trace`](dtensor_collectives::trace) is off.
+    pub fn trace_begin(&self) -> Option<TraceRegion> {
+        if !dtensor_collectives::trace::is_enabled() {
+            return None;
+        }
+        let cell: Arc<std::sync::Mutex<Option<(String, std::time::Instant)>>> = Arc::default();
+        let begin = cell.clone();
+        let id = self.new_id();
+        // Runs last in the backward: the region's backward ends here.
+        self.push(
+            id,
+            &[],
+            true,
+            Run::Whole(Box::new(move |_| {
+                let taken = begin.lock().unwrap_or_else(|e| e.into_inner()).take();
+                if let Some((name, start)) = taken {
+                    let dur = start.elapsed().as_secs_f64() * 1e6;
+                    dtensor_collectives::trace::record(name, "backward", start, dur, Vec::new());
+                }
+                Ok(())
+            })),
+        );
+        Some(TraceRegion { cell })
+    }
+
+    /// The end of a region [`trace_begin`](Self::trace_begin) opened, named `name`.
+    pub fn trace_end(&self, region: Option<TraceRegion>, name: impl FnOnce() -> String) {
+        let Some(region) = region else { return };
+        let cell = region.cell;
+        let label = format!("{} backward", name());
+        let id = self.new_id();
+        // Runs first in the backward: the region's backward starts here.
+        self.push(
+            id,
+            &[],
+            true,
+            Run::Whole(Box::new(move |_| {
+                *cell.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some((label, std::time::Instant::now()));
+                Ok(())
+            })),
+        );
     }
 
     /// Number of recorded backward nodes.

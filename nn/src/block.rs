@@ -24,6 +24,7 @@ use crate::optim::{
 };
 use crate::pipeline::GptStage;
 use crate::seq::{Ids, Loss, SeqMode, Stream};
+use dtensor_collectives::trace;
 use dtensor_core::{DTensor, DeviceMesh, Result, Tape, Var};
 use dtensor_kernels::{DType, Tensor};
 use std::sync::Arc;
@@ -162,6 +163,20 @@ impl<M: SeqMode, D: DataMode> Module for TransformerBlock<M, D> {
     }
 }
 
+/// Runs `f`, a named layer, on the timeline: a forward span now, and a backward span when
+/// the tape's backward passes the layer (nothing when tracing is off).
+pub(crate) fn traced<T>(
+    tape: &Tape,
+    name: impl Fn() -> String,
+    f: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    let _span = trace::span_with(&name, "forward");
+    let region = tape.trace_begin();
+    let out = f()?;
+    tape.trace_end(region, name);
+    Ok(out)
+}
+
 /// The loss head on the residual stream: final norm, LM head (logits sharded over the
 /// vocabulary), vocab-parallel cross-entropy, summed over this `Dp` rank's tokens and
 /// divided by `total_tokens` (the global batch's, whatever the microbatch), so that the
@@ -243,9 +258,14 @@ impl<M: SeqMode, D: DataMode> Gpt<M, D> {
                 b.prefetch()?;
             }
         }
-        let mut x = self
-            .embedding
-            .forward::<M>(tape, &tape.constant(ids.clone()))?;
+        let mut x = traced(
+            tape,
+            || "embedding".into(),
+            || {
+                self.embedding
+                    .forward::<M>(tape, &tape.constant(ids.clone()))
+            },
+        )?;
         for (i, b) in self.blocks.iter().enumerate() {
             if prefetch {
                 match self.blocks.get(i + 1) {
@@ -256,21 +276,33 @@ impl<M: SeqMode, D: DataMode> Gpt<M, D> {
                     }
                 }
             }
-            x = if self.config.recompute {
-                b.forward_recomputed(&x)?
-            } else {
-                b.forward(tape, &x)?
-            };
+            x = traced(
+                tape,
+                || format!("block.{i}"),
+                || {
+                    if self.config.recompute {
+                        b.forward_recomputed(&x)
+                    } else {
+                        b.forward(tape, &x)
+                    }
+                },
+            )?;
         }
         let tokens = targets.global_shape()[0];
-        head_loss(
-            &self.norm,
-            &self.head,
-            self.config.dtype,
+        traced(
             tape,
-            &x,
-            targets,
-            tokens,
+            || "head".into(),
+            || {
+                head_loss(
+                    &self.norm,
+                    &self.head,
+                    self.config.dtype,
+                    tape,
+                    &x,
+                    targets,
+                    tokens,
+                )
+            },
         )
     }
 

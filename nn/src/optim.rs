@@ -357,6 +357,7 @@ pub fn step_accumulated<O: Optimizer>(
     opt: &mut O,
     max_norm: f64,
 ) -> Result<f64> {
+    let _span = dtensor_collectives::trace::span("optimizer step", "optimizer");
     struct Reduce<'g> {
         acc: &'g mut GradAccumulator,
         norm: GradNorm,

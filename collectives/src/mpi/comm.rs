@@ -628,11 +628,14 @@ impl MpiCore {
             return Err(busy_error(op));
         }
         let _busy = Busy(&self.busy);
+        let start = std::time::Instant::now();
         self.agree(&call, dtype, invalid)?;
+        let agreed = std::time::Instant::now();
         data();
         let es = dtype.map_or(0, DType::size_in_bytes) as u64;
         let (sent, received) = call.elements_moved(self.rank, self.size);
-        self.counters.record(call.kind(), sent * es, received * es);
+        self.counters
+            .record_timed(call.kind(), sent * es, received * es, start, agreed);
         Ok(())
     }
 

@@ -244,7 +244,9 @@ impl Core {
         }
         let _busy = Busy(&self.busy);
         let (n, me) = (self.n(), self.rank);
+        let start = std::time::Instant::now();
         let joined = self.group.join(me, post, op)?;
+        let arrived = std::time::Instant::now();
         let posts = &joined.posts;
         call::check(posts, me, &self.group.members).map_err(|p| match p {
             Problem::Invalid(detail) => Error::InvalidArgument { op, detail },
@@ -272,7 +274,7 @@ impl Core {
         let es = mine.dtype.map_or(0, DType::size_in_bytes) as u64;
         let (sent, received) = mine.call.elements_moved(me, n);
         self.counters
-            .record(mine.call.kind(), sent * es, received * es);
+            .record_timed(mine.call.kind(), sent * es, received * es, start, arrived);
         Ok(joined.split)
     }
 

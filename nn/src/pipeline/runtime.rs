@@ -231,6 +231,7 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
         }
         let start = Instant::now();
         for a in actions {
+            let _span = dtensor_collectives::trace::span_with(|| a.to_string(), "pipeline");
             let t0 = Instant::now();
             match a {
                 Action::RecvActivation { mb, stage, peer } => {

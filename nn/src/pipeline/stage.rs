@@ -5,7 +5,7 @@
 //! seed, same parameter ids, same names), so a pipelined model is the one-rank model cut
 //! into pieces, and its parameters compare by name.
 
-use crate::block::{head_loss, GptConfig, TransformerBlock};
+use crate::block::{head_loss, traced, GptConfig, TransformerBlock};
 use crate::data::{DataMode, Ddp};
 use crate::embedding::VocabParallelEmbedding;
 use crate::linear::{ColumnParallelLinear, ParamInit};
@@ -126,7 +126,11 @@ impl<M: SeqMode, D: DataMode> GptStage<M, D> {
             }
         }
         let mut x = match (input, &self.embedding) {
-            (StageInput::Ids(ids), Some(e)) => e.forward::<M>(tape, &tape.constant(ids.clone()))?,
+            (StageInput::Ids(ids), Some(e)) => traced(
+                tape,
+                || "embedding".into(),
+                || e.forward::<M>(tape, &tape.constant(ids.clone())),
+            )?,
             (StageInput::Hidden(h), None) => h.clone(),
             _ => {
                 return Err(Error::InvalidUse {
@@ -148,11 +152,18 @@ impl<M: SeqMode, D: DataMode> GptStage<M, D> {
                     (None, None) => {}
                 }
             }
-            x = if self.config.recompute {
-                b.forward_recomputed(&x)?
-            } else {
-                b.forward(tape, &x)?
-            };
+            let l = self.layers.start + i;
+            x = traced(
+                tape,
+                || format!("block.{l}"),
+                || {
+                    if self.config.recompute {
+                        b.forward_recomputed(&x)
+                    } else {
+                        b.forward(tape, &x)
+                    }
+                },
+            )?;
         }
         match &self.head {
             None => Ok(StageOutput::Hidden(x)),
@@ -161,14 +172,20 @@ impl<M: SeqMode, D: DataMode> GptStage<M, D> {
                     op: "GptStage::forward",
                     detail: "the last stage needs the microbatch's targets".into(),
                 })?;
-                Ok(StageOutput::Loss(head_loss(
-                    norm,
-                    head,
-                    self.config.dtype,
+                Ok(StageOutput::Loss(traced(
                     tape,
-                    &x,
-                    targets,
-                    total_tokens,
+                    || "head".into(),
+                    || {
+                        head_loss(
+                            norm,
+                            head,
+                            self.config.dtype,
+                            tape,
+                            &x,
+                            targets,
+                            total_tokens,
+                        )
+                    },
                 )?))
             }
         }
