@@ -19,15 +19,21 @@
 //! schedule (GPipe, 1F1B, interleaved, ZB-H1) runs the microbatches through the stages.
 //! At the end rank 0 prints a receipt: the composition that ran, the collectives and bytes
 //! that crossed each mesh axis (summed over ranks), and the measured pipeline bubble beside
-//! the schedule's analytic one.
+//! the schedule's analytic one. `--metrics <file.jsonl>` writes one JSON line per step and
+//! `--plot <file.png>` draws loss and tokens/s (the same drawing as `plot_metrics`).
+
+#[path = "support/metrics.rs"]
+mod metrics;
 
 use dtensor::collectives::{mpi as mpi_backend, trace, Counters};
+use dtensor::kernels::memory;
 use dtensor::nn::pipeline::{self, check_pipeline, microbatches, Pipeline};
 use dtensor::nn::{
     AdamW, DataMode, Ddp, Fsdp, GptConfig, Ids, NoSp, Precision, Schedule, SeqMode, Sp, Zero1,
     Zero2,
 };
 use dtensor::prelude::*;
+use metrics::StepMetrics;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -79,6 +85,11 @@ usage: train_gpt [flags]
                     with `--features mpi`)
   --print-loss-bits also print every step's loss as the exact bits of the f64 value,
                     `step <n>  loss_bits=0x<16 hex digits>`, to compare runs bitwise
+  --metrics <file>  rank 0 writes one JSON object per line per step at the end: step,
+                    loss, grad_norm, tokens_per_s, bytes_sent (object: mesh axis -> bytes
+                    sent that step, summed over ranks), peak_tensor_bytes (array, by rank)
+  --plot <file.png> rank 0 draws loss and tokens/s against step as a PNG (text in a font
+                    shipped with the examples; `plot_metrics` draws a --metrics file)
   --help            this text";
 
 #[derive(Clone, Debug)]
@@ -109,6 +120,8 @@ struct Args {
     overlap: bool,
     bucket_mb: f64,
     trace: Option<String>,
+    metrics: Option<String>,
+    plot: Option<String>,
 }
 
 /// How parameters are held over dp.
@@ -154,6 +167,8 @@ fn parse_args() -> Result<Option<Args>, String> {
         overlap: false,
         bucket_mb: 25.0,
         trace: None,
+        metrics: None,
+        plot: None,
     };
     let mut sp = false;
     let mut it = std::env::args().skip(1);
@@ -222,6 +237,8 @@ fn parse_args() -> Result<Option<Args>, String> {
                     other => return Err(format!("--reduce-dtype: `{other}` is not f32 or bf16")),
                 }
             }
+            "--metrics" => a.metrics = Some(value()?),
+            "--plot" => a.plot = Some(value()?),
             "--help" | "-h" => return Ok(None),
             other => return Err(format!("unknown flag `{other}` (see --help)")),
         }
@@ -342,8 +359,67 @@ fn local_ids(t: &Tensor, mesh: &std::sync::Arc<DeviceMesh>) -> Result<DTensor<Id
     DTensor::from_local(t.narrow(0, r.start, r.len())?, t.shape(), mesh)
 }
 
+/// One rank's numbers of one step.
+#[derive(Clone, Debug, Default)]
+struct StepRecord {
+    loss: f64,
+    grad_norm: f64,
+    /// This step's wall time on this rank.
+    secs: f64,
+    /// Bytes this rank sent during the step, per mesh axis (in `DeviceMesh::counters` order).
+    bytes_sent: Vec<u64>,
+    /// The most bytes of live tensors this rank's thread held during the step.
+    peak_bytes: u64,
+}
+
+/// `StepRecord` as numbers (for the MPI gather): loss, grad_norm, secs, peak, bytes per axis.
+fn record_to_numbers(r: &StepRecord) -> impl Iterator<Item = f64> + '_ {
+    [r.loss, r.grad_norm, r.secs, r.peak_bytes as f64]
+        .into_iter()
+        .chain(r.bytes_sent.iter().map(|&b| b as f64))
+}
+
+fn record_from_numbers(v: &[f64]) -> StepRecord {
+    StepRecord {
+        loss: v[0],
+        grad_norm: v[1],
+        secs: v[2],
+        peak_bytes: v[3] as u64,
+        bytes_sent: v[4..].iter().map(|&b| b as u64).collect(),
+    }
+}
+
+/// The metrics lines from every rank's records (`per_rank[r][step]`): rank 0's loss,
+/// grad_norm and tokens/s, bytes summed over ranks per axis, peaks by rank.
+fn step_metrics(a: &Args, axes: &[AxisKind], per_rank: &[Vec<StepRecord>]) -> Vec<StepMetrics> {
+    let tokens = (a.batch * a.seq) as f64;
+    (0..per_rank.first().map_or(0, Vec::len))
+        .map(|step| {
+            let r0 = &per_rank[0][step];
+            StepMetrics {
+                step,
+                loss: r0.loss,
+                grad_norm: r0.grad_norm,
+                tokens_per_s: tokens / r0.secs,
+                bytes_sent: axes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, axis)| {
+                        let sum = per_rank.iter().map(|r| r[step].bytes_sent[i]).sum();
+                        (axis.name().to_string(), sum)
+                    })
+                    .collect(),
+                peak_tensor_bytes: per_rank.iter().map(|r| r[step].peak_bytes).collect(),
+            }
+        })
+        .collect()
+}
+
 struct RankOut {
     losses: Vec<f64>,
+    /// This rank's per-step numbers; after the gather, rank 0's `metrics` hold every rank's.
+    records: Vec<StepRecord>,
+    metrics: Vec<StepMetrics>,
     counters: Vec<(AxisKind, CounterSnapshot)>,
     /// This rank's idle share of the steps after the first.
     bubble: f64,
@@ -369,6 +445,7 @@ fn train_rank<M: SeqMode, D: DataMode>(
     let mut opt = AdamW::new(a.lr);
     let start_counters = dm.counters();
     let mut losses = Vec::with_capacity(a.steps);
+    let mut records = Vec::with_capacity(a.steps);
     let t0 = Instant::now();
     // The first step pays for warm-up (fresh buffers page-fault, the pool fills): the steady
     // rate is timed from its end, as PyTorch benchmarks time after warm-up steps.
@@ -382,8 +459,23 @@ fn train_rank<M: SeqMode, D: DataMode>(
                 .map(|mb| local_ids(mb, &sm))
                 .collect()
         };
+        let before = dm.counters();
+        memory::reset_peak();
         let t = Instant::now();
         let r = model.train_step(&split(&ids)?, &split(&tg)?, &mut opt, a.clip)?;
+        let secs = t.elapsed().as_secs_f64();
+        records.push(StepRecord {
+            loss: r.loss,
+            grad_norm: r.grad_norm,
+            secs,
+            bytes_sent: dm
+                .counters()
+                .iter()
+                .zip(&before)
+                .map(|((_, now), (_, then))| now.since(then).bytes_sent)
+                .collect(),
+            peak_bytes: memory::peak_bytes() as u64,
+        });
         losses.push(r.loss);
         if step == 0 {
             after_first = Some(Instant::now());
@@ -397,7 +489,7 @@ fn train_rank<M: SeqMode, D: DataMode>(
                 "step {step:4}  loss {:.4}  grad_norm {:.3}  {:>8.0} tokens/s",
                 r.loss,
                 r.grad_norm,
-                tokens / t.elapsed().as_secs_f64()
+                tokens / secs
             );
         }
         if verbose && dm.rank() == 0 && a.print_loss_bits {
@@ -432,6 +524,8 @@ fn train_rank<M: SeqMode, D: DataMode>(
     };
     Ok(RankOut {
         losses,
+        records,
+        metrics: Vec::new(),
         counters,
         bubble,
     })
@@ -503,9 +597,12 @@ fn train<M: SeqMode, D: DataMode>(
     for (r, res) in results.into_iter().enumerate() {
         outs.push(res.map_err(|e| format!("rank {r}: {e}"))?);
     }
+    let axes: Vec<AxisKind> = outs[0].counters.iter().map(|(k, _)| *k).collect();
+    let per_rank: Vec<Vec<StepRecord>> = outs.iter().map(|o| o.records.clone()).collect();
     // Sum every rank's counters per axis for the receipt; average the bubble.
     let ranks = outs.len() as f64;
     let mut first = outs.swap_remove(0);
+    first.metrics = step_metrics(a, &axes, &per_rank);
     first.bubble = (first.bubble + outs.iter().map(|o| o.bubble).sum::<f64>()) / ranks;
     for o in &outs {
         for (mine, theirs) in first.counters.iter_mut().zip(&o.counters) {
@@ -605,9 +702,18 @@ fn train_mpi<M: SeqMode, D: DataMode>(a: &Args) -> Result<MpiOut, String> {
         world.all_reduce_in_place(&mut totals, ReduceOp::Sum)?;
         let mut bubble = [out.bubble / size as f64];
         world.all_reduce_in_place(&mut bubble, ReduceOp::Sum)?;
+        // Every rank's per-step numbers to every rank (equal lengths: same steps and axes).
+        let mine: Vec<f64> = out.records.iter().flat_map(record_to_numbers).collect();
+        let all = world.all_gather_vec(&mine)?;
         if rank != 0 {
             return Ok(MpiOut::Peer);
         }
+        let per_step = 4 + out.counters.len();
+        let per_rank: Vec<Vec<StepRecord>> = all
+            .chunks(mine.len().max(1))
+            .map(|r| r.chunks(per_step).map(record_from_numbers).collect())
+            .collect();
+        let axes: Vec<AxisKind> = out.counters.iter().map(|(k, _)| *k).collect();
         let counters = out
             .counters
             .iter()
@@ -616,6 +722,8 @@ fn train_mpi<M: SeqMode, D: DataMode>(a: &Args) -> Result<MpiOut, String> {
             .collect();
         Ok(MpiOut::Root(RankOut {
             losses: out.losses,
+            metrics: step_metrics(a, &axes, &per_rank),
+            records: out.records,
             counters,
             bubble: bubble[0],
         }))
@@ -742,6 +850,20 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
             axis.name(),
             s.bytes_sent / tokens.max(1)
         );
+    }
+    if let Some(path) = &a.metrics {
+        std::fs::write(path, metrics::jsonl(&out.metrics))
+            .map_err(|e| format!("--metrics {path}: {e}"))?;
+        println!("  metrics: {} steps written to {path}", out.metrics.len());
+    }
+    if let Some(path) = &a.plot {
+        let series: Vec<(f64, f64, f64)> = out
+            .metrics
+            .iter()
+            .map(|m| (m.step as f64, m.loss, m.tokens_per_s))
+            .collect();
+        metrics::draw(&series, path.as_ref()).map_err(|e| format!("--plot: {e}"))?;
+        println!("  plot: loss and tokens/s against step drawn to {path}");
     }
     if !a.check {
         return Ok(Some(true));
