@@ -20,12 +20,16 @@ pub struct StepMetrics {
     pub peak_tensor_bytes: Vec<u64>,
 }
 
-/// A JSON number: finite values as Rust's shortest round-trip `{}`, NaN and ±inf as `null`.
+/// A JSON number: finite values as Rust's shortest round-trip `{}` (`{:e}` far from 1,
+/// where `{}` spells out hundreds of digits that JSON readers reject as out of range),
+/// NaN and ±inf as `null`.
 pub fn json_number(x: f64) -> String {
-    if x.is_finite() {
-        format!("{x}")
-    } else {
+    if !x.is_finite() {
         "null".into()
+    } else if x != 0.0 && !(1e-5..1e16).contains(&x.abs()) {
+        format!("{x:e}")
+    } else {
+        format!("{x}")
     }
 }
 
