@@ -857,7 +857,7 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
         println!("  metrics: {} steps written to {path}", out.metrics.len());
     }
     if let Some(path) = &a.plot {
-        let series: Vec<(f64, f64, f64)> = out
+        let series: Vec<metrics::Point> = out
             .metrics
             .iter()
             .map(|m| (m.step as f64, m.loss, m.tokens_per_s))

@@ -84,8 +84,11 @@ fn field(line: &str, key: &str) -> Option<f64> {
     }
 }
 
-/// `(step, loss, tokens_per_s)` of every line of a metrics file (blank lines skipped).
-pub fn read_series(text: &str) -> Result<Vec<(f64, f64, f64)>, String> {
+/// One step on the plot: `(step, loss, tokens_per_s)`.
+pub type Point = (f64, f64, f64);
+
+/// The [`Point`] of every line of a metrics file (blank lines skipped).
+pub fn read_series(text: &str) -> Result<Vec<Point>, String> {
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
@@ -119,7 +122,7 @@ fn range(v: impl Iterator<Item = f64>) -> (f64, f64) {
 }
 
 /// Draws loss (top) and tokens/s (bottom) against step into a PNG at `out`.
-pub fn draw(series: &[(f64, f64, f64)], out: &Path) -> Result<(), String> {
+pub fn draw(series: &[Point], out: &Path) -> Result<(), String> {
     if series.is_empty() {
         return Err("no steps to plot".into());
     }
@@ -131,11 +134,13 @@ pub fn draw(series: &[(f64, f64, f64)], out: &Path) -> Result<(), String> {
     let panels = root.split_evenly((2, 1));
     let (x0, x1) = range(series.iter().map(|s| s.0));
     let x1 = x1.max(x0 + 1.0);
-    let specs: [(&str, &str, RGBColor, fn(&(f64, f64, f64)) -> f64); 2] = [
-        ("training loss", "loss", RED, |s| s.1),
-        ("throughput", "tokens/s", BLUE, |s| s.2),
+    // Panel 0: loss; panel 1: tokens/s.
+    let specs = [
+        ("training loss", "loss", RED),
+        ("throughput", "tokens/s", BLUE),
     ];
-    for (area, (title, y_desc, color, pick)) in panels.iter().zip(specs) {
+    for (i, (area, (title, y_desc, color))) in panels.iter().zip(specs).enumerate() {
+        let pick = |p: &Point| if i == 0 { p.1 } else { p.2 };
         let (y0, y1) = range(series.iter().map(pick));
         let mut chart = ChartBuilder::on(area)
             .caption(title, ("sans-serif", 22))
