@@ -125,3 +125,91 @@ fn series_read_back_and_plot_is_a_png() {
     );
     assert!(metrics::draw(&[], &out).is_err());
 }
+
+/// A real run: 3 steps of the GPT on 4 thread ranks (dp = 2, tp = 2), measured per step as
+/// `train_gpt --metrics` measures them, written as a metrics file: one valid line per step,
+/// whose bytes per axis add up to the communicators' counters.
+#[test]
+fn a_run_writes_one_valid_line_per_step() {
+    use dtensor::kernels::memory;
+    use dtensor::nn::{AdamW, Gpt, GptConfig, Ids, NoSp};
+    use dtensor::prelude::*;
+    let cfg = GptConfig::small(DType::F32);
+    let tokens = 4 * cfg.seq_len;
+    let ids = Tensor::from_fn(&[tokens], |i| ((i * 5 + 1) % 256) as i64);
+    let tg = Tensor::from_fn(&[tokens], |i| ((i * 5 + 6) % 256) as i64);
+    let mesh = Mesh::new(&[(AxisKind::Dp, 2), (AxisKind::Tp, 2)]).unwrap();
+    let ranks = threads::launch(4, |world| -> Result<_, Error> {
+        let dm = DeviceMesh::new(world, mesh.clone())?;
+        let mut model = Gpt::<NoSp>::new(cfg, &dm)?;
+        let piece = |t: &Tensor| -> Result<DTensor<Ids>, Error> {
+            DTensor::distribute(Some(t).filter(|_| dm.rank() == 0), 0, &dm)
+        };
+        let (i, t) = (piece(&ids)?, piece(&tg)?);
+        let mut opt = AdamW::new(1e-3);
+        let mut steps = Vec::new();
+        for _ in 0..3 {
+            memory::reset_peak();
+            let before = dm.counters();
+            let start = std::time::Instant::now();
+            let r = model.train_step(&i, &t, &mut opt, 1.0)?;
+            let secs = start.elapsed().as_secs_f64();
+            let bytes: Vec<(String, u64)> = dm
+                .counters()
+                .into_iter()
+                .zip(before)
+                .map(|((k, c), (_, b))| (k.name().to_string(), c.since(&b).bytes_sent))
+                .collect();
+            steps.push((
+                r.loss,
+                r.grad_norm,
+                tokens as f64 / secs,
+                bytes,
+                memory::peak_bytes(),
+            ));
+        }
+        Ok(steps)
+    });
+    let ranks: Vec<_> = ranks.into_iter().map(|r| r.unwrap()).collect();
+    let lines: Vec<StepMetrics> = (0..3)
+        .map(|s| {
+            let (loss, grad_norm, tps, _, _) = &ranks[0][s];
+            let mut bytes = ranks[0][s].3.clone();
+            for r in &ranks[1..] {
+                for (b, (_, theirs)) in bytes.iter_mut().zip(&r[s].3) {
+                    b.1 += theirs;
+                }
+            }
+            StepMetrics {
+                step: s,
+                loss: *loss,
+                grad_norm: *grad_norm,
+                tokens_per_s: *tps,
+                bytes_sent: bytes,
+                peak_tensor_bytes: ranks.iter().map(|r| r[s].4 as u64).collect(),
+            }
+        })
+        .collect();
+    let path = std::env::temp_dir().join(format!("dtensor-metrics-{}.jsonl", std::process::id()));
+    std::fs::write(&path, jsonl(&lines)).unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let parsed: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("every line is JSON"))
+        .collect();
+    assert_eq!(parsed.len(), 3, "one line per step");
+    for (s, v) in parsed.iter().enumerate() {
+        assert_eq!(v["step"], s as u64);
+        assert!(v["loss"].as_f64().unwrap() > 0.0);
+        assert!(v["grad_norm"].as_f64().unwrap() > 0.0);
+        assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0);
+        assert!(v["bytes_sent"]["dp"].as_u64().unwrap() > 0);
+        assert!(v["bytes_sent"]["tp"].as_u64().unwrap() > 0);
+        let peaks = v["peak_tensor_bytes"].as_array().unwrap();
+        assert_eq!(peaks.len(), 4, "one peak per rank");
+        assert!(peaks.iter().all(|p| p.as_u64().unwrap() > 0));
+    }
+    // Every step of one model moves the same bytes.
+    assert_eq!(parsed[1]["bytes_sent"], parsed[2]["bytes_sent"]);
+}
