@@ -33,20 +33,9 @@ pub fn json_number(x: f64) -> String {
     }
 }
 
-/// A JSON string literal (quotes, backslashes and control characters escaped).
+/// A JSON string literal (the trace writer's escaping).
 fn json_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
+    dtensor::collectives::trace::json_str(s)
 }
 
 /// One line of the metrics file (without the newline).

@@ -22,6 +22,7 @@ use crate::norm::{Norm, NormKind};
 use crate::optim::{
     self, join_name, named_params, GradAccumulator, Module, Optimizer, ParamVisitor,
 };
+use crate::pipeline::stage::{StageInput, StageOutput, StageParts};
 use crate::pipeline::GptStage;
 use crate::seq::{Ids, Loss, SeqMode, Stream};
 use dtensor_collectives::trace;
@@ -249,61 +250,18 @@ impl<M: SeqMode, D: DataMode> Gpt<M, D> {
         ids: &DTensor<Ids>,
         targets: &DTensor<Ids>,
     ) -> Result<Var<'t, Loss>> {
-        // FSDP's prefetch: each layer's gather starts one layer ahead, so it overlaps the
-        // previous layer's compute (gathers complete in start order on the Dp handle).
-        let prefetch = self.config.precision.prefetch;
-        if prefetch {
-            self.embedding.prefetch()?;
-            if let Some(b) = self.blocks.first() {
-                b.prefetch()?;
-            }
-        }
-        let mut x = traced(
-            tape,
-            || "embedding".into(),
-            || {
-                self.embedding
-                    .forward::<M>(tape, &tape.constant(ids.clone()))
-            },
-        )?;
-        for (i, b) in self.blocks.iter().enumerate() {
-            if prefetch {
-                match self.blocks.get(i + 1) {
-                    Some(next) => next.prefetch()?,
-                    None => {
-                        self.norm.prefetch()?;
-                        self.head.prefetch()?;
-                    }
-                }
-            }
-            x = traced(
-                tape,
-                || format!("block.{i}"),
-                || {
-                    if self.config.recompute {
-                        b.forward_recomputed(&x)
-                    } else {
-                        b.forward(tape, &x)
-                    }
-                },
-            )?;
-        }
+        let parts = StageParts {
+            config: &self.config,
+            first_layer: 0,
+            embedding: Some(&self.embedding),
+            blocks: &self.blocks,
+            head: Some((&self.norm, &self.head)),
+        };
         let tokens = targets.global_shape()[0];
-        traced(
-            tape,
-            || "head".into(),
-            || {
-                head_loss(
-                    &self.norm,
-                    &self.head,
-                    self.config.dtype,
-                    tape,
-                    &x,
-                    targets,
-                    tokens,
-                )
-            },
-        )
+        match parts.forward(tape, StageInput::Ids(ids), Some(targets), tokens)? {
+            StageOutput::Loss(loss) => Ok(loss),
+            StageOutput::Hidden(_) => unreachable!("a last stage ends with the loss"),
+        }
     }
 
     /// One training step: forward, `backward()`, then [`optim::step`] (the DDP average over

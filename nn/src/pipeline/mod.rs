@@ -147,7 +147,7 @@
 #![warn(missing_docs)]
 mod runtime;
 mod schedule;
-mod stage;
+pub(crate) mod stage;
 
 pub use runtime::{check_pipeline, microbatches, Pipeline, PipelineReport};
 pub use schedule::{

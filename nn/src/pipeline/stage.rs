@@ -115,6 +115,37 @@ impl<M: SeqMode, D: DataMode> GptStage<M, D> {
         targets: Option<&DTensor<Ids>>,
         total_tokens: usize,
     ) -> Result<StageOutput<'t, M>> {
+        StageParts {
+            config: &self.config,
+            first_layer: self.layers.start,
+            embedding: self.embedding.as_ref(),
+            blocks: &self.blocks,
+            head: self.head.as_ref().map(|(n, h)| (n, h)),
+        }
+        .forward(tape, input, targets, total_tokens)
+    }
+}
+
+/// A run of consecutive layers, borrowed: a [`GptStage`]'s, or the whole [`Gpt`](crate::Gpt)'s.
+pub(crate) struct StageParts<'a, M: SeqMode, D: DataMode> {
+    pub config: &'a GptConfig,
+    /// The model index of `blocks[0]`.
+    pub first_layer: usize,
+    pub embedding: Option<&'a VocabParallelEmbedding<D>>,
+    pub blocks: &'a [TransformerBlock<M, D>],
+    pub head: Option<(&'a Norm<M, D>, &'a ColumnParallelLinear<D>)>,
+}
+
+impl<M: SeqMode, D: DataMode> StageParts<'_, M, D> {
+    /// See [`GptStage::forward`]: embedding (first stage), blocks with FSDP's prefetch one
+    /// layer ahead and each layer on the timeline, loss head (last stage).
+    pub(crate) fn forward<'t>(
+        &self,
+        tape: &'t Tape,
+        input: StageInput<'_, 't, M>,
+        targets: Option<&DTensor<Ids>>,
+        total_tokens: usize,
+    ) -> Result<StageOutput<'t, M>> {
         // FSDP's prefetch, one layer ahead (see `Gpt::forward`).
         let prefetch = self.config.precision.prefetch;
         if prefetch {
@@ -125,7 +156,7 @@ impl<M: SeqMode, D: DataMode> GptStage<M, D> {
                 b.prefetch()?;
             }
         }
-        let mut x = match (input, &self.embedding) {
+        let mut x = match (input, self.embedding) {
             (StageInput::Ids(ids), Some(e)) => traced(
                 tape,
                 || "embedding".into(),
@@ -143,7 +174,7 @@ impl<M: SeqMode, D: DataMode> GptStage<M, D> {
         };
         for (i, b) in self.blocks.iter().enumerate() {
             if prefetch {
-                match (self.blocks.get(i + 1), &self.head) {
+                match (self.blocks.get(i + 1), self.head) {
                     (Some(next), _) => next.prefetch()?,
                     (None, Some((norm, head))) => {
                         norm.prefetch()?;
@@ -152,7 +183,7 @@ impl<M: SeqMode, D: DataMode> GptStage<M, D> {
                     (None, None) => {}
                 }
             }
-            let l = self.layers.start + i;
+            let l = self.first_layer + i;
             x = traced(
                 tape,
                 || format!("block.{l}"),
@@ -165,7 +196,7 @@ impl<M: SeqMode, D: DataMode> GptStage<M, D> {
                 },
             )?;
         }
-        match &self.head {
+        match self.head {
             None => Ok(StageOutput::Hidden(x)),
             Some((norm, head)) => {
                 let targets = targets.ok_or_else(|| Error::InvalidUse {
