@@ -911,7 +911,12 @@ impl<'t, L: Layout> Var<'t, L> {
         let params = self.tape.rebind_params(&scratch);
         drop(scratch);
         let (xv, x_id) = (self.value.clone(), self.id);
-        Ok(self.tape.record(y, true, &[x_id], move |dy, store| {
+        // The node reads the input and, through the region, its parameters' leaves (a
+        // backward hook must see it as their reader).
+        let inputs: Vec<usize> = std::iter::once(x_id)
+            .chain(params.iter().map(|p| p.1))
+            .collect();
+        Ok(self.tape.record(y, true, &inputs, move |dy, store| {
             let scratch = Tape::new();
             let x = scratch.leaf(xv);
             let mut g = f(&scratch, &x)?.backward_with(dy)?;
@@ -939,7 +944,11 @@ impl<'t, L: Layout> Var<'t, L> {
         drop(scratch);
         let (av, a_id) = (self.value.clone(), self.id);
         let (bv, b_id) = (other.value.clone(), other.id);
-        Ok(self.tape.record(y, true, &[a_id, b_id], move |dy, store| {
+        let inputs: Vec<usize> = [a_id, b_id]
+            .into_iter()
+            .chain(params.iter().map(|p| p.1))
+            .collect();
+        Ok(self.tape.record(y, true, &inputs, move |dy, store| {
             let scratch = Tape::new();
             let (a, b) = (scratch.leaf(av), scratch.leaf(bv));
             let mut g = f(&scratch, &a, &b)?.backward_with(dy)?;

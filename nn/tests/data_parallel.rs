@@ -348,9 +348,13 @@ fn recomputation_lowers_the_activation_peak() {
 /// Losses and whole parameters after 3 DDP steps at dp = 2, tp = 2 with SP, buckets of
 /// `cap` bytes (`None`: reduced after the backward), and the `Dp` all-reduces per step.
 fn ddp_run(cap: Option<usize>) -> (Vec<f64>, Vec<Tensor>, u64) {
+    ddp_run_with(config(), cap)
+}
+
+fn ddp_run_with(cfg: GptConfig, cap: Option<usize>) -> (Vec<f64>, Vec<Tensor>, u64) {
     let (ids, tg) = tokens();
     on_mesh(2, 2, |mesh| {
-        let mut model = Gpt::<Sp, Ddp>::new(config(), mesh)?;
+        let mut model = Gpt::<Sp, Ddp>::new(cfg, mesh)?;
         model.ddp_bucket_bytes = cap;
         let mut opt = AdamW::new(3e-3);
         let (i, t): (DTensor<Ids>, DTensor<Ids>) = (piece(&ids, mesh)?, piece(&tg, mesh)?);
@@ -383,6 +387,21 @@ fn bucketed_ddp_reduction_is_bitwise_the_unbucketed_one() {
     assert_eq!(calls2, 1 + 1, "everything fits one 25 MB bucket");
     assert!(calls1 > 2 && calls1 < calls0, "2 kB buckets: {calls1}");
     eprintln!("dp all-reduces per step: {calls0} per parameter, {calls1} in 2 kB buckets, {calls2} in one");
+}
+
+#[test]
+fn bucketed_ddp_reduction_with_recomputed_blocks_is_bitwise_the_unbucketed_one() {
+    // A recomputed block binds its parameters inside its region: the hook must still see
+    // their gradients only once the region's backward has produced them.
+    let mut cfg = config();
+    cfg.recompute = true;
+    let (l0, p0, _) = ddp_run_with(cfg, None);
+    let (l1, p1, _) = ddp_run_with(cfg, Some(2048));
+    assert_eq!(l0, l1);
+    assert_eq!(p0, p1);
+    let (l2, p2, _) = ddp_run(None);
+    assert_eq!(l0, l2, "recomputation changes nothing");
+    assert_eq!(p0, p2);
 }
 
 #[test]
