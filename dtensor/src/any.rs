@@ -297,8 +297,10 @@ impl AnyDTensor {
         })
     }
 
-    /// Runs one step on the axis at layout index `axis`. This is every named transition.
-    pub fn apply(mut self, axis: usize, kind: StepKind) -> Result<AnyDTensor> {
+    /// What [`apply`](Self::apply) checks before it moves data: the axis is in the mesh,
+    /// the step starts from its placement, its dims are in the tensor, and no axis to the
+    /// right shards those dims (the nesting rule). Returns the placements before and after.
+    fn check_step(&self, axis: usize, kind: StepKind) -> Result<(Placement, Placement)> {
         let op = kind.name();
         if axis >= self.placements.len() {
             return Err(Error::Placement(dtensor_placement::Error::InvalidMesh(
@@ -333,6 +335,12 @@ impl AnyDTensor {
                 self.mesh.mesh().axes()[b].0,
             )));
         }
+        Ok((from, to))
+    }
+
+    /// Runs one step on the axis at layout index `axis`. This is every named transition.
+    pub fn apply(mut self, axis: usize, kind: StepKind) -> Result<AnyDTensor> {
+        let (from, to) = self.check_step(axis, kind)?;
         // Take the local piece out so the data path can consume it (a gather or
         // reduce-scatter may reuse its buffer); `self` keeps the metadata.
         let dtype = self.dtype();
@@ -405,42 +413,14 @@ impl AnyDTensor {
     /// what [`apply`](Self::apply) with an all-gather step gives, and the plan its adjoint
     /// reverses. FSDP prefetches the next layer's parameters this way.
     pub fn start_all_gather(self, axis: usize) -> Result<PendingGather> {
-        const OP: &str = "all_gather (started)";
-        let kind_of = |p: Placement| match p {
-            Placement::Shard(d) => Ok(StepKind::AllGather { dim: d }),
-            _ => Err(Error::PlacementMismatch {
-                op: OP,
-                axis: self.mesh.mesh().axes()[axis].0,
-                placements: self.placements.clone(),
-                detail: "only a Shard axis is all-gathered".into(),
-            }),
-        };
-        if axis >= self.placements.len() {
-            return Err(Error::InvalidUse {
-                op: OP,
-                detail: format!("axis index {axis} outside the mesh {}", self.mesh.mesh()),
-            });
-        }
-        let kind = kind_of(self.placements[axis])?;
-        let StepKind::AllGather { dim } = kind else {
-            unreachable!("built above")
-        };
-        if let Some(b) = nesting_blocker(&self.placements, axis, &[dim]) {
-            return Err(Error::PlacementMismatch {
-                op: OP,
-                axis: self.mesh.mesh().axes()[axis].0,
-                placements: self.placements.clone(),
-                detail: format!(
-                    "axis {} also shards dim {dim} and nests inside it; gather it first",
-                    self.mesh.mesh().axes()[b].0
-                ),
-            });
-        }
+        let dim = self
+            .placements
+            .get(axis)
+            .and_then(|p| p.shard_dim())
+            .unwrap_or(0);
+        self.check_step(axis, StepKind::AllGather { dim })?;
         let comm = self.mesh.axis_comm(axis).clone();
-        let parent = self.parent_extent(axis, dim)?;
-        let sizes = chunk_sizes(parent, comm.size());
-        let rest = Self::rest(self.local.shape(), &[dim]);
-        let counts: Vec<usize> = sizes.iter().map(|s| s * rest).collect();
+        let (_, sizes, counts) = self.gather_counts(self.local.shape(), axis, dim)?;
         let total: usize = counts.iter().sum();
         let send = dtensor_collectives::Buffer::from(self.local.to_storage());
         let recv = dtensor_collectives::Buffer::from(
@@ -482,12 +462,26 @@ impl AnyDTensor {
             .product()
     }
 
+    /// An all-gather of dim `dim` over the axis at `axis`: the extent the group covers, the
+    /// ranks' chunks of it (`torch.chunk`), and their element counts for a local piece
+    /// shaped `local`.
+    #[allow(clippy::type_complexity)]
+    fn gather_counts(
+        &self,
+        local: &[usize],
+        axis: usize,
+        dim: usize,
+    ) -> Result<(usize, smallvec::SmallVec<[usize; 8]>, Vec<usize>)> {
+        let parent = self.parent_extent(axis, dim)?;
+        let sizes = chunk_sizes(parent, self.mesh.mesh().size(axis));
+        let rest = Self::rest(local, &[dim]);
+        let counts = sizes.iter().map(|s| s * rest).collect();
+        Ok((parent, sizes, counts))
+    }
+
     fn gather_dim(&self, local: Tensor, axis: usize, dim: usize) -> Result<Tensor> {
         let comm = self.mesh.axis_comm(axis).clone();
-        let parent = self.parent_extent(axis, dim)?;
-        let sizes = chunk_sizes(parent, comm.size());
-        let rest = Self::rest(local.shape(), &[dim]);
-        let counts: Vec<usize> = sizes.iter().map(|s| s * rest).collect();
+        let (parent, sizes, counts) = self.gather_counts(local.shape(), axis, dim)?;
         let mut shape: Shape = local.shape().into();
         shape[dim] = parent;
         let total = numel(&shape);

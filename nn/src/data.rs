@@ -166,6 +166,12 @@ impl Precision {
     pub fn reduce_of(&self, master: DType) -> DType {
         self.reduce.unwrap_or(self.compute_of(master))
     }
+    /// Gradients are reduced in a wider dtype than compute (f32 for bf16): an FSDP shard is
+    /// then gathered from the master and cast after the gather, so the gather's adjoint
+    /// reduce-scatters in the wide dtype, and it keeps no compute copy.
+    fn reduces_wider(&self, master: DType) -> bool {
+        self.reduce_of(master).size_in_bytes() > self.compute_of(master).size_in_bytes()
+    }
 }
 
 /// A compute copy's placement over `Dp` and how the forward makes it whole
@@ -362,16 +368,12 @@ impl<const F: usize> DpMaster<Shard<F>> for Shard<F> {
         work: Option<&DTensor<DpLayout<Shard<F>, T>>>,
         p: &Precision,
     ) -> Result<DTensor<DpLayout<Shard<F>, T>>> {
-        // Reducing wider than computing: bind the master, gather it, cast after (so the
-        // gather's adjoint reduce-scatters in the wide dtype).
-        let m = master.as_local().dtype();
-        Ok(
-            if p.reduce_of(m).size_in_bytes() > p.compute_of(m).size_in_bytes() {
-                master.clone()
-            } else {
-                work.unwrap_or(master).clone()
-            },
-        )
+        // Reducing wider than computing: bind the master, gather it, cast after.
+        Ok(if p.reduces_wider(master.as_local().dtype()) {
+            master.clone()
+        } else {
+            work.unwrap_or(master).clone()
+        })
     }
 
     fn reduce<G: PlacementType>(
@@ -390,7 +392,7 @@ impl<const F: usize> DpMaster<Shard<F>> for Shard<F> {
             master.as_local().dtype(),
             p.compute_of(master.as_local().dtype()),
         );
-        if c == m || p.reduce_of(m).size_in_bytes() > c.size_in_bytes() {
+        if c == m || p.reduces_wider(m) {
             Ok(None)
         } else {
             Ok(Some(master.to_dtype(c)?))

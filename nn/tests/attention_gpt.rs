@@ -193,22 +193,7 @@ fn parallel_attention_at_every_tp_equals_tp1() {
 }
 
 fn gpt_config() -> GptConfig {
-    GptConfig {
-        vocab: 20,
-        hidden: H,
-        heads: HEADS,
-        layers: 2,
-        ffn: 32,
-        seq_len: S,
-        norm: NormKind::Rms,
-        activation: Activation::SwiGlu,
-        bias: true,
-        eps: 1e-5,
-        dtype: DType::F64,
-        seed: 9,
-        precision: Precision::default(),
-        recompute: false,
-    }
+    tiny_gpt(2, S, 9)
 }
 
 fn block_run<M: SeqMode>(dp: usize, tp: usize) -> Run {

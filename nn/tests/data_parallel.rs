@@ -25,25 +25,9 @@ use std::sync::Arc;
 const S: usize = 6;
 const B: usize = 4;
 const T: usize = S * B;
-const H: usize = 16;
 
 fn config() -> GptConfig {
-    GptConfig {
-        vocab: 20,
-        hidden: H,
-        heads: 4,
-        layers: 2,
-        ffn: 32,
-        seq_len: S,
-        norm: NormKind::Rms,
-        activation: Activation::SwiGlu,
-        bias: true,
-        eps: 1e-5,
-        dtype: DType::F64,
-        seed: 17,
-        precision: Precision::default(),
-        recompute: false,
-    }
+    tiny_gpt(2, S, 17)
 }
 
 fn tokens() -> (Tensor, Tensor) {

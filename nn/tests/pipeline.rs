@@ -11,31 +11,15 @@ mod common;
 
 use common::*;
 use dtensor_core::DTensor;
-use dtensor_kernels::{DType, Tensor};
+use dtensor_kernels::Tensor;
 use dtensor_nn::pipeline::{self, microbatches, Pipeline};
 use dtensor_nn::*;
 use std::collections::BTreeMap;
 
 const S: usize = 4;
-const H: usize = 16;
 
 fn config(layers: usize) -> GptConfig {
-    GptConfig {
-        vocab: 20,
-        hidden: H,
-        heads: 4,
-        layers,
-        ffn: 32,
-        seq_len: S,
-        norm: NormKind::Rms,
-        activation: Activation::SwiGlu,
-        bias: true,
-        eps: 1e-5,
-        dtype: DType::F64,
-        seed: 23,
-        precision: Precision::default(),
-        recompute: false,
-    }
+    tiny_gpt(layers, S, 23)
 }
 
 /// `samples` windows of `S + 1` tokens: ids and their next-token targets.

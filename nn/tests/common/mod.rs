@@ -4,7 +4,7 @@
 use dtensor_collectives::threads;
 use dtensor_core::{DTensor, DeviceMesh, Gradients, Result};
 use dtensor_kernels::{DType, Tensor};
-use dtensor_nn::{DataMode, Init, ParamKind, Weight};
+use dtensor_nn::{Activation, DataMode, GptConfig, Init, NormKind, ParamKind, Precision, Weight};
 use dtensor_placement::{AxisKind, Layout, Mesh};
 use std::sync::Arc;
 
@@ -97,4 +97,25 @@ pub fn on_pp_mesh<T: Send>(
         &[(AxisKind::Pp, pp), (AxisKind::Dp, dp), (AxisKind::Tp, tp)],
         f,
     )
+}
+
+/// The small f64 GPT the model tests train: vocabulary 20, hidden 16, 4 heads, SwiGLU
+/// MLP of 32, RMSNorm, biases; `layers` blocks on samples of `seq_len` tokens.
+pub fn tiny_gpt(layers: usize, seq_len: usize, seed: u64) -> GptConfig {
+    GptConfig {
+        vocab: 20,
+        hidden: 16,
+        heads: 4,
+        layers,
+        ffn: 32,
+        seq_len,
+        norm: NormKind::Rms,
+        activation: Activation::SwiGlu,
+        bias: true,
+        eps: 1e-5,
+        dtype: DType::F64,
+        seed,
+        precision: Precision::default(),
+        recompute: false,
+    }
 }
