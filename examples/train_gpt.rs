@@ -353,10 +353,16 @@ fn global_batch(a: &Args, step: usize) -> (Tensor, Tensor) {
     )
 }
 
-/// This rank's tokens: its Dp chunk, the same on every Tp rank (no communication).
+/// This rank's tokens: its piece of `[Dp: Shard<0>, Ep: Shard<0>, Cp: Shard<0>, Tp:
+/// Invariant]`, sliced locally (no communication).
 fn local_ids(t: &Tensor, mesh: &std::sync::Arc<DeviceMesh>) -> Result<DTensor<Ids>, Error> {
-    let r = dtensor::placement::chunk_range(t.shape()[0], mesh.mesh().size(0), mesh.coords()[0]);
-    DTensor::from_local(t.narrow(0, r.start, r.len())?, t.shape(), mesh)
+    let ranges = dtensor::placement::local_ranges(
+        mesh.mesh(),
+        &<Ids as Layout>::placements(),
+        mesh.coords(),
+        t.shape(),
+    )?;
+    DTensor::from_local(t.narrow(0, ranges[0].start, ranges[0].len())?, t.shape(), mesh)
 }
 
 /// One rank's numbers of one step.
@@ -572,14 +578,9 @@ impl WithModes for OnMpi {
     }
 }
 
-/// `[Dp, Tp]`, or `[Pp, Dp, Tp]` with pipeline stages.
+/// The model's mesh: `[Dp, Ep, Cp, Tp]`, behind `Pp` with pipeline stages.
 fn model_mesh(config: ParallelConfig) -> Result<Mesh, String> {
-    let axes: &[AxisKind] = if config.pp > 1 {
-        &[AxisKind::Pp, AxisKind::Dp, AxisKind::Tp]
-    } else {
-        &[AxisKind::Dp, AxisKind::Tp]
-    };
-    config.mesh(axes).map_err(|e| e.to_string())
+    dtensor::nn::model_mesh(&config).map_err(|e| e.to_string())
 }
 
 /// Trains on `config.world_size()` thread ranks; rank 0's losses, counters summed over
@@ -845,6 +846,10 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
     }
     let tokens = (a.steps * a.batch * a.seq) as u64;
     for (axis, s) in &out.counters {
+        // Expert and context parallelism of degree 1 move nothing: no line for them.
+        if matches!(axis.name(), "ep" | "cp") && c.degree(*axis) == 1 {
+            continue;
+        }
         println!(
             "  {}: {s} ({} B sent per token)",
             axis.name(),

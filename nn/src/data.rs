@@ -65,13 +65,32 @@ use crate::seq::{ParamLayout, SeqMode};
 use dtensor_core::{DTensor, Gradients, PendingAllGather, Result, Tape, Var};
 use dtensor_kernels::DType;
 use dtensor_placement::{
-    layout, Dp, Invariant, Layout, Linear, Partial, PlacementType, Replicate, Shard, Tp,
+    layout, Cp, Dp, Ep, Invariant, Layout, Linear, Partial, PlacementType, Replicate, Shard, Tp,
 };
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
-/// A parameter's layout with placement `P` over `Dp` and `T` over `Tp`.
-pub type DpLayout<P, T> = layout![Dp: P, Tp: T];
+/// A stored parameter's layout (master, compute copy, reduced gradient): placement `P`
+/// over `Dp`, `Invariant` over `Ep` and `Cp`, `T` over `Tp`.
+///
+/// `Ep` and `Cp` shard the tokens as `Dp` does, but no data mode shards a parameter over
+/// them: the stored value is the same on their ranks (`Invariant`) and becomes `Replicate`
+/// for compute by [`to_replicate`](Var::to_replicate) (Megatron's `f`), whose adjoint
+/// all-reduces the gradient there. A gradient of a stored parameter therefore arrives
+/// reduced over `Ep` and `Cp` and is `DpLayout<_, _>` again: one all-reduce per axis
+/// (size-1 axes cost nothing), recorded by the tape like any other.
+pub type DpLayout<P, T> = layout![Dp: P, Ep: Invariant, Cp: Invariant, Tp: T];
+/// A parameter whole over `Dp` (gathered, or never sharded) but still `Invariant` over
+/// `Ep` and `Cp`: one step before [`ParamLayout`].
+pub type DpWhole<T> = DpLayout<Replicate, T>;
+
+/// `Invariant` → `Replicate` over `Ep` and `Cp`: a whole parameter made ready for compute
+/// with tokens sharded there; the adjoint all-reduces its gradient over both axes.
+pub fn to_compute<'t, T: PlacementType>(
+    w: &Var<'t, DpWhole<T>>,
+) -> Result<Var<'t, ParamLayout<T>>> {
+    w.to_replicate(Ep)?.to_replicate(Cp)
+}
 
 /// The compute copy's layout of a parameter of kind `K` under data mode `D`.
 pub type WorkLayout<D, K> = DpLayout<<D as DataMode>::Work<K>, <K as ParamKind>::Tp>;
@@ -190,13 +209,13 @@ pub trait DpGather: PlacementType {
     #[allow(clippy::type_complexity)]
     fn start_gather<T: PlacementType>(
         stored: &DTensor<DpLayout<Self, T>>,
-    ) -> Result<Option<PendingAllGather<DpLayout<Self, T>, ParamLayout<T>>>>;
+    ) -> Result<Option<PendingAllGather<DpLayout<Self, T>, DpWhole<T>>>>;
 
     /// [`gather`](Self::gather) finishing a gather [`start_gather`](Self::start_gather)
     /// started from the same value.
     fn gather_prefetched<'t, T: PlacementType>(
         stored: &Var<'t, DpLayout<Self, T>>,
-        pending: PendingAllGather<DpLayout<Self, T>, ParamLayout<T>>,
+        pending: PendingAllGather<DpLayout<Self, T>, DpWhole<T>>,
         compute: DType,
     ) -> Result<Var<'t, ParamLayout<T>>>;
 }
@@ -207,16 +226,16 @@ impl DpGather for Replicate {
         stored: &Var<'t, DpLayout<Self, T>>,
         compute: DType,
     ) -> Result<Var<'t, ParamLayout<T>>> {
-        stored.to_dtype(compute)
+        to_compute(&stored.to_dtype(compute)?)
     }
     fn start_gather<T: PlacementType>(
         _: &DTensor<DpLayout<Self, T>>,
-    ) -> Result<Option<PendingAllGather<DpLayout<Self, T>, ParamLayout<T>>>> {
+    ) -> Result<Option<PendingAllGather<DpLayout<Self, T>, DpWhole<T>>>> {
         Ok(None)
     }
     fn gather_prefetched<'t, T: PlacementType>(
         stored: &Var<'t, DpLayout<Self, T>>,
-        _: PendingAllGather<DpLayout<Self, T>, ParamLayout<T>>,
+        _: PendingAllGather<DpLayout<Self, T>, DpWhole<T>>,
         compute: DType,
     ) -> Result<Var<'t, ParamLayout<T>>> {
         Self::gather(stored, compute)
@@ -229,19 +248,19 @@ impl<const F: usize> DpGather for Shard<F> {
         stored: &Var<'t, DpLayout<Self, T>>,
         compute: DType,
     ) -> Result<Var<'t, ParamLayout<T>>> {
-        stored.all_gather(Dp)?.to_dtype(compute)
+        to_compute(&stored.all_gather(Dp)?.to_dtype(compute)?)
     }
     fn start_gather<T: PlacementType>(
         stored: &DTensor<DpLayout<Self, T>>,
-    ) -> Result<Option<PendingAllGather<DpLayout<Self, T>, ParamLayout<T>>>> {
+    ) -> Result<Option<PendingAllGather<DpLayout<Self, T>, DpWhole<T>>>> {
         Ok(Some(stored.clone().start_all_gather(Dp)?))
     }
     fn gather_prefetched<'t, T: PlacementType>(
         stored: &Var<'t, DpLayout<Self, T>>,
-        pending: PendingAllGather<DpLayout<Self, T>, ParamLayout<T>>,
+        pending: PendingAllGather<DpLayout<Self, T>, DpWhole<T>>,
         compute: DType,
     ) -> Result<Var<'t, ParamLayout<T>>> {
-        stored.all_gather_prefetched(pending)?.to_dtype(compute)
+        to_compute(&stored.all_gather_prefetched(pending)?.to_dtype(compute)?)
     }
 }
 
@@ -474,7 +493,7 @@ pub struct Weight<D: DataMode, K: ParamKind> {
 }
 
 /// A started gather of a weight's stored copy.
-type Prefetch<D, K> = PendingAllGather<WorkLayout<D, K>, ParamLayout<<K as ParamKind>::Tp>>;
+type Prefetch<D, K> = PendingAllGather<WorkLayout<D, K>, DpWhole<<K as ParamKind>::Tp>>;
 
 /// The same parameter (same key, shared tensors, nothing copied): what a recomputed
 /// region captures to run its layer again in the backward.

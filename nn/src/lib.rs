@@ -75,9 +75,9 @@ pub use attention::{AttentionConfig, ParallelAttention};
 pub use block::{Gpt, GptConfig, StepReport, TransformerBlock};
 pub use buckets::{DdpBuckets, DEFAULT_BUCKET_BYTES};
 pub use data::{
-    ColB, ColW, DataMode, Ddp, DpGather, DpLayout, DpMaster, DpReducedOf, DpShardPlacement, Fsdp,
-    MasterLayout, ParamKind, Precision, ReducedLayout, RowW, StreamP, Weight, WorkLayout, Zero1,
-    Zero2,
+    to_compute, ColB, ColW, DataMode, Ddp, DpGather, DpLayout, DpMaster, DpReducedOf,
+    DpShardPlacement, DpWhole, Fsdp, MasterLayout, ParamKind, Precision, ReducedLayout, RowW,
+    StreamP, Weight, WorkLayout, Zero1, Zero2,
 };
 pub use dtensor_core;
 pub use embedding::{loss_value, mean_loss, vocab_parallel_cross_entropy, VocabParallelEmbedding};
@@ -94,6 +94,7 @@ pub use pipeline::{
     Action, Costs, GptStage, Pipeline, PipelineReport, Schedule, ScheduleKind, Timeline,
 };
 pub use seq::{
-    ColOut, ColWeight, DpPartial, DpReduced, Full, Grad, Ids, Loss, NoSp, ParamLayout, RowPartial,
-    RowWeight, SeqMode, Sp, Stream, StreamParam, TokenInvariant,
+    axis_coord, axis_size, model_mesh, ColOut, ColWeight, DpPartial, DpReduced, Full, Grad, Ids,
+    Loss, NoSp, ParamLayout, RowPartial, RowWeight, SeqMode, Sp, Stream, StreamParam,
+    TokenInvariant, MODEL_AXES,
 };

@@ -24,43 +24,49 @@
 //! (`all_reduce`, Megatron's `g`, or a `reduce_scatter` of the sequence); the tape records
 //! their typed adjoints.
 
+use crate::data::DpLayout;
 use crate::optim::TpParam;
 use dtensor_core::{HopPlacement, Result, Var};
 use dtensor_placement::{
-    layout, AddPlacement, AddRowRule, Dp, Invariant, IsWhole, Layout, Linear, NormRule, Partial,
-    PlacementType, Pointwise, Replicate, Shard, Tp,
+    layout, AddPlacement, AddRowRule, AxisKind, Cp, Dp, Ep, Invariant, IsWhole, Layout, Linear,
+    Mesh, NormRule, ParallelConfig, Partial, PlacementType, Pointwise, Replicate, Shard, Tp,
 };
 
 /// The gradient layout of `L` (the dual placement on every axis).
 pub type Grad<L> = <L as Layout>::Grad;
 
 /// The residual stream under sequence mode `M`.
-pub type Stream<M> = layout![Dp: Shard<0>, Tp: <M as SeqMode>::Tp];
+pub type Stream<M> = layout![Dp: Shard<0>, Ep: Shard<0>, Cp: Shard<0>, Tp: <M as SeqMode>::Tp];
 /// Tokens replicated over `Tp`: what a column-parallel layer multiplies.
-pub type Full = layout![Dp: Shard<0>, Tp: Replicate];
+pub type Full = layout![Dp: Shard<0>, Ep: Shard<0>, Cp: Shard<0>, Tp: Replicate];
 /// Features sharded over `Tp`: a column layer's output, a row layer's input.
-pub type ColOut = layout![Dp: Shard<0>, Tp: Shard<1>];
+pub type ColOut = layout![Dp: Shard<0>, Ep: Shard<0>, Cp: Shard<0>, Tp: Shard<1>];
 /// A row layer's product before its reduction over `Tp`.
-pub type RowPartial = layout![Dp: Shard<0>, Tp: Partial];
-/// Column-parallel weight `[out, in]` (and its bias `[out]`): output features over `Tp`.
-pub type ColWeight = layout![Dp: Replicate, Tp: Shard<0>];
-/// Row-parallel weight `[out, in]`: input features over `Tp`.
-pub type RowWeight = layout![Dp: Replicate, Tp: Shard<1>];
-/// A parameter applied to the residual stream (norm weight, row bias) under mode `M`.
-pub type StreamParam<M> = layout![Dp: Replicate, Tp: <M as SeqMode>::ParamTp];
-/// Token ids `[tokens]`: sharded over `Dp`, the same on every `Tp` rank.
-pub type Ids = layout![Dp: Shard<0>, Tp: Invariant];
+pub type RowPartial = layout![Dp: Shard<0>, Ep: Shard<0>, Cp: Shard<0>, Tp: Partial];
+/// Column-parallel weight `[out, in]` (and its bias `[out]`) as computed with: output
+/// features over `Tp`.
+pub type ColWeight = ParamLayout<Shard<0>>;
+/// Row-parallel weight `[out, in]` as computed with: input features over `Tp`.
+pub type RowWeight = ParamLayout<Shard<1>>;
+/// A parameter applied to the residual stream (norm weight, row bias) under mode `M`, as
+/// computed with.
+pub type StreamParam<M> = ParamLayout<<M as SeqMode>::ParamTp>;
+/// Token ids `[tokens]`: sharded over the data axes and `Cp`, the same on every `Tp` rank.
+pub type Ids = layout![Dp: Shard<0>, Ep: Shard<0>, Cp: Shard<0>, Tp: Invariant];
 /// A per-token value (loss, statistics) `[tokens]` after its reduction over `Tp`.
-pub type TokenInvariant = layout![Dp: Shard<0>, Tp: Invariant];
-/// A raw parameter gradient: `Partial` over `Dp`, `T` over `Tp`.
-pub type DpPartial<T> = layout![Dp: Partial, Tp: T];
-/// A parameter gradient averaged over `Dp`, `T` over `Tp`.
-pub type DpReduced<T> = layout![Dp: Invariant, Tp: T];
-/// Every parameter of these layers: `Replicate` over `Dp`, `T` over `Tp`.
-pub type ParamLayout<T> = layout![Dp: Replicate, Tp: T];
-/// A training loss: the sum over this `Dp` rank's tokens (`Partial` over `Dp`), the same on
-/// every `Tp` rank. `backward()` seeds it exactly.
-pub type Loss = layout![Dp: Partial, Tp: Invariant];
+pub type TokenInvariant = Ids;
+/// A raw gradient of a stored parameter: `Partial` over `Dp`, already reduced over `Ep`
+/// and `Cp` (`Invariant`, by the adjoint of [`to_replicate`](Var::to_replicate)), `T`
+/// over `Tp`.
+pub type DpPartial<T> = DpLayout<Partial, T>;
+/// A parameter gradient reduced over every token-sharding axis, `T` over `Tp`.
+pub type DpReduced<T> = DpLayout<Invariant, T>;
+/// A parameter as compute ops take it: `Replicate` over the token-sharding axes (`Dp`,
+/// `Ep`, `Cp`), `T` over `Tp`. Its gradient is `Partial` over all three.
+pub type ParamLayout<T> = layout![Dp: Replicate, Ep: Replicate, Cp: Replicate, Tp: T];
+/// A training loss: the sum over this rank's tokens (`Partial` over `Dp`, `Ep` and `Cp`),
+/// the same on every `Tp` rank. `backward()` seeds it exactly.
+pub type Loss = layout![Dp: Partial, Ep: Partial, Cp: Partial, Tp: Invariant];
 
 /// Where the residual stream lives on `Tp`, and the named transitions that enter and leave
 /// the tensor-parallel region. Implemented by [`NoSp`] and [`Sp`] only.
@@ -123,6 +129,21 @@ impl SeqMode for Sp {
     fn exit<'t>(y: &Var<'t, RowPartial>) -> Result<Var<'t, Stream<Self>>> {
         y.reduce_scatter::<_, _, 0>(Tp)
     }
+}
+
+/// The axes every layout of these layers names, in layout order: a model's stage mesh has
+/// exactly these (size 1 where a parallelism is unused).
+pub const MODEL_AXES: [AxisKind; 4] = [AxisKind::Dp, AxisKind::Ep, AxisKind::Cp, AxisKind::Tp];
+
+/// The mesh a model with `config`'s degrees runs on: [`MODEL_AXES`], behind `Pp` when
+/// `config.pp > 1` (pipeline stages then live on the mesh without `Pp`).
+pub fn model_mesh(config: &ParallelConfig) -> Result<Mesh> {
+    let mut axes = Vec::with_capacity(5);
+    if config.pp > 1 {
+        axes.push(AxisKind::Pp);
+    }
+    axes.extend(MODEL_AXES);
+    Ok(config.mesh(&axes)?)
 }
 
 /// The size of the mesh axis `kind` (1 when the mesh lacks it).

@@ -290,7 +290,8 @@ fn gpt_train<M: SeqMode>(dp: usize, tp: usize, steps: usize) -> (Vec<f64>, Vec<T
             .collect::<Result<Vec<_>>>()?;
         let mut locals = Locals(Vec::new());
         model.visit_params("", &mut locals)?;
-        Ok((losses, model.full_params()?, mesh.coords()[1], locals.0))
+        let tp_coord = dtensor_nn::axis_coord(mesh, dtensor_placement::AxisKind::Tp);
+        Ok((losses, model.full_params()?, tp_coord, locals.0))
     });
     // Replicas are bitwise identical: every rank reports the same losses, and ranks at the
     // same Tp coordinate (Dp replicas) hold the same bits of every parameter.
@@ -400,13 +401,14 @@ fn gpt_params_are_enumerable_by_name_layout_and_value() {
             .find(|p| p.name == n)
             .unwrap_or_else(|| panic!("no {n}"))
     };
-    use dtensor_placement::Placement::{Replicate as R, Shard as S};
-    assert_eq!(find("embedding.weight").placements, [R, S(0)]);
-    assert_eq!(find("blocks.0.attn.qkv.bias").placements, [R, S(0)]);
-    assert_eq!(find("blocks.1.attn.out.weight").placements, [R, S(1)]);
+    use dtensor_placement::Placement::{Invariant as I, Replicate as R, Shard as S};
+    // [Dp, Ep, Cp, Tp]: stored parameters are Invariant over Ep and Cp.
+    assert_eq!(find("embedding.weight").placements, [R, I, I, S(0)]);
+    assert_eq!(find("blocks.0.attn.qkv.bias").placements, [R, I, I, S(0)]);
+    assert_eq!(find("blocks.1.attn.out.weight").placements, [R, I, I, S(1)]);
     assert_eq!(find("blocks.1.mlp.up.weight").value.shape(), &[cfg.ffn, H]);
     // Under SP a stream parameter is Replicate over Tp (its gradient needs the Tp reduction).
-    assert_eq!(find("blocks.0.norm2.bias").placements, [R, R]);
-    assert_eq!(find("norm.weight").placements, [R, R]);
+    assert_eq!(find("blocks.0.norm2.bias").placements, [R, I, I, R]);
+    assert_eq!(find("norm.weight").placements, [R, I, I, R]);
     assert_eq!(find("head.weight").value.shape(), &[cfg.vocab, H]);
 }

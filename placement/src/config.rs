@@ -7,9 +7,12 @@ use crate::mesh::Mesh;
 use std::fmt;
 use std::str::FromStr;
 
-/// Degrees of parallelism. `world_size() = dp·tp·pp·cp`; expert parallelism folds over the
-/// data- and context-parallel ranks (as in Megatron-Core), so `ep` must divide `dp·cp`.
-/// `sp` (sequence parallelism) shards activations along the sequence over the TP group.
+/// Degrees of parallelism. `world_size() = pp·dp·ep·cp·tp`: every degree is a mesh axis of
+/// its own. Expert parallelism shards the experts over `ep` and, outside the experts, `ep`
+/// shards the tokens as `dp` does, so dense layers are data-parallel over `dp·ep` ranks
+/// (Megatron-Core folds `ep` into its data-parallel degree instead: its `dp=4, ep=2` is
+/// our `dp=2, ep=2`). `sp` (sequence parallelism) shards activations along the sequence
+/// over the TP group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ParallelConfig {
     pub dp: usize,
@@ -111,19 +114,12 @@ impl ParallelConfig {
         if self.sp && self.tp < 2 {
             return Err(err("`sp` (sequence parallelism) needs tp > 1".into()));
         }
-        if (self.dp * self.cp) % self.ep != 0 {
-            return Err(err(format!(
-                "ep={} must divide dp·cp = {} (experts fold over data- and context-parallel ranks)",
-                self.ep,
-                self.dp * self.cp
-            )));
-        }
         Ok(())
     }
 
-    /// `dp·tp·pp·cp`.
+    /// `pp·dp·ep·cp·tp`.
     pub fn world_size(&self) -> usize {
-        self.dp * self.tp * self.pp * self.cp
+        self.dp * self.tp * self.pp * self.cp * self.ep
     }
 
     /// `Err` unless `world_size()` equals `n`, the number of ranks actually running.
@@ -132,7 +128,7 @@ impl ParallelConfig {
             return Err(Error::InvalidConfig {
                 input: self.to_string(),
                 detail: format!(
-                    "world size dp·tp·pp·cp = {} but {n} ranks are running",
+                    "world size pp·dp·ep·cp·tp = {} but {n} ranks are running",
                     self.world_size()
                 ),
             });
@@ -140,8 +136,7 @@ impl ParallelConfig {
         Ok(())
     }
 
-    /// The degree of one axis (`ep` folds, so it is reported but not a world-size factor).
-    /// A user-declared axis is not a key of the config: 1 (its size is given to
+    /// The degree of one axis. A user-declared axis is not a key of the config: 1 (its size is given to
     /// [`Mesh::new`] directly; [`ParallelConfig::mesh`] refuses it).
     pub fn degree(&self, axis: AxisKind) -> usize {
         if !axis.is_builtin() {
@@ -170,13 +165,13 @@ impl ParallelConfig {
                 ),
             });
         }
-        if axes.contains(&AxisKind::Ep) {
-            return Err(Error::InvalidConfig {
-                input: self.to_string(),
-                detail: "ep folds over dp·cp and is not a separate mesh axis here".into(),
-            });
-        }
-        for a in [AxisKind::Dp, AxisKind::Tp, AxisKind::Pp, AxisKind::Cp] {
+        for a in [
+            AxisKind::Dp,
+            AxisKind::Tp,
+            AxisKind::Pp,
+            AxisKind::Cp,
+            AxisKind::Ep,
+        ] {
             if self.degree(a) > 1 && !axes.contains(&a) {
                 return Err(Error::InvalidConfig {
                     input: self.to_string(),
@@ -242,7 +237,6 @@ mod tests {
             ("tp=two", "not a positive integer"),
             ("tp", "needs a value"),
             ("tp=2,tp=2", "given twice"),
-            ("dp=2,ep=3", "must divide"),
             ("sp=maybe,tp=2", "true/false"),
         ];
         for (input, want) in cases {
@@ -264,7 +258,13 @@ mod tests {
         let m = c.mesh(&[AxisKind::Dp, AxisKind::Tp]).unwrap();
         assert_eq!(m.to_string(), "[dp=2, tp=2]");
         assert!(c.mesh(&[AxisKind::Tp]).is_err());
-        assert!(c.mesh(&[AxisKind::Dp, AxisKind::Tp, AxisKind::Ep]).is_err());
+        let m = c
+            .mesh(&[AxisKind::Dp, AxisKind::Ep, AxisKind::Cp, AxisKind::Tp])
+            .unwrap();
+        assert_eq!(m.to_string(), "[dp=2, ep=1, cp=1, tp=2]");
+        let e = ParallelConfig::parse("ep=2,dp=2").unwrap();
+        assert_eq!(e.world_size(), 4);
+        assert!(e.mesh(&[AxisKind::Dp, AxisKind::Tp]).is_err());
         crate::mesh_axis!(DpShard, "dp_shard", role = Dp);
         let k = <DpShard as crate::MeshAxis>::KIND;
         assert_eq!(c.degree(k), 1);

@@ -3,7 +3,7 @@
 //!
 //! A method that changes one axis finds it with [`Select`]: the axis is named by a value
 //! (`x.all_gather(Tp)`) and its position is *inferred* through the `Here` / `There<I>`
-//! index, so the same impls serve every mesh of 1 to 4 axes without overlapping.
+//! index, so the same impls serve every mesh, whatever its number of axes, without overlapping.
 
 use crate::axis::{AxisKind, MeshAxis};
 use crate::placement::{AddPlacement, Linear, Placement, PlacementType, Pointwise, RedistributeTo};

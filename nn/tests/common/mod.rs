@@ -8,13 +8,37 @@ use dtensor_nn::{Activation, DataMode, GptConfig, Init, NormKind, ParamKind, Pre
 use dtensor_placement::{AxisKind, Layout, Mesh};
 use std::sync::Arc;
 
-/// Runs `f` on every rank of a `[Dp: dp, Tp: tp]` mesh of threads; each rank's value.
+/// Runs `f` on every rank of a `[Dp: dp, Ep: 1, Cp: 1, Tp: tp]` mesh of threads (the
+/// layers' axes); each rank's value.
 pub fn on_mesh<T: Send>(
     dp: usize,
     tp: usize,
     f: impl Fn(&Arc<DeviceMesh>) -> Result<T> + Sync,
 ) -> Vec<T> {
-    on_axes(&[(AxisKind::Dp, dp), (AxisKind::Tp, tp)], f)
+    on_model_mesh(1, dp, 1, 1, tp, f)
+}
+
+/// Runs `f` on every rank of the model mesh with these degrees (`[Pp,] Dp, Ep, Cp, Tp`,
+/// `Pp` only when `pp > 1`).
+pub fn on_model_mesh<T: Send>(
+    pp: usize,
+    dp: usize,
+    ep: usize,
+    cp: usize,
+    tp: usize,
+    f: impl Fn(&Arc<DeviceMesh>) -> Result<T> + Sync,
+) -> Vec<T> {
+    let pp_axis = (pp > 1).then_some((AxisKind::Pp, pp));
+    let axes: Vec<(AxisKind, usize)> = pp_axis
+        .into_iter()
+        .chain([
+            (AxisKind::Dp, dp),
+            (AxisKind::Ep, ep),
+            (AxisKind::Cp, cp),
+            (AxisKind::Tp, tp),
+        ])
+        .collect();
+    on_axes(&axes, f)
 }
 
 /// Runs `f` on every rank of a mesh of `axes` on threads; each rank's value.
@@ -85,8 +109,8 @@ pub fn reduced<D: DataMode, K: ParamKind>(
     g.full_tensor()
 }
 
-/// Runs `f` on every rank of a `[Pp: pp, Dp: dp, Tp: tp]` mesh of threads; each rank's
-/// value.
+/// Runs `f` on every rank of a `[Pp: pp, Dp: dp, Ep: 1, Cp: 1, Tp: tp]` mesh of threads
+/// (`Pp` even when `pp` is 1); each rank's value.
 pub fn on_pp_mesh<T: Send>(
     pp: usize,
     dp: usize,
@@ -94,7 +118,13 @@ pub fn on_pp_mesh<T: Send>(
     f: impl Fn(&Arc<DeviceMesh>) -> Result<T> + Sync,
 ) -> Vec<T> {
     on_axes(
-        &[(AxisKind::Pp, pp), (AxisKind::Dp, dp), (AxisKind::Tp, tp)],
+        &[
+            (AxisKind::Pp, pp),
+            (AxisKind::Dp, dp),
+            (AxisKind::Ep, 1),
+            (AxisKind::Cp, 1),
+            (AxisKind::Tp, tp),
+        ],
         f,
     )
 }
