@@ -362,7 +362,11 @@ fn local_ids(t: &Tensor, mesh: &std::sync::Arc<DeviceMesh>) -> Result<DTensor<Id
         mesh.coords(),
         t.shape(),
     )?;
-    DTensor::from_local(t.narrow(0, ranges[0].start, ranges[0].len())?, t.shape(), mesh)
+    DTensor::from_local(
+        t.narrow(0, ranges[0].start, ranges[0].len())?,
+        t.shape(),
+        mesh,
+    )
 }
 
 /// One rank's numbers of one step.

@@ -138,7 +138,7 @@ fn a_run_writes_one_valid_line_per_step() {
     let tokens = 4 * cfg.seq_len;
     let ids = Tensor::from_fn(&[tokens], |i| ((i * 5 + 1) % 256) as i64);
     let tg = Tensor::from_fn(&[tokens], |i| ((i * 5 + 6) % 256) as i64);
-    let mesh = Mesh::new(&[(AxisKind::Dp, 2), (AxisKind::Tp, 2)]).unwrap();
+    let mesh = dtensor::nn::model_mesh(&"dp=2,tp=2".parse().unwrap()).unwrap();
     let ranks = threads::launch(4, |world| -> Result<_, Error> {
         let dm = DeviceMesh::new(world, mesh.clone())?;
         let mut model = Gpt::<NoSp>::new(cfg, &dm)?;

@@ -18,7 +18,7 @@ fn a_traced_step_parses_and_matches_the_counters() {
     let tokens = 4 * cfg.seq_len;
     let ids = Tensor::from_fn(&[tokens], |i| ((i * 7 + 3) % 256) as i64);
     let tg = Tensor::from_fn(&[tokens], |i| ((i * 7 + 10) % 256) as i64);
-    let mesh = Mesh::new(&[(AxisKind::Dp, 2), (AxisKind::Tp, 2)]).unwrap();
+    let mesh = dtensor::nn::model_mesh(&"dp=2,tp=2".parse().unwrap()).unwrap();
     trace::enable();
     let counters = threads::launch(4, |world| -> Result<_, Error> {
         let dm = DeviceMesh::new(world, mesh.clone())?;

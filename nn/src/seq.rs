@@ -43,14 +43,14 @@ pub type Full = layout![Dp: Shard<0>, Ep: Shard<0>, Cp: Shard<0>, Tp: Replicate]
 pub type ColOut = layout![Dp: Shard<0>, Ep: Shard<0>, Cp: Shard<0>, Tp: Shard<1>];
 /// A row layer's product before its reduction over `Tp`.
 pub type RowPartial = layout![Dp: Shard<0>, Ep: Shard<0>, Cp: Shard<0>, Tp: Partial];
-/// Column-parallel weight `[out, in]` (and its bias `[out]`) as computed with: output
-/// features over `Tp`.
-pub type ColWeight = ParamLayout<Shard<0>>;
-/// Row-parallel weight `[out, in]` as computed with: input features over `Tp`.
-pub type RowWeight = ParamLayout<Shard<1>>;
+/// A column-parallel weight `[out, in]` (and its bias `[out]`) as stored under DDP:
+/// output features over `Tp`.
+pub type ColWeight = DpLayout<Replicate, Shard<0>>;
+/// A row-parallel weight `[out, in]` as stored under DDP: input features over `Tp`.
+pub type RowWeight = DpLayout<Replicate, Shard<1>>;
 /// A parameter applied to the residual stream (norm weight, row bias) under mode `M`, as
-/// computed with.
-pub type StreamParam<M> = ParamLayout<<M as SeqMode>::ParamTp>;
+/// stored under DDP.
+pub type StreamParam<M> = DpLayout<Replicate, <M as SeqMode>::ParamTp>;
 /// Token ids `[tokens]`: sharded over the data axes and `Cp`, the same on every `Tp` rank.
 pub type Ids = layout![Dp: Shard<0>, Ep: Shard<0>, Cp: Shard<0>, Tp: Invariant];
 /// A per-token value (loss, statistics) `[tokens]` after its reduction over `Tp`.

@@ -5,7 +5,7 @@ use dtensor::prelude::*;
 // (`Shard<1>`). An all-reduced (`Invariant`) gradient is the whole tensor on every rank:
 // the optimizer does not take it for the shard.
 type Master = MasterLayout<Fsdp, ColW>;
-fn f(p: &mut Param<Master>, g: &DTensor<layout![Dp: Invariant, Tp: Shard<0>]>, opt: &AdamW) {
+fn f(p: &mut Param<Master>, g: &DTensor<layout![Dp: Invariant, Ep: Invariant, Cp: Invariant, Tp: Shard<0>]>, opt: &AdamW) {
     let _ = opt.update(p, g);
 }
 fn main() {}
