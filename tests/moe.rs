@@ -72,7 +72,7 @@ struct Case {
     hot: Vec<usize>,
 }
 
-fn round_trip(c: &Case) {
+fn round_trip(c: &Case) -> Vec<(Vec<usize>, usize)> {
     let e = c.ep * c.experts_per_rank;
     let (t, h, k) = (c.tokens, c.hidden, c.k);
     let xg: Vec<f64> = (0..t * h).map(|i| val(c.seed, i)).collect();
@@ -104,9 +104,9 @@ fn round_trip(c: &Case) {
         let mut g = loss.backward()?;
         let dx = g.take(&x)?.full_tensor()?.to_f64_vec();
         let dg = g.take(&gates)?.full_tensor()?.to_f64_vec();
-        Ok((yv, dx, dg, routing.groups()))
+        Ok((yv, dx, dg, routing.groups(), routing.send_counts().iter().sum::<usize>()))
     });
-    for (yv, dx, dg, _) in &out {
+    for (yv, dx, dg, _, _) in &out {
         close(yv, &xg, "combine(dispatch(x))");
         close(dx, &cg, "d/dx");
         // d/dgate[t, s] = ⟨c_t, x_t⟩ for every (dropless) copy.
@@ -118,6 +118,7 @@ fn round_trip(c: &Case) {
             .collect();
         close(dg, &want, "d/dgate");
     }
+    out.into_iter().map(|o| (o.3, o.4)).collect()
 }
 
 proptest! {
@@ -149,7 +150,12 @@ fn round_trip_with_idle_experts_and_silent_ranks() {
         seed: 7,
         hot: vec![0, 5],
     };
-    round_trip(&c);
+    let per_rank = round_trip(&c);
+    assert!(per_rank.iter().any(|(_, sent)| *sent == 0), "a rank sends nothing");
+    assert!(
+        per_rank.iter().flat_map(|(g, _)| g).any(|&n| n == 0),
+        "an expert receives nothing"
+    );
 }
 
 // ---------------------------------------------------------------------------------------

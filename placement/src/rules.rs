@@ -891,6 +891,15 @@ impl ExpertTokens for S<0> {}
 )]
 pub trait DispatchedBy<B: Brand>: PlacementType {}
 impl<B: Brand> DispatchedBy<B> for Ragged<B> {}
+/// A second impl that no routing uses: with two candidates, rustc takes the brand from the
+/// routing argument instead of inferring it from the rows (which would turn a mismatch
+/// into a plain type error instead of [`DispatchedBy`]'s message).
+impl<B: Brand> DispatchedBy<NotABrand<B>> for Ragged<B> {}
+
+/// See [`DispatchedBy`]; never a routing's brand.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NotABrand<B>(std::marker::PhantomData<B>);
 
 /// An MoE dispatch of tokens `[tokens, hidden]` by a routing branded `B`, on one axis: rows
 /// that were `Shard<0>` become data-dependent (`Ragged<B>`: on the expert axis by the
