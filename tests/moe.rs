@@ -90,21 +90,43 @@ fn round_trip(c: &Case) -> Vec<(Vec<usize>, usize)> {
         let mut cfg = RouterConfig::new(e, k);
         cfg.selection_bias = Some(bias.clone());
         let (routing, _gates) = route::<(), _, _>(&logits, &cfg)?;
-        let x = tape.leaf(DTensor::<Rows>::from_global_fn(&[t, h], DType::F64, mesh, |i| xg[i])?);
-        let gates = tape.leaf(DTensor::<Rows>::from_global_fn(&[t, k], DType::F64, mesh, |_| {
-            1.0 / k as f64
-        })?);
+        let x = tape.leaf(DTensor::<Rows>::from_global_fn(
+            &[t, h],
+            DType::F64,
+            mesh,
+            |i| xg[i],
+        )?);
+        let gates = tape.leaf(DTensor::<Rows>::from_global_fn(
+            &[t, k],
+            DType::F64,
+            mesh,
+            |_| 1.0 / k as f64,
+        )?);
         let d = dispatch(&x, &routing)?;
         assert_eq!(d.var().value().placements(), &[Placement::Ragged]);
-        assert_eq!(d.groups().iter().sum::<usize>(), d.var().value().local_shape()[0]);
+        assert_eq!(
+            d.groups().iter().sum::<usize>(),
+            d.var().value().local_shape()[0]
+        );
         let y = combine(&d, &gates, &routing)?;
-        let cv = tape.constant(DTensor::<Rows>::from_global_fn(&[t, h], DType::F64, mesh, |i| cg[i])?);
+        let cv = tape.constant(DTensor::<Rows>::from_global_fn(
+            &[t, h],
+            DType::F64,
+            mesh,
+            |i| cg[i],
+        )?);
         let loss = y.mul(&cv)?.sum_dim::<1>()?.sum_dim::<0>()?;
         let yv = y.value().full_tensor()?.to_f64_vec();
         let mut g = loss.backward()?;
         let dx = g.take(&x)?.full_tensor()?.to_f64_vec();
         let dg = g.take(&gates)?.full_tensor()?.to_f64_vec();
-        Ok((yv, dx, dg, routing.groups(), routing.send_counts().iter().sum::<usize>()))
+        Ok((
+            yv,
+            dx,
+            dg,
+            routing.groups(),
+            routing.send_counts().iter().sum::<usize>(),
+        ))
     });
     for (yv, dx, dg, _, _) in &out {
         close(yv, &xg, "combine(dispatch(x))");
@@ -151,7 +173,10 @@ fn round_trip_with_idle_experts_and_silent_ranks() {
         hot: vec![0, 5],
     };
     let per_rank = round_trip(&c);
-    assert!(per_rank.iter().any(|(_, sent)| *sent == 0), "a rank sends nothing");
+    assert!(
+        per_rank.iter().any(|(_, sent)| *sent == 0),
+        "a rank sends nothing"
+    );
     assert!(
         per_rank.iter().flat_map(|(g, _)| g).any(|&n| n == 0),
         "an expert receives nothing"
@@ -189,17 +214,42 @@ fn mlp_distributed(m: &Mlp, ep: usize) -> Vec<MlpOut> {
     );
     on_mesh(&ep_mesh(ep), |mesh| {
         let tape = Tape::new();
-        let x = tape.leaf(DTensor::<Rows>::from_global_fn(&[t, h], DType::F64, mesh, |i| xg[i])?);
-        let wr_v = tape.leaf(DTensor::<Rep>::from_global_fn(&[e, h], DType::F64, mesh, |i| wr[i])?);
-        let w1_v = tape.leaf(DTensor::<Experts>::from_global_fn(&[e, f, h], DType::F64, mesh, |i| w1[i])?);
-        let w2_v = tape.leaf(DTensor::<Experts>::from_global_fn(&[e, h, f], DType::F64, mesh, |i| w2[i])?);
+        let x = tape.leaf(DTensor::<Rows>::from_global_fn(
+            &[t, h],
+            DType::F64,
+            mesh,
+            |i| xg[i],
+        )?);
+        let wr_v = tape.leaf(DTensor::<Rep>::from_global_fn(
+            &[e, h],
+            DType::F64,
+            mesh,
+            |i| wr[i],
+        )?);
+        let w1_v = tape.leaf(DTensor::<Experts>::from_global_fn(
+            &[e, f, h],
+            DType::F64,
+            mesh,
+            |i| w1[i],
+        )?);
+        let w2_v = tape.leaf(DTensor::<Experts>::from_global_fn(
+            &[e, h, f],
+            DType::F64,
+            mesh,
+            |i| w2[i],
+        )?);
         let logits = x.matmul_t(&wr_v)?; // [t, e], Ep: Shard<0>
         let (routing, gates) = route::<(), _, _>(&logits, &RouterConfig::new(e, k))?;
         let d = dispatch(&x, &routing)?;
         let hdn = d.grouped_matmul_t(&w1_v)?.map_rows(|v| v.gelu())?;
         let y = hdn.grouped_matmul_t(&w2_v)?;
         let out = combine(&y, &gates, &routing)?;
-        let cv = tape.constant(DTensor::<Rows>::from_global_fn(&[t, h], DType::F64, mesh, |i| cg[i])?);
+        let cv = tape.constant(DTensor::<Rows>::from_global_fn(
+            &[t, h],
+            DType::F64,
+            mesh,
+            |i| cg[i],
+        )?);
         let main = out.mul(&cv)?.sum_dim::<1>()?.sum_dim::<0>()?;
         let aux = aux_loss(&logits, &routing)?.scale(m.alpha)?;
         let loss = main.add(&aux)?;
@@ -252,7 +302,11 @@ fn mlp_reference(m: &Mlp) -> MlpOut {
     for &(r, x) in &choices {
         let g = p[r * e + x];
         let pre: Vec<f64> = (0..f)
-            .map(|o| (0..h).map(|j| w1[(x * f + o) * h + j] * xg[r * h + j]).sum())
+            .map(|o| {
+                (0..h)
+                    .map(|j| w1[(x * f + o) * h + j] * xg[r * h + j])
+                    .sum()
+            })
             .collect();
         let pre_t = Tensor::from_f64_vec(pre.clone(), &[1, f], DType::F64).unwrap();
         let a = ops::gelu(&pre_t).unwrap().to_f64_vec();
@@ -283,7 +337,10 @@ fn mlp_reference(m: &Mlp) -> MlpOut {
         }
     }
     // Aux loss: E · Σ f_i P_i.
-    let fr: Vec<f64> = selected.iter().map(|&c| c as f64 / (t * k) as f64).collect();
+    let fr: Vec<f64> = selected
+        .iter()
+        .map(|&c| c as f64 / (t * k) as f64)
+        .collect();
     let pm: Vec<f64> = (0..e)
         .map(|x| (0..t).map(|r| p[r * e + x]).sum::<f64>() / t as f64)
         .collect();
@@ -292,7 +349,11 @@ fn mlp_reference(m: &Mlp) -> MlpOut {
     let mut dl = vec![0.0; t * e];
     for r in 0..t {
         let pr = &p[r * e..(r + 1) * e];
-        let dot: f64 = pr.iter().zip(&dp[r * e..(r + 1) * e]).map(|(a, b)| a * b).sum();
+        let dot: f64 = pr
+            .iter()
+            .zip(&dp[r * e..(r + 1) * e])
+            .map(|(a, b)| a * b)
+            .sum();
         let dotf: f64 = pr.iter().zip(&fr).map(|(a, b)| a * b).sum();
         for x in 0..e {
             dl[r * e + x] = pr[x] * (dp[r * e + x] - dot)
@@ -344,20 +405,39 @@ fn capacity_drops_later_tokens_and_they_contribute_zero() {
     let xg = data(11, t * h, 1.0);
     let res = on_mesh(&ep_mesh(ep), |mesh| {
         let tape = Tape::new();
-        let logits = tape.constant(DTensor::<Rows>::from_global_fn(&[t, e], DType::F64, mesh, |i| {
-            val(12, i) * 2.0
-        })?);
+        let logits = tape.constant(DTensor::<Rows>::from_global_fn(
+            &[t, e],
+            DType::F64,
+            mesh,
+            |i| val(12, i) * 2.0,
+        )?);
         let mut cfg = RouterConfig::new(e, k);
         cfg.capacity_factor = Some(0.5); // ⌈0.5 · 6 · 2 / 4⌉ = 2 copies per (rank, expert)
         cfg.selection_bias = Some(vec![0.5, 0.0, 0.0, 0.0]); // expert 0 over-subscribed
         let (routing, _) = route::<(), _, _>(&logits, &cfg)?;
-        let x = tape.leaf(DTensor::<Rows>::from_global_fn(&[t, h], DType::F64, mesh, |i| xg[i])?);
-        let gates = tape.constant(DTensor::<Rows>::from_global_fn(&[t, k], DType::F64, mesh, |_| 1.0)?);
+        let x = tape.leaf(DTensor::<Rows>::from_global_fn(
+            &[t, h],
+            DType::F64,
+            mesh,
+            |i| xg[i],
+        )?);
+        let gates = tape.constant(DTensor::<Rows>::from_global_fn(
+            &[t, k],
+            DType::F64,
+            mesh,
+            |_| 1.0,
+        )?);
         let d = dispatch(&x, &routing)?;
         let y = combine(&d, &gates, &routing)?;
         let stats = routing.stats()?;
         let lv = y.value().as_local().to_f64_vec();
-        Ok((routing.choices().to_vec(), routing.kept().to_vec(), lv, stats, mesh.rank()))
+        Ok((
+            routing.choices().to_vec(),
+            routing.kept().to_vec(),
+            lv,
+            stats,
+            mesh.rank(),
+        ))
     });
     let mut dropped = 0;
     for (choices, kept, out, stats, rank) in &res {
@@ -375,7 +455,10 @@ fn capacity_drops_later_tokens_and_they_contribute_zero() {
             let want: Vec<f64> = (0..h).map(|j| copies * xg[gr * h + j]).collect();
             close(&out[r * h..(r + 1) * h], &want, "capped output");
         }
-        assert_eq!(stats.per_expert.iter().sum::<usize>() + stats.dropped, t * k);
+        assert_eq!(
+            stats.per_expert.iter().sum::<usize>() + stats.dropped,
+            t * k
+        );
         assert!(stats.max <= 2 * ep);
         println!("{stats}");
     }
@@ -394,14 +477,27 @@ fn aux_loss_and_normalized_gates_match_references() {
     let wg = data(22, t * k, 1.0);
     let res = on_mesh(&ep_mesh(ep), |mesh| {
         let tape = Tape::new();
-        let logits = tape.leaf(DTensor::<Rows>::from_global_fn(&[t, e], DType::F64, mesh, |i| lg[i])?);
+        let logits = tape.leaf(DTensor::<Rows>::from_global_fn(
+            &[t, e],
+            DType::F64,
+            mesh,
+            |i| lg[i],
+        )?);
         let mut cfg = RouterConfig::new(e, k);
         cfg.normalize_gates = true;
         let (routing, gates) = route::<(), _, _>(&logits, &cfg)?;
-        let wv = tape.constant(DTensor::<Rows>::from_global_fn(&[t, k], DType::F64, mesh, |i| wg[i])?);
+        let wv = tape.constant(DTensor::<Rows>::from_global_fn(
+            &[t, k],
+            DType::F64,
+            mesh,
+            |i| wg[i],
+        )?);
         let gsum = gates.mul(&wv)?.sum_dim::<1>()?.sum_dim::<0>()?;
         let loss = aux_loss(&logits, &routing)?.add(&gsum)?;
-        let aux = aux_loss(&logits, &routing)?.value().full_tensor()?.to_f64_vec()[0];
+        let aux = aux_loss(&logits, &routing)?
+            .value()
+            .full_tensor()?
+            .to_f64_vec()[0];
         let gv = gates.value().full_tensor()?.to_f64_vec();
         let mut g = loss.backward()?;
         Ok((aux, gv, g.take(&logits)?.full_tensor()?.to_f64_vec()))
@@ -409,7 +505,9 @@ fn aux_loss_and_normalized_gates_match_references() {
     let p = softmax_rows(&lg, e);
     let sel: Vec<Vec<usize>> = (0..t).map(|r| top_k(&p[r * e..(r + 1) * e], k)).collect();
     let mut fr = vec![0.0; e];
-    sel.iter().flatten().for_each(|&x| fr[x] += 1.0 / (t * k) as f64);
+    sel.iter()
+        .flatten()
+        .for_each(|&x| fr[x] += 1.0 / (t * k) as f64);
     let pm: Vec<f64> = (0..e)
         .map(|x| (0..t).map(|r| p[r * e + x]).sum::<f64>() / t as f64)
         .collect();
@@ -470,9 +568,12 @@ fn dispatch_and_combine_bytes_follow_the_formula() {
         let sent = || comm.counters().bytes_sent;
         let recvd = || comm.counters().bytes_received;
         let tape = Tape::new();
-        let logits = tape.constant(DTensor::<Rows>::from_global_fn(&[t, e], DType::F64, mesh, |i| {
-            val(32, i)
-        })?);
+        let logits = tape.constant(DTensor::<Rows>::from_global_fn(
+            &[t, e],
+            DType::F64,
+            mesh,
+            |i| val(32, i),
+        )?);
         let (s0, r0) = (sent(), recvd());
         let (routing, gates) = route::<(), _, _>(&logits, &RouterConfig::new(e, k))?;
         // Count exchange: E/ep i64 counts to each peer.
@@ -483,14 +584,23 @@ fn dispatch_and_combine_bytes_follow_the_formula() {
             routing.remote_copies_sent() as u64,
             routing.remote_copies_received() as u64,
         );
-        let x = tape.leaf(DTensor::<Rows>::from_global_fn(&[t, h], DType::F64, mesh, |i| xg[i])?);
+        let x = tape.leaf(DTensor::<Rows>::from_global_fn(
+            &[t, h],
+            DType::F64,
+            mesh,
+            |i| xg[i],
+        )?);
         let (s1, r1) = (sent(), recvd());
         let d = dispatch(&x, &routing)?;
         assert_eq!(sent() - s1, out_c * row, "dispatch sends");
         assert_eq!(recvd() - r1, in_c * row, "dispatch receives");
         let (s2, r2) = (sent(), recvd());
         let y = combine(&d, &gates, &routing)?;
-        assert_eq!(sent() - s2, in_c * row, "combine sends the received copies back");
+        assert_eq!(
+            sent() - s2,
+            in_c * row,
+            "combine sends the received copies back"
+        );
         assert_eq!(recvd() - r2, out_c * row, "combine receives its copies");
         let (s3, r3) = (sent(), recvd());
         let loss = y.sum_dim::<1>()?.sum_dim::<0>()?;
@@ -515,9 +625,12 @@ fn dispatch_and_combine_bytes_follow_the_formula() {
 fn route_err(ep: usize, e: usize, k: usize, cols: usize) -> String {
     let res = on_mesh(&ep_mesh(ep), |mesh| {
         let tape = Tape::new();
-        let logits = tape.constant(DTensor::<Rows>::from_global_fn(&[4, cols], DType::F64, mesh, |i| {
-            i as f64
-        })?);
+        let logits = tape.constant(DTensor::<Rows>::from_global_fn(
+            &[4, cols],
+            DType::F64,
+            mesh,
+            |i| i as f64,
+        )?);
         Ok(route::<(), _, _>(&logits, &RouterConfig::new(e, k))
             .err()
             .map(|e| e.to_string()))
@@ -528,7 +641,10 @@ fn route_err(ep: usize, e: usize, k: usize, cols: usize) -> String {
 #[test]
 fn bad_configurations_are_errors_naming_op_and_sizes() {
     let m = route_err(2, 3, 1, 3);
-    assert!(m.contains("moe::route") && m.contains("3 experts") && m.contains("2 ranks"), "{m}");
+    assert!(
+        m.contains("moe::route") && m.contains("3 experts") && m.contains("2 ranks"),
+        "{m}"
+    );
     let m = route_err(2, 2, 3, 2);
     assert!(m.contains("top-k 3") && m.contains("experts 2"), "{m}");
     let m = route_err(1, 4, 3, 4);
@@ -539,42 +655,179 @@ fn bad_configurations_are_errors_naming_op_and_sizes() {
     // Another routing of the same brand, and tokens of the wrong count.
     let res = on_mesh(&ep_mesh(2), |mesh| {
         let tape = Tape::new();
-        let logits = tape.constant(DTensor::<Rows>::from_global_fn(&[4, 2], DType::F64, mesh, |i| {
-            val(41, i)
-        })?);
+        let logits = tape.constant(DTensor::<Rows>::from_global_fn(
+            &[4, 2],
+            DType::F64,
+            mesh,
+            |i| val(41, i),
+        )?);
         let cfg = RouterConfig::new(2, 1);
         let (r1, g1) = route::<(), _, _>(&logits, &cfg)?;
         let (r2, _) = route::<(), _, _>(&logits, &cfg)?;
-        let x = tape.constant(DTensor::<Rows>::from_global_fn(&[4, 3], DType::F64, mesh, |i| i as f64)?);
+        let x = tape.constant(DTensor::<Rows>::from_global_fn(
+            &[4, 3],
+            DType::F64,
+            mesh,
+            |i| i as f64,
+        )?);
         let d = dispatch(&x, &r1)?;
         let other = combine(&d, &g1, &r2).err().map(|e| e.to_string());
-        let wrong = tape.constant(DTensor::<Rows>::from_global_fn(&[6, 3], DType::F64, mesh, |i| i as f64)?);
+        let wrong = tape.constant(DTensor::<Rows>::from_global_fn(
+            &[6, 3],
+            DType::F64,
+            mesh,
+            |i| i as f64,
+        )?);
         let shape = dispatch(&wrong, &r1).err().map(|e| e.to_string());
-        let w = tape.constant(DTensor::<Experts>::from_global_fn(&[4, 3, 3], DType::F64, mesh, |i| i as f64)?);
+        let w = tape.constant(DTensor::<Experts>::from_global_fn(
+            &[4, 3, 3],
+            DType::F64,
+            mesh,
+            |i| i as f64,
+        )?);
         let gm = d.grouped_matmul_t(&w).err().map(|e| e.to_string());
         Ok((other, shape, gm))
     });
     let (other, shape, gm) = &res[0];
-    let other = other.as_ref().expect("combine by another routing is an Err");
-    assert!(other.contains("moe::combine") && other.contains("dispatched by routing #"), "{other}");
+    let other = other
+        .as_ref()
+        .expect("combine by another routing is an Err");
+    assert!(
+        other.contains("moe::combine") && other.contains("dispatched by routing #"),
+        "{other}"
+    );
     let shape = shape.as_ref().expect("wrong token count is an Err");
-    assert!(shape.contains("moe::dispatch") && shape.contains("[3, 3]") && shape.contains("2 tokens"), "{shape}");
-    let gm = gm.as_ref().expect("weights of the wrong expert count are an Err");
-    assert!(gm.contains("grouped_matmul_t") && gm.contains("[2, 3, 3]") && gm.contains("1 local experts"), "{gm}");
+    assert!(
+        shape.contains("moe::dispatch") && shape.contains("[3, 3]") && shape.contains("2 tokens"),
+        "{shape}"
+    );
+    let gm = gm
+        .as_ref()
+        .expect("weights of the wrong expert count are an Err");
+    assert!(
+        gm.contains("grouped_matmul_t")
+            && gm.contains("[2, 3, 3]")
+            && gm.contains("1 local experts"),
+        "{gm}"
+    );
 }
 
 #[test]
 fn ragged_tensors_have_no_redistribution_plan() {
     let res = on_mesh(&ep_mesh(2), |mesh| {
         let tape = Tape::new();
-        let logits = tape.constant(DTensor::<Rows>::from_global_fn(&[4, 2], DType::F64, mesh, |i| {
-            val(51, i)
-        })?);
+        let logits = tape.constant(DTensor::<Rows>::from_global_fn(
+            &[4, 2],
+            DType::F64,
+            mesh,
+            |i| val(51, i),
+        )?);
         let (r, _) = route::<(), _, _>(&logits, &RouterConfig::new(2, 1))?;
-        let x = tape.constant(DTensor::<Rows>::from_global_fn(&[4, 3], DType::F64, mesh, |i| i as f64)?);
+        let x = tape.constant(DTensor::<Rows>::from_global_fn(
+            &[4, 3],
+            DType::F64,
+            mesh,
+            |i| i as f64,
+        )?);
         let d = dispatch(&x, &r)?;
         Ok(d.var().value().full_tensor().err().map(|e| e.to_string()))
     });
-    let m = res[0].as_ref().expect("full_tensor of a ragged tensor is an Err");
+    let m = res[0]
+        .as_ref()
+        .expect("full_tensor of a ragged tensor is an Err");
     assert!(m.contains("Ragged"), "{m}");
+}
+
+// ---------------------------------------------------------------------------------------
+// [Dp, Ep]: Ep doubles as a data axis; expert weights are replicated over Dp, so their
+// gradients are Partial over Dp (reduced there) and Shard<0> over Ep
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn moe_mlp_on_a_dp_ep_mesh_matches_the_reference() {
+    type Tok = layout![Dp: Shard<0>, Ep: Shard<0>];
+    type Exp = layout![Dp: Replicate, Ep: Shard<0>];
+    type Router = layout![Dp: Replicate, Ep: Replicate];
+    type ExpGrad = layout![Dp: Partial, Ep: Shard<0>];
+    let m = Mlp {
+        t: 12,
+        h: 3,
+        f: 4,
+        e: 4,
+        k: 2,
+        alpha: 0.0,
+    };
+    let (_, out, dx, dwr, dw1, dw2) = mlp_reference(&m);
+    let (t, h, f, e, k) = (m.t, m.h, m.f, m.e, m.k);
+    let (xg, wr, w1, w2, cg) = (
+        data(1, t * h, 1.0),
+        data(2, e * h, 1.0),
+        data(3, e * f * h, 0.5),
+        data(4, e * f * h, 0.5),
+        data(5, t * h, 1.0),
+    );
+    let res = on_mesh(&[(AxisKind::Dp, 2), (AxisKind::Ep, 2)], |mesh| {
+        let tape = Tape::new();
+        let x = tape.leaf(DTensor::<Tok>::from_global_fn(
+            &[t, h],
+            DType::F64,
+            mesh,
+            |i| xg[i],
+        )?);
+        let wr_v = tape.leaf(DTensor::<Router>::from_global_fn(
+            &[e, h],
+            DType::F64,
+            mesh,
+            |i| wr[i],
+        )?);
+        let w1_v = tape.leaf(DTensor::<Exp>::from_global_fn(
+            &[e, f, h],
+            DType::F64,
+            mesh,
+            |i| w1[i],
+        )?);
+        let w2_v = tape.leaf(DTensor::<Exp>::from_global_fn(
+            &[e, h, f],
+            DType::F64,
+            mesh,
+            |i| w2[i],
+        )?);
+        let logits = x.matmul_t(&wr_v)?;
+        let (routing, gates) = route::<(), _, _>(&logits, &RouterConfig::new(e, k))?;
+        let d = dispatch(&x, &routing)?;
+        assert_eq!(
+            d.var().value().placements(),
+            &[Placement::Ragged, Placement::Ragged]
+        );
+        let y = d
+            .grouped_matmul_t(&w1_v)?
+            .map_rows(|v| v.gelu())?
+            .grouped_matmul_t(&w2_v)?;
+        let o = combine(&y, &gates, &routing)?;
+        let cv = tape.constant(DTensor::<Tok>::from_global_fn(
+            &[t, h],
+            DType::F64,
+            mesh,
+            |i| cg[i],
+        )?);
+        let loss = o.mul(&cv)?.sum_dim::<1>()?.sum_dim::<0>()?;
+        let ov = o.value().full_tensor()?.to_f64_vec();
+        let mut g = loss.backward()?;
+        let dw1: DTensor<ExpGrad> = g.take(&w1_v)?;
+        let dw1 = dw1.all_reduce(Dp)?; // over the data axis only
+        Ok((
+            ov,
+            g.take(&x)?.full_tensor()?.to_f64_vec(),
+            g.take(&wr_v)?.full_tensor()?.to_f64_vec(),
+            dw1.full_tensor()?.to_f64_vec(),
+            g.take(&w2_v)?.full_tensor()?.to_f64_vec(),
+        ))
+    });
+    for (o, x, r, a, b) in &res {
+        close(o, &out, "out");
+        close(x, &dx, "dx");
+        close(r, &dwr, "d router");
+        close(a, &dw1, "dW1");
+        close(b, &dw2, "dW2");
+    }
 }

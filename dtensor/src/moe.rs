@@ -214,7 +214,8 @@ impl<B: Brand> Routing<B> {
         buf[e] = self.dropped() as i64;
         buf[e + 1] = self.tokens as i64;
         buf[e + 2] = self.choices.len() as i64;
-        self.comm.all_reduce(i64::slice_mut(&mut buf), ReduceOp::Sum)?;
+        self.comm
+            .all_reduce(i64::slice_mut(&mut buf), ReduceOp::Sum)?;
         let per_expert: Vec<usize> = buf[..e].iter().map(|&c| c as usize).collect();
         Ok(RoutingStats {
             min: per_expert.iter().copied().min().unwrap_or(0),
@@ -330,10 +331,7 @@ where
         ));
     }
     if !(1..=2).contains(&k) {
-        return Err(invalid(
-            OP,
-            format!("top-k must be 1 or 2, got {k}"),
-        ));
+        return Err(invalid(OP, format!("top-k must be 1 or 2, got {k}")));
     }
     let shape = lv.local_shape();
     if shape.len() != 2 || shape[1] != e {
@@ -567,8 +565,7 @@ impl<'t, L: Layout> Dispatched<'t, L> {
         }
         let local = ops::grouped_matmul_t(xv.as_local(), wv.as_local(), &self.groups)?;
         let global = [xv.global_shape()[0], wv.global_shape()[1]];
-        let y: DTensor<GroupedMatmulOut<L, LW>> =
-            crate::compute::output(OP, local, &global, &xv)?;
+        let y: DTensor<GroupedMatmulOut<L, LW>> = crate::compute::output(OP, local, &global, &xv)?;
         let groups = self.groups.clone();
         let var = self.var.binary(w, y, move |dy, want| {
             let g = ops::grouped_matmul_t_backward(
@@ -724,13 +721,21 @@ where
     let h = yv.local_shape()[1];
     let recv_counts = routing.recv_counts();
     let src_major = ops::scatter_add_rows(yv.as_local(), &routing.perm, routing.perm.len())?;
-    let back = exchange_rows(&*routing.comm, &src_major, &recv_counts, &routing.send_counts)?;
+    let back = exchange_rows(
+        &*routing.comm,
+        &src_major,
+        &recv_counts,
+        &routing.send_counts,
+    )?;
     let slots = routing.send_slots.clone();
     let (bv, g) = (back.to_f64_vec(), gv.as_local().to_f64_vec());
     let mut out = vec![0.0; n * h];
     for (i, &s) in slots.iter().enumerate() {
         let t = s / k;
-        for (o, b) in out[t * h..(t + 1) * h].iter_mut().zip(&bv[i * h..(i + 1) * h]) {
+        for (o, b) in out[t * h..(t + 1) * h]
+            .iter_mut()
+            .zip(&bv[i * h..(i + 1) * h])
+        {
             *o += g[s] * b;
         }
     }

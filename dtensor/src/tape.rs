@@ -713,7 +713,11 @@ fn product_grads<LA: Layout, LB: Layout>(
 
 /// Applies a local function to a gradient and wraps it as layout `L` (a dual, by the rule
 /// tables' closure), checking the local shape.
-pub(crate) fn grad_of<L: Layout>(op: &'static str, local: Tensor, like: &AnyDTensor) -> Result<DTensor<L>> {
+pub(crate) fn grad_of<L: Layout>(
+    op: &'static str,
+    local: Tensor,
+    like: &AnyDTensor,
+) -> Result<DTensor<L>> {
     output(op, local, like.global_shape(), like)
 }
 

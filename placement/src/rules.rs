@@ -1328,7 +1328,10 @@ impl<B: Brand> DispatchLayout<B> for () {
 impl<B: Brand, X: MeshAxis, P: DispatchRule<B>, Rest: DispatchLayout<B>> DispatchLayout<B>
     for (On<X, P>, Rest)
 {
-    type Out = (On<X, <P as DispatchRule<B>>::Out>, <Rest as DispatchLayout<B>>::Out);
+    type Out = (
+        On<X, <P as DispatchRule<B>>::Out>,
+        <Rest as DispatchLayout<B>>::Out,
+    );
 }
 /// The layout [`DispatchLayout`] gives.
 pub type DispatchOut<L, B> = <L as DispatchLayout<B>>::Out;

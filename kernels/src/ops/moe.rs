@@ -13,7 +13,10 @@ fn rows_of(op: &'static str, x: &Tensor) -> Result<(usize, usize)> {
         [n, h] => Ok((n, h)),
         _ => Err(Error::Invalid {
             op,
-            detail: format!("expected a 2-D [rows, hidden] tensor, got shape {:?}", x.shape()),
+            detail: format!(
+                "expected a 2-D [rows, hidden] tensor, got shape {:?}",
+                x.shape()
+            ),
         }),
     }
 }
@@ -56,7 +59,10 @@ pub fn scatter_add_rows(src: &Tensor, rows: &[usize], n: usize) -> Result<Tensor
     let v = src.to_f64_vec();
     let mut out = vec![0.0; n * h];
     for (i, &r) in rows.iter().enumerate() {
-        for (o, s) in out[r * h..(r + 1) * h].iter_mut().zip(&v[i * h..(i + 1) * h]) {
+        for (o, s) in out[r * h..(r + 1) * h]
+            .iter_mut()
+            .zip(&v[i * h..(i + 1) * h])
+        {
             *o += s;
         }
     }
@@ -116,7 +122,12 @@ pub fn grouped_matmul_t(x: &Tensor, w: &Tensor, groups: &[usize]) -> Result<Tens
     for (g, &n) in groups.iter().enumerate() {
         if n > 0 {
             let xg = x.narrow(0, start, n)?;
-            pieces.push(matmul(&xg, Transpose::No, &expert(w, g, out, k)?, Transpose::Yes)?);
+            pieces.push(matmul(
+                &xg,
+                Transpose::No,
+                &expert(w, g, out, k)?,
+                Transpose::Yes,
+            )?);
         }
         start += n;
     }
@@ -191,7 +202,9 @@ mod tests {
         for r in 0..5 {
             for o in 0..2 {
                 let e = expert_of[r];
-                let want: f64 = (0..3).map(|i| xv[r * 3 + i] * wv[(e * 2 + o) * 3 + i]).sum();
+                let want: f64 = (0..3)
+                    .map(|i| xv[r * 3 + i] * wv[(e * 2 + o) * 3 + i])
+                    .sum();
                 assert!((yv[r * 2 + o] - want).abs() < 1e-14);
             }
         }
