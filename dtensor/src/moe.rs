@@ -34,13 +34,20 @@
 //! token's output (a residual around the MoE block passes the token through); its gate
 //! gets no gradient. Without one (dropless) every copy is sent.
 //!
-//! **Bytes.** Per routed copy that leaves its rank (destination ≠ source), dispatch sends
-//! `hidden_local · dtype_bytes` once and combine sends them back once; backward does the
-//! same in reverse. The count exchange of [`route`] sends `(ep − 1) · E/ep · 8` bytes per
-//! rank (i64 counts). So a rank sends over Ep, per forward + backward:
-//! `2 · out_copies · hidden · bytes` for dispatch (forward, then backward of combine) and
-//! the same for combine, where `out_copies` is the number of its kept copies whose expert
-//! lives on another rank (each direction also receives its peers' copies).
+//! **Bytes.** Let `out` be the kept copies a rank sends to other Ep ranks and `in` those it
+//! receives from them ([`Routing::remote_copies_sent`], [`Routing::remote_copies_received`]),
+//! `row = hidden_local · dtype_bytes`. Copies that stay on their rank cross no wire.
+//!
+//! | call | bytes sent over Ep by the rank | received |
+//! |---|---|---|
+//! | [`route`] (count exchange, i64) | `(ep − 1) · E/ep · 8` | the same |
+//! | [`dispatch`] forward / combine's backward | `out · row` | `in · row` |
+//! | [`combine`] forward / dispatch's backward | `in · row` | `out · row` |
+//!
+//! So a forward and backward of one MoE block send `2 · (out + in) · row` plus the count
+//! exchange; summed over ranks, `out = in`: each routed copy that leaves its rank crosses
+//! the wire four times (dispatch, combine, and their adjoints), `hidden · dtype_bytes` each.
+//! `tests/moe.rs` checks this against the Ep communicator's counters.
 
 use crate::any::AnyDTensor;
 use crate::device_mesh::DeviceMesh;
