@@ -76,14 +76,14 @@ pub mod prelude {
         threads, CollectiveKind, Communicator, CommunicatorExt, CounterSnapshot, ReduceOp,
     };
     pub use dtensor_core::{
-        Adjoint, AnyDTensor, DTensor, DeviceMesh, Error, Gradients, Plan, Result, Step, StepKind,
-        Tape, TypedPlan, Var,
+        Adjoint, AnyDTensor, DTensor, DeviceMesh, Dispatched, Error, Gradients, Plan, Result,
+        RouterConfig, Routing, RoutingStats, Step, StepKind, Tape, TypedPlan, Var,
     };
     pub use dtensor_kernels::{DType, Tensor};
     pub use dtensor_placement::{
         layout, mesh_axis, Avg, AxisKind, AxisRole, Cp, Dp, Ep, Invariant, Layout, Max, Mesh,
-        MeshAxis, Min, ParallelConfig, Partial, PartialOp, Placement, Pp, Replicate, Shard, Sum,
-        Tp,
+        MeshAxis, Min, ParallelConfig, Partial, PartialOp, Placement, Pp, Ragged, Replicate, Shard,
+        Sum, Tp,
     };
 }
 

@@ -276,6 +276,13 @@ pub fn axis_moves(
     let mut v = SmallVec::new();
     match (from, to) {
         _ if from == to => {}
+        (Ragged, _) | (_, Ragged) => {
+            return Err(format!(
+                "{from} cannot become {to}: a Ragged axis's row counts are data, not layout; \
+                 it leaves the ragged world only through the MoE combine of the routing that \
+                 dispatched it"
+            ))
+        }
         (Shard(a), Shard(b)) => v.push(StepKind::AllToAll { from: a, to: b }),
         (Shard(d), Replicate) => v.push(StepKind::AllGather { dim: d }),
         (Shard(d), Invariant) => v.push(StepKind::AllGatherInvariant { dim: d }),

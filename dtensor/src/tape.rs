@@ -163,7 +163,7 @@ impl GradStore {
     }
 
     /// Adds `g` into value `id`'s gradient.
-    fn accumulate<L: Layout>(&mut self, id: usize, g: DTensor<L::Grad>) -> Result<()> {
+    pub(crate) fn accumulate<L: Layout>(&mut self, id: usize, g: DTensor<L::Grad>) -> Result<()> {
         self.accumulate_any(id, g.into_any())
     }
 
@@ -411,7 +411,7 @@ impl Tape {
         self.len() == 0
     }
 
-    fn record<'t, Out: Layout>(
+    pub(crate) fn record<'t, Out: Layout>(
         &'t self,
         value: DTensor<Out>,
         collective: bool,
@@ -713,7 +713,11 @@ fn product_grads<LA: Layout, LB: Layout>(
 
 /// Applies a local function to a gradient and wraps it as layout `L` (a dual, by the rule
 /// tables' closure), checking the local shape.
-fn grad_of<L: Layout>(op: &'static str, local: Tensor, like: &AnyDTensor) -> Result<DTensor<L>> {
+pub(crate) fn grad_of<L: Layout>(
+    op: &'static str,
+    local: Tensor,
+    like: &AnyDTensor,
+) -> Result<DTensor<L>> {
     output(op, local, like.global_shape(), like)
 }
 
@@ -721,6 +725,16 @@ impl<'t, L: Layout> Var<'t, L> {
     /// The forward value.
     pub fn value(&self) -> &DTensor<L> {
         &self.value
+    }
+
+    /// This value's id on its tape.
+    pub(crate) fn id(&self) -> usize {
+        self.id
+    }
+
+    /// The tape this value is on.
+    pub(crate) fn tape(&self) -> &'t Tape {
+        self.tape
     }
 
     /// Keeps this computed value's gradient after backward (for [`Gradients::take`]);
@@ -820,7 +834,7 @@ impl<'t, L: Layout> Var<'t, L> {
         self.backward_input(seed, input)
     }
 
-    fn unary<Out: Layout>(
+    pub(crate) fn unary<Out: Layout>(
         &self,
         value: DTensor<Out>,
         collective: bool,
@@ -838,7 +852,7 @@ impl<'t, L: Layout> Var<'t, L> {
     /// may be `None`, or computed anyway where one kernel gives both cheaply: only the
     /// wanted ones are accumulated).
     #[allow(clippy::type_complexity)]
-    fn binary<M: Layout, Out: Layout>(
+    pub(crate) fn binary<M: Layout, Out: Layout>(
         &self,
         other: &Var<'t, M>,
         value: DTensor<Out>,

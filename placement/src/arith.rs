@@ -36,7 +36,23 @@ pub fn check_placements(
             ),
         });
     }
+    let ragged = placements.iter().any(|p| p.is_ragged());
+    if ragged && ndim == 0 {
+        return Err(Error::InvalidLayout {
+            op,
+            detail: "a Ragged axis needs a dim 0 (its rows) but the tensor is a scalar".into(),
+        });
+    }
     for p in placements {
+        if ragged && *p == Placement::Shard(0) {
+            return Err(Error::InvalidLayout {
+                op,
+                detail: format!(
+                    "{} shards dim 0, whose rows a Ragged axis holds as data",
+                    fmt_list(placements)
+                ),
+            });
+        }
         if let Placement::Shard(d) = *p {
             if d >= ndim {
                 return Err(Error::InvalidLayout {
@@ -49,7 +65,14 @@ pub fn check_placements(
     Ok(())
 }
 
+fn fmt_list(placements: &[Placement]) -> String {
+    let v: Vec<String> = placements.iter().map(|p| p.to_string()).collect();
+    format!("[{}]", v.join(", "))
+}
+
 /// For each tensor dim, the range of the global tensor that the rank at `coords` holds.
+/// A `Ragged` axis cuts nothing: a ragged tensor's global extent of dim 0 is this rank's
+/// own row count (see [`Placement::Ragged`]).
 pub fn local_ranges(
     mesh: &Mesh,
     placements: &[Placement],

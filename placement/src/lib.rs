@@ -37,8 +37,8 @@ pub use layout::{
 };
 pub use mesh::{Mesh, DEFAULT_ORDER};
 pub use placement::{
-    AddPlacement, Avg, Invariant, IsInvariant, IsPartial, IsReplicate, IsShard, IsWhole, Linear,
-    Max, Min, Partial, PartialOp, Placement, PlacementType, Pointwise, RedistributeTo,
-    ReduceMarker, Replicate, Shard, Sum,
+    AddPlacement, Avg, Brand, Invariant, IsInvariant, IsPartial, IsReplicate, IsShard, IsWhole,
+    Linear, Max, Min, Partial, PartialOp, Placement, PlacementType, Plannable, Pointwise, Ragged,
+    RedistributeTo, ReduceMarker, Replicate, Shard, Sum,
 };
 pub use rules::*;

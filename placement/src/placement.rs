@@ -7,6 +7,14 @@
 //! | `Replicate` | same value everywhere; consumers differ per rank | `Partial` |
 //! | `Invariant` | same value everywhere; consumed identically on every rank | `Invariant` |
 //! | `Partial<Op>` | each rank holds a term; the value is their reduction | `Replicate` |
+//! | `Ragged<B>` | each rank holds a data-dependent number of rows of dim 0 (MoE tokens dispatched by routing `B`); the value is the concatenation of the ranks' rows | `Ragged<B>` |
+//!
+//! `Ragged` is the one placement whose local extent is *data, not type*: how many rows a
+//! rank holds comes from a routing (the counts its all-to-all exchanged), not from the
+//! global shape. A ragged tensor records this rank's row count as its global extent of
+//! dim 0 (nothing else may shard dim 0 then), it has no redistribution plan (it leaves the
+//! ragged world only through the op that made it: an MoE combine), and its brand `B` ties
+//! it to the routing that dispatched it, so a combine by another routing does not compile.
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -42,6 +50,8 @@ pub enum Placement {
     Replicate,
     Invariant,
     Partial(PartialOp),
+    /// Dim 0 holds a data-dependent number of rows on each rank (see the module docs).
+    Ragged,
 }
 
 impl Placement {
@@ -65,7 +75,12 @@ impl Placement {
             Placement::Replicate => Placement::Partial(PartialOp::Sum),
             Placement::Invariant => Placement::Invariant,
             Placement::Partial(_) => Placement::Replicate,
+            Placement::Ragged => Placement::Ragged,
         }
+    }
+    /// Whether dim 0's local extent is data (an MoE dispatch's rows), not layout arithmetic.
+    pub fn is_ragged(self) -> bool {
+        matches!(self, Placement::Ragged)
     }
 }
 
@@ -76,6 +91,7 @@ impl fmt::Display for Placement {
             Placement::Replicate => f.write_str("R"),
             Placement::Invariant => f.write_str("I"),
             Placement::Partial(op) => write!(f, "P({})", op.name()),
+            Placement::Ragged => f.write_str("Rg"),
         }
     }
 }
@@ -100,6 +116,17 @@ impl<Op> Clone for Partial<Op> {
     }
 }
 impl<Op> Copy for Partial<Op> {}
+
+/// A routing brand: any zero-sized marker type (`struct Moe0;`) that names which routing
+/// dispatched a [`Ragged`] tensor. `()` is the default brand.
+pub trait Brand: Copy + Default + fmt::Debug + Send + Sync + 'static {}
+impl<B: Copy + Default + fmt::Debug + Send + Sync + 'static> Brand for B {}
+
+/// Each rank holds a data-dependent number of rows of dim 0: tokens an MoE dispatch sent
+/// to this rank's experts, grouped by local expert, by the routing branded `B`. The value
+/// is the concatenation of every rank's rows; the counts live in the routing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Ragged<B: Brand = ()>(PhantomData<B>);
 
 /// `Partial` terms add up.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -161,6 +188,11 @@ impl<Op: ReduceMarker> PlacementType for Partial<Op> {
     const PLACEMENT: Placement = Placement::Partial(Op::OP);
     type Grad = Replicate;
 }
+impl<B: Brand> PlacementType for Ragged<B> {
+    const PLACEMENT: Placement = Placement::Ragged;
+    /// The gradient of a row is a row of the same rank: ragged by the same routing.
+    type Grad = Ragged<B>;
+}
 
 // ---- capability traits: one per precondition, each with its own compile error ----
 
@@ -181,7 +213,7 @@ impl<const D: usize> IsShard for Shard<D> {
 #[diagnostic::on_unimplemented(
     message = "this mesh axis is `{Self}`, not `Partial`: all_reduce / reduce_scatter reduce pending partial terms",
     label = "the axis must be `Partial<Op>` here",
-    note = "only a `Partial` axis holds terms to reduce; a `Shard` axis moves with all_gather or all_to_all"
+    note = "only a `Partial` axis holds terms to reduce; a `Shard` axis moves with all_gather or all_to_all (an MoE expert weight's gradient is `Shard<0>` over Ep and already whole on the expert's owner: reduce it over the data axes only)"
 )]
 pub trait IsPartial: PlacementType {
     type Op: ReduceMarker;
@@ -226,6 +258,7 @@ pub trait Pointwise: PlacementType {}
 impl<const D: usize> Pointwise for Shard<D> {}
 impl Pointwise for Replicate {}
 impl Pointwise for Invariant {}
+impl<B: Brand> Pointwise for Ragged<B> {}
 
 /// An axis a linear op (scale, negate) may read: anything but `Partial<Max>`/`Partial<Min>`.
 #[diagnostic::on_unimplemented(
@@ -238,6 +271,7 @@ impl Linear for Replicate {}
 impl Linear for Invariant {}
 impl Linear for Partial<Sum> {}
 impl Linear for Partial<Avg> {}
+impl<B: Brand> Linear for Ragged<B> {}
 
 /// The right operand's placement `Self` added to a left operand's `Lhs` on one mesh axis:
 /// the placements must be equal, and a `Partial` must be a linear one. (Implemented on the
@@ -254,18 +288,27 @@ impl AddPlacement<Replicate> for Replicate {}
 impl AddPlacement<Invariant> for Invariant {}
 impl AddPlacement<Partial<Sum>> for Partial<Sum> {}
 impl AddPlacement<Partial<Avg>> for Partial<Avg> {}
+impl<B: Brand> AddPlacement<Ragged<B>> for Ragged<B> {}
+
+/// A placement a redistribution plan can start from: every one but [`Ragged`] (whose row
+/// counts are data: it leaves the ragged world only through an MoE combine).
+pub trait Plannable: PlacementType {}
+impl<const D: usize> Plannable for Shard<D> {}
+impl Plannable for Replicate {}
+impl Plannable for Invariant {}
+impl<Op: ReduceMarker> Plannable for Partial<Op> {}
 
 /// A placement `redistribute` can reach from `Self` in one plan (any target but a
 /// `Partial` of another reduction).
 #[diagnostic::on_unimplemented(
     message = "no redistribution turns `{Self}` into `{Target}` on a mesh axis",
     label = "unreachable placement change",
-    note = "a `Partial` keeps its reduction op; reduce it (all_reduce / reduce_scatter) to leave `Partial`"
+    note = "a `Partial` keeps its reduction op; reduce it (all_reduce / reduce_scatter) to leave `Partial`; a `Ragged` axis has no plan (combine it back with the routing that dispatched it)"
 )]
 pub trait RedistributeTo<Target>: PlacementType {}
-impl<P: PlacementType, const D: usize> RedistributeTo<Shard<D>> for P {}
-impl<P: PlacementType> RedistributeTo<Replicate> for P {}
-impl<P: PlacementType> RedistributeTo<Invariant> for P {}
+impl<P: Plannable, const D: usize> RedistributeTo<Shard<D>> for P {}
+impl<P: Plannable> RedistributeTo<Replicate> for P {}
+impl<P: Plannable> RedistributeTo<Invariant> for P {}
 impl<Op: ReduceMarker> RedistributeTo<Partial<Op>> for Partial<Op> {}
 impl<Op: ReduceMarker> RedistributeTo<Partial<Op>> for Replicate {}
 impl<Op: ReduceMarker> RedistributeTo<Partial<Op>> for Invariant {}

@@ -23,6 +23,10 @@
 //! | [`TransposeRule`] (2-D) | S0↔S1; R, I, P stay | — |
 //! | [`SplitRule<D>`] (dim `D` into two) | `S<D>` stays (even shards), `S<e>`→`S<e+1>` when e > D; R, I, P stay | — |
 //! | [`MergeRule<D>`] (dims `D`, `D+1` into one) | `S<D>` stays (even shards), `S<e>`→`S<e−1>` when e > D+1; R, I, P stay | `S<D+1>`: no rule |
+//! | `Ragged<B>` in the tables above | Rg⊙Rg→Rg, Rg/Rg→Rg, rows Rg with a bias / scale / norm weight R→Rg, sum over dim 0 Rg→P, over dim e ≥ 1 (sum, mean, max, softmax, split/merge) stays Rg | mean / max over rows, transpose, dense matmul: no rule |
+//! | [`DispatchRule<B>`] (MoE dispatch of `[tokens, hidden]`) | S0→`Ragged<B>`, R, I, P, S1 stay | no rule |
+//! | [`CombineRule<Y>`] (outputs `Y`, gates `Self`) | (Rg, S0)→S0, (R, R)→R, (I, I)→I, (P, R)→P, (S1, R)→S1 | no rule |
+//! | [`GroupedMatmulRule`] `x[rows,in]·W[e,out,in]ᵀ` | Rg·S0→Rg (expert axis), Rg·R→Rg (data axis), R·R→R, I·I→I, R·S1→S1, S1·S2→P | no rule |
 //!
 //! Each rule trait is implemented on the *right* operand, so rustc reads the operand's type
 //! and prints our message instead of guessing it from the one impl that fits.
@@ -32,7 +36,10 @@
 //! rule, the backward products are again rules of the same table and give exactly the
 //! duals of the inputs. Every table but cross-entropy's is checked that way here (matmul,
 //! `x·Wᵀ`, batched matmul, product, division, bias, row scale, sum, mean, norms, the local-linear ops:
-//! activations, softmax, attention; transpose, split/merge, embedding as `onehot · table`),
+//! activations, softmax, attention; transpose, split/merge, embedding as `onehot · table`;
+//! the `Ragged` entries; MoE dispatch, combine and the grouped matmul, whose weight
+//! gradient's table [`GroupedWeightGrad`] states the one fact the types take from the
+//! dispatch: over the expert axis every row of an expert is on its owner),
 //! so a rule that does not close is a build error of this crate. (Cross-entropy's backward
 //! multiplies the `Invariant` per-token gradient into vocab-sharded probabilities, a
 //! broadcast the product table rightly refuses between differentiable operands; its
@@ -42,7 +49,9 @@
 
 use crate::axis::MeshAxis;
 use crate::layout::{Layout, On};
-use crate::placement::{Avg, Invariant, Max, Partial, PlacementType, Replicate, Shard, Sum};
+use crate::placement::{
+    Avg, Brand, Invariant, Max, Partial, PlacementType, Ragged, Replicate, Shard, Sum,
+};
 
 /// The gradient placement of `P` (its dual).
 pub type GradOf<P> = <P as PlacementType>::Grad;
@@ -795,6 +804,329 @@ impl CrossEntropyRule<I> for I {
 }
 
 // ---------------------------------------------------------------------------------------
+// Ragged rows (MoE dispatched tokens) and the MoE ops
+// ---------------------------------------------------------------------------------------
+//
+// A `Ragged<B>` axis holds a data-dependent number of rows per rank; the value is the
+// concatenation of the ranks' rows. Row-wise ops keep it (each row is computed alone),
+// a product of two ragged operands keeps it (the same rows), a sum over the rows is the
+// sum of the ranks' local sums (`Partial<Sum>`); a mean or max over the rows, a transpose
+// and anything that mixes rows has no rule.
+
+/// `Ragged<B>` rules of the existing tables, generic over the brand.
+macro_rules! ragged_rules {
+    () => {
+        impl<B: Brand> MulRule<Ragged<B>> for Ragged<B> {
+            type Out = Ragged<B>;
+        }
+        impl<B: Brand> DivRule<Ragged<B>> for Ragged<B> {
+            type Out = Ragged<B>;
+        }
+        impl<B: Brand> AddRowRule<Ragged<B>> for R {}
+        impl<B: Brand> MulRowRule<Ragged<B>> for R {
+            type Out = Ragged<B>;
+        }
+        impl<B: Brand> SumRule<0> for Ragged<B> {
+            type Out = P;
+        }
+        impl<B: Brand> ExpandTo<0, Ragged<B>> for R {}
+        ragged_rules!(@dims 1, 2, 3);
+    };
+    (@dims $($d:literal),*) => {$(
+        impl<B: Brand> SumRule<$d> for Ragged<B> { type Out = Ragged<B>; }
+        impl<B: Brand> MeanRule<$d> for Ragged<B> { type Out = Ragged<B>; }
+        impl<B: Brand> MaxRule<$d> for Ragged<B> { type Out = Ragged<B>; }
+        impl<B: Brand> ExpandTo<$d, Ragged<B>> for Ragged<B> {}
+        impl<B: Brand> NotSplitOn<$d> for Ragged<B> {}
+        impl<B: Brand> NormRule<Ragged<B>, $d> for R {}
+    )*};
+}
+ragged_rules!();
+impl<B: Brand> SplitRule<1> for Ragged<B> {
+    type Out = Ragged<B>;
+}
+impl<B: Brand> SplitRule<2> for Ragged<B> {
+    type Out = Ragged<B>;
+}
+impl<B: Brand> MergeRule<1> for Ragged<B> {
+    type Out = Ragged<B>;
+}
+impl<B: Brand> MergeRule<2> for Ragged<B> {
+    type Out = Ragged<B>;
+}
+
+#[allow(dead_code)]
+fn ragged_rules_close() {
+    type Rg = Ragged<()>;
+    fn mul<A: PlacementType, B2: MulClosed<A> + DivClosed<A>>() {}
+    fn rows<X: PlacementType, W: MulRowClosed<X> + AddRowClosed<X> + NormClosed<X>>() {}
+    fn sums<const D: usize, X: SumClosed<D>>() {}
+    fn means<const D: usize, X: MeanClosed<D>>() {}
+    fn split<const D: usize, X: SplitClosed<D>>() {}
+    fn local<X: LocalLinearClosed>() {}
+    mul::<Rg, Rg>();
+    rows::<Rg, R>();
+    sums::<0, Rg>();
+    sums::<1, Rg>();
+    means::<1, Rg>();
+    split::<1, Rg>();
+    local::<Rg>();
+}
+
+/// Tokens an MoE dispatch reads on the expert axis: `Shard<0>` (each rank routes its own
+/// tokens).
+#[diagnostic::on_unimplemented(
+    message = "an MoE dispatch takes tokens `Shard<0>` over the expert axis, not `{Self}`",
+    label = "each Ep rank must hold its own tokens (rows) here",
+    note = "shard the tokens' rows over Ep (Ep doubles as a data axis for the dense layers)"
+)]
+pub trait ExpertTokens: PlacementType {}
+impl ExpertTokens for S<0> {}
+
+/// Dispatched tokens on the expert axis that the routing branded `B` dispatched.
+#[diagnostic::on_unimplemented(
+    message = "these tokens were not dispatched by this routing: the expert axis is `{Self}`, the routing combines `Ragged<{B}>`",
+    label = "a combine that expects the dispatch of another routing",
+    note = "combine (and the grouped matmul's counts) must use the routing whose dispatch made these rows: its brand is in the layout"
+)]
+pub trait DispatchedBy<B: Brand>: PlacementType {}
+impl<B: Brand> DispatchedBy<B> for Ragged<B> {}
+/// A second impl that no routing uses: with two candidates, rustc takes the brand from the
+/// routing argument instead of inferring it from the rows (which would turn a mismatch
+/// into a plain type error instead of [`DispatchedBy`]'s message).
+impl<B: Brand> DispatchedBy<NotABrand<B>> for Ragged<B> {}
+
+/// See [`DispatchedBy`]; never a routing's brand.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NotABrand<B>(std::marker::PhantomData<B>);
+
+/// An MoE dispatch of tokens `[tokens, hidden]` by a routing branded `B`, on one axis: rows
+/// that were `Shard<0>` become data-dependent (`Ragged<B>`: on the expert axis by the
+/// all-to-all, on another data axis because each rank's routing keeps its own rows);
+/// whole or partial tokens and split hidden columns move as they are.
+#[diagnostic::on_unimplemented(
+    message = "no MoE dispatch rule for tokens `{Self}` on a mesh axis",
+    label = "dispatch moves whole rows: this placement cannot be dispatched",
+    note = "per axis: S0→Ragged, R→R, I→I, P→P, S1→S1 (tokens are [tokens, hidden])"
+)]
+pub trait DispatchRule<B: Brand>: PlacementType {
+    type Out: PlacementType;
+}
+impl<B: Brand> DispatchRule<B> for S<0> {
+    type Out = Ragged<B>;
+}
+impl<B: Brand> DispatchRule<B> for R {
+    type Out = R;
+}
+impl<B: Brand> DispatchRule<B> for I {
+    type Out = I;
+}
+impl<B: Brand> DispatchRule<B> for P {
+    type Out = P;
+}
+impl<B: Brand> DispatchRule<B> for S<1> {
+    type Out = S<1>;
+}
+
+/// The inverse move (a combine without gates, a dispatch's backward): rows go home.
+#[diagnostic::on_unimplemented(
+    message = "no MoE combine rule for expert outputs `{Self}` on a mesh axis",
+    label = "combine moves whole rows back: this placement cannot be combined",
+    note = "per axis: Ragged→S0, R→R, I→I, P→P, S1→S1"
+)]
+pub trait UndispatchRule: PlacementType {
+    type Out: PlacementType;
+}
+impl<B: Brand> UndispatchRule for Ragged<B> {
+    type Out = S<0>;
+}
+impl UndispatchRule for R {
+    type Out = R;
+}
+impl UndispatchRule for I {
+    type Out = I;
+}
+impl UndispatchRule for P {
+    type Out = P;
+}
+impl UndispatchRule for S<1> {
+    type Out = S<1>;
+}
+
+/// An MoE combine on one axis: expert outputs `Y` (`[routed rows, hidden]`) moved home and
+/// summed per token weighted by gates placed `Self` (`[tokens, k]`).
+#[diagnostic::on_unimplemented(
+    message = "no MoE combine rule for expert outputs `{Y}` with gates `{Self}` on a mesh axis",
+    label = "the gates' placement does not match the outputs'",
+    note = "per axis: (Ragged, S0)→S0, (R, R)→R, (I, I)→I, (P, R)→P (row-parallel experts), (S1, R)→S1"
+)]
+pub trait CombineRule<Y: PlacementType>: PlacementType {
+    type Out: PlacementType;
+}
+impl<B: Brand> CombineRule<Ragged<B>> for S<0> {
+    type Out = S<0>;
+}
+impl CombineRule<R> for R {
+    type Out = R;
+}
+impl CombineRule<I> for I {
+    type Out = I;
+}
+impl CombineRule<P> for R {
+    type Out = P;
+}
+impl CombineRule<S<1>> for R {
+    type Out = S<1>;
+}
+
+/// Closure of a dispatch: its backward is the reverse move of the output's gradient,
+/// placed as the input's dual.
+pub trait DispatchClosed<B: Brand>: DispatchRule<B> {}
+impl<B: Brand, X> DispatchClosed<B> for X
+where
+    X: DispatchRule<B>,
+    GradOf<<X as DispatchRule<B>>::Out>: UndispatchRule<Out = GradOf<X>>,
+{
+}
+
+/// Closure of a combine (`Self` is the gates' placement): the outputs' gradient is the
+/// output gradient, scaled per row by the gates and dispatched again (placed as `Y`'s
+/// dual); the gates' gradient is the row-wise dot of the output gradient with the outputs
+/// moved home (a product, then a sum over dim 1), placed as the gates' dual.
+pub trait CombineClosed<Y: PlacementType, B: Brand>: CombineRule<Y> {}
+impl<B: Brand, Y, G> CombineClosed<Y, B> for G
+where
+    Y: UndispatchRule,
+    G: CombineRule<Y>,
+    GradOf<<G as CombineRule<Y>>::Out>: DispatchRule<B, Out = GradOf<Y>>,
+    GradOf<<G as CombineRule<Y>>::Out>: MulRule<<Y as UndispatchRule>::Out>,
+    <GradOf<<G as CombineRule<Y>>::Out> as MulRule<<Y as UndispatchRule>::Out>>::Out:
+        SumRule<1, Out = GradOf<G>>,
+{
+}
+#[allow(dead_code)]
+fn dispatch_combine_rules_close() {
+    type Rg = Ragged<()>;
+    fn dispatch<X: DispatchClosed<()>>() {}
+    fn combine<Y: PlacementType, G: CombineClosed<Y, ()>>() {}
+    dispatch::<S<0>>();
+    dispatch::<R>();
+    dispatch::<I>();
+    dispatch::<P>();
+    dispatch::<S<1>>();
+    combine::<Rg, S<0>>();
+    combine::<R, R>();
+    combine::<I, I>();
+    combine::<P, R>();
+    combine::<S<1>, R>();
+}
+
+/// A grouped product on one axis: rows `X` (`[rows, in]`, grouped by local expert) times
+/// each group's expert weight transposed, `W[e]ᵀ` (`[experts, out, in]`); implemented on
+/// the weight's placement.
+#[diagnostic::on_unimplemented(
+    message = "no grouped-matmul rule for tokens `{X}` · expert weights `{Self}`ᵀ on a mesh axis",
+    label = "these placements do not multiply without communication",
+    note = "per axis (x[rows, in]·W[e, out, in]ᵀ): Ragged·S0→Ragged (expert parallel: this rank's experts), Ragged·R→Ragged (a data axis), R·R→R, I·I→I, R·S1→S1 (column-parallel experts), S1·S2→P (row-parallel experts)"
+)]
+pub trait GroupedMatmulRule<X: PlacementType>: PlacementType {
+    type Out: PlacementType;
+}
+impl<B: Brand> GroupedMatmulRule<Ragged<B>> for S<0> {
+    type Out = Ragged<B>;
+}
+impl<B: Brand> GroupedMatmulRule<Ragged<B>> for R {
+    type Out = Ragged<B>;
+}
+impl GroupedMatmulRule<R> for R {
+    type Out = R;
+}
+impl GroupedMatmulRule<I> for I {
+    type Out = I;
+}
+impl GroupedMatmulRule<R> for S<1> {
+    type Out = S<1>;
+}
+impl GroupedMatmulRule<S<1>> for S<2> {
+    type Out = P;
+}
+
+/// The input gradient of a grouped product, `dx = dy·W[e]` per group, on one axis
+/// (implemented on the weight's placement).
+pub trait GroupedMatmulNRule<Dy: PlacementType>: PlacementType {
+    type Out: PlacementType;
+}
+impl<B: Brand> GroupedMatmulNRule<Ragged<B>> for S<0> {
+    type Out = Ragged<B>;
+}
+impl<B: Brand> GroupedMatmulNRule<Ragged<B>> for R {
+    type Out = Ragged<B>;
+}
+impl GroupedMatmulNRule<P> for R {
+    type Out = P;
+}
+impl GroupedMatmulNRule<I> for I {
+    type Out = I;
+}
+impl GroupedMatmulNRule<S<1>> for S<1> {
+    type Out = P;
+}
+impl GroupedMatmulNRule<R> for S<2> {
+    type Out = S<1>;
+}
+
+/// The weight gradient of a grouped product, `dW[e] = Σ_rows of group e dyᵀ·x`, on one axis
+/// (implemented on the weight's placement `Self`, with the output gradient `Dy` and the
+/// rows `X`). Ragged rows over an axis where the weight is `Shard<0>` (the expert axis)
+/// are *all* the rows of this rank's experts (the dispatch sent every routed copy to its
+/// expert's owner), so the gradient is whole: `Shard<0>`. Over an axis where the weight is
+/// replicated (a data axis) each rank holds some rows of every expert: `Partial`.
+pub trait GroupedWeightGrad<Dy: PlacementType, X: PlacementType>: PlacementType {
+    type Out: PlacementType;
+}
+impl<B: Brand> GroupedWeightGrad<Ragged<B>, Ragged<B>> for S<0> {
+    type Out = S<0>;
+}
+impl<B: Brand> GroupedWeightGrad<Ragged<B>, Ragged<B>> for R {
+    type Out = P;
+}
+impl GroupedWeightGrad<P, R> for R {
+    type Out = P;
+}
+impl GroupedWeightGrad<I, I> for I {
+    type Out = I;
+}
+impl GroupedWeightGrad<S<1>, R> for S<1> {
+    type Out = S<1>;
+}
+impl GroupedWeightGrad<R, S<1>> for S<2> {
+    type Out = S<2>;
+}
+
+/// Closure of a grouped product: `dx` and `dW` are placed as the duals of `x` and `W`.
+pub trait GroupedMatmulClosed<X: PlacementType>: GroupedMatmulRule<X> {}
+impl<X, W> GroupedMatmulClosed<X> for W
+where
+    X: PlacementType,
+    W: GroupedMatmulRule<X>
+        + GroupedMatmulNRule<GradOf<<W as GroupedMatmulRule<X>>::Out>, Out = GradOf<X>>
+        + GroupedWeightGrad<GradOf<<W as GroupedMatmulRule<X>>::Out>, X, Out = GradOf<W>>,
+{
+}
+#[allow(dead_code)]
+fn grouped_matmul_rules_close() {
+    type Rg = Ragged<()>;
+    fn closed<X: PlacementType, W: GroupedMatmulClosed<X>>() {}
+    closed::<Rg, S<0>>();
+    closed::<Rg, R>();
+    closed::<R, R>();
+    closed::<I, I>();
+    closed::<R, S<1>>();
+    closed::<S<1>, S<2>>();
+}
+
+// ---------------------------------------------------------------------------------------
 // Lifted over layouts
 // ---------------------------------------------------------------------------------------
 
@@ -961,6 +1293,48 @@ lift_unary_dim!(
     /// A max over dim `D`, every axis.
     MaxLayout, MaxRule, MaxOut
 );
+
+lift_binary!(
+    /// Grouped `x·W[e]ᵀ` over every axis (`Self` is the expert weights' layout).
+    #[diagnostic::on_unimplemented(
+        message = "cannot multiply tokens laid out as `{LA}` by expert weights laid out as `{Self}`",
+        label = "the layouts are over different mesh axes",
+        note = "both operands need the same mesh axes in the same order"
+    )]
+    GroupedMatmulLayout, GroupedMatmulRule, GroupedMatmulOut
+);
+lift_binary!(
+    /// An MoE combine over every axis (`Self` is the gates' layout, `LA` the expert
+    /// outputs').
+    #[diagnostic::on_unimplemented(
+        message = "cannot combine expert outputs laid out as `{LA}` with gates laid out as `{Self}`",
+        label = "the layouts are over different mesh axes",
+        note = "both operands need the same mesh axes in the same order"
+    )]
+    CombineLayout, CombineRule, CombineOut
+);
+
+/// An MoE dispatch by a routing branded `B`, over every axis.
+#[diagnostic::on_unimplemented(
+    message = "cannot dispatch tokens laid out as `{Self}`",
+    label = "an axis of these tokens has no dispatch rule"
+)]
+pub trait DispatchLayout<B: Brand>: Layout {
+    type Out: Layout;
+}
+impl<B: Brand> DispatchLayout<B> for () {
+    type Out = ();
+}
+impl<B: Brand, X: MeshAxis, P: DispatchRule<B>, Rest: DispatchLayout<B>> DispatchLayout<B>
+    for (On<X, P>, Rest)
+{
+    type Out = (
+        On<X, <P as DispatchRule<B>>::Out>,
+        <Rest as DispatchLayout<B>>::Out,
+    );
+}
+/// The layout [`DispatchLayout`] gives.
+pub type DispatchOut<L, B> = <L as DispatchLayout<B>>::Out;
 
 /// Every axis holds dim `D` whole and no pending sums (softmax, log-softmax over `D`).
 pub trait NotSplitLayout<const D: usize>: Layout {}

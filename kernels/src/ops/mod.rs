@@ -9,6 +9,7 @@
 //! | [`norm`] | [`layer_norm`], [`rms_norm`] over the last dim | [`layer_norm_backward`], [`rms_norm_backward`] |
 //! | [`embedding`](mod@embedding) | [`embedding()`], [`embedding_masked`] (vocab-parallel) | [`embedding_backward`], [`embedding_masked_backward`] (and `_into`) |
 //! | [`reduction`] | [`sum_dim`], [`max_dim`] (the dim is removed) | [`sum_dim_backward`], [`max_dim_backward`] |
+//! | [`moe`] | [`gather_rows`], [`grouped_matmul_t`] (per-expert `x·W[e]ᵀ` over row groups) | [`scatter_add_rows`], [`grouped_matmul_t_backward`] |
 //! | [`attention`](mod@attention) | [`causal_attention`] (fused QKV, RoPE, causal, flash-style) | [`causal_attention_backward`] |
 //!
 //! Conventions, every op alike:
@@ -70,6 +71,7 @@ pub mod attention;
 pub mod elementwise;
 pub mod embedding;
 pub mod matmul;
+pub mod moe;
 pub mod norm;
 pub mod reduction;
 pub mod softmax;
@@ -86,6 +88,9 @@ pub use embedding::{
     embedding_masked_backward, embedding_masked_backward_into, VocabShard,
 };
 pub use matmul::{matmul, matmul_into, matmul_into_with, MatmulScratch};
+pub use moe::{
+    gather_rows, grouped_matmul_t, grouped_matmul_t_backward, scatter_add_rows, GroupedMatmulGrads,
+};
 pub use norm::{
     layer_norm, layer_norm_backward, rms_norm, rms_norm_backward, LayerNormGrads, LayerNormOutput,
     RmsNormGrads, RmsNormOutput,
