@@ -10,6 +10,7 @@
 //! | [`embedding`](mod@embedding) | [`embedding()`], [`embedding_masked`] (vocab-parallel) | [`embedding_backward`], [`embedding_masked_backward`] (and `_into`) |
 //! | [`reduction`] | [`sum_dim`], [`max_dim`] (the dim is removed) | [`sum_dim_backward`], [`max_dim_backward`] |
 //! | [`attention`](mod@attention) | [`causal_attention`] (fused QKV, RoPE, causal, flash-style) | [`causal_attention_backward`] |
+//! | [`attention_block`](mod@attention_block) | [`attention_block()`] (a query block against another block's keys, true positions), [`merge_attention`] | [`attention_block_backward`] |
 //!
 //! Conventions, every op alike:
 //! - Float dtypes only (`f32`, `f64`, `bf16`, `f16`); every tensor argument of one call shares
@@ -67,6 +68,7 @@ macro_rules! dispatch_float {
 
 pub mod activation;
 pub mod attention;
+pub mod attention_block;
 pub mod elementwise;
 pub mod embedding;
 pub mod matmul;
@@ -80,6 +82,10 @@ pub use activation::{
 };
 pub use attention::{causal_attention, causal_attention_backward};
 pub use attention::{CausalAttention, CausalAttentionOutput};
+pub use attention_block::{
+    attention_block, attention_block_backward, fuse_qkv_grad, gather_rows, merge_attention,
+    pack_kv, BlockAttention,
+};
 pub use elementwise::{add_row, add_row_assign, mul_row, sub, sum_rows, sum_rows_into};
 pub use embedding::{
     embedding, embedding_backward, embedding_backward_into, embedding_masked,
