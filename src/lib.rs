@@ -76,8 +76,8 @@ pub mod prelude {
         threads, CollectiveKind, Communicator, CommunicatorExt, CounterSnapshot, ReduceOp,
     };
     pub use dtensor_core::{
-        Adjoint, AnyDTensor, DTensor, DeviceMesh, Error, Gradients, Plan, Result, Step, StepKind,
-        Tape, TypedPlan, Var,
+        Adjoint, AnyDTensor, ContextAttention, CpLayout, CpStrategy, DTensor, DeviceMesh, Error,
+        Gradients, Plan, Result, Step, StepKind, Tape, TypedPlan, Var,
     };
     pub use dtensor_kernels::{DType, Tensor};
     pub use dtensor_placement::{
