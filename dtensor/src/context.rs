@@ -186,7 +186,9 @@ impl CpLayout {
         let n = self.chunk_len();
         if self.zigzag {
             let late = 2 * self.cp - 1 - c;
-            (c * n..(c + 1) * n).chain(late * n..(late + 1) * n).collect()
+            (c * n..(c + 1) * n)
+                .chain(late * n..(late + 1) * n)
+                .collect()
         } else {
             (c * n..(c + 1) * n).collect()
         }
@@ -446,7 +448,13 @@ impl Geom {
         Ok(acc.expect("the diagonal block is computed"))
     }
 
-    fn ring_backward(&self, dy: &Tensor, qkv: &Tensor, out: &Tensor, lse: &Tensor) -> Result<Tensor> {
+    fn ring_backward(
+        &self,
+        dy: &Tensor,
+        qkv: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+    ) -> Result<Tensor> {
         let d = self.cfg.attn.head_dim;
         let acc = ops::acc_dtype(qkv.dtype());
         let mut cur = ops::pack_kv(qkv, d)?;
@@ -521,13 +529,7 @@ pub(crate) fn forward<L: Layout>(
         CpStrategy::Ring => {
             let r = geom.ring_forward(qkv)?;
             let out = r.out.to_dtype(qkv.dtype());
-            (
-                out.clone(),
-                Saved::Ring {
-                    out,
-                    lse: r.lse,
-                },
-            )
+            (out.clone(), Saved::Ring { out, lse: r.lse })
         }
         CpStrategy::AllToAll => {
             let xh = geom.to_heads(qkv)?;
@@ -554,11 +556,7 @@ pub(crate) fn backward(dy: &Tensor, x: &AnyDTensor, s: &ContextSaved) -> Result<
     if dy.dtype() != qkv.dtype() {
         return Err(Error::ShapeMismatch {
             op: OP_BACK,
-            detail: format!(
-                "output gradient {} for a {} QKV",
-                dy.dtype(),
-                qkv.dtype()
-            ),
+            detail: format!("output gradient {} for a {} QKV", dy.dtype(), qkv.dtype()),
         });
     }
     match &s.saved {

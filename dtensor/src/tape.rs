@@ -47,12 +47,13 @@ use dtensor_kernels::ops::{self, Transpose};
 use dtensor_kernels::{DType, Tensor};
 use dtensor_placement::{
     AddLayout, AddRowLayout, AttentionLayout, BatchedMatmulLayout, BatchedMatmulOut,
-    ContextAttentionLayout, CrossEntropyLayout, CrossEntropyOut, DivLayout, DivOut, EmbeddingLayout, EmbeddingOut,
-    Invariant, IsInvariant, IsPartial, IsReplicate, IsShard, IsWhole, Layout, LinearLayout,
-    LossLayout, MatmulLayout, MatmulOut, MatmulTLayout, MatmulTOut, MaxLayout, MaxOut, MeanLayout,
-    MeanOut, MergeLayout, MergeOut, MeshAxis, MulLayout, MulOut, MulRowLayout, MulRowOut,
-    NormLayout, NotSplitLayout, Partial, PointwiseLayout, Replicate, SameAs, Select, Shard,
-    SplitLayout, SplitOut, Sum, SumLayout, SumOut, TransposeLayout, Transposed,
+    ContextAttentionLayout, CrossEntropyLayout, CrossEntropyOut, DivLayout, DivOut,
+    EmbeddingLayout, EmbeddingOut, Invariant, IsInvariant, IsPartial, IsReplicate, IsShard,
+    IsWhole, Layout, LinearLayout, LossLayout, MatmulLayout, MatmulOut, MatmulTLayout, MatmulTOut,
+    MaxLayout, MaxOut, MeanLayout, MeanOut, MergeLayout, MergeOut, MeshAxis, MulLayout, MulOut,
+    MulRowLayout, MulRowOut, NormLayout, NotSplitLayout, Partial, PointwiseLayout, Replicate,
+    SameAs, Select, Shard, SplitLayout, SplitOut, Sum, SumLayout, SumOut, TransposeLayout,
+    Transposed,
 };
 use smallvec::SmallVec;
 use std::cell::RefCell;
