@@ -56,11 +56,10 @@ pub struct CausalAttention {
     pub head_dim: usize,
     /// RoPE's base (10000 in most models).
     pub rope_base: f64,
-    /// Added to every token's position (its index within its sample): a rank holding a
-    /// later chunk of each sequence (context parallelism) passes the chunk's start. Since q
-    /// and k share it here and RoPE scores depend only on position differences, it changes
-    /// the result by rounding alone; attending to another chunk's keys will need separate
-    /// q and k offsets.
+    /// Added to every token's position (its index within its sample). Since q and k share
+    /// it here and RoPE scores depend only on position differences, it changes the result
+    /// by rounding alone. Attending one chunk's queries to another chunk's keys (context
+    /// parallelism) takes separate q and k positions: [`attention_block`](super::attention_block).
     pub pos_offset: usize,
 }
 
