@@ -59,7 +59,7 @@ pub struct CausalAttention {
     /// Added to every token's position (its index within its sample). Since q and k share
     /// it here and RoPE scores depend only on position differences, it changes the result
     /// by rounding alone. Attending one chunk's queries to another chunk's keys (context
-    /// parallelism) takes separate q and k positions: [`attention_block`](super::attention_block).
+    /// parallelism) takes separate q and k positions: [`attention_block`](fn@super::attention_block).
     pub pos_offset: usize,
 }
 
