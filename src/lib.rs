@@ -76,8 +76,9 @@ pub mod prelude {
         threads, CollectiveKind, Communicator, CommunicatorExt, CounterSnapshot, ReduceOp,
     };
     pub use dtensor_core::{
-        Adjoint, AnyDTensor, DTensor, DeviceMesh, Dispatched, Error, Gradients, Plan, Result,
-        RouterConfig, Routing, RoutingStats, Step, StepKind, Tape, TypedPlan, Var,
+        Adjoint, AnyDTensor, ContextAttention, CpLayout, CpStrategy, DTensor, DeviceMesh,
+        Dispatched, Error, Gradients, Plan, Result, RouterConfig, Routing, RoutingStats, Step,
+        StepKind, Tape, TypedPlan, Var,
     };
     pub use dtensor_kernels::{DType, Tensor};
     pub use dtensor_placement::{

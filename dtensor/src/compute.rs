@@ -15,7 +15,8 @@
 //! | [`rms_norm`](DTensor::rms_norm), [`layer_norm`](DTensor::layer_norm) | rows sharded with a `Replicate` weight, or both whole | none |
 //! | [`embedding`](DTensor::embedding) | a vocab-sharded table gives `Partial` (masked lookup) | none |
 //! | [`cross_entropy`](DTensor::cross_entropy) | vocab-sharded logits give an `Invariant` loss | 3 all-reduces of `[tokens]` per vocab-sharded axis |
-//! | [`causal_attention`](DTensor::causal_attention) | samples or heads split, no `Partial` | none |
+//! | [`causal_attention`](DTensor::causal_attention) | samples or heads split, no `Partial`; not `Shard<0>` on a `Cp`-role axis | none |
+//! | [`context_attention`](DTensor::context_attention) ([`context`](crate::context)) | `Shard<0>` on its `Cp` axis, the attention rule elsewhere | ring send/recv or two all-to-alls over `Cp` |
 //! | [`t`](DTensor::t) | `Shard<0>` ↔ `Shard<1>` | none |
 //! | [`split_dim`](DTensor::split_dim), [`merge_dims`](DTensor::merge_dims) | `Shard<e>` moves with the dims (even shards of a reshaped dim) | none |
 //!

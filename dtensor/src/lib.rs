@@ -26,6 +26,7 @@
 
 pub mod any;
 pub mod compute;
+pub mod context;
 pub mod device_mesh;
 pub mod error;
 pub mod fused;
@@ -36,6 +37,7 @@ pub mod tape;
 pub mod typed;
 
 pub use any::AnyDTensor;
+pub use context::{ContextAttention, CpLayout, CpStrategy};
 pub use device_mesh::DeviceMesh;
 pub use error::{Error, Result};
 pub use fused::FusedAllReduce;

@@ -47,12 +47,13 @@ use dtensor_kernels::ops::{self, Transpose};
 use dtensor_kernels::{DType, Tensor};
 use dtensor_placement::{
     AddLayout, AddRowLayout, AttentionLayout, BatchedMatmulLayout, BatchedMatmulOut,
-    CrossEntropyLayout, CrossEntropyOut, DivLayout, DivOut, EmbeddingLayout, EmbeddingOut,
-    Invariant, IsInvariant, IsPartial, IsReplicate, IsShard, IsWhole, Layout, LinearLayout,
-    LossLayout, MatmulLayout, MatmulOut, MatmulTLayout, MatmulTOut, MaxLayout, MaxOut, MeanLayout,
-    MeanOut, MergeLayout, MergeOut, MeshAxis, MulLayout, MulOut, MulRowLayout, MulRowOut,
-    NormLayout, NotSplitLayout, Partial, PointwiseLayout, Replicate, SameAs, Select, Shard,
-    SplitLayout, SplitOut, Sum, SumLayout, SumOut, TransposeLayout, Transposed,
+    ContextAttentionLayout, CrossEntropyLayout, CrossEntropyOut, DivLayout, DivOut,
+    EmbeddingLayout, EmbeddingOut, Invariant, IsInvariant, IsPartial, IsReplicate, IsShard,
+    IsWhole, Layout, LinearLayout, LossLayout, MatmulLayout, MatmulOut, MatmulTLayout, MatmulTOut,
+    MaxLayout, MaxOut, MeanLayout, MeanOut, MergeLayout, MergeOut, MeshAxis, MulLayout, MulOut,
+    MulRowLayout, MulRowOut, NormLayout, NotSplitLayout, Partial, PointwiseLayout, Replicate,
+    SameAs, Select, Shard, SplitLayout, SplitOut, Sum, SumLayout, SumOut, TransposeLayout,
+    Transposed,
 };
 use smallvec::SmallVec;
 use std::cell::RefCell;
@@ -1389,6 +1390,27 @@ impl<'t, L: Layout> Var<'t, L> {
                 &cfg,
             )?;
             grad_of("Var::causal_attention", dx, &xv)
+        }))
+    }
+
+    /// [`DTensor::context_attention`]: one node for the forward and the backward over
+    /// the `Cp` axis (ring or all-to-all, see [`crate::context`]). It saves this rank's
+    /// QKV (the input), output and lse; its backward communicates, so it runs on every
+    /// rank even when no gradient reached it.
+    pub fn context_attention<X: MeshAxis, I>(
+        &self,
+        axis: X,
+        cfg: &crate::context::ContextAttention,
+    ) -> Result<Var<'t, L>>
+    where
+        L: ContextAttentionLayout<X, I>,
+    {
+        let _ = axis;
+        let (y, saved) = crate::context::forward(&self.value, X::KIND, cfg)?;
+        let xv = self.value.as_any().clone();
+        Ok(self.unary(y, true, move |dy| {
+            let dx = crate::context::backward(dy.as_local(), &xv, &saved)?;
+            grad_of("Var::context_attention", dx, &xv)
         }))
     }
 

@@ -8,17 +8,23 @@
 //! `h·3·d .. h·3·d + d` are q, the next `d` are k, the next `d` are v (`d` the head dim).
 //! `Shard<0>` over `Tp` therefore gives rank `r` heads `r·heads/tp ..`, complete.
 //!
-//! The local attention is the typed fused op [`Var::causal_attention`] (a blocked kernel with
-//! an online softmax, `dtensor_kernels::ops::causal_attention`): laid out [`ColOut`](crate::ColOut) in and
-//! out (samples whole over `Dp`, heads whole over `Tp`, both checked when it runs).
+//! The attention itself is the typed op [`Var::context_attention`] over `Cp`, laid out
+//! [`ColOut`](crate::ColOut) in and out (samples whole over `Dp` and `Ep`, heads whole over
+//! `Tp`, the sequence `Shard<0>` over `Cp`). At `cp = 1` it is the fused causal kernel (a
+//! blocked kernel with an online softmax, `dtensor_kernels::ops::causal_attention`); with
+//! `cp > 1` it runs as [`ContextParallel`] says: ring attention (K/V blocks passed round
+//! the `Cp` ring) or all-to-all (Ulysses: heads gathered per rank for the whole sequence).
+//! The plain [`Var::causal_attention`] does not compile here: its rule refuses a sequence
+//! sharded over a `Cp` axis. The tokens of a `Cp`-sharded stream are in the CP order
+//! ([`CpLayout`](dtensor_core::CpLayout)): the data loader permutes ids and targets into it.
 
 use crate::data::{DataMode, Ddp};
 use crate::linear::{ColumnParallelLinear, ParamInit, RowParallelLinear};
 use crate::optim::{join_name, Module, ParamVisitor};
 use crate::seq::{axis_size, SeqMode, Stream};
-use dtensor_core::{DeviceMesh, Error, Result, Tape, Var};
+use dtensor_core::{ContextAttention, CpStrategy, DeviceMesh, Error, Result, Tape, Var};
 use dtensor_kernels::ops::CausalAttention;
-use dtensor_placement::AxisKind;
+use dtensor_placement::{AxisKind, Cp};
 use std::sync::Arc;
 
 /// Shape of an attention layer.
@@ -31,6 +37,33 @@ pub struct AttentionConfig {
     pub seq_len: usize,
     /// RoPE's base (10000 in most models).
     pub rope_base: f64,
+    /// How attention runs over `Cp` (unused at `cp = 1`).
+    pub context: ContextParallel,
+}
+
+/// Context parallelism's choices for attention over `Cp`.
+///
+/// Ring attention works for any head count and hides each K/V transfer behind a block's
+/// compute (forward: `2·d·heads·(cp−1)` elements sent per token and layer; backward twice
+/// that plus the dK/dV trip home). All-to-all (Ulysses) moves `4·d·heads·(cp−1)/cp` each
+/// way, less from `cp ≈ 3` on, but needs the heads per `Tp` rank divisible by `cp` and
+/// cannot overlap its transfers. Zigzag chunks balance the causal work across `Cp` ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContextParallel {
+    pub strategy: CpStrategy,
+    /// Rank `c` holds chunks `c` and `2·cp−1−c` of `2·cp` (load-balanced); otherwise
+    /// chunk `c` of `cp`.
+    pub zigzag: bool,
+}
+
+impl Default for ContextParallel {
+    /// Ring attention over zigzag chunks.
+    fn default() -> Self {
+        ContextParallel {
+            strategy: CpStrategy::Ring,
+            zigzag: true,
+        }
+    }
 }
 
 impl AttentionConfig {
@@ -101,13 +134,18 @@ impl<M: SeqMode, D: DataMode> ParallelAttention<M, D> {
         x: &Var<'t, Stream<M>>,
     ) -> Result<Var<'t, Stream<M>>> {
         let qkv = self.qkv.forward::<M>(tape, x)?;
-        let cfg = CausalAttention {
-            seq_len: self.config.seq_len,
-            head_dim: self.config.head_dim(),
-            rope_base: self.config.rope_base,
-            pos_offset: 0,
+        let cfg = ContextAttention {
+            attn: CausalAttention {
+                seq_len: self.config.seq_len,
+                head_dim: self.config.head_dim(),
+                rope_base: self.config.rope_base,
+                pos_offset: 0,
+            },
+            zigzag: self.config.context.zigzag,
+            strategy: self.config.context.strategy,
         };
-        let o = qkv.causal_attention(&cfg)?; // ColOut: whole heads, whole samples
+        // ColOut: whole heads over Tp, whole samples over Dp and Ep, the sequence over Cp.
+        let o = qkv.context_attention(Cp, &cfg)?;
         self.out.forward(tape, &o)
     }
 }

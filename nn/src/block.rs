@@ -10,7 +10,7 @@
 //! gathered. [`Gpt::train_step`] is forward, `loss.backward()`, and one [`optim::step`]
 //! (DP reduction, clipping, update).
 
-use crate::attention::{AttentionConfig, ParallelAttention};
+use crate::attention::{AttentionConfig, ContextParallel, ParallelAttention};
 use crate::buckets::DdpBuckets;
 #[cfg(doc)]
 use crate::buckets::DEFAULT_BUCKET_BYTES;
@@ -52,6 +52,8 @@ pub struct GptConfig {
     /// Activation recomputation: each block's forward runs again in the backward instead
     /// of keeping its intermediates (only the block's input is kept).
     pub recompute: bool,
+    /// How attention runs over `Cp` (ring or all-to-all, zigzag chunks); unused at `cp = 1`.
+    pub context: ContextParallel,
 }
 
 impl GptConfig {
@@ -72,6 +74,7 @@ impl GptConfig {
             seed: 1234,
             precision: Precision::default(),
             recompute: false,
+            context: ContextParallel::default(),
         }
     }
 
@@ -81,6 +84,7 @@ impl GptConfig {
             heads: self.heads,
             seq_len: self.seq_len,
             rope_base: 10000.0,
+            context: self.context,
         }
     }
 }

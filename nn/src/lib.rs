@@ -71,7 +71,7 @@ pub mod optim;
 pub mod pipeline;
 pub mod seq;
 
-pub use attention::{AttentionConfig, ParallelAttention};
+pub use attention::{AttentionConfig, ContextParallel, ParallelAttention};
 pub use block::{Gpt, GptConfig, StepReport, TransformerBlock};
 pub use buckets::{DdpBuckets, DEFAULT_BUCKET_BYTES};
 pub use data::{

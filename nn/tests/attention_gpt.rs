@@ -30,6 +30,7 @@ fn acfg() -> AttentionConfig {
         heads: HEADS,
         seq_len: S,
         rope_base: 100.0,
+        context: Default::default(),
     }
 }
 

@@ -257,6 +257,35 @@ impl fmt::Debug for AxisKind {
 )]
 pub trait MeshAxis: Copy + Default + fmt::Debug + Send + Sync + 'static {
     const KIND: AxisKind;
+    /// The axis's role as a type ([`roles::Dp`], …, [`roles::Cp`], [`roles::Tp`]), so a
+    /// rule can depend on what an axis is *for*: attention refuses `Shard<0>` on a
+    /// `Cp`-role axis, whose token shards are chunks of every sequence rather than whole
+    /// samples (see [`AttentionRule`](crate::AttentionRule)).
+    type Role: roles::RoleMarker;
+}
+
+/// Type-level [`AxisRole`]s: one zero-sized marker per role, named as the role (so a
+/// diagnostic that prints one says `Cp`). [`mesh_axis!`](crate::mesh_axis!) sets
+/// [`MeshAxis::Role`] from its `role = ...`.
+pub mod roles {
+    use super::AxisRole;
+
+    /// A role marker: [`Dp`], [`Pp`], [`Ep`], [`Cp`] or [`Tp`] of this module.
+    pub trait RoleMarker: Send + Sync + 'static {
+        const ROLE: AxisRole;
+    }
+
+    macro_rules! role_markers {
+        ($($name:ident),*) => {$(
+            #[doc = ::core::concat!("The `", ::core::stringify!($name), "` role, as a type.")]
+            #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+            pub struct $name;
+            impl RoleMarker for $name {
+                const ROLE: AxisRole = AxisRole::$name;
+            }
+        )*};
+    }
+    role_markers!(Dp, Pp, Ep, Cp, Tp);
 }
 
 /// Declares a mesh axis marker: a zero-sized `Copy + Default + Debug + Eq + Hash` struct
@@ -308,6 +337,7 @@ macro_rules! mesh_axis {
                 );
                 $crate::AxisKind::declare(&DEF)
             };
+            type Role = $crate::axis::roles::$role;
         }
 
         // Evaluates the kind where the marker is declared, so a bad name fails here rather
@@ -372,6 +402,14 @@ mod tests {
         assert_eq!(k.role(), AxisRole::Dp);
         assert!(!k.is_builtin());
         assert_eq!(Ring2::KIND.role(), AxisRole::Cp);
+        assert_eq!(
+            <<Ring2 as MeshAxis>::Role as roles::RoleMarker>::ROLE,
+            AxisRole::Cp
+        );
+        assert_eq!(
+            <<DpShard as MeshAxis>::Role as roles::RoleMarker>::ROLE,
+            AxisRole::Dp
+        );
         assert_eq!(AxisKind::from_name("dp_shard"), None);
         fn marker<T: MeshAxis + Copy + Default + fmt::Debug + Eq + std::hash::Hash>() {}
         marker::<DpShard>();

@@ -29,7 +29,7 @@ pub mod placement;
 pub mod rules;
 
 pub use arith::{check_placements, chunk_range, global_offset, local_ranges, local_shape};
-pub use axis::{AxisDef, AxisKind, AxisRole, Cp, Dp, Ep, MeshAxis, Pp, Tp};
+pub use axis::{roles, AxisDef, AxisKind, AxisRole, Cp, Dp, Ep, MeshAxis, Pp, Tp};
 pub use config::ParallelConfig;
 pub use error::{Error, Result};
 pub use layout::{

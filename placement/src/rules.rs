@@ -19,7 +19,8 @@
 //! | [`NormRule<X, D>`] (rms / layer norm over dim `D`, weight `Self`) | (`S<e≠D>`, R)→`S<e>`, (R, R)→R, (I, I)→I | no rule |
 //! | [`EmbeddingRule<T>`] (table `T`, ids `Self`) | (S0, R or I)→P (masked lookup), (S1, R or I)→S1, (R, S0)→S0, (R, R)→R, (R, I)→R, (I, I)→I | no rule |
 //! | [`CrossEntropyRule<Lg>`] (logits `Lg[t,v]`, targets `Self[t]`) | (S1, R or I)→I (vocab-parallel, reduced inside), (S0, S0)→S0, (R, R)→R, (I, I)→I | no rule |
-//! | [`AttentionRule`] (fused causal attention of a `[tokens, heads·3·d]` QKV) | S0 (whole samples), S1 (whole heads), R, I stay | P: no rule |
+//! | [`AttentionRule`] (fused causal attention of a `[tokens, heads·3·d]` QKV) | S0 (whole samples; not on a Cp-role axis), S1 (whole heads), R, I stay | P; S0 on a Cp-role axis: no rule |
+//! | [`ContextAttentionLayout`] (context-parallel attention over a Cp axis) | S0 on the Cp axis, the attention rule elsewhere | anything else |
 //! | [`TransposeRule`] (2-D) | S0↔S1; R, I, P stay | — |
 //! | [`SplitRule<D>`] (dim `D` into two) | `S<D>` stays (even shards), `S<e>`→`S<e+1>` when e > D; R, I, P stay | — |
 //! | [`MergeRule<D>`] (dims `D`, `D+1` into one) | `S<D>` stays (even shards), `S<e>`→`S<e−1>` when e > D+1; R, I, P stay | `S<D+1>`: no rule |
@@ -47,8 +48,9 @@
 //! `_check-rule-closure-fails` adds a rule that does not close, on purpose: `S0·I→S0`, whose
 //! `Invariant` operand's gradient would come out `Partial`.
 
+use crate::axis::roles::{self, RoleMarker};
 use crate::axis::MeshAxis;
-use crate::layout::{Layout, On};
+use crate::layout::{Layout, On, Select};
 use crate::placement::{
     Avg, Brand, Invariant, Max, Partial, PlacementType, Ragged, Replicate, Shard, Sum,
 };
@@ -259,19 +261,62 @@ dim_moves!(SplitRule: 0: [0 => 0, 1 => 2, 2 => 3]; 1: [0 => 0, 1 => 1, 2 => 3]; 
 // Merge dims D, D+1: e ≤ D stays, e = D + 1 has no rule, e > D + 1 moves down.
 dim_moves!(MergeRule: 0: [0 => 0, 2 => 1, 3 => 2]; 1: [0 => 0, 1 => 1, 3 => 2]; 2: [0 => 0, 1 => 1, 2 => 2]);
 
-/// Fused causal attention over a `[tokens, heads·3·d]` QKV on one axis: tokens may be split
-/// (whole samples per rank, checked when it runs), columns split by whole heads (checked
-/// too), or the tensor whole; never pending sums. The output keeps the placement.
+/// Fused causal attention over a `[tokens, heads·3·d]` QKV on one axis whose role is
+/// `Role` (the axis's [`MeshAxis::Role`]): tokens may be split (whole samples per rank,
+/// checked when it runs), columns split by whole heads (checked too), or the tensor whole;
+/// never pending sums. The output keeps the placement.
+///
+/// On a `Cp`-role axis `Shard<0>` has no rule: there the token shards are chunks of every
+/// sequence (context parallelism), and attending within a chunk would silently drop the
+/// other chunks' keys. Such an input goes through `context_attention` (ring or all-to-all
+/// over the axis), which [`ContextAttentionLayout`] types.
 #[diagnostic::on_unimplemented(
-    message = "`{Self}` cannot feed attention: it needs whole samples and whole heads on every rank, and no pending sums",
+    message = "`{Self}` cannot feed attention on a mesh axis of role `{Role}`: it needs whole samples and whole heads on every rank, and no pending sums",
     label = "attention reads this axis's QKV as is",
-    note = "per axis: Shard<0> (samples), Shard<1> (heads), Replicate or Invariant; reduce a Partial first (all_reduce)"
+    note = "per axis: Shard<0> (samples; not on a Cp-role axis, whose Shard<0> holds chunks of every sequence: use context_attention over it), Shard<1> (heads), Replicate or Invariant; reduce a Partial first (all_reduce)"
 )]
-pub trait AttentionRule: PlacementType {}
-impl AttentionRule for S<0> {}
-impl AttentionRule for S<1> {}
-impl AttentionRule for R {}
-impl AttentionRule for I {}
+pub trait AttentionRule<Role: RoleMarker>: PlacementType {}
+impl<Role: RoleMarker> AttentionRule<Role> for S<1> {}
+impl<Role: RoleMarker> AttentionRule<Role> for R {}
+impl<Role: RoleMarker> AttentionRule<Role> for I {}
+impl AttentionRule<roles::Dp> for S<0> {}
+impl AttentionRule<roles::Pp> for S<0> {}
+impl AttentionRule<roles::Ep> for S<0> {}
+impl AttentionRule<roles::Tp> for S<0> {}
+
+/// The placement context-parallel attention needs on its `Cp` axis: the tokens
+/// `Shard<0>` (each rank holds its chunks of every sample, in the CP token order).
+#[diagnostic::on_unimplemented(
+    message = "context attention needs the tokens `Shard<0>` over its Cp axis, got `{Self}`",
+    label = "context attention splits the sequences over this axis",
+    note = "shard the tokens (dim 0, in the CP order of `dtensor_core::context`) over the Cp axis; with the sequences whole on every rank use causal_attention"
+)]
+pub trait SequenceShardRule: PlacementType {}
+impl SequenceShardRule for S<0> {}
+
+/// A role context attention may run over: `Cp` only.
+#[diagnostic::on_unimplemented(
+    message = "context attention runs over a Cp-role mesh axis, not one of role `{Self}`",
+    label = "not a context-parallel axis",
+    note = "declare the axis with `role = Cp` (or use the built-in `Cp`)"
+)]
+pub trait ContextRole: RoleMarker {}
+impl ContextRole for roles::Cp {}
+
+/// A layout context attention over axis `X` (found at index `I`) accepts: `Shard<0>` on
+/// `X` ([`SequenceShardRule`]) and, on every other axis, what plain attention accepts
+/// ([`AttentionRule`]: checked by replacing `X`'s placement with `Replicate`). The output
+/// keeps the layout.
+pub trait ContextAttentionLayout<X, I>: Layout {}
+impl<L, X, I> ContextAttentionLayout<X, I> for L
+where
+    X: MeshAxis,
+    X::Role: ContextRole,
+    L: Layout + Select<X, I>,
+    <L as Select<X, I>>::P: SequenceShardRule,
+    <L as Select<X, I>>::With<R>: AttentionLayout,
+{
+}
 
 /// Every axis `Partial<Sum>` or `Invariant`: a loss whose seed gradient (the dual: ones,
 /// `Replicate` or `Invariant`) is exact.
@@ -1373,7 +1418,10 @@ impl<X: MeshAxis, P: TransposeLastRule, Rest: TransposeLastLayout> TransposeLast
 /// Every axis may feed fused attention (see [`AttentionRule`]).
 pub trait AttentionLayout: Layout {}
 impl AttentionLayout for () {}
-impl<X: MeshAxis, P: AttentionRule, Rest: AttentionLayout> AttentionLayout for (On<X, P>, Rest) {}
+impl<X: MeshAxis, P: AttentionRule<X::Role>, Rest: AttentionLayout> AttentionLayout
+    for (On<X, P>, Rest)
+{
+}
 
 /// Every axis `Partial<Sum>` or `Invariant`: a loss `backward()` can seed exactly.
 pub trait LossLayout: Layout {}

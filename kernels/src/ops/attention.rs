@@ -45,7 +45,7 @@ const OP_BACK: &str = "ops::causal_attention_backward";
 /// microkernels (32 and 128 measured no faster at the bench shapes). With equal, aligned query and key blocks every row of a processed block
 /// has at least one unmasked key (the first key block is always processed), so the online
 /// softmax's running max is finite from the first block on.
-const BLOCK: usize = 64;
+pub(super) const BLOCK: usize = 64;
 
 /// The shape parameters of [`causal_attention`] (the head count is read off `qkv`).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -56,11 +56,10 @@ pub struct CausalAttention {
     pub head_dim: usize,
     /// RoPE's base (10000 in most models).
     pub rope_base: f64,
-    /// Added to every token's position (its index within its sample): a rank holding a
-    /// later chunk of each sequence (context parallelism) passes the chunk's start. Since q
-    /// and k share it here and RoPE scores depend only on position differences, it changes
-    /// the result by rounding alone; attending to another chunk's keys will need separate
-    /// q and k offsets.
+    /// Added to every token's position (its index within its sample). Since q and k share
+    /// it here and RoPE scores depend only on position differences, it changes the result
+    /// by rounding alone. Attending one chunk's queries to another chunk's keys (context
+    /// parallelism) takes separate q and k positions: [`attention_block`](fn@super::attention_block).
     pub pos_offset: usize,
 }
 
@@ -200,7 +199,7 @@ pub fn causal_attention_backward(
 
 /// RoPE's cosines and sines for the `s` positions of a sample, `[s, d/2]`, computed in `f64`
 /// (as `pos / base^(2p/d)`) and rounded once into the compute type.
-struct Rope<A> {
+pub(super) struct Rope<A> {
     cos: Vec<A>,
     sin: Vec<A>,
     half: usize,
@@ -208,14 +207,27 @@ struct Rope<A> {
 
 impl<A: AccFloat> Rope<A> {
     fn new(cfg: &CausalAttention) -> Self {
-        let (s, d) = (cfg.seq_len, cfg.head_dim);
+        Rope::for_positions(
+            (0..cfg.seq_len).map(|i| cfg.pos_offset + i),
+            cfg.head_dim,
+            cfg.rope_base,
+        )
+    }
+
+    /// The table for rows at the given positions (row `i` rotates by `positions[i]`).
+    pub(super) fn for_positions(
+        positions: impl ExactSizeIterator<Item = usize>,
+        d: usize,
+        base: f64,
+    ) -> Self {
         let half = d / 2;
         let freq: Vec<f64> = (0..half)
-            .map(|p| cfg.rope_base.powf(2.0 * p as f64 / d as f64))
+            .map(|p| base.powf(2.0 * p as f64 / d as f64))
             .collect();
-        let (mut cos, mut sin) = (Vec::with_capacity(s * half), Vec::with_capacity(s * half));
-        for i in 0..s {
-            let pos = (cfg.pos_offset + i) as f64;
+        let n = positions.len();
+        let (mut cos, mut sin) = (Vec::with_capacity(n * half), Vec::with_capacity(n * half));
+        for pos in positions {
+            let pos = pos as f64;
             for f in &freq {
                 let (sn, cs) = (pos / f).sin_cos();
                 cos.push(A::lit(cs));
@@ -226,7 +238,7 @@ impl<A: AccFloat> Rope<A> {
     }
 
     /// `dst = mul · R(pos_i) · src`.
-    fn rotate<T: Float<Acc = A>>(&self, dst: &mut [A], src: &[T], i: usize, mul: A) {
+    pub(super) fn rotate<T: Float<Acc = A>>(&self, dst: &mut [A], src: &[T], i: usize, mul: A) {
         let (c, s) = self.at(i);
         for p in 0..self.half {
             let (a, b) = (src[2 * p].to_acc(), src[2 * p + 1].to_acc());
@@ -242,6 +254,17 @@ impl<A: AccFloat> Rope<A> {
             let (a, b) = (src[2 * p], src[2 * p + 1]);
             dst[2 * p] = T::from_acc((a * c[p] + b * s[p]) * mul);
             dst[2 * p + 1] = T::from_acc((b * c[p] - a * s[p]) * mul);
+        }
+    }
+
+    /// `dst += mul · R(pos_i)ᵀ · src`, in the compute type (a block's gradient added into
+    /// a caller's accumulator).
+    pub(super) fn unrotate_add(&self, dst: &mut [A], src: &[A], i: usize, mul: A) {
+        let (c, s) = self.at(i);
+        for p in 0..self.half {
+            let (a, b) = (src[2 * p], src[2 * p + 1]);
+            dst[2 * p] += (a * c[p] + b * s[p]) * mul;
+            dst[2 * p + 1] += (b * c[p] - a * s[p]) * mul;
         }
     }
 
@@ -291,6 +314,193 @@ fn rows<A>(x: &[A], r0: usize, r1: usize, d: usize) -> Mat<'_, A> {
     Mat::new(&x[r0 * d..r1 * d], r1 - r0, d)
 }
 
+/// One (head, sample) pair's operands in the compute type, `[rows, d]` row-major each: q
+/// rotated and times `1/√d`, k rotated, v; with each row's position in the sample
+/// (strictly increasing, so the keys a query sees in a key block are a prefix of it). The
+/// full kernel passes one sample's q, k, v with positions `0..s`; the blockwise kernel
+/// ([`super::attention_block`]) a chunk of queries against another chunk's keys.
+pub(super) struct Operands<'a, A> {
+    pub q: &'a [A],
+    pub k: &'a [A],
+    pub v: &'a [A],
+    pub q_pos: &'a [usize],
+    pub k_pos: &'a [usize],
+    pub d: usize,
+}
+
+/// Keys `k0..k1` visible from a query at position `qp` (`k_pos` increasing): how many of
+/// them lead the block.
+fn live(k_pos: &[usize], k0: usize, k1: usize, qp: usize) -> usize {
+    k_pos[k0..k1].partition_point(|&p| p <= qp)
+}
+
+/// Scratch of [`forward_sample`]: one block's scores, then probabilities; the running max,
+/// sum and unnormalized output of one query block.
+pub(super) struct FwdScratch<A> {
+    sc: Vec<A>,
+    m: Vec<A>,
+    l: Vec<A>,
+    acc: Vec<A>,
+}
+
+impl<A: AccFloat> FwdScratch<A> {
+    pub(super) fn new(d: usize, rows: usize) -> Self {
+        let b = BLOCK.min(rows.max(1));
+        FwdScratch {
+            sc: vec![A::ZERO; b * b],
+            m: vec![A::ZERO; b],
+            l: vec![A::ZERO; b],
+            acc: vec![A::ZERO; b * d],
+        }
+    }
+}
+
+/// The online-softmax forward of one (head, sample) pair: for each query row `i`, calls
+/// `emit(i, acc, l, m)` with its unnormalized output `acc = Σ_j e^(s_ij − m) v_j`, the sum
+/// `l = Σ_j e^(s_ij − m)` and the running max `m` over the keys it sees (`l = 0`,
+/// `m = −∞` when it sees none). Key blocks wholly after a query block are skipped.
+pub(super) fn forward_sample<A: ExpShifted>(
+    x: &Operands<'_, A>,
+    w: &mut FwdScratch<A>,
+    mut emit: impl FnMut(usize, &[A], A, A),
+) {
+    let d = x.d;
+    let (nq, nk) = (x.q_pos.len(), x.k_pos.len());
+    let zero = A::ZERO;
+    for q0 in (0..nq).step_by(BLOCK) {
+        let q1 = (q0 + BLOCK).min(nq);
+        let bq = q1 - q0;
+        let last = x.q_pos[q1 - 1];
+        w.m.fill(A::neg_infinity());
+        w.l.fill(zero);
+        w.acc.fill(zero);
+        for k0 in (0..nk).step_by(BLOCK) {
+            // Key blocks past the query block's last row are masked for all its rows.
+            if x.k_pos[k0] > last {
+                break;
+            }
+            let k1 = (k0 + BLOCK).min(nk);
+            let bk = k1 - k0;
+            let sc = &mut w.sc[..bq * bk];
+            let kv = rows(x.k, k0, k1, d);
+            matmul(sc, bk, rows(x.q, q0, q1, d), kv.t(), false);
+            for r in 0..bq {
+                // Keys `k0 .. k0 + live` are visible from query `q0 + r`.
+                let live = live(x.k_pos, k0, k1, x.q_pos[q0 + r]);
+                let row = &mut sc[r * bk..(r + 1) * bk];
+                let mut mx = w.m[r];
+                for &v in &row[..live] {
+                    mx = mx.max(v);
+                }
+                let corr = (w.m[r] - mx).exp();
+                A::exp_shifted(&mut row[..live], mx);
+                let mut sum = zero;
+                for &p in &row[..live] {
+                    sum += p;
+                }
+                row[live..].fill(zero);
+                if live > 0 {
+                    w.l[r] = w.l[r] * corr + sum;
+                    w.m[r] = mx;
+                    for a in &mut w.acc[r * d..(r + 1) * d] {
+                        *a *= corr;
+                    }
+                }
+            }
+            matmul(
+                &mut w.acc[..bq * d],
+                d,
+                Mat::new(sc, bq, bk),
+                rows(x.v, k0, k1, d),
+                true,
+            );
+        }
+        for r in 0..bq {
+            emit(q0 + r, &w.acc[r * d..(r + 1) * d], w.l[r], w.m[r]);
+        }
+    }
+}
+
+/// Scratch of [`backward_sample`]: one block's P and dP (then dS).
+pub(super) struct BwdScratch<A> {
+    p: Vec<A>,
+    dp: Vec<A>,
+}
+
+impl<A: AccFloat> BwdScratch<A> {
+    pub(super) fn new(rows: usize) -> Self {
+        let b = BLOCK.min(rows.max(1));
+        BwdScratch {
+            p: vec![A::ZERO; b * b],
+            dp: vec![A::ZERO; b * b],
+        }
+    }
+}
+
+/// The backward of one (head, sample) pair, given the output gradient `go` (`[nq, d]`),
+/// `dd_i = dout_i·out_i` and the final `lse_i` of each query row: adds into `dq` (`[nq,
+/// d]`), `dk` and `dv` (`[nk, d]`) the gradients with respect to the operands as
+/// [`Operands`] holds them (q rotated and scaled, k rotated). `P` is recomputed from `lse`,
+/// so with the lse of the *whole* attention (all key blocks merged) this is one key
+/// block's exact share of the gradient.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn backward_sample<A: ExpShifted>(
+    x: &Operands<'_, A>,
+    go: &[A],
+    dd: &[A],
+    ls: &[A],
+    dq: &mut [A],
+    dk: &mut [A],
+    dv: &mut [A],
+    w: &mut BwdScratch<A>,
+) {
+    let d = x.d;
+    let (nq, nk) = (x.q_pos.len(), x.k_pos.len());
+    let zero = A::ZERO;
+    for k0 in (0..nk).step_by(BLOCK) {
+        let k1 = (k0 + BLOCK).min(nk);
+        let bk = k1 - k0;
+        let (kv, vv) = (rows(x.k, k0, k1, d), rows(x.v, k0, k1, d));
+        for q0 in (0..nq).step_by(BLOCK) {
+            let q1 = (q0 + BLOCK).min(nq);
+            // Query blocks before the key block see none of its keys.
+            if x.k_pos[k0] > x.q_pos[q1 - 1] {
+                continue;
+            }
+            let bq = q1 - q0;
+            let (p, dp) = (&mut w.p[..bq * bk], &mut w.dp[..bq * bk]);
+            let qv = rows(x.q, q0, q1, d);
+            let gv = rows(go, q0, q1, d);
+            matmul(p, bk, qv, kv.t(), false);
+            for r in 0..bq {
+                let i = q0 + r;
+                let live = live(x.k_pos, k0, k1, x.q_pos[i]);
+                let row = &mut p[r * bk..(r + 1) * bk];
+                A::exp_shifted(&mut row[..live], ls[i]);
+                row[live..].fill(zero);
+            }
+            matmul(
+                &mut dv[k0 * d..k1 * d],
+                d,
+                Mat::new(p, bq, bk).t(),
+                gv,
+                true,
+            );
+            matmul(dp, bk, gv, vv.t(), false);
+            for r in 0..bq {
+                let di = dd[q0 + r];
+                let rp = &p[r * bk..(r + 1) * bk];
+                for (ds, &pv) in dp[r * bk..(r + 1) * bk].iter_mut().zip(rp) {
+                    *ds = pv * (*ds - di);
+                }
+            }
+            let ds = Mat::new(dp, bq, bk);
+            matmul(&mut dq[q0 * d..q1 * d], d, ds, kv, true);
+            matmul(&mut dk[k0 * d..k1 * d], d, ds.t(), qv, true);
+        }
+    }
+}
+
 fn forward<T: Float<Acc: ExpShifted>>(
     out: &mut [T],
     lse: &mut [T::Acc],
@@ -301,70 +511,28 @@ fn forward<T: Float<Acc: ExpShifted>>(
     let (s, d, nh) = (g.s, g.d, g.heads);
     let rope = Rope::<T::Acc>::new(cfg);
     let mut x = Qkv::new(g);
-    let bmax = BLOCK.min(s);
-    let zero = T::Acc::ZERO;
-    // Scores, then probabilities, of one block; the running max, sum and unnormalized
-    // output of one query block.
-    let mut sc = vec![zero; bmax * bmax];
-    let mut m = vec![zero; bmax];
-    let mut l = vec![zero; bmax];
-    let mut acc = vec![zero; bmax * d];
+    // Masking compares positions within the sample (the offset shifts q and k alike).
+    let pos: Vec<usize> = (0..s).collect();
+    let mut w = FwdScratch::new(d, s);
     for h in 0..nh {
         for b in 0..g.batch {
             x.load(qkv, g, &rope, h, b);
-            for q0 in (0..s).step_by(BLOCK) {
-                let q1 = (q0 + BLOCK).min(s);
-                let bq = q1 - q0;
-                m.fill(T::Acc::neg_infinity());
-                l.fill(zero);
-                acc.fill(zero);
-                // Key blocks past the query block's last row are masked for all its rows.
-                for k0 in (0..q1).step_by(BLOCK) {
-                    let k1 = (k0 + BLOCK).min(q1);
-                    let bk = k1 - k0;
-                    let sc = &mut sc[..bq * bk];
-                    let kv = rows(&x.k, k0, k1, d);
-                    matmul(sc, bk, rows(&x.q, q0, q1, d), kv.t(), false);
-                    for r in 0..bq {
-                        // Keys `k0 .. k0 + live` are visible from query `q0 + r`.
-                        let live = (q0 + r + 1).min(k1).saturating_sub(k0);
-                        let row = &mut sc[r * bk..(r + 1) * bk];
-                        let mut mx = m[r];
-                        for &v in &row[..live] {
-                            mx = mx.max(v);
-                        }
-                        let corr = (m[r] - mx).exp();
-                        T::Acc::exp_shifted(&mut row[..live], mx);
-                        let mut sum = zero;
-                        for &p in &row[..live] {
-                            sum += p;
-                        }
-                        row[live..].fill(zero);
-                        if live > 0 {
-                            l[r] = l[r] * corr + sum;
-                            m[r] = mx;
-                            for a in &mut acc[r * d..(r + 1) * d] {
-                                *a *= corr;
-                            }
-                        }
-                    }
-                    matmul(
-                        &mut acc[..bq * d],
-                        d,
-                        Mat::new(sc, bq, bk),
-                        rows(&x.v, k0, k1, d),
-                        true,
-                    );
+            let ops = Operands {
+                q: &x.q,
+                k: &x.k,
+                v: &x.v,
+                q_pos: &pos,
+                k_pos: &pos,
+                d,
+            };
+            forward_sample(&ops, &mut w, |i, acc, l, m| {
+                let t = b * s + i;
+                let dst = &mut out[t * nh * d + h * d..][..d];
+                for (o, &a) in dst.iter_mut().zip(acc) {
+                    *o = T::from_acc(a / l);
                 }
-                for r in 0..bq {
-                    let t = b * s + q0 + r;
-                    let dst = &mut out[t * nh * d + h * d..][..d];
-                    for (o, &a) in dst.iter_mut().zip(&acc[r * d..(r + 1) * d]) {
-                        *o = T::from_acc(a / l[r]);
-                    }
-                    lse[t * nh + h] = m[r] + l[r].ln();
-                }
-            }
+                lse[t * nh + h] = m + l.ln();
+            });
         }
     }
 }
@@ -383,17 +551,16 @@ fn backward<T: Float<Acc: ExpShifted>>(
     let rope = Rope::<T::Acc>::new(cfg);
     let scale = T::Acc::lit(1.0 / (d as f64).sqrt());
     let mut x = Qkv::new(g);
-    let bmax = BLOCK.min(s);
     let zero = T::Acc::ZERO;
     let n = s * d;
-    // One sample's dout, its `D_i = dout_i·out_i` and `lse_i`, the gradients of the rotated
-    // and scaled q, of the rotated k and of v, and one block's P and dP (then dS).
+    let pos: Vec<usize> = (0..s).collect();
+    // One sample's dout, its `D_i = dout_i·out_i` and `lse_i`, and the gradients of the
+    // rotated and scaled q, of the rotated k and of v.
     let mut go = vec![zero; n];
     let mut dd = vec![zero; s];
     let mut ls = vec![zero; s];
     let (mut dq, mut dk, mut dv) = (vec![zero; n], vec![zero; n], vec![zero; n]);
-    let mut p = vec![zero; bmax * bmax];
-    let mut dp = vec![zero; bmax * bmax];
+    let mut w = BwdScratch::new(s);
     for h in 0..nh {
         for b in 0..g.batch {
             x.load(qkv, g, &rope, h, b);
@@ -412,45 +579,15 @@ fn backward<T: Float<Acc: ExpShifted>>(
             dq.fill(zero);
             dk.fill(zero);
             dv.fill(zero);
-            for k0 in (0..s).step_by(BLOCK) {
-                let k1 = (k0 + BLOCK).min(s);
-                let bk = k1 - k0;
-                let (kv, vv) = (rows(&x.k, k0, k1, d), rows(&x.v, k0, k1, d));
-                // Query blocks before the key block see none of its keys.
-                for q0 in (k0..s).step_by(BLOCK) {
-                    let q1 = (q0 + BLOCK).min(s);
-                    let bq = q1 - q0;
-                    let (p, dp) = (&mut p[..bq * bk], &mut dp[..bq * bk]);
-                    let qv = rows(&x.q, q0, q1, d);
-                    let gv = rows(&go, q0, q1, d);
-                    matmul(p, bk, qv, kv.t(), false);
-                    for r in 0..bq {
-                        let i = q0 + r;
-                        let live = (i + 1).min(k1).saturating_sub(k0);
-                        let row = &mut p[r * bk..(r + 1) * bk];
-                        T::Acc::exp_shifted(&mut row[..live], ls[i]);
-                        row[live..].fill(zero);
-                    }
-                    matmul(
-                        &mut dv[k0 * d..k1 * d],
-                        d,
-                        Mat::new(p, bq, bk).t(),
-                        gv,
-                        true,
-                    );
-                    matmul(dp, bk, gv, vv.t(), false);
-                    for r in 0..bq {
-                        let di = dd[q0 + r];
-                        let rp = &p[r * bk..(r + 1) * bk];
-                        for (ds, &pv) in dp[r * bk..(r + 1) * bk].iter_mut().zip(rp) {
-                            *ds = pv * (*ds - di);
-                        }
-                    }
-                    let ds = Mat::new(dp, bq, bk);
-                    matmul(&mut dq[q0 * d..q1 * d], d, ds, kv, true);
-                    matmul(&mut dk[k0 * d..k1 * d], d, ds.t(), qv, true);
-                }
-            }
+            let ops = Operands {
+                q: &x.q,
+                k: &x.k,
+                v: &x.v,
+                q_pos: &pos,
+                k_pos: &pos,
+                d,
+            };
+            backward_sample(&ops, &go, &dd, &ls, &mut dq, &mut dk, &mut dv, &mut w);
             for i in 0..s {
                 let row = (b * s + i) * g.cols + h * 3 * d;
                 let dst = &mut dqkv[row..row + 3 * d];
@@ -467,7 +604,7 @@ fn backward<T: Float<Acc: ExpShifted>>(
 }
 
 /// `x ← exp(x − shift)` over a row of scores, in the compute type.
-trait ExpShifted: AccFloat {
+pub(super) trait ExpShifted: AccFloat {
     fn exp_shifted(xs: &mut [Self], shift: Self);
 }
 
@@ -491,7 +628,7 @@ impl ExpShifted for f32 {
 
 /// A read-only `[rows, cols]` operand whose element `(r, c)` is `data[r·rs + c·cs]`.
 #[derive(Clone, Copy)]
-struct Mat<'a, A> {
+pub(super) struct Mat<'a, A> {
     data: &'a [A],
     rows: usize,
     cols: usize,
@@ -533,7 +670,13 @@ impl<'a, A> Mat<'a, A> {
 
 /// `dst = a·b` (`add = false`) or `dst += a·b`, `dst` row-major `[a.rows, b.cols]` with row
 /// stride `ld`, through `gemm` on the calling thread.
-fn matmul<A: AccFloat>(dst: &mut [A], ld: usize, a: Mat<'_, A>, b: Mat<'_, A>, add: bool) {
+pub(super) fn matmul<A: AccFloat>(
+    dst: &mut [A],
+    ld: usize,
+    a: Mat<'_, A>,
+    b: Mat<'_, A>,
+    add: bool,
+) {
     let (m, n, k) = (a.rows, b.cols, a.cols);
     assert_eq!(k, b.rows, "inner dims");
     if m == 0 || n == 0 {

@@ -11,6 +11,7 @@
 //! | [`reduction`] | [`sum_dim`], [`max_dim`] (the dim is removed) | [`sum_dim_backward`], [`max_dim_backward`] |
 //! | [`moe`] | [`gather_rows`], [`grouped_matmul_t`] (per-expert `x·W[e]ᵀ` over row groups) | [`scatter_add_rows`], [`grouped_matmul_t_backward`] |
 //! | [`attention`](mod@attention) | [`causal_attention`] (fused QKV, RoPE, causal, flash-style) | [`causal_attention_backward`] |
+//! | [`attention_block`](mod@attention_block) | [`attention_block()`] (a query block against another block's keys, true positions), [`merge_attention`] | [`attention_block_backward`] |
 //!
 //! Conventions, every op alike:
 //! - Float dtypes only (`f32`, `f64`, `bf16`, `f16`); every tensor argument of one call shares
@@ -68,6 +69,7 @@ macro_rules! dispatch_float {
 
 pub mod activation;
 pub mod attention;
+pub mod attention_block;
 pub mod elementwise;
 pub mod embedding;
 pub mod matmul;
@@ -82,15 +84,17 @@ pub use activation::{
 };
 pub use attention::{causal_attention, causal_attention_backward};
 pub use attention::{CausalAttention, CausalAttentionOutput};
+pub use attention_block::{
+    attention_block, attention_block_backward, fuse_qkv_grad, gather_rows, merge_attention,
+    pack_kv, BlockAttention,
+};
 pub use elementwise::{add_row, add_row_assign, mul_row, sub, sum_rows, sum_rows_into};
 pub use embedding::{
     embedding, embedding_backward, embedding_backward_into, embedding_masked,
     embedding_masked_backward, embedding_masked_backward_into, VocabShard,
 };
 pub use matmul::{matmul, matmul_into, matmul_into_with, MatmulScratch};
-pub use moe::{
-    gather_rows, grouped_matmul_t, grouped_matmul_t_backward, scatter_add_rows, GroupedMatmulGrads,
-};
+pub use moe::{grouped_matmul_t, grouped_matmul_t_backward, scatter_add_rows, GroupedMatmulGrads};
 pub use norm::{
     layer_norm, layer_norm_backward, rms_norm, rms_norm_backward, LayerNormGrads, LayerNormOutput,
     RmsNormGrads, RmsNormOutput,

@@ -21,25 +21,7 @@ fn rows_of(op: &'static str, x: &Tensor) -> Result<(usize, usize)> {
     }
 }
 
-/// `out[i] = x[rows[i]]`: `x` is `[n, h]`, `out` is `[rows.len(), h]` (rows may repeat).
-pub fn gather_rows(x: &Tensor, rows: &[usize]) -> Result<Tensor> {
-    const OP: &str = "ops::gather_rows";
-    let (n, h) = rows_of(OP, x)?;
-    if let Some(&bad) = rows.iter().find(|&&r| r >= n) {
-        return Err(Error::Invalid {
-            op: OP,
-            detail: format!("row {bad} out of range for {n} rows"),
-        });
-    }
-    let v = x.to_f64_vec();
-    let mut out = Vec::with_capacity(rows.len() * h);
-    for &r in rows {
-        out.extend_from_slice(&v[r * h..(r + 1) * h]);
-    }
-    Tensor::from_f64_vec(out, &[rows.len(), h], x.dtype())
-}
-
-/// The adjoint of [`gather_rows`]: `out[rows[i]] += src[i]`, `out` is `[n, h]` (rows no
+/// The adjoint of [`gather_rows`](super::gather_rows): `out[rows[i]] += src[i]`, `out` is `[n, h]` (rows no
 /// source row names stay zero).
 pub fn scatter_add_rows(src: &Tensor, rows: &[usize], n: usize) -> Result<Tensor> {
     const OP: &str = "ops::scatter_add_rows";
@@ -190,6 +172,7 @@ pub fn grouped_matmul_t_backward(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::gather_rows;
 
     #[test]
     fn grouped_product_matches_per_row_products() {

@@ -147,5 +147,6 @@ pub fn tiny_gpt(layers: usize, seq_len: usize, seed: u64) -> GptConfig {
         seed,
         precision: Precision::default(),
         recompute: false,
+        context: Default::default(),
     }
 }

@@ -1,0 +1,648 @@
+//! Context parallelism (CP): causal attention over sequences split across the ranks of a
+//! `Cp`-role mesh axis, by a ring of K/V blocks or by an all-to-all to head shards
+//! (Ulysses). [`DTensor::context_attention`] and [`Var::context_attention`](crate::Var)
+//! run it; [`CpLayout`] puts tokens into the order it expects and back.
+//!
+//! # Token layout
+//!
+//! A sample of `seq_len` tokens is cut into `2·cp` equal chunks and CP rank `c` holds
+//! chunks `c` and `2·cp−1−c` (*zigzag*: every rank gets one early and one late chunk, so
+//! the causal work is balanced), or with zigzag off into `cp` chunks, rank `c` holding
+//! chunk `c` (rank `cp−1` then does `2·cp−1` times the work of rank 0). The attention
+//! input is the fused `[tokens, heads·3·d]` QKV of
+//! [`causal_attention`](dtensor_kernels::ops::causal_attention), laid out `Shard<0>` over
+//! the `Cp` axis, in the **CP token order**: the global tokens are `blocks` equal blocks
+//! (one per data-parallel rank: an axis that shards the tokens *outside* `Cp`, left of it
+//! in the mesh), and inside a block of `b` whole samples the tokens are arranged chunk
+//! major: all of CP rank 0's tokens of every sample (sample by sample, each sample's
+//! chunks in position order), then rank 1's, and so on. A plain `Shard<0>` over `Cp` then
+//! gives every rank its chunks of every sample of its block. [`CpLayout::to_cp_order`]
+//! and [`CpLayout::from_cp_order`] (and their `_vec` twins, for token ids) move a tensor
+//! between the natural order (samples one after another) and this one. RoPE and the
+//! causal mask use each token's true position in its sample (plus
+//! [`CausalAttention::pos_offset`]).
+//!
+//! The output `[tokens, heads·d]` has the input's layout and order. `Cp` must be the
+//! innermost axis sharding the tokens (checked), and every rank must hold the same number
+//! of whole samples' chunks (checked: the number of samples divides by the data ranks).
+//!
+//! # Strategies
+//!
+//! - [`CpStrategy::Ring`]: each rank keeps its queries; the K/V blocks (`[tokens, heads·2·d]`,
+//!   two thirds of the QKV) travel around the `Cp` ring by `send`/`recv`, and each rank
+//!   merges its partial results by log-sum-exp (online softmax). A block wholly in a
+//!   rank's future (zigzag off: ranks `c < o` for owner `o`) is passed on without being
+//!   computed. The backward sends the K/V blocks around again; each block's accumulated
+//!   `dK`/`dV` travels with it and arrives back at its owner after one more hop.
+//! - [`CpStrategy::AllToAll`]: one all-to-all over `Cp` turns the sequence-sharded QKV
+//!   into a head-sharded one (each rank all tokens of its data block, `heads/cp` of its
+//!   heads), the local kernel runs full-sequence causal attention on it, and an
+//!   all-to-all turns the output back. Needs the heads a rank holds (per `Tp` rank) to
+//!   divide by `cp` (checked).
+//!
+//! **Typing.** Plain attention refuses `Shard<0>` on a `Cp`-role axis (its token shards are
+//! chunks, not samples: see [`AttentionRule`](dtensor_placement::AttentionRule)); this op
+//! takes exactly that, `Shard<0>` on its `Cp` axis, and what plain attention takes on every
+//! other axis ([`ContextAttentionLayout`]). The all-to-all strategy is, inside, the
+//! transition `Shard<0> → Shard<1>` (tokens → heads) on `Cp` and back. It is an op rather
+//! than two typed [`all_to_all`](crate::DTensor::all_to_all)s for two reasons: with `Tp`
+//! also sharding the heads, the head dim would need "`Tp` outer, `Cp` inner", which a
+//! typed `Shard<1>` on both cannot say (shards of one dim nest in mesh order, and `Cp` sits
+//! left of `Tp`: see [`plan`](crate::plan)'s nesting rule, which refuses the step); and the
+//! gathered tokens come in CP order, which the local kernel must see in natural order, a
+//! local permutation no layout type describes.
+//!
+//! # Overlap
+//!
+//! `send` is buffered on every backend (the threads backend copies into the peer's
+//! mailbox, MPI posts an `Isend` of a copy), so each ring step *issues the next transfer
+//! before computing on the current block* and receives after: the K/V transfer of step
+//! `s+1` overlaps the compute of step `s`, forward and backward. A `dK`/`dV` block can only
+//! leave once this rank has added its share, so its hop overlaps the next step's compute
+//! on the receiver only. The all-to-all strategy runs blocking all-to-alls (no overlap).
+//!
+//! # Communication (per layer, per token a rank holds, `H` its heads, `d` the head dim)
+//!
+//! | strategy | forward, elements sent | backward, elements sent |
+//! |---|---|---|
+//! | ring | K,V: `2·d·H·(cp−1)` | K,V: `2·d·H·(cp−1)` and dK,dV: `2·d·H·cp` (compute dtype) |
+//! | all-to-all | QKV + out: `(3+1)·d·H·(cp−1)/cp` | dout + dQKV: `(1+3)·d·H·(cp−1)/cp` |
+//!
+//! (bytes: times the element size; dK,dV travel in the compute dtype, f32 for bf16). The
+//! tests check these against the `Cp` communicator's counters.
+//!
+//! **When which wins.** The all-to-all moves `4·(cp−1)/cp ≈ 4` elements per `d·H` per token
+//! each way, independent of `cp`; the ring moves `2·(cp−1)`, growing with `cp`, so beyond
+//! `cp ≈ 3` the all-to-all sends less. But the all-to-all needs `heads (per Tp rank) ≥ cp`
+//! and divisible by it, its transfers cannot hide behind compute (they sit on the critical
+//! path), and each rank holds all tokens of its heads at once; the ring's transfers hide
+//! behind the block compute as long as a block's attention (`∝ tokens_per_rank²·d`)
+//! outlasts its transfer (`∝ tokens_per_rank·d`), i.e. for long sequences, and it works
+//! with any head count (grouped-query models with few KV heads, or `Tp` already splitting
+//! the heads finely). Short sequences and many heads: all-to-all; long sequences, few
+//! heads, or `cp` > heads: ring.
+//!
+//! # Memory
+//!
+//! A rank holds its QKV, output and lse (`∝ seq/cp` tokens) and, in the ring, two K/V
+//! blocks (the current one and the one arriving); the all-to-all strategy holds the
+//! head-sharded copy (`seq` tokens × `H/cp` heads, again `∝ seq/cp`). The backward node
+//! saves only this rank's QKV (the op's input), output and lse (and, for the all-to-all,
+//! the head-sharded QKV, output and lse instead of the output and lse).
+
+use crate::any::AnyDTensor;
+use crate::compute::output;
+use crate::error::{Error, Result};
+use crate::typed::DTensor;
+use dtensor_collectives::Communicator;
+use dtensor_kernels::ops::{self, BlockAttention, CausalAttention, CausalAttentionOutput};
+use dtensor_kernels::Tensor;
+use dtensor_placement::{AxisKind, ContextAttentionLayout, Layout, MeshAxis, Placement};
+use std::sync::Arc;
+
+const OP: &str = "DTensor::context_attention";
+const OP_BACK: &str = "Var::context_attention (backward)";
+
+/// Point-to-point tags of the ring (below MPI's guaranteed minimum tag bound, 32767).
+const TAG_KV: u32 = 30_001;
+const TAG_KV_BACK: u32 = 30_002;
+const TAG_DKV: u32 = 30_003;
+
+/// How context-parallel attention moves data over the `Cp` axis (see the
+/// [module docs](self)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum CpStrategy {
+    /// K/V blocks around the ring, partial results merged by log-sum-exp.
+    #[default]
+    Ring,
+    /// All-to-all to head shards, local full-sequence attention, all-to-all back
+    /// (Ulysses).
+    AllToAll,
+}
+
+/// The parameters of [`DTensor::context_attention`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ContextAttention {
+    /// The attention: `seq_len` is the *whole* sample's length (not a rank's share).
+    pub attn: CausalAttention,
+    /// Zigzag chunks (rank `c` holds chunks `c` and `2·cp−1−c` of `2·cp`) or contiguous
+    /// ones (chunk `c` of `cp`).
+    pub zigzag: bool,
+    pub strategy: CpStrategy,
+}
+
+/// Which positions of a sample each CP rank holds, and the token order that goes with
+/// it (see the [module docs](self)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CpLayout {
+    seq_len: usize,
+    cp: usize,
+    zigzag: bool,
+}
+
+impl CpLayout {
+    /// `Err` unless `seq_len` cuts into `2·cp` (zigzag) or `cp` equal chunks.
+    pub fn new(seq_len: usize, cp: usize, zigzag: bool) -> Result<CpLayout> {
+        let chunks = if zigzag { 2 * cp } else { cp };
+        if cp == 0 || seq_len == 0 || seq_len % chunks != 0 {
+            return Err(Error::ShapeMismatch {
+                op: "CpLayout::new",
+                detail: format!(
+                    "sequence length {seq_len} does not split into {} = {chunks} equal chunks over {cp} context-parallel ranks",
+                    if zigzag { "2·cp" } else { "cp" }
+                ),
+            });
+        }
+        Ok(CpLayout {
+            seq_len,
+            cp,
+            zigzag,
+        })
+    }
+
+    pub fn seq_len(&self) -> usize {
+        self.seq_len
+    }
+    pub fn cp(&self) -> usize {
+        self.cp
+    }
+    pub fn zigzag(&self) -> bool {
+        self.zigzag
+    }
+
+    /// Tokens of one sample per chunk.
+    pub fn chunk_len(&self) -> usize {
+        self.seq_len / if self.zigzag { 2 * self.cp } else { self.cp }
+    }
+
+    /// Tokens of one sample a CP rank holds (`seq_len / cp`).
+    pub fn tokens_per_rank(&self) -> usize {
+        self.seq_len / self.cp
+    }
+
+    /// The positions within a sample CP rank `c` holds, in the order it holds them
+    /// (increasing).
+    pub fn positions(&self, c: usize) -> Vec<usize> {
+        let n = self.chunk_len();
+        if self.zigzag {
+            let late = 2 * self.cp - 1 - c;
+            (c * n..(c + 1) * n)
+                .chain(late * n..(late + 1) * n)
+                .collect()
+        } else {
+            (c * n..(c + 1) * n).collect()
+        }
+    }
+
+    /// The CP order of `tokens` natural-order tokens in `blocks` data blocks: entry `i` is
+    /// the natural index of the token at CP-order index `i`. `Err` unless the tokens are
+    /// `blocks` equal blocks of whole samples.
+    pub fn permutation(&self, tokens: usize, blocks: usize) -> Result<Vec<usize>> {
+        if blocks == 0 || tokens % blocks != 0 || (tokens / blocks) % self.seq_len != 0 {
+            return Err(Error::ShapeMismatch {
+                op: "CpLayout::permutation",
+                detail: format!(
+                    "{tokens} tokens are not {blocks} equal blocks of whole samples of {} tokens",
+                    self.seq_len
+                ),
+            });
+        }
+        let block = tokens / blocks;
+        let samples = block / self.seq_len;
+        let pos: Vec<Vec<usize>> = (0..self.cp).map(|c| self.positions(c)).collect();
+        let mut perm = Vec::with_capacity(tokens);
+        for blk in 0..blocks {
+            for p in &pos {
+                for b in 0..samples {
+                    perm.extend(p.iter().map(|&q| blk * block + b * self.seq_len + q));
+                }
+            }
+        }
+        Ok(perm)
+    }
+
+    /// A `[tokens, ...]` tensor (any rank ≥ 1, any dtype) from natural order into CP order.
+    pub fn to_cp_order(&self, t: &Tensor, blocks: usize) -> Result<Tensor> {
+        let perm = self.permutation(t.shape().first().copied().unwrap_or(0), blocks)?;
+        permute_rows(t, &perm)
+    }
+
+    /// The inverse of [`to_cp_order`](Self::to_cp_order).
+    pub fn from_cp_order(&self, t: &Tensor, blocks: usize) -> Result<Tensor> {
+        let perm = self.permutation(t.shape().first().copied().unwrap_or(0), blocks)?;
+        permute_rows(t, &invert(&perm))
+    }
+
+    /// [`to_cp_order`](Self::to_cp_order) of a vector of per-token values (token ids).
+    pub fn to_cp_order_vec<T: Clone>(&self, v: &[T], blocks: usize) -> Result<Vec<T>> {
+        let perm = self.permutation(v.len(), blocks)?;
+        Ok(perm.iter().map(|&i| v[i].clone()).collect())
+    }
+
+    /// [`from_cp_order`](Self::from_cp_order) of a vector of per-token values.
+    pub fn from_cp_order_vec<T: Clone>(&self, v: &[T], blocks: usize) -> Result<Vec<T>> {
+        let inv = invert(&self.permutation(v.len(), blocks)?);
+        Ok(inv.iter().map(|&i| v[i].clone()).collect())
+    }
+}
+
+fn invert(perm: &[usize]) -> Vec<usize> {
+    let mut inv = vec![0; perm.len()];
+    for (i, &p) in perm.iter().enumerate() {
+        inv[p] = i;
+    }
+    inv
+}
+
+/// Rows of `t` (dim 0, any rank ≥ 1) picked by `src`.
+fn permute_rows(t: &Tensor, src: &[usize]) -> Result<Tensor> {
+    let shape = t.shape().to_vec();
+    if shape.is_empty() {
+        return Err(Error::ShapeMismatch {
+            op: "CpLayout::to_cp_order",
+            detail: "a scalar has no token dim".into(),
+        });
+    }
+    let rest: usize = shape[1..].iter().product();
+    let flat = t.clone().reshape(&[shape[0], rest])?;
+    Ok(ops::gather_rows(&flat, src)?.reshape(&shape)?)
+}
+
+/// Everything one call needs to know about where it runs.
+#[derive(Clone)]
+struct Geom {
+    comm: Arc<dyn Communicator>,
+    /// This rank's coordinate on the `Cp` axis, and the axis size.
+    c: usize,
+    cp: usize,
+    layout: CpLayout,
+    /// Each CP rank's positions plus the RoPE offset (for the ring's blocks).
+    pos: Vec<Vec<usize>>,
+    heads: usize,
+    cfg: ContextAttention,
+}
+
+/// What the backward needs besides the input.
+enum Saved {
+    /// `cp = 1`: the fused kernel on this rank's whole samples, nothing moves.
+    Local {
+        out: Tensor,
+        lse: Tensor,
+    },
+    Ring {
+        out: Tensor,
+        lse: Tensor,
+    },
+    AllToAll {
+        x: Tensor,
+        out: Tensor,
+        lse: Tensor,
+    },
+}
+
+/// Saved state of one context-attention call, for its backward.
+pub(crate) struct ContextSaved {
+    geom: Geom,
+    saved: Saved,
+}
+
+fn describe(t: &AnyDTensor) -> String {
+    let p: Vec<String> = t.placements().iter().map(|p| p.to_string()).collect();
+    format!(
+        "QKV global {:?} (local {:?}) laid out as [{}] on mesh {}",
+        t.global_shape(),
+        t.local_shape(),
+        p.join(", "),
+        t.device_mesh().mesh()
+    )
+}
+
+fn bad(detail: String) -> Error {
+    Error::ShapeMismatch { op: OP, detail }
+}
+
+fn geometry(a: &AnyDTensor, axis: AxisKind, cfg: &ContextAttention) -> Result<Geom> {
+    if a.global_shape().len() != 2 {
+        return Err(bad(format!("the QKV must be 2-D, got {}", describe(a))));
+    }
+    let dm = a.device_mesh();
+    let ax = dm.mesh().index_of(axis).ok_or_else(|| {
+        bad(format!(
+            "axis {axis} is not in the mesh of the {}",
+            describe(a)
+        ))
+    })?;
+    if a.placements()[ax] != Placement::Shard(0) {
+        return Err(bad(format!(
+            "the tokens must be Shard<0> over {axis}, got {}",
+            describe(a)
+        )));
+    }
+    let cp = dm.mesh().size(ax);
+    let layout = CpLayout::new(cfg.attn.seq_len, cp, cfg.zigzag).map_err(|e| {
+        bad(format!(
+            "{} ({}; over axis {axis})",
+            match e {
+                Error::ShapeMismatch { detail, .. } => detail,
+                e => e.to_string(),
+            },
+            describe(a)
+        ))
+    })?;
+    if let Some(b) =
+        (ax + 1..a.placements().len()).find(|&b| a.placements()[b] == Placement::Shard(0))
+    {
+        return Err(bad(format!(
+            "axis {} shards the tokens inside {axis}; {axis} must be the innermost axis sharding them (data-parallel axes go left of it): {}",
+            dm.mesh().axes()[b].0,
+            describe(a)
+        )));
+    }
+    let d = cfg.attn.head_dim;
+    let (rows, cols) = (a.local_shape()[0], a.local_shape()[1]);
+    if d == 0 || d % 2 != 0 || cols % (3 * d) != 0 {
+        return Err(bad(format!(
+            "this rank's {cols} columns are not whole heads of 3·{d} (head_dim even and nonzero): {}",
+            describe(a)
+        )));
+    }
+    let parts: usize = a
+        .placements()
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| **p == Placement::Shard(0))
+        .map(|(i, _)| dm.mesh().size(i))
+        .product();
+    let per = layout.tokens_per_rank();
+    if rows % per != 0 || rows * parts != a.global_shape()[0] {
+        return Err(bad(format!(
+            "each rank must hold the chunks of the same whole samples: {rows} local tokens are not samples × seq_len/cp = {per} split evenly over {parts} token shards ({})",
+            describe(a)
+        )));
+    }
+    let heads = cols / (3 * d);
+    if cfg.strategy == CpStrategy::AllToAll && heads % cp != 0 {
+        return Err(bad(format!(
+            "the all-to-all strategy splits this rank's {heads} heads over cp = {cp} ranks of {axis}: they do not divide (use CpStrategy::Ring, or fewer tensor-parallel ranks); {}",
+            describe(a)
+        )));
+    }
+    let off = cfg.attn.pos_offset;
+    let pos = (0..cp)
+        .map(|c| layout.positions(c).into_iter().map(|p| p + off).collect())
+        .collect();
+    Ok(Geom {
+        comm: dm.axis_comm(ax).clone(),
+        c: dm.coords()[ax],
+        cp,
+        layout,
+        pos,
+        heads,
+        cfg: *cfg,
+    })
+}
+
+impl Geom {
+    fn next(&self) -> usize {
+        (self.c + 1) % self.cp
+    }
+    fn prev(&self) -> usize {
+        (self.c + self.cp - 1) % self.cp
+    }
+    fn block(&self, owner: usize) -> BlockAttention<'_> {
+        BlockAttention {
+            head_dim: self.cfg.attn.head_dim,
+            rope_base: self.cfg.attn.rope_base,
+            q_pos: &self.pos[self.c],
+            k_pos: &self.pos[owner],
+        }
+    }
+    fn send(&self, t: &Tensor, tag: u32) -> Result<()> {
+        Ok(self.comm.send(t.as_dyn_slice(), self.next(), tag)?)
+    }
+    fn recv_like(&self, like: &Tensor, tag: u32) -> Result<Tensor> {
+        let mut t = Tensor::for_overwrite(like.shape(), like.dtype());
+        self.comm.recv(t.as_dyn_slice_mut(), self.prev(), tag)?;
+        Ok(t)
+    }
+
+    /// The within-block permutation between CP order (what an all-to-all gathers: rank
+    /// 0's tokens, then rank 1's, ...) and natural order, for `rows` local tokens.
+    fn block_perm(&self, rows: usize) -> Result<Vec<usize>> {
+        self.layout.permutation(rows * self.cp, 1)
+    }
+
+    fn ring_forward(&self, qkv: &Tensor) -> Result<CausalAttentionOutput> {
+        let d = self.cfg.attn.head_dim;
+        let mut cur = ops::pack_kv(qkv, d)?;
+        let mut owner = self.c;
+        let mut acc: Option<CausalAttentionOutput> = None;
+        for step in 0..self.cp {
+            let more = step + 1 < self.cp;
+            // The next hop leaves before this block's compute (buffered send).
+            if more {
+                self.send(&cur, TAG_KV)?;
+            }
+            let b = self.block(owner);
+            if !b.fully_masked() {
+                let part = ops::attention_block(qkv, &cur, &b)?;
+                match acc.as_mut() {
+                    None => acc = Some(part),
+                    Some(a) => ops::merge_attention(a, &part)?,
+                }
+            }
+            if more {
+                cur = self.recv_like(&cur, TAG_KV)?;
+                owner = (owner + self.cp - 1) % self.cp;
+            }
+        }
+        // The rank's own block (step 0) is never masked.
+        Ok(acc.expect("the diagonal block is computed"))
+    }
+
+    fn ring_backward(
+        &self,
+        dy: &Tensor,
+        qkv: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+    ) -> Result<Tensor> {
+        let d = self.cfg.attn.head_dim;
+        let acc = ops::acc_dtype(qkv.dtype());
+        let mut cur = ops::pack_kv(qkv, d)?;
+        let mut dkv = Tensor::zeros(cur.shape(), acc);
+        let mut dq = Tensor::zeros(&[qkv.shape()[0], self.heads * d], acc);
+        let mut owner = self.c;
+        for step in 0..self.cp {
+            let more = step + 1 < self.cp;
+            if more {
+                self.send(&cur, TAG_KV_BACK)?;
+            }
+            let b = self.block(owner);
+            ops::attention_block_backward(dy, qkv, &cur, out, lse, &b, &mut dq, &mut dkv)?;
+            if self.cp > 1 {
+                // This block's dK/dV, with this rank's share added, follows it; the last hop
+                // takes it home to its owner.
+                self.send(&dkv, TAG_DKV)?;
+            }
+            if more {
+                cur = self.recv_like(&cur, TAG_KV_BACK)?;
+                owner = (owner + self.cp - 1) % self.cp;
+            }
+            if self.cp > 1 {
+                dkv = self.recv_like(&dkv, TAG_DKV)?;
+            }
+        }
+        Ok(ops::fuse_qkv_grad(&dq, &dkv, d, qkv.dtype())?)
+    }
+
+    /// Sequence-sharded `[rows, H·w]` → head-sharded `[cp·rows, (H/cp)·w]` in natural
+    /// order (this rank's data block, all tokens, its head group).
+    fn to_heads(&self, t: &Tensor) -> Result<Tensor> {
+        let rows = t.shape()[0];
+        let groups = t.chunk(1, self.cp)?;
+        let send = Tensor::cat(&groups, 0)?;
+        drop(groups);
+        let mut recv = Tensor::for_overwrite(send.shape(), send.dtype());
+        self.comm
+            .all_to_all(send.as_dyn_slice(), recv.as_dyn_slice_mut())?;
+        drop(send);
+        let inv = invert(&self.block_perm(rows)?);
+        Ok(ops::gather_rows(&recv, &inv)?)
+    }
+
+    /// The inverse of [`to_heads`](Self::to_heads).
+    fn to_tokens(&self, t: &Tensor) -> Result<Tensor> {
+        let rows = t.shape()[0] / self.cp;
+        let send = ops::gather_rows(t, &self.block_perm(rows)?)?;
+        let mut recv = Tensor::for_overwrite(send.shape(), send.dtype());
+        self.comm
+            .all_to_all(send.as_dyn_slice(), recv.as_dyn_slice_mut())?;
+        drop(send);
+        Ok(Tensor::cat(&recv.chunk(0, self.cp)?, 1)?)
+    }
+
+    fn attn_full(&self) -> CausalAttention {
+        self.cfg.attn
+    }
+}
+
+/// The forward, with what the backward needs.
+pub(crate) fn forward<L: Layout>(
+    x: &DTensor<L>,
+    axis: AxisKind,
+    cfg: &ContextAttention,
+) -> Result<(DTensor<L>, ContextSaved)> {
+    let a = x.as_any();
+    let geom = geometry(a, axis, cfg)?;
+    let qkv = a.as_local();
+    let global = [a.global_shape()[0], a.global_shape()[1] / 3];
+    let (local, saved) = match cfg.strategy {
+        // One rank holds whole samples in natural order: plain causal attention, bit for
+        // bit what `causal_attention` computes, with no collective.
+        _ if geom.cp == 1 => {
+            let r = ops::causal_attention(qkv, &geom.attn_full())?;
+            (
+                r.out.clone(),
+                Saved::Local {
+                    out: r.out,
+                    lse: r.lse,
+                },
+            )
+        }
+        CpStrategy::Ring => {
+            let r = geom.ring_forward(qkv)?;
+            let out = r.out.to_dtype(qkv.dtype());
+            (out.clone(), Saved::Ring { out, lse: r.lse })
+        }
+        CpStrategy::AllToAll => {
+            let xh = geom.to_heads(qkv)?;
+            let r = ops::causal_attention(&xh, &geom.attn_full())?;
+            let out = geom.to_tokens(&r.out)?;
+            (
+                out,
+                Saved::AllToAll {
+                    x: xh,
+                    out: r.out,
+                    lse: r.lse,
+                },
+            )
+        }
+    };
+    let y = output(OP, local, &global, a)?;
+    Ok((y, ContextSaved { geom, saved }))
+}
+
+/// The local QKV gradient from the local output gradient.
+pub(crate) fn backward(dy: &Tensor, x: &AnyDTensor, s: &ContextSaved) -> Result<Tensor> {
+    let g = &s.geom;
+    let qkv = x.as_local();
+    if dy.dtype() != qkv.dtype() {
+        return Err(Error::ShapeMismatch {
+            op: OP_BACK,
+            detail: format!("output gradient {} for a {} QKV", dy.dtype(), qkv.dtype()),
+        });
+    }
+    match &s.saved {
+        Saved::Local { out, lse } => Ok(ops::causal_attention_backward(
+            dy,
+            qkv,
+            out,
+            lse,
+            &g.attn_full(),
+        )?),
+        Saved::Ring { out, lse } => g.ring_backward(dy, qkv, out, lse),
+        Saved::AllToAll { x, out, lse } => {
+            let dyh = g.to_heads(dy)?;
+            let dxh = ops::causal_attention_backward(&dyh, x, out, lse, &g.attn_full())?;
+            drop(dyh);
+            g.to_tokens(&dxh)
+        }
+    }
+}
+
+/// The elements a rank sends over the `Cp` axis for one context attention of `tokens`
+/// local tokens and `heads` local heads of dim `d`, forward and backward (the module
+/// docs' table): `(forward, backward)` in elements of the QKV dtype, and the backward's
+/// dK/dV in the compute dtype (`ring` only) as a third figure.
+pub fn cp_elements_sent(
+    strategy: CpStrategy,
+    cp: usize,
+    tokens: usize,
+    heads: usize,
+    d: usize,
+) -> (usize, usize, usize) {
+    let per = tokens * heads * d;
+    match strategy {
+        CpStrategy::Ring => {
+            let kv = 2 * per * (cp - 1);
+            (kv, kv, if cp > 1 { 2 * per * cp } else { 0 })
+        }
+        CpStrategy::AllToAll => {
+            // A rank keeps 1/cp of each all-to-all.
+            let f = |w: usize| w * per * (cp - 1) / cp;
+            (f(3) + f(1), f(1) + f(3), 0)
+        }
+    }
+}
+
+impl<L: Layout> DTensor<L> {
+    /// Context-parallel causal attention with RoPE over the `Cp`-role axis `axis`, on a
+    /// fused `[tokens, heads·3·d]` QKV laid out `Shard<0>` over it in the CP token order
+    /// ([`CpLayout`]; see the [module docs](crate::context)), into `[tokens, heads·d]` laid
+    /// out as the input. Other axes take what [`causal_attention`](Self::causal_attention)
+    /// takes. `Err` (naming the op, shapes and placements) when the sequence does not cut
+    /// into the chunks, when ranks would hold different samples, and, for
+    /// [`CpStrategy::AllToAll`], when the local heads do not divide by `cp`.
+    pub fn context_attention<X: MeshAxis, I>(
+        &self,
+        axis: X,
+        cfg: &ContextAttention,
+    ) -> Result<DTensor<L>>
+    where
+        L: ContextAttentionLayout<X, I>,
+    {
+        let _ = axis;
+        Ok(forward(self, X::KIND, cfg)?.0)
+    }
+}

@@ -1,0 +1,231 @@
+//! Blockwise attention (`ops::attention_block`, `merge_attention`,
+//! `attention_block_backward`): cutting each sample into chunks held by `cp` "ranks"
+//! (zigzag or contiguous), attending every rank's queries to every rank's keys block by
+//! block and merging by lse must give the full kernel's output, lse and gradient.
+//! Tolerances: f64 `1e-12` relative to the tensor's largest value; f32 `2e-5`.
+
+mod common;
+
+use common::*;
+use dtensor_kernels::ops::{self, BlockAttention, CausalAttention};
+use dtensor_kernels::{DType, Tensor};
+
+/// Positions (within a sample) rank `c` of `cp` holds.
+fn positions(s: usize, cp: usize, c: usize, zigzag: bool) -> Vec<usize> {
+    if zigzag {
+        let n = s / (2 * cp);
+        (c * n..(c + 1) * n)
+            .chain((2 * cp - 1 - c) * n..(2 * cp - c) * n)
+            .collect()
+    } else {
+        let n = s / cp;
+        (c * n..(c + 1) * n).collect()
+    }
+}
+
+/// Rows of the natural-order tensor rank `c` holds: its positions of every sample.
+fn rows_of(batch: usize, s: usize, pos: &[usize]) -> Vec<usize> {
+    (0..batch)
+        .flat_map(|b| pos.iter().map(move |p| b * s + p))
+        .collect()
+}
+
+fn max_rel(got: &[f64], want: &[f64]) -> f64 {
+    let scale = want.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-300);
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs() / scale)
+        .fold(0.0, f64::max)
+}
+
+fn run(dtype: DType, batch: usize, s: usize, heads: usize, d: usize, cp: usize, zigzag: bool) {
+    let tol = if dtype == DType::F64 { 1e-12 } else { 2e-5 };
+    let cfg = CausalAttention {
+        seq_len: s,
+        head_dim: d,
+        rope_base: 10000.0,
+        pos_offset: 3,
+    };
+    let (qkv, _) = input(&[batch * s, heads * 3 * d], 7, 1.5, dtype);
+    let (dout, _) = input(&[batch * s, heads * d], 11, 1.0, dtype);
+    let full = ops::causal_attention(&qkv, &cfg).unwrap();
+    let dfull = ops::causal_attention_backward(&dout, &qkv, &full.out, &full.lse, &cfg).unwrap();
+    let pos: Vec<Vec<usize>> = (0..cp)
+        .map(|c| positions(s, cp, c, zigzag).iter().map(|p| p + 3).collect())
+        .collect();
+    let rows: Vec<Vec<usize>> = (0..cp)
+        .map(|c| rows_of(batch, s, &positions(s, cp, c, zigzag)))
+        .collect();
+    let local: Vec<Tensor> = rows
+        .iter()
+        .map(|r| ops::gather_rows(&qkv, r).unwrap())
+        .collect();
+    let kvs: Vec<Tensor> = local.iter().map(|t| ops::pack_kv(t, d).unwrap()).collect();
+    let acc = ops::acc_dtype(dtype);
+    let mut dkv: Vec<Tensor> = kvs.iter().map(|t| Tensor::zeros(t.shape(), acc)).collect();
+    let mut skipped = 0;
+    let mut dqkv_parts = Vec::new();
+    for c in 0..cp {
+        let mut merged: Option<ops::CausalAttentionOutput> = None;
+        for o in 0..cp {
+            let b = BlockAttention {
+                head_dim: d,
+                rope_base: 10000.0,
+                q_pos: &pos[c],
+                k_pos: &pos[o],
+            };
+            skipped += b.fully_masked() as usize;
+            let part = ops::attention_block(&local[c], &kvs[o], &b).unwrap();
+            match merged.as_mut() {
+                None => merged = Some(part),
+                Some(m) => ops::merge_attention(m, &part).unwrap(),
+            }
+        }
+        let m = merged.unwrap();
+        let out = m.out.to_dtype(dtype);
+        let want_out = ops::gather_rows(&full.out, &rows[c]).unwrap().to_f64_vec();
+        let want_lse = ops::gather_rows(&full.lse, &rows[c]).unwrap().to_f64_vec();
+        let (eo, el) = (
+            max_rel(&out.to_f64_vec(), &want_out),
+            max_rel(&m.lse.to_f64_vec(), &want_lse),
+        );
+        assert!(
+            eo <= tol && el <= tol,
+            "{dtype} cp {cp} zigzag {zigzag} rank {c}: out {eo:e}, lse {el:e}"
+        );
+        // Backward from the full kernel's own out and lse (what a ring rank saves).
+        let dout_c = ops::gather_rows(&dout, &rows[c]).unwrap();
+        let out_c = ops::gather_rows(&full.out, &rows[c]).unwrap();
+        let lse_c = ops::gather_rows(&full.lse, &rows[c]).unwrap();
+        let mut dq = Tensor::zeros(&[rows[c].len(), heads * d], acc);
+        for o in 0..cp {
+            let b = BlockAttention {
+                head_dim: d,
+                rope_base: 10000.0,
+                q_pos: &pos[c],
+                k_pos: &pos[o],
+            };
+            ops::attention_block_backward(
+                &dout_c,
+                &local[c],
+                &kvs[o],
+                &out_c,
+                &lse_c,
+                &b,
+                &mut dq,
+                &mut dkv[o],
+            )
+            .unwrap();
+        }
+        dqkv_parts.push(dq);
+    }
+    if !zigzag {
+        // Rank c's queries never see a later rank's keys.
+        assert_eq!(skipped, cp * (cp - 1) / 2);
+    } else {
+        assert_eq!(skipped, 0);
+    }
+    for c in 0..cp {
+        let dqkv = ops::fuse_qkv_grad(&dqkv_parts[c], &dkv[c], d, dtype).unwrap();
+        let want = ops::gather_rows(&dfull, &rows[c]).unwrap().to_f64_vec();
+        let e = max_rel(&dqkv.to_f64_vec(), &want);
+        eprintln!("{dtype} b{batch} s{s} cp{cp} zigzag {zigzag} rank {c}: dqkv max rel err {e:e}");
+        assert!(
+            e <= tol,
+            "{dtype} cp {cp} zigzag {zigzag} rank {c}: dqkv {e:e}"
+        );
+    }
+}
+
+#[test]
+fn blocks_merged_equal_the_full_kernel_f64() {
+    for &(cp, zz) in &[
+        (1, false),
+        (2, true),
+        (2, false),
+        (4, true),
+        (4, false),
+        (3, true),
+    ] {
+        run(DType::F64, 3, 48, 2, 4, cp, zz);
+    }
+    // Tiles of 64 inside a block (a rank holds 80 and 160 rows per sample).
+    run(DType::F64, 2, 320, 1, 8, 2, true);
+    run(DType::F64, 1, 320, 1, 8, 4, false);
+}
+
+#[test]
+fn blocks_merged_equal_the_full_kernel_f32() {
+    run(DType::F32, 3, 48, 2, 4, 2, true);
+    run(DType::F32, 2, 320, 1, 8, 2, false);
+}
+
+#[test]
+fn bf16_blocks_run() {
+    // bf16 reads rounded inputs and computes in f32: the merged output rounds once.
+    run_bf16();
+}
+
+fn run_bf16() {
+    let (qkv, _) = input(&[8, 2 * 3 * 4], 3, 1.0, DType::BF16);
+    let q_pos: Vec<usize> = (4..8).collect();
+    let k_pos: Vec<usize> = (0..4).collect();
+    let kv = ops::pack_kv(&qkv, 4).unwrap();
+    let b = BlockAttention {
+        head_dim: 4,
+        rope_base: 100.0,
+        q_pos: &q_pos,
+        k_pos: &k_pos,
+    };
+    let r = ops::attention_block(&qkv, &kv, &b).unwrap();
+    assert_eq!(r.out.dtype(), DType::F32);
+    assert!(r.lse.to_f64_vec().iter().all(|x| x.is_finite()));
+}
+
+#[test]
+fn a_fully_masked_block_contributes_nothing() {
+    let (qkv, _) = input(&[4, 6], 5, 1.0, DType::F64);
+    let kv = ops::pack_kv(&qkv, 2).unwrap();
+    let (q_pos, k_pos) = ([0usize, 1], [2usize, 3]);
+    let b = BlockAttention {
+        head_dim: 2,
+        rope_base: 100.0,
+        q_pos: &q_pos,
+        k_pos: &k_pos,
+    };
+    assert!(b.fully_masked());
+    let r = ops::attention_block(&qkv, &kv, &b).unwrap();
+    assert!(r.out.to_f64_vec().iter().all(|&x| x == 0.0));
+    assert!(r.lse.to_f64_vec().iter().all(|&x| x == f64::NEG_INFINITY));
+    // Merging it into a real result changes nothing.
+    let full_b = BlockAttention { k_pos: &q_pos, ..b };
+    let mut m = ops::attention_block(&qkv, &kv, &full_b).unwrap();
+    let before = m.clone();
+    ops::merge_attention(&mut m, &r).unwrap();
+    assert_eq!(m, before);
+}
+
+#[test]
+fn bad_blocks_are_errors_naming_the_op() {
+    let (qkv, _) = input(&[4, 6], 5, 1.0, DType::F64);
+    let kv = ops::pack_kv(&qkv, 2).unwrap();
+    let mk = |q: &'static [usize], k: &'static [usize]| BlockAttention {
+        head_dim: 2,
+        rope_base: 100.0,
+        q_pos: q,
+        k_pos: k,
+    };
+    assert_names_op(
+        ops::attention_block(&qkv, &kv, &mk(&[1, 1], &[0, 1])),
+        "ops::attention_block",
+    );
+    assert_names_op(
+        ops::attention_block(&qkv, &kv, &mk(&[0, 1, 2], &[0, 1])),
+        "ops::attention_block",
+    );
+    let kv_bad = Tensor::zeros(&[4, 6], DType::F64);
+    assert_names_op(
+        ops::attention_block(&qkv, &kv_bad, &mk(&[0, 1], &[0, 1])),
+        "ops::attention_block",
+    );
+}

@@ -1,0 +1,375 @@
+//! Context-parallel attention (`Var::context_attention` over `Cp`), ring and all-to-all,
+//! against the single-rank `causal_attention` on the natural-order full tensor: forward
+//! output and the gradient of the QKV, in f64, to `1e-10` relative to the largest value.
+//! Inputs go into the CP token order with `CpLayout::to_cp_order` and results come back
+//! with `from_cp_order`. Also: the `Cp` communicator's bytes against the documented
+//! formula, errors, and the per-rank peak memory at cp = 1, 2, 4.
+
+mod common;
+
+use common::on_mesh;
+use dtensor::core::context::cp_elements_sent;
+use dtensor::kernels::memory::{live_bytes, peak_bytes, reset_peak};
+use dtensor::kernels::ops::{self, CausalAttention};
+use dtensor::placement::ContextAttentionLayout;
+use dtensor::prelude::*;
+
+const TOL: f64 = 1e-10;
+
+fn values(shape: &[usize], seed: u64) -> Tensor {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
+    Tensor::from_fn(shape, |_| {
+        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 52) as f64 * 2.0 - 1.0
+    })
+}
+
+fn max_rel(got: &Tensor, want: &Tensor) -> f64 {
+    assert_eq!(got.shape(), want.shape());
+    let (g, w) = (got.to_f64_vec(), want.to_f64_vec());
+    let scale = w.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    g.iter()
+        .zip(&w)
+        .map(|(a, b)| (a - b).abs() / scale)
+        .fold(0.0, f64::max)
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    samples: usize,
+    seq: usize,
+    heads: usize,
+    d: usize,
+    zigzag: bool,
+    strategy: CpStrategy,
+}
+
+impl Case {
+    fn cfg(&self) -> ContextAttention {
+        ContextAttention {
+            attn: CausalAttention {
+                seq_len: self.seq,
+                head_dim: self.d,
+                rope_base: 100.0,
+                pos_offset: 2,
+            },
+            zigzag: self.zigzag,
+            strategy: self.strategy,
+        }
+    }
+}
+
+/// What every rank measured: the output and QKV gradient (natural order, full), and the
+/// `Cp` axis's bytes sent in the forward and in the backward, with the formula's figures.
+struct Got {
+    out: Tensor,
+    dqkv: Tensor,
+    sent: (u64, u64),
+    want_sent: (u64, u64),
+}
+
+/// Runs one case on `axes` with the QKV laid out `L`; `dp` is the number of data blocks
+/// (the product of the axes sharding the tokens outside `Cp`).
+fn run<L, I>(axes: &[(AxisKind, usize)], dp: usize, c: Case)
+where
+    L: Layout + ContextAttentionLayout<Cp, I>,
+{
+    let cp = axes.iter().find(|a| a.0 == AxisKind::Cp).unwrap().1;
+    let cfg = c.cfg();
+    let tokens = c.samples * c.seq;
+    let qkv = values(&[tokens, c.heads * 3 * c.d], 1);
+    let dout = values(&[tokens, c.heads * c.d], 2);
+    let want = ops::causal_attention(&qkv, &cfg.attn).unwrap();
+    let want_dqkv =
+        ops::causal_attention_backward(&dout, &qkv, &want.out, &want.lse, &cfg.attn).unwrap();
+    let lay = CpLayout::new(c.seq, cp, c.zigzag).unwrap();
+    let qkv_cp = lay.to_cp_order(&qkv, dp).unwrap();
+    let dout_cp = lay.to_cp_order(&dout, dp).unwrap();
+    let got = on_mesh(axes, |m| {
+        let src = |t: &Tensor| Some(t.clone()).filter(|_| m.rank() == 0);
+        let x = DTensor::<L>::distribute(src(&qkv_cp).as_ref(), 0, m)?;
+        let w = DTensor::<L::Grad>::distribute(src(&dout_cp).as_ref(), 0, m)?;
+        let comm = m.comm(AxisKind::Cp).unwrap().clone();
+        let tape = Tape::new();
+        let xv = tape.leaf(x);
+        let c0 = comm.counters();
+        let y = xv.context_attention(Cp, &cfg)?;
+        let c1 = comm.counters();
+        let yv = y.value().clone();
+        let mut grads = y.backward_with(w)?;
+        let c2 = comm.counters();
+        let dx = grads.take(&xv)?;
+        let (n, h) = (
+            xv.value().local_shape()[0],
+            xv.value().local_shape()[1] / (3 * c.d),
+        );
+        let (f, b, bd) = cp_elements_sent(c.strategy, cp, n, h, c.d);
+        Ok(Got {
+            out: lay.from_cp_order(&yv.full_tensor()?, dp)?,
+            dqkv: lay.from_cp_order(&dx.full_tensor()?, dp)?,
+            sent: (c1.since(&c0).bytes_sent, c2.since(&c1).bytes_sent),
+            want_sent: (8 * f as u64, 8 * (b + bd) as u64),
+        })
+    });
+    for (r, g) in got.iter().enumerate() {
+        let (eo, eg) = (max_rel(&g.out, &want.out), max_rel(&g.dqkv, &want_dqkv));
+        assert!(
+            eo <= TOL && eg <= TOL,
+            "{axes:?} {c:?} rank {r}: out {eo:e}, dqkv {eg:e}"
+        );
+        assert_eq!(
+            g.sent, g.want_sent,
+            "{axes:?} {c:?} rank {r}: Cp bytes sent (forward, backward)"
+        );
+    }
+    eprintln!(
+        "{axes:?} {:?} zigzag={} samples={}: ok; rank 0 sent over Cp {} B forward, {} B backward",
+        c.strategy, c.zigzag, c.samples, got[0].sent.0, got[0].sent.1
+    );
+}
+
+const STRATEGIES: [CpStrategy; 2] = [CpStrategy::Ring, CpStrategy::AllToAll];
+
+#[test]
+fn cp2_matches_one_rank() {
+    for strategy in STRATEGIES {
+        for zigzag in [true, false] {
+            let c = Case {
+                samples: 3,
+                seq: 16,
+                heads: 2,
+                d: 4,
+                zigzag,
+                strategy,
+            };
+            run::<layout![Cp: Shard<0>], _>(&[(AxisKind::Cp, 2)], 1, c);
+        }
+    }
+}
+
+#[test]
+fn cp4_matches_one_rank() {
+    for strategy in STRATEGIES {
+        for zigzag in [true, false] {
+            let c = Case {
+                samples: 3,
+                seq: 16,
+                heads: 4,
+                d: 4,
+                zigzag,
+                strategy,
+            };
+            run::<layout![Cp: Shard<0>], _>(&[(AxisKind::Cp, 4)], 1, c);
+        }
+    }
+}
+
+#[test]
+fn long_sequences_cross_kernel_tiles() {
+    // 320 tokens a sample: a rank's 160 (cp 2) span several 64-token tiles.
+    for strategy in STRATEGIES {
+        let c = Case {
+            samples: 1,
+            seq: 320,
+            heads: 2,
+            d: 8,
+            zigzag: true,
+            strategy,
+        };
+        run::<layout![Cp: Shard<0>], _>(&[(AxisKind::Cp, 2)], 1, c);
+    }
+}
+
+#[test]
+fn cp_with_tp_sharding_the_heads() {
+    for strategy in STRATEGIES {
+        for zigzag in [true, false] {
+            let c = Case {
+                samples: 3,
+                seq: 8,
+                heads: 4,
+                d: 4,
+                zigzag,
+                strategy,
+            };
+            run::<layout![Cp: Shard<0>, Tp: Shard<1>], _>(
+                &[(AxisKind::Cp, 2), (AxisKind::Tp, 2)],
+                1,
+                c,
+            );
+        }
+    }
+}
+
+#[test]
+fn cp_with_dp_sharding_the_samples() {
+    for strategy in STRATEGIES {
+        for zigzag in [true, false] {
+            let c = Case {
+                samples: 6,
+                seq: 8,
+                heads: 2,
+                d: 4,
+                zigzag,
+                strategy,
+            };
+            run::<layout![Dp: Shard<0>, Cp: Shard<0>], _>(
+                &[(AxisKind::Dp, 2), (AxisKind::Cp, 2)],
+                2,
+                c,
+            );
+        }
+    }
+}
+
+#[test]
+fn cp_order_round_trips() {
+    let lay = CpLayout::new(8, 2, true).unwrap();
+    assert_eq!(lay.positions(0), vec![0, 1, 6, 7]);
+    assert_eq!(lay.positions(1), vec![2, 3, 4, 5]);
+    // 2 data blocks of 1 sample: block-local, chunk-major.
+    let perm = lay.permutation(16, 2).unwrap();
+    assert_eq!(
+        perm,
+        vec![0, 1, 6, 7, 2, 3, 4, 5, 8, 9, 14, 15, 10, 11, 12, 13]
+    );
+    let ids: Vec<i64> = (0..24).collect();
+    let cp = lay.to_cp_order_vec(&ids, 1).unwrap();
+    assert_eq!(&cp[..8], &[0, 1, 6, 7, 8, 9, 14, 15]);
+    assert_eq!(lay.from_cp_order_vec(&cp, 1).unwrap(), ids);
+    let t = values(&[24, 3], 9);
+    let back = lay
+        .from_cp_order(&lay.to_cp_order(&t, 1).unwrap(), 1)
+        .unwrap();
+    assert_eq!(back, t);
+    let plain = CpLayout::new(6, 3, false).unwrap();
+    assert_eq!(plain.positions(2), vec![4, 5]);
+    let e = CpLayout::new(10, 2, true).unwrap_err().to_string();
+    assert!(e.contains("2·cp = 4"), "{e}");
+}
+
+#[test]
+fn bad_shapes_are_errors_naming_the_op() {
+    // 10 tokens a sample do not cut into 2·cp = 4 chunks.
+    let qkv = values(&[20, 6], 3);
+    let errs = on_mesh(&[(AxisKind::Cp, 2)], |m| {
+        let x = DTensor::<layout![Cp: Shard<0>]>::distribute(
+            Some(&qkv).filter(|_| m.rank() == 0),
+            0,
+            m,
+        )?;
+        let mut cfg = Case {
+            samples: 2,
+            seq: 10,
+            heads: 1,
+            d: 2,
+            zigzag: true,
+            strategy: CpStrategy::Ring,
+        }
+        .cfg();
+        let e = x.context_attention(Cp, &cfg).unwrap_err().to_string();
+        cfg.zigzag = false;
+        // 5 tokens a rank with zigzag off: fine.
+        x.context_attention(Cp, &cfg)?;
+        Ok(e)
+    });
+    for e in errs {
+        assert!(
+            e.contains("DTensor::context_attention")
+                && e.contains("sequence length 10")
+                && e.contains("2·cp = 4")
+                && e.contains("[20, 6]")
+                && e.contains("S(0)"),
+            "{e}"
+        );
+    }
+    // One head per Tp rank does not split over cp = 2 for the all-to-all.
+    let qkv = values(&[8, 2 * 3 * 2], 4);
+    let errs = on_mesh(&[(AxisKind::Cp, 2), (AxisKind::Tp, 2)], |m| {
+        let x = DTensor::<layout![Cp: Shard<0>, Tp: Shard<1>]>::distribute(
+            Some(&qkv).filter(|_| m.rank() == 0),
+            0,
+            m,
+        )?;
+        let mut cfg = Case {
+            samples: 2,
+            seq: 4,
+            heads: 2,
+            d: 2,
+            zigzag: true,
+            strategy: CpStrategy::AllToAll,
+        }
+        .cfg();
+        let e = x.context_attention(Cp, &cfg).unwrap_err().to_string();
+        cfg.strategy = CpStrategy::Ring;
+        x.context_attention(Cp, &cfg)?;
+        Ok(e)
+    });
+    for e in errs {
+        assert!(
+            e.contains("DTensor::context_attention")
+                && e.contains("1 heads")
+                && e.contains("cp = 2"),
+            "{e}"
+        );
+    }
+}
+
+/// Peak bytes of tensors one rank held during a forward and backward of the op, above
+/// what it held before (its QKV and the output gradient's factor).
+fn peak_at(cp: usize, strategy: CpStrategy) -> Vec<usize> {
+    let c = Case {
+        samples: 1,
+        seq: 512,
+        heads: 4,
+        d: 16,
+        zigzag: true,
+        strategy,
+    };
+    let cfg = c.cfg();
+    let qkv = values(&[c.seq, c.heads * 3 * c.d], 5);
+    let lay = CpLayout::new(c.seq, cp, true).unwrap();
+    let qkv_cp = lay.to_cp_order(&qkv, 1).unwrap();
+    on_mesh(&[(AxisKind::Cp, cp)], |m| {
+        let x = DTensor::<layout![Cp: Shard<0>]>::distribute(
+            Some(&qkv_cp).filter(|_| m.rank() == 0),
+            0,
+            m,
+        )?;
+        let tape = Tape::new();
+        let xv = tape.leaf(x);
+        let before = live_bytes();
+        reset_peak();
+        let y = xv.context_attention(Cp, &cfg)?;
+        let loss = y.sum_dim::<1>()?.sum_dim::<0>()?;
+        drop(y);
+        let grads = loss.backward()?;
+        let peak = peak_bytes() - before;
+        drop(grads);
+        Ok(peak)
+    })
+}
+
+#[test]
+fn peak_memory_falls_as_seq_over_cp() {
+    for strategy in STRATEGIES {
+        let p: Vec<usize> = [1, 2, 4]
+            .iter()
+            .map(|&cp| *peak_at(cp, strategy).iter().max().unwrap())
+            .collect();
+        eprintln!(
+            "{strategy:?}: per-rank peak activation memory of context attention (fwd+bwd, seq 512, 4 heads of 16, f64): cp=1 {} B, cp=2 {} B ({:.2}x), cp=4 {} B ({:.2}x)",
+            p[0],
+            p[1],
+            p[1] as f64 / p[0] as f64,
+            p[2],
+            p[2] as f64 / p[0] as f64
+        );
+        assert!(p[1] as f64 <= 0.6 * p[0] as f64, "{strategy:?}: {p:?}");
+        assert!(p[2] as f64 <= 0.35 * p[0] as f64, "{strategy:?}: {p:?}");
+    }
+}
