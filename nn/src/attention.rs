@@ -22,8 +22,9 @@ use crate::data::{DataMode, Ddp};
 use crate::linear::{ColumnParallelLinear, ParamInit, RowParallelLinear};
 use crate::optim::{join_name, Module, ParamVisitor};
 use crate::seq::{axis_size, SeqMode, Stream};
-use dtensor_core::{ContextAttention, CpStrategy, DeviceMesh, Error, Result, Tape, Var};
+use dtensor_core::{ContextAttention, CpLayout, CpStrategy, DeviceMesh, Error, Result, Tape, Var};
 use dtensor_kernels::ops::CausalAttention;
+use dtensor_kernels::Tensor;
 use dtensor_placement::{AxisKind, Cp};
 use std::sync::Arc;
 
@@ -91,6 +92,51 @@ impl AttentionConfig {
         }
         Ok(())
     }
+}
+
+/// Natural-order per-token data `[tokens, ...]` (token ids, targets: samples of `seq_len`
+/// tokens one after another) in the order a model's stream on `mesh` holds it: with
+/// `cp > 1` the CP order of [`CpLayout`](dtensor_core::CpLayout) (each data rank's block
+/// of samples chunk-major, so that `Shard<0>` over `Cp` gives every `Cp` rank its chunks of
+/// every sample), unchanged at `cp = 1`. Apply it to the global batch before slicing.
+pub fn to_stream_order(
+    t: &Tensor,
+    seq_len: usize,
+    context: &ContextParallel,
+    mesh: &DeviceMesh,
+) -> Result<Tensor> {
+    match stream_order(seq_len, context, mesh)? {
+        Some((layout, blocks)) => layout.to_cp_order(t, blocks),
+        None => Ok(t.clone()),
+    }
+}
+
+/// The inverse of [`to_stream_order`]: a stream-ordered gathered tensor back in natural
+/// token order.
+pub fn from_stream_order(
+    t: &Tensor,
+    seq_len: usize,
+    context: &ContextParallel,
+    mesh: &DeviceMesh,
+) -> Result<Tensor> {
+    match stream_order(seq_len, context, mesh)? {
+        Some((layout, blocks)) => layout.from_cp_order(t, blocks),
+        None => Ok(t.clone()),
+    }
+}
+
+/// The CP layout and the number of data blocks (`dp·ep`), or `None` at `cp = 1`.
+fn stream_order(
+    seq_len: usize,
+    context: &ContextParallel,
+    mesh: &DeviceMesh,
+) -> Result<Option<(CpLayout, usize)>> {
+    let cp = axis_size(mesh, AxisKind::Cp);
+    if cp == 1 {
+        return Ok(None);
+    }
+    let blocks = axis_size(mesh, AxisKind::Dp) * axis_size(mesh, AxisKind::Ep);
+    Ok(Some((CpLayout::new(seq_len, cp, context.zigzag)?, blocks)))
 }
 
 /// Causal self-attention, heads split over `Tp`.

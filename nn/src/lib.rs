@@ -36,9 +36,9 @@
 //! use dtensor_core::{DTensor, DeviceMesh, Tape};
 //! use dtensor_kernels::DType;
 //! use dtensor_nn::*;
-//! use dtensor_placement::{AxisKind, Mesh};
 //!
-//! let mesh = Mesh::new(&[(AxisKind::Dp, 1), (AxisKind::Tp, 2)]).unwrap();
+//! // The layers' axes [Dp, Ep, Cp, Tp] with degrees 1, 1, 1, 2.
+//! let mesh = model_mesh(&"tp=2".parse().unwrap()).unwrap();
 //! let results = threads::launch(2, |world| -> dtensor_core::Result<()> {
 //!     let dm = DeviceMesh::new(world, mesh.clone())?;
 //!     let init = ParamInit::new(0, 0, 0.1, DType::F64);
@@ -47,7 +47,7 @@
 //!     let x: DTensor<Stream<Sp>> = Init::Normal { std: 1.0 }.param(1, 0, &[6, 8], DType::F64, &dm)?;
 //!     let tape = Tape::new();
 //!     let y = mlp.forward(&tape, &tape.constant(x))?; // all_gather in, reduce_scatter out
-//!     let loss = mean_loss(&y.sum_dim::<1>()?)?;        // [Dp: Partial, Tp: Partial]
+//!     let loss = mean_loss(&y.sum_dim::<1>()?)?;        // Partial over Dp, Ep, Cp and Tp
 //!     let mut grads = loss.backward()?;                 // the adjoints: reduce_scatter, all_gather
 //!     // Raw gradients are Partial over Dp (and the SP bias over Tp too): `step` reduces
 //!     // them, clips and updates.
@@ -71,7 +71,9 @@ pub mod optim;
 pub mod pipeline;
 pub mod seq;
 
-pub use attention::{AttentionConfig, ContextParallel, ParallelAttention};
+pub use attention::{
+    from_stream_order, to_stream_order, AttentionConfig, ContextParallel, ParallelAttention,
+};
 pub use block::{Gpt, GptConfig, StepReport, TransformerBlock};
 pub use buckets::{DdpBuckets, DEFAULT_BUCKET_BYTES};
 pub use data::{
@@ -80,7 +82,9 @@ pub use data::{
     StreamP, Weight, WorkLayout, Zero1, Zero2,
 };
 pub use dtensor_core;
-pub use embedding::{loss_value, mean_loss, vocab_parallel_cross_entropy, VocabParallelEmbedding};
+pub use embedding::{
+    loss_total, loss_value, mean_loss, vocab_parallel_cross_entropy, VocabParallelEmbedding,
+};
 pub use init::Init;
 pub use linear::{ColumnParallelLinear, ParamInit, RowParallelLinear};
 pub use mlp::{Activation, ParallelMlp};

@@ -23,7 +23,7 @@ use crate::seq::{Grad, Ids, Loss, SeqMode, Stream};
 use dtensor_collectives::{Communicator, CommunicatorExt};
 use dtensor_core::{DTensor, DeviceMesh, Error, Result, StageHop, Tape, Var, WeightPass};
 use dtensor_kernels::Tensor;
-use dtensor_placement::{AxisKind, Dp};
+use dtensor_placement::AxisKind;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -347,12 +347,12 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
         drop(inputs);
         drop(tapes);
 
-        // The loss lives on the last stage: summed over microbatches and Dp, then
-        // broadcast over Pp so every rank reports it.
+        // The loss lives on the last stage: summed over microbatches and the token axes
+        // (Dp, Ep, Cp), then broadcast over Pp so every rank reports it.
         let mut loss = [0.0f64];
         if let Some(first) = losses.pop() {
             let total = losses.iter().try_fold(first, |s, l| s.add(l))?;
-            loss[0] = total.all_reduce(Dp)?.as_local().to_f64_vec()[0];
+            loss[0] = crate::embedding::loss_total(total)?;
         }
         if let Some(pp) = &self.pp {
             pp.broadcast_in_place(&mut loss, pp.size() - 1)?;
