@@ -29,8 +29,8 @@ use dtensor::collectives::{mpi as mpi_backend, trace, Counters};
 use dtensor::kernels::memory;
 use dtensor::nn::pipeline::{self, check_pipeline, microbatches, Pipeline};
 use dtensor::nn::{
-    AdamW, DataMode, Ddp, Fsdp, GptConfig, Ids, NoSp, Precision, Schedule, SeqMode, Sp, Zero1,
-    Zero2,
+    to_stream_order, AdamW, ContextParallel, DataMode, Ddp, Fsdp, GptConfig, Ids, NoSp, Precision,
+    Schedule, SeqMode, Sp, Zero1, Zero2,
 };
 use dtensor::prelude::*;
 use metrics::StepMetrics;
@@ -43,8 +43,13 @@ const TEXT: &str = include_str!("../data/tiny_corpus.txt");
 const USAGE: &str = "\
 usage: train_gpt [flags]
 
-  --mesh <spec>     mesh as pp=<n>,dp=<n>,tp=<n> (default dp=2,tp=2; any subset); `sp` may
-                    be added to the spec
+  --mesh <spec>     mesh as pp=<n>,dp=<n>,ep=<n>,cp=<n>,tp=<n> (default dp=2,tp=2; any
+                    subset); `sp` may be added to the spec
+  --cp-impl <s>     context parallelism (cp > 1): attention by `ring` (default: K/V passed
+                    round the cp ring, any head count) or `a2a` (all-to-all, Ulysses: the
+                    heads per tp rank must divide by cp)
+  --no-zigzag       cp > 1: rank c holds chunk c of cp (default: chunks c and 2·cp−1−c of
+                    2·cp, which balances the causal work)
   --sp              sequence parallelism: the residual stream is sharded over tp (needs tp > 1)
   --fsdp            FSDP (ZeRO-3): parameters sharded over dp, gathered for use
   --zero <1|2>      ZeRO-1 / ZeRO-2: optimizer state (and gradients) sharded over dp
@@ -122,6 +127,8 @@ struct Args {
     trace: Option<String>,
     metrics: Option<String>,
     plot: Option<String>,
+    /// Attention over cp: strategy and chunking.
+    context: ContextParallel,
 }
 
 /// How parameters are held over dp.
@@ -169,6 +176,7 @@ fn parse_args() -> Result<Option<Args>, String> {
         trace: None,
         metrics: None,
         plot: None,
+        context: ContextParallel::default(),
     };
     let mut sp = false;
     let mut it = std::env::args().skip(1);
@@ -186,6 +194,14 @@ fn parse_args() -> Result<Option<Args>, String> {
                 a.config = ParallelConfig::parse(&value()?).map_err(|e| format!("--mesh: {e}"))?
             }
             "--sp" => sp = true,
+            "--cp-impl" => {
+                a.context.strategy = match value()?.as_str() {
+                    "ring" => CpStrategy::Ring,
+                    "a2a" => CpStrategy::AllToAll,
+                    other => return Err(format!("--cp-impl: `{other}` is not ring or a2a")),
+                }
+            }
+            "--no-zigzag" => a.context.zigzag = false,
             "--steps" => a.steps = num(&flag, value()?)?,
             "--batch" => a.batch = num(&flag, value()?)?,
             "--seq" => a.seq = num(&flag, value()?)?,
@@ -245,8 +261,31 @@ fn parse_args() -> Result<Option<Args>, String> {
     }
     a.config.sp |= sp;
     let c = &a.config;
-    if c.cp > 1 || c.ep > 1 {
-        return Err(format!("--mesh {c}: this example runs pp, dp and tp"));
+    if c.ep > 1 {
+        return Err(format!("--mesh {c}: ep > 1 needs --moe"));
+    }
+    let chunks = if a.context.zigzag { 2 * c.cp } else { c.cp };
+    if c.cp > 1 && a.seq % chunks != 0 {
+        return Err(format!(
+            "--seq {} does not cut into {chunks} equal chunks for cp={}{}",
+            a.seq,
+            c.cp,
+            if a.context.zigzag {
+                " (zigzag: 2·cp chunks; --no-zigzag: cp)"
+            } else {
+                ""
+            }
+        ));
+    }
+    if c.cp > 1 && a.context.strategy == CpStrategy::AllToAll && (a.heads / c.tp.max(1)) % c.cp != 0
+    {
+        return Err(format!(
+            "--cp-impl a2a: {} heads per tp rank (--heads {} / tp={}) are not divisible by cp={}",
+            a.heads / c.tp.max(1),
+            a.heads,
+            c.tp,
+            c.cp
+        ));
     }
     if a.bf16 && a.dtype == DType::F64 {
         return Err("--bf16 keeps f32 masters: leave --dtype at f32".into());
@@ -310,6 +349,7 @@ fn model_config(a: &Args) -> GptConfig {
             .resharded(a.data == DataKind::Fsdp && a.reshard)
             .prefetched(a.data == DataKind::Fsdp && a.overlap),
         recompute: a.recompute,
+        context: a.context,
         ..GptConfig::small(a.dtype)
     }
 }
@@ -466,7 +506,7 @@ fn train_rank<M: SeqMode, D: DataMode>(
         let split = |t: &Tensor| -> Result<Vec<DTensor<Ids>>, Error> {
             microbatches(t, m, a.seq)?
                 .iter()
-                .map(|mb| local_ids(mb, &sm))
+                .map(|mb| local_ids(&to_stream_order(mb, a.seq, &a.context, &sm)?, &sm))
                 .collect()
         };
         let before = dm.counters();
@@ -835,6 +875,17 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
             if a.reduce_bf16 { ", bf16 compute, f32 masters, bf16 gradient reduction" } else { ", bf16 compute, f32 masters, f32 gradient reduction" }
         } else { "" },
     );
+    if c.cp > 1 {
+        println!(
+            "  context parallel: cp={} ({}, {} chunks): the sequence Shard<0> over cp everywhere, parameter gradients all-reduced over cp (adjoint of to_replicate)",
+            c.cp,
+            match a.context.strategy {
+                CpStrategy::Ring => "ring attention: K/V blocks passed round the cp ring",
+                CpStrategy::AllToAll => "all-to-all attention: sequence-sharded to head-sharded and back",
+            },
+            if a.context.zigzag { "zigzag" } else { "contiguous" },
+        );
+    }
     if c.pp > 1 {
         let analytic = sched
             .analytic_bubble()
