@@ -5,15 +5,24 @@
 //! since the last reset", which is what FSDP, ZeRO and activation recomputation change.
 //! Every host buffer counts from its creation until the last tensor viewing it drops (a
 //! buffer dropped on another thread than the one that made it is counted out there: the
-//! counters are signed and clamp at zero when read). Buffers cached by the pool for reuse
-//! are free memory here, as in PyTorch's `torch.cuda.memory_allocated` (the pool's cache
-//! is [`crate::pool::cached_bytes`]).
+//! counters are signed and clamp at zero when read). A buffer counts its elements' bytes
+//! (a pooled buffer's spare capacity is not live memory).
+//!
+//! Buffers cached by the pool for reuse are free memory here, as in PyTorch's
+//! `torch.cuda.memory_allocated`; [`cached_bytes`] is the pool's cache on this thread
+//! (`torch.cuda.memory_reserved` minus the allocated bytes), at most this thread's
+//! high-water mark of live bytes, and [`release_cached`] empties it
+//! (`torch.cuda.empty_cache`). A process's resident tensor memory is therefore at most
+//! about twice the sum of its threads' peaks (see [`crate::pool`]).
 
 use std::cell::Cell;
 
 thread_local! {
     static LIVE: Cell<i64> = const { Cell::new(0) };
     static PEAK: Cell<i64> = const { Cell::new(0) };
+    /// The peak since the thread started ([`reset_peak`] does not lower it): the pool's
+    /// bound on what it caches.
+    static HIGH: Cell<i64> = const { Cell::new(0) };
 }
 
 /// A buffer of `bytes` came to life on this thread.
@@ -22,6 +31,7 @@ pub(crate) fn on_alloc(bytes: usize) {
         let now = l.get() + bytes as i64;
         l.set(now);
         let _ = PEAK.try_with(|p| p.set(p.get().max(now)));
+        let _ = HIGH.try_with(|p| p.set(p.get().max(now)));
     });
 }
 
@@ -44,6 +54,26 @@ pub fn peak_bytes() -> usize {
 pub fn reset_peak() {
     let now = LIVE.try_with(|l| l.get()).unwrap_or(0);
     let _ = PEAK.try_with(|p| p.set(now));
+}
+
+/// The most bytes held at once on this thread since it started (not lowered by
+/// [`reset_peak`]).
+pub(crate) fn high_water_bytes() -> usize {
+    HIGH.try_with(|p| p.get().max(0) as usize).unwrap_or(0)
+}
+
+/// Bytes of freed buffers this thread's pool keeps for reuse (their capacities): memory
+/// the process holds beyond [`live_bytes`]. See [`crate::pool`].
+pub fn cached_bytes() -> usize {
+    crate::pool::cached_bytes()
+}
+
+/// Frees the buffers this thread's pool keeps for reuse and returns their bytes, as
+/// `torch.cuda.empty_cache` does. Per thread: each rank calls it on its own thread. The
+/// pool also frees buffers left idle on its own ([`crate::pool::IDLE_TICKS`]); this is
+/// for giving memory back at once, e.g. between the phases of a program.
+pub fn release_cached() -> usize {
+    crate::pool::trim()
 }
 
 #[cfg(test)]
@@ -72,6 +102,28 @@ mod tests {
             assert_eq!(live_bytes(), 0);
             reset_peak();
             assert_eq!(peak_bytes(), 0);
+            assert_eq!(high_water_bytes(), 8000, "not lowered by reset_peak");
+        })
+        .join()
+        .unwrap();
+    }
+}
+
+#[cfg(test)]
+mod release_tests {
+    use super::*;
+    use crate::{DType, Tensor};
+
+    #[test]
+    fn release_cached_empties_this_threads_pool() {
+        std::thread::spawn(|| {
+            let n = crate::pool::MIN_POOLED_BYTES / 4;
+            let t = Tensor::zeros(&[n], DType::F32);
+            assert_eq!((live_bytes(), cached_bytes()), (n * 4, 0));
+            drop(t);
+            assert_eq!((live_bytes(), cached_bytes()), (0, n * 4));
+            assert_eq!(release_cached(), n * 4);
+            assert_eq!((cached_bytes(), release_cached()), (0, 0));
         })
         .join()
         .unwrap();
