@@ -10,34 +10,50 @@
 //!
 //! Buffers cached by the pool for reuse are free memory here, as in PyTorch's
 //! `torch.cuda.memory_allocated`; [`cached_bytes`] is the pool's cache on this thread
-//! (`torch.cuda.memory_reserved` minus the allocated bytes), at most this thread's
-//! high-water mark of live bytes, and [`release_cached`] empties it
-//! (`torch.cuda.empty_cache`). A process's resident tensor memory is therefore at most
-//! about twice the sum of its threads' peaks (see [`crate::pool`]).
+//! (`torch.cuda.memory_reserved` minus the allocated bytes), which never takes a thread's
+//! cached and live buffers together above the most its live buffers ever held (counted
+//! by capacity), and [`release_cached`] empties it (`torch.cuda.empty_cache`). See
+//! [`crate::pool`].
 
 use std::cell::Cell;
 
 thread_local! {
     static LIVE: Cell<i64> = const { Cell::new(0) };
     static PEAK: Cell<i64> = const { Cell::new(0) };
-    /// The peak since the thread started ([`reset_peak`] does not lower it): the pool's
-    /// bound on what it caches.
-    static HIGH: Cell<i64> = const { Cell::new(0) };
+    /// The capacities of the live buffers (a pooled buffer may have room for more
+    /// elements than it holds), and their peak since the thread started ([`reset_peak`]
+    /// does not lower it): the pool's bound on what it caches.
+    static LIVE_CAP: Cell<i64> = const { Cell::new(0) };
+    static HIGH_CAP: Cell<i64> = const { Cell::new(0) };
 }
 
-/// A buffer of `bytes` came to life on this thread.
-pub(crate) fn on_alloc(bytes: usize) {
+/// A buffer of `bytes` (`capacity` bytes allocated) came to life on this thread.
+pub(crate) fn on_alloc(bytes: usize, capacity: usize) {
     let _ = LIVE.try_with(|l| {
         let now = l.get() + bytes as i64;
         l.set(now);
         let _ = PEAK.try_with(|p| p.set(p.get().max(now)));
-        let _ = HIGH.try_with(|p| p.set(p.get().max(now)));
+    });
+    let _ = LIVE_CAP.try_with(|l| {
+        let now = l.get() + capacity as i64;
+        l.set(now);
+        let _ = HIGH_CAP.try_with(|p| p.set(p.get().max(now)));
     });
 }
 
-/// A buffer of `bytes` was dropped on this thread.
-pub(crate) fn on_free(bytes: usize) {
+/// A buffer of `bytes` (`capacity` bytes allocated) was dropped on this thread.
+pub(crate) fn on_free(bytes: usize, capacity: usize) {
     let _ = LIVE.try_with(|l| l.set(l.get() - bytes as i64));
+    let _ = LIVE_CAP.try_with(|l| l.set(l.get() - capacity as i64));
+}
+
+/// Room for the pool: the most capacity bytes this thread's live buffers ever held at
+/// once, less what they hold now (so that cached and live buffers together never exceed
+/// that peak).
+pub(crate) fn pool_room() -> usize {
+    let live = LIVE_CAP.try_with(|l| l.get()).unwrap_or(0);
+    let high = HIGH_CAP.try_with(|l| l.get()).unwrap_or(0);
+    (high - live.max(0)).max(0) as usize
 }
 
 /// Bytes held by live tensor buffers on this thread.
@@ -54,12 +70,6 @@ pub fn peak_bytes() -> usize {
 pub fn reset_peak() {
     let now = LIVE.try_with(|l| l.get()).unwrap_or(0);
     let _ = PEAK.try_with(|p| p.set(now));
-}
-
-/// The most bytes held at once on this thread since it started (not lowered by
-/// [`reset_peak`]).
-pub(crate) fn high_water_bytes() -> usize {
-    HIGH.try_with(|p| p.get().max(0) as usize).unwrap_or(0)
 }
 
 /// Bytes of freed buffers this thread's pool keeps for reuse (their capacities): memory
@@ -102,7 +112,11 @@ mod tests {
             assert_eq!(live_bytes(), 0);
             reset_peak();
             assert_eq!(peak_bytes(), 0);
-            assert_eq!(high_water_bytes(), 8000, "not lowered by reset_peak");
+            assert_eq!(
+                pool_room(),
+                8000,
+                "the peak of capacities, not lowered by reset_peak"
+            );
         })
         .join()
         .unwrap();

@@ -15,11 +15,12 @@
 //!   a third of itself).
 //! - **Capacity, not length.** The cache counts the capacity of what it holds (a buffer
 //!   handed out for fewer elements keeps its capacity and its pages).
-//! - **Bounded by the thread's live bytes.** It holds at most 1.25 × the bytes the
-//!   thread's tensors ever held at once ([`crate::memory`]'s high-water mark, which
-//!   [`crate::memory::reset_peak`] does not lower; the quarter is the size classes'
-//!   rounding), and never more than 1 GiB, so a thread's memory stays within about twice
-//!   its peak of live tensors. Beyond it, the buffers cached longest ago go first.
+//! - **Bounded by the thread's peak.** Cached and live buffers together never hold more
+//!   than the thread's live buffers ever held at once (by capacity; a high-water mark in
+//!   [`crate::memory`] that [`crate::memory::reset_peak`] does not lower), and the cache
+//!   never more than 1 GiB: a thread reserves no more than its peak of live tensors, as
+//!   if every buffer were freed at once. Beyond it, the buffers cached longest ago go
+//!   first (a buffer that does not fit is freed).
 //! - **Idle buffers go back.** Every take and recycle of a pooled size ticks the thread's
 //!   clock; a buffer not handed out again within [`IDLE_TICKS`] ticks is freed. Cheap and
 //!   deterministic: no background thread, no wall clock.
@@ -156,9 +157,7 @@ pub(crate) fn recycle(s: CpuStorage) {
     let _ = POOL.try_with(|p| {
         let mut p = p.borrow_mut();
         p.tick();
-        // Live bytes count elements, the cache capacities (up to a size class more).
-        let high = crate::memory::high_water_bytes();
-        let cap = (high + high / 4).min(MAX_POOLED_BYTES);
+        let cap = crate::memory::pool_room().min(MAX_POOLED_BYTES);
         if bytes > cap {
             return;
         }
@@ -253,15 +252,17 @@ mod tests {
     fn the_cache_holds_at_most_the_threads_peak_of_live_bytes() {
         std::thread::spawn(|| {
             // Live at most 4 units at once: four 1-unit tensors.
-            let ts: Vec<Tensor> = (0..4).map(|_| Tensor::zeros(&[units(1)], DType::F32)).collect();
+            let ts: Vec<Tensor> = (0..4)
+                .map(|_| Tensor::zeros(&[units(1)], DType::F32))
+                .collect();
             drop(ts);
             assert_eq!(cached_bytes(), 4 * MIN_POOLED_BYTES);
             // One at a time, sixteen 1-unit tensors of the other dtypes and sizes: the
-            // cache never exceeds 1.25 × the high-water mark of 4 units.
+            // cache never exceeds the high-water mark of 4 units.
             for k in 0..16 {
                 let t = Tensor::zeros(&[units(1) / 2 + k], DType::F64);
                 drop(t);
-                assert!(cached_bytes() <= 5 * MIN_POOLED_BYTES);
+                assert!(cached_bytes() <= 4 * MIN_POOLED_BYTES);
             }
             trim();
         })
@@ -279,7 +280,11 @@ mod tests {
             // A busy loop on another size: the idle buffer goes after IDLE_TICKS events.
             let busy = Tensor::zeros(&[units(2)], DType::I32);
             drop(busy);
-            let ticks = if cfg!(miri) { IDLE_TICKS / 8 } else { IDLE_TICKS };
+            let ticks = if cfg!(miri) {
+                IDLE_TICKS / 8
+            } else {
+                IDLE_TICKS
+            };
             for _ in 0..ticks / 2 {
                 drop(Tensor::for_overwrite(&[units(2)], DType::I32));
             }

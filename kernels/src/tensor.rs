@@ -33,7 +33,8 @@ impl CpuBuffer {
 
 impl CpuBuffer {
     fn new(data: CpuStorage) -> Self {
-        crate::memory::on_alloc(data.len() * data.dtype().size_in_bytes());
+        let size = data.dtype().size_in_bytes();
+        crate::memory::on_alloc(data.len() * size, data.capacity() * size);
         CpuBuffer { data }
     }
 }
@@ -41,7 +42,8 @@ impl CpuBuffer {
 impl Drop for CpuBuffer {
     fn drop(&mut self) {
         let data = std::mem::replace(&mut self.data, CpuStorage::F32(Vec::new()));
-        crate::memory::on_free(data.len() * data.dtype().size_in_bytes());
+        let size = data.dtype().size_in_bytes();
+        crate::memory::on_free(data.len() * size, data.capacity() * size);
         crate::pool::recycle(data);
     }
 }
