@@ -112,11 +112,9 @@ mod tests {
             assert_eq!(live_bytes(), 0);
             reset_peak();
             assert_eq!(peak_bytes(), 0);
-            assert_eq!(
-                pool_room(),
-                8000,
-                "the peak of capacities, not lowered by reset_peak"
-            );
+            // The peak of capacities (pooled sizes round up to a size class: under Miri,
+            // which pools from 1 KiB), not lowered by reset_peak.
+            assert_eq!(pool_room(), 2 * crate::pool::size_class(4000));
         })
         .join()
         .unwrap();
