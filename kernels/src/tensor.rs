@@ -33,7 +33,8 @@ impl CpuBuffer {
 
 impl CpuBuffer {
     fn new(data: CpuStorage) -> Self {
-        crate::memory::on_alloc(data.len() * data.dtype().size_in_bytes());
+        let size = data.dtype().size_in_bytes();
+        crate::memory::on_alloc(data.len() * size, data.capacity() * size);
         CpuBuffer { data }
     }
 }
@@ -41,7 +42,8 @@ impl CpuBuffer {
 impl Drop for CpuBuffer {
     fn drop(&mut self) {
         let data = std::mem::replace(&mut self.data, CpuStorage::F32(Vec::new()));
-        crate::memory::on_free(data.len() * data.dtype().size_in_bytes());
+        let size = data.dtype().size_in_bytes();
+        crate::memory::on_free(data.len() * size, data.capacity() * size);
         crate::pool::recycle(data);
     }
 }
@@ -98,17 +100,30 @@ impl CpuStorage {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    pub(crate) fn truncate(&mut self, n: usize) {
+    /// Elements the buffer can hold without reallocating (what it occupies).
+    pub fn capacity(&self) -> usize {
         match self {
-            CpuStorage::F32(v) => v.truncate(n),
-            CpuStorage::F64(v) => v.truncate(n),
-            CpuStorage::BF16(v) => v.truncate(n),
-            CpuStorage::F16(v) => v.truncate(n),
-            CpuStorage::I32(v) => v.truncate(n),
-            CpuStorage::I64(v) => v.truncate(n),
+            CpuStorage::F32(v) => v.capacity(),
+            CpuStorage::F64(v) => v.capacity(),
+            CpuStorage::BF16(v) => v.capacity(),
+            CpuStorage::F16(v) => v.capacity(),
+            CpuStorage::I32(v) => v.capacity(),
+            CpuStorage::I64(v) => v.capacity(),
         }
     }
-    fn zeros(dtype: DType, n: usize) -> Self {
+    /// Truncates to `n` elements, or grows to `n` with zeros (within the capacity when it
+    /// suffices, as for a pooled buffer).
+    pub(crate) fn set_len(&mut self, n: usize) {
+        match self {
+            CpuStorage::F32(v) => v.resize(n, 0.0),
+            CpuStorage::F64(v) => v.resize(n, 0.0),
+            CpuStorage::BF16(v) => v.resize(n, bf16::ZERO),
+            CpuStorage::F16(v) => v.resize(n, f16::ZERO),
+            CpuStorage::I32(v) => v.resize(n, 0),
+            CpuStorage::I64(v) => v.resize(n, 0),
+        }
+    }
+    pub(crate) fn zeros(dtype: DType, n: usize) -> Self {
         match dtype {
             DType::F32 => CpuStorage::F32(vec![0.0; n]),
             DType::F64 => CpuStorage::F64(vec![0.0; n]),
@@ -258,7 +273,7 @@ impl Tensor {
                     .fill(<T as Element>::zero()));
                 Tensor::from_storage(shape, data)
             }
-            None => Tensor::from_storage(shape, CpuStorage::zeros(dtype, n)),
+            None => Tensor::from_storage(shape, crate::pool::alloc_zeroed(dtype, n)),
         })
     }
 
@@ -285,7 +300,8 @@ impl Tensor {
 
     fn for_overwrite_checked(op: &'static str, shape: &[usize], dtype: DType) -> Result<Self> {
         let n = checked_len(op, shape, dtype)?;
-        let data = crate::pool::take(dtype, n).unwrap_or_else(|| CpuStorage::zeros(dtype, n));
+        let data =
+            crate::pool::take(dtype, n).unwrap_or_else(|| crate::pool::alloc_zeroed(dtype, n));
         Ok(Tensor::from_storage(shape, data))
     }
 
