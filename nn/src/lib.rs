@@ -75,9 +75,9 @@ pub use attention::{AttentionConfig, ContextParallel, ParallelAttention};
 pub use block::{Gpt, GptConfig, StepReport, TransformerBlock};
 pub use buckets::{DdpBuckets, DEFAULT_BUCKET_BYTES};
 pub use data::{
-    to_compute, ColB, ColW, DataMode, Ddp, DpGather, DpLayout, DpMaster, DpReducedOf,
-    DpShardPlacement, DpWhole, Fsdp, MasterLayout, ParamKind, Precision, ReducedLayout, RowW,
-    StreamP, Weight, WorkLayout, Zero1, Zero2,
+    to_compute, ColB, ColW, ComputeLayout, ComputeOf, DataMode, Ddp, DpGather, DpLayout, DpMaster,
+    DpReducedOf, DpShardPlacement, DpWhole, EpParam, ExpertW, Fsdp, MasterLayout, ParamKind,
+    Precision, ReducedLayout, RowW, StreamP, Weight, WorkLayout, Zero1, Zero2,
 };
 pub use dtensor_core;
 pub use embedding::{loss_value, mean_loss, vocab_parallel_cross_entropy, VocabParallelEmbedding};
