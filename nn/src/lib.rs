@@ -66,6 +66,7 @@ pub mod embedding;
 pub mod init;
 pub mod linear;
 pub mod mlp;
+pub mod moe;
 pub mod norm;
 pub mod optim;
 pub mod pipeline;
@@ -84,6 +85,7 @@ pub use embedding::{loss_value, mean_loss, vocab_parallel_cross_entropy, VocabPa
 pub use init::Init;
 pub use linear::{ColumnParallelLinear, ParamInit, RowParallelLinear};
 pub use mlp::{Activation, ParallelMlp};
+pub use moe::{MoeConfig, MoeMlp};
 pub use norm::{Norm, NormKind};
 pub use optim::{
     clip_coefficient, dp_average, join_name, named_params, reduce_grad, step, step_accumulated,
