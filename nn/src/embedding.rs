@@ -13,7 +13,7 @@ use crate::linear::ParamInit;
 use crate::optim::{join_name, Module, ParamVisitor};
 use crate::seq::{ColOut, Ids, Loss, SeqMode, Stream, TokenInvariant};
 use dtensor_core::{DeviceMesh, Result, Tape, Var};
-use dtensor_placement::{Dp, LinearLayout, SumLayout, SumOut};
+use dtensor_placement::{Cp, Dp, Ep, LinearLayout, SumLayout, SumOut};
 use std::sync::Arc;
 
 /// The token embedding, its table sharded over `Tp` by vocabulary rows.
@@ -88,7 +88,9 @@ where
     losses.sum_dim::<0>()?.scale(1.0 / tokens as f64)
 }
 
-/// Collective over `Dp`: the value of a [`Loss`] (the same on every rank).
+/// Collective over `Dp`, `Ep` and `Cp` (the axes a [`Loss`] is `Partial` over; size-1 axes
+/// cost nothing): its value, the same on every rank.
 pub fn loss_value(loss: &Var<'_, Loss>) -> Result<f64> {
-    Ok(loss.value().clone().all_reduce(Dp)?.as_local().to_f64_vec()[0])
+    let v = loss.value().clone().all_reduce(Dp)?;
+    Ok(v.all_reduce(Ep)?.all_reduce(Cp)?.as_local().to_f64_vec()[0])
 }

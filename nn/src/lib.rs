@@ -73,7 +73,7 @@ pub mod pipeline;
 pub mod seq;
 
 pub use attention::{AttentionConfig, ContextParallel, ParallelAttention};
-pub use block::{Gpt, GptConfig, StepReport, TransformerBlock};
+pub use block::{BlockMlp, Gpt, GptConfig, StepReport, TransformerBlock};
 pub use buckets::{DdpBuckets, DEFAULT_BUCKET_BYTES};
 pub use data::{
     to_compute, ColB, ColW, ComputeLayout, ComputeOf, DataMode, Ddp, DpGather, DpLayout, DpMaster,
