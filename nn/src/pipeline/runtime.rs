@@ -23,7 +23,7 @@ use crate::seq::{Grad, Ids, Loss, SeqMode, Stream};
 use dtensor_collectives::{Communicator, CommunicatorExt};
 use dtensor_core::{DTensor, DeviceMesh, Error, Result, StageHop, Tape, Var, WeightPass};
 use dtensor_kernels::Tensor;
-use dtensor_placement::{AxisKind, Dp};
+use dtensor_placement::{AxisKind, Cp, Dp, Ep};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -352,18 +352,43 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
         let mut loss = [0.0f64];
         if let Some(first) = losses.pop() {
             let total = losses.iter().try_fold(first, |s, l| s.add(l))?;
-            loss[0] = total.all_reduce(Dp)?.as_local().to_f64_vec()[0];
+            let total = total.all_reduce(Dp)?.all_reduce(Ep)?.all_reduce(Cp)?;
+            loss[0] = total.as_local().to_f64_vec()[0];
         }
         if let Some(pp) = &self.pp {
             pp.broadcast_in_place(&mut loss, pp.size() - 1)?;
         }
         let grad_norm = step_accumulated(self, acc, opt, max_norm)?;
+        self.update_expert_bias();
         Ok(PipelineReport {
             loss: loss[0],
             grad_norm,
             busy_secs: busy,
             step_secs,
         })
+    }
+}
+
+impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
+    /// Aux-loss-free balancing after an optimizer step (see
+    /// [`Gpt::update_expert_bias`](crate::Gpt::update_expert_bias));
+    /// [`train_step`](Self::train_step) calls it.
+    pub fn update_expert_bias(&self) {
+        for b in self.chunks.iter().flat_map(|c| &c.blocks) {
+            if let Some(m) = b.mlp.moe() {
+                m.update_bias();
+            }
+        }
+    }
+
+    /// The routing statistics this rank's MoE blocks recorded since the last call (one
+    /// entry per forward), per block in order; empty for a dense model.
+    pub fn take_routing_stats(&self) -> Vec<Vec<dtensor_core::RoutingStats>> {
+        self.chunks
+            .iter()
+            .flat_map(|c| &c.blocks)
+            .filter_map(|b| b.mlp.moe().map(|m| m.take_stats()))
+            .collect()
     }
 }
 
