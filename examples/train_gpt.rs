@@ -29,8 +29,8 @@ use dtensor::collectives::{mpi as mpi_backend, trace, Counters};
 use dtensor::kernels::memory;
 use dtensor::nn::pipeline::{self, check_pipeline, microbatches, Pipeline};
 use dtensor::nn::{
-    AdamW, DataMode, Ddp, Fsdp, GptConfig, Ids, MoeConfig, NoSp, Precision, Schedule, SeqMode,
-    Sp, Zero1, Zero2,
+    AdamW, DataMode, Ddp, Fsdp, GptConfig, Ids, MoeConfig, NoSp, Precision, Schedule, SeqMode, Sp,
+    Zero1, Zero2,
 };
 use dtensor::prelude::*;
 use metrics::StepMetrics;
@@ -285,10 +285,15 @@ fn parse_args() -> Result<Option<Args>, String> {
             .validate(c.ep)
             .map_err(|e| format!("--moe --experts {} --top-k {}: {e}", a.experts, a.top_k))?;
         if a.check && a.capacity.is_some() {
-            return Err("--check compares with one rank, which needs a dropless run: leave out --capacity".into());
+            return Err(
+                "--check compares with one rank, which needs a dropless run: leave out --capacity"
+                    .into(),
+            );
         }
         if a.check && a.microbatches.is_some_and(|m| m > 1) {
-            return Err("--moe --check: the auxiliary loss is per microbatch; run one microbatch".into());
+            return Err(
+                "--moe --check: the auxiliary loss is per microbatch; run one microbatch".into(),
+            );
         }
     }
     if a.bf16 && a.dtype == DType::F64 {

@@ -15,6 +15,7 @@
 //! | [`Dispatched::grouped_matmul_t`] | `Ragged<B>` · `S0` → `Ragged<B>` | none | `dx` `Ragged`, `dW` `S0` (whole on the owner) |
 //! | [`combine`] | `Ragged<B>` (+ gates `S0`) → `S0` | all-to-all-v of rows | the forward all-to-all-v; gates get `⟨dy, y⟩` |
 //! | [`aux_loss`] | logits `S0` → `Partial<Sum>` | all-reduce of `E + 1` counts | `E/T·softmax'(f)` |
+//! | [`aux_loss_global`] | the same, statistics over every axis sharding the rows | one all-reduce of `E + 1` counts per such axis | the same |
 //!
 //! **Ragged rows.** A dispatched tensor's rows are grouped by local expert, then by source
 //! rank, then by token order (then top-k slot). How many rows a rank holds is data: the

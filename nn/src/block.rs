@@ -95,6 +95,8 @@ impl GptConfig {
 }
 
 /// A block's MLP: dense (tensor-parallel) or a mixture of experts.
+// Held once per block, never moved in a hot loop: boxing would only add an indirection.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone)]
 pub enum BlockMlp<M: SeqMode, D: DataMode = Ddp> {
     Dense(ParallelMlp<M, D>),

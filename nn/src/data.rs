@@ -35,6 +35,17 @@
 //! 1-D and sharded over `Tp`) stays `Replicate` over `Dp` in every mode and is
 //! all-reduced: it holds `out/tp` elements.
 //!
+//! ## Expert parameters (`Ep`)
+//!
+//! A parameter kind also names its placement over `Ep` ([`ParamKind::Ep`], an
+//! [`EpParam`]): `Invariant` for every dense parameter (its compute copy is `Replicate`
+//! there and its gradient all-reduced over `Ep`, a data axis for it), `Shard<0>` for MoE
+//! expert weights `[experts, out, in]` ([`ExpertW`]): each `Ep` rank holds its experts
+//! whole, computes with them as they are, and its gradient is *not* reduced over `Ep`. The
+//! data modes treat experts as any other kind, sharding dim 1 (`out`, whole on every `Ep`
+//! and `Tp` rank) over `Dp` under ZeRO and FSDP: `[Dp: Shard<1>, Ep: Shard<0>, …]` cuts two
+//! different dims, so every piece is one block and the gathers are plain.
+//!
 //! ## Precision
 //!
 //! [`Precision`] sets the compute dtype (bf16 parameters and activations with f32 masters:

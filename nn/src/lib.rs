@@ -24,6 +24,7 @@
 //! | [`Norm`] (RMS / Layer) | `S` → `S`; weight `Invariant` / `Replicate` over `Tp` | none (SP: its gradient is `Partial` over `Tp`) |
 //! | [`VocabParallelEmbedding`] | [`Ids`] → `S` (masked lookup is `Partial`) | `all_reduce` / `reduce_scatter` |
 //! | [`vocab_parallel_cross_entropy`] | [`ColOut`] logits → per-token loss | three `all_reduce`s of `[tokens]` (max, Σexp, target) |
+//! | [`MoeMlp`] | `S` → `S` (router, top-k dispatch to the experts' `Ep` ranks, grouped expert MLPs, combine) and its auxiliary loss | all-to-all-v over `Ep` in and out, statistics all-reduces |
 //! | [`TransformerBlock`], [`Gpt`] | pre-norm blocks with residuals; embedding → blocks → norm → LM head → loss | the layers' |
 //!
 //! Pipeline parallelism is [`pipeline`]: GPipe, 1F1B, interleaved 1F1B and ZB-H1 schedules

@@ -196,9 +196,8 @@ impl<M: SeqMode, D: DataMode> MoeMlp<M, D> {
             mesh,
         )?;
         let expert = |id: u64, shape: [usize; 3], std: f64| -> Result<Weight<D, ExpertW<M>>> {
-            let w = normal(std).param::<MasterLayout<D, ExpertW<M>>>(
-                init.seed, id, &shape, init.dtype, mesh,
-            )?;
+            let w = normal(std)
+                .param::<MasterLayout<D, ExpertW<M>>>(init.seed, id, &shape, init.dtype, mesh)?;
             Weight::new(w, init.precision)
         };
         let w1 = expert(init.id + 1, [e, ffn, hidden], init.std)?;

@@ -226,7 +226,12 @@ fn gpt_train<M: SeqMode, D: DataMode>(
         let bias: Vec<Vec<f64>> = model
             .blocks
             .iter()
-            .map(|b| b.mlp.moe().and_then(|m| m.bias()).expect("a biased MoE block"))
+            .map(|b| {
+                b.mlp
+                    .moe()
+                    .and_then(|m| m.bias())
+                    .expect("a biased MoE block")
+            })
             .collect();
         Ok((losses, bias))
     });
