@@ -39,7 +39,7 @@
 //! use dtensor_nn::*;
 //! use dtensor_placement::{AxisKind, Mesh};
 //!
-//! let mesh = Mesh::new(&[(AxisKind::Dp, 1), (AxisKind::Tp, 2)]).unwrap();
+//! let mesh = Mesh::new(&[(AxisKind::Dp, 1), (AxisKind::Ep, 1), (AxisKind::Cp, 1), (AxisKind::Tp, 2)]).unwrap();
 //! let results = threads::launch(2, |world| -> dtensor_core::Result<()> {
 //!     let dm = DeviceMesh::new(world, mesh.clone())?;
 //!     let init = ParamInit::new(0, 0, 0.1, DType::F64);
