@@ -451,8 +451,8 @@ fn config(setup: Setup) -> GptConfig {
         seed: 7,
         // FSDP gathers one layer ahead with asynchronous all-gathers.
         precision: Precision::default().prefetched(setup == Setup::Fsdp),
-        recompute: false,
         context: setup.context(),
+        ..GptConfig::small(DType::F32)
     }
 }
 
