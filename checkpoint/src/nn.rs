@@ -1,0 +1,1 @@
+//! Saving and restoring a model's parameters and optimizer state (see below).
