@@ -824,7 +824,7 @@ impl<'a> ShardReader<'a> {
                     })?;
                 end = end.max(info.data_offsets.1 as u64);
             }
-            if 8 + n + end != len {
+            if (8 + n).checked_add(end) != Some(len) {
                 return Err(Error::Format {
                     file: path,
                     detail: format!(
@@ -966,7 +966,7 @@ fn load_one(index: &Index, reader: &mut ShardReader<'_>, t: &Target<'_>) -> Resu
             continue;
         }
         let path = reader.dir.join(&s.file);
-        let (file, header) = reader.file(&s.file)?;
+        let (file, header) = reader.file(&s.file).map_err(|e| with_tensor(e, t.name))?;
         // The header must agree with the index.
         let info = header.get(&s.key).ok_or_else(|| {
             bad(
@@ -1117,6 +1117,18 @@ fn load_one(index: &Index, reader: &mut ShardReader<'_>, t: &Target<'_>) -> Resu
         t.placements,
         t.mesh,
     )?)
+}
+
+/// A file-level error reported while loading `tensor`: names the tensor too.
+fn with_tensor(e: Error, tensor: &str) -> Error {
+    match e {
+        Error::Io { file, detail } | Error::Format { file, detail } => Error::Tensor {
+            file,
+            tensor: tensor.to_string(),
+            detail,
+        },
+        e => e,
+    }
 }
 
 fn strides(shape: &[usize]) -> Vec<usize> {
