@@ -1045,9 +1045,7 @@ fn load_one(index: &Index, reader: &mut ShardReader<'_>, t: &Target<'_>) -> Resu
         // The blocks those runs touch, read in runs of consecutive blocks and verified.
         let mut touched = vec![false; nblocks];
         for &(src, _, len) in &runs {
-            for b in src / block..=(src + len - 1) / block {
-                touched[b] = true;
-            }
+            touched[src / block..=(src + len - 1) / block].fill(true);
         }
         let first = touched.iter().position(|&x| x).expect("a run exists");
         let base = first * block;
@@ -1061,7 +1059,7 @@ fn load_one(index: &Index, reader: &mut ShardReader<'_>, t: &Target<'_>) -> Resu
                 continue;
             }
             let mut e = b;
-            while e + 1 <= last && touched[e + 1] {
+            while e < last && touched[e + 1] {
                 e += 1;
             }
             let (from, to) = (b * block, ((e + 1) * block).min(nbytes));

@@ -6,7 +6,7 @@ mod common;
 use common::TempDir;
 use dtensor_checkpoint::nn::{load_model, save_model};
 use dtensor_collectives::threads;
-use dtensor_core::{DTensor, DeviceMesh, Error as CoreError};
+use dtensor_core::{DTensor, DeviceMesh};
 use dtensor_kernels::{DType, Tensor};
 use dtensor_nn::{model_mesh, named_params, AdamW, DataMode, Ddp, Fsdp, Gpt, GptConfig, Ids, NoSp};
 use dtensor_placement::{local_ranges, Layout};
@@ -73,7 +73,7 @@ fn run<D: DataMode>(
                 extra.insert("data.step".to_string(), (from + steps).to_string());
                 save_model(dir, &world, &mut model, &opt, &extra)?;
             }
-            let full = named_params(&mut model).map_err(CoreError::from)?;
+            let full = named_params(&mut model)?;
             Ok((
                 losses,
                 full.into_iter().map(|p| p.value).collect::<Vec<_>>(),
