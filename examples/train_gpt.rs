@@ -29,8 +29,8 @@ use dtensor::collectives::{mpi as mpi_backend, trace, Counters};
 use dtensor::kernels::memory;
 use dtensor::nn::pipeline::{self, check_pipeline, microbatches, Pipeline};
 use dtensor::nn::{
-    to_stream_order, AdamW, ContextParallel, DataMode, Ddp, Fsdp, GptConfig, Ids, NoSp, Precision,
-    Schedule, SeqMode, Sp, Zero1, Zero2,
+    to_stream_order, AdamW, ContextParallel, DataMode, Ddp, Fsdp, GptConfig, Ids, MoeConfig, NoSp,
+    Precision, Schedule, SeqMode, Sp, Zero1, Zero2,
 };
 use dtensor::prelude::*;
 use dtensor_checkpoint as ckpt;
@@ -45,7 +45,9 @@ const USAGE: &str = "\
 usage: train_gpt [flags]
 
   --mesh <spec>     mesh as pp=<n>,dp=<n>,ep=<n>,cp=<n>,tp=<n> (default dp=2,tp=2; any
-                    subset); `sp` may be added to the spec
+                    subset); `sp` may be added to the spec. ep shards the tokens like dp
+                    outside the experts and the experts inside --moe blocks (the batch must
+                    divide by dp·ep)
   --cp-impl <s>     context parallelism (cp > 1): attention by `ring` (default: K/V passed
                     round the cp ring, any head count) or `a2a` (all-to-all, Ulysses: the
                     heads per tp rank must divide by cp)
@@ -68,6 +70,15 @@ usage: train_gpt [flags]
   --microbatches <m> microbatches per step (default pp; must divide the batch per dp rank)
   --virtual <v>     interleaved: model chunks per pp rank (default 2)
   --recompute       activation recomputation: each block's forward runs again in backward
+  --moe             a mixture-of-experts MLP in every block (experts sharded over ep;
+                    pp = 1, no --recompute)
+  --experts <n>     with --moe: experts per block (default 4; must divide by ep)
+  --top-k <k>       with --moe: experts per token, 1 or 2 (default 2)
+  --capacity <f>    with --moe: capacity factor (default: dropless). --check needs a
+                    dropless run (the one-rank reference drops other tokens)
+  --aux-loss <c>    with --moe: Switch load-balancing loss coefficient (default 0.01)
+  --expert-bias <g> with --moe: aux-loss-free balancing (DeepSeek-V3): after each step
+                    every expert's selection bias moves by g·sign(mean load − load)
   --bf16            mixed precision: bf16 parameters and activations in compute, f32 masters
                     and optimizer state, gradients reduced in f32 (see --reduce-dtype)
   --reduce-dtype <t> with --bf16: f32 (default) or bf16 gradient reduction
@@ -135,6 +146,12 @@ struct Args {
     plot: Option<String>,
     /// Attention over cp: strategy and chunking.
     context: ContextParallel,
+    moe: bool,
+    experts: usize,
+    top_k: usize,
+    capacity: Option<f64>,
+    aux_loss: f64,
+    expert_bias: Option<f64>,
     save_every: usize,
     save_dir: Option<String>,
     resume: Option<String>,
@@ -186,6 +203,12 @@ fn parse_args() -> Result<Option<Args>, String> {
         metrics: None,
         plot: None,
         context: ContextParallel::default(),
+        moe: false,
+        experts: 4,
+        top_k: 2,
+        capacity: None,
+        aux_loss: 0.01,
+        expert_bias: None,
         save_every: 0,
         save_dir: None,
         resume: None,
@@ -265,6 +288,12 @@ fn parse_args() -> Result<Option<Args>, String> {
                     other => return Err(format!("--reduce-dtype: `{other}` is not f32 or bf16")),
                 }
             }
+            "--moe" => a.moe = true,
+            "--experts" => a.experts = num(&flag, value()?)?,
+            "--top-k" => a.top_k = num(&flag, value()?)?,
+            "--capacity" => a.capacity = Some(num(&flag, value()?)?),
+            "--aux-loss" => a.aux_loss = num(&flag, value()?)?,
+            "--expert-bias" => a.expert_bias = Some(num(&flag, value()?)?),
             "--metrics" => a.metrics = Some(value()?),
             "--save-every" => a.save_every = num(&flag, value()?)?,
             "--save-dir" => a.save_dir = Some(value()?),
@@ -282,9 +311,6 @@ fn parse_args() -> Result<Option<Args>, String> {
         return Err("--check compares a whole run from step 0: leave out --resume".into());
     }
     let c = &a.config;
-    if c.ep > 1 {
-        return Err(format!("--mesh {c}: ep > 1 needs --moe"));
-    }
     let chunks = if a.context.zigzag { 2 * c.cp } else { c.cp };
     if c.cp > 1 && a.seq % chunks != 0 {
         return Err(format!(
@@ -308,6 +334,25 @@ fn parse_args() -> Result<Option<Args>, String> {
             c.cp
         ));
     }
+    if a.moe {
+        if c.pp > 1 || a.recompute {
+            return Err("--moe runs with pp = 1 and without --recompute".into());
+        }
+        MoeConfig::new(a.experts, a.top_k)
+            .validate(c.ep)
+            .map_err(|e| format!("--moe --experts {} --top-k {}: {e}", a.experts, a.top_k))?;
+        if a.check && a.capacity.is_some() {
+            return Err(
+                "--check compares with one rank, which needs a dropless run: leave out --capacity"
+                    .into(),
+            );
+        }
+        if a.check && a.microbatches.is_some_and(|m| m > 1) {
+            return Err(
+                "--moe --check: the auxiliary loss is per microbatch; run one microbatch".into(),
+            );
+        }
+    }
     if a.bf16 && a.dtype == DType::F64 {
         return Err("--bf16 keeps f32 masters: leave --dtype at f32".into());
     }
@@ -326,19 +371,21 @@ fn parse_args() -> Result<Option<Args>, String> {
             a.hidden, a.heads
         ));
     }
-    if a.batch == 0 || a.batch % c.dp != 0 {
+    if a.batch == 0 || a.batch % (c.dp * c.ep) != 0 {
         return Err(format!(
-            "--batch {} is not divisible by dp={}",
-            a.batch, c.dp
+            "--batch {} is not divisible by dp·ep={}",
+            a.batch,
+            c.dp * c.ep
         ));
     }
     // The schedule and the model's cut are checked here, before any rank starts.
     let s = schedule(&a)?;
     let m = s.microbatches;
-    if a.batch % m != 0 || (a.batch / m) % c.dp != 0 {
+    if a.batch % m != 0 || (a.batch / m) % (c.dp * c.ep) != 0 {
         return Err(format!(
-            "--microbatches {m}: {} sequences do not cut into {m} microbatches of a multiple of dp={} sequences",
-            a.batch, c.dp
+            "--microbatches {m}: {} sequences do not cut into {m} microbatches of a multiple of dp·ep={} sequences",
+            a.batch,
+            c.dp * c.ep
         ));
     }
     check_pipeline(&model_config(&a), &s).map_err(|e| format!("--schedule {}: {e}", a.schedule))?;
@@ -371,7 +418,45 @@ fn model_config(a: &Args) -> GptConfig {
             .prefetched(a.data == DataKind::Fsdp && a.overlap),
         recompute: a.recompute,
         context: a.context,
+        moe: a.moe.then_some(MoeConfig {
+            capacity_factor: a.capacity,
+            aux_loss_coef: a.aux_loss,
+            bias_rate: a.expert_bias,
+            ..MoeConfig::new(a.experts, a.top_k)
+        }),
         ..GptConfig::small(a.dtype)
+    }
+}
+
+/// One step's routing over every MoE block (and microbatch): tokens per expert, the
+/// smallest and largest of any block and the mean, and the copies dropped.
+#[derive(Clone, Copy, Debug, Default)]
+struct RoutingStep {
+    min: usize,
+    mean: f64,
+    max: usize,
+    dropped: usize,
+}
+
+impl RoutingStep {
+    fn of(stats: &[Vec<RoutingStats>]) -> Option<Self> {
+        let all: Vec<&RoutingStats> = stats.iter().flatten().collect();
+        (!all.is_empty()).then(|| RoutingStep {
+            min: all.iter().map(|s| s.min).min().unwrap_or(0),
+            mean: all.iter().map(|s| s.mean).sum::<f64>() / all.len() as f64,
+            max: all.iter().map(|s| s.max).max().unwrap_or(0),
+            dropped: all.iter().map(|s| s.dropped).sum(),
+        })
+    }
+}
+
+impl std::fmt::Display for RoutingStep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "tokens per expert min {} mean {:.1} max {}, dropped {}",
+            self.min, self.mean, self.max, self.dropped
+        )
     }
 }
 
@@ -497,6 +582,8 @@ struct RankOut {
     counters: Vec<(AxisKind, CounterSnapshot)>,
     /// This rank's idle share of the steps after the first.
     bubble: f64,
+    /// `--moe`: each step's routing (the same on every rank).
+    routing: Vec<RoutingStep>,
 }
 
 /// One rank's training, the same on every backend: `world` is this rank's world
@@ -558,6 +645,7 @@ fn train_rank<M: SeqMode, D: DataMode>(
     let start_counters = dm.counters();
     let mut losses = Vec::with_capacity(a.steps);
     let mut records = Vec::with_capacity(a.steps);
+    let mut routing = Vec::new();
     let t0 = Instant::now();
     // The first step pays for warm-up (fresh buffers page-fault, the pool fills): the steady
     // rate is timed from its end, as PyTorch benchmarks time after warm-up steps.
@@ -576,6 +664,8 @@ fn train_rank<M: SeqMode, D: DataMode>(
         let t = Instant::now();
         let r = model.train_step(&split(&ids)?, &split(&tg)?, &mut opt, a.clip)?;
         let secs = t.elapsed().as_secs_f64();
+        let routed = RoutingStep::of(&model.take_routing_stats());
+        routing.extend(routed);
         records.push(StepRecord {
             loss: r.loss,
             grad_norm: r.grad_norm,
@@ -621,10 +711,11 @@ fn train_rank<M: SeqMode, D: DataMode>(
         let tokens = (a.batch * a.seq) as f64;
         if verbose && dm.rank() == 0 && (step % a.log_every == 0 || step + 1 == a.steps) {
             println!(
-                "step {step:4}  loss {:.4}  grad_norm {:.3}  {:>8.0} tokens/s",
+                "step {step:4}  loss {:.4}  grad_norm {:.3}  {:>8.0} tokens/s{}",
                 r.loss,
                 r.grad_norm,
-                tokens / secs
+                tokens / secs,
+                routed.map_or(String::new(), |r| format!("  moe: {r}"))
             );
         }
         if verbose && dm.rank() == 0 && a.print_loss_bits {
@@ -663,6 +754,7 @@ fn train_rank<M: SeqMode, D: DataMode>(
         metrics: Vec::new(),
         counters,
         bubble,
+        routing,
     })
 }
 
@@ -856,6 +948,7 @@ fn train_mpi<M: SeqMode, D: DataMode>(a: &Args) -> Result<MpiOut, String> {
             records: out.records,
             counters,
             bubble: bubble[0],
+            routing: out.routing,
         }))
     }))
 }
@@ -983,6 +1076,26 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
             "  pipeline bubble: measured {:.3} (idle share of the steps after the first, mean over ranks), analytic {analytic}, simulated with F = B = W {simulated}",
             out.bubble
         );
+    }
+    if a.moe {
+        println!(
+            "  moe: {} experts over ep={} ({} per rank), top-{}, {}, aux loss {}{}; expert grads reduced over dp (and tp with sp), not ep",
+            a.experts,
+            c.ep,
+            a.experts / c.ep.max(1),
+            a.top_k,
+            a.capacity.map_or("dropless".to_string(), |f| format!("capacity factor {f}")),
+            a.aux_loss,
+            a.expert_bias.map_or(String::new(), |g| format!(", expert bias rate {g}")),
+        );
+        // A resumed run ran the last steps of `a.steps`.
+        let first = a.steps - out.losses.len();
+        for (i, r) in out.routing.iter().enumerate() {
+            let step = first + i;
+            if a.steps <= 10 || step % a.log_every == 0 || step + 1 == a.steps {
+                println!("  moe step {step}: {r}");
+            }
+        }
     }
     let tokens = (out.losses.len() * a.batch * a.seq) as u64;
     for (axis, s) in &out.counters {

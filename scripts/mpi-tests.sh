@@ -10,7 +10,8 @@
 # (collectives/examples/mpi_misuse.rs).
 # Then the facade's examples built with `--features mpi`: `train_gpt --backend mpi` under
 # `mpirun -np 4` must print bitwise the same 20 losses as the threads backend (dp=2,tp=2
-# with SP, pp=2,dp=2 with FSDP and 1F1B, cp=2,tp=2 with ring and all-to-all attention)
+# with SP, pp=2,dp=2 with FSDP and 1F1B, cp=2,tp=2 with ring and all-to-all attention,
+# ep=2,dp=2 with MoE blocks)
 # (and say how
 # to launch it when started without mpirun), and `bench_report --backend mpi --quick` under
 # `mpirun -np 2` must print a `backend=mpi` line for every redistribution op.
@@ -132,12 +133,14 @@ rm -f "$log"
 
 # train_gpt: the threads backend and 4 MPI processes must agree bit for bit, with TP + SP,
 # with pipeline stages over data parallelism (FSDP, 1F1B, 4 microbatches), and with
-# context parallelism over TP (ring attention with SP, all-to-all attention without).
+# context parallelism over TP (ring attention with SP, all-to-all attention without), and
+# with MoE blocks whose experts are sharded over ep (all-to-all-v dispatch and combine).
 train_cases=(
   "--mesh dp=2,tp=2 --sp --steps 20 --print-loss-bits"
   "--mesh pp=2,dp=2 --fsdp --schedule 1f1b --microbatches 4 --layers 2 --steps 20 --print-loss-bits"
   "--mesh cp=2,tp=2 --sp --cp-impl ring --steps 20 --print-loss-bits"
   "--mesh cp=2,tp=2 --cp-impl a2a --steps 20 --print-loss-bits"
+  "--moe --experts 4 --top-k 2 --mesh ep=2,dp=2 --steps 20 --print-loss-bits"
 )
 for spec in "${train_cases[@]}"; do
   read -r -a train <<<"$spec"

@@ -15,6 +15,7 @@
 //! | [`Dispatched::grouped_matmul_t`] | `Ragged<B>` · `S0` → `Ragged<B>` | none | `dx` `Ragged`, `dW` `S0` (whole on the owner) |
 //! | [`combine`] | `Ragged<B>` (+ gates `S0`) → `S0` | all-to-all-v of rows | the forward all-to-all-v; gates get `⟨dy, y⟩` |
 //! | [`aux_loss`] | logits `S0` → `Partial<Sum>` | all-reduce of `E + 1` counts | `E/T·softmax'(f)` |
+//! | [`aux_loss_global`] | the same, statistics over every axis sharding the rows | one all-reduce of `E + 1` counts per such axis | the same |
 //!
 //! **Ragged rows.** A dispatched tensor's rows are grouped by local expert, then by source
 //! rank, then by token order (then top-k slot). How many rows a rank holds is data: the
@@ -211,6 +212,14 @@ impl<B: Brand> Routing<B> {
 
     /// Collective over Ep: tokens per expert over the Ep group, and drops.
     pub fn stats(&self) -> Result<RoutingStats> {
+        self.stats_over(&[AxisKind::Ep])
+    }
+
+    /// Collective over each of `axes` (those of this routing's mesh; others are skipped):
+    /// tokens per expert, and drops, summed over the ranks of those axes. Pass every axis
+    /// that shards the tokens (the data axes, `Ep`, `Cp`, and `Tp` under sequence
+    /// parallelism) for the whole batch's statistics.
+    pub fn stats_over(&self, axes: &[AxisKind]) -> Result<RoutingStats> {
         let e = self.experts;
         let mut buf = vec![0i64; e + 3];
         for (&x, &k) in self.choices.iter().zip(&self.kept) {
@@ -221,8 +230,11 @@ impl<B: Brand> Routing<B> {
         buf[e] = self.dropped() as i64;
         buf[e + 1] = self.tokens as i64;
         buf[e + 2] = self.choices.len() as i64;
-        self.comm
-            .all_reduce(i64::slice_mut(&mut buf), ReduceOp::Sum)?;
+        for &a in axes {
+            if let Some(c) = self.mesh.comm(a) {
+                c.all_reduce(i64::slice_mut(&mut buf), ReduceOp::Sum)?;
+            }
+        }
         let per_expert: Vec<usize> = buf[..e].iter().map(|&c| c as usize).collect();
         Ok(RoutingStats {
             min: per_expert.iter().copied().min().unwrap_or(0),
@@ -793,13 +805,44 @@ where
     L: SumLayout<1>,
     SumOut<L, 1>: SumLayout<0>,
 {
-    const OP: &str = "moe::aux_loss";
+    aux_loss_impl("moe::aux_loss", logits, routing, false)
+}
+
+/// [`aux_loss`] with statistics over the whole batch: `f_i` and `P_i` (and the token count
+/// `T`) are summed over every mesh axis on which the logits' rows are `Shard<0>` (`Ep`,
+/// the data axes, `Cp`, and `Tp` under sequence parallelism), not over `Ep` alone, so a
+/// run on any mesh computes the loss a one-rank run computes on the same tokens. One more
+/// all-reduce of `E + 1` counts per such axis; the result is `Partial<Sum>` on exactly
+/// those axes, its terms adding up to `E · Σ_i f_i · P_i`.
+#[allow(clippy::type_complexity)]
+pub fn aux_loss_global<'t, B: Brand, L>(
+    logits: &Var<'t, L>,
+    routing: &Routing<B>,
+) -> Result<Var<'t, SumOut<SumOut<L, 1>, 0>>>
+where
+    L: SumLayout<1>,
+    SumOut<L, 1>: SumLayout<0>,
+{
+    aux_loss_impl("moe::aux_loss_global", logits, routing, true)
+}
+
+#[allow(clippy::type_complexity)]
+fn aux_loss_impl<'t, B: Brand, L>(
+    op: &'static str,
+    logits: &Var<'t, L>,
+    routing: &Routing<B>,
+    global: bool,
+) -> Result<Var<'t, SumOut<SumOut<L, 1>, 0>>>
+where
+    L: SumLayout<1>,
+    SumOut<L, 1>: SumLayout<0>,
+{
     let lv = logits.value().as_any();
-    check_mesh(OP, lv, routing)?;
+    check_mesh(op, lv, routing)?;
     let e = routing.experts;
     if lv.local_shape() != [routing.tokens, e] {
         return Err(invalid(
-            OP,
+            op,
             format!(
                 "logits of local shape {:?} for a routing of {} tokens and {e} experts",
                 lv.local_shape(),
@@ -809,9 +852,21 @@ where
     }
     let mut buf: Vec<i64> = routing.selected.iter().map(|&c| c as i64).collect();
     buf.push(routing.tokens as i64);
-    routing
-        .comm
-        .all_reduce(i64::slice_mut(&mut buf), ReduceOp::Sum)?;
+    if global {
+        // Every axis sharding the rows (Ep among them), in mesh order.
+        let mesh = lv.device_mesh();
+        for (a, p) in L::placements().iter().enumerate() {
+            if *p == dtensor_placement::Placement::Shard(0) {
+                if let Some(c) = mesh.comm(mesh.mesh().axes()[a].0) {
+                    c.all_reduce(i64::slice_mut(&mut buf), ReduceOp::Sum)?;
+                }
+            }
+        }
+    } else {
+        routing
+            .comm
+            .all_reduce(i64::slice_mut(&mut buf), ReduceOp::Sum)?;
+    }
     let total = buf[e] as f64;
     let copies = total * routing.top_k as f64;
     let f: Vec<f64> = buf[..e].iter().map(|&c| c as f64 / copies).collect();
@@ -819,7 +874,7 @@ where
     let tokens = routing.tokens;
     let fb = f.clone();
     logits.custom::<SumOut<SumOut<L, 1>, 0>>(
-        OP,
+        op,
         &[],
         |x| {
             let p = softmax_rows(&x.to_f64_vec(), e);

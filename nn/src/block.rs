@@ -18,6 +18,7 @@ use crate::data::{DataMode, Ddp, Precision};
 use crate::embedding::{loss_value, vocab_parallel_cross_entropy, VocabParallelEmbedding};
 use crate::linear::{ColumnParallelLinear, ParamInit};
 use crate::mlp::{Activation, ParallelMlp};
+use crate::moe::{MoeConfig, MoeMlp};
 use crate::norm::{Norm, NormKind};
 use crate::optim::{
     self, join_name, named_params, GradAccumulator, Module, Optimizer, ParamVisitor,
@@ -26,7 +27,7 @@ use crate::pipeline::stage::{StageInput, StageOutput, StageParts};
 use crate::pipeline::GptStage;
 use crate::seq::{Ids, Loss, SeqMode, Stream};
 use dtensor_collectives::trace;
-use dtensor_core::{DTensor, DeviceMesh, Result, Tape, Var};
+use dtensor_core::{DTensor, DeviceMesh, Error, Result, RoutingStats, Tape, Var};
 use dtensor_kernels::{DType, Tensor};
 use std::sync::Arc;
 
@@ -54,6 +55,9 @@ pub struct GptConfig {
     pub recompute: bool,
     /// How attention runs over `Cp` (ring or all-to-all, zigzag chunks); unused at `cp = 1`.
     pub context: ContextParallel,
+    /// `Some`: every block's MLP is a mixture of experts ([`MoeMlp`]) over `Ep`, and the
+    /// training loss adds `aux_loss_coef ·` its auxiliary loss. `None`: dense MLPs.
+    pub moe: Option<MoeConfig>,
 }
 
 impl GptConfig {
@@ -75,6 +79,7 @@ impl GptConfig {
             precision: Precision::default(),
             recompute: false,
             context: ContextParallel::default(),
+            moe: None,
         }
     }
 
@@ -89,17 +94,58 @@ impl GptConfig {
     }
 }
 
+/// A block's MLP: dense (tensor-parallel) or a mixture of experts.
+// Held once per block, never moved in a hot loop: boxing would only add an indirection.
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone)]
+pub enum BlockMlp<M: SeqMode, D: DataMode = Ddp> {
+    Dense(ParallelMlp<M, D>),
+    Moe(MoeMlp<M, D>),
+}
+
+impl<M: SeqMode, D: DataMode> BlockMlp<M, D> {
+    /// The dense MLP, if it is one.
+    pub fn dense(&self) -> Option<&ParallelMlp<M, D>> {
+        match self {
+            BlockMlp::Dense(m) => Some(m),
+            BlockMlp::Moe(_) => None,
+        }
+    }
+    /// The MoE MLP, if it is one.
+    pub fn moe(&self) -> Option<&MoeMlp<M, D>> {
+        match self {
+            BlockMlp::Dense(_) => None,
+            BlockMlp::Moe(m) => Some(m),
+        }
+    }
+    fn prefetch(&self) -> Result<()> {
+        match self {
+            BlockMlp::Dense(m) => m.prefetch(),
+            BlockMlp::Moe(m) => m.prefetch(),
+        }
+    }
+}
+
+impl<M: SeqMode, D: DataMode> Module for BlockMlp<M, D> {
+    fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
+        match self {
+            BlockMlp::Dense(m) => m.visit_params(prefix, v),
+            BlockMlp::Moe(m) => m.visit_params(prefix, v),
+        }
+    }
+}
+
 /// Pre-norm transformer block.
 #[derive(Clone)]
 pub struct TransformerBlock<M: SeqMode, D: DataMode = Ddp> {
     pub norm1: Norm<M, D>,
     pub attn: ParallelAttention<M, D>,
     pub norm2: Norm<M, D>,
-    pub mlp: ParallelMlp<M, D>,
+    pub mlp: BlockMlp<M, D>,
 }
 
 impl<M: SeqMode, D: DataMode> TransformerBlock<M, D> {
-    /// Parameter ids `init.id .. init.id + 16`.
+    /// Parameter ids `init.id .. init.id + 16` (an MoE MLP: router `+8`, experts `+9..+12`).
     pub fn new(cfg: &GptConfig, init: ParamInit, mesh: &Arc<DeviceMesh>) -> Result<Self> {
         let id = init.id;
         let out_std = init.std / (2.0 * cfg.layers.max(1) as f64).sqrt();
@@ -120,15 +166,26 @@ impl<M: SeqMode, D: DataMode> TransformerBlock<M, D> {
                 norm_init.with_id(id + 6),
                 mesh,
             )?,
-            mlp: ParallelMlp::new(
-                cfg.hidden,
-                cfg.ffn,
-                cfg.activation,
-                cfg.bias,
-                init.with_id(id + 8),
-                out_std,
-                mesh,
-            )?,
+            mlp: match cfg.moe {
+                None => BlockMlp::Dense(ParallelMlp::new(
+                    cfg.hidden,
+                    cfg.ffn,
+                    cfg.activation,
+                    cfg.bias,
+                    init.with_id(id + 8),
+                    out_std,
+                    mesh,
+                )?),
+                Some(moe) => BlockMlp::Moe(MoeMlp::new(
+                    cfg.hidden,
+                    cfg.ffn,
+                    moe,
+                    cfg.activation,
+                    init.with_id(id + 8),
+                    out_std,
+                    mesh,
+                )?),
+            },
         })
     }
 
@@ -141,13 +198,38 @@ impl<M: SeqMode, D: DataMode> TransformerBlock<M, D> {
         self.mlp.prefetch()
     }
 
+    /// The block on `x`. `Err` for an MoE block, whose auxiliary loss this would drop:
+    /// use [`forward_with_aux`](Self::forward_with_aux).
     pub fn forward<'t>(
         &self,
         tape: &'t Tape,
         x: &Var<'t, Stream<M>>,
     ) -> Result<Var<'t, Stream<M>>> {
+        match self.forward_with_aux(tape, x)? {
+            (y, None) => Ok(y),
+            (_, Some(_)) => Err(Error::InvalidUse {
+                op: "TransformerBlock::forward",
+                detail: "an MoE block has an auxiliary loss: call forward_with_aux".into(),
+            }),
+        }
+    }
+
+    /// The block on `x`, and for an MoE block its MLP's auxiliary loss (unscaled).
+    #[allow(clippy::type_complexity)]
+    pub fn forward_with_aux<'t>(
+        &self,
+        tape: &'t Tape,
+        x: &Var<'t, Stream<M>>,
+    ) -> Result<(Var<'t, Stream<M>>, Option<Var<'t, Loss>>)> {
         let h = x.add(&self.attn.forward(tape, &self.norm1.forward(tape, x)?)?)?;
-        h.add(&self.mlp.forward(tape, &self.norm2.forward(tape, &h)?)?)
+        let n = self.norm2.forward(tape, &h)?;
+        match &self.mlp {
+            BlockMlp::Dense(m) => Ok((h.add(&m.forward(tape, &n)?)?, None)),
+            BlockMlp::Moe(m) => {
+                let (y, aux) = m.forward(tape, &n)?;
+                Ok((h.add(&y)?, Some(aux)))
+            }
+        }
     }
 
     /// [`forward`](Self::forward) as a recomputed region: only the input and output stay
@@ -293,10 +375,32 @@ impl<M: SeqMode, D: DataMode> Gpt<M, D> {
             None => acc.add(self, &mut loss.backward()?)?,
         }
         let grad_norm = optim::step_accumulated(self, acc, opt, max_norm)?;
+        self.update_expert_bias();
         Ok(StepReport {
             loss: value,
             grad_norm,
         })
+    }
+
+    /// Aux-loss-free balancing after an optimizer step: every MoE block's
+    /// [`MoeMlp::update_bias`] (nothing for dense blocks or without a bias rate).
+    /// [`train_step`](Self::train_step) calls it; a loop stepping by hand calls it after
+    /// each step.
+    pub fn update_expert_bias(&self) {
+        for b in &self.blocks {
+            if let Some(m) = b.mlp.moe() {
+                m.update_bias();
+            }
+        }
+    }
+
+    /// The routing statistics each MoE block recorded since the last call (one entry per
+    /// forward, oldest first), per block in order; empty for a dense model.
+    pub fn take_routing_stats(&self) -> Vec<Vec<RoutingStats>> {
+        self.blocks
+            .iter()
+            .filter_map(|b| b.mlp.moe().map(|m| m.take_stats()))
+            .collect()
     }
 
     /// Collective: every parameter as a whole tensor, in [`Module::visit_params`] order.

@@ -35,6 +35,17 @@
 //! 1-D and sharded over `Tp`) stays `Replicate` over `Dp` in every mode and is
 //! all-reduced: it holds `out/tp` elements.
 //!
+//! ## Expert parameters (`Ep`)
+//!
+//! A parameter kind also names its placement over `Ep` ([`ParamKind::Ep`], an
+//! [`EpParam`]): `Invariant` for every dense parameter (its compute copy is `Replicate`
+//! there and its gradient all-reduced over `Ep`, a data axis for it), `Shard<0>` for MoE
+//! expert weights `[experts, out, in]` ([`ExpertW`]): each `Ep` rank holds its experts
+//! whole, computes with them as they are, and its gradient is *not* reduced over `Ep`. The
+//! data modes treat experts as any other kind, sharding dim 1 (`out`, whole on every `Ep`
+//! and `Tp` rank) over `Dp` under ZeRO and FSDP: `[Dp: Shard<1>, Ep: Shard<0>, …]` cuts two
+//! different dims, so every piece is one block and the gathers are plain.
+//!
 //! ## Precision
 //!
 //! [`Precision`] sets the compute dtype (bf16 parameters and activations with f32 masters:
@@ -105,10 +116,56 @@ use std::sync::{Arc, Mutex};
 /// all-reduces the gradient there. A gradient of a stored parameter therefore arrives
 /// reduced over `Ep` and `Cp` and is `DpLayout<_, _>` again: one all-reduce per axis
 /// (size-1 axes cost nothing), recorded by the tape like any other.
-pub type DpLayout<P, T> = layout![Dp: P, Ep: Invariant, Cp: Invariant, Tp: T];
+///
+/// `E` is the placement over `Ep` ([`ParamKind::Ep`]): `Invariant` for every dense
+/// parameter (the default), `Shard<0>` for MoE expert weights `[experts, out, in]`, each
+/// `Ep` rank holding its own experts whole ([`ExpertW`]).
+pub type DpLayout<P, T, E = Invariant> = layout![Dp: P, Ep: E, Cp: Invariant, Tp: T];
 /// A parameter whole over `Dp` (gathered, or never sharded) but still `Invariant` over
-/// `Ep` and `Cp`: one step before [`ParamLayout`].
-pub type DpWhole<T> = DpLayout<Replicate, T>;
+/// `Cp` (and `E` over `Ep`): one step before [`ComputeLayout`].
+pub type DpWhole<T, E = Invariant> = DpLayout<Replicate, T, E>;
+/// A parameter as compute ops take it: [`ParamLayout<T>`] for a dense one (`E` =
+/// `Invariant`), `[Dp: Replicate, Ep: Shard<0>, Cp: Replicate, Tp: T]` for expert weights.
+pub type ComputeLayout<T, E = Invariant> =
+    layout![Dp: Replicate, Ep: <E as EpParam>::Compute, Cp: Replicate, Tp: T];
+/// The compute layout of a parameter of kind `K`.
+pub type ComputeOf<K> = ComputeLayout<<K as ParamKind>::Tp, <K as ParamKind>::Ep>;
+
+/// A parameter's placement over `Ep`, and how a whole (over `Dp`) parameter is made ready
+/// for compute there and over `Cp`.
+///
+/// | `Ep` placement | compute copy over `Ep` | gradient over `Ep` |
+/// |---|---|---|
+/// | `Invariant` (dense) | `Replicate` (`to_replicate`) | the adjoint all-reduces it: `Invariant` |
+/// | `Shard<0>` (experts) | `Shard<0>`: this rank's experts | `Shard<0>`: each rank's own experts, never reduced over `Ep` |
+///
+/// Over `Cp` both are `to_replicate`d (the adjoint all-reduces the gradient there).
+pub trait EpParam: PlacementType<Grad = Self> + Linear + ReducedPlacement<Self> {
+    /// The compute copy's placement over `Ep`.
+    type Compute: PlacementType;
+    /// `Invariant` → `Replicate` over `Cp` (and over `Ep` for a dense parameter).
+    fn to_compute<'t, T: PlacementType>(
+        w: &Var<'t, DpWhole<T, Self>>,
+    ) -> Result<Var<'t, ComputeLayout<T, Self>>>;
+}
+
+impl EpParam for Invariant {
+    type Compute = Replicate;
+    fn to_compute<'t, T: PlacementType>(
+        w: &Var<'t, DpWhole<T, Self>>,
+    ) -> Result<Var<'t, ComputeLayout<T, Self>>> {
+        to_compute(w)
+    }
+}
+
+impl EpParam for Shard<0> {
+    type Compute = Shard<0>;
+    fn to_compute<'t, T: PlacementType>(
+        w: &Var<'t, DpWhole<T, Self>>,
+    ) -> Result<Var<'t, ComputeLayout<T, Self>>> {
+        w.to_replicate(Cp)
+    }
+}
 
 /// `Invariant` → `Replicate` over `Ep` and `Cp`: a whole parameter made ready for compute
 /// with tokens sharded there; the adjoint all-reduces its gradient over both axes.
@@ -119,9 +176,11 @@ pub fn to_compute<'t, T: PlacementType>(
 }
 
 /// The compute copy's layout of a parameter of kind `K` under data mode `D`.
-pub type WorkLayout<D, K> = DpLayout<<D as DataMode>::Work<K>, <K as ParamKind>::Tp>;
+pub type WorkLayout<D, K> =
+    DpLayout<<D as DataMode>::Work<K>, <K as ParamKind>::Tp, <K as ParamKind>::Ep>;
 /// The master's layout (the optimizer's view) of a parameter of kind `K` under mode `D`.
-pub type MasterLayout<D, K> = DpLayout<<D as DataMode>::Master<K>, <K as ParamKind>::Tp>;
+pub type MasterLayout<D, K> =
+    DpLayout<<D as DataMode>::Master<K>, <K as ParamKind>::Tp, <K as ParamKind>::Ep>;
 
 /// What kind of parameter this is for data parallelism: its placement over `Tp`, and the
 /// placement over `Dp` a sharding data mode gives it (the dim `Tp` leaves whole).
@@ -129,8 +188,11 @@ pub trait ParamKind: Send + Sync + 'static {
     /// Placement over `Tp`.
     type Tp: TpParam;
     /// Placement over `Dp` when the mode shards parameters: `Shard<F>` of a dim `Tp`
-    /// leaves whole, `Replicate` when there is none.
+    /// (and `Ep`) leaves whole, `Replicate` when there is none.
     type DpShard: DpShardPlacement;
+    /// Placement over `Ep`: `Invariant` for a dense parameter, `Shard<0>` for expert
+    /// weights ([`ExpertW`]).
+    type Ep: EpParam;
 }
 
 /// A column-parallel weight `[out, in]` (and the vocabulary-parallel embedding table
@@ -144,22 +206,37 @@ pub struct ColB;
 /// A parameter applied to the residual stream (norm weight, row bias) `[hidden]` under
 /// sequence mode `M`: `M::ParamTp` over `Tp`, `Shard<0>` over a sharding `Dp`.
 pub struct StreamP<M>(PhantomData<M>);
+/// MoE expert weights `[experts, out, in]` under sequence mode `M`: `Shard<0>` over `Ep`
+/// (whole experts per rank), replicated over `Tp` like a stream parameter
+/// (`M::ParamTp`: `Invariant` without SP, `Replicate` with SP, whose gradient is then
+/// all-reduced over `Tp`), `Shard<1>` over a sharding `Dp` (dim 1, `out`, is whole on every
+/// `Ep` and `Tp` rank). No tensor parallelism inside an expert.
+pub struct ExpertW<M>(PhantomData<M>);
 
 impl ParamKind for ColW {
     type Tp = Shard<0>;
     type DpShard = Shard<1>;
+    type Ep = Invariant;
 }
 impl ParamKind for RowW {
     type Tp = Shard<1>;
     type DpShard = Shard<0>;
+    type Ep = Invariant;
 }
 impl ParamKind for ColB {
     type Tp = Shard<0>;
     type DpShard = Replicate;
+    type Ep = Invariant;
 }
 impl<M: SeqMode> ParamKind for StreamP<M> {
     type Tp = M::ParamTp;
     type DpShard = Shard<0>;
+    type Ep = Invariant;
+}
+impl<M: SeqMode> ParamKind for ExpertW<M> {
+    type Tp = M::ParamTp;
+    type DpShard = Shard<1>;
+    type Ep = Shard<0>;
 }
 
 /// Dtypes and the reshard flag of a model's parameters.
@@ -226,67 +303,67 @@ pub trait DpGather: PlacementType {
     const SHARDED: bool;
     /// The whole parameter in `compute` dtype from the stored compute copy (or, for an
     /// f32-reduced FSDP shard, the f32 master: gathered, then cast).
-    fn gather<'t, T: PlacementType>(
-        stored: &Var<'t, DpLayout<Self, T>>,
+    fn gather<'t, T: PlacementType, E: EpParam>(
+        stored: &Var<'t, DpLayout<Self, T, E>>,
         compute: DType,
-    ) -> Result<Var<'t, ParamLayout<T>>>;
+    ) -> Result<Var<'t, ComputeLayout<T, E>>>;
 
     /// Starts gathering `stored` now (FSDP's prefetch); `None` where nothing is gathered.
     #[allow(clippy::type_complexity)]
-    fn start_gather<T: PlacementType>(
-        stored: &DTensor<DpLayout<Self, T>>,
-    ) -> Result<Option<PendingAllGather<DpLayout<Self, T>, DpWhole<T>>>>;
+    fn start_gather<T: PlacementType, E: EpParam>(
+        stored: &DTensor<DpLayout<Self, T, E>>,
+    ) -> Result<Option<PendingAllGather<DpLayout<Self, T, E>, DpWhole<T, E>>>>;
 
     /// [`gather`](Self::gather) finishing a gather [`start_gather`](Self::start_gather)
     /// started from the same value.
-    fn gather_prefetched<'t, T: PlacementType>(
-        stored: &Var<'t, DpLayout<Self, T>>,
-        pending: PendingAllGather<DpLayout<Self, T>, DpWhole<T>>,
+    fn gather_prefetched<'t, T: PlacementType, E: EpParam>(
+        stored: &Var<'t, DpLayout<Self, T, E>>,
+        pending: PendingAllGather<DpLayout<Self, T, E>, DpWhole<T, E>>,
         compute: DType,
-    ) -> Result<Var<'t, ParamLayout<T>>>;
+    ) -> Result<Var<'t, ComputeLayout<T, E>>>;
 }
 
 impl DpGather for Replicate {
     const SHARDED: bool = false;
-    fn gather<'t, T: PlacementType>(
-        stored: &Var<'t, DpLayout<Self, T>>,
+    fn gather<'t, T: PlacementType, E: EpParam>(
+        stored: &Var<'t, DpLayout<Self, T, E>>,
         compute: DType,
-    ) -> Result<Var<'t, ParamLayout<T>>> {
-        to_compute(&stored.to_dtype(compute)?)
+    ) -> Result<Var<'t, ComputeLayout<T, E>>> {
+        E::to_compute(&stored.to_dtype(compute)?)
     }
-    fn start_gather<T: PlacementType>(
-        _: &DTensor<DpLayout<Self, T>>,
-    ) -> Result<Option<PendingAllGather<DpLayout<Self, T>, DpWhole<T>>>> {
+    fn start_gather<T: PlacementType, E: EpParam>(
+        _: &DTensor<DpLayout<Self, T, E>>,
+    ) -> Result<Option<PendingAllGather<DpLayout<Self, T, E>, DpWhole<T, E>>>> {
         Ok(None)
     }
-    fn gather_prefetched<'t, T: PlacementType>(
-        stored: &Var<'t, DpLayout<Self, T>>,
-        _: PendingAllGather<DpLayout<Self, T>, DpWhole<T>>,
+    fn gather_prefetched<'t, T: PlacementType, E: EpParam>(
+        stored: &Var<'t, DpLayout<Self, T, E>>,
+        _: PendingAllGather<DpLayout<Self, T, E>, DpWhole<T, E>>,
         compute: DType,
-    ) -> Result<Var<'t, ParamLayout<T>>> {
+    ) -> Result<Var<'t, ComputeLayout<T, E>>> {
         Self::gather(stored, compute)
     }
 }
 
 impl<const F: usize> DpGather for Shard<F> {
     const SHARDED: bool = true;
-    fn gather<'t, T: PlacementType>(
-        stored: &Var<'t, DpLayout<Self, T>>,
+    fn gather<'t, T: PlacementType, E: EpParam>(
+        stored: &Var<'t, DpLayout<Self, T, E>>,
         compute: DType,
-    ) -> Result<Var<'t, ParamLayout<T>>> {
-        to_compute(&stored.all_gather(Dp)?.to_dtype(compute)?)
+    ) -> Result<Var<'t, ComputeLayout<T, E>>> {
+        E::to_compute(&stored.all_gather(Dp)?.to_dtype(compute)?)
     }
-    fn start_gather<T: PlacementType>(
-        stored: &DTensor<DpLayout<Self, T>>,
-    ) -> Result<Option<PendingAllGather<DpLayout<Self, T>, DpWhole<T>>>> {
+    fn start_gather<T: PlacementType, E: EpParam>(
+        stored: &DTensor<DpLayout<Self, T, E>>,
+    ) -> Result<Option<PendingAllGather<DpLayout<Self, T, E>, DpWhole<T, E>>>> {
         Ok(Some(stored.clone().start_all_gather(Dp)?))
     }
-    fn gather_prefetched<'t, T: PlacementType>(
-        stored: &Var<'t, DpLayout<Self, T>>,
-        pending: PendingAllGather<DpLayout<Self, T>, DpWhole<T>>,
+    fn gather_prefetched<'t, T: PlacementType, E: EpParam>(
+        stored: &Var<'t, DpLayout<Self, T, E>>,
+        pending: PendingAllGather<DpLayout<Self, T, E>, DpWhole<T, E>>,
         compute: DType,
-    ) -> Result<Var<'t, ParamLayout<T>>> {
-        to_compute(&stored.all_gather_prefetched(pending)?.to_dtype(compute)?)
+    ) -> Result<Var<'t, ComputeLayout<T, E>>> {
+        E::to_compute(&stored.all_gather_prefetched(pending)?.to_dtype(compute)?)
     }
 }
 
@@ -303,25 +380,25 @@ pub trait DpMaster<W: DpGather>: PlacementType {
     /// The value the tape binds for the parameter: the compute copy, or the master where
     /// it serves as one (same placement and dtype, or an FSDP shard gathered in f32 and
     /// cast after).
-    fn bound<T: PlacementType>(
-        master: &DTensor<DpLayout<Self, T>>,
-        work: Option<&DTensor<DpLayout<W, T>>>,
+    fn bound<T: PlacementType, E: EpParam>(
+        master: &DTensor<DpLayout<Self, T, E>>,
+        work: Option<&DTensor<DpLayout<W, T, E>>>,
         p: &Precision,
-    ) -> Result<DTensor<DpLayout<W, T>>>;
+    ) -> Result<DTensor<DpLayout<W, T, E>>>;
 
     /// A raw gradient of the bound value (summed over microbatches, say) reduced over `Dp`
     /// to `Reduced`, in `master`'s dtype: an all-reduce, a reduce-scatter, or nothing.
-    fn reduce<G: PlacementType>(
-        raw: DTensor<DpLayout<W::Grad, G>>,
+    fn reduce<G: PlacementType, E: EpParam>(
+        raw: DTensor<DpLayout<W::Grad, G, E>>,
         master: DType,
         p: &Precision,
-    ) -> Result<DTensor<DpLayout<Self::Reduced, G>>>;
+    ) -> Result<DTensor<DpLayout<Self::Reduced, G, E>>>;
 
     /// The compute copy after the master changed; `None` when the master serves as it.
-    fn refresh<T: PlacementType>(
-        master: &DTensor<DpLayout<Self, T>>,
+    fn refresh<T: PlacementType, E: EpParam>(
+        master: &DTensor<DpLayout<Self, T, E>>,
         p: &Precision,
-    ) -> Result<Option<DTensor<DpLayout<W, T>>>>;
+    ) -> Result<Option<DTensor<DpLayout<W, T, E>>>>;
 }
 
 /// Casts `g` to `dtype` unless it already is.
@@ -339,26 +416,26 @@ impl DpMaster<Replicate> for Replicate {
     type Reduced = Invariant;
     const ALL_REDUCE: bool = true;
 
-    fn bound<T: PlacementType>(
-        master: &DTensor<DpLayout<Self, T>>,
-        work: Option<&DTensor<DpLayout<Replicate, T>>>,
+    fn bound<T: PlacementType, E: EpParam>(
+        master: &DTensor<DpLayout<Self, T, E>>,
+        work: Option<&DTensor<DpLayout<Replicate, T, E>>>,
         _: &Precision,
-    ) -> Result<DTensor<DpLayout<Replicate, T>>> {
+    ) -> Result<DTensor<DpLayout<Replicate, T, E>>> {
         Ok(work.unwrap_or(master).clone())
     }
 
-    fn reduce<G: PlacementType>(
-        raw: DTensor<DpLayout<Partial, G>>,
+    fn reduce<G: PlacementType, E: EpParam>(
+        raw: DTensor<DpLayout<Partial, G, E>>,
         master: DType,
         p: &Precision,
-    ) -> Result<DTensor<DpLayout<Invariant, G>>> {
+    ) -> Result<DTensor<DpLayout<Invariant, G, E>>> {
         cast(cast(raw, p.reduce_of(master))?.all_reduce(Dp)?, master)
     }
 
-    fn refresh<T: PlacementType>(
-        master: &DTensor<DpLayout<Self, T>>,
+    fn refresh<T: PlacementType, E: EpParam>(
+        master: &DTensor<DpLayout<Self, T, E>>,
         p: &Precision,
-    ) -> Result<Option<DTensor<DpLayout<Replicate, T>>>> {
+    ) -> Result<Option<DTensor<DpLayout<Replicate, T, E>>>> {
         let c = p.compute_of(master.as_local().dtype());
         (c != master.as_local().dtype())
             .then(|| master.to_dtype(c))
@@ -371,11 +448,11 @@ impl DpMaster<Replicate> for Replicate {
 impl<const F: usize> DpMaster<Replicate> for Shard<F> {
     type Reduced = Shard<F>;
 
-    fn bound<T: PlacementType>(
-        master: &DTensor<DpLayout<Self, T>>,
-        work: Option<&DTensor<DpLayout<Replicate, T>>>,
+    fn bound<T: PlacementType, E: EpParam>(
+        master: &DTensor<DpLayout<Self, T, E>>,
+        work: Option<&DTensor<DpLayout<Replicate, T, E>>>,
         p: &Precision,
-    ) -> Result<DTensor<DpLayout<Replicate, T>>> {
+    ) -> Result<DTensor<DpLayout<Replicate, T, E>>> {
         match work {
             Some(w) => Ok(w.clone()),
             // Only between a release and a refresh: rebuild it.
@@ -383,21 +460,21 @@ impl<const F: usize> DpMaster<Replicate> for Shard<F> {
         }
     }
 
-    fn reduce<G: PlacementType>(
-        raw: DTensor<DpLayout<Partial, G>>,
+    fn reduce<G: PlacementType, E: EpParam>(
+        raw: DTensor<DpLayout<Partial, G, E>>,
         master: DType,
         p: &Precision,
-    ) -> Result<DTensor<DpLayout<Shard<F>, G>>> {
+    ) -> Result<DTensor<DpLayout<Shard<F>, G, E>>> {
         cast(
             cast(raw, p.reduce_of(master))?.reduce_scatter::<_, _, F>(Dp)?,
             master,
         )
     }
 
-    fn refresh<T: PlacementType>(
-        master: &DTensor<DpLayout<Self, T>>,
+    fn refresh<T: PlacementType, E: EpParam>(
+        master: &DTensor<DpLayout<Self, T, E>>,
         p: &Precision,
-    ) -> Result<Option<DTensor<DpLayout<Replicate, T>>>> {
+    ) -> Result<Option<DTensor<DpLayout<Replicate, T, E>>>> {
         let c = p.compute_of(master.as_local().dtype());
         Ok(Some(cast(master.clone(), c)?.all_gather(Dp)?))
     }
@@ -408,11 +485,11 @@ impl<const F: usize> DpMaster<Replicate> for Shard<F> {
 impl<const F: usize> DpMaster<Shard<F>> for Shard<F> {
     type Reduced = Shard<F>;
 
-    fn bound<T: PlacementType>(
-        master: &DTensor<DpLayout<Self, T>>,
-        work: Option<&DTensor<DpLayout<Shard<F>, T>>>,
+    fn bound<T: PlacementType, E: EpParam>(
+        master: &DTensor<DpLayout<Self, T, E>>,
+        work: Option<&DTensor<DpLayout<Shard<F>, T, E>>>,
         p: &Precision,
-    ) -> Result<DTensor<DpLayout<Shard<F>, T>>> {
+    ) -> Result<DTensor<DpLayout<Shard<F>, T, E>>> {
         // Reducing wider than computing: bind the master, gather it, cast after.
         Ok(if p.reduces_wider(master.as_local().dtype()) {
             master.clone()
@@ -421,18 +498,18 @@ impl<const F: usize> DpMaster<Shard<F>> for Shard<F> {
         })
     }
 
-    fn reduce<G: PlacementType>(
-        raw: DTensor<DpLayout<Shard<F>, G>>,
+    fn reduce<G: PlacementType, E: EpParam>(
+        raw: DTensor<DpLayout<Shard<F>, G, E>>,
         master: DType,
         _: &Precision,
-    ) -> Result<DTensor<DpLayout<Shard<F>, G>>> {
+    ) -> Result<DTensor<DpLayout<Shard<F>, G, E>>> {
         cast(raw, master)
     }
 
-    fn refresh<T: PlacementType>(
-        master: &DTensor<DpLayout<Self, T>>,
+    fn refresh<T: PlacementType, E: EpParam>(
+        master: &DTensor<DpLayout<Self, T, E>>,
         p: &Precision,
-    ) -> Result<Option<DTensor<DpLayout<Shard<F>, T>>>> {
+    ) -> Result<Option<DTensor<DpLayout<Shard<F>, T, E>>>> {
         let (m, c) = (
             master.as_local().dtype(),
             p.compute_of(master.as_local().dtype()),
@@ -519,7 +596,8 @@ pub struct Weight<D: DataMode, K: ParamKind> {
 }
 
 /// A started gather of a weight's stored copy.
-type Prefetch<D, K> = PendingAllGather<WorkLayout<D, K>, DpWhole<<K as ParamKind>::Tp>>;
+type Prefetch<D, K> =
+    PendingAllGather<WorkLayout<D, K>, DpWhole<<K as ParamKind>::Tp, <K as ParamKind>::Ep>>;
 
 /// The same parameter (same key, shared tensors, nothing copied): what a recomputed
 /// region captures to run its layer again in the backward.
@@ -578,7 +656,7 @@ impl<D: DataMode, K: ParamKind> Weight<D, K> {
 
     /// The whole parameter for compute, on `tape`: the stored copy, all-gathered over
     /// `Dp` under FSDP (its adjoint reduce-scatters the gradient).
-    pub fn on<'t>(&self, tape: &'t Tape) -> Result<Var<'t, ParamLayout<K::Tp>>> {
+    pub fn on<'t>(&self, tape: &'t Tape) -> Result<Var<'t, ComputeOf<K>>> {
         gather_or_finish::<D, K>(&self.stored(tape)?, &self.prefetched, self.compute_dtype())
     }
 
@@ -601,7 +679,7 @@ impl<D: DataMode, K: ParamKind> Weight<D, K> {
         &self,
         tape: &'t Tape,
         x: &Var<'t, Lx>,
-        f: impl for<'s> Fn(&Var<'s, Lx>, &Var<'s, ParamLayout<K::Tp>>) -> Result<Var<'s, Out>> + 'static,
+        f: impl for<'s> Fn(&Var<'s, Lx>, &Var<'s, ComputeOf<K>>) -> Result<Var<'s, Out>> + 'static,
     ) -> Result<Var<'t, Out>> {
         if <D::Work<K> as DpGather>::SHARDED && self.precision.reshard_after_forward {
             let c = self.compute_dtype();
@@ -650,7 +728,7 @@ impl<D: DataMode, K: ParamKind> Weight<D, K> {
     pub fn dp_reduce(
         &self,
         raw: DTensor<<WorkLayout<D, K> as Layout>::Grad>,
-    ) -> Result<DTensor<DpLayout<DpReducedOf<D, K>, <K::Tp as PlacementType>::Grad>>> {
+    ) -> Result<DTensor<DpLayout<DpReducedOf<D, K>, <K::Tp as PlacementType>::Grad, K::Ep>>> {
         <D::Master<K> as DpMaster<D::Work<K>>>::reduce(
             raw,
             self.master.local().dtype(),
@@ -663,7 +741,7 @@ impl<D: DataMode, K: ParamKind> Weight<D, K> {
     pub fn dp_reduced_grad(
         &self,
         grads: &mut Gradients,
-    ) -> Result<DTensor<DpLayout<DpReducedOf<D, K>, <K::Tp as PlacementType>::Grad>>> {
+    ) -> Result<DTensor<DpLayout<DpReducedOf<D, K>, <K::Tp as PlacementType>::Grad, K::Ep>>> {
         self.dp_reduce(self.grad(grads)?)
     }
 
@@ -722,7 +800,7 @@ fn gather_or_finish<'t, D: DataMode, K: ParamKind>(
     stored: &Var<'t, WorkLayout<D, K>>,
     cell: &Mutex<Option<Prefetch<D, K>>>,
     compute: DType,
-) -> Result<Var<'t, ParamLayout<K::Tp>>> {
+) -> Result<Var<'t, ComputeOf<K>>> {
     match lock(cell).take() {
         Some(p) => <D::Work<K> as DpGather>::gather_prefetched(stored, p, compute),
         None => <D::Work<K> as DpGather>::gather(stored, compute),
@@ -740,4 +818,4 @@ pub type DpReducedOf<D, K> =
 /// A gradient of kind `K` under mode `D` reduced over `Dp` and `Tp`: what the optimizer
 /// takes for the master.
 pub type ReducedLayout<D, K> =
-    DpLayout<DpReducedOf<D, K>, <<K as ParamKind>::Tp as TpParam>::Reduced>;
+    DpLayout<DpReducedOf<D, K>, <<K as ParamKind>::Tp as TpParam>::Reduced, <K as ParamKind>::Ep>;

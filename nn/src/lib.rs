@@ -24,6 +24,7 @@
 //! | [`Norm`] (RMS / Layer) | `S` → `S`; weight `Invariant` / `Replicate` over `Tp` | none (SP: its gradient is `Partial` over `Tp`) |
 //! | [`VocabParallelEmbedding`] | [`Ids`] → `S` (masked lookup is `Partial`) | `all_reduce` / `reduce_scatter` |
 //! | [`vocab_parallel_cross_entropy`] | [`ColOut`] logits → per-token loss | three `all_reduce`s of `[tokens]` (max, Σexp, target) |
+//! | [`MoeMlp`] | `S` → `S` (router, top-k dispatch to the experts' `Ep` ranks, grouped expert MLPs, combine) and its auxiliary loss | all-to-all-v over `Ep` in and out, statistics all-reduces |
 //! | [`TransformerBlock`], [`Gpt`] | pre-norm blocks with residuals; embedding → blocks → norm → LM head → loss | the layers' |
 //!
 //! Pipeline parallelism is [`pipeline`]: GPipe, 1F1B, interleaved 1F1B and ZB-H1 schedules
@@ -66,6 +67,7 @@ pub mod embedding;
 pub mod init;
 pub mod linear;
 pub mod mlp;
+pub mod moe;
 pub mod norm;
 pub mod optim;
 pub mod pipeline;
@@ -74,12 +76,12 @@ pub mod seq;
 pub use attention::{
     from_stream_order, to_stream_order, AttentionConfig, ContextParallel, ParallelAttention,
 };
-pub use block::{Gpt, GptConfig, StepReport, TransformerBlock};
+pub use block::{BlockMlp, Gpt, GptConfig, StepReport, TransformerBlock};
 pub use buckets::{DdpBuckets, DEFAULT_BUCKET_BYTES};
 pub use data::{
-    to_compute, ColB, ColW, DataMode, Ddp, DpGather, DpLayout, DpMaster, DpReducedOf,
-    DpShardPlacement, DpWhole, Fsdp, MasterLayout, ParamKind, Precision, ReducedLayout, RowW,
-    StreamP, Weight, WorkLayout, Zero1, Zero2,
+    to_compute, ColB, ColW, ComputeLayout, ComputeOf, DataMode, Ddp, DpGather, DpLayout, DpMaster,
+    DpReducedOf, DpShardPlacement, DpWhole, EpParam, ExpertW, Fsdp, MasterLayout, ParamKind,
+    Precision, ReducedLayout, RowW, StreamP, Weight, WorkLayout, Zero1, Zero2,
 };
 pub use dtensor_core;
 pub use embedding::{
@@ -88,6 +90,7 @@ pub use embedding::{
 pub use init::Init;
 pub use linear::{ColumnParallelLinear, ParamInit, RowParallelLinear};
 pub use mlp::{Activation, ParallelMlp};
+pub use moe::{MoeConfig, MoeMlp};
 pub use norm::{Norm, NormKind};
 pub use optim::{
     clip_coefficient, dp_average, join_name, named_params, reduce_grad, step, step_accumulated,

@@ -22,7 +22,7 @@
 //! is one optimizer step over a module: reduce every gradient, clip by the global norm,
 //! update; [`GradAccumulator`] and [`step_accumulated`] do the same over microbatches.
 
-use crate::data::{DataMode, DpLayout, ParamKind, ReducedLayout, Weight};
+use crate::data::{DataMode, DpLayout, EpParam, ParamKind, ReducedLayout, Weight};
 use crate::seq::{axis_size, DpPartial, DpReduced};
 use dtensor_collectives::{CommunicatorExt, ReduceOp};
 use dtensor_core::{AnyDTensor, DTensor, Error, Gradients, Result, Tape, Var};
@@ -168,34 +168,34 @@ pub trait TpParam: PlacementType<Grad: Linear> + Linear {
     type Reduced: ReducedPlacement<Self> + Linear;
     /// Collective over `Tp` where needed (whatever the gradient's placement `Q` over `Dp`:
     /// `Invariant` after DDP's all-reduce, `Shard` after ZeRO's or FSDP's reduce-scatter).
-    fn reduce_over_tp<Q: PlacementType>(
-        g: DTensor<DpLayout<Q, Self::Grad>>,
-    ) -> Result<DTensor<DpLayout<Q, Self::Reduced>>>;
+    fn reduce_over_tp<Q: PlacementType, E: EpParam>(
+        g: DTensor<DpLayout<Q, Self::Grad, E>>,
+    ) -> Result<DTensor<DpLayout<Q, Self::Reduced, E>>>;
 }
 
 impl<const D: usize> TpParam for Shard<D> {
     type Reduced = Shard<D>;
-    fn reduce_over_tp<Q: PlacementType>(
-        g: DTensor<DpLayout<Q, Shard<D>>>,
-    ) -> Result<DTensor<DpLayout<Q, Shard<D>>>> {
+    fn reduce_over_tp<Q: PlacementType, E: EpParam>(
+        g: DTensor<DpLayout<Q, Shard<D>, E>>,
+    ) -> Result<DTensor<DpLayout<Q, Shard<D>, E>>> {
         Ok(g)
     }
 }
 
 impl TpParam for Invariant {
     type Reduced = Invariant;
-    fn reduce_over_tp<Q: PlacementType>(
-        g: DTensor<DpLayout<Q, Invariant>>,
-    ) -> Result<DTensor<DpLayout<Q, Invariant>>> {
+    fn reduce_over_tp<Q: PlacementType, E: EpParam>(
+        g: DTensor<DpLayout<Q, Invariant, E>>,
+    ) -> Result<DTensor<DpLayout<Q, Invariant, E>>> {
         Ok(g)
     }
 }
 
 impl TpParam for Replicate {
     type Reduced = Invariant;
-    fn reduce_over_tp<Q: PlacementType>(
-        g: DTensor<DpLayout<Q, dtensor_placement::Partial>>,
-    ) -> Result<DTensor<DpLayout<Q, Invariant>>> {
+    fn reduce_over_tp<Q: PlacementType, E: EpParam>(
+        g: DTensor<DpLayout<Q, dtensor_placement::Partial, E>>,
+    ) -> Result<DTensor<DpLayout<Q, Invariant, E>>> {
         g.all_reduce(Tp)
     }
 }

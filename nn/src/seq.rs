@@ -24,9 +24,10 @@
 //! (`all_reduce`, Megatron's `g`, or a `reduce_scatter` of the sequence); the tape records
 //! their typed adjoints.
 
-use crate::data::DpLayout;
+use crate::data::{DataMode, DpLayout};
+use crate::moe::MoeMlp;
 use crate::optim::TpParam;
-use dtensor_core::{HopPlacement, Result, Var};
+use dtensor_core::{HopPlacement, Result, Tape, Var};
 use dtensor_placement::{
     layout, AddPlacement, AddRowRule, AxisKind, Cp, Dp, Ep, Invariant, IsWhole, Layout, Linear,
     Mesh, NormRule, ParallelConfig, Partial, PlacementType, Pointwise, Replicate, Shard, Tp,
@@ -93,6 +94,16 @@ pub trait SeqMode: Clone + Send + Sync + Sized + 'static {
 
     /// Out of it: `all_reduce` (no SP) or `reduce_scatter` of the tokens (SP).
     fn exit<'t>(y: &Var<'t, RowPartial>) -> Result<Var<'t, Stream<Self>>>;
+
+    /// [`MoeMlp::forward`](crate::MoeMlp::forward) in this mode (whose concrete layouts
+    /// meet the MoE ops' rules): the output and the raw auxiliary loss.
+    #[doc(hidden)]
+    #[allow(clippy::type_complexity)]
+    fn moe_forward<'t, D: DataMode>(
+        mlp: &MoeMlp<Self, D>,
+        tape: &'t Tape,
+        x: &Var<'t, Stream<Self>>,
+    ) -> Result<(Var<'t, Stream<Self>>, Var<'t, Loss>)>;
 }
 
 /// Plain tensor parallelism: the stream is `Invariant` over `Tp`.
@@ -115,6 +126,14 @@ impl SeqMode for NoSp {
     fn exit<'t>(y: &Var<'t, RowPartial>) -> Result<Var<'t, Stream<Self>>> {
         y.all_reduce(Tp)
     }
+
+    fn moe_forward<'t, D: DataMode>(
+        mlp: &MoeMlp<Self, D>,
+        tape: &'t Tape,
+        x: &Var<'t, Stream<Self>>,
+    ) -> Result<(Var<'t, Stream<Self>>, Var<'t, Loss>)> {
+        crate::moe::forward_nosp(mlp, tape, x)
+    }
 }
 
 impl SeqMode for Sp {
@@ -128,6 +147,14 @@ impl SeqMode for Sp {
 
     fn exit<'t>(y: &Var<'t, RowPartial>) -> Result<Var<'t, Stream<Self>>> {
         y.reduce_scatter::<_, _, 0>(Tp)
+    }
+
+    fn moe_forward<'t, D: DataMode>(
+        mlp: &MoeMlp<Self, D>,
+        tape: &'t Tape,
+        x: &Var<'t, Stream<Self>>,
+    ) -> Result<(Var<'t, Stream<Self>>, Var<'t, Loss>)> {
+        crate::moe::forward_sp(mlp, tape, x)
     }
 }
 

@@ -216,14 +216,27 @@ fn block_run<M: SeqMode>(dp: usize, tp: usize) -> Run {
             reduced(&block.norm1.weight, &mut g, dp)?,
             reduced(block.norm2.bias.as_ref().unwrap(), &mut g, dp)?,
             reduced(&block.attn.qkv.weight, &mut g, dp)?,
-            reduced(&block.mlp.fc1.weight, &mut g, dp)?,
+            reduced(&block.mlp.dense().unwrap().fc1.weight, &mut g, dp)?,
             reduced(
-                block.mlp.up.as_ref().unwrap().bias.as_ref().unwrap(),
+                block
+                    .mlp
+                    .dense()
+                    .unwrap()
+                    .up
+                    .as_ref()
+                    .unwrap()
+                    .bias
+                    .as_ref()
+                    .unwrap(),
                 &mut g,
                 dp,
             )?,
-            reduced(&block.mlp.fc2.weight, &mut g, dp)?,
-            reduced(block.mlp.fc2.bias.as_ref().unwrap(), &mut g, dp)?,
+            reduced(&block.mlp.dense().unwrap().fc2.weight, &mut g, dp)?,
+            reduced(
+                block.mlp.dense().unwrap().fc2.bias.as_ref().unwrap(),
+                &mut g,
+                dp,
+            )?,
         ])
     })
     .swap_remove(0)

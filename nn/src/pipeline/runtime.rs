@@ -358,12 +358,36 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
             pp.broadcast_in_place(&mut loss, pp.size() - 1)?;
         }
         let grad_norm = step_accumulated(self, acc, opt, max_norm)?;
+        self.update_expert_bias();
         Ok(PipelineReport {
             loss: loss[0],
             grad_norm,
             busy_secs: busy,
             step_secs,
         })
+    }
+}
+
+impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
+    /// Aux-loss-free balancing after an optimizer step (see
+    /// [`Gpt::update_expert_bias`](crate::Gpt::update_expert_bias));
+    /// [`train_step`](Self::train_step) calls it.
+    pub fn update_expert_bias(&self) {
+        for b in self.chunks.iter().flat_map(|c| &c.blocks) {
+            if let Some(m) = b.mlp.moe() {
+                m.update_bias();
+            }
+        }
+    }
+
+    /// The routing statistics this rank's MoE blocks recorded since the last call (one
+    /// entry per forward), per block in order; empty for a dense model.
+    pub fn take_routing_stats(&self) -> Vec<Vec<dtensor_core::RoutingStats>> {
+        self.chunks
+            .iter()
+            .flat_map(|c| &c.blocks)
+            .filter_map(|b| b.mlp.moe().map(|m| m.take_stats()))
+            .collect()
     }
 }
 

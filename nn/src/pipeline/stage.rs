@@ -59,6 +59,22 @@ impl<M: SeqMode, D: DataMode> GptStage<M, D> {
         last: bool,
         mesh: &Arc<DeviceMesh>,
     ) -> Result<Self> {
+        if config.moe.is_some() && !(first && last) {
+            return Err(Error::InvalidUse {
+                op: "GptStage::new",
+                detail: "MoE blocks in pipeline stages are not supported (pp > 1): run MoE \
+                         models with pp = 1"
+                    .into(),
+            });
+        }
+        if config.moe.is_some() && config.recompute {
+            return Err(Error::InvalidUse {
+                op: "GptStage::new",
+                detail: "activation recomputation of MoE blocks is not supported (its \
+                         auxiliary loss and routing statistics would be recorded twice)"
+                    .into(),
+            });
+        }
         if layers.end > config.layers {
             return Err(Error::ShapeMismatch {
                 op: "GptStage::new",
@@ -156,6 +172,7 @@ impl<M: SeqMode, D: DataMode> StageParts<'_, M, D> {
                 b.prefetch()?;
             }
         }
+        let mut aux: Vec<Var<'t, Loss>> = Vec::new();
         let mut x = match (input, self.embedding) {
             (StageInput::Ids(ids), Some(e)) => traced(
                 tape,
@@ -184,26 +201,32 @@ impl<M: SeqMode, D: DataMode> StageParts<'_, M, D> {
                 }
             }
             let l = self.first_layer + i;
-            x = traced(
+            let (y, a) = traced(
                 tape,
                 || format!("block.{l}"),
                 || {
                     if self.config.recompute {
-                        b.forward_recomputed(&x)
+                        Ok((b.forward_recomputed(&x)?, None))
                     } else {
-                        b.forward(tape, &x)
+                        b.forward_with_aux(tape, &x)
                     }
                 },
             )?;
+            x = y;
+            aux.extend(a);
         }
         match self.head {
-            None => Ok(StageOutput::Hidden(x)),
+            None if aux.is_empty() => Ok(StageOutput::Hidden(x)),
+            None => Err(Error::InvalidUse {
+                op: "GptStage::forward",
+                detail: "MoE auxiliary losses need the loss head on the same stage".into(),
+            }),
             Some((norm, head)) => {
                 let targets = targets.ok_or_else(|| Error::InvalidUse {
                     op: "GptStage::forward",
                     detail: "the last stage needs the microbatch's targets".into(),
                 })?;
-                Ok(StageOutput::Loss(traced(
+                let mut loss = traced(
                     tape,
                     || "head".into(),
                     || {
@@ -217,7 +240,17 @@ impl<M: SeqMode, D: DataMode> StageParts<'_, M, D> {
                             total_tokens,
                         )
                     },
-                )?))
+                )?;
+                // Each auxiliary loss is this microbatch's; weighted by its share of the
+                // batch so the microbatches' terms add up to the batch's.
+                if let Some(moe) = self.config.moe.filter(|m| m.aux_loss_coef != 0.0) {
+                    let share = targets.global_shape()[0] as f64 / total_tokens.max(1) as f64;
+                    for a in &aux {
+                        let a = a.to_dtype(self.config.dtype)?;
+                        loss = loss.add(&a.scale(moe.aux_loss_coef * share)?)?;
+                    }
+                }
+                Ok(StageOutput::Loss(loss))
             }
         }
     }

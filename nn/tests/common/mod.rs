@@ -148,5 +148,6 @@ pub fn tiny_gpt(layers: usize, seq_len: usize, seed: u64) -> GptConfig {
         precision: Precision::default(),
         recompute: false,
         context: Default::default(),
+        moe: None,
     }
 }
