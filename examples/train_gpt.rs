@@ -33,6 +33,7 @@ use dtensor::nn::{
     Precision, Schedule, SeqMode, Sp, Zero1, Zero2,
 };
 use dtensor::prelude::*;
+use dtensor_checkpoint as ckpt;
 use metrics::StepMetrics;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -81,7 +82,12 @@ usage: train_gpt [flags]
   --bf16            mixed precision: bf16 parameters and activations in compute, f32 masters
                     and optimizer state, gradients reduced in f32 (see --reduce-dtype)
   --reduce-dtype <t> with --bf16: f32 (default) or bf16 gradient reduction
-  --steps <n>       training steps (default 50)
+  --steps <n>       training steps (default 50): the total, also when resuming
+  --save-every <n>  save a checkpoint after every n-th step (needs --save-dir)
+  --save-dir <dir>  checkpoint directory: one safetensors file per rank and index.json,
+                    replaced atomically by each save (dtensor-checkpoint)
+  --resume <dir>    load parameters, AdamW state, step count and data position from a
+                    checkpoint (any mesh or data mode) and continue to --steps
   --batch <n>       global batch in sequences (default 8; must divide by dp)
   --seq <n>         tokens per sequence (default 64)
   --layers <n>      transformer blocks (default 2)
@@ -146,6 +152,9 @@ struct Args {
     capacity: Option<f64>,
     aux_loss: f64,
     expert_bias: Option<f64>,
+    save_every: usize,
+    save_dir: Option<String>,
+    resume: Option<String>,
 }
 
 /// How parameters are held over dp.
@@ -200,6 +209,9 @@ fn parse_args() -> Result<Option<Args>, String> {
         capacity: None,
         aux_loss: 0.01,
         expert_bias: None,
+        save_every: 0,
+        save_dir: None,
+        resume: None,
     };
     let mut sp = false;
     let mut it = std::env::args().skip(1);
@@ -283,12 +295,21 @@ fn parse_args() -> Result<Option<Args>, String> {
             "--aux-loss" => a.aux_loss = num(&flag, value()?)?,
             "--expert-bias" => a.expert_bias = Some(num(&flag, value()?)?),
             "--metrics" => a.metrics = Some(value()?),
+            "--save-every" => a.save_every = num(&flag, value()?)?,
+            "--save-dir" => a.save_dir = Some(value()?),
+            "--resume" => a.resume = Some(value()?),
             "--plot" => a.plot = Some(value()?),
             "--help" | "-h" => return Ok(None),
             other => return Err(format!("unknown flag `{other}` (see --help)")),
         }
     }
     a.config.sp |= sp;
+    if a.save_every > 0 && a.save_dir.is_none() {
+        return Err("--save-every needs --save-dir".into());
+    }
+    if a.resume.is_some() && a.check {
+        return Err("--check compares a whole run from step 0: leave out --resume".into());
+    }
     let c = &a.config;
     let chunks = if a.context.zigzag { 2 * c.cp } else { c.cp };
     if c.cp > 1 && a.seq % chunks != 0 {
@@ -528,11 +549,14 @@ fn record_from_numbers(v: &[f64]) -> StepRecord {
 /// grad_norm and tokens/s, bytes summed over ranks per axis, peaks by rank.
 fn step_metrics(a: &Args, axes: &[AxisKind], per_rank: &[Vec<StepRecord>]) -> Vec<StepMetrics> {
     let tokens = (a.batch * a.seq) as f64;
-    (0..per_rank.first().map_or(0, Vec::len))
+    let ran = per_rank.first().map_or(0, Vec::len);
+    // A resumed run ran the last `ran` of the `a.steps` steps.
+    let first = a.steps - ran;
+    (0..ran)
         .map(|step| {
             let r0 = &per_rank[0][step];
             StepMetrics {
-                step,
+                step: first + step,
                 loss: r0.loss,
                 grad_norm: r0.grad_norm,
                 tokens_per_s: tokens / r0.secs,
@@ -580,6 +604,44 @@ fn train_rank<M: SeqMode, D: DataMode>(
         .then_some(((a.bucket_mb * (1u64 << 20) as f64) as usize).max(1));
     let sm = model.stage_mesh().clone();
     let mut opt = AdamW::new(a.lr);
+    let ckpt_err = |e: dtensor_checkpoint::Error| Error::InvalidUse {
+        op: "checkpoint",
+        detail: e.to_string(),
+    };
+    // Resuming: parameters, AdamW state and step count, then the data position (the batch
+    // of a step is a function of the step) and the RNG (the parameter seed: training draws
+    // no random numbers).
+    let start = match &a.resume {
+        None => 0,
+        Some(dir) => {
+            let dir = std::path::Path::new(dir);
+            let extra =
+                ckpt::nn::load_model(dir, dm.world(), &mut model, &mut opt).map_err(ckpt_err)?;
+            let field = |k: &str| -> Result<usize, Error> {
+                extra
+                    .get(k)
+                    .and_then(|v| v.parse().ok())
+                    .ok_or_else(|| Error::InvalidUse {
+                        op: "checkpoint",
+                        detail: format!("{}: no `{k}` in the checkpoint's extra", dir.display()),
+                    })
+            };
+            let step = field("data.step")?;
+            if field("rng.seed")? as u64 != a.seed || field("data.batch")? != a.batch {
+                return Err(Error::InvalidUse {
+                    op: "checkpoint",
+                    detail: format!(
+                        "{}: saved with another --seed or --batch (extra {extra:?})",
+                        dir.display()
+                    ),
+                });
+            }
+            if verbose && dm.rank() == 0 {
+                println!("resumed from {} at step {step}", dir.display());
+            }
+            step.min(a.steps)
+        }
+    };
     let start_counters = dm.counters();
     let mut losses = Vec::with_capacity(a.steps);
     let mut records = Vec::with_capacity(a.steps);
@@ -589,7 +651,7 @@ fn train_rank<M: SeqMode, D: DataMode>(
     // rate is timed from its end, as PyTorch benchmarks time after warm-up steps.
     let mut after_first = None;
     let (mut busy, mut stepped) = (0.0, 0.0);
-    for step in 0..a.steps {
+    for step in start..a.steps {
         let (ids, tg) = global_batch(a, step);
         let split = |t: &Tensor| -> Result<Vec<DTensor<Ids>>, Error> {
             microbatches(t, m, a.seq)?
@@ -617,7 +679,30 @@ fn train_rank<M: SeqMode, D: DataMode>(
             peak_bytes: memory::peak_bytes() as u64,
         });
         losses.push(r.loss);
-        if step == 0 {
+        if a.save_every > 0 && (step + 1) % a.save_every == 0 {
+            let dir = std::path::Path::new(a.save_dir.as_deref().expect("checked by parse_args"));
+            let extra = [
+                ("data.step", step + 1),
+                ("data.batch", a.batch),
+                ("rng.seed", a.seed as usize),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+            let t = Instant::now();
+            let rep = ckpt::nn::save_model(dir, dm.world(), &mut model, &opt, &extra)
+                .map_err(ckpt_err)?;
+            if verbose && dm.rank() == 0 {
+                println!(
+                    "step {step:4}  saved {} ({} bytes, generation {}) in {:.3}s",
+                    dir.display(),
+                    rep.total_bytes,
+                    rep.generation,
+                    t.elapsed().as_secs_f64()
+                );
+            }
+        }
+        if step == start {
             after_first = Some(Instant::now());
         } else {
             busy += r.busy_secs;
@@ -639,17 +724,17 @@ fn train_rank<M: SeqMode, D: DataMode>(
     }
     if verbose && dm.rank() == 0 {
         let secs = t0.elapsed().as_secs_f64();
+        let ran = a.steps - start;
         let steady = match after_first {
-            Some(t) if a.steps > 1 => format!(
+            Some(t) if ran > 1 => format!(
                 " ({:.0} tokens/s after the first step)",
-                ((a.steps - 1) * a.batch * a.seq) as f64 / t.elapsed().as_secs_f64()
+                ((ran - 1) * a.batch * a.seq) as f64 / t.elapsed().as_secs_f64()
             ),
             _ => String::new(),
         };
         println!(
-            "trained {} steps in {secs:.2}s: {:.0} tokens/s{steady}",
-            a.steps,
-            (a.steps * a.batch * a.seq) as f64 / secs
+            "trained {ran} steps in {secs:.2}s: {:.0} tokens/s{steady}",
+            (ran * a.batch * a.seq) as f64 / secs
         );
     }
     let counters = dm
@@ -1003,13 +1088,16 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
             a.aux_loss,
             a.expert_bias.map_or(String::new(), |g| format!(", expert bias rate {g}")),
         );
-        for (step, r) in out.routing.iter().enumerate() {
+        // A resumed run ran the last steps of `a.steps`.
+        let first = a.steps - out.losses.len();
+        for (i, r) in out.routing.iter().enumerate() {
+            let step = first + i;
             if a.steps <= 10 || step % a.log_every == 0 || step + 1 == a.steps {
                 println!("  moe step {step}: {r}");
             }
         }
     }
-    let tokens = (a.steps * a.batch * a.seq) as u64;
+    let tokens = (out.losses.len() * a.batch * a.seq) as u64;
     for (axis, s) in &out.counters {
         // Expert and context parallelism of degree 1 move nothing: no line for them.
         if matches!(axis.name(), "ep" | "cp") && c.degree(*axis) == 1 {

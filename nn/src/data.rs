@@ -769,6 +769,21 @@ impl<D: DataMode, K: ParamKind> Weight<D, K> {
         Ok(())
     }
 
+    /// Replaces the master's value and optimizer state (a checkpoint's) and rebuilds the
+    /// compute copy (for ZeRO an all-gather over `Dp`: collective there).
+    pub fn restore(
+        &mut self,
+        value: DTensor<MasterLayout<D, K>>,
+        state: Vec<dtensor_kernels::Tensor>,
+    ) -> Result<()> {
+        self.master.restore(value, state)?;
+        self.work = None;
+        *lock(&self.prefetched) = None;
+        self.work =
+            <D::Master<K> as DpMaster<D::Work<K>>>::refresh(self.master.value(), &self.precision)?;
+        Ok(())
+    }
+
     /// Bytes of parameter values this rank holds (master, and the compute copy when it is
     /// another tensor).
     pub fn held_bytes(&self) -> usize {

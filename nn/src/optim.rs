@@ -118,6 +118,42 @@ impl<L: Layout> Param<L> {
     pub fn grad(&self, grads: &mut Gradients) -> Result<DTensor<L::Grad>> {
         grads.of_key(self.key, &self.value)
     }
+    /// Replaces the optimizer's state (a checkpoint's AdamW moments): each tensor must have
+    /// the local shape of the value. An empty `state` clears it.
+    pub fn set_state(&mut self, state: Vec<Tensor>) -> Result<()> {
+        if let Some(t) = state.iter().find(|t| t.shape() != self.local().shape()) {
+            return Err(Error::ShapeMismatch {
+                op: "Param::set_state",
+                detail: format!(
+                    "state of local shape {:?} for a value of local shape {:?}",
+                    t.shape(),
+                    self.local().shape()
+                ),
+            });
+        }
+        self.state = state;
+        Ok(())
+    }
+    /// Replaces the value (same layout and global shape) and the optimizer's state,
+    /// keeping the key: what restoring a checkpoint does.
+    pub fn restore(&mut self, value: DTensor<L>, state: Vec<Tensor>) -> Result<()> {
+        if value.global_shape() != self.value.global_shape() {
+            return Err(Error::ShapeMismatch {
+                op: "Param::restore",
+                detail: format!(
+                    "value of global shape {:?} for a parameter of {:?}",
+                    value.global_shape(),
+                    self.value.global_shape()
+                ),
+            });
+        }
+        let old = std::mem::replace(&mut self.value, value);
+        if let Err(e) = self.set_state(state) {
+            self.value = old;
+            return Err(e);
+        }
+        Ok(())
+    }
     /// Replaces the local piece (same shape): the optimizers' write path.
     fn set_local(&mut self, local: Tensor) -> Result<()> {
         self.value.update_local(|_| Ok(local))
@@ -519,6 +555,11 @@ impl AdamW {
     /// Steps begun so far.
     pub fn steps(&self) -> u64 {
         self.step
+    }
+    /// Sets the steps begun so far (resuming from a checkpoint: the bias corrections
+    /// continue from there).
+    pub fn set_steps(&mut self, steps: u64) {
+        self.step = steps;
     }
 }
 
