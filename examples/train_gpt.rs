@@ -93,8 +93,11 @@ usage: train_gpt [flags]
   --layers <n>      transformer blocks (default 2)
   --hidden <n>      hidden size (default 64)
   --heads <n>       attention heads (default 4; must divide by tp)
-  --lr <x>          AdamW learning rate (default 3e-3)
-  --clip <x>        global gradient-norm clip (default 1.0)
+  --lr <x>          AdamW learning rate (default 3e-3; finite and > 0)
+  --clip <x>        global gradient-norm clip (default 1.0; finite and > 0)
+  --skip-nonfinite  a step whose gradient norm is inf or NaN skips its update and is counted
+                    (as Megatron-LM does); default: such a step, or a non-finite loss, stops
+                    the run with an error naming the step and exit code 1
   --seed <n>        parameter seed (default 1234)
   --dtype <t>       f32 or f64 (default f32)
   --log-every <n>   print every n steps (default 10; first and last always)
@@ -146,6 +149,8 @@ struct Args {
     plot: Option<String>,
     /// Attention over cp: strategy and chunking.
     context: ContextParallel,
+    /// Skip (and count) steps with a non-finite gradient norm instead of stopping.
+    skip_nonfinite: bool,
     moe: bool,
     experts: usize,
     top_k: usize,
@@ -203,6 +208,7 @@ fn parse_args() -> Result<Option<Args>, String> {
         metrics: None,
         plot: None,
         context: ContextParallel::default(),
+        skip_nonfinite: false,
         moe: false,
         experts: 4,
         top_k: 2,
@@ -237,6 +243,7 @@ fn parse_args() -> Result<Option<Args>, String> {
                 }
             }
             "--no-zigzag" => a.context.zigzag = false,
+            "--skip-nonfinite" => a.skip_nonfinite = true,
             "--steps" => a.steps = num(&flag, value()?)?,
             "--batch" => a.batch = num(&flag, value()?)?,
             "--seq" => a.seq = num(&flag, value()?)?,
@@ -311,6 +318,24 @@ fn parse_args() -> Result<Option<Args>, String> {
         return Err("--check compares a whole run from step 0: leave out --resume".into());
     }
     let c = &a.config;
+    // Values no run can train with, each refused with the flag and its rule.
+    for (flag, v) in [
+        ("--batch", a.batch),
+        ("--seq", a.seq),
+        ("--layers", a.layers),
+        ("--hidden", a.hidden),
+        ("--heads", a.heads),
+        ("--steps", a.steps),
+    ] {
+        if v == 0 {
+            return Err(format!("{flag} 0: must be at least 1"));
+        }
+    }
+    for (flag, v) in [("--lr", a.lr), ("--clip", a.clip)] {
+        if !(v.is_finite() && v > 0.0) {
+            return Err(format!("{flag} {v}: must be a finite number > 0"));
+        }
+    }
     let chunks = if a.context.zigzag { 2 * c.cp } else { c.cp };
     if c.cp > 1 && a.seq % chunks != 0 {
         return Err(format!(
@@ -650,6 +675,7 @@ fn train_rank<M: SeqMode, D: DataMode>(
     // The first step pays for warm-up (fresh buffers page-fault, the pool fills): the steady
     // rate is timed from its end, as PyTorch benchmarks time after warm-up steps.
     let mut after_first = None;
+    let mut skipped = 0usize;
     let (mut busy, mut stepped) = (0.0, 0.0);
     for step in start..a.steps {
         let (ids, tg) = global_batch(a, step);
@@ -664,6 +690,21 @@ fn train_rank<M: SeqMode, D: DataMode>(
         let t = Instant::now();
         let r = model.train_step(&split(&ids)?, &split(&tg)?, &mut opt, a.clip)?;
         let secs = t.elapsed().as_secs_f64();
+        // A diverged step (every rank sees the same reduced loss and norm): stop, or, with
+        // --skip-nonfinite, count it (its update was skipped when the norm is not finite).
+        if !(r.loss.is_finite() && r.grad_norm.is_finite()) {
+            if a.skip_nonfinite && !r.grad_norm.is_finite() {
+                skipped += 1;
+            } else {
+                return Err(Error::NonFinite {
+                    step,
+                    detail: format!(
+                        "loss {} and gradient norm {} are not both finite: the run diverged (a smaller --lr may help; --skip-nonfinite skips such updates)",
+                        r.loss, r.grad_norm
+                    ),
+                });
+            }
+        }
         let routed = RoutingStep::of(&model.take_routing_stats());
         routing.extend(routed);
         records.push(StepRecord {
@@ -736,6 +777,9 @@ fn train_rank<M: SeqMode, D: DataMode>(
             "trained {ran} steps in {secs:.2}s: {:.0} tokens/s{steady}",
             (ran * a.batch * a.seq) as f64 / secs
         );
+        if skipped > 0 {
+            println!("skipped {skipped} updates whose gradient norm was not finite");
+        }
     }
     let counters = dm
         .counters()

@@ -44,6 +44,9 @@ pub enum Error {
     /// The detail names the rank, the action index and the offending action.
     #[error("invalid pipeline schedule: {detail}")]
     InvalidSchedule { detail: String },
+    /// Training produced a non-finite loss or gradient norm (a diverged run).
+    #[error("step {step}: {detail}")]
+    NonFinite { step: usize, detail: String },
     #[error(transparent)]
     Kernel(#[from] dtensor_kernels::Error),
     #[error(transparent)]

@@ -306,7 +306,7 @@ pub struct Gpt<M: SeqMode, D: DataMode = Ddp> {
 pub struct StepReport {
     /// Mean loss over the global batch, before the update.
     pub loss: f64,
-    /// Global gradient norm before clipping.
+    /// Global gradient norm before clipping; not finite when the update was skipped.
     pub grad_norm: f64,
 }
 

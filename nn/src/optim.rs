@@ -386,7 +386,9 @@ pub fn step<O: Optimizer>(
 /// gradient to its master's placement (over `Dp` as the data mode says, over `Tp` for
 /// sequence-parallel parameters), clips them all to a global norm of `max_norm` (across
 /// pipeline stages too), begins the optimizer's step and updates (rebuilding the compute
-/// copies). Returns the global norm before clipping.
+/// copies). Returns the global norm before clipping. A non-finite norm (an inf or NaN in
+/// any gradient) skips the update: no parameter, moment or step count changes, the same
+/// on every rank (the norm is reduced over all of them).
 pub fn step_accumulated<O: Optimizer>(
     m: &mut impl Module,
     mut acc: GradAccumulator,
@@ -448,6 +450,11 @@ pub fn step_accumulated<O: Optimizer>(
         Some(mesh) => r.norm.finish(mesh)?,
         None => 0.0,
     };
+    if !norm.is_finite() {
+        // An inf or NaN anywhere: skip the update (as Megatron-LM does) so the parameters
+        // and optimizer state stay as they were; the caller sees it in the norm.
+        return Ok(norm);
+    }
     let scale = clip_coefficient(norm, max_norm);
     opt.begin_step();
     let mut u = Update {

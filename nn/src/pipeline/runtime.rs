@@ -32,7 +32,8 @@ use std::time::Instant;
 pub struct PipelineReport {
     /// Mean loss over the global batch, before the update.
     pub loss: f64,
-    /// Global gradient norm before clipping, across all stages.
+    /// Global gradient norm before clipping, across all stages; not finite when the update
+    /// was skipped.
     pub grad_norm: f64,
     /// Seconds this rank spent in forwards and backwards.
     pub busy_secs: f64,
