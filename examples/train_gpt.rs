@@ -86,8 +86,9 @@ usage: train_gpt [flags]
   --save-every <n>  save a checkpoint after every n-th step (needs --save-dir)
   --save-dir <dir>  checkpoint directory: one safetensors file per rank and index.json,
                     replaced atomically by each save (dtensor-checkpoint)
-  --resume <dir>    load parameters, AdamW state, step count and data position from a
-                    checkpoint (any mesh or data mode) and continue to --steps
+  --resume <dir>    load parameters, AdamW state, step count, data position and MoE
+                    expert biases from a checkpoint (any mesh or data mode) and continue
+                    to --steps (after a lost rank: restart under a fresh mpirun)
   --batch <n>       global batch in sequences (default 8; must divide by dp)
   --seq <n>         tokens per sequence (default 64)
   --layers <n>      transformer blocks (default 2)

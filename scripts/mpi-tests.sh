@@ -11,7 +11,11 @@
 # Then the facade's examples built with `--features mpi`: `train_gpt --backend mpi` under
 # `mpirun -np 4` must print bitwise the same 20 losses as the threads backend (dp=2,tp=2
 # with SP, pp=2,dp=2 with FSDP and 1F1B, cp=2,tp=2 with ring and all-to-all attention,
-# ep=2,dp=2 with MoE blocks)
+# ep=2,dp=2 with MoE blocks); checkpoints under MPI (save every 3 steps, resume in a
+# second mpirun: the losses bitwise the threads run's, with TP + SP and with MoE and its
+# expert selection bias); a rank killed with SIGKILL after a checkpoint ends the job with
+# a message naming it, and a restart from the checkpoint ends with the never-failed run's
+# final loss (scripts/mpi-restart.sh)
 # (and say how
 # to launch it when started without mpirun), and `bench_report --backend mpi --quick` under
 # `mpirun -np 2` must print a `backend=mpi` line for every redistribution op.
@@ -169,6 +173,62 @@ for spec in "${train_cases[@]}"; do
   fi
   rm -f "$thr_log" "$mpi_log"
 done
+
+# Checkpoints on MPI: `mpirun -np 4` trains 6 of 12 steps saving every 3 (per-rank shard
+# files, the index by rank 0), a second `mpirun -np 4` resumes from the last save and
+# finishes; both runs' losses together must be bitwise the threads run's 12. The MoE case
+# also checks the expert selection bias (layer state, not a parameter) is saved and loaded.
+resume_cases=(
+  "--mesh dp=2,tp=2 --sp --print-loss-bits"
+  "--moe --experts 4 --top-k 2 --expert-bias 0.05 --mesh ep=2,dp=2 --print-loss-bits"
+)
+for spec in "${resume_cases[@]}"; do
+  read -r -a train <<<"$spec"
+  echo "== mpi: train_gpt --backend mpi -np 4 --save-every 3 to step 6, then --resume to step 12, ${train[*]}"
+  t0=$SECONDS
+  ck=$(mktemp -d)
+  thr_log=$(mktemp)
+  mpi_log=$(mktemp)
+  set +e
+  timeout 600 "$bin/train_gpt" --backend threads "${train[@]}" --steps 12 >"$thr_log" 2>&1
+  thr_rc=$?
+  # A save dir that does not exist yet: rank 0 creates it, the other processes wait.
+  timeout 600 "${MPIRUN[@]}" -np 4 "$bin/train_gpt" --backend mpi "${train[@]}" --steps 6 \
+    --save-every 3 --save-dir "$ck/run" >"$mpi_log" 2>&1
+  save_rc=$?
+  timeout 600 "${MPIRUN[@]}" -np 4 "$bin/train_gpt" --backend mpi "${train[@]}" --steps 12 \
+    --resume "$ck/run" >>"$mpi_log" 2>&1
+  res_rc=$?
+  set -e
+  thr_bits=$(grep -E '^step +[0-9]+  loss_bits=' "$thr_log" || true)
+  mpi_bits=$(grep -E '^step +[0-9]+  loss_bits=' "$mpi_log" || true)
+  n_bits=$(printf '%s\n' "$mpi_bits" | grep -c . || true)
+  if [ "$thr_rc" -eq 0 ] && [ "$save_rc" -eq 0 ] && [ "$res_rc" -eq 0 ] && [ "$n_bits" -eq 12 ] \
+    && [ "$thr_bits" = "$mpi_bits" ] && grep -q "resumed from $ck/run at step 6" "$mpi_log"; then
+    grep -E 'saved|resumed' "$mpi_log" || true
+    pass "train_gpt ${train[*]}: mpi -np 4 saved at step 6 and resumed: 12 losses bitwise equal to threads ($((SECONDS - t0)) s)"
+  else
+    echo "-- threads (exit $thr_rc):"
+    cat "$thr_log"
+    echo "-- mpi (exits $save_rc, $res_rc):"
+    cat "$mpi_log"
+    diff <(echo "$thr_bits") <(echo "$mpi_bits") || true
+    fail "train_gpt ${train[*]}: mpi save + resume (exits $thr_rc / $save_rc / $res_rc, $n_bits mpi losses; want 0 / 0 / 0, 12 equal to threads)"
+  fi
+  rm -rf "$ck" "$thr_log" "$mpi_log"
+done
+
+# A rank lost mid-run (kill -9): the job ends naming it, and a restart from the last
+# checkpoint finishes with the losses of a run that never failed (scripts/mpi-restart.sh).
+set +e
+bash scripts/mpi-restart.sh
+rc=$?
+set -e
+if [ "$rc" -eq 0 ]; then
+  pass "restart after a lost rank (scripts/mpi-restart.sh)"
+else
+  fail "restart after a lost rank (scripts/mpi-restart.sh): exit $rc"
+fi
 
 # name, expected message (grep -E), command...
 launch_cases=(

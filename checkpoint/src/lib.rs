@@ -38,7 +38,14 @@
 //!
 //! All file IO is per rank; the only collectives are the agreements, the gather of shard
 //! records to rank 0 and the broadcast of the generation, so the same code runs on thread
-//! ranks and on MPI processes over a shared file system.
+//! ranks and on MPI processes over a shared file system. Only rank 0 creates the directory
+//! (before the first agreement, so no other process touches it earlier) and writes the
+//! index; `scripts/mpi-tests.sh` saves under one `mpirun` and resumes under another, and
+//! `scripts/mpi-restart.sh` resumes after a rank was killed with SIGKILL mid-run.
+//!
+//! [`nn::save_model`] / [`nn::load_model`] add a model's training state: masters, AdamW
+//! moments and step count, and the layers' non-parameter state
+//! ([`dtensor_nn::Module::visit_state`], e.g. an MoE layer's expert selection bias).
 
 pub mod crc;
 pub mod index;

@@ -1,15 +1,18 @@
 //! A model's training state: every parameter's master (named by
 //! [`Module::visit_params`]), its AdamW moments (`<name>#adam.m`, `<name>#adam.v`, laid out
 //! like the master, so a sharded master has sharded moments) and the optimizer's step count
-//! (`extra["optim.steps"]`), next to the caller's `extra` (data position, RNG state).
+//! (`extra["optim.steps"]`), next to the caller's `extra` (data position, RNG state), and
+//! the layers' non-parameter state (named by [`Module::visit_state`]: an MoE layer's
+//! `<layer>.expert_bias`), each a replicated `[n]` f64 tensor.
 //! Loading into a model built on another mesh or data mode reshards every tensor to the
 //! layout the new model holds it in.
 
 use crate::{load, read_index, save, Result, SaveReport, Target};
 use dtensor_collectives::Communicator;
-use dtensor_core::{AnyDTensor, DTensor};
+use dtensor_core::{AnyDTensor, DTensor, DeviceMesh};
 use dtensor_kernels::{DType, Tensor};
-use dtensor_nn::{AdamW, DataMode, Module, ParamKind, ParamVisitor, Weight};
+use dtensor_nn::{AdamW, DataMode, Module, ParamKind, ParamVisitor, StateVisitor, Weight};
+use dtensor_placement::Placement;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -29,8 +32,20 @@ fn moment_dtype(master: DType) -> DType {
     }
 }
 
+/// Layer state `value` as a tensor replicated over `mesh` (one copy is written).
+fn state_tensor(mesh: &Arc<DeviceMesh>, value: &[f64]) -> dtensor_core::Result<AnyDTensor> {
+    let n = value.len();
+    let placements = vec![Placement::Replicate; mesh.mesh().ndim()];
+    AnyDTensor::from_local(
+        Tensor::from_vec(value.to_vec(), &[n])?,
+        &[n],
+        &placements,
+        mesh,
+    )
+}
+
 /// Collective over `world` (the root world, for a pipeline): saves `m`'s masters, `opt`'s
-/// moments and step count, and `extra`.
+/// moments and step count, `m`'s non-parameter state ([`Module::visit_state`]) and `extra`.
 pub fn save_model(
     dir: &Path,
     world: &Arc<dyn Communicator>,
@@ -61,8 +76,20 @@ pub fn save_model(
             Ok(())
         }
     }
+    impl StateVisitor for Collect {
+        fn visit(
+            &mut self,
+            name: &str,
+            mesh: &Arc<DeviceMesh>,
+            value: &mut [f64],
+        ) -> dtensor_core::Result<()> {
+            self.0.push((name.to_string(), state_tensor(mesh, value)?));
+            Ok(())
+        }
+    }
     let mut c = Collect(Vec::new());
     m.visit_params("", &mut c)?;
+    m.visit_state("", &mut c)?;
     let named: Vec<(&str, &AnyDTensor)> = c.0.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let mut extra = extra.clone();
     extra.insert(STEPS_KEY.into(), opt.steps().to_string());
@@ -70,8 +97,10 @@ pub fn save_model(
 }
 
 /// Collective over `world`: loads `m`'s masters and `opt`'s moments and step count from
-/// `dir`, resharded to the layouts `m` holds them in; returns the checkpoint's `extra`.
-/// Every rank either restores everything or returns an `Err` with `m` and `opt` untouched.
+/// `dir`, resharded to the layouts `m` holds them in, and `m`'s non-parameter state (each
+/// piece the checkpoint holds; one it lacks, from a run without it, keeps its current
+/// value); returns the checkpoint's `extra`. Every rank either restores everything or
+/// returns an `Err` with `m` and `opt` untouched.
 pub fn load_model(
     dir: &Path,
     world: &Arc<dyn Communicator>,
@@ -114,6 +143,36 @@ pub fn load_model(
         moments: Vec::new(),
     };
     m.visit_params("", &mut c)?;
+    let n_params = c.targets.len();
+    // Non-parameter state the checkpoint holds, after the parameters.
+    struct State<'a> {
+        targets: &'a mut Vec<(String, AnyDTensor, DType)>,
+        has: &'a dyn Fn(&str) -> bool,
+        loaded: Vec<bool>,
+    }
+    impl StateVisitor for State<'_> {
+        fn visit(
+            &mut self,
+            name: &str,
+            mesh: &Arc<DeviceMesh>,
+            value: &mut [f64],
+        ) -> dtensor_core::Result<()> {
+            let here = (self.has)(name);
+            self.loaded.push(here);
+            if here {
+                let t = state_tensor(mesh, value)?;
+                self.targets.push((name.to_string(), t, DType::F64));
+            }
+            Ok(())
+        }
+    }
+    let mut st = State {
+        targets: &mut c.targets,
+        has: &has,
+        loaded: Vec::new(),
+    };
+    m.visit_state("", &mut st)?;
+    let state_loaded = st.loaded;
     let targets: Vec<Target> = c
         .targets
         .iter()
@@ -125,7 +184,8 @@ pub fn load_model(
             mesh: t.device_mesh(),
         })
         .collect();
-    let loaded = load(dir, world, &targets)?;
+    let mut loaded = load(dir, world, &targets)?;
+    let state = loaded.split_off(n_params);
     let extra = index.as_ref().map(|i| i.extra.clone()).unwrap_or_default();
     let steps = extra
         .get(STEPS_KEY)
@@ -165,6 +225,35 @@ pub fn load_model(
         &mut Apply {
             loaded: loaded.into_iter(),
             moments: moments.into_iter(),
+        },
+    )?;
+    struct ApplyState {
+        loaded: std::vec::IntoIter<bool>,
+        values: std::vec::IntoIter<AnyDTensor>,
+    }
+    impl StateVisitor for ApplyState {
+        fn visit(
+            &mut self,
+            _name: &str,
+            _mesh: &Arc<DeviceMesh>,
+            value: &mut [f64],
+        ) -> dtensor_core::Result<()> {
+            if self.loaded.next().expect("one per state") {
+                let t = self
+                    .values
+                    .next()
+                    .expect("one per loaded state")
+                    .into_local();
+                value.copy_from_slice(&t.to_f64_vec());
+            }
+            Ok(())
+        }
+    }
+    m.visit_state(
+        "",
+        &mut ApplyState {
+            loaded: state_loaded.into_iter(),
+            values: state.into_iter(),
         },
     )?;
     if let Some(s) = steps {

@@ -8,7 +8,9 @@ use dtensor_checkpoint::nn::{load_model, save_model};
 use dtensor_collectives::threads;
 use dtensor_core::{DTensor, DeviceMesh};
 use dtensor_kernels::{DType, Tensor};
-use dtensor_nn::{model_mesh, named_params, AdamW, DataMode, Ddp, Fsdp, Gpt, GptConfig, Ids, NoSp};
+use dtensor_nn::{
+    model_mesh, named_params, AdamW, DataMode, Ddp, Fsdp, Gpt, GptConfig, Ids, MoeConfig, NoSp,
+};
 use dtensor_placement::{local_ranges, Layout};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -137,4 +139,83 @@ fn model_loads_on_other_meshes_and_modes() {
         let (_, reloaded) = run::<Ddp>(mesh, 2, 0, Some(dir.path()), None);
         assert!(same_params(&saved, &reloaded), "{mesh}");
     }
+}
+
+/// MoE blocks with an expert selection bias (layer state, not a parameter): `steps` steps
+/// from `from` on ep=2,dp=2 (loading `resume` first, saving to `save` after); rank 0's
+/// losses and every block's bias.
+fn run_moe(
+    from: usize,
+    steps: usize,
+    resume: Option<&Path>,
+    save: Option<&Path>,
+) -> (Vec<f64>, Vec<Vec<f64>>) {
+    let mesh = model_mesh(&"ep=2,dp=2".parse().unwrap()).unwrap();
+    let mut out = threads::launch(
+        mesh.world_size(),
+        |world| -> Result<_, dtensor_checkpoint::Error> {
+            let dm = DeviceMesh::new(world.clone(), mesh.clone())?;
+            let c = GptConfig {
+                layers: 2,
+                moe: Some(MoeConfig {
+                    bias_rate: Some(5e-2),
+                    ..MoeConfig::new(4, 2)
+                }),
+                ..config(7)
+            };
+            let mut model = Gpt::<NoSp, Ddp>::new(c, &dm)?;
+            let mut opt = AdamW::new(1e-2);
+            if let Some(dir) = resume {
+                load_model(dir, &world, &mut model, &mut opt)?;
+            }
+            let mut losses = Vec::new();
+            for step in from..from + steps {
+                let (ids, tg) = batch(step, &dm);
+                losses.push(model.train_step(&ids, &tg, &mut opt, 1.0)?.loss);
+            }
+            if let Some(dir) = save {
+                let mut extra = BTreeMap::new();
+                extra.insert("data.step".to_string(), (from + steps).to_string());
+                save_model(dir, &world, &mut model, &opt, &extra)?;
+            }
+            let bias = model
+                .blocks
+                .iter()
+                .map(|b| b.mlp.moe().and_then(|m| m.bias()).expect("biased MoE"))
+                .collect();
+            Ok((losses, bias))
+        },
+    );
+    out.swap_remove(0).unwrap()
+}
+
+/// The expert selection bias is saved and loaded with the model: 6 steps equal 3 + save +
+/// load + 3, bitwise (losses and biases); a fresh model's zero bias would route otherwise.
+#[test]
+fn resume_restores_moe_expert_bias() {
+    let dir = TempDir::new("moe-bias");
+    let (all, all_bias) = run_moe(0, 6, None, None);
+    let (first, saved_bias) = run_moe(0, 3, None, Some(dir.path()));
+    assert!(
+        saved_bias.iter().flatten().any(|b| *b != 0.0),
+        "the bias moved in 3 steps: {saved_bias:?}"
+    );
+    let index = dtensor_checkpoint::read_index(dir.path()).unwrap();
+    assert!(
+        index.tensors.contains_key("blocks.0.mlp.expert_bias"),
+        "{:?}",
+        index.tensors.keys().collect::<Vec<_>>()
+    );
+    // Loaded and not stepped: the saved bias, bitwise.
+    let (_, loaded_bias) = run_moe(3, 0, Some(dir.path()), None);
+    let vb = |v: &[Vec<f64>]| v.iter().map(|b| bits(b)).collect::<Vec<_>>();
+    assert_eq!(vb(&loaded_bias), vb(&saved_bias));
+    let (rest, rest_bias) = run_moe(3, 3, Some(dir.path()), None);
+    assert_eq!(bits(&all[..3]), bits(&first));
+    assert_eq!(
+        bits(&all[3..]),
+        bits(&rest),
+        "{all:?} vs {first:?} + {rest:?}"
+    );
+    assert_eq!(vb(&all_bias), vb(&rest_bias));
 }

@@ -21,7 +21,7 @@ use crate::mlp::{Activation, ParallelMlp};
 use crate::moe::{MoeConfig, MoeMlp};
 use crate::norm::{Norm, NormKind};
 use crate::optim::{
-    self, join_name, named_params, GradAccumulator, Module, Optimizer, ParamVisitor,
+    self, join_name, named_params, GradAccumulator, Module, Optimizer, ParamVisitor, StateVisitor,
 };
 use crate::pipeline::stage::{StageInput, StageOutput, StageParts};
 use crate::pipeline::GptStage;
@@ -131,6 +131,12 @@ impl<M: SeqMode, D: DataMode> Module for BlockMlp<M, D> {
         match self {
             BlockMlp::Dense(m) => m.visit_params(prefix, v),
             BlockMlp::Moe(m) => m.visit_params(prefix, v),
+        }
+    }
+    fn visit_state<V: StateVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
+        match self {
+            BlockMlp::Dense(_) => Ok(()),
+            BlockMlp::Moe(m) => m.visit_state(prefix, v),
         }
     }
 }
@@ -247,6 +253,9 @@ impl<M: SeqMode, D: DataMode> Module for TransformerBlock<M, D> {
         self.attn.visit_params(&join_name(prefix, "attn"), v)?;
         self.norm2.visit_params(&join_name(prefix, "norm2"), v)?;
         self.mlp.visit_params(&join_name(prefix, "mlp"), v)
+    }
+    fn visit_state<V: StateVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
+        self.mlp.visit_state(&join_name(prefix, "mlp"), v)
     }
 }
 
@@ -418,5 +427,11 @@ impl<M: SeqMode, D: DataMode> Module for Gpt<M, D> {
         }
         self.norm.visit_params(&join_name(prefix, "norm"), v)?;
         self.head.visit_params(&join_name(prefix, "head"), v)
+    }
+    fn visit_state<V: StateVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
+        for (l, b) in self.blocks.iter_mut().enumerate() {
+            b.visit_state(&join_name(prefix, &format!("blocks.{l}")), v)?;
+        }
+        Ok(())
     }
 }

@@ -95,7 +95,7 @@ pub use norm::{Norm, NormKind};
 pub use optim::{
     clip_coefficient, dp_average, join_name, named_params, reduce_grad, step, step_accumulated,
     AdamW, GradAccumulator, GradNorm, Module, NamedParam, Optimizer, Param, ParamVisitor,
-    ReducedGrad, ReducedPlacement, Sgd, TpParam,
+    ReducedGrad, ReducedPlacement, Sgd, StateVisitor, TpParam,
 };
 pub use pipeline::{
     Action, Costs, GptStage, Pipeline, PipelineReport, Schedule, ScheduleKind, Timeline,

@@ -51,7 +51,7 @@ use crate::data::{DataMode, Ddp, ExpertW, MasterLayout, StreamP, Weight};
 use crate::init::Init;
 use crate::linear::ParamInit;
 use crate::mlp::Activation;
-use crate::optim::{join_name, Module, ParamVisitor};
+use crate::optim::{join_name, Module, ParamVisitor, StateVisitor};
 use crate::seq::{axis_size, Loss, NoSp, SeqMode, Sp, Stream};
 use dtensor_core::moe::{aux_loss_global, combine, dispatch, route};
 use dtensor_core::{DeviceMesh, Error, Result, RouterConfig, Routing, RoutingStats, Tape, Var};
@@ -353,5 +353,15 @@ impl<M: SeqMode, D: DataMode> Module for MoeMlp<M, D> {
             v.visit(&join_name(prefix, "up"), up)?;
         }
         v.visit(&join_name(prefix, "w2"), &mut self.w2)
+    }
+    /// The selection bias, `expert_bias` (`[E]`, f64, the same on every rank), with a
+    /// bias rate; nothing otherwise.
+    fn visit_state<V: StateVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
+        let mesh = self.router.value().device_mesh().clone();
+        let mut s = lock(&self.state);
+        match s.bias.as_mut() {
+            Some(b) => v.visit(&join_name(prefix, "expert_bias"), &mesh, b),
+            None => Ok(()),
+        }
     }
 }

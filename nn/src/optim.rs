@@ -25,13 +25,14 @@
 use crate::data::{DataMode, DpLayout, EpParam, ParamKind, ReducedLayout, Weight};
 use crate::seq::{axis_size, DpPartial, DpReduced};
 use dtensor_collectives::{CommunicatorExt, ReduceOp};
-use dtensor_core::{AnyDTensor, DTensor, Error, Gradients, Result, Tape, Var};
+use dtensor_core::{AnyDTensor, DTensor, DeviceMesh, Error, Gradients, Result, Tape, Var};
 use dtensor_kernels::{DType, Tensor};
 use dtensor_placement::{
     AxisKind, Dp, Invariant, Layout, Linear, MeshAxis, On, Placement, PlacementType, Replicate,
     Shard, Tp,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// A gradient placement (`Self`) that is reduced to a parameter placement `P` on one axis.
 #[diagnostic::on_unimplemented(
@@ -215,10 +216,26 @@ pub trait ParamVisitor {
     fn visit<D: DataMode, K: ParamKind>(&mut self, name: &str, w: &mut Weight<D, K>) -> Result<()>;
 }
 
+/// Visits a module's non-parameter state ([`Module::visit_state`]).
+pub trait StateVisitor {
+    /// `value`: one piece of layer state, the same on every rank of `mesh` (replicated),
+    /// that training changes and a resumed run needs; the visitor may read or replace its
+    /// elements (keeping its length).
+    fn visit(&mut self, name: &str, mesh: &Arc<DeviceMesh>, value: &mut [f64]) -> Result<()>;
+}
+
 /// Something with parameters: a layer or a model.
 pub trait Module {
     /// Calls `v` on every parameter, in a fixed order, names prefixed with `prefix`.
     fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()>;
+
+    /// Calls `v` on every piece of state that is not a parameter but that training updates
+    /// (an MoE layer's expert selection bias), in a fixed order, names prefixed with
+    /// `prefix`; checkpoints save and load it with the parameters. None by default.
+    fn visit_state<V: StateVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
+        let _ = (prefix, v);
+        Ok(())
+    }
 }
 
 /// `prefix.name`, or `name` at the top.

@@ -16,7 +16,9 @@
 use crate::block::GptConfig;
 use crate::buckets::DdpBuckets;
 use crate::data::{DataMode, Ddp};
-use crate::optim::{step_accumulated, GradAccumulator, Module, Optimizer, ParamVisitor};
+use crate::optim::{
+    step_accumulated, GradAccumulator, Module, Optimizer, ParamVisitor, StateVisitor,
+};
 use crate::pipeline::schedule::{Action, Schedule};
 use crate::pipeline::stage::{GptStage, StageInput, StageOutput};
 use crate::seq::{Grad, Ids, Loss, SeqMode, Stream};
@@ -396,6 +398,12 @@ impl<M: SeqMode, D: DataMode> Module for Pipeline<M, D> {
     fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
         for c in &mut self.chunks {
             c.visit_params(prefix, v)?;
+        }
+        Ok(())
+    }
+    fn visit_state<V: StateVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
+        for c in &mut self.chunks {
+            c.visit_state(prefix, v)?;
         }
         Ok(())
     }

@@ -10,7 +10,7 @@ use crate::data::{DataMode, Ddp};
 use crate::embedding::VocabParallelEmbedding;
 use crate::linear::{ColumnParallelLinear, ParamInit};
 use crate::norm::Norm;
-use crate::optim::{join_name, Module, ParamVisitor};
+use crate::optim::{join_name, Module, ParamVisitor, StateVisitor};
 use crate::seq::{Ids, Loss, SeqMode, Stream};
 use dtensor_core::{DTensor, DeviceMesh, Error, Result, Tape, Var};
 use std::ops::Range;
@@ -269,6 +269,12 @@ impl<M: SeqMode, D: DataMode> Module for GptStage<M, D> {
         if let Some((norm, head)) = &mut self.head {
             norm.visit_params(&join_name(prefix, "norm"), v)?;
             head.visit_params(&join_name(prefix, "head"), v)?;
+        }
+        Ok(())
+    }
+    fn visit_state<V: StateVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
+        for (b, l) in self.blocks.iter_mut().zip(self.layers.clone()) {
+            b.visit_state(&join_name(prefix, &format!("blocks.{l}")), v)?;
         }
         Ok(())
     }
