@@ -16,7 +16,7 @@
 //! the `Cp` ring) or all-to-all (Ulysses: heads gathered per rank for the whole sequence).
 //! The plain [`Var::causal_attention`] does not compile here: its rule refuses a sequence
 //! sharded over a `Cp` axis. The tokens of a `Cp`-sharded stream are in the CP order
-//! ([`CpLayout`](dtensor_core::CpLayout)): the data loader permutes ids and targets into it.
+//! ([`CpLayout`]): the data loader permutes ids and targets into it.
 
 use crate::data::{DataMode, Ddp};
 use crate::linear::{ColumnParallelLinear, ParamInit, RowParallelLinear};
@@ -96,7 +96,7 @@ impl AttentionConfig {
 
 /// Natural-order per-token data `[tokens, ...]` (token ids, targets: samples of `seq_len`
 /// tokens one after another) in the order a model's stream on `mesh` holds it: with
-/// `cp > 1` the CP order of [`CpLayout`](dtensor_core::CpLayout) (each data rank's block
+/// `cp > 1` the CP order of [`CpLayout`] (each data rank's block
 /// of samples chunk-major, so that `Shard<0>` over `Cp` gives every `Cp` rank its chunks of
 /// every sample), unchanged at `cp = 1`. Apply it to the global batch before slicing.
 pub fn to_stream_order(
