@@ -2,7 +2,7 @@
 //! reference, on 1-D (4), 2-D (2×2, 4×2), 3-D (2×2×2) and 4-D (2×2×1×2) meshes of thread
 //! ranks.
 //!
-//! For each mesh, each axis, each transition of DESIGN.md's table, tensor dims 0, 1 and
+//! For each mesh, each axis, each transition of the table in `dtensor/src/plan.rs`, tensor dims 0, 1 and
 //! last, and extents 4k, 4k+1, 4k+2, smaller than the mesh and one row, with the other
 //! axes replicated, sharding another dim, or (outer axis) sharding the same dim:
 //! - the forward result holds exactly the reference slice of the global tensor (or, for a

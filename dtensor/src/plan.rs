@@ -2,7 +2,7 @@
 //!
 //! A [`Step`] changes the placement of one mesh axis and issues at most one collective; it
 //! is the run-time form of one named transition. Each step has an adjoint step (its
-//! backward), following DESIGN.md's table (ported from the arithmetic of Megatron's
+//! backward), as in this table (ported from the arithmetic of Megatron's
 //! `mappings.py`, and extended with `R → I` and `I → P`, which the exhaustive
 //! any-to-any redistribution needs):
 //!
