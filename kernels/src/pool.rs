@@ -27,6 +27,12 @@
 //! - **On demand.** [`trim`] (or [`crate::memory::release_cached`]) empties this thread's
 //!   cache; [`cached_bytes`] says what it holds.
 //!
+//! - **Freed shrunk.** A buffer the pool lets go (idle, over the bound, or trimmed) is
+//!   shrunk in place to one element before it is freed, so that glibc hands its pages back
+//!   with `mremap` and does not raise its mmap threshold (see
+//!   `CpuStorage::free_shrunk`): freed whole, later buffers of that size would come from
+//!   per-thread arenas that keep their freed pages resident.
+//!
 //! Buffers smaller than [`MIN_POOLED_BYTES`] are left to the system allocator.
 
 use crate::dtype::DType;
@@ -79,6 +85,7 @@ impl Pool {
     fn pop_oldest(&mut self) {
         if let Some(c) = self.free.pop_front() {
             self.bytes -= c.bytes;
+            c.data.free_shrunk();
         }
     }
 }
@@ -151,15 +158,18 @@ pub(crate) fn alloc_zeroed(dtype: DType, len: usize) -> CpuStorage {
 /// Keeps a dropped buffer for reuse on this thread (large ones only, bounded).
 pub(crate) fn recycle(s: CpuStorage) {
     let bytes = capacity_bytes(&s);
-    if !(MIN_POOLED_BYTES..=MAX_POOLED_BYTES).contains(&bytes) {
+    if bytes < MIN_POOLED_BYTES {
         return;
+    }
+    if bytes > MAX_POOLED_BYTES {
+        return s.free_shrunk();
     }
     let _ = POOL.try_with(|p| {
         let mut p = p.borrow_mut();
         p.tick();
         let cap = crate::memory::pool_room().min(MAX_POOLED_BYTES);
         if bytes > cap {
-            return;
+            return s.free_shrunk();
         }
         while p.bytes + bytes > cap {
             p.pop_oldest();
@@ -185,8 +195,9 @@ pub fn trim() -> usize {
     POOL.try_with(|p| {
         let mut p = p.borrow_mut();
         let bytes = p.bytes;
-        p.free.clear();
-        p.bytes = 0;
+        while !p.free.is_empty() {
+            p.pop_oldest();
+        }
         bytes
     })
     .unwrap_or(0)

@@ -123,6 +123,28 @@ impl CpuStorage {
             CpuStorage::I64(v) => v.resize(n, 0),
         }
     }
+    /// Frees the buffer after shrinking it in place to one element.
+    ///
+    /// For glibc: freeing a large buffer the allocator had `mmap`ped raises its `mmap`
+    /// threshold (up to 32 MiB) to that size for good, and from then on buffers of that
+    /// size come from the thread's arena, whose freed pages it keeps resident. Shrunk
+    /// first, the buffer's pages go back to the system with `mremap` and the one page left
+    /// is freed below the threshold, which stays where it was. For a buffer in an arena it
+    /// costs a split of the chunk. The pool frees the buffers it lets go this way.
+    pub(crate) fn free_shrunk(self) {
+        fn shrink<T>(mut v: Vec<T>) {
+            v.clear();
+            v.shrink_to(1);
+        }
+        match self {
+            CpuStorage::F32(v) => shrink(v),
+            CpuStorage::F64(v) => shrink(v),
+            CpuStorage::BF16(v) => shrink(v),
+            CpuStorage::F16(v) => shrink(v),
+            CpuStorage::I32(v) => shrink(v),
+            CpuStorage::I64(v) => shrink(v),
+        }
+    }
     pub(crate) fn zeros(dtype: DType, n: usize) -> Self {
         match dtype {
             DType::F32 => CpuStorage::F32(vec![0.0; n]),
@@ -343,11 +365,25 @@ impl Tensor {
     fn from_fn_checked<T: StorageElement>(
         op: &'static str,
         shape: &[usize],
-        f: impl FnMut(usize) -> T,
+        mut f: impl FnMut(usize) -> T,
     ) -> Result<Self> {
         let n = checked_len(op, shape, T::DTYPE)?;
-        let data: Vec<T> = (0..n).map(f).collect();
-        Ok(Tensor::from_storage(shape, T::wrap(data)))
+        // Into a pooled buffer when one is cached (every element is written, so its old
+        // values do not matter), else into a fresh one with room for its size class (so
+        // that, once dropped, it serves the next request of that class).
+        let mut data = match crate::pool::take(T::DTYPE, n) {
+            Some(d) => d,
+            None if n * T::DTYPE.size_in_bytes() < crate::pool::MIN_POOLED_BYTES => {
+                return Ok(Tensor::from_storage(
+                    shape,
+                    T::wrap((0..n).map(f).collect()),
+                ));
+            }
+            None => crate::pool::alloc_zeroed(T::DTYPE, n),
+        };
+        let v = T::view_mut(&mut data).expect("a buffer of T's dtype");
+        v.iter_mut().enumerate().for_each(|(i, x)| *x = f(i));
+        Ok(Tensor::from_storage(shape, data))
     }
 
     pub fn shape(&self) -> &[usize] {
