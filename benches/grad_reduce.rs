@@ -26,11 +26,11 @@
 
 mod support;
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use dtensor::prelude::*;
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
-use support::{memcpy_gbps, Op};
+use support::{group_with_memcpy, interleaved_medians, memcpy_gbps, Op, ThreadRanks};
 
 const DP: usize = 2;
 const CP: usize = 2;
@@ -123,118 +123,76 @@ enum Command {
     Run(Variant, u64),
     /// Run one iteration; rank 0 answers with its bytes sent, received and calls.
     Count(Variant),
-    Stop,
 }
 
 /// 4 thread ranks, each holding a gradient of `bytes`, reducing it on command.
 struct Pool {
-    senders: Vec<mpsc::Sender<Command>>,
+    ranks: ThreadRanks<Command>,
     times: mpsc::Receiver<Duration>,
     counts: mpsc::Receiver<[u64; 3]>,
-    handle: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Pool {
     fn new(bytes: usize) -> Pool {
-        let ranks = DP * CP;
-        let (senders, receivers): (Vec<_>, Vec<_>) = (0..ranks).map(|_| mpsc::channel()).unzip();
-        let receivers: Vec<_> = receivers.into_iter().map(Mutex::new).collect();
         let (time_tx, times) = mpsc::channel();
         let (count_tx, counts) = mpsc::channel();
-        let handle = std::thread::spawn(move || {
-            let receivers = Arc::new(receivers);
-            let results = threads::launch(ranks, |world| -> Result<()> {
-                let rank = world.rank();
-                let rx = receivers[rank].lock().unwrap();
-                let comms = Comms::new(world)?;
-                let mut buf = vec![0.0f32; bytes / 4];
-                while let Ok(cmd) = rx.recv() {
-                    match cmd {
-                        Command::Run(v, iters) => {
-                            let mut total = Duration::ZERO;
-                            for _ in 0..iters {
-                                comms.world.barrier()?;
-                                let t0 = Instant::now();
-                                comms.reduce(v, &mut buf)?;
-                                comms.world.barrier()?;
-                                total += t0.elapsed();
-                            }
-                            if rank == 0 {
-                                time_tx.send(total).unwrap();
-                            }
-                        }
-                        Command::Count(v) => {
+        let ranks = ThreadRanks::new("grad_reduce bench", DP * CP, move |world, rx| {
+            let rank = world.rank();
+            let comms = Comms::new(world)?;
+            let mut buf = vec![0.0f32; bytes / 4];
+            while let Ok(cmd) = rx.recv() {
+                match cmd {
+                    Command::Run(v, iters) => {
+                        let mut total = Duration::ZERO;
+                        for _ in 0..iters {
                             comms.world.barrier()?;
-                            let before = comms.counters();
+                            let t0 = Instant::now();
                             comms.reduce(v, &mut buf)?;
-                            let after = comms.counters();
-                            if rank == 0 {
-                                count_tx
-                                    .send(std::array::from_fn(|i| after[i] - before[i]))
-                                    .unwrap();
-                            }
+                            comms.world.barrier()?;
+                            total += t0.elapsed();
                         }
-                        Command::Stop => break,
+                        if rank == 0 {
+                            time_tx.send(total).unwrap();
+                        }
+                    }
+                    Command::Count(v) => {
+                        comms.world.barrier()?;
+                        let before = comms.counters();
+                        comms.reduce(v, &mut buf)?;
+                        let after = comms.counters();
+                        if rank == 0 {
+                            count_tx
+                                .send(std::array::from_fn(|i| after[i] - before[i]))
+                                .unwrap();
+                        }
                     }
                 }
-                Ok(())
-            });
-            for (r, res) in results.into_iter().enumerate() {
-                if let Err(e) = res {
-                    eprintln!("grad_reduce bench rank {r}: {e}");
-                }
             }
+            Ok::<_, Error>(())
         });
         Pool {
-            senders,
+            ranks,
             times,
             counts,
-            handle: Some(handle),
-        }
-    }
-
-    fn send(&self, cmd: impl Fn() -> Command) {
-        for s in &self.senders {
-            s.send(cmd()).unwrap();
         }
     }
 
     /// Total time of `iters` iterations of `v`.
     fn run(&self, v: Variant, iters: u64) -> Duration {
-        self.send(|| Command::Run(v, iters));
+        self.ranks.send(|| Command::Run(v, iters));
         self.times.recv().expect("bench ranks failed")
     }
 
     /// Rank 0's bytes sent, received and calls in one iteration of `v`.
     fn count(&self, v: Variant) -> [u64; 3] {
-        self.send(|| Command::Count(v));
+        self.ranks.send(|| Command::Count(v));
         self.counts.recv().expect("bench ranks failed")
     }
 
     /// Median time of one iteration of each variant (in `Variant::ALL` order), from `reps`
     /// rounds that run every variant once, so that load from elsewhere weighs on all alike.
     fn interleaved(&self, reps: usize) -> [Duration; 3] {
-        let mut t: [Vec<Duration>; 3] = Default::default();
-        for _ in 0..reps {
-            for (i, v) in Variant::ALL.into_iter().enumerate() {
-                t[i].push(self.run(v, 1));
-            }
-        }
-        t.map(|mut v| {
-            v.sort();
-            v[v.len() / 2]
-        })
-    }
-}
-
-impl Drop for Pool {
-    fn drop(&mut self) {
-        for s in &self.senders {
-            let _ = s.send(Command::Stop);
-        }
-        if let Some(h) = self.handle.take() {
-            let _ = h.join();
-        }
+        interleaved_medians(reps, |i| self.run(Variant::ALL[i], 1))
     }
 }
 
@@ -249,19 +207,12 @@ fn size_name(bytes: usize) -> String {
 fn grad_reduce(c: &mut Criterion) {
     for bytes in [256usize << 10, 4 << 20, 32 << 20] {
         let pool = Pool::new(bytes);
-        let mut group = c.benchmark_group(format!("grad_reduce/dp2×cp2/{}", size_name(bytes)));
-        group.throughput(Throughput::Bytes(bytes as u64));
-        group.sample_size(10);
-        group.warm_up_time(Duration::from_millis(300));
-        group.measurement_time(Duration::from_secs(if bytes >= 32 << 20 { 4 } else { 1 }));
-        let src = vec![1u8; bytes];
-        let mut dst = vec![0u8; bytes];
-        group.bench_function("memcpy", |b| {
-            b.iter(|| {
-                dst.copy_from_slice(&src);
-                std::hint::black_box(&dst);
-            })
-        });
+        let mut group = group_with_memcpy(
+            c,
+            format!("grad_reduce/dp2×cp2/{}", size_name(bytes)),
+            bytes,
+            Duration::from_secs(if bytes >= 32 << 20 { 4 } else { 1 }),
+        );
         for v in Variant::ALL {
             group.bench_with_input(BenchmarkId::from_parameter(v.name()), &v, |b, &v| {
                 b.iter_custom(|iters| pool.run(v, iters))

@@ -28,10 +28,13 @@
 //! `cargo bench --bench overlap` (about 2 minutes); a criterion filter such as `-- "2 ranks"`
 //! narrows the criterion groups, not the summary lines.
 
+mod support;
+
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use dtensor::collectives::{threads, CommunicatorExt, Error, ReduceOp};
-use std::sync::{mpsc, Arc, Mutex};
+use dtensor::collectives::{CommunicatorExt, Error, ReduceOp};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
+use support::{interleaved_medians, median, ThreadRanks};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
@@ -78,33 +81,22 @@ impl Work {
     }
 }
 
-enum Command {
-    /// Run `iters` iterations of the mode; rank 0 answers with the total time.
-    Run(Mode, Work, u64),
-    Stop,
-}
-
-/// `ranks` thread ranks, each holding an all-reduce buffer of `bytes`, running modes on
-/// command.
+/// `ranks` thread ranks, each holding an all-reduce buffer of `bytes`, running `iters`
+/// iterations of a mode on command (rank 0 answers with the total time).
 struct Pool {
-    senders: Vec<mpsc::Sender<Command>>,
+    ranks: ThreadRanks<(Mode, Work, u64)>,
     times: mpsc::Receiver<Duration>,
-    handle: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Pool {
     fn new(ranks: usize, bytes: usize) -> Pool {
-        let (senders, receivers): (Vec<_>, Vec<_>) = (0..ranks).map(|_| mpsc::channel()).unzip();
-        let receivers: Vec<_> = receivers.into_iter().map(Mutex::new).collect();
         let (time_tx, times) = mpsc::channel();
-        let handle = std::thread::spawn(move || {
-            let receivers = Arc::new(receivers);
-            let results = threads::launch(ranks, |comm| -> Result<(), Error> {
+        let ranks =
+            ThreadRanks::<(Mode, Work, u64)>::new("overlap bench", ranks, move |comm, rx| {
                 let rank = comm.rank();
-                let rx = receivers[rank].lock().unwrap();
                 // Zeros: the sums stay zero, so no run meets infinities or subnormals.
                 let mut buf = Some(vec![0.0f32; bytes / 4]);
-                while let Ok(Command::Run(mode, work, iters)) = rx.recv() {
+                while let Ok((mode, work, iters)) = rx.recv() {
                     let mut total = Duration::ZERO;
                     for _ in 0..iters {
                         comm.barrier()?;
@@ -134,62 +126,28 @@ impl Pool {
                         time_tx.send(total).unwrap();
                     }
                 }
-                Ok(())
+                Ok::<_, Error>(())
             });
-            for (r, res) in results.into_iter().enumerate() {
-                if let Err(e) = res {
-                    eprintln!("overlap bench rank {r}: {e}");
-                }
-            }
-        });
-        Pool {
-            senders,
-            times,
-            handle: Some(handle),
-        }
+        Pool { ranks, times }
     }
 
     /// Total time of `iters` iterations of `mode`.
     fn run(&self, mode: Mode, work: Work, iters: u64) -> Duration {
-        for s in &self.senders {
-            s.send(Command::Run(mode, work, iters)).unwrap();
-        }
+        self.ranks.send(|| (mode, work, iters));
         self.times.recv().expect("bench ranks failed")
     }
 
     /// Median time of one iteration of `mode`, over `reps` runs after a warm-up.
     fn median(&self, mode: Mode, work: Work, reps: usize) -> Duration {
         self.run(mode, work, 1);
-        let mut t: Vec<Duration> = (0..reps).map(|_| self.run(mode, work, 1)).collect();
-        t.sort();
-        t[reps / 2]
+        median((0..reps).map(|_| self.run(mode, work, 1)).collect())
     }
 
     /// Median time of one iteration of each mode (in `Mode::ALL` order), from `reps`
     /// rounds that run every mode once: interleaved, so that load from elsewhere on the
     /// machine and drifting clocks weigh on every mode alike.
     fn interleaved(&self, work: Work, reps: usize) -> [Duration; 4] {
-        let mut t: [Vec<Duration>; 4] = Default::default();
-        for _ in 0..reps {
-            for (i, mode) in Mode::ALL.into_iter().enumerate() {
-                t[i].push(self.run(mode, work, 1));
-            }
-        }
-        t.map(|mut v| {
-            v.sort();
-            v[v.len() / 2]
-        })
-    }
-}
-
-impl Drop for Pool {
-    fn drop(&mut self) {
-        for s in &self.senders {
-            let _ = s.send(Command::Stop);
-        }
-        if let Some(h) = self.handle.take() {
-            let _ = h.join();
-        }
+        interleaved_medians(reps, |i| self.run(Mode::ALL[i], work, 1))
     }
 }
 
@@ -225,11 +183,11 @@ fn overlap(c: &mut Criterion) {
             let pool = Pool::new(ranks, mib << 20);
             let t = pool.median(Mode::Comm, Work::Idle(Duration::ZERO), REPS) * 3 / 2;
             for (kind, work) in [("cpu", calibrate_cpu(t)), ("idle", Work::Idle(t))] {
-                let mut group =
-                    c.benchmark_group(format!("overlap/{ranks} ranks/{mib} MiB/{kind}"));
-                group.sample_size(10);
-                group.warm_up_time(Duration::from_millis(300));
-                group.measurement_time(Duration::from_secs(1));
+                let mut group = support::group(
+                    c,
+                    format!("overlap/{ranks} ranks/{mib} MiB/{kind}"),
+                    Duration::from_secs(1),
+                );
                 for mode in Mode::ALL {
                     group.bench_with_input(
                         BenchmarkId::from_parameter(mode.name()),

@@ -10,29 +10,21 @@
 
 mod support;
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use dtensor::prelude::DType;
 use std::time::Duration;
-use support::{Op, RankPool};
+use support::{group_with_memcpy, Op, RankPool};
 
 fn redistribution(c: &mut Criterion) {
     for bytes in [1usize << 20, 16 << 20, 128 << 20] {
         for dtype in [DType::F32, DType::BF16] {
             for ranks in [2usize, 4] {
-                let mut group =
-                    c.benchmark_group(format!("{dtype}/{ranks} ranks/{} MiB", bytes >> 20));
-                group.throughput(Throughput::Bytes(bytes as u64));
-                group.sample_size(10);
-                group.warm_up_time(Duration::from_millis(300));
-                group.measurement_time(Duration::from_secs(if bytes >= 128 << 20 { 3 } else { 1 }));
-                let src = vec![1u8; bytes];
-                let mut dst = vec![0u8; bytes];
-                group.bench_function("memcpy", |b| {
-                    b.iter(|| {
-                        dst.copy_from_slice(&src);
-                        std::hint::black_box(&dst);
-                    })
-                });
+                let mut group = group_with_memcpy(
+                    c,
+                    format!("{dtype}/{ranks} ranks/{} MiB", bytes >> 20),
+                    bytes,
+                    Duration::from_secs(if bytes >= 128 << 20 { 3 } else { 1 }),
+                );
                 for op in Op::ALL {
                     let pool = RankPool::new(op, ranks, bytes, dtype);
                     group.bench_with_input(BenchmarkId::from_parameter(op.name()), &op, |b, _| {

@@ -134,95 +134,70 @@ where
 
 const STRATEGIES: [CpStrategy; 2] = [CpStrategy::Ring, CpStrategy::AllToAll];
 
+/// `samples` of `seq` tokens, `heads` heads of dim `d`: every strategy (outer) with each
+/// of `zigzags`.
+fn cases(
+    samples: usize,
+    seq: usize,
+    heads: usize,
+    d: usize,
+    zigzags: &[bool],
+) -> impl Iterator<Item = Case> + '_ {
+    STRATEGIES.into_iter().flat_map(move |strategy| {
+        zigzags.iter().map(move |&zigzag| Case {
+            samples,
+            seq,
+            heads,
+            d,
+            zigzag,
+            strategy,
+        })
+    })
+}
+
+const BOTH: &[bool] = &[true, false];
+
 #[test]
 fn cp2_matches_one_rank() {
-    for strategy in STRATEGIES {
-        for zigzag in [true, false] {
-            let c = Case {
-                samples: 3,
-                seq: 16,
-                heads: 2,
-                d: 4,
-                zigzag,
-                strategy,
-            };
-            run::<layout![Cp: Shard<0>], _>(&[(AxisKind::Cp, 2)], 1, c);
-        }
+    for c in cases(3, 16, 2, 4, BOTH) {
+        run::<layout![Cp: Shard<0>], _>(&[(AxisKind::Cp, 2)], 1, c);
     }
 }
 
 #[test]
 fn cp4_matches_one_rank() {
-    for strategy in STRATEGIES {
-        for zigzag in [true, false] {
-            let c = Case {
-                samples: 3,
-                seq: 16,
-                heads: 4,
-                d: 4,
-                zigzag,
-                strategy,
-            };
-            run::<layout![Cp: Shard<0>], _>(&[(AxisKind::Cp, 4)], 1, c);
-        }
+    for c in cases(3, 16, 4, 4, BOTH) {
+        run::<layout![Cp: Shard<0>], _>(&[(AxisKind::Cp, 4)], 1, c);
     }
 }
 
 #[test]
 fn long_sequences_cross_kernel_tiles() {
     // 320 tokens a sample: a rank's 160 (cp 2) span several 64-token tiles.
-    for strategy in STRATEGIES {
-        let c = Case {
-            samples: 1,
-            seq: 320,
-            heads: 2,
-            d: 8,
-            zigzag: true,
-            strategy,
-        };
+    for c in cases(1, 320, 2, 8, &[true]) {
         run::<layout![Cp: Shard<0>], _>(&[(AxisKind::Cp, 2)], 1, c);
     }
 }
 
 #[test]
 fn cp_with_tp_sharding_the_heads() {
-    for strategy in STRATEGIES {
-        for zigzag in [true, false] {
-            let c = Case {
-                samples: 3,
-                seq: 8,
-                heads: 4,
-                d: 4,
-                zigzag,
-                strategy,
-            };
-            run::<layout![Cp: Shard<0>, Tp: Shard<1>], _>(
-                &[(AxisKind::Cp, 2), (AxisKind::Tp, 2)],
-                1,
-                c,
-            );
-        }
+    for c in cases(3, 8, 4, 4, BOTH) {
+        run::<layout![Cp: Shard<0>, Tp: Shard<1>], _>(
+            &[(AxisKind::Cp, 2), (AxisKind::Tp, 2)],
+            1,
+            c,
+        );
     }
 }
 
 #[test]
 fn cp_with_dp_sharding_the_samples() {
-    for strategy in STRATEGIES {
-        for zigzag in [true, false] {
-            let c = Case {
-                samples: 6,
-                seq: 8,
-                heads: 2,
-                d: 4,
-                zigzag,
-                strategy,
-            };
-            run::<layout![Dp: Shard<0>, Cp: Shard<0>], _>(
-                &[(AxisKind::Dp, 2), (AxisKind::Cp, 2)],
-                2,
-                c,
-            );
-        }
+    for c in cases(6, 8, 2, 4, BOTH) {
+        run::<layout![Dp: Shard<0>, Cp: Shard<0>], _>(
+            &[(AxisKind::Dp, 2), (AxisKind::Cp, 2)],
+            2,
+            c,
+        );
     }
 }
 

@@ -5,10 +5,16 @@
 mod common;
 
 use common::on_mesh;
-use dtensor::core::moe::{aux_loss, combine, dispatch, route};
+use dtensor::core::moe::{aux_loss, combine, dispatch, route, AuxLossLayout, AuxLossOut};
 use dtensor::kernels::ops;
+use dtensor::placement::{
+    AddLayout, CombineLayout, CombineOut, DispatchLayout, DispatchOut, DispatchedBy, ExpertTokens,
+    GroupedMatmulLayout, GroupedMatmulOut, LinearLayout, LossLayout, MatmulTLayout, MatmulTOut,
+    MulLayout, MulOut, NotSplitLayout, PointwiseLayout, Select, SumLayout, SumOut,
+};
 use dtensor::prelude::*;
 use proptest::prelude::*;
+use std::sync::Arc;
 
 type Rows = layout![Ep: Shard<0>];
 type Rep = layout![Ep: Replicate];
@@ -83,25 +89,13 @@ fn round_trip(c: &Case) -> Vec<(Vec<usize>, usize)> {
     }
     let out = on_mesh(&ep_mesh(c.ep), |mesh| {
         let tape = Tape::new();
-        let logits = DTensor::<Rows>::from_global_fn(&[t, e], DType::F64, mesh, |i| {
-            val(c.seed ^ 0x5555, i) * 3.0
-        })?;
+        let logits = global::<Rows>(&[t, e], mesh, |i| val(c.seed ^ 0x5555, i) * 3.0)?;
         let logits = tape.constant(logits);
         let mut cfg = RouterConfig::new(e, k);
         cfg.selection_bias = Some(bias.clone());
         let (routing, _gates) = route::<(), _, _>(&logits, &cfg)?;
-        let x = tape.leaf(DTensor::<Rows>::from_global_fn(
-            &[t, h],
-            DType::F64,
-            mesh,
-            |i| xg[i],
-        )?);
-        let gates = tape.leaf(DTensor::<Rows>::from_global_fn(
-            &[t, k],
-            DType::F64,
-            mesh,
-            |_| 1.0 / k as f64,
-        )?);
+        let x = tape.leaf(global::<Rows>(&[t, h], mesh, |i| xg[i])?);
+        let gates = tape.leaf(global::<Rows>(&[t, k], mesh, |_| 1.0 / k as f64)?);
         let d = dispatch(&x, &routing)?;
         assert_eq!(d.var().value().placements(), &[Placement::Ragged]);
         assert_eq!(
@@ -109,12 +103,7 @@ fn round_trip(c: &Case) -> Vec<(Vec<usize>, usize)> {
             d.var().value().local_shape()[0]
         );
         let y = combine(&d, &gates, &routing)?;
-        let cv = tape.constant(DTensor::<Rows>::from_global_fn(
-            &[t, h],
-            DType::F64,
-            mesh,
-            |i| cg[i],
-        )?);
+        let cv = tape.constant(global::<Rows>(&[t, h], mesh, |i| cg[i])?);
         let loss = y.mul(&cv)?.sum_dim::<1>()?.sum_dim::<0>()?;
         let yv = y.value().full_tensor()?.to_f64_vec();
         let mut g = loss.backward()?;
@@ -196,6 +185,21 @@ struct Mlp {
     alpha: f64,
 }
 
+impl Mlp {
+    /// The global x `[t, h]`, Wr `[e, h]`, W1 `[e, f, h]`, W2 `[e, h, f]` and the constant
+    /// `[t, h]` the output is dotted with.
+    fn inputs(&self) -> [Vec<f64>; 5] {
+        let (t, h, f, e) = (self.t, self.h, self.f, self.e);
+        [
+            data(1, t * h, 1.0),
+            data(2, e * h, 1.0),
+            data(3, e * f * h, 0.5),
+            data(4, e * h * f, 0.5),
+            data(5, t * h, 1.0),
+        ]
+    }
+}
+
 fn data(seed: u64, n: usize, scale: f64) -> Vec<f64> {
     (0..n).map(|i| val(seed, i) * scale).collect()
 }
@@ -203,82 +207,98 @@ fn data(seed: u64, n: usize, scale: f64) -> Vec<f64> {
 /// Every rank's result: loss, output, dx, dWr, dW1, dW2 (global, f64).
 type MlpOut = (f64, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
 
-fn mlp_distributed(m: &Mlp, ep: usize) -> Vec<MlpOut> {
+/// An f64 `DTensor` laid out `L` whose global element `i` is `f(i)`.
+fn global<L: Layout>(
+    shape: &[usize],
+    mesh: &Arc<DeviceMesh>,
+    f: impl Fn(usize) -> f64,
+) -> Result<DTensor<L>> {
+    DTensor::from_global_fn(shape, DType::F64, mesh, f)
+}
+
+/// The MoE MLP on `axes` with tokens (and the constant the output is dotted with) laid out
+/// `Tok`, the router weight `Router` and the expert weights `Exp`; the aux loss (scaled by
+/// `m.alpha`) joins the loss unless `alpha` is 0. `whole` turns the router's and the
+/// experts' gradients into whole tensors (dWr, dW1). Every rank's result, with the
+/// placements of the dispatched rows.
+#[allow(clippy::type_complexity)]
+fn mlp_on_mesh<Tok, Router, Exp, I1, I2, I3>(
+    m: &Mlp,
+    axes: &[(AxisKind, usize)],
+    whole: impl Fn(DTensor<Router::Grad>, DTensor<Exp::Grad>) -> Result<(Tensor, Tensor)> + Sync,
+) -> Vec<(MlpOut, Vec<Placement>)>
+where
+    Tok: Layout + Select<Ep, I1> + DispatchLayout<()> + MulLayout<Out<Tok, Router, Exp>>,
+    <Tok as Select<Ep, I1>>::P: ExpertTokens,
+    Router: MatmulTLayout<Tok>,
+    Logits<Tok, Router>: Select<Ep, I2> + NotSplitLayout<1> + AuxLossLayout,
+    <Logits<Tok, Router> as Select<Ep, I2>>::P: ExpertTokens,
+    Aux<Tok, Router>: LinearLayout + AddLayout<Main<Tok, Router, Exp>>,
+    Exp: GroupedMatmulLayout<DispatchOut<Tok, ()>> + GroupedMatmulLayout<Up<Tok, Exp>>,
+    Up<Tok, Exp>: PointwiseLayout,
+    Down<Tok, Exp>: Select<Ep, I3>,
+    <Down<Tok, Exp> as Select<Ep, I3>>::P: DispatchedBy<()>,
+    Logits<Tok, Router>: CombineLayout<Down<Tok, Exp>>,
+    MulOut<Out<Tok, Router, Exp>, Tok>: SumLayout<1>,
+    SumOut<MulOut<Out<Tok, Router, Exp>, Tok>, 1>: SumLayout<0>,
+    Main<Tok, Router, Exp>: LossLayout,
+{
     let (t, h, f, e, k) = (m.t, m.h, m.f, m.e, m.k);
-    let (xg, wr, w1, w2, cg) = (
-        data(1, t * h, 1.0),
-        data(2, e * h, 1.0),
-        data(3, e * f * h, 0.5),
-        data(4, e * h * f, 0.5),
-        data(5, t * h, 1.0),
-    );
-    on_mesh(&ep_mesh(ep), |mesh| {
+    let [xg, wr, w1, w2, cg] = m.inputs();
+    on_mesh(axes, |mesh| {
         let tape = Tape::new();
-        let x = tape.leaf(DTensor::<Rows>::from_global_fn(
-            &[t, h],
-            DType::F64,
-            mesh,
-            |i| xg[i],
-        )?);
-        let wr_v = tape.leaf(DTensor::<Rep>::from_global_fn(
-            &[e, h],
-            DType::F64,
-            mesh,
-            |i| wr[i],
-        )?);
-        let w1_v = tape.leaf(DTensor::<Experts>::from_global_fn(
-            &[e, f, h],
-            DType::F64,
-            mesh,
-            |i| w1[i],
-        )?);
-        let w2_v = tape.leaf(DTensor::<Experts>::from_global_fn(
-            &[e, h, f],
-            DType::F64,
-            mesh,
-            |i| w2[i],
-        )?);
-        let logits = x.matmul_t(&wr_v)?; // [t, e], Ep: Shard<0>
+        let x = tape.leaf(global::<Tok>(&[t, h], mesh, |i| xg[i])?);
+        let wr_v = tape.leaf(global::<Router>(&[e, h], mesh, |i| wr[i])?);
+        let w1_v = tape.leaf(global::<Exp>(&[e, f, h], mesh, |i| w1[i])?);
+        let w2_v = tape.leaf(global::<Exp>(&[e, h, f], mesh, |i| w2[i])?);
+        let logits = x.matmul_t(&wr_v)?;
         let (routing, gates) = route::<(), _, _>(&logits, &RouterConfig::new(e, k))?;
         let d = dispatch(&x, &routing)?;
-        let hdn = d.grouped_matmul_t(&w1_v)?.map_rows(|v| v.gelu())?;
-        let y = hdn.grouped_matmul_t(&w2_v)?;
+        let placements = d.var().value().placements().to_vec();
+        let y = d
+            .grouped_matmul_t(&w1_v)?
+            .map_rows(|v| v.gelu())?
+            .grouped_matmul_t(&w2_v)?;
         let out = combine(&y, &gates, &routing)?;
-        let cv = tape.constant(DTensor::<Rows>::from_global_fn(
-            &[t, h],
-            DType::F64,
-            mesh,
-            |i| cg[i],
-        )?);
+        let cv = tape.constant(global::<Tok>(&[t, h], mesh, |i| cg[i])?);
         let main = out.mul(&cv)?.sum_dim::<1>()?.sum_dim::<0>()?;
-        let aux = aux_loss(&logits, &routing)?.scale(m.alpha)?;
-        let loss = main.add(&aux)?;
+        let loss = if m.alpha != 0.0 {
+            main.add(&aux_loss(&logits, &routing)?.scale(m.alpha)?)?
+        } else {
+            main
+        };
         let lv = loss.value().full_tensor()?.to_f64_vec()[0];
         let ov = out.value().full_tensor()?.to_f64_vec();
         let mut g = loss.backward()?;
-        let dw1: DTensor<Experts> = g.take(&w1_v)?; // Shard<0> over Ep: whole on the owner
-        let dwr: DTensor<layout![Ep: Partial]> = g.take(&wr_v)?;
+        let (dwr, dw1) = whole(g.take(&wr_v)?, g.take(&w1_v)?)?;
         Ok((
-            lv,
-            ov,
-            g.take(&x)?.full_tensor()?.to_f64_vec(),
-            dwr.full_tensor()?.to_f64_vec(),
-            dw1.full_tensor()?.to_f64_vec(),
-            g.take(&w2_v)?.full_tensor()?.to_f64_vec(),
+            (
+                lv,
+                ov,
+                g.take(&x)?.full_tensor()?.to_f64_vec(),
+                dwr.to_f64_vec(),
+                dw1.to_f64_vec(),
+                g.take(&w2_v)?.full_tensor()?.to_f64_vec(),
+            ),
+            placements,
         ))
     })
 }
 
+/// The layouts [`mlp_on_mesh`] goes through: router logits (and gates), the dispatched rows
+/// after the up and the down projection, the combined output, the main loss and the aux
+/// loss.
+type Logits<Tok, Router> = MatmulTOut<Tok, Router>;
+type Up<Tok, Exp> = GroupedMatmulOut<DispatchOut<Tok, ()>, Exp>;
+type Down<Tok, Exp> = GroupedMatmulOut<Up<Tok, Exp>, Exp>;
+type Out<Tok, Router, Exp> = CombineOut<Down<Tok, Exp>, Logits<Tok, Router>>;
+type Main<Tok, Router, Exp> = SumOut<SumOut<MulOut<Out<Tok, Router, Exp>, Tok>, 1>, 0>;
+type Aux<Tok, Router> = AuxLossOut<Logits<Tok, Router>>;
+
 /// The dense single-rank reference: every token through each of its k experts, by hand.
 fn mlp_reference(m: &Mlp) -> MlpOut {
     let (t, h, f, e, k) = (m.t, m.h, m.f, m.e, m.k);
-    let (xg, wr, w1, w2, cg) = (
-        data(1, t * h, 1.0),
-        data(2, e * h, 1.0),
-        data(3, e * f * h, 0.5),
-        data(4, e * h * f, 0.5),
-        data(5, t * h, 1.0),
-    );
+    let [xg, wr, w1, w2, cg] = m.inputs();
     let mut logits = vec![0.0; t * e];
     for r in 0..t {
         for x in 0..e {
@@ -384,7 +404,13 @@ fn moe_mlp_matches_the_dense_reference_at_ep_2_and_4() {
             alpha: 0.01,
         };
         let (loss, out, dx, dwr, dw1, dw2) = mlp_reference(&m);
-        for (l, o, x, r, w1, w2) in mlp_distributed(&m, ep) {
+        // dWr is Partial over Ep; dW1 Shard<0> over Ep: whole on the owner.
+        let whole = |dwr: DTensor<layout![Ep: Partial]>, dw1: DTensor<Experts>| -> Result<_> {
+            Ok((dwr.full_tensor()?, dw1.full_tensor()?))
+        };
+        for ((l, o, x, r, w1, w2), _) in
+            mlp_on_mesh::<Rows, Rep, Experts, _, _, _>(&m, &ep_mesh(ep), whole)
+        {
             close(&[l], &[loss], "loss");
             close(&o, &out, "out");
             close(&x, &dx, "dx");
@@ -405,28 +431,13 @@ fn capacity_drops_later_tokens_and_they_contribute_zero() {
     let xg = data(11, t * h, 1.0);
     let res = on_mesh(&ep_mesh(ep), |mesh| {
         let tape = Tape::new();
-        let logits = tape.constant(DTensor::<Rows>::from_global_fn(
-            &[t, e],
-            DType::F64,
-            mesh,
-            |i| val(12, i) * 2.0,
-        )?);
+        let logits = tape.constant(global::<Rows>(&[t, e], mesh, |i| val(12, i) * 2.0)?);
         let mut cfg = RouterConfig::new(e, k);
         cfg.capacity_factor = Some(0.5); // ⌈0.5 · 6 · 2 / 4⌉ = 2 copies per (rank, expert)
         cfg.selection_bias = Some(vec![0.5, 0.0, 0.0, 0.0]); // expert 0 over-subscribed
         let (routing, _) = route::<(), _, _>(&logits, &cfg)?;
-        let x = tape.leaf(DTensor::<Rows>::from_global_fn(
-            &[t, h],
-            DType::F64,
-            mesh,
-            |i| xg[i],
-        )?);
-        let gates = tape.constant(DTensor::<Rows>::from_global_fn(
-            &[t, k],
-            DType::F64,
-            mesh,
-            |_| 1.0,
-        )?);
+        let x = tape.leaf(global::<Rows>(&[t, h], mesh, |i| xg[i])?);
+        let gates = tape.constant(global::<Rows>(&[t, k], mesh, |_| 1.0)?);
         let d = dispatch(&x, &routing)?;
         let y = combine(&d, &gates, &routing)?;
         let stats = routing.stats()?;
@@ -477,21 +488,11 @@ fn aux_loss_and_normalized_gates_match_references() {
     let wg = data(22, t * k, 1.0);
     let res = on_mesh(&ep_mesh(ep), |mesh| {
         let tape = Tape::new();
-        let logits = tape.leaf(DTensor::<Rows>::from_global_fn(
-            &[t, e],
-            DType::F64,
-            mesh,
-            |i| lg[i],
-        )?);
+        let logits = tape.leaf(global::<Rows>(&[t, e], mesh, |i| lg[i])?);
         let mut cfg = RouterConfig::new(e, k);
         cfg.normalize_gates = true;
         let (routing, gates) = route::<(), _, _>(&logits, &cfg)?;
-        let wv = tape.constant(DTensor::<Rows>::from_global_fn(
-            &[t, k],
-            DType::F64,
-            mesh,
-            |i| wg[i],
-        )?);
+        let wv = tape.constant(global::<Rows>(&[t, k], mesh, |i| wg[i])?);
         let gsum = gates.mul(&wv)?.sum_dim::<1>()?.sum_dim::<0>()?;
         let loss = aux_loss(&logits, &routing)?.add(&gsum)?;
         let aux = aux_loss(&logits, &routing)?
@@ -568,12 +569,7 @@ fn dispatch_and_combine_bytes_follow_the_formula() {
         let sent = || comm.counters().bytes_sent;
         let recvd = || comm.counters().bytes_received;
         let tape = Tape::new();
-        let logits = tape.constant(DTensor::<Rows>::from_global_fn(
-            &[t, e],
-            DType::F64,
-            mesh,
-            |i| val(32, i),
-        )?);
+        let logits = tape.constant(global::<Rows>(&[t, e], mesh, |i| val(32, i))?);
         let (s0, r0) = (sent(), recvd());
         let (routing, gates) = route::<(), _, _>(&logits, &RouterConfig::new(e, k))?;
         // Count exchange: E/ep i64 counts to each peer.
@@ -584,12 +580,7 @@ fn dispatch_and_combine_bytes_follow_the_formula() {
             routing.remote_copies_sent() as u64,
             routing.remote_copies_received() as u64,
         );
-        let x = tape.leaf(DTensor::<Rows>::from_global_fn(
-            &[t, h],
-            DType::F64,
-            mesh,
-            |i| xg[i],
-        )?);
+        let x = tape.leaf(global::<Rows>(&[t, h], mesh, |i| xg[i])?);
         let (s1, r1) = (sent(), recvd());
         let d = dispatch(&x, &routing)?;
         assert_eq!(sent() - s1, out_c * row, "dispatch sends");
@@ -625,12 +616,7 @@ fn dispatch_and_combine_bytes_follow_the_formula() {
 fn route_err(ep: usize, e: usize, k: usize, cols: usize) -> String {
     let res = on_mesh(&ep_mesh(ep), |mesh| {
         let tape = Tape::new();
-        let logits = tape.constant(DTensor::<Rows>::from_global_fn(
-            &[4, cols],
-            DType::F64,
-            mesh,
-            |i| i as f64,
-        )?);
+        let logits = tape.constant(global::<Rows>(&[4, cols], mesh, |i| i as f64)?);
         Ok(route::<(), _, _>(&logits, &RouterConfig::new(e, k))
             .err()
             .map(|e| e.to_string()))
@@ -655,36 +641,16 @@ fn bad_configurations_are_errors_naming_op_and_sizes() {
     // Another routing of the same brand, and tokens of the wrong count.
     let res = on_mesh(&ep_mesh(2), |mesh| {
         let tape = Tape::new();
-        let logits = tape.constant(DTensor::<Rows>::from_global_fn(
-            &[4, 2],
-            DType::F64,
-            mesh,
-            |i| val(41, i),
-        )?);
+        let logits = tape.constant(global::<Rows>(&[4, 2], mesh, |i| val(41, i))?);
         let cfg = RouterConfig::new(2, 1);
         let (r1, g1) = route::<(), _, _>(&logits, &cfg)?;
         let (r2, _) = route::<(), _, _>(&logits, &cfg)?;
-        let x = tape.constant(DTensor::<Rows>::from_global_fn(
-            &[4, 3],
-            DType::F64,
-            mesh,
-            |i| i as f64,
-        )?);
+        let x = tape.constant(global::<Rows>(&[4, 3], mesh, |i| i as f64)?);
         let d = dispatch(&x, &r1)?;
         let other = combine(&d, &g1, &r2).err().map(|e| e.to_string());
-        let wrong = tape.constant(DTensor::<Rows>::from_global_fn(
-            &[6, 3],
-            DType::F64,
-            mesh,
-            |i| i as f64,
-        )?);
+        let wrong = tape.constant(global::<Rows>(&[6, 3], mesh, |i| i as f64)?);
         let shape = dispatch(&wrong, &r1).err().map(|e| e.to_string());
-        let w = tape.constant(DTensor::<Experts>::from_global_fn(
-            &[4, 3, 3],
-            DType::F64,
-            mesh,
-            |i| i as f64,
-        )?);
+        let w = tape.constant(global::<Experts>(&[4, 3, 3], mesh, |i| i as f64)?);
         let gm = d.grouped_matmul_t(&w).err().map(|e| e.to_string());
         Ok((other, shape, gm))
     });
@@ -716,19 +682,9 @@ fn bad_configurations_are_errors_naming_op_and_sizes() {
 fn ragged_tensors_have_no_redistribution_plan() {
     let res = on_mesh(&ep_mesh(2), |mesh| {
         let tape = Tape::new();
-        let logits = tape.constant(DTensor::<Rows>::from_global_fn(
-            &[4, 2],
-            DType::F64,
-            mesh,
-            |i| val(51, i),
-        )?);
+        let logits = tape.constant(global::<Rows>(&[4, 2], mesh, |i| val(51, i))?);
         let (r, _) = route::<(), _, _>(&logits, &RouterConfig::new(2, 1))?;
-        let x = tape.constant(DTensor::<Rows>::from_global_fn(
-            &[4, 3],
-            DType::F64,
-            mesh,
-            |i| i as f64,
-        )?);
+        let x = tape.constant(global::<Rows>(&[4, 3], mesh, |i| i as f64)?);
         let d = dispatch(&x, &r)?;
         Ok(d.var().value().full_tensor().err().map(|e| e.to_string()))
     });
@@ -758,72 +714,17 @@ fn moe_mlp_on_a_dp_ep_mesh_matches_the_reference() {
         alpha: 0.0,
     };
     let (_, out, dx, dwr, dw1, dw2) = mlp_reference(&m);
-    let (t, h, f, e, k) = (m.t, m.h, m.f, m.e, m.k);
-    let (xg, wr, w1, w2, cg) = (
-        data(1, t * h, 1.0),
-        data(2, e * h, 1.0),
-        data(3, e * f * h, 0.5),
-        data(4, e * f * h, 0.5),
-        data(5, t * h, 1.0),
-    );
-    let res = on_mesh(&[(AxisKind::Dp, 2), (AxisKind::Ep, 2)], |mesh| {
-        let tape = Tape::new();
-        let x = tape.leaf(DTensor::<Tok>::from_global_fn(
-            &[t, h],
-            DType::F64,
-            mesh,
-            |i| xg[i],
-        )?);
-        let wr_v = tape.leaf(DTensor::<Router>::from_global_fn(
-            &[e, h],
-            DType::F64,
-            mesh,
-            |i| wr[i],
-        )?);
-        let w1_v = tape.leaf(DTensor::<Exp>::from_global_fn(
-            &[e, f, h],
-            DType::F64,
-            mesh,
-            |i| w1[i],
-        )?);
-        let w2_v = tape.leaf(DTensor::<Exp>::from_global_fn(
-            &[e, h, f],
-            DType::F64,
-            mesh,
-            |i| w2[i],
-        )?);
-        let logits = x.matmul_t(&wr_v)?;
-        let (routing, gates) = route::<(), _, _>(&logits, &RouterConfig::new(e, k))?;
-        let d = dispatch(&x, &routing)?;
-        assert_eq!(
-            d.var().value().placements(),
-            &[Placement::Ragged, Placement::Ragged]
-        );
-        let y = d
-            .grouped_matmul_t(&w1_v)?
-            .map_rows(|v| v.gelu())?
-            .grouped_matmul_t(&w2_v)?;
-        let o = combine(&y, &gates, &routing)?;
-        let cv = tape.constant(DTensor::<Tok>::from_global_fn(
-            &[t, h],
-            DType::F64,
-            mesh,
-            |i| cg[i],
-        )?);
-        let loss = o.mul(&cv)?.sum_dim::<1>()?.sum_dim::<0>()?;
-        let ov = o.value().full_tensor()?.to_f64_vec();
-        let mut g = loss.backward()?;
-        let dw1: DTensor<ExpGrad> = g.take(&w1_v)?;
+    let whole = |dwr: DTensor<_>, dw1: DTensor<ExpGrad>| -> Result<_> {
         let dw1 = dw1.all_reduce(Dp)?; // over the data axis only
-        Ok((
-            ov,
-            g.take(&x)?.full_tensor()?.to_f64_vec(),
-            g.take(&wr_v)?.full_tensor()?.to_f64_vec(),
-            dw1.full_tensor()?.to_f64_vec(),
-            g.take(&w2_v)?.full_tensor()?.to_f64_vec(),
-        ))
-    });
-    for (o, x, r, a, b) in &res {
+        Ok((dwr.full_tensor()?, dw1.full_tensor()?))
+    };
+    let res = mlp_on_mesh::<Tok, Router, Exp, _, _, _>(
+        &m,
+        &[(AxisKind::Dp, 2), (AxisKind::Ep, 2)],
+        whole,
+    );
+    for ((_, o, x, r, a, b), placements) in &res {
+        assert_eq!(placements, &[Placement::Ragged, Placement::Ragged]);
         close(o, &out, "out");
         close(x, &dx, "dx");
         close(r, &dwr, "d router");

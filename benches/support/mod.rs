@@ -1,12 +1,14 @@
-//! Shared by `benches/redistribute.rs` (criterion) and `examples/bench_report.rs`: the
-//! redistribution cases, one rank's timed part of a case ([`RankCase`], also run by
-//! `bench_report --backend mpi` with one MPI process per rank), a pool of rank threads
-//! that runs them on command, and the machine's single-thread memcpy bandwidth.
+//! Shared by the criterion benches and `examples/bench_report.rs`: the redistribution
+//! cases, one rank's timed part of a case ([`RankCase`], also run by `bench_report
+//! --backend mpi` with one MPI process per rank), pools of rank threads that run commands
+//! ([`ThreadRanks`], [`RankPool`]), medians of interleaved rounds, criterion groups with a
+//! memcpy for scale, and the machine's single-thread memcpy bandwidth.
 #![allow(dead_code)]
 
+use criterion::measurement::WallTime;
+use criterion::{BenchmarkGroup, Criterion, Throughput};
 use dtensor::prelude::*;
-use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// One redistribution on a 1-D mesh of `ranks` thread ranks.
@@ -150,69 +152,143 @@ pub fn bench_mesh(world: Arc<dyn Communicator>) -> Result<Arc<DeviceMesh>> {
     DeviceMesh::new(world, Mesh::new(&[(AxisKind::Tp, ranks)])?)
 }
 
-enum Command {
-    /// Run the case this many times; rank 0 answers with the total time.
-    Run(u64),
-    Stop,
-}
-
-/// `ranks` thread ranks holding one case's input, timing it on command.
-pub struct RankPool {
-    senders: Vec<mpsc::Sender<Command>>,
-    times: mpsc::Receiver<Duration>,
+/// `ranks` thread ranks on the threads backend, each running `rank` with its world and the
+/// commands sent to it (its loop ends when the pool is dropped, which closes the channels
+/// and joins the ranks). A rank's error goes to stderr after `name`.
+pub struct ThreadRanks<C> {
+    senders: Vec<mpsc::Sender<C>>,
     handle: Option<std::thread::JoinHandle<()>>,
 }
 
-impl RankPool {
-    pub fn new(op: Op, ranks: usize, bytes: usize, dtype: DType) -> RankPool {
+impl<C: Send + 'static> ThreadRanks<C> {
+    pub fn new<E, F>(name: &'static str, ranks: usize, rank: F) -> ThreadRanks<C>
+    where
+        E: Send + std::fmt::Display,
+        F: Fn(Arc<dyn Communicator>, &mpsc::Receiver<C>) -> std::result::Result<(), E>
+            + Send
+            + Sync
+            + 'static,
+    {
         let (senders, receivers): (Vec<_>, Vec<_>) = (0..ranks).map(|_| mpsc::channel()).unzip();
-        let receivers: Vec<_> = receivers.into_iter().map(std::sync::Mutex::new).collect();
-        let (time_tx, times) = mpsc::channel();
+        let receivers: Vec<_> = receivers.into_iter().map(Mutex::new).collect();
         let handle = std::thread::spawn(move || {
-            let receivers = Arc::new(receivers);
-            let results = threads::launch(ranks, |world| -> Result<(), Error> {
-                let rank = world.rank();
-                let rx = receivers[rank].lock().unwrap();
-                let case = RankCase::new(&bench_mesh(world)?, op, bytes, dtype)?;
-                while let Ok(Command::Run(iters)) = rx.recv() {
-                    let total = case.run(iters)?;
-                    if rank == 0 {
-                        time_tx.send(total).unwrap();
-                    }
-                }
-                Ok(())
+            let results = threads::launch(ranks, |world| {
+                let rx = receivers[world.rank()].lock().unwrap();
+                rank(world, &rx)
             });
             for (r, res) in results.into_iter().enumerate() {
                 if let Err(e) = res {
-                    eprintln!("bench rank {r}: {e}");
+                    eprintln!("{name} rank {r}: {e}");
                 }
             }
         });
-        RankPool {
+        ThreadRanks {
             senders,
-            times,
             handle: Some(handle),
         }
     }
 
-    /// Total time of `iters` runs (timed between two barriers, inputs cloned outside).
-    pub fn run(&self, iters: u64) -> Duration {
+    /// Sends every rank a `cmd()`.
+    pub fn send(&self, cmd: impl Fn() -> C) {
         for s in &self.senders {
-            s.send(Command::Run(iters)).unwrap();
+            s.send(cmd()).unwrap();
         }
-        self.times.recv().expect("bench ranks failed")
     }
 }
 
-impl Drop for RankPool {
+impl<C> Drop for ThreadRanks<C> {
     fn drop(&mut self) {
-        for s in &self.senders {
-            let _ = s.send(Command::Stop);
-        }
+        self.senders.clear();
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
     }
+}
+
+/// `ranks` thread ranks holding one case's input, timing it on command.
+pub struct RankPool {
+    ranks: ThreadRanks<u64>,
+    times: mpsc::Receiver<Duration>,
+}
+
+impl RankPool {
+    pub fn new(op: Op, ranks: usize, bytes: usize, dtype: DType) -> RankPool {
+        let (time_tx, times) = mpsc::channel();
+        let ranks = ThreadRanks::new("bench", ranks, move |world, rx| -> Result<(), Error> {
+            let rank = world.rank();
+            let case = RankCase::new(&bench_mesh(world)?, op, bytes, dtype)?;
+            while let Ok(iters) = rx.recv() {
+                let total = case.run(iters)?;
+                if rank == 0 {
+                    time_tx.send(total).unwrap();
+                }
+            }
+            Ok(())
+        });
+        RankPool { ranks, times }
+    }
+
+    /// Total time of `iters` runs (timed between two barriers, inputs cloned outside).
+    pub fn run(&self, iters: u64) -> Duration {
+        self.ranks.send(|| iters);
+        self.times.recv().expect("bench ranks failed")
+    }
+}
+
+/// The median of `v` (the upper one of an even count).
+pub fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// The median time of each of `N` variants over `reps` rounds that run every variant
+/// once, `run(i)` timing variant `i`: interleaved, so that load from elsewhere on the
+/// machine and drifting clocks weigh on every variant alike.
+pub fn interleaved_medians<const N: usize>(
+    reps: usize,
+    mut run: impl FnMut(usize) -> Duration,
+) -> [Duration; N] {
+    let mut t: [Vec<Duration>; N] = std::array::from_fn(|_| Vec::with_capacity(reps));
+    for _ in 0..reps {
+        for (i, ti) in t.iter_mut().enumerate() {
+            ti.push(run(i));
+        }
+    }
+    t.map(median)
+}
+
+/// A criterion group of 10 samples after a 300 ms warm-up, each measured for `measure`.
+pub fn group<'a>(
+    c: &'a mut Criterion,
+    name: String,
+    measure: Duration,
+) -> BenchmarkGroup<'a, WallTime> {
+    let mut group = c.benchmark_group(name);
+    group.sample_size(10);
+    group.warm_up_time(Duration::from_millis(300));
+    group.measurement_time(measure);
+    group
+}
+
+/// A [`group`] of `bytes` an iteration (its throughput), beginning with a single-thread
+/// memcpy of `bytes` for scale.
+pub fn group_with_memcpy<'a>(
+    c: &'a mut Criterion,
+    name: String,
+    bytes: usize,
+    measure: Duration,
+) -> BenchmarkGroup<'a, WallTime> {
+    let mut group = group(c, name, measure);
+    group.throughput(Throughput::Bytes(bytes as u64));
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    group.bench_function("memcpy", |b| {
+        b.iter(|| {
+            dst.copy_from_slice(&src);
+            std::hint::black_box(&dst);
+        })
+    });
+    group
 }
 
 /// GB/s of `threads` threads together copying `bytes` between two warm buffers, each its

@@ -790,21 +790,24 @@ where
         }))
 }
 
+/// Router logits `[tokens, E]` that sum over both dims (what [`aux_loss`] and
+/// [`aux_loss_global`] take).
+pub trait AuxLossLayout: SumLayout<1, Out: SumLayout<0>> {}
+impl<L: SumLayout<1, Out: SumLayout<0>>> AuxLossLayout for L {}
+
+/// The layout of the aux loss of logits laid out `L`: a scalar, their sum over both dims.
+pub type AuxLossOut<L> = SumOut<SumOut<L, 1>, 0>;
+
 /// Collective over Ep: the Switch load-balancing loss `E · Σ_i f_i · P_i` over the Ep
 /// group, where `f_i` is the fraction of the group's `tokens · k` selections that chose
 /// expert `i` (before capacity; a constant) and `P_i` the mean router probability of
 /// expert `i` over the group's tokens (differentiable). Each rank holds its tokens' term:
 /// `Partial<Sum>` where the logits' rows were `Shard<0>`. `logits` must be the ones the
 /// routing was made from.
-#[allow(clippy::type_complexity)]
-pub fn aux_loss<'t, B: Brand, L>(
+pub fn aux_loss<'t, B: Brand, L: AuxLossLayout>(
     logits: &Var<'t, L>,
     routing: &Routing<B>,
-) -> Result<Var<'t, SumOut<SumOut<L, 1>, 0>>>
-where
-    L: SumLayout<1>,
-    SumOut<L, 1>: SumLayout<0>,
-{
+) -> Result<Var<'t, AuxLossOut<L>>> {
     aux_loss_impl("moe::aux_loss", logits, routing, false)
 }
 
@@ -814,29 +817,19 @@ where
 /// run on any mesh computes the loss a one-rank run computes on the same tokens. One more
 /// all-reduce of `E + 1` counts per such axis; the result is `Partial<Sum>` on exactly
 /// those axes, its terms adding up to `E · Σ_i f_i · P_i`.
-#[allow(clippy::type_complexity)]
-pub fn aux_loss_global<'t, B: Brand, L>(
+pub fn aux_loss_global<'t, B: Brand, L: AuxLossLayout>(
     logits: &Var<'t, L>,
     routing: &Routing<B>,
-) -> Result<Var<'t, SumOut<SumOut<L, 1>, 0>>>
-where
-    L: SumLayout<1>,
-    SumOut<L, 1>: SumLayout<0>,
-{
+) -> Result<Var<'t, AuxLossOut<L>>> {
     aux_loss_impl("moe::aux_loss_global", logits, routing, true)
 }
 
-#[allow(clippy::type_complexity)]
-fn aux_loss_impl<'t, B: Brand, L>(
+fn aux_loss_impl<'t, B: Brand, L: AuxLossLayout>(
     op: &'static str,
     logits: &Var<'t, L>,
     routing: &Routing<B>,
     global: bool,
-) -> Result<Var<'t, SumOut<SumOut<L, 1>, 0>>>
-where
-    L: SumLayout<1>,
-    SumOut<L, 1>: SumLayout<0>,
-{
+) -> Result<Var<'t, AuxLossOut<L>>> {
     let lv = logits.value().as_any();
     check_mesh(op, lv, routing)?;
     let e = routing.experts;
@@ -873,7 +866,7 @@ where
     let scale = e as f64 / total;
     let tokens = routing.tokens;
     let fb = f.clone();
-    logits.custom::<SumOut<SumOut<L, 1>, 0>>(
+    logits.custom::<AuxLossOut<L>>(
         op,
         &[],
         |x| {

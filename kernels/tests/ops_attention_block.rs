@@ -63,19 +63,21 @@ fn run(dtype: DType, batch: usize, s: usize, heads: usize, d: usize, cp: usize, 
     let kvs: Vec<Tensor> = local.iter().map(|t| ops::pack_kv(t, d).unwrap()).collect();
     let acc = ops::acc_dtype(dtype);
     let mut dkv: Vec<Tensor> = kvs.iter().map(|t| Tensor::zeros(t.shape(), acc)).collect();
+    // Queries of rank `c` against the keys of rank `o`.
+    let block = |c: usize, o: usize| BlockAttention {
+        head_dim: d,
+        rope_base: 10000.0,
+        q_pos: &pos[c],
+        k_pos: &pos[o],
+    };
     let mut skipped = 0;
     let mut dqkv_parts = Vec::new();
     for c in 0..cp {
         let mut merged: Option<ops::CausalAttentionOutput> = None;
-        for o in 0..cp {
-            let b = BlockAttention {
-                head_dim: d,
-                rope_base: 10000.0,
-                q_pos: &pos[c],
-                k_pos: &pos[o],
-            };
+        for (o, kv) in kvs.iter().enumerate() {
+            let b = block(c, o);
             skipped += b.fully_masked() as usize;
-            let part = ops::attention_block(&local[c], &kvs[o], &b).unwrap();
+            let part = ops::attention_block(&local[c], kv, &b).unwrap();
             match merged.as_mut() {
                 None => merged = Some(part),
                 Some(m) => ops::merge_attention(m, &part).unwrap(),
@@ -99,12 +101,7 @@ fn run(dtype: DType, batch: usize, s: usize, heads: usize, d: usize, cp: usize, 
         let lse_c = ops::gather_rows(&full.lse, &rows[c]).unwrap();
         let mut dq = Tensor::zeros(&[rows[c].len(), heads * d], acc);
         for o in 0..cp {
-            let b = BlockAttention {
-                head_dim: d,
-                rope_base: 10000.0,
-                q_pos: &pos[c],
-                k_pos: &pos[o],
-            };
+            let b = block(c, o);
             ops::attention_block_backward(
                 &dout_c,
                 &local[c],

@@ -25,15 +25,7 @@ const B: usize = 4;
 const T: usize = S * B;
 
 fn tokens() -> (Tensor, Tensor) {
-    let seq: Vec<i64> = (0..T + 1)
-        .map(|i| ((i * i * 5 + i * 7 + 3) % 20) as i64)
-        .collect();
-    let ids: Vec<i64> = (0..T).map(|i| seq[i]).collect();
-    let tg: Vec<i64> = (0..T).map(|i| seq[i + 1]).collect();
-    (
-        Tensor::from_vec(ids, &[T]).unwrap(),
-        Tensor::from_vec(tg, &[T]).unwrap(),
-    )
+    next_tokens(T, |i| i * i * 5 + i * 7 + 3)
 }
 
 struct Run {

@@ -31,15 +31,7 @@ fn config() -> GptConfig {
 }
 
 fn tokens() -> (Tensor, Tensor) {
-    let seq: Vec<i64> = (0..T + 1)
-        .map(|i| ((i * i * 7 + i * 3 + 1) % 20) as i64)
-        .collect();
-    let ids: Vec<i64> = (0..T).map(|i| seq[i]).collect();
-    let tg: Vec<i64> = (0..T).map(|i| seq[i + 1]).collect();
-    (
-        Tensor::from_vec(ids, &[T]).unwrap(),
-        Tensor::from_vec(tg, &[T]).unwrap(),
-    )
+    next_tokens(T, |i| i * i * 7 + i * 3 + 1)
 }
 
 /// What one rank reports after training.

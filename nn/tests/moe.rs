@@ -141,29 +141,12 @@ fn moe_layer_forward_and_backward_equal_one_rank() {
 #[test]
 fn bad_moe_configurations_are_errors_naming_the_values() {
     let errs = on_model_mesh(1, 1, 2, 1, 1, |mesh| {
-        let e1 = MoeMlp::<NoSp, Ddp>::new(
-            H,
-            F,
-            MoeConfig::new(3, 1),
-            Activation::Gelu,
-            init(),
-            0.3,
-            mesh,
-        )
-        .err()
-        .map(|e| e.to_string());
-        let e2 = MoeMlp::<NoSp, Ddp>::new(
-            H,
-            F,
-            MoeConfig::new(4, 5),
-            Activation::Gelu,
-            init(),
-            0.3,
-            mesh,
-        )
-        .err()
-        .map(|e| e.to_string());
-        Ok((e1, e2))
+        let error = |config| {
+            MoeMlp::<NoSp, Ddp>::new(H, F, config, Activation::Gelu, init(), 0.3, mesh)
+                .err()
+                .map(|e| e.to_string())
+        };
+        Ok((error(MoeConfig::new(3, 1)), error(MoeConfig::new(4, 5))))
     });
     let (e1, e2) = errs[0].clone();
     let e1 = e1.expect("3 experts over ep = 2 is an error");
@@ -180,14 +163,7 @@ const S: usize = 6;
 const B: usize = 4;
 
 fn tokens() -> (Tensor, Tensor) {
-    let n = S * B;
-    let seq: Vec<i64> = (0..n + 1)
-        .map(|i| ((i * i * 7 + i * 3 + 1) % 20) as i64)
-        .collect();
-    (
-        Tensor::from_vec(seq[..n].to_vec(), &[n]).unwrap(),
-        Tensor::from_vec(seq[1..].to_vec(), &[n]).unwrap(),
-    )
+    next_tokens(S * B, |i| i * i * 7 + i * 3 + 1)
 }
 
 fn moe_gpt() -> GptConfig {

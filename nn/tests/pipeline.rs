@@ -24,14 +24,7 @@ fn config(layers: usize) -> GptConfig {
 
 /// `samples` windows of `S + 1` tokens: ids and their next-token targets.
 fn batch(samples: usize) -> (Tensor, Tensor) {
-    let t = samples * S;
-    let seq: Vec<i64> = (0..t + 1)
-        .map(|i| ((i * i * 7 + i * 3 + 1) % 20) as i64)
-        .collect();
-    (
-        Tensor::from_vec(seq[..t].to_vec(), &[t]).unwrap(),
-        Tensor::from_vec(seq[1..].to_vec(), &[t]).unwrap(),
-    )
+    next_tokens(samples * S, |i| i * i * 7 + i * 3 + 1)
 }
 
 type Named = BTreeMap<String, Tensor>;

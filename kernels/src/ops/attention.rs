@@ -292,6 +292,18 @@ impl<A: AccFloat> Qkv<A> {
         }
     }
 
+    /// The loaded sample as [`Operands`], every row at its position in `pos` (`0..s`).
+    fn operands<'a>(&'a self, pos: &'a [usize], d: usize) -> Operands<'a, A> {
+        Operands {
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            q_pos: pos,
+            k_pos: pos,
+            d,
+        }
+    }
+
     /// Loads head `h` of sample `b`, applying RoPE once and folding the score scale into q.
     fn load<T: Float<Acc = A>>(&mut self, qkv: &[T], g: &Dims, rope: &Rope<A>, h: usize, b: usize) {
         let (s, d) = (g.s, g.d);
@@ -326,6 +338,13 @@ pub(super) struct Operands<'a, A> {
     pub q_pos: &'a [usize],
     pub k_pos: &'a [usize],
     pub d: usize,
+}
+
+/// The blocks `(start, end)` of `BLOCK` rows (the last one shorter) that cover `0..n`.
+fn blocks(n: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..n)
+        .step_by(BLOCK)
+        .map(move |b0| (b0, (b0 + BLOCK).min(n)))
 }
 
 /// Keys `k0..k1` visible from a query at position `qp` (`k_pos` increasing): how many of
@@ -367,19 +386,17 @@ pub(super) fn forward_sample<A: ExpShifted>(
     let d = x.d;
     let (nq, nk) = (x.q_pos.len(), x.k_pos.len());
     let zero = A::ZERO;
-    for q0 in (0..nq).step_by(BLOCK) {
-        let q1 = (q0 + BLOCK).min(nq);
+    for (q0, q1) in blocks(nq) {
         let bq = q1 - q0;
         let last = x.q_pos[q1 - 1];
         w.m.fill(A::neg_infinity());
         w.l.fill(zero);
         w.acc.fill(zero);
-        for k0 in (0..nk).step_by(BLOCK) {
+        for (k0, k1) in blocks(nk) {
             // Key blocks past the query block's last row are masked for all its rows.
             if x.k_pos[k0] > last {
                 break;
             }
-            let k1 = (k0 + BLOCK).min(nk);
             let bk = k1 - k0;
             let sc = &mut w.sc[..bq * bk];
             let kv = rows(x.k, k0, k1, d);
@@ -422,7 +439,7 @@ pub(super) fn forward_sample<A: ExpShifted>(
 }
 
 /// Scratch of [`backward_sample`]: one block's P and dP (then dS).
-pub(super) struct BwdScratch<A> {
+struct BwdScratch<A> {
     p: Vec<A>,
     dp: Vec<A>,
 }
@@ -437,6 +454,77 @@ impl<A: AccFloat> BwdScratch<A> {
     }
 }
 
+/// One (head, sample) pair's backward buffers: its output gradient `go` (`[nq, d]`),
+/// `dd_i = dout_i·out_i` and `lse_i`, and the gradients `dq` (`[nq, d]`), `dk` and `dv`
+/// (`[nk, d]`) of the operands as [`Operands`] holds them.
+pub(super) struct SampleGrads<A> {
+    go: Vec<A>,
+    dd: Vec<A>,
+    ls: Vec<A>,
+    pub dq: Vec<A>,
+    pub dk: Vec<A>,
+    pub dv: Vec<A>,
+    w: BwdScratch<A>,
+}
+
+impl<A: ExpShifted> SampleGrads<A> {
+    pub(super) fn new(nq: usize, nk: usize, d: usize) -> Self {
+        let zero = A::ZERO;
+        SampleGrads {
+            go: vec![zero; nq * d],
+            dd: vec![zero; nq],
+            ls: vec![zero; nq],
+            dq: vec![zero; nq * d],
+            dk: vec![zero; nk * d],
+            dv: vec![zero; nk * d],
+            w: BwdScratch::new(nq.max(nk)),
+        }
+    }
+
+    /// The gradients of sample `b`, head `h` (of `heads`) of `x`, from `dout` and `out`
+    /// (`[batch·nq, heads·d]`) and `lse` (`[batch·nq, heads]`): `dq`, `dk`, `dv` hold them
+    /// afterwards.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn compute<T: Float<Acc = A>>(
+        &mut self,
+        x: &Operands<'_, A>,
+        dout: &[T],
+        out: &[T],
+        lse: &[A],
+        heads: usize,
+        h: usize,
+        b: usize,
+    ) {
+        let (d, nq) = (x.d, x.q_pos.len());
+        let zero = A::ZERO;
+        for i in 0..nq {
+            let t = b * nq + i;
+            let at = t * heads * d + h * d;
+            let mut dot = zero;
+            for e in 0..d {
+                let gv = dout[at + e].to_acc();
+                self.go[i * d + e] = gv;
+                dot += gv * out[at + e].to_acc();
+            }
+            self.dd[i] = dot;
+            self.ls[i] = lse[t * heads + h];
+        }
+        self.dq.fill(zero);
+        self.dk.fill(zero);
+        self.dv.fill(zero);
+        backward_sample(
+            x,
+            &self.go,
+            &self.dd,
+            &self.ls,
+            &mut self.dq,
+            &mut self.dk,
+            &mut self.dv,
+            &mut self.w,
+        );
+    }
+}
+
 /// The backward of one (head, sample) pair, given the output gradient `go` (`[nq, d]`),
 /// `dd_i = dout_i·out_i` and the final `lse_i` of each query row: adds into `dq` (`[nq,
 /// d]`), `dk` and `dv` (`[nk, d]`) the gradients with respect to the operands as
@@ -444,7 +532,7 @@ impl<A: AccFloat> BwdScratch<A> {
 /// so with the lse of the *whole* attention (all key blocks merged) this is one key
 /// block's exact share of the gradient.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn backward_sample<A: ExpShifted>(
+fn backward_sample<A: ExpShifted>(
     x: &Operands<'_, A>,
     go: &[A],
     dd: &[A],
@@ -457,12 +545,10 @@ pub(super) fn backward_sample<A: ExpShifted>(
     let d = x.d;
     let (nq, nk) = (x.q_pos.len(), x.k_pos.len());
     let zero = A::ZERO;
-    for k0 in (0..nk).step_by(BLOCK) {
-        let k1 = (k0 + BLOCK).min(nk);
+    for (k0, k1) in blocks(nk) {
         let bk = k1 - k0;
         let (kv, vv) = (rows(x.k, k0, k1, d), rows(x.v, k0, k1, d));
-        for q0 in (0..nq).step_by(BLOCK) {
-            let q1 = (q0 + BLOCK).min(nq);
+        for (q0, q1) in blocks(nq) {
             // Query blocks before the key block see none of its keys.
             if x.k_pos[k0] > x.q_pos[q1 - 1] {
                 continue;
@@ -517,14 +603,7 @@ fn forward<T: Float<Acc: ExpShifted>>(
     for h in 0..nh {
         for b in 0..g.batch {
             x.load(qkv, g, &rope, h, b);
-            let ops = Operands {
-                q: &x.q,
-                k: &x.k,
-                v: &x.v,
-                q_pos: &pos,
-                k_pos: &pos,
-                d,
-            };
+            let ops = x.operands(&pos, d);
             forward_sample(&ops, &mut w, |i, acc, l, m| {
                 let t = b * s + i;
                 let dst = &mut out[t * nh * d + h * d..][..d];
@@ -551,43 +630,14 @@ fn backward<T: Float<Acc: ExpShifted>>(
     let rope = Rope::<T::Acc>::new(cfg);
     let scale = T::Acc::lit(1.0 / (d as f64).sqrt());
     let mut x = Qkv::new(g);
-    let zero = T::Acc::ZERO;
-    let n = s * d;
     let pos: Vec<usize> = (0..s).collect();
-    // One sample's dout, its `D_i = dout_i·out_i` and `lse_i`, and the gradients of the
-    // rotated and scaled q, of the rotated k and of v.
-    let mut go = vec![zero; n];
-    let mut dd = vec![zero; s];
-    let mut ls = vec![zero; s];
-    let (mut dq, mut dk, mut dv) = (vec![zero; n], vec![zero; n], vec![zero; n]);
-    let mut w = BwdScratch::new(s);
+    let mut grads = SampleGrads::new(s, s, d);
     for h in 0..nh {
         for b in 0..g.batch {
             x.load(qkv, g, &rope, h, b);
-            for i in 0..s {
-                let t = b * s + i;
-                let at = t * nh * d + h * d;
-                let mut dot = zero;
-                for e in 0..d {
-                    let gv = dout[at + e].to_acc();
-                    go[i * d + e] = gv;
-                    dot += gv * out[at + e].to_acc();
-                }
-                dd[i] = dot;
-                ls[i] = lse[t * nh + h];
-            }
-            dq.fill(zero);
-            dk.fill(zero);
-            dv.fill(zero);
-            let ops = Operands {
-                q: &x.q,
-                k: &x.k,
-                v: &x.v,
-                q_pos: &pos,
-                k_pos: &pos,
-                d,
-            };
-            backward_sample(&ops, &go, &dd, &ls, &mut dq, &mut dk, &mut dv, &mut w);
+            let ops = x.operands(&pos, d);
+            grads.compute(&ops, dout, out, lse, nh, h, b);
+            let SampleGrads { dq, dk, dv, .. } = &grads;
             for i in 0..s {
                 let row = (b * s + i) * g.cols + h * 3 * d;
                 let dst = &mut dqkv[row..row + 3 * d];

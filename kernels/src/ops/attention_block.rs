@@ -25,9 +25,7 @@
 //!
 //! Single-threaded; `f32`/`bf16`/`f16` compute in `f32`, `f64` in `f64`.
 
-use super::attention::{
-    backward_sample, forward_sample, BwdScratch, ExpShifted, FwdScratch, Operands, Rope,
-};
+use super::attention::{forward_sample, ExpShifted, FwdScratch, Operands, Rope, SampleGrads};
 use super::{acc_dtype, check_dst, same_dtype, AccFloat, Float};
 use crate::{DType, Error, Result, Tensor};
 use num_traits::Float as _;
@@ -436,41 +434,13 @@ fn block_backward<T: Float<Acc: ExpShifted>>(
     cfg: &BlockAttention,
 ) {
     let (d, nh, nq, nk) = (g.d, g.heads, g.nq, g.nk);
-    let zero = T::Acc::ZERO;
     let mut x = Loaded::<T::Acc>::new(g, cfg);
-    let mut go = vec![zero; nq * d];
-    let mut dd = vec![zero; nq];
-    let mut ls = vec![zero; nq];
-    let (mut dq, mut dk, mut dv) = (vec![zero; nq * d], vec![zero; nk * d], vec![zero; nk * d]);
-    let mut w = BwdScratch::new(nq.max(nk));
+    let mut grads = SampleGrads::new(nq, nk, d);
     for h in 0..nh {
         for b in 0..g.batch {
             x.load(qkv, kv, g, h, b);
-            for i in 0..nq {
-                let t = b * nq + i;
-                let at = t * nh * d + h * d;
-                let mut dot = zero;
-                for e in 0..d {
-                    let gv = dout[at + e].to_acc();
-                    go[i * d + e] = gv;
-                    dot += gv * out[at + e].to_acc();
-                }
-                dd[i] = dot;
-                ls[i] = lse[t * nh + h];
-            }
-            dq.fill(zero);
-            dk.fill(zero);
-            dv.fill(zero);
-            backward_sample(
-                &x.operands(cfg, d),
-                &go,
-                &dd,
-                &ls,
-                &mut dq,
-                &mut dk,
-                &mut dv,
-                &mut w,
-            );
+            grads.compute(&x.operands(cfg, d), dout, out, lse, nh, h, b);
+            let SampleGrads { dq, dk, dv, .. } = &grads;
             for i in 0..nq {
                 let at = (b * nq + i) * nh * d + h * d;
                 // q was scaled by 1/√d after rotating: the chain rule scales dq by it too.

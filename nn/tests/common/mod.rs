@@ -62,6 +62,16 @@ pub fn randn(seed: u64, shape: &[usize]) -> Tensor {
     Init::Normal { std: 1.0 }.full(seed, 0, shape, DType::F64)
 }
 
+/// `n` token ids and their next-token targets from the sequence `seq(i) % 20` (the tiny
+/// GPT's vocabulary): ids `0..n`, targets `1..n + 1`.
+pub fn next_tokens(n: usize, seq: impl Fn(usize) -> usize) -> (Tensor, Tensor) {
+    let seq: Vec<i64> = (0..n + 1).map(|i| (seq(i) % 20) as i64).collect();
+    (
+        Tensor::from_vec(seq[..n].to_vec(), &[n]).unwrap(),
+        Tensor::from_vec(seq[1..].to_vec(), &[n]).unwrap(),
+    )
+}
+
 /// Every rank's piece of `g` laid out as `L` (no communication: each slices its own).
 /// Test data brought by the user: the one place `from_local` belongs.
 #[allow(clippy::disallowed_methods)]
