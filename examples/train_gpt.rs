@@ -1,9 +1,11 @@
-//! Trains a small byte-level GPT with pipeline, data (DDP, ZeRO-1/2, FSDP), tensor and
-//! sequence parallelism on thread ranks, and (with `--check`) proves it computes what one
-//! device would.
+//! Trains a small byte-level GPT with pipeline, data (DDP, ZeRO-1/2, FSDP), expert (MoE),
+//! context, tensor and sequence parallelism on thread ranks, and (with `--check`) proves it
+//! computes what one device would.
 //!
 //! `cargo run --release --example train_gpt -- --mesh dp=2,tp=2 --sp --steps 50`
 //! `cargo run --release --example train_gpt -- --mesh pp=2,dp=2,tp=2 --sp --fsdp --schedule 1f1b --microbatches 4`
+//! `cargo run --release --example train_gpt -- --mesh dp=2,cp=2,tp=2 --sp --cp-impl ring`
+//! `cargo run --release --example train_gpt -- --moe --experts 4 --top-k 2 --mesh ep=2,dp=2`
 //!
 //! The same program runs on MPI ranks, one process each (build with `--features mpi`):
 //! `mpirun -np 4 target/release/examples/train_gpt --backend mpi --mesh dp=2,tp=2 --sp`.
@@ -11,11 +13,15 @@
 //! threads backend's order, so the losses are bitwise the same (`--print-loss-bits`).
 //!
 //! Every rank runs the same code. The model's layouts say where each tensor lives on the
-//! `[Dp, Tp]` mesh of its pipeline stage (the mesh is `[Pp, Dp, Tp]` with `pp > 1`); with
-//! `--sp` the residual stream is sharded over `Tp` along the sequence, column layers
-//! all-gather it on entry and row layers reduce-scatter on exit. Gradients arrive `Partial`
-//! over `Dp` and are all-reduced (DDP), reduce-scattered (ZeRO), or arrive reduce-scattered
-//! from the parameters' gathers (FSDP) before AdamW, which accepts nothing else. The
+//! `[Dp, Ep, Cp, Tp]` mesh of its pipeline stage (behind `Pp` with `pp > 1`); the tokens
+//! are sharded over `Dp`, `Ep` and `Cp` (in CP order: each `Cp` rank holds chunks of every
+//! sample, and attention runs over `Cp` by ring or all-to-all); with `--sp` the residual
+//! stream is also sharded over `Tp` along the sequence, column layers all-gather it on
+//! entry and row layers reduce-scatter on exit. Gradients arrive reduced over `Ep` and `Cp`
+//! (the adjoint of the parameters' `to_replicate`) and `Partial` over `Dp`, and are
+//! all-reduced (DDP), reduce-scattered (ZeRO), or arrive reduce-scattered from the
+//! parameters' gathers (FSDP) before AdamW, which accepts nothing else; MoE experts are
+//! sharded over `Ep` and their gradients are never reduced there. The
 //! schedule (GPipe, 1F1B, interleaved, ZB-H1) runs the microbatches through the stages.
 //! At the end rank 0 prints a receipt: the composition that ran, the collectives and bytes
 //! that crossed each mesh axis (summed over ranks), and the measured pipeline bubble beside
@@ -89,7 +95,7 @@ usage: train_gpt [flags]
   --resume <dir>    load parameters, AdamW state, step count, data position and MoE
                     expert biases from a checkpoint (any mesh or data mode) and continue
                     to --steps (after a lost rank: restart under a fresh mpirun)
-  --batch <n>       global batch in sequences (default 8; must divide by dp)
+  --batch <n>       global batch in sequences (default 8; must divide by dp·ep)
   --seq <n>         tokens per sequence (default 64)
   --layers <n>      transformer blocks (default 2)
   --hidden <n>      hidden size (default 64)
@@ -107,7 +113,7 @@ usage: train_gpt [flags]
                     (f64: 1e-9, f32: 2e-3); with --backend mpi, rank 0 runs that
                     reference on a thread after the MPI run
   --backend <b>     threads (default): ranks are threads of this process; mpi: each
-                    process started by `mpirun -np <dp*tp>` is one rank (needs a build
+                    process started by `mpirun -np <pp·dp·ep·cp·tp>` is one rank (needs a build
                     with `--features mpi`)
   --print-loss-bits also print every step's loss as the exact bits of the f64 value,
                     `step <n>  loss_bits=0x<16 hex digits>`, to compare runs bitwise
