@@ -331,14 +331,22 @@ pub struct Memory {
     pub activations: u64,
     /// The same with every block recomputed (only block inputs kept).
     pub activations_recompute: u64,
+    /// The step's token ids and targets (i64), as train_gpt holds them: the global
+    /// batch and its microbatch copies.
+    pub inputs: u64,
+    /// Whether the gradients are live at the activation peak (they are when they
+    /// accumulate over microbatches or pipeline stages; with one microbatch the peak comes
+    /// before the first gradient).
+    pub grads_at_peak: bool,
 }
 
 impl Memory {
     /// Parameters, gradients, optimizer state and the activations the composition keeps.
     pub fn total(&self, recompute: bool) -> u64 {
         self.params
-            + self.grads
+            + if self.grads_at_peak { self.grads } else { 0 }
             + self.optimizer
+            + self.inputs
             + if recompute {
                 self.activations_recompute
             } else {
@@ -726,9 +734,21 @@ pub fn memory(m: &Model, c: &Composition) -> Memory {
             mem.grads += grad * mbytes;
             mem.optimizer += 2 * shard * mbytes;
         }
-        let (act, act_rc) = activations(m, c, rank);
+        let (mut act, mut act_rc) = activations(m, c, rank);
+        if c.data == DataKind::Fsdp && !c.reshard {
+            // Without reshard every gathered parameter is kept until its backward.
+            let gathered: u64 = params
+                .iter()
+                .filter(|p| stage_of(p) % c.pp == rank && p.dp_shardable())
+                .map(|p| p.local * c.compute_bytes())
+                .sum();
+            act += gathered;
+            act_rc += gathered;
+        }
         mem.activations = act;
         mem.activations_recompute = act_rc;
+        mem.inputs = 2 * 2 * 8 * (m.global_batch * m.seq_len) as u64;
+        mem.grads_at_peak = c.microbatches > 1 || c.pp > 1;
         if mem.total(c.recompute) > best.total(c.recompute) {
             best = mem;
         }
@@ -736,42 +756,62 @@ pub fn memory(m: &Model, c: &Composition) -> Memory {
     best
 }
 
-/// Activation bytes a pipeline rank keeps at its peak: per block per token kept tensors,
-/// times the microbatches in flight (GPipe: all `m`; 1F1B: `pp − rank`).
+/// Activation bytes at a pipeline rank's peak, without and with recomputation. Calibrated
+/// on this implementation's tape (what `dtensor_kernels::memory` counts), per token a rank
+/// holds per microbatch:
+///
+/// - a block keeps, in the compute dtype, the stream-shaped tensors (norm outputs, the row
+///   layers' reduced outputs, bias sums and residual sums: `8h` with biases, `6h` without;
+///   SP: `8h/tp` and one gathered `h`), the tensor-parallel ones (QKV and its bias sum
+///   `6h/tp`, the attention output `h/tp`, the MLP's `fc1`, bias sum and activation
+///   `3·ffn/tp`; SwiGLU one more `2·ffn/tp`), and in f32 the attention's log-sum-exp
+///   (`heads/tp`) and the norms' statistics (1 per norm, LayerNorm 2; SP: `/tp`);
+/// - the last stage's loss head keeps the logits, their f64 softmax and its gradient
+///   (`(2·master + 8)·vocab/tp` bytes) and `2h` stream values (SP: `h + h/tp`);
+/// - with recomputation a block keeps its input and its output's statistics (measured
+///   `1.5h + 2` elements) and one block at a time is rebuilt (half a block at the peak).
+///
+/// Microbatches in flight: 1 without pipelining, `m` under GPipe, `pp − rank` under 1F1B
+/// (and the other schedules).
 fn activations(m: &Model, c: &Composition, rank: usize) -> (u64, u64) {
-    let cb = c.compute_bytes();
-    let tokens = (m.global_batch * m.seq_len) as u64;
-    let t = tokens / (c.microbatches * c.dp * c.ep * c.cp) as u64;
-    let (h, f, tp) = (m.hidden as u64, m.ffn as u64, c.tp as u64);
-    let sp_div = if c.sp { tp } else { 1 };
-    let heads = (m.heads / c.tp) as u64;
-    // Per token per block: the stream-shaped tensors (input, two norms' outputs, two
-    // residual sums: ≈ 6h, split over tp under SP), the tensor-parallel ones (QKV 3h/tp,
-    // attention output h/tp, MLP hidden 2·ffn/tp before and after the activation) and
-    // the attention's row statistics.
-    let stream = 6 * h / sp_div + if c.sp { 2 * h } else { 0 };
-    let mlp_mult = if m.activation == Activation::SwiGlu {
-        3
+    let cb = c.compute_bytes() as f64;
+    let mb = c.master_bytes as f64;
+    let tokens = (m.global_batch * m.seq_len) as f64;
+    let t = tokens / (c.microbatches * c.dp * c.ep * c.cp) as f64;
+    let (h, f, tp) = (m.hidden as f64, m.ffn as f64, c.tp as f64);
+    let heads = (m.heads / c.tp) as f64;
+    let bias = m.bias as u8 as f64;
+    let stats_per_norm = if m.layer_norm { 2.0 } else { 1.0 };
+    let stream = if c.sp {
+        (6.0 + 2.0 * bias) * h / tp + h
     } else {
-        2
+        (6.0 + 2.0 * bias) * h
     };
-    let tensor = (3 * h + h + mlp_mult * f) / tp + 2 * heads;
-    let per_token_block = (stream + tensor) * cb;
-    let per_stage_blocks = (m.layers / c.pp) as u64;
+    let mlp = match m.activation {
+        Activation::Gelu => (2.0 + bias) * f / tp,
+        Activation::SwiGlu => (4.0 + 2.0 * bias) * f / tp,
+    };
+    let local = 3.0 * (1.0 + bias) * h / tp + h / tp + mlp;
+    let stats = 2.0 * stats_per_norm / if c.sp { tp } else { 1.0 };
+    let block = (stream + local) * cb + (heads + stats) * 4.0;
+    let per_stage_blocks = (m.layers / c.pp) as f64;
     let in_flight = match c.schedule {
-        _ if c.pp == 1 => 1,
-        ScheduleKind::Gpipe => c.microbatches as u64,
-        _ => (c.pp - rank).min(c.microbatches) as u64,
+        _ if c.pp == 1 => 1.0,
+        ScheduleKind::Gpipe => c.microbatches as f64,
+        _ => (c.pp - rank).min(c.microbatches) as f64,
     };
-    // The logits of the last stage (vocab/tp per token, plus their softmax).
     let head = if rank == c.pp - 1 {
-        2 * t * (m.vocab as u64 / tp) * c.master_bytes
+        let v = m.vocab as f64 / tp;
+        let stream = if c.sp { h + h / tp } else { 2.0 * h };
+        let stats = stats_per_norm / if c.sp { tp } else { 1.0 };
+        (2.0 * mb + 8.0) * v + stream * cb + (1.0 + stats) * 4.0
     } else {
-        0
+        0.0
     };
-    let full = in_flight * t * per_stage_blocks * per_token_block + head;
-    let rc = in_flight * t * per_stage_blocks * (h / sp_div) * cb + t * per_token_block + head;
-    (full, rc)
+    let full = in_flight * t * per_stage_blocks * block + t * head;
+    let kept = (1.5 * h / if c.sp { tp } else { 1.0 } + 2.0) * cb;
+    let rc = in_flight * t * per_stage_blocks * kept + t * (block / 2.0 + head);
+    (full as u64, rc as u64)
 }
 
 /// `bytes` in B, KiB, MiB, GiB or TiB.
