@@ -126,9 +126,10 @@ fn divisors(n: usize) -> Vec<usize> {
 }
 
 /// Every composition of `devices` ranks the model admits (SP on whenever `tp > 1`, bf16
-/// compute, DDP / ZeRO-1 / FSDP, with and without recomputation, 1F1B with the most
-/// microbatches up to `4·pp` for `pp > 1`, ring CP), estimated and sorted: those that fit
-/// by step time, then those that do not by how much they exceed the memory.
+/// compute, DDP / ZeRO-1 / FSDP, with and without recomputation, ring CP, 1F1B for
+/// `pp > 1`, and the fewest microbatches (gradient accumulation) that fit), estimated and
+/// sorted: those that fit by step time, then those that do not by how much they exceed
+/// the memory.
 pub fn rank(model: &Model, devices: usize, net: &Interconnect) -> Vec<Ranked> {
     let mut out = Vec::new();
     for &tp in &divisors(devices) {
@@ -140,37 +141,45 @@ pub fn rank(model: &Model, devices: usize, net: &Interconnect) -> Vec<Ranked> {
                     }
                     let dp = devices / tp / pp / cp / ep;
                     let per_data = model.global_batch / (dp * ep).max(1);
-                    let m = if pp == 1 {
-                        1
-                    } else {
-                        match (pp..=4 * pp).rev().find(|m| per_data % m == 0) {
-                            Some(m) => m,
-                            None => continue,
-                        }
-                    };
+                    // Microbatch counts to try, fewest first (pp > 1: at least pp).
+                    let ms: Vec<usize> = divisors(per_data.max(1))
+                        .into_iter()
+                        .filter(|&m| m >= pp)
+                        .collect();
                     for data in [DataKind::Ddp, DataKind::Zero1, DataKind::Fsdp] {
                         if dp == 1 && data != DataKind::Ddp {
                             continue;
                         }
                         for recompute in [false, true] {
-                            let c = Composition {
-                                pp,
-                                dp,
-                                ep,
-                                cp,
-                                tp,
-                                sp: tp > 1,
-                                data,
-                                recompute,
-                                microbatches: m,
-                                schedule: ScheduleKind::OneFOneB,
-                                cp_impl: CpImpl::Ring,
-                                bf16: true,
-                                ..Composition::default()
-                            };
-                            if let Ok(p) = plan(model, &c) {
-                                out.push(estimate(&p, net));
+                            // The fewest microbatches that fit (more only add traffic
+                            // and bubble); if none fits, the most (least memory).
+                            let mut chosen: Option<Ranked> = None;
+                            for &m in &ms {
+                                let c = Composition {
+                                    pp,
+                                    dp,
+                                    ep,
+                                    cp,
+                                    tp,
+                                    sp: tp > 1,
+                                    data,
+                                    recompute,
+                                    microbatches: m,
+                                    schedule: ScheduleKind::OneFOneB,
+                                    cp_impl: CpImpl::Ring,
+                                    bf16: true,
+                                    ..Composition::default()
+                                };
+                                if let Ok(p) = plan(model, &c) {
+                                    let r = estimate(&p, net);
+                                    let fits = r.over_bytes == 0;
+                                    chosen = Some(r);
+                                    if fits {
+                                        break;
+                                    }
+                                }
                             }
+                            out.extend(chosen);
                         }
                     }
                 }

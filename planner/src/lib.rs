@@ -385,10 +385,10 @@ impl Plan {
             .map(|i| i.bytes)
             .sum()
     }
-    /// Bytes one rank sends over `axis` per token of the global batch (a rank's average:
-    /// the step's total over ranks divided by the ranks and the tokens).
+    /// Bytes sent over `axis` per token of the global batch (all ranks together: the
+    /// step's total divided by the step's tokens).
     pub fn bytes_per_token(&self, axis: Axis) -> f64 {
-        self.axis_bytes(axis) as f64 / self.composition.world() as f64 / self.tokens as f64
+        self.axis_bytes(axis) as f64 / self.tokens as f64
     }
     /// The peak of live tensor bytes on the busiest rank (what
     /// `dtensor_kernels::memory::peak_bytes` reports).
@@ -814,6 +814,16 @@ fn activations(m: &Model, c: &Composition, rank: usize) -> (u64, u64) {
     (full as u64, rc as u64)
 }
 
+/// `n` with a unit (k, M, B).
+pub fn count(n: u64) -> String {
+    match n {
+        n if n >= 1_000_000_000 => format!("{:.2} B", n as f64 / 1e9),
+        n if n >= 1_000_000 => format!("{:.2} M", n as f64 / 1e6),
+        n if n >= 10_000 => format!("{:.1} k", n as f64 / 1e3),
+        n => n.to_string(),
+    }
+}
+
 /// `bytes` in B, KiB, MiB, GiB or TiB.
 pub fn human(bytes: f64) -> String {
     let units = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -837,9 +847,9 @@ impl Plan {
         let (m, c) = (&self.model, &self.composition);
         let mem = &self.memory;
         let mut s = format!(
-            "model {}: {:.3} B parameters, {} layers, hidden {}, {} heads, ffn {}, vocab {}, seq {}, batch {} ({} tokens/step){}\n",
+            "model {}: {} parameters, {} layers, hidden {}, {} heads, ffn {}, vocab {}, seq {}, batch {} ({} tokens/step){}\n",
             m.name,
-            m.parameters() as f64 / 1e9,
+            count(m.parameters()),
             m.layers,
             m.hidden,
             m.heads,
@@ -861,7 +871,7 @@ impl Plan {
             human(self.peak_bytes() as f64),
             if c.recompute { " (with recomputation)" } else { "" },
         );
-        s += "bytes per step (sent, summed over ranks) | per rank | per token per rank:\n";
+        s += "bytes sent per step: all ranks | per rank | per token (all ranks):\n";
         let world = c.world() as f64;
         for a in Axis::ALL {
             let total = self.axis_bytes(a);

@@ -87,15 +87,25 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
     Ok(a)
 }
 
+fn secs(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.2} s")
+    } else if s >= 1e-3 {
+        format!("{:.2} ms", s * 1e3)
+    } else {
+        format!("{:.2} µs", s * 1e6)
+    }
+}
+
 fn estimate_line(r: &planner::Ranked) -> String {
     let comm: Vec<String> = r
         .comm_secs
         .iter()
-        .map(|(a, s)| format!("{} {:.3}s", a.name(), s))
+        .map(|(a, s)| format!("{} {}", a.name(), secs(*s)))
         .collect();
     format!(
-        "estimated step {:.3}s (communication: {})",
-        r.step_secs,
+        "estimated step {} (communication: {})",
+        secs(r.step_secs),
         if comm.is_empty() {
             "none".to_string()
         } else {
