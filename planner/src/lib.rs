@@ -520,10 +520,13 @@ pub fn comm(m: &Model, c: &Composition) -> Vec<CommItem> {
     // ---- Tp: activations.
     let tp_groups = r / tp;
     let passes = if c.recompute { 3 } else { 2 };
+    // Attention and the dense MLP; a MoE MLP has no tensor parallelism inside (its
+    // experts are replicated over Tp), so no Tp collectives.
+    let tp_regions = if m.moe.is_some() { 1 } else { 2 };
     add(
         Axis::Tp,
         "blocks: attention + MLP entries/exits",
-        layers * mb * tp_groups * passes * 2 * ar(tp, t * h) * cb,
+        layers * mb * tp_groups * passes * tp_regions * ar(tp, t * h) * cb,
     );
     add(
         Axis::Tp,
@@ -652,7 +655,9 @@ pub fn comm(m: &Model, c: &Composition) -> Vec<CommItem> {
         let k = moe.top_k as u64;
         // Per rank per MoE layer: k copies of each token, (ep−1)/ep of them leave;
         // dispatch + combine, forward and backward.
-        let per = 4 * k * t * h * (ep - 1) / ep * cb;
+        // Under SP each tp rank routes its sequence shard.
+        let routed = if c.sp { t / tp } else { t };
+        let per = 4 * k * routed * h * (ep - 1) / ep * cb;
         add(
             Axis::Ep,
             MOE_DISPATCH,

@@ -58,6 +58,9 @@ fn gpt_config(model: &Model, c: &Composition) -> GptConfig {
             },
             zigzag: true,
         },
+        moe: model
+            .moe
+            .map(|m| dtensor_nn::MoeConfig::new(m.experts, m.top_k)),
         ..GptConfig::small(DType::F32)
     }
 }
@@ -184,6 +187,16 @@ fn check(spec: &str) {
 fn check_layers(spec: &str, layers: usize) {
     let mut model = Model::preset("gpt-small").unwrap();
     model.layers = layers;
+    check_model(spec, &model)
+}
+
+/// [`check`] on `model`. For a MoE model the `Ep` bytes include the dispatch and combine
+/// all-to-alls, whose size depends on where the router sends the tokens: the plan's
+/// uniform-routing expectation is held to 5% there (and the router's statistics
+/// all-reduces are not modelled), every other axis to 1%; its peak memory (routing-
+/// dependent expert buffers, not modelled) is printed, not asserted.
+fn check_model(spec: &str, model: &Model) {
+    let model = model.clone();
     let c: Composition = spec.parse().unwrap();
     let got = measure(&model, &c);
     let p = plan(&model, &c).unwrap();
@@ -196,7 +209,11 @@ fn check_layers(spec: &str, layers: usize) {
         } else {
             (want as f64 - *n as f64).abs() / (*n).max(1) as f64
         };
-        worst = worst.max(dev);
+        if model.moe.is_some() && *a == Axis::Ep {
+            assert!(dev <= 0.05, "{spec}: ep off by {:.2}% (> 5%)", 100.0 * dev);
+        } else {
+            worst = worst.max(dev);
+        }
         report += &format!(
             "  {:>2}: measured {n:>10}  planned {want:>10}  dev {:.4}%\n",
             a.name(),
@@ -212,7 +229,7 @@ fn check_layers(spec: &str, layers: usize) {
     );
     println!("{report}");
     assert!(worst <= 0.01, "bytes off by more than 1%:\n{report}");
-    if MEMORY_CHECKED {
+    if MEMORY_CHECKED && model.moe.is_none() {
         assert!(
             mem_dev <= 0.10,
             "peak memory off by more than 10%:\n{report}"
@@ -268,4 +285,15 @@ fn probe() {
     let c: Composition = spec.parse().unwrap();
     let got = measure(&model, &c);
     eprintln!("RESULT {spec} layers={layers} peak={}", got.peak);
+}
+
+#[test]
+fn moe_ep2_dp2() {
+    let mut model = Model::preset("gpt-small").unwrap();
+    model.moe = Some(dtensor_planner::Moe {
+        experts: 4,
+        top_k: 2,
+    });
+    check_model("ep=2,dp=2", &model);
+    check_model("ep=2,tp=2,sp", &model);
 }
