@@ -462,16 +462,14 @@ fn validate(m: &Model, c: &Composition) -> Result<(), String> {
         }
     }
     match m.moe {
-        Some(moe) => {
-            if moe.experts % c.ep != 0 {
-                return Err(format!(
-                    "{} experts do not divide by ep={}",
-                    moe.experts, c.ep
-                ));
-            }
+        Some(moe) if moe.experts % c.ep != 0 => {
+            return Err(format!(
+                "{} experts do not divide by ep={}",
+                moe.experts, c.ep
+            ))
         }
         None if c.ep > 1 => return Err("ep > 1 needs a MoE model".into()),
-        None => {}
+        _ => {}
     }
     if c.sp && c.tp < 2 {
         return Err("sp needs tp > 1".into());
