@@ -775,7 +775,8 @@ pub fn memory(m: &Model, c: &Composition) -> Memory {
 ///   `1.5h + 2` elements) and one block at a time is rebuilt (half a block at the peak).
 ///
 /// Microbatches in flight: 1 without pipelining, `m` under GPipe, `pp − rank` under 1F1B
-/// (and the other schedules).
+/// and interleaved, `pp − rank + 1` under ZB-H1 (measured: its deferred weight passes hold
+/// one more microbatch).
 fn activations(m: &Model, c: &Composition, rank: usize) -> (u64, u64) {
     let cb = c.compute_bytes() as f64;
     let mb = c.master_bytes as f64;
@@ -801,6 +802,8 @@ fn activations(m: &Model, c: &Composition, rank: usize) -> (u64, u64) {
     let in_flight = match c.schedule {
         _ if c.pp == 1 => 1.0,
         ScheduleKind::Gpipe => c.microbatches as f64,
+        // ZB-H1's deferred weight passes keep one more microbatch's block inputs.
+        ScheduleKind::ZeroBubble => (c.pp - rank + 1).min(c.microbatches) as f64,
         _ => (c.pp - rank).min(c.microbatches) as f64,
     };
     let head = if rank == c.pp - 1 {

@@ -257,7 +257,9 @@ reality! {
     fsdp_recompute: "dp=2,tp=2,fsdp,recompute";
     pp2_1f1b: "pp=2,dp=2,m=4";
     pp2_gpipe_sp: "pp=2,tp=2,sp,m=2,gpipe";
+    pp2_zero_bubble_tp: "pp=2,tp=2,m=4,zb";
     cp2_ring: "cp=2,dp=2";
+    cp2_ring_recompute_fsdp: "cp=2,dp=2,fsdp,recompute";
     cp2_a2a: "cp=2,tp=2,a2a";
     cp2_ring_tp_sp: "cp=2,tp=2,sp";
     bf16_dp_tp: "dp=2,tp=2,sp,bf16";
