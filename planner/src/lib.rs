@@ -901,3 +901,81 @@ impl Plan {
         s
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn composition_round_trips_through_its_spec() {
+        for spec in [
+            "dp=2,tp=2,sp",
+            "pp=2,dp=2,fsdp,no-reshard,recompute,m=4,gpipe",
+            "pp=2,dp=2,zero1,m=2,interleaved,v=2",
+            "cp=2,tp=2,a2a,bf16",
+            "ep=2,zero2,bf16,reduce-bf16",
+        ] {
+            let c: Composition = spec.parse().unwrap();
+            assert_eq!(c.to_string().parse::<Composition>().unwrap(), c, "{spec}");
+        }
+        assert!("tp=1,sp".parse::<Composition>().is_err());
+        assert!("dp=0".parse::<Composition>().is_err());
+        assert!("dp=2,warp".parse::<Composition>().is_err());
+    }
+
+    #[test]
+    fn gpt_small_is_train_gpts_model() {
+        let m = Model::preset("gpt-small").unwrap();
+        // GptConfig::small: embedding 256·64, 2 blocks of 49 856, final norm 64, head 256·64.
+        assert_eq!(m.parameters(), 16384 + 2 * 49856 + 64 + 16384);
+        assert!((Model::preset("7b").unwrap().parameters() as f64 / 6.74e9 - 1.0).abs() < 0.01);
+    }
+
+    #[test]
+    fn model_files_parse_and_typos_are_refused() {
+        let m = Model::from_json(
+            r#"{"vocab":512,"hidden":128,"heads":4,"layers":4,"ffn":512,"seq_len":128,
+                "global_batch":16,"norm":"layer","activation":"swiglu","bias":false,
+                "moe":{"experts":8,"top_k":2}}"#,
+        )
+        .unwrap();
+        assert!(m.layer_norm && !m.bias && m.activation == Activation::SwiGlu);
+        assert_eq!(
+            m.moe,
+            Some(Moe {
+                experts: 8,
+                top_k: 2
+            })
+        );
+        let typo = Model::from_json(
+            r#"{"vocab":512,"hiden":128,"heads":4,"layers":4,"ffn":512,"seq_len":128,"global_batch":16}"#,
+        );
+        assert!(typo.unwrap_err().contains("hiden"));
+    }
+
+    #[test]
+    fn refuses_what_dtensor_refuses() {
+        let m = Model::preset("gpt-small").unwrap();
+        for spec in ["tp=8", "dp=16", "pp=4", "ep=2", "cp=4,tp=2,a2a", "pp=2,m=1"] {
+            assert!(plan(&m, &spec.parse().unwrap()).is_err(), "{spec}");
+        }
+    }
+
+    #[test]
+    fn size_one_axes_move_nothing() {
+        let m = Model::preset("gpt-small").unwrap();
+        let p = plan(&m, &"dp=1".parse().unwrap()).unwrap();
+        assert!(Axis::ALL.iter().all(|&a| p.axis_bytes(a) == 0));
+    }
+
+    #[test]
+    fn search_refuses_what_does_not_fit() {
+        let m = Model::preset("70b").unwrap();
+        let net = Interconnect::default();
+        let ranked = rank(&m, 8, &net);
+        assert!(!ranked.is_empty() && ranked.iter().all(|r| r.over_bytes > 0));
+        let ranked = rank(&m, 64, &net);
+        assert!(ranked[0].over_bytes == 0);
+        assert!(ranked[0].plan.peak_bytes() <= (131u64 << 30));
+    }
+}
