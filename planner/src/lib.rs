@@ -15,8 +15,10 @@
 //!   sees;
 //! - the pipeline bubble of the schedule.
 //!
-//! The `planner_reality` tests run the GPT on thread ranks and hold the bytes per axis to
-//! these figures within 1%.
+//! `planner/tests/reality.rs` runs the GPT on thread ranks and holds the bytes per axis to
+//! these figures within 1% (equal to the byte outside MoE dispatch) and the peak per-rank
+//! tensor memory within 10%; `planner/tests/table.rs` compares the background notes'
+//! bytes-per-token table.
 //!
 //! ## What moves, per step (`m` microbatches, `T` tokens a rank holds per microbatch =
 //! `batch·seq/(m·dp·ep·cp)`, `h` hidden, `R` ranks per pipeline stage)
@@ -884,9 +886,16 @@ impl Plan {
             if total == 0 {
                 continue;
             }
+            let label = match a {
+                Axis::Tp if c.sp => "tp+sp".to_string(),
+                Axis::Dp if c.data == DataKind::Fsdp => "dp (fsdp)".to_string(),
+                Axis::Dp if c.data == DataKind::Zero1 => "dp (zero1)".to_string(),
+                Axis::Dp if c.data == DataKind::Zero2 => "dp (zero2)".to_string(),
+                _ => a.name().to_string(),
+            };
             s += &format!(
-                "  {}: {:>12} | {:>12} | {:>10.1} B\n",
-                a.name(),
+                "  {:<10} {:>12} | {:>12} | {:>10.1} B\n",
+                format!("{label}:"),
                 human(total as f64),
                 human(total as f64 / world),
                 self.bytes_per_token(a)
