@@ -122,6 +122,8 @@ usage: train_gpt [flags]
                     sent that step, summed over ranks), peak_tensor_bytes (array, by rank)
   --plot <file.png> rank 0 draws loss and tokens/s against step as a PNG (text in a font
                     shipped with the examples; `plot_metrics` draws a --metrics file)
+  --plan            after the receipt, the planner's bytes per axis and peak tensor memory
+                    per rank beside the measured ones (`dtensor plan`, docs/planner.md)
   --help            this text";
 
 #[derive(Clone, Debug)]
@@ -159,6 +161,8 @@ struct Args {
     /// Skip (and count) steps with a non-finite gradient norm instead of stopping.
     skip_nonfinite: bool,
     moe: bool,
+    /// Print the planner's figures beside the receipt.
+    plan: bool,
     experts: usize,
     top_k: usize,
     capacity: Option<f64>,
@@ -217,6 +221,7 @@ fn parse_args() -> Result<Option<Args>, String> {
         context: ContextParallel::default(),
         skip_nonfinite: false,
         moe: false,
+        plan: false,
         experts: 4,
         top_k: 2,
         capacity: None,
@@ -303,6 +308,7 @@ fn parse_args() -> Result<Option<Args>, String> {
                 }
             }
             "--moe" => a.moe = true,
+            "--plan" => a.plan = true,
             "--experts" => a.experts = num(&flag, value()?)?,
             "--top-k" => a.top_k = num(&flag, value()?)?,
             "--capacity" => a.capacity = Some(num(&flag, value()?)?),
@@ -1040,6 +1046,102 @@ fn write_trace(path: &str, json: &str) {
     }
 }
 
+/// `--plan`: the planner's figures for this run beside the receipt's (bytes per axis over
+/// the `steps` run, and the largest per-rank peak of the last step).
+fn print_plan(a: &Args, out: &RankOut, steps: u64) -> Result<(), String> {
+    use dtensor::planner::{self, human, Axis, Composition, DataKind as D, Model};
+    let model = Model {
+        name: "train_gpt".into(),
+        vocab: 256,
+        hidden: a.hidden,
+        heads: a.heads,
+        layers: a.layers,
+        ffn: 4 * a.hidden,
+        seq_len: a.seq,
+        global_batch: a.batch,
+        layer_norm: false,
+        bias: true,
+        activation: planner::Activation::Gelu,
+        moe: a.moe.then_some(planner::Moe {
+            experts: a.experts,
+            top_k: a.top_k,
+        }),
+    };
+    let sched = schedule(a)?;
+    let c = &a.config;
+    let comp = Composition {
+        pp: c.pp,
+        dp: c.dp,
+        ep: c.ep,
+        cp: c.cp,
+        tp: c.tp,
+        sp: c.sp,
+        data: match a.data {
+            DataKind::Ddp => D::Ddp,
+            DataKind::Zero1 => D::Zero1,
+            DataKind::Zero2 => D::Zero2,
+            DataKind::Fsdp => D::Fsdp,
+        },
+        reshard: a.reshard,
+        recompute: a.recompute,
+        microbatches: sched.microbatches,
+        schedule: match sched.kind {
+            dtensor::nn::ScheduleKind::GPipe => planner::ScheduleKind::Gpipe,
+            dtensor::nn::ScheduleKind::OneFOneB => planner::ScheduleKind::OneFOneB,
+            dtensor::nn::ScheduleKind::Interleaved1F1B => planner::ScheduleKind::Interleaved,
+            _ => planner::ScheduleKind::ZeroBubble,
+        },
+        virtual_stages: sched.virtual_stages_per_rank,
+        cp_impl: match a.context.strategy {
+            CpStrategy::Ring => planner::CpImpl::Ring,
+            CpStrategy::AllToAll => planner::CpImpl::AllToAll,
+        },
+        bf16: a.bf16,
+        reduce_bf16: a.reduce_bf16,
+        master_bytes: a.dtype.size_in_bytes() as u64,
+    };
+    let p = planner::plan(&model, &comp)?;
+    println!("plan ({comp}; `dtensor plan`, docs/planner.md), over {steps} steps:");
+    for (axis, s) in &out.counters {
+        let ax = match axis.name() {
+            "pp" => Axis::Pp,
+            "dp" => Axis::Dp,
+            "ep" => Axis::Ep,
+            "cp" => Axis::Cp,
+            _ => Axis::Tp,
+        };
+        let (planned, note) = if a.moe && ax == Axis::Ep {
+            (
+                p.axis_bytes(ax) * steps,
+                " (MoE dispatch: uniform-routing expectation)",
+            )
+        } else {
+            (p.axis_bytes(ax) * steps, "")
+        };
+        if planned == 0 && s.bytes_sent == 0 {
+            continue;
+        }
+        println!(
+            "  {}: planned {planned} B sent, measured {} B ({:+.2}%){note}",
+            axis.name(),
+            s.bytes_sent,
+            100.0 * (planned as f64 - s.bytes_sent as f64) / (s.bytes_sent.max(1)) as f64
+        );
+    }
+    let measured = out
+        .metrics
+        .last()
+        .and_then(|m| m.peak_tensor_bytes.iter().max().copied())
+        .unwrap_or(0);
+    println!(
+        "  peak tensor memory per rank: planned {}, measured {} (largest rank, last step); pipeline bubble planned {:.3}",
+        human(p.peak_bytes() as f64),
+        human(measured as f64),
+        p.bubble
+    );
+    Ok(())
+}
+
 fn run(a: &Args) -> Result<Option<bool>, String> {
     let c = &a.config;
     if a.trace.is_some() {
@@ -1159,6 +1261,9 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
             axis.name(),
             s.bytes_sent / tokens.max(1)
         );
+    }
+    if a.plan {
+        print_plan(a, &out, tokens / (a.batch * a.seq) as u64)?;
     }
     if let Some(path) = &a.metrics {
         std::fs::write(path, metrics::jsonl(&out.metrics))

@@ -65,6 +65,7 @@ pub use dtensor_core as core;
 pub use dtensor_kernels as kernels;
 pub use dtensor_nn as nn;
 pub use dtensor_placement as placement;
+pub use dtensor_planner as planner;
 
 pub use dtensor_collectives::threads;
 pub use dtensor_core::{AnyDTensor, DTensor, DeviceMesh, Error, Plan, Result};
