@@ -271,24 +271,6 @@ fn pp2_interleaved_zero1() {
     check_layers("pp=2,dp=2,m=2,interleaved,v=2,zero1", 4);
 }
 
-/// A diagnostic, not a check: the measured peak of any composition and model size
-/// (`PLAN_SPEC=dp=2,tp=2 PLAN_LAYERS=4 [PLAN_BATCH=16] cargo test -p dtensor-planner
-/// --test reality probe -- --ignored --nocapture`), what the memory model was fitted on.
-#[test]
-#[ignore]
-fn probe() {
-    let spec = std::env::var("PLAN_SPEC").unwrap();
-    let layers: usize = std::env::var("PLAN_LAYERS").unwrap().parse().unwrap();
-    let mut model = Model::preset("gpt-small").unwrap();
-    model.layers = layers;
-    if let Ok(b) = std::env::var("PLAN_BATCH") {
-        model.global_batch = b.parse().unwrap();
-    }
-    let c: Composition = spec.parse().unwrap();
-    let got = measure(&model, &c);
-    eprintln!("RESULT {spec} layers={layers} peak={}", got.peak);
-}
-
 #[test]
 fn moe_ep2_dp2() {
     let mut model = Model::preset("gpt-small").unwrap();
