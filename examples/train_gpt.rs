@@ -537,22 +537,6 @@ fn global_batch(a: &Args, step: usize) -> (Tensor, Tensor) {
     )
 }
 
-/// This rank's tokens: its piece of `[Dp: Shard<0>, Ep: Shard<0>, Cp: Shard<0>, Tp:
-/// Invariant]`, sliced locally (no communication).
-fn local_ids(t: &Tensor, mesh: &std::sync::Arc<DeviceMesh>) -> Result<DTensor<Ids>, Error> {
-    let ranges = dtensor::placement::local_ranges(
-        mesh.mesh(),
-        &<Ids as Layout>::placements(),
-        mesh.coords(),
-        t.shape(),
-    )?;
-    DTensor::from_local(
-        t.narrow(0, ranges[0].start, ranges[0].len())?,
-        t.shape(),
-        mesh,
-    )
-}
-
 /// One rank's numbers of one step.
 #[derive(Clone, Debug, Default)]
 struct StepRecord {
@@ -695,7 +679,9 @@ fn train_rank<M: SeqMode, D: DataMode>(
         let split = |t: &Tensor| -> Result<Vec<DTensor<Ids>>, Error> {
             microbatches(t, m, a.seq)?
                 .iter()
-                .map(|mb| local_ids(&to_stream_order(mb, a.seq, &a.context, &sm)?, &sm))
+                .map(|mb| {
+                    DTensor::<Ids>::from_global(&to_stream_order(mb, a.seq, &a.context, &sm)?, &sm)
+                })
                 .collect()
         };
         let before = dm.counters();

@@ -35,7 +35,7 @@
 use dtensor::collectives::threads::{self, RankError};
 use dtensor::collectives::{Buffer, Request, Slice, SliceMut};
 use dtensor::nn::*;
-use dtensor::placement::{Layout, ParallelConfig};
+use dtensor::placement::ParallelConfig;
 use dtensor::prelude::*;
 use std::any::Any;
 use std::collections::BTreeMap;
@@ -456,18 +456,6 @@ fn config(setup: Setup) -> GptConfig {
     }
 }
 
-/// This rank's piece of the global `t` laid out as `L` (test data: no communication).
-#[allow(clippy::disallowed_methods)]
-fn piece<L: Layout>(t: &Tensor, mesh: &Arc<DeviceMesh>) -> Result<DTensor<L>> {
-    let ranges =
-        dtensor::placement::local_ranges(mesh.mesh(), &L::placements(), mesh.coords(), t.shape())?;
-    let mut local = t.clone();
-    for (d, r) in ranges.iter().enumerate() {
-        local = local.narrow(d, r.start, r.len())?;
-    }
-    DTensor::from_local(local, t.shape(), mesh)
-}
-
 /// `STEPS` AdamW steps of the tiny GPT, then a world barrier (a training loop ends with
 /// a collective of every rank, e.g. its checkpoint or its metrics); the last loss.
 fn train_as<M: SeqMode, D: DataMode>(world: &Arc<dyn Communicator>, setup: Setup) -> Result<f64> {
@@ -480,7 +468,7 @@ fn train_as<M: SeqMode, D: DataMode>(world: &Arc<dyn Communicator>, setup: Setup
     let ids = Tensor::from_vec(seq[..tokens].to_vec(), &[tokens])?;
     let targets = Tensor::from_vec(seq[1..].to_vec(), &[tokens])?;
     let order = |t: &Tensor| -> Result<DTensor<Ids>> {
-        piece(&to_stream_order(t, SEQ, &cfg.context, &mesh)?, &mesh)
+        DTensor::from_global(&to_stream_order(t, SEQ, &cfg.context, &mesh)?, &mesh)
     };
     let (ids, targets) = (order(&ids)?, order(&targets)?);
     let mut model = Gpt::<M, D>::new(cfg, &mesh)?;

@@ -45,6 +45,32 @@ const DTYPES: [DType; 6] = [
 ];
 
 impl AnyDTensor {
+    /// This rank's piece of `global` (the whole tensor, the same on every rank: a batch of
+    /// token ids every rank read) laid out as `placements`, sliced locally: no
+    /// communication. `Err` for a `Partial` axis, where a whole value on every coordinate
+    /// would be counted once per rank.
+    pub fn from_global(
+        global: &Tensor,
+        placements: &[Placement],
+        mesh: &Arc<DeviceMesh>,
+    ) -> Result<Self> {
+        const OP: &str = "DTensor::from_global";
+        if let Some(a) = placements.iter().position(|p| p.is_partial()) {
+            return Err(Error::PlacementMismatch {
+                op: OP,
+                axis: mesh.mesh().axis_kinds()[a],
+                placements: placements.into(),
+                detail: "a value given whole on every rank would be counted once per rank on a Partial axis".into(),
+            });
+        }
+        let ranges = local_ranges(mesh.mesh(), placements, mesh.coords(), global.shape())?;
+        let mut local = global.clone();
+        for (d, r) in ranges.iter().enumerate() {
+            local = local.narrow(d, r.start, r.len())?;
+        }
+        Self::from_local(local, global.shape(), placements, mesh)
+    }
+
     /// Wraps this rank's local piece. `Err` if the placements do not fit the mesh or the
     /// local shape is not the one the layout gives this rank.
     pub fn from_local(

@@ -104,6 +104,17 @@ impl<L: Layout> DTensor<L> {
         Ok(Self::wrap(t))
     }
 
+    /// This rank's piece of `global` (the whole tensor, the same on every rank) laid out as
+    /// `L`, sliced locally: no communication ([`AnyDTensor::from_global`]).
+    pub fn from_global(global: &Tensor, mesh: &Arc<DeviceMesh>) -> Result<Self> {
+        check_mesh_axes::<L>("DTensor::from_global", mesh)?;
+        Ok(Self::wrap(AnyDTensor::from_global(
+            global,
+            &L::placements(),
+            mesh,
+        )?))
+    }
+
     /// Wraps this rank's piece; `Err` unless its shape is the one `L` gives this rank.
     pub fn from_local(
         local: Tensor,

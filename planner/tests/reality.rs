@@ -10,10 +10,8 @@ use dtensor_nn::{
     to_stream_order, AdamW, ContextParallel, DataMode, Ddp, Fsdp, GptConfig, Ids, NoSp, Precision,
     SeqMode, Sp, Zero1, Zero2,
 };
-use dtensor_placement::Layout;
 use dtensor_placement::{AxisKind, ParallelConfig};
 use dtensor_planner::{plan, Axis, Composition, CpImpl, DataKind, Model, ScheduleKind};
-use std::sync::Arc;
 
 const TEXT: &[u8] = include_bytes!("../../data/tiny_corpus.txt");
 
@@ -80,20 +78,6 @@ fn batch(model: &Model, step: usize) -> (Tensor, Tensor) {
     )
 }
 
-fn local_ids(t: &Tensor, mesh: &Arc<DeviceMesh>) -> Result<DTensor<Ids>, Error> {
-    let ranges = dtensor_placement::local_ranges(
-        mesh.mesh(),
-        &<Ids as Layout>::placements(),
-        mesh.coords(),
-        t.shape(),
-    )?;
-    DTensor::from_local(
-        t.narrow(0, ranges[0].start, ranges[0].len())?,
-        t.shape(),
-        mesh,
-    )
-}
-
 fn run<M: SeqMode, D: DataMode>(model: &Model, c: &Composition, steps: usize) -> Measured {
     let config = ParallelConfig {
         dp: c.dp,
@@ -125,7 +109,10 @@ fn run<M: SeqMode, D: DataMode>(model: &Model, c: &Composition, steps: usize) ->
                 microbatches(t, c.microbatches, model.seq_len)?
                     .iter()
                     .map(|mb| {
-                        local_ids(&to_stream_order(mb, model.seq_len, &cfg.context, &sm)?, &sm)
+                        DTensor::<Ids>::from_global(
+                            &to_stream_order(mb, model.seq_len, &cfg.context, &sm)?,
+                            &sm,
+                        )
                     })
                     .collect()
             };
