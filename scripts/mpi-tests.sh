@@ -41,9 +41,9 @@ bin="$target/debug/examples"
 
 echo "== mpi: build (--features mpi)"
 # The test profile (output in debug/) reuses what README's `cargo test --workspace` built.
-cargo build --profile test -p dtensor-collectives --features mpi --examples
-echo "== mpi: build train_gpt and bench_report (--features mpi)"
-cargo build --profile test --features mpi --example train_gpt --example bench_report
+# Built over the whole workspace (not `-p dtensor-collectives`): the features then unify as
+# in `cargo test --workspace --features mpi`, so nothing is compiled twice.
+cargo build --profile test --workspace --features mpi --examples
 
 passed=0
 failed=0
