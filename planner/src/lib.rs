@@ -15,6 +15,16 @@
 //!   sees;
 //! - the pipeline bubble of the schedule.
 //!
+//! ```
+//! use dtensor_planner::{plan, Axis, Composition, Model};
+//! let model = Model::preset("gpt-small").unwrap();
+//! let c: Composition = "dp=2,tp=2,sp".parse().unwrap();
+//! let p = plan(&model, &c).unwrap();
+//! assert!(p.axis_bytes(Axis::Tp) > 0 && p.axis_bytes(Axis::Dp) > 0);
+//! assert_eq!(p.axis_bytes(Axis::Pp), 0); // no pipeline: no stage hops
+//! assert_eq!(p.bubble, 0.0);
+//! ```
+//!
 //! `planner/tests/reality.rs` runs the GPT on thread ranks and holds the bytes per axis to
 //! these figures within 1% (equal to the byte outside MoE dispatch) and the peak per-rank
 //! tensor memory within 10%; `planner/tests/table.rs` compares the background notes'
