@@ -42,9 +42,12 @@ impl Default for Crc32 {
 }
 
 impl Crc32 {
+    /// A CRC of no bytes yet (the same as [`Crc32::default`]).
     pub fn new() -> Self {
         Self::default()
     }
+    /// Feeds `bytes`, continuing from what was fed before: feeding a file in pieces gives
+    /// the CRC-32 of the whole.
     pub fn update(&mut self, bytes: &[u8]) {
         let mut c = self.0;
         let mut chunks = bytes.chunks_exact(8);
@@ -64,6 +67,7 @@ impl Crc32 {
         }
         self.0 = c;
     }
+    /// The CRC-32 of all the bytes fed, as zlib's `crc32` reports it.
     pub fn finish(self) -> u32 {
         !self.0
     }

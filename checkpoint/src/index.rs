@@ -21,9 +21,11 @@ pub const DEFAULT_BLOCK_BYTES: usize = 1 << 20;
 /// One data file (one rank's shards).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FileEntry {
+    /// Its file name inside the checkpoint directory, `g<generation>-rank<r>.safetensors`.
     pub name: String,
     /// The world rank that wrote it.
     pub rank: usize,
+    /// Its length in bytes (header included).
     pub bytes: u64,
     /// CRC-32 of the whole file (checked by [`verify_files`](crate::verify_files)).
     pub crc32: u32,
@@ -51,7 +53,9 @@ pub struct ShardEntry {
 /// One tensor as saved.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorEntry {
+    /// Its global shape.
     pub shape: Vec<usize>,
+    /// Its element type (loads must ask for the same one).
     pub dtype: DType,
     /// The mesh it lived on when saved: `(axis name, size)` in layout order.
     pub mesh: Vec<(String, usize)>,
@@ -65,13 +69,18 @@ pub struct TensorEntry {
 /// The whole index.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Index {
+    /// The format version it was written in ([`VERSION`] for this build).
     pub version: u64,
     /// Increases with every save into the same directory; data files carry it in their
     /// names, so a new save never overwrites a file the previous index references.
     pub generation: u64,
+    /// The number of ranks that saved it (one data file each).
     pub world_size: usize,
+    /// The checksum block size in bytes ([`SaveOptions::block_bytes`](crate::SaveOptions)).
     pub block_bytes: usize,
+    /// The data files, one per rank.
     pub files: Vec<FileEntry>,
+    /// The tensors by name.
     pub tensors: BTreeMap<String, TensorEntry>,
     /// Caller's metadata (step, data position, RNG state, optimizer scalars).
     pub extra: BTreeMap<String, String>,

@@ -47,6 +47,8 @@
 //! moments and step count, and the layers' non-parameter state
 //! ([`dtensor_nn::Module::visit_state`], e.g. an MoE layer's expert selection bias).
 
+#![warn(missing_docs)]
+
 pub mod crc;
 pub mod index;
 pub mod nn;
@@ -69,40 +71,81 @@ use std::sync::Arc;
 /// involved, the tensor.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum Error {
+    /// The operating system refused a file operation (create, open, read, write, sync,
+    /// rename) on `file` or the checkpoint directory.
     #[error("checkpoint file {file}: {detail}")]
-    Io { file: PathBuf, detail: String },
+    Io {
+        /// The file or directory operated on.
+        file: PathBuf,
+        /// The operation and the OS error, in words.
+        detail: String,
+    },
     /// A file that does not parse, or says something impossible.
     #[error("checkpoint file {file}: {detail}")]
-    Format { file: PathBuf, detail: String },
+    Format {
+        /// The index or data file at fault.
+        file: PathBuf,
+        /// What does not parse or does not agree, in words.
+        detail: String,
+    },
+    /// An index written in another format version than this build reads.
     #[error("checkpoint file {file}: format version {found}, this build reads version {expected}")]
     Version {
+        /// The index file.
         file: PathBuf,
+        /// The version the index records.
         found: u64,
+        /// The version this build reads and writes ([`index::VERSION`]).
         expected: u64,
     },
+    /// A CRC-32 that does not match the index: of the index itself, of a checksum block a
+    /// load read, or of a whole data file ([`verify_files`]).
     #[error("checkpoint file {file}{}: checksum mismatch: {detail}", tensor.as_ref().map(|t| format!(", tensor {t}")).unwrap_or_default())]
     Checksum {
+        /// The file whose bytes do not match.
         file: PathBuf,
+        /// The tensor whose shard the bad block belongs to; `None` for the index or a
+        /// whole-file check.
         tensor: Option<String>,
+        /// Which block or file, the CRC-32 computed and the one recorded.
         detail: String,
     },
-    /// The file or index is fine but does not hold what the model needs.
+    /// The file or index is fine but does not hold what the model needs (a missing
+    /// tensor, another global shape or dtype), or a file-level error met while loading a
+    /// tensor.
     #[error("checkpoint file {file}, tensor {tensor}: {detail}")]
     Tensor {
+        /// The index or data file involved.
         file: PathBuf,
+        /// The tensor being loaded.
         tensor: String,
+        /// What is missing or differs, in words.
         detail: String,
     },
-    /// A save of something that cannot be stored as is.
+    /// A save of something that cannot be stored as is: a `Partial` (pending sum) or
+    /// `Ragged` tensor, a name given twice, or a shard safetensors cannot serialize.
     #[error("checkpoint save of tensor {tensor}: {detail}")]
-    Refused { tensor: String, detail: String },
+    Refused {
+        /// The tensor refused.
+        tensor: String,
+        /// Why, and what to do first (e.g. reduce a `Partial` axis).
+        detail: String,
+    },
     /// This rank succeeded but others did not; their messages.
     #[error("checkpoint {op} failed on other ranks: {detail}")]
-    OtherRanks { op: &'static str, detail: String },
+    OtherRanks {
+        /// The collective operation that failed elsewhere (`"save"`, `"load"`).
+        op: &'static str,
+        /// The failed ranks' messages, each with its rank.
+        detail: String,
+    },
+    /// A collective (an agreement, a gather, a broadcast) or a `DTensor` construction
+    /// failed; from `dtensor-core` (which wraps collective errors too).
     #[error(transparent)]
     Core(#[from] dtensor_core::Error),
 }
 
+/// `std::result::Result` with this crate's [`Error`] as the default error type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl From<dtensor_collectives::Error> for Error {
@@ -305,6 +348,8 @@ impl Default for SaveOptions {
 /// What a save did.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SaveReport {
+    /// The checkpoint's generation: one past the highest found in the directory; the data
+    /// files are named `g<generation>-rank<r>.safetensors`.
     pub generation: u64,
     /// Bytes this rank wrote (its data file).
     pub rank_bytes: u64,
@@ -661,10 +706,19 @@ pub fn verify_files(dir: &Path) -> Result<()> {
 /// laid out (placements on `mesh`), whatever the checkpoint's layout was.
 #[derive(Clone)]
 pub struct Target<'a> {
+    /// The tensor's name in the checkpoint.
     pub name: &'a str,
+    /// The global shape the model expects; a checkpoint holding another is an
+    /// [`Error::Tensor`].
     pub shape: &'a [usize],
+    /// The element type the model expects; a checkpoint holding another is an
+    /// [`Error::Tensor`] (no conversion).
     pub dtype: DType,
+    /// The placement per axis of `mesh` the loaded tensor gets, whatever the saved one
+    /// was; `Partial` and `Ragged` are an [`Error::Tensor`] (a checkpoint holds whole
+    /// values).
     pub placements: &'a [Placement],
+    /// The device mesh the loaded tensor lives on.
     pub mesh: &'a Arc<DeviceMesh>,
 }
 

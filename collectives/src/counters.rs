@@ -17,18 +17,30 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// The kinds of call a communicator counts. `v` variants count under their base kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum CollectiveKind {
+    /// [`all_reduce`](crate::Communicator::all_reduce) (and its asynchronous start).
     AllReduce,
+    /// `all_gather`, `all_gatherv`, `all_gatherv_in_place` and `all_gather_cols`.
     AllGather,
+    /// `reduce_scatter`, `reduce_scatterv`, `reduce_scatterv_in_place` and
+    /// `reduce_scatter_cols`.
     ReduceScatter,
+    /// `all_to_all`, `all_to_allv` and `all_to_all_cols`.
     AllToAll,
+    /// [`broadcast`](crate::Communicator::broadcast) from a root rank.
     Broadcast,
+    /// A point-to-point [`send`](crate::Communicator::send); counts bytes sent only.
     Send,
+    /// A point-to-point [`recv`](crate::Communicator::recv); counts bytes received only.
     Recv,
+    /// [`barrier`](crate::Communicator::barrier): a call, no bytes.
     Barrier,
+    /// [`split`](crate::Communicator::split) into sub-groups: a call, no bytes.
     Split,
 }
 
 impl CollectiveKind {
+    /// Every kind, in declaration order (the order [`CounterSnapshot`]'s `Display` lists
+    /// them).
     pub const ALL: [CollectiveKind; 9] = [
         CollectiveKind::AllReduce,
         CollectiveKind::AllGather,
@@ -40,6 +52,8 @@ impl CollectiveKind {
         CollectiveKind::Barrier,
         CollectiveKind::Split,
     ];
+    /// The method's name in snake case (`"all_reduce"`, `"send"`, …), as receipts and the
+    /// [`trace`](crate::trace) timeline print it.
     pub fn name(self) -> &'static str {
         match self {
             CollectiveKind::AllReduce => "all_reduce",
@@ -105,6 +119,8 @@ impl Counters {
         self.label.get().copied().unwrap_or("world")
     }
 
+    /// A copy of the counts so far (each counter read on its own: a call recorded
+    /// concurrently may be half in it).
     pub fn snapshot(&self) -> CounterSnapshot {
         CounterSnapshot {
             calls: std::array::from_fn(|i| self.calls[i].load(Ordering::Relaxed)),
@@ -118,7 +134,10 @@ impl Counters {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CounterSnapshot {
     calls: [u64; 9],
+    /// Bytes this rank sent to its peers (its own piece staying in place not counted;
+    /// the per-collective rule is in the module table).
     pub bytes_sent: u64,
+    /// Bytes this rank received from its peers.
     pub bytes_received: u64,
 }
 

@@ -58,6 +58,8 @@
 //! }
 //! ```
 
+#![warn(missing_docs)]
+
 mod args;
 mod call;
 pub mod columns;
@@ -340,6 +342,8 @@ pub(crate) fn col_counts(op: &'static str, rows: usize, widths: &[usize]) -> Res
 
 /// Typed conveniences over [`Communicator`], for any `T: Element`.
 pub trait CommunicatorExt: Communicator {
+    /// [`all_reduce`](Communicator::all_reduce) of a typed slice, in place: every rank ends
+    /// with the same bits.
     fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         self.all_reduce(T::slice_mut(buf), op)
     }
@@ -349,6 +353,8 @@ pub trait CommunicatorExt: Communicator {
         self.all_gather(T::slice(send), T::slice_mut(&mut out))?;
         Ok(out)
     }
+    /// [`broadcast`](Communicator::broadcast) of a typed slice: `root`'s elements
+    /// overwrite every other rank's `buf` (same length on every rank).
     fn broadcast_in_place<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         self.broadcast(T::slice_mut(buf), root)
     }

@@ -47,14 +47,17 @@ impl Buffer {
         }
     }
 
+    /// The element type of the buffer.
     pub fn dtype(&self) -> DType {
         self.0.dtype()
     }
 
+    /// The number of elements (not bytes).
     pub fn len(&self) -> usize {
         self.0.len()
     }
 
+    /// True if the buffer holds no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -48,7 +48,11 @@ impl Drop for Local {
 /// One recorded span.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Event {
+    /// What the span shows as its title: the collective's kind (`"all_reduce"`), `"wait"`,
+    /// or the name given to [`span`] / [`record`].
     pub name: Cow<'static, str>,
+    /// The category, for filtering in the viewer: `"collective"`, `"collective.wait"`, or
+    /// the one given to [`span`] / [`record`].
     pub cat: &'static str,
     /// The rank (one process row per rank in the viewer).
     pub rank: usize,
@@ -58,15 +62,22 @@ pub struct Event {
     /// Start, microseconds since midnight UTC (comparable across processes of one
     /// machine; see [`micros`]).
     pub ts_us: f64,
+    /// Duration in microseconds.
     pub dur_us: f64,
+    /// Named values shown with the span (a collective's `axis`, `bytes_sent`,
+    /// `bytes_received`, `wait_us`, `data_us`), in the order they were added.
     pub args: Vec<(&'static str, Arg)>,
 }
 
 /// An argument's value.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Arg {
+    /// An unsigned integer (a collective's byte counts).
     Int(u64),
+    /// A real number (a collective's wait and data times in microseconds); a non-finite
+    /// one is written as JSON `null`.
     Float(f64),
+    /// Text (a collective's mesh axis label).
     Str(Cow<'static, str>),
 }
 

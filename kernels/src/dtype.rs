@@ -7,11 +7,17 @@ use std::fmt;
 /// The element type of a tensor or buffer, known at run time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// IEEE 754 single precision, 4 bytes (`f32`).
     F32,
+    /// IEEE 754 double precision, 8 bytes (`f64`).
     F64,
+    /// bfloat16, 2 bytes ([`half::bf16`]): f32's exponent range, 8 bits of mantissa.
     BF16,
+    /// IEEE 754 half precision, 2 bytes ([`half::f16`]).
     F16,
+    /// Signed 32-bit integer, 4 bytes (`i32`), e.g. token ids.
     I32,
+    /// Signed 64-bit integer, 8 bytes (`i64`).
     I64,
 }
 
@@ -47,10 +53,14 @@ impl fmt::Display for DType {
 /// How a pending partial value is combined across ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
+    /// Elementwise sum, in rank order `0, 1, …, n-1` (the reduction a `Partial<Sum>`
+    /// placement holds pending).
     Sum,
     /// Sum, then divide by the number of contributions.
     Avg,
+    /// Elementwise maximum ([`Element::max_of`]).
     Max,
+    /// Elementwise minimum ([`Element::min_of`]).
     Min,
 }
 
@@ -99,15 +109,25 @@ mod sealed {
 pub trait Element:
     sealed::Sealed + Copy + Default + PartialEq + PartialOrd + Send + Sync + fmt::Debug + 'static
 {
+    /// The run-time [`DType`] tag of this type; dtype-erased buffers are viewed as `&[Self]`
+    /// by matching on it.
     const DTYPE: DType;
+    /// The additive identity (`0`).
     fn zero() -> Self;
+    /// The multiplicative identity (`1`).
     fn one() -> Self;
+    /// `self + other`; for `bf16` and `f16` computed in `f32` and rounded back once.
     fn add(self, other: Self) -> Self;
+    /// `self * other`; for `bf16` and `f16` computed in `f32` and rounded back once.
     fn mul(self, other: Self) -> Self;
     /// `self / n`, used by `ReduceOp::Avg`.
     fn div_count(self, n: usize) -> Self;
+    /// Converts from `f64`: rounded to nearest for the float types, an `as` cast
+    /// (truncating toward zero, saturating, NaN to 0) for the integers.
     fn from_f64(v: f64) -> Self;
+    /// Converts to `f64` (exact for every type but `i64` beyond 2⁵³).
     fn to_f64(self) -> f64;
+    /// The larger of the two; `self` if they are unordered (a NaN `other` is ignored).
     fn max_of(self, other: Self) -> Self {
         if other > self {
             other
@@ -115,6 +135,7 @@ pub trait Element:
             self
         }
     }
+    /// The smaller of the two; `self` if they are unordered (a NaN `other` is ignored).
     fn min_of(self, other: Self) -> Self {
         if other < self {
             other
@@ -122,7 +143,9 @@ pub trait Element:
             self
         }
     }
+    /// Wraps a typed slice as the dtype-erased [`Slice`] a `dyn Communicator` takes.
     fn slice(s: &[Self]) -> Slice<'_>;
+    /// Wraps a typed mutable slice as the dtype-erased [`SliceMut`].
     fn slice_mut(s: &mut [Self]) -> SliceMut<'_>;
 }
 
@@ -247,22 +270,34 @@ half_element!(f16, F16);
 /// A borrowed buffer of any element type.
 #[derive(Clone, Copy, Debug)]
 pub enum Slice<'a> {
+    /// A buffer of [`DType::F32`] elements.
     F32(&'a [f32]),
+    /// A buffer of [`DType::F64`] elements.
     F64(&'a [f64]),
+    /// A buffer of [`DType::BF16`] elements.
     BF16(&'a [bf16]),
+    /// A buffer of [`DType::F16`] elements.
     F16(&'a [f16]),
+    /// A buffer of [`DType::I32`] elements.
     I32(&'a [i32]),
+    /// A buffer of [`DType::I64`] elements.
     I64(&'a [i64]),
 }
 
 /// A mutably borrowed buffer of any element type.
 #[derive(Debug)]
 pub enum SliceMut<'a> {
+    /// A buffer of [`DType::F32`] elements.
     F32(&'a mut [f32]),
+    /// A buffer of [`DType::F64`] elements.
     F64(&'a mut [f64]),
+    /// A buffer of [`DType::BF16`] elements.
     BF16(&'a mut [bf16]),
+    /// A buffer of [`DType::F16`] elements.
     F16(&'a mut [f16]),
+    /// A buffer of [`DType::I32`] elements.
     I32(&'a mut [i32]),
+    /// A buffer of [`DType::I64`] elements.
     I64(&'a mut [i64]),
 }
 
@@ -318,12 +353,15 @@ impl<'a> Slice<'a> {
     pub fn typed<T: Element>(self) -> Option<&'a [T]> {
         T::typed_view(self)
     }
+    /// The element type of the buffer (which variant this is).
     pub fn dtype(&self) -> DType {
         with_slice!(Slice, self, |_s: T| <T as Element>::DTYPE)
     }
+    /// The number of elements (not bytes).
     pub fn len(&self) -> usize {
         with_slice!(Slice, self, |s: T| s.len())
     }
+    /// True if the buffer holds no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -341,12 +379,15 @@ impl<'a> SliceMut<'a> {
     pub fn typed_mut<T: Element>(self) -> Option<&'a mut [T]> {
         T::typed_view_mut(self)
     }
+    /// The element type of the buffer (which variant this is).
     pub fn dtype(&self) -> DType {
         with_slice!(SliceMut, self, |_s: T| <T as Element>::DTYPE)
     }
+    /// The number of elements (not bytes).
     pub fn len(&self) -> usize {
         with_slice!(SliceMut, self, |s: T| s.len())
     }
+    /// True if the buffer holds no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -17,6 +17,8 @@
 //! assert_eq!(t.to_dtype(DType::F64).dtype(), DType::F64);
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod dtype;
 pub mod error;
 pub mod memory;

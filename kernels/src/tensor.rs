@@ -10,11 +10,17 @@ use std::sync::Arc;
 /// Contiguous row-major elements of one dtype, in host memory.
 #[derive(Clone, Debug, PartialEq)]
 pub enum CpuStorage {
+    /// Elements of [`DType::F32`].
     F32(Vec<f32>),
+    /// Elements of [`DType::F64`].
     F64(Vec<f64>),
+    /// Elements of [`DType::BF16`].
     BF16(Vec<bf16>),
+    /// Elements of [`DType::F16`].
     F16(Vec<f16>),
+    /// Elements of [`DType::I32`].
     I32(Vec<i32>),
+    /// Elements of [`DType::I64`].
     I64(Vec<i64>),
 }
 
@@ -26,6 +32,8 @@ pub struct CpuBuffer {
 }
 
 impl CpuBuffer {
+    /// The whole buffer's elements; a tensor viewing it may use only a run of them (from
+    /// its offset, `numel` long).
     pub fn data(&self) -> &CpuStorage {
         &self.data
     }
@@ -52,13 +60,18 @@ impl Drop for CpuBuffer {
 /// buffers through cudarc) joins it with the `cuda` feature.
 #[derive(Clone, Debug)]
 pub enum Storage {
+    /// Host memory, shared by reference count among the tensors that view it.
     Cpu(Arc<CpuBuffer>),
 }
 
 /// Maps an element type to its `CpuStorage` variant and back.
 pub trait StorageElement: Element {
+    /// Wraps the elements as the [`CpuStorage`] variant of this type (no copy).
     fn wrap(v: Vec<Self>) -> CpuStorage;
+    /// The elements, if `s` holds this type; `None` for any other variant.
     fn view(s: &CpuStorage) -> Option<&[Self]>;
+    /// The vector itself (so its length can change), if `s` holds this type; `None` for
+    /// any other variant.
     fn view_mut(s: &mut CpuStorage) -> Option<&mut Vec<Self>>;
 }
 
@@ -91,12 +104,15 @@ storage_element!(i32, I32);
 storage_element!(i64, I64);
 
 impl CpuStorage {
+    /// The element type (which variant this is).
     pub fn dtype(&self) -> DType {
         self.slice().dtype()
     }
+    /// The number of elements stored (not bytes, not the capacity).
     pub fn len(&self) -> usize {
         self.slice().len()
     }
+    /// True if no elements are stored.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -386,21 +402,29 @@ impl Tensor {
         Ok(Tensor::from_storage(shape, data))
     }
 
+    /// The extents, outermost first (`[]` for a scalar).
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
+    /// The number of dimensions, `shape().len()` (the tensor's rank, not a process rank).
     pub fn rank(&self) -> usize {
         self.shape.len()
     }
+    /// The number of elements, the product of the extents (1 for a scalar).
     pub fn numel(&self) -> usize {
         numel(&self.shape)
     }
+    /// The element type.
     pub fn dtype(&self) -> DType {
         self.buffer().data.dtype()
     }
+    /// The bytes this tensor's elements occupy, `numel · dtype size`; a view of a larger
+    /// shared buffer counts only its own elements.
     pub fn size_in_bytes(&self) -> usize {
         self.numel() * self.dtype().size_in_bytes()
     }
+    /// The storage this tensor views, which other tensors may share and which may hold
+    /// more elements than this tensor uses.
     pub fn storage(&self) -> &Storage {
         &self.storage
     }

@@ -28,10 +28,15 @@ use crate::{plan, Axis, Composition, CpImpl, DataKind, Model, Plan, ScheduleKind
 /// sustained compute (TFLOP/s), memory per device (GiB).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Interconnect {
+    /// Devices (ranks) per node.
     pub node_size: usize,
+    /// Bandwidth per rank inside a node, GB/s (10⁹ bytes per second).
     pub intra_gbps: f64,
+    /// Bandwidth per rank across nodes, GB/s.
     pub inter_gbps: f64,
+    /// Sustained compute per device, TFLOP/s (10¹² FLOP per second).
     pub tflops: f64,
+    /// Memory per device, GiB (2³⁰ bytes); compositions needing more are ranked last.
     pub memory_gib: f64,
 }
 
@@ -52,6 +57,7 @@ impl Default for Interconnect {
 /// A ranked composition.
 #[derive(Clone, Debug)]
 pub struct Ranked {
+    /// The composition's plan (bytes, memory, bubble).
     pub plan: Plan,
     /// Estimated seconds per step.
     pub step_secs: f64,

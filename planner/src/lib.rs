@@ -15,6 +15,16 @@
 //!   sees;
 //! - the pipeline bubble of the schedule.
 //!
+//! ```
+//! use dtensor_planner::{plan, Axis, Composition, Model};
+//! let model = Model::preset("gpt-small").unwrap();
+//! let c: Composition = "dp=2,tp=2,sp".parse().unwrap();
+//! let p = plan(&model, &c).unwrap();
+//! assert!(p.axis_bytes(Axis::Tp) > 0 && p.axis_bytes(Axis::Dp) > 0);
+//! assert_eq!(p.axis_bytes(Axis::Pp), 0); // no pipeline: no stage hops
+//! assert_eq!(p.bubble, 0.0);
+//! ```
+//!
 //! `planner/tests/reality.rs` runs the GPT on thread ranks and holds the bytes per axis to
 //! these figures within 1% (equal to the byte outside MoE dispatch) and the peak per-rank
 //! tensor memory within 10%; `planner/tests/table.rs` compares the background notes'
@@ -42,6 +52,8 @@
 //! on the routing; the plan gives the uniform-routing expectation and the reality tests
 //! exclude them.
 
+#![warn(missing_docs)]
+
 pub mod cost;
 pub mod model;
 pub mod params;
@@ -56,15 +68,26 @@ use std::str::FromStr;
 /// A mesh axis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Axis {
+    /// Pipeline parallelism: the layers cut into stages; outermost in the rank layout,
+    /// and never in a tensor's layout (a stage hop is a send/recv).
     Pp,
+    /// Data parallelism: the batch split; parameters replicated (DDP) or sharded (ZeRO,
+    /// FSDP) over it.
     Dp,
+    /// Expert parallelism: MoE experts sharded over it, tokens dispatched by all-to-all;
+    /// the batch is split over it too.
     Ep,
+    /// Context parallelism: the sequence cut into `2·cp` load-balanced chunks over it.
     Cp,
+    /// Tensor parallelism: heads, MLP width and vocabulary sharded over it; innermost
+    /// (consecutive ranks, the fastest link).
     Tp,
 }
 
 impl Axis {
+    /// Every axis, in the rank layout's order `[Pp, Dp, Ep, Cp, Tp]` (outermost first).
     pub const ALL: [Axis; 5] = [Axis::Pp, Axis::Dp, Axis::Ep, Axis::Cp, Axis::Tp];
+    /// The lower-case name (`"pp"`, `"dp"`, …) that composition strings and reports use.
     pub fn name(self) -> &'static str {
         match self {
             Axis::Pp => "pp",
@@ -79,45 +102,84 @@ impl Axis {
 /// How parameters are held over `Dp`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DataKind {
+    /// Parameters, gradients and optimizer state replicated over `Dp`; gradients
+    /// all-reduced once per step.
     Ddp,
+    /// ZeRO-1: optimizer state (and masters) sharded over `Dp`; gradients reduce-scattered
+    /// once per step, the updated shards all-gathered.
     Zero1,
+    /// ZeRO-2: gradients sharded too, reduce-scattered per microbatch; the updated shards
+    /// all-gathered once per step.
     Zero2,
+    /// FSDP: parameters sharded over `Dp`, all-gathered per microbatch before use (again
+    /// in the backward with [`Composition::reshard`]); gradients reduce-scattered per
+    /// microbatch.
     Fsdp,
 }
 
 /// Attention over `Cp`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CpImpl {
+    /// Ring attention: K and V pass round the `Cp` ring (send/recv), with an online
+    /// softmax; dK and dV travel back in the backward.
     Ring,
+    /// All-to-all (Ulysses): QKV re-sharded from the sequence to the heads and the output
+    /// back; needs the heads per `Tp` rank to divide by `cp`.
     AllToAll,
 }
 
 /// The pipeline schedule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ScheduleKind {
+    /// GPipe: every microbatch's forward, then every backward; bubble
+    /// `(pp−1)/(m+pp−1)`, all `m` microbatches' activations live at the peak.
     Gpipe,
+    /// 1F1B: after a warm-up, one forward then one backward; GPipe's bubble with at most
+    /// `pp − rank` microbatches in flight.
     OneFOneB,
+    /// Interleaved 1F1B: each pipeline rank holds [`Composition::virtual_stages`] model
+    /// chunks; bubble `(pp−1)/(v·m+pp−1)`.
     Interleaved,
+    /// ZB-H1: the backward split into input and weight passes, the weight passes deferred
+    /// into the bubble; a third of 1F1B's bubble, one more microbatch in flight.
     ZeroBubble,
 }
 
 /// One way to run the model: the degrees and every switch that changes bytes or memory.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Composition {
+    /// The pipeline degree: the number of pipeline stages ([`Axis::Pp`]).
     pub pp: usize,
+    /// The data-parallel degree ([`Axis::Dp`]).
     pub dp: usize,
+    /// The expert-parallel degree ([`Axis::Ep`]); above 1 only for a MoE model, whose
+    /// expert count it must divide.
     pub ep: usize,
+    /// The context-parallel degree ([`Axis::Cp`]); above 1, the sequence must divide into
+    /// `2·cp` chunks.
     pub cp: usize,
+    /// The tensor-parallel degree ([`Axis::Tp`]); heads, vocabulary and ffn must divide
+    /// by it.
     pub tp: usize,
+    /// Sequence parallelism over `Tp` (needs `tp > 1`): norms and residuals stay sharded
+    /// over the sequence, and each `Tp` all-reduce becomes an all-gather and a
+    /// reduce-scatter.
     pub sp: bool,
+    /// How parameters, gradients and optimizer state are held over `Dp`.
     pub data: DataKind,
     /// FSDP: gather again in the backward (default true, as train_gpt).
     pub reshard: bool,
+    /// Activation recomputation: each block keeps only its input and is run again in the
+    /// backward (one more forward's `Tp` traffic and compute, far less activation memory).
     pub recompute: bool,
+    /// Microbatches per optimizer step (gradient accumulation, and the pipeline's
+    /// microbatches); the global batch must divide by `dp·ep·microbatches`.
     pub microbatches: usize,
+    /// The pipeline schedule (used when `pp > 1`).
     pub schedule: ScheduleKind,
     /// Model chunks per pipeline rank (interleaved schedule).
     pub virtual_stages: usize,
+    /// How attention runs over `Cp` (used when `cp > 1`).
     pub cp_impl: CpImpl,
     /// bf16 compute copies and activations, f32 masters and optimizer state.
     pub bf16: bool,
@@ -151,6 +213,7 @@ impl Default for Composition {
 }
 
 impl Composition {
+    /// The number of ranks: the product of the five degrees.
     pub fn world(&self) -> usize {
         self.pp * self.dp * self.ep * self.cp * self.tp
     }
@@ -313,7 +376,10 @@ impl FromStr for Composition {
 /// One line of the communication bill.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CommItem {
+    /// The mesh axis whose communicators send these bytes.
     pub axis: Axis,
+    /// What moves, e.g. `"embedding exit"` or [`MOE_DISPATCH`]; one item per axis and
+    /// `what`.
     pub what: &'static str,
     /// Bytes sent in one step, summed over all ranks.
     pub bytes: u64,
@@ -360,9 +426,13 @@ impl Memory {
 /// What [`plan`] found.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Plan {
+    /// The model planned for.
     pub model: Model,
+    /// The composition planned for.
     pub composition: Composition,
+    /// The communication bill of one step, itemized (items of 0 bytes left out).
     pub items: Vec<CommItem>,
+    /// Per-rank memory of the busiest pipeline rank.
     pub memory: Memory,
     /// Idle fraction of a pipeline rank's step (0 without pipelining).
     pub bubble: f64,

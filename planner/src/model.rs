@@ -13,18 +13,27 @@ pub enum Activation {
 /// A mixture-of-experts MLP in every block (experts sharded over `Ep`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Moe {
+    /// Experts per block; `ep` must divide it.
     pub experts: usize,
+    /// Experts each token is routed to.
     pub top_k: usize,
 }
 
 /// A GPT and its step's batch.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Model {
+    /// A label for reports: the preset's name, a model file's `name`, or `custom`.
     pub name: String,
+    /// Vocabulary size: rows of the embedding table and of the LM head (sharded over
+    /// `Tp`).
     pub vocab: usize,
+    /// Hidden size, the width of the residual stream.
     pub hidden: usize,
+    /// Attention heads (as many K/V heads as query heads); `hidden` divides by it.
     pub heads: usize,
+    /// Transformer blocks.
     pub layers: usize,
+    /// The MLP's inner width (per expert in a MoE model).
     pub ffn: usize,
     /// Tokens per sequence.
     pub seq_len: usize,
@@ -34,7 +43,9 @@ pub struct Model {
     pub layer_norm: bool,
     /// Biases in the linear layers (and the LM head).
     pub bias: bool,
+    /// The MLP's activation (GELU or SwiGLU).
     pub activation: Activation,
+    /// `Some` for a mixture-of-experts MLP in every block, `None` for a dense MLP.
     pub moe: Option<Moe>,
 }
 

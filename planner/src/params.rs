@@ -25,15 +25,20 @@ pub enum Kind {
 /// Where a parameter lives (which pipeline stage holds it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Place {
+    /// The token embedding table, on the first pipeline stage.
     Embedding,
+    /// A parameter of block `l` (0-based), on the stage holding that layer.
     Block(usize),
+    /// The final norm and the LM head, on the last pipeline stage.
     Head,
 }
 
 /// One parameter.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ParamInfo {
+    /// How it is sharded and how its gradient is reduced.
     pub kind: Kind,
+    /// Which stage holds it.
     pub place: Place,
     /// Elements of the whole parameter.
     pub global: u64,

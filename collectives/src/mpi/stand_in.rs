@@ -31,19 +31,29 @@ pub fn init_with(_options: Options) -> Result<Mpi> {
     Err(not_compiled())
 }
 
+// The methods of the real `Mpi`, uncallable here (no value exists); their docs say what
+// they do with the feature on.
 impl Mpi {
+    /// The world communicator (all ranks `mpirun` started). Unreachable without the `mpi`
+    /// feature.
     pub fn world(&self) -> Arc<dyn Communicator> {
         match self._never {}
     }
+    /// This process's rank in the world. Unreachable without the `mpi` feature.
     pub fn rank(&self) -> usize {
         match self._never {}
     }
+    /// The number of ranks in the world. Unreachable without the `mpi` feature.
     pub fn size(&self) -> usize {
         match self._never {}
     }
+    /// Ends the whole job with exit code `code` (`MPI_Abort`) after printing `message`.
+    /// Unreachable without the `mpi` feature.
     pub fn abort(&self, _message: &str, _code: i32) -> ! {
         match self._never {}
     }
+    /// Ends MPI for this process, collectively over the world. Unreachable without the
+    /// `mpi` feature.
     pub fn finalize(self) -> Result<()> {
         match self._never {}
     }

@@ -171,7 +171,9 @@ pub fn swiglu_into(dst: &mut Tensor, gate: &Tensor, up: &Tensor) -> Result<()> {
 /// The gradients of [`swiglu`] with respect to `gate` and `up`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SwiGluGrads {
+    /// `dy·up·silu'(gate)`: the gradient of the gate input, `gate`'s shape and dtype.
     pub d_gate: Tensor,
+    /// `dy·silu(gate)`: the gradient of the up input, `up`'s shape and dtype.
     pub d_up: Tensor,
 }
 

@@ -23,8 +23,11 @@ use crate::{DType, Error, Result, Shape, Tensor};
 /// table with `vocab` rows (Megatron's `vocab_start_index` / `vocab_end_index`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct VocabShard {
+    /// The global id of this rank's first row.
     pub start: usize,
+    /// The number of rows this rank holds (the local table's first extent; 0 is allowed).
     pub len: usize,
+    /// The number of rows of the full table; every id must lie in `0..vocab`.
     pub vocab: usize,
 }
 

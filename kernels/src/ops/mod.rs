@@ -124,8 +124,10 @@ pub enum Accum {
 /// copy is made).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Transpose {
+    /// The operand as stored (its last two dims used as they are).
     #[default]
     No,
+    /// The operand's last two dims swapped (`Aᵀ`), read through strides.
     Yes,
 }
 

@@ -21,6 +21,7 @@ use num_traits::Float as _;
 /// What [`layer_norm`] returns: the output and the per-row statistics its backward takes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerNormOutput {
+    /// The normalized output, `x`'s shape and dtype.
     pub y: Tensor,
     /// Per-row mean, shape `x.shape()[..rank-1]`, compute dtype.
     pub mean: Tensor,
@@ -31,14 +32,20 @@ pub struct LayerNormOutput {
 /// The gradients of [`layer_norm`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerNormGrads {
+    /// The input gradient, `x`'s shape and dtype.
     pub dx: Tensor,
+    /// The weight gradient `Σ_rows dy·x̂`, `[n]` in `x`'s dtype (summed over this rank's
+    /// rows only: under sequence parallelism a partial sum to reduce across ranks).
     pub dweight: Tensor,
+    /// The bias gradient `Σ_rows dy`, `[n]` in `x`'s dtype (a partial sum under sequence
+    /// parallelism, as `dweight`).
     pub dbias: Tensor,
 }
 
 /// What [`rms_norm`] returns: the output and the per-row statistic its backward takes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RmsNormOutput {
+    /// The normalized output, `x`'s shape and dtype.
     pub y: Tensor,
     /// Per-row `1/√(mean x² + eps)`, shape `x.shape()[..rank-1]`, compute dtype.
     pub rstd: Tensor,
@@ -47,7 +54,10 @@ pub struct RmsNormOutput {
 /// The gradients of [`rms_norm`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct RmsNormGrads {
+    /// The input gradient, `x`'s shape and dtype.
     pub dx: Tensor,
+    /// The weight gradient `Σ_rows dy·x̂`, `[n]` in `x`'s dtype (summed over this rank's
+    /// rows only: under sequence parallelism a partial sum to reduce across ranks).
     pub dweight: Tensor,
 }
 
