@@ -17,6 +17,13 @@
 //! assert_eq!(t.to_dtype(DType::F64).dtype(), DType::F64);
 //! ```
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+/// Stand-ins for the `cuda` module in a build without the feature: the same entry points,
+/// each returning [`Error::CudaNotCompiled`], so every caller compiles on a CPU-only build.
+#[cfg(not(feature = "cuda"))]
+#[path = "cuda_stub.rs"]
+pub mod cuda;
 pub mod dtype;
 pub mod error;
 pub mod memory;
