@@ -640,3 +640,42 @@ fn gpu_causal_attention_matches_cpu() {
         assert!(e.to_string().contains("not on cuda"), "{e}");
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_matmul_matches_cpu() {
+    use dtensor_kernels::ops::Transpose::{No, Yes};
+    let Some(dev) = gpu() else { return };
+    for (k, dt) in FLOATS.into_iter().enumerate() {
+        let seed = 300 + 10 * k as u64;
+        // (lhs shape, ta, rhs shape, tb): 2-D, batched, shared rhs, every transpose.
+        let cases: [(&[usize], _, &[usize], _); 6] = [
+            (&[5, 37], No, &[37, 9], No),
+            (&[37, 5], Yes, &[37, 9], No),
+            (&[5, 37], No, &[9, 37], Yes),
+            (&[37, 5], Yes, &[9, 37], Yes),
+            (&[3, 5, 37], No, &[3, 37, 9], No),
+            (&[3, 37, 5], Yes, &[9, 37], Yes),
+        ];
+        for (i, (sa, ta, sb, tb)) in cases.into_iter().enumerate() {
+            let a = rand(sa, dt, seed + i as u64);
+            let b = rand(sb, dt, seed + 100 + i as u64);
+            let c = ops::matmul(&a, ta, &b, tb).unwrap();
+            let (ga, gb) = (up(&a, &dev), up(&b, &dev));
+            let what = format!("matmul {sa:?}{ta:?}·{sb:?}{tb:?}");
+            assert_close(&what, &down(&g::matmul(&ga, ta, &gb, tb).unwrap()), &c, 8.0);
+            // Accum::Add on top of an existing dst.
+            let init = rand(c.shape(), dt, seed + 200);
+            let mut gd = up(&init, &dev);
+            g::matmul_into(&mut gd, &ga, ta, &gb, tb, Accum::Add).unwrap();
+            let mut cd = init.clone();
+            ops::matmul_into(&mut cd, &a, ta, &b, tb, Accum::Add, ops::Parallelism::None).unwrap();
+            assert_close(&format!("{what} (Add)"), &down(&gd), &cd, 8.0);
+        }
+        let a = up(&rand(&[5, 4], dt, 1), &dev);
+        assert!(
+            g::matmul(&a, No, &a, No).is_err(),
+            "k mismatch must be an Err"
+        );
+    }
+}

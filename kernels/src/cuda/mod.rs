@@ -261,6 +261,41 @@ fn nvrtc_compile(
     }
 }
 
+/// A device's default memory pool (owned by the driver, valid as long as the context).
+struct PoolHandle(cudarc::driver::sys::CUmemoryPool);
+
+// SAFETY: a CUmemoryPool is a driver handle usable from any thread.
+unsafe impl Send for PoolHandle {}
+// SAFETY: as above; the driver synchronizes access to the pool.
+unsafe impl Sync for PoolHandle {}
+
+/// The caching allocator: cudarc allocates with `cuMemAllocAsync` from the device's default
+/// memory pool and frees with `cuMemFreeAsync`. By default the pool hands freed memory back to
+/// the driver at every synchronization (release threshold 0), so steady-state ops would keep
+/// paying for fresh allocations; with the threshold at `u64::MAX` freed blocks stay cached and
+/// are reused by later allocations on the stream, as PyTorch's caching allocator does.
+/// [`Device::trim`] gives the cache back.
+fn keep_freed_memory(op: &'static str, dev: cudarc::driver::sys::CUdevice) -> Result<PoolHandle> {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `dev` is a valid device of an initialized driver; `pool` is an out pointer.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, dev) }
+        .result()
+        .map_err(|e| driver_err(op, e))?;
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: the release threshold is a u64 attribute read through the pointer.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    }
+    .result()
+    .map_err(|e| driver_err(op, e))?;
+    Ok(PoolHandle(pool))
+}
+
 /// One GPU: its context, stream, lazily created cuBLAS handle and lazily loaded kernel
 /// modules. Cheap to clone (shared); [`Device::new`] returns the same handle for the same
 /// ordinal within a process. Work is queued on one stream in call order.
@@ -274,6 +309,8 @@ struct Inner {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     arch: (i32, i32),
+    /// The device's default stream-ordered memory pool, when the device has one.
+    pool: Option<PoolHandle>,
     blas: OnceLock<Arc<cudarc::cublas::CudaBlas>>,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
 }
@@ -318,12 +355,18 @@ impl Device {
         let ctx = CudaContext::new(ordinal).map_err(|e| driver_err(OP, e))?;
         let arch = ctx.compute_capability().map_err(|e| driver_err(OP, e))?;
         let stream = ctx.default_stream();
+        let pool = if ctx.has_async_alloc() {
+            Some(keep_freed_memory(OP, ctx.cu_device())?)
+        } else {
+            None
+        };
         let dev = Device {
             inner: Arc::new(Inner {
                 ordinal,
                 ctx,
                 stream,
                 arch,
+                pool,
                 blas: OnceLock::new(),
                 modules: Mutex::new(HashMap::new()),
             }),
@@ -353,6 +396,40 @@ impl Device {
             .stream
             .synchronize()
             .map_err(|e| driver_err("cuda::Device::synchronize", e))
+    }
+
+    /// Bytes the device's memory pool holds (in use or cached for reuse); 0 when the device
+    /// has no stream-ordered pool.
+    pub fn pool_reserved_bytes(&self) -> Result<usize> {
+        use cudarc::driver::sys;
+        let Some(pool) = &self.inner.pool else {
+            return Ok(0);
+        };
+        let mut v: u64 = 0;
+        // SAFETY: a live pool of this device; the attribute is a u64 written through `v`.
+        unsafe {
+            sys::cuMemPoolGetAttribute(
+                pool.0,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+                (&mut v as *mut u64).cast(),
+            )
+        }
+        .result()
+        .map_err(|e| driver_err("cuda::Device::pool_reserved_bytes", e))?;
+        Ok(v as usize)
+    }
+
+    /// Returns the pool's cached, unused memory to the driver (after the queued work ends).
+    pub fn trim(&self) -> Result<()> {
+        const OP: &str = "cuda::Device::trim";
+        let Some(pool) = &self.inner.pool else {
+            return Ok(());
+        };
+        self.synchronize()?;
+        // SAFETY: a live pool of this device.
+        unsafe { cudarc::driver::sys::cuMemPoolTrimTo(pool.0, 0) }
+            .result()
+            .map_err(|e| driver_err(OP, e))
     }
 
     /// The cuBLAS handle (created on first use, bound to the stream).

@@ -14,6 +14,12 @@
 //! | `DTensor::cross_entropy` pieces (f64) | [`ce_row_max`], [`ce_sum_target`], [`ce_loss`], [`ce_grad`] | to rounding |
 //! | `Tensor::pack`, `unpack`, `narrow`, `cat` | [`pack`], [`unpack`], [`narrow`], [`cat`] | bitwise |
 //! | `ops::causal_attention` and backward | [`causal_attention`], [`causal_attention_backward`] | to rounding; `seq_len` bounded by shared memory |
+//! | `ops::matmul`, `matmul_into` | [`matmul`], [`matmul_into`] (cuBLAS) | to rounding (cuBLAS's order) |
+//!
+//! Not on the GPU yet: `ops::attention_block` (+ backward), `merge_attention`, `pack_kv`,
+//! `fuse_qkv_grad`, `gather_rows`, `grouped_matmul_t` (+ backward), `scatter_add_rows`
+//! (the context-parallel and MoE kernels), `Tensor::map` (a host closure), and the
+//! collectives' `reduce_into` / `combine` (Sum is [`add`]; Max/Min/Avg have no kernel).
 //!
 //! Element counts and row counts come from the checked shapes, never from buffer lengths, so
 //! a launch cannot index out of bounds. Ops queue on the device's stream and return at once.
@@ -1762,4 +1768,222 @@ pub fn causal_attention_backward(
         launch(OP, &mut l, per_row(OP, rows, smem)?)?;
     }
     Ok(dqkv)
+}
+
+// ---- matmul (cuBLAS) -----------------------------------------------------------------
+
+/// `ops::matmul`'s shapes: `[m,k]·[k,n]`, `[b,m,k]·[b,k,n]`, `[b,m,k]·[k,n]` (rhs shared),
+/// after each operand's [`Transpose`](crate::ops::Transpose) of its last two dims.
+struct GemmPlan {
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    /// Elements between batch entries of rhs (0: shared).
+    b_stride: usize,
+    out: Shape,
+}
+
+fn gemm_plan(
+    op: &'static str,
+    a: &CudaTensor,
+    ta: crate::ops::Transpose,
+    b: &CudaTensor,
+    tb: crate::ops::Transpose,
+) -> Result<GemmPlan> {
+    use crate::ops::Transpose;
+    let mismatch = || Error::ShapeMismatch {
+        op,
+        lhs: a.shape().into(),
+        rhs: b.shape().into(),
+    };
+    same_device(op, &[a, b])?;
+    want_float(op, a)?;
+    if a.dtype() != b.dtype() {
+        return Err(Error::DTypeMismatch {
+            op,
+            lhs: a.dtype(),
+            rhs: b.dtype(),
+        });
+    }
+    let last2 = |t: &CudaTensor, tr: Transpose| -> Option<(usize, usize)> {
+        let s = t.shape();
+        let (r, c) = match s.len() {
+            2 | 3 => (s[s.len() - 2], s[s.len() - 1]),
+            _ => return None,
+        };
+        Some(if tr == Transpose::No { (r, c) } else { (c, r) })
+    };
+    let ((m, k), (k2, n)) = match (last2(a, ta), last2(b, tb)) {
+        (Some(x), Some(y)) => (x, y),
+        _ => return Err(mismatch()),
+    };
+    if k != k2 {
+        return Err(mismatch());
+    }
+    let (batch, b_stride, out): (usize, usize, Shape) = match (a.rank(), b.rank()) {
+        (2, 2) => (1, 0, [m, n][..].into()),
+        (3, 3) if a.shape()[0] == b.shape()[0] => {
+            (a.shape()[0], k * n, [a.shape()[0], m, n][..].into())
+        }
+        (3, 2) => (a.shape()[0], 0, [a.shape()[0], m, n][..].into()),
+        _ => return Err(mismatch()),
+    };
+    let fits = |v: usize| i32::try_from(v).is_ok();
+    if ![batch, m, n, k].into_iter().all(fits) {
+        return Err(Error::NotOnCuda {
+            op,
+            detail: format!(
+                ": a dim of {:?}·{:?} exceeds cuBLAS's i32 sizes",
+                a.shape(),
+                b.shape()
+            ),
+        });
+    }
+    Ok(GemmPlan {
+        batch,
+        m,
+        n,
+        k,
+        b_stride,
+        out,
+    })
+}
+
+/// `op(a)·op(b)` through cuBLAS (`ops::matmul`): f32 and f64 natively, bf16/f16 inputs and
+/// output with f32 compute (cublasGemmEx, rounded once). Row-major products run as the
+/// column-major `Cᵀ = op(b)ᵀ·op(a)ᵀ`. Batches use the strided-batched call (stride 0 for a
+/// shared rhs). cuBLAS's summation order is its own: results agree with the CPU to rounding.
+pub fn matmul(
+    a: &CudaTensor,
+    ta: crate::ops::Transpose,
+    b: &CudaTensor,
+    tb: crate::ops::Transpose,
+) -> Result<CudaTensor> {
+    let plan = gemm_plan("cuda::ops::matmul", a, ta, b, tb)?;
+    let mut dst = CudaTensor::uninit(a.device(), &plan.out, a.dtype())?;
+    matmul_planned(&mut dst, a, ta, b, tb, Accum::Replace, &plan)?;
+    Ok(dst)
+}
+
+/// [`matmul`] into `dst`, replacing or adding to it (`ops::matmul_into`).
+pub fn matmul_into(
+    dst: &mut CudaTensor,
+    a: &CudaTensor,
+    ta: crate::ops::Transpose,
+    b: &CudaTensor,
+    tb: crate::ops::Transpose,
+    accum: Accum,
+) -> Result<()> {
+    const OP: &str = "cuda::ops::matmul";
+    let plan = gemm_plan(OP, a, ta, b, tb)?;
+    same_device(OP, &[dst, a])?;
+    check_dst(OP, dst, &plan.out, a.dtype())?;
+    matmul_planned(dst, a, ta, b, tb, accum, &plan)
+}
+
+fn matmul_planned(
+    dst: &mut CudaTensor,
+    a: &CudaTensor,
+    ta: crate::ops::Transpose,
+    b: &CudaTensor,
+    tb: crate::ops::Transpose,
+    accum: Accum,
+    p: &GemmPlan,
+) -> Result<()> {
+    use crate::ops::Transpose;
+    use cudarc::cublas::sys::cublasOperation_t as Op;
+    use cudarc::cublas::{Gemm, GemmConfig, StridedBatchedConfig};
+    const OP: &str = "cuda::ops::matmul";
+    if p.batch * p.m * p.n == 0 {
+        return Ok(());
+    }
+    if p.k == 0 {
+        // An empty sum: zeros, or nothing to add.
+        if accum == Accum::Replace {
+            *dst = CudaTensor::zeros(a.device(), &p.out, a.dtype())?;
+        }
+        return Ok(());
+    }
+    let blas = a.device().blas()?.clone();
+    let (m, n, k) = (p.m as i32, p.n as i32, p.k as i32);
+    // Column-major: C'[n, m] = op'(B)[n, k] · op'(A)[k, m], B' = b, A' = a as stored.
+    let (transa, lda) = match tb {
+        Transpose::No => (Op::CUBLAS_OP_N, n),
+        Transpose::Yes => (Op::CUBLAS_OP_T, k),
+    };
+    let (transb, ldb) = match ta {
+        Transpose::No => (Op::CUBLAS_OP_N, k),
+        Transpose::Yes => (Op::CUBLAS_OP_T, m),
+    };
+    let beta = if accum == Accum::Add { 1.0 } else { 0.0 };
+    let (batch, stride_a, stride_b, stride_c) = (
+        p.batch as i32,
+        p.b_stride as i64,
+        (p.m * p.k) as i64,
+        (p.m * p.n) as i64,
+    );
+    let err = |e: cudarc::cublas::result::CublasError| Error::Cuda {
+        op: OP,
+        detail: e.to_string(),
+    };
+    macro_rules! run {
+        ($v:ident, $one:expr, $zero_or_one:expr) => {{
+            let (CudaBuffer::$v(sa), CudaBuffer::$v(sb)) = (a.buffer(), b.buffer()) else {
+                return Err(Error::DTypeMismatch {
+                    op: OP,
+                    lhs: a.dtype(),
+                    rhs: b.dtype(),
+                });
+            };
+            let dt = dst.dtype();
+            let CudaBuffer::$v(sc) = dst.buffer_mut() else {
+                return Err(Error::DTypeMismatch {
+                    op: OP,
+                    lhs: dt,
+                    rhs: a.dtype(),
+                });
+            };
+            let cfg = GemmConfig {
+                transa,
+                transb,
+                m: n,
+                n: m,
+                k,
+                alpha: $one,
+                lda,
+                ldb,
+                beta: $zero_or_one,
+                ldc: n,
+            };
+            // SAFETY: the plan checked the shapes: each buffer holds the batch·rows·cols
+            // elements the leading dimensions and strides above address.
+            unsafe {
+                if p.batch == 1 {
+                    blas.gemm(cfg, sb, sa, sc)
+                } else {
+                    blas.gemm_strided_batched(
+                        StridedBatchedConfig {
+                            gemm: cfg,
+                            batch_size: batch,
+                            stride_a,
+                            stride_b,
+                            stride_c,
+                        },
+                        sb,
+                        sa,
+                        sc,
+                    )
+                }
+            }
+            .map_err(err)
+        }};
+    }
+    match a.dtype() {
+        DType::F32 => run!(F32, 1.0f32, beta as f32),
+        DType::F64 => run!(F64, 1.0f64, beta),
+        DType::BF16 => run!(BF16, half::bf16::ONE, half::bf16::from_f64(beta)),
+        DType::F16 => run!(F16, half::f16::ONE, half::f16::from_f64(beta)),
+        other => Err(crate::ops::not_float(OP, other)),
+    }
 }
