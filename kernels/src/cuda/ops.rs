@@ -1979,11 +1979,98 @@ fn matmul_planned(
             .map_err(err)
         }};
     }
+    // bf16/f16: cublasGemmEx with 16-bit inputs and output, f32 compute and f32 alpha/beta
+    // (rounded once into the output); the buffers hold the bits as u16.
+    macro_rules! run16 {
+        ($v:ident, $ty:ident) => {{
+            use cudarc::cublas::{result, sys};
+            use cudarc::driver::{DevicePtr, DevicePtrMut};
+            let (CudaBuffer::$v(sa), CudaBuffer::$v(sb)) = (a.buffer(), b.buffer()) else {
+                return Err(Error::DTypeMismatch {
+                    op: OP,
+                    lhs: a.dtype(),
+                    rhs: b.dtype(),
+                });
+            };
+            let dt = dst.dtype();
+            let CudaBuffer::$v(sc) = dst.buffer_mut() else {
+                return Err(Error::DTypeMismatch {
+                    op: OP,
+                    lhs: dt,
+                    rhs: a.dtype(),
+                });
+            };
+            let stream = a.device().stream().clone(); // the stream Device::blas bound cuBLAS to
+            let (alpha, beta) = (1.0f32, beta as f32);
+            let ty = sys::cudaDataType_t::$ty;
+            let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+            let algo = sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
+            // The guards order the stream after the buffers' last writes/reads and record
+            // this use; they live until the call is queued.
+            let (pb, _gb) = sb.device_ptr(&stream);
+            let (pa, _ga) = sa.device_ptr(&stream);
+            let (pc, _gc) = sc.device_ptr_mut(&stream);
+            // SAFETY: as for the typed calls above; alpha/beta are host f32 as
+            // CUBLAS_COMPUTE_32F requires; the pointers are device buffers of u16 bits.
+            unsafe {
+                if p.batch == 1 {
+                    result::gemm_ex(
+                        *blas.handle(),
+                        transa,
+                        transb,
+                        n,
+                        m,
+                        k,
+                        (&alpha as *const f32).cast(),
+                        pb as *const _,
+                        ty,
+                        lda,
+                        pa as *const _,
+                        ty,
+                        ldb,
+                        (&beta as *const f32).cast(),
+                        pc as *mut _,
+                        ty,
+                        n,
+                        compute,
+                        algo,
+                    )
+                } else {
+                    result::gemm_strided_batched_ex(
+                        *blas.handle(),
+                        transa,
+                        transb,
+                        n,
+                        m,
+                        k,
+                        (&alpha as *const f32).cast(),
+                        pb as *const _,
+                        ty,
+                        lda,
+                        stride_a,
+                        pa as *const _,
+                        ty,
+                        ldb,
+                        stride_b,
+                        (&beta as *const f32).cast(),
+                        pc as *mut _,
+                        ty,
+                        n,
+                        stride_c,
+                        batch,
+                        compute,
+                        algo,
+                    )
+                }
+            }
+            .map_err(err)
+        }};
+    }
     match a.dtype() {
         DType::F32 => run!(F32, 1.0f32, beta as f32),
         DType::F64 => run!(F64, 1.0f64, beta),
-        DType::BF16 => run!(BF16, half::bf16::ONE, half::bf16::from_f64(beta)),
-        DType::F16 => run!(F16, half::f16::ONE, half::f16::from_f64(beta)),
+        DType::BF16 => run16!(BF16, CUDA_R_16BF),
+        DType::F16 => run16!(F16, CUDA_R_16F),
         other => Err(crate::ops::not_float(OP, other)),
     }
 }

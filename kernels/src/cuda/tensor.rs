@@ -5,13 +5,15 @@ use crate::{checked_numel, DType, Error, Result, Shape, Tensor};
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
 
-/// A device buffer of one of the six element types.
+/// A device buffer of one of the six element types. `bf16` and `f16` are held as their bits
+/// (`u16`): the kernels and cuBLAS read them as 16-bit floats, and the host copies go through
+/// `bytemuck` (no dependency of cudarc on `half`).
 #[derive(Debug)]
 pub enum CudaBuffer {
     F32(CudaSlice<f32>),
     F64(CudaSlice<f64>),
-    BF16(CudaSlice<bf16>),
-    F16(CudaSlice<f16>),
+    BF16(CudaSlice<u16>),
+    F16(CudaSlice<u16>),
     I32(CudaSlice<i32>),
     I64(CudaSlice<i64>),
 }
@@ -83,8 +85,8 @@ impl CudaTensor {
             match dtype {
                 DType::F32 => st.alloc::<f32>(n).map(CudaBuffer::F32),
                 DType::F64 => st.alloc::<f64>(n).map(CudaBuffer::F64),
-                DType::BF16 => st.alloc::<bf16>(n).map(CudaBuffer::BF16),
-                DType::F16 => st.alloc::<f16>(n).map(CudaBuffer::F16),
+                DType::BF16 => st.alloc::<u16>(n).map(CudaBuffer::BF16),
+                DType::F16 => st.alloc::<u16>(n).map(CudaBuffer::F16),
                 DType::I32 => st.alloc::<i32>(n).map(CudaBuffer::I32),
                 DType::I64 => st.alloc::<i64>(n).map(CudaBuffer::I64),
             }
@@ -105,8 +107,8 @@ impl CudaTensor {
         let buf = match dtype {
             DType::F32 => st.alloc_zeros::<f32>(n).map(CudaBuffer::F32),
             DType::F64 => st.alloc_zeros::<f64>(n).map(CudaBuffer::F64),
-            DType::BF16 => st.alloc_zeros::<bf16>(n).map(CudaBuffer::BF16),
-            DType::F16 => st.alloc_zeros::<f16>(n).map(CudaBuffer::F16),
+            DType::BF16 => st.alloc_zeros::<u16>(n).map(CudaBuffer::BF16),
+            DType::F16 => st.alloc_zeros::<u16>(n).map(CudaBuffer::F16),
             DType::I32 => st.alloc_zeros::<i32>(n).map(CudaBuffer::I32),
             DType::I64 => st.alloc_zeros::<i64>(n).map(CudaBuffer::I64),
         }
@@ -123,23 +125,22 @@ impl CudaTensor {
         const OP: &str = "Tensor::to_device";
         let st = dev.stream();
         macro_rules! up {
-            ($t:ty, $v:ident) => {{
-                let s = t.as_slice::<$t>()?;
-                let r = if s.is_empty() {
-                    st.alloc_zeros::<$t>(1)
+            ($s:expr, $v:ident) => {{
+                let s = $s;
+                if s.is_empty() {
+                    st.alloc_zeros(1).map(CudaBuffer::$v)
                 } else {
-                    st.clone_htod(s)
-                };
-                r.map(CudaBuffer::$v)
+                    st.clone_htod(s).map(CudaBuffer::$v)
+                }
             }};
         }
         let buf = match t.dtype() {
-            DType::F32 => up!(f32, F32),
-            DType::F64 => up!(f64, F64),
-            DType::BF16 => up!(bf16, BF16),
-            DType::F16 => up!(f16, F16),
-            DType::I32 => up!(i32, I32),
-            DType::I64 => up!(i64, I64),
+            DType::F32 => up!(t.as_slice::<f32>()?, F32),
+            DType::F64 => up!(t.as_slice::<f64>()?, F64),
+            DType::BF16 => up!(bytemuck::cast_slice::<bf16, u16>(t.as_slice()?), BF16),
+            DType::F16 => up!(bytemuck::cast_slice::<f16, u16>(t.as_slice()?), F16),
+            DType::I32 => up!(t.as_slice::<i32>()?, I32),
+            DType::I64 => up!(t.as_slice::<i64>()?, I64),
         }
         .map_err(|e| driver_err(OP, e))?;
         Ok(CudaTensor {
@@ -161,11 +162,19 @@ impl CudaTensor {
                 Tensor::from_vec(v, &self.shape)
             }};
         }
+        macro_rules! down16 {
+            ($s:expr, $t:ty) => {{
+                let mut v = st.clone_dtoh($s).map_err(|e| driver_err(OP, e))?;
+                v.truncate(n);
+                let v: Vec<$t> = v.into_iter().map(<$t>::from_bits).collect();
+                Tensor::from_vec(v, &self.shape)
+            }};
+        }
         match &self.buf {
             CudaBuffer::F32(s) => down!(s),
             CudaBuffer::F64(s) => down!(s),
-            CudaBuffer::BF16(s) => down!(s),
-            CudaBuffer::F16(s) => down!(s),
+            CudaBuffer::BF16(s) => down16!(s, bf16),
+            CudaBuffer::F16(s) => down16!(s, f16),
             CudaBuffer::I32(s) => down!(s),
             CudaBuffer::I64(s) => down!(s),
         }
