@@ -31,6 +31,27 @@
 //! # Ok(()) }
 //! ```
 
+//! ## Running on a GPU machine
+//!
+//! Build the test binaries here (`cargo test -p dtensor-kernels --features cuda --no-run`),
+//! strip them, and run them there with `--include-ignored`, with NVRTC (and cuBLAS for
+//! `matmul`) on `LD_LIBRARY_PATH`: e.g. the `nvidia/cu13/lib` of a CUDA 13 `nvidia-cuda-nvrtc`
+//! wheel. Kernels are loaded as cubins, so the driver's limit on the PTX version does not
+//! apply.
+//!
+//! ## Next: `Storage::Cuda` (not done yet)
+//!
+//! The CPU [`Tensor`](crate::Tensor) stays as it is; a device tensor is a [`CudaTensor`]. The
+//! plan for one tensor type over both: add `Storage::Cuda(CudaStorage)` (a [`CudaBuffer`], its
+//! [`Device`], an element offset) beside `Storage::Cpu`; every op of `ops` matches on the
+//! storage pair first (`(Cpu, Cpu)` runs today's code, `(Cuda, Cuda)` calls [`ops`] here,
+//! mixed devices are an `Invalid` error, and an op without a kernel answers
+//! [`Error::NotOnCuda`]); `as_slice`/`as_mut_slice` return an error for device storage, so
+//! code that reads elements directly fails with an error instead of copying silently.
+//! `Tensor::to_device`/`to_host` move between the two. The
+//! collectives take device buffers through a `DeviceSlice` variant of `Slice`/`SliceMut`,
+//! which only the NCCL backend accepts. The thread and MPI backends keep host slices.
+
 pub mod ops;
 pub mod source;
 mod tensor;

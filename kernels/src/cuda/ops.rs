@@ -31,8 +31,9 @@ use crate::ops::{Accum, CausalAttention, CausalAttentionOutput, VocabShard};
 use crate::{DType, Error, Result, Shape, Tensor};
 use cudarc::driver::{LaunchArgs, LaunchConfig, PushKernelArg};
 
-/// Threads per block; must equal `ROW_THREADS` in `common.cuh` (the block reductions assume it).
-const THREADS: u32 = 256;
+/// Threads per block; must equal `ROW_THREADS` in `common.cuh` (the block reductions assume it;
+/// a unit test checks the two agree).
+pub(crate) const THREADS: u32 = 256;
 /// Blocks of a grid-stride launch at most (enough to fill an H200 several times over).
 const MAX_BLOCKS: usize = 1 << 16;
 

@@ -194,6 +194,12 @@ mod tests {
     use super::*;
 
     #[test]
+    fn block_size_matches_the_kernels() {
+        let define = format!("#define ROW_THREADS {}", crate::cuda::ops::THREADS);
+        assert!(COMMON.contains(&define), "common.cuh must say `{define}`");
+    }
+
+    #[test]
     fn entries_are_unique_and_named_by_dtype() {
         let mut all: Vec<String> = MODULES.iter().flat_map(|m| m.entries()).collect();
         let n = all.len();
