@@ -679,3 +679,37 @@ fn gpu_matmul_matches_cpu() {
         );
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_pool_reuses_freed_memory() {
+    let Some(dev) = gpu() else { return };
+    if !dev.has_memory_pool() {
+        eprintln!(
+            "SKIPPED: {dev:?} has no stream-ordered memory pool (each allocation is cuMemAlloc)"
+        );
+        return;
+    }
+    let x = CudaTensor::zeros(&dev, &[1 << 22], DType::F32).unwrap();
+    drop(g::gelu(&x).unwrap());
+    dev.synchronize().unwrap();
+    let warm = dev.pool_reserved_bytes().unwrap();
+    assert!(
+        warm >= 2 * (4 << 22),
+        "the pool holds x and the freed output: {warm} bytes"
+    );
+    for _ in 0..50 {
+        drop(g::gelu(&x).unwrap());
+    }
+    dev.synchronize().unwrap();
+    assert_eq!(
+        dev.pool_reserved_bytes().unwrap(),
+        warm,
+        "steady state: freed blocks are reused, none added"
+    );
+    dev.trim().unwrap();
+    assert!(
+        dev.pool_reserved_bytes().unwrap() < warm,
+        "trim gives the cached output back"
+    );
+}

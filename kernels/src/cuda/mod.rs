@@ -419,6 +419,13 @@ impl Device {
             .map_err(|e| driver_err("cuda::Device::synchronize", e))
     }
 
+    /// Whether allocations come from the driver's stream-ordered pool (the caching
+    /// allocator); false on devices without memory pools, where each allocation is a
+    /// `cuMemAlloc`.
+    pub fn has_memory_pool(&self) -> bool {
+        self.inner.pool.is_some()
+    }
+
     /// Bytes the device's memory pool holds (in use or cached for reuse); 0 when the device
     /// has no stream-ordered pool.
     pub fn pool_reserved_bytes(&self) -> Result<usize> {
