@@ -4,8 +4,10 @@
 //! (row reductions, attention).
 //!
 //! These need a GPU: they are ignored by default and run on the GPU machine with
-//! `--include-ignored`. Each checks for a driver and a device first and returns with a
-//! message when there is none.
+//! `--include-ignored --test-threads=1` (one at a time: `gpu_pool_reuses_freed_memory` reads
+//! the device's pool-wide counters; `scripts/cuda-gpu-bundle.sh` builds a runner that does
+//! this). Each checks for a driver and a device first and returns with a message when there
+//! is none.
 #![cfg(feature = "cuda")]
 
 use dtensor_kernels::cuda::{self, ops as g, CudaTensor, Device};
