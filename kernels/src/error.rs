@@ -60,6 +60,35 @@ pub enum Error {
         /// What was wrong with the arguments, in words.
         detail: String,
     },
+    /// The CUDA driver library (`libcuda.so.1`) cannot be loaded, or it finds no device.
+    #[error("{op}: no CUDA driver found: {detail}")]
+    NoCudaDriver { op: &'static str, detail: String },
+    /// A CUDA library other than the driver (NVRTC, cuBLAS) cannot be loaded.
+    #[error("{op}: {library} not found: {detail}")]
+    CudaLibraryMissing {
+        op: &'static str,
+        library: &'static str,
+        detail: String,
+    },
+    /// NVRTC rejected a kernel module; `log` is NVRTC's log.
+    #[error("{op}: CUDA kernel module `{module}` failed to compile ({options}):\n{log}")]
+    CudaCompile {
+        op: &'static str,
+        module: &'static str,
+        options: String,
+        log: String,
+    },
+    /// A CUDA call (driver, cuBLAS) failed.
+    #[error("{op}: CUDA error: {detail}")]
+    Cuda { op: &'static str, detail: String },
+    /// The op (or this case of it) has no CUDA kernel.
+    #[error("not on cuda: {op}{detail}")]
+    NotOnCuda { op: &'static str, detail: String },
+    /// A CUDA entry point was called in a build without the `cuda` feature.
+    #[error(
+        "{op}: not compiled with the `cuda` feature (build dtensor-kernels with `--features cuda`)"
+    )]
+    CudaNotCompiled { op: &'static str },
 }
 
 /// `std::result::Result` with this crate's [`Error`] as the default error type.

@@ -19,6 +19,13 @@
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+/// Stand-ins for the `cuda` module in a build without the feature: the same entry points,
+/// each returning [`Error::CudaNotCompiled`], so every caller compiles on a CPU-only build.
+#[cfg(not(feature = "cuda"))]
+#[path = "cuda_stub.rs"]
+pub mod cuda;
 pub mod dtype;
 pub mod error;
 pub mod memory;

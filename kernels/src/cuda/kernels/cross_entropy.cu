@@ -1,0 +1,65 @@
+// The local pieces of the (vocab-parallel) cross-entropy (DTensor::cross_entropy), in f64 as
+// the CPU computes it, with the all-reduces over the vocab axes between them:
+//   1. ce_row_max: m[r] = max_c logits[r, c]                      -> all_reduce(Max)
+//   2. ce_sum_target: s[r] = sum_c exp(l - m), t[r] = l[r, id - col_start] - m if the target
+//      column is here, else 0                                      -> all_reduce(Sum) of s and t
+//   3. ce_loss: loss[r] = ln s[r] - t[r], rounded into the logits' dtype
+//   4. ce_grad: dl[r, c] = (exp(l - m)/s - [c == id - col_start]) * dy[r]
+// One block of ROW_THREADS per row (fixed-order block trees).
+
+template <class T> __device__ void ce_row_max_k(const T* l, double* m, u64 cols) {
+    u64 r = blockIdx.x;
+    double v = neg_inf<double>();
+    for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
+        double x = (double)Tr<T>::to(l[r * cols + c]);
+        if (x > v) v = x;  // f64::max: a NaN never wins
+    }
+    v = block_max(v);
+    if (threadIdx.x == 0) m[r] = v;
+}
+
+template <class T>
+__device__ void ce_sum_target_k(const T* l, const double* m, const i64* ids, double* s, double* t, u64 cols,
+                                u64 col_start) {
+    u64 r = blockIdx.x;
+    double acc = 0;
+    for (u64 c = threadIdx.x; c < cols; c += blockDim.x) acc += ex((double)Tr<T>::to(l[r * cols + c]) - m[r]);
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) {
+        s[r] = acc;
+        u64 id = (u64)ids[r];
+        t[r] = (id >= col_start && id - col_start < cols) ? (double)Tr<T>::to(l[r * cols + id - col_start]) - m[r] : 0.0;
+    }
+}
+
+template <class T> __device__ void ce_loss_k(const double* s, const double* t, T* loss, u64 rows) {
+    GRID_STRIDE(r, rows) loss[r] = cast_from_f64<T>(lg(s[r]) - t[r]);
+}
+
+template <class T>
+__device__ void ce_grad_k(T* dl, const T* l, const double* m, const double* s, const i64* ids, const T* dy, u64 cols,
+                          u64 col_start) {
+    u64 r = blockIdx.x;
+    u64 id = (u64)ids[r];
+    double d = (double)Tr<T>::to(dy[r]);
+    for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
+        double p = ex((double)Tr<T>::to(l[r * cols + c]) - m[r]) / s[r];
+        if (id >= col_start && id - col_start == c) p -= 1.0;
+        dl[r * cols + c] = cast_from_f64<T>(p * d);
+    }
+}
+
+#define CE_ENTRIES(N, T)                                                                                       \
+    extern "C" __global__ void ce_row_max_##N(const T* l, double* m, u64 cols) { ce_row_max_k<T>(l, m, cols); } \
+    extern "C" __global__ void ce_sum_target_##N(const T* l, const double* m, const i64* ids, double* s,        \
+                                                 double* t, u64 cols, u64 col_start) {                         \
+        ce_sum_target_k<T>(l, m, ids, s, t, cols, col_start);                                                  \
+    }                                                                                                          \
+    extern "C" __global__ void ce_loss_##N(const double* s, const double* t, T* loss, u64 rows) {              \
+        ce_loss_k<T>(s, t, loss, rows);                                                                        \
+    }                                                                                                          \
+    extern "C" __global__ void ce_grad_##N(T* dl, const T* l, const double* m, const double* s,                \
+                                           const i64* ids, const T* dy, u64 cols, u64 col_start) {             \
+        ce_grad_k<T>(dl, l, m, s, ids, dy, cols, col_start);                                                   \
+    }
+FLOATS(CE_ENTRIES)

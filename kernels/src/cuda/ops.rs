@@ -1,0 +1,2077 @@
+//! The CUDA kernels, launched: each function mirrors a CPU op (same name, same shapes and
+//! dtypes, same errors for bad arguments) on [`CudaTensor`]s of one [`Device`].
+//!
+//! | CPU op | here | agreement with the CPU |
+//! |---|---|---|
+//! | `Tensor::add`, `mul`, `scale`, `ops::sub` | [`add`], [`mul`], [`scale`], [`sub`] | bitwise |
+//! | `Tensor::to_dtype` | [`to_dtype`] | bitwise (into f16: ≤ 1 ulp on CPUs without F16C) |
+//! | `ops::add_row`, `mul_row`, `sum_rows_into` | [`add_row`], [`mul_row`], [`sum_rows_into`] | bitwise |
+//! | `ops::gelu`, `silu`, `swiglu` and backward | [`gelu`], [`gelu_backward_into`], … | bitwise for f32/bf16/f16; f64 to CUDA's `exp` |
+//! | `ops::sum_dim`, `max_dim` and backward | [`sum_dim`], [`max_dim`], … | bitwise |
+//! | `ops::softmax`, `log_softmax` and backward | [`softmax`], [`log_softmax`], … | to rounding (tree-ordered row sums, CUDA exp/log) |
+//! | `ops::layer_norm`, `rms_norm` and backward | [`layer_norm`], [`rms_norm`], … | to rounding (row sums); dweight/dbias summed in the CPU's order |
+//! | `ops::embedding(_masked)` and backward | [`embedding`], [`embedding_backward_into`] | bitwise (deterministic scatter-add, see `embedding.cu`) |
+//! | `DTensor::cross_entropy` pieces (f64) | [`ce_row_max`], [`ce_sum_target`], [`ce_loss`], [`ce_grad`] | to rounding |
+//! | `Tensor::pack`, `unpack`, `narrow`, `cat` | [`pack`], [`unpack`], [`narrow`], [`cat`] | bitwise |
+//! | `ops::causal_attention` and backward | [`causal_attention`], [`causal_attention_backward`] | to rounding; `seq_len` bounded by shared memory |
+//! | `ops::matmul`, `matmul_into` | [`matmul`], [`matmul_into`] (cuBLAS) | to rounding (cuBLAS's order) |
+//!
+//! Not on the GPU yet: `ops::attention_block` (+ backward), `merge_attention`, `pack_kv`,
+//! `fuse_qkv_grad`, `gather_rows`, `grouped_matmul_t` (+ backward), `scatter_add_rows`
+//! (the context-parallel and MoE kernels), `Tensor::map` (a host closure), and the
+//! collectives' `reduce_into` / `combine` (Sum is [`add`]; Max/Min/Avg have no kernel).
+//!
+//! Element counts and row counts come from the checked shapes, never from buffer lengths, so
+//! a launch cannot index out of bounds. Ops queue on the device's stream and return at once.
+
+use super::source::{self, entry, KernelModule};
+use super::tensor::CudaBuffer;
+use super::{driver_err, CudaTensor, Device};
+use crate::ops::{Accum, CausalAttention, CausalAttentionOutput, VocabShard};
+use crate::{DType, Error, Result, Shape, Tensor};
+use cudarc::driver::{LaunchArgs, LaunchConfig, PushKernelArg};
+
+/// Threads per block; must equal `ROW_THREADS` in `common.cuh` (the block reductions assume it;
+/// a unit test checks the two agree).
+pub(crate) const THREADS: u32 = 256;
+/// Blocks of a grid-stride launch at most (enough to fill an H200 several times over).
+const MAX_BLOCKS: usize = 1 << 16;
+
+fn grid_for(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(THREADS as usize).clamp(1, MAX_BLOCKS) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One block per row (`rows ≥ 1`), `shared` bytes of dynamic shared memory.
+fn per_row(op: &'static str, rows: usize, shared: u32) -> Result<LaunchConfig> {
+    let blocks = u32::try_from(rows)
+        .ok()
+        .filter(|&b| b <= i32::MAX as u32)
+        .ok_or_else(|| Error::NotOnCuda {
+            op,
+            detail: format!(": {rows} rows exceed one launch's grid (2^31 - 1 blocks)"),
+        })?;
+    Ok(LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: shared,
+    })
+}
+
+/// Pushes a buffer as a `const T*` / `T*` argument.
+fn arg<'a>(b: &mut LaunchArgs<'a>, t: &'a CudaTensor) {
+    super::tensor::with_buffer!(t.buffer(), |s| {
+        b.arg(s);
+    })
+}
+fn arg_mut<'a>(b: &mut LaunchArgs<'a>, t: &'a mut CudaTensor) {
+    super::tensor::with_buffer!(t.buffer_mut(), |s| {
+        b.arg(s);
+    })
+}
+
+/// A scalar in a dtype's compute type (`float` for f32/bf16/f16, `double` for f64, the
+/// integer itself for i32/i64), as the kernels' `Tr<T>::A` parameters take it.
+enum Acc {
+    F32(f32),
+    F64(f64),
+    I32(i32),
+    I64(i64),
+}
+
+impl Acc {
+    /// `v` as the compute type of `dtype`, rounded as `T::from_f64(v)` would round it into `T`
+    /// first (what the CPU's `Tensor::scale` does with its factor).
+    fn rounded(dtype: DType, v: f64) -> Acc {
+        match dtype {
+            DType::F32 => Acc::F32(v as f32),
+            DType::F64 => Acc::F64(v),
+            DType::BF16 => Acc::F32(half::bf16::from_f64(v).to_f32()),
+            DType::F16 => Acc::F32(half::f16::from_f64(v).to_f32()),
+            DType::I32 => Acc::I32(v as i32),
+            DType::I64 => Acc::I64(v as i64),
+        }
+    }
+    /// `v` rounded straight into the compute type (`A::lit(v)` on the CPU).
+    fn lit(dtype: DType, v: f64) -> Acc {
+        match dtype {
+            DType::F64 => Acc::F64(v),
+            _ => Acc::F32(v as f32),
+        }
+    }
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        match self {
+            Acc::F32(v) => b.arg(v),
+            Acc::F64(v) => b.arg(v),
+            Acc::I32(v) => b.arg(v),
+            Acc::I64(v) => b.arg(v),
+        };
+    }
+}
+
+fn launch(op: &'static str, b: &mut LaunchArgs<'_>, cfg: LaunchConfig) -> Result<()> {
+    // SAFETY: every caller pushes exactly the arguments of the kernel's `extern "C"`
+    // signature in `kernels/*.cu`, in order and of those types (buffers of the dtype named by
+    // the entry's suffix, `u64` counts, `int` flags, `Tr<T>::A` scalars), and derives the
+    // counts from shapes the buffers were allocated for.
+    unsafe { b.launch(cfg) }.map_err(|e| driver_err(op, e))?;
+    Ok(())
+}
+
+fn func(
+    dev: &Device,
+    module: &'static KernelModule,
+    root: &str,
+    dtype: DType,
+) -> Result<cudarc::driver::CudaFunction> {
+    dev.function(module, &entry(root, dtype))
+}
+
+fn u(n: usize) -> u64 {
+    n as u64
+}
+
+fn accum_flag(a: Accum) -> i32 {
+    match a {
+        Accum::Replace => 0,
+        Accum::Add => 1,
+    }
+}
+
+fn same_device(op: &'static str, ts: &[&CudaTensor]) -> Result<()> {
+    if let Some(first) = ts.first() {
+        for t in &ts[1..] {
+            if t.device() != first.device() {
+                return Err(Error::Invalid {
+                    op,
+                    detail: format!("tensors on {:?} and {:?}", first.device(), t.device()),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+fn same_layout(op: &'static str, a: &CudaTensor, b: &CudaTensor) -> Result<()> {
+    same_device(op, &[a, b])?;
+    if a.dtype() != b.dtype() {
+        return Err(Error::DTypeMismatch {
+            op,
+            lhs: a.dtype(),
+            rhs: b.dtype(),
+        });
+    }
+    if a.shape() != b.shape() {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: a.shape().into(),
+            rhs: b.shape().into(),
+        });
+    }
+    Ok(())
+}
+
+fn want_float(op: &'static str, t: &CudaTensor) -> Result<()> {
+    if t.dtype().is_float() {
+        Ok(())
+    } else {
+        Err(crate::ops::not_float(op, t.dtype()))
+    }
+}
+
+fn check_dst(op: &'static str, dst: &CudaTensor, shape: &[usize], dtype: DType) -> Result<()> {
+    if dst.dtype() != dtype {
+        return Err(Error::DTypeMismatch {
+            op,
+            lhs: dst.dtype(),
+            rhs: dtype,
+        });
+    }
+    if dst.shape() != shape {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: dst.shape().into(),
+            rhs: shape.into(),
+        });
+    }
+    Ok(())
+}
+
+/// `(rows, n)` of a tensor seen as `[rows, n]` over its last dim.
+fn rows_last(op: &'static str, t: &CudaTensor) -> Result<(usize, usize)> {
+    let Some(&n) = t.shape().last() else {
+        return Err(Error::Invalid {
+            op,
+            detail: "needs a tensor of rank >= 1 (it works along the last dim), got shape []"
+                .into(),
+        });
+    };
+    Ok((t.numel() / n.max(1), n))
+}
+
+fn acc_dtype(d: DType) -> DType {
+    crate::ops::acc_dtype(d)
+}
+
+// ---- elementwise ---------------------------------------------------------------------
+
+fn binary(op: &'static str, root: &str, a: &CudaTensor, b: &CudaTensor) -> Result<CudaTensor> {
+    same_layout(op, a, b)?;
+    let dev = a.device();
+    let mut out = CudaTensor::uninit(dev, a.shape(), a.dtype())?;
+    let n = a.numel();
+    if n == 0 {
+        return Ok(out);
+    }
+    let f = func(dev, &source::ELEMENTWISE, root, a.dtype())?;
+    let nn = u(n);
+    let mut l = dev.stream().launch_builder(&f);
+    arg(&mut l, a);
+    arg(&mut l, b);
+    arg_mut(&mut l, &mut out);
+    l.arg(&nn);
+    launch(op, &mut l, grid_for(n))?;
+    Ok(out)
+}
+
+/// `a + b` (`Tensor::add`), any dtype.
+pub fn add(a: &CudaTensor, b: &CudaTensor) -> Result<CudaTensor> {
+    binary("cuda::add", "add", a, b)
+}
+
+/// `a · b` elementwise (`Tensor::mul`), any dtype.
+pub fn mul(a: &CudaTensor, b: &CudaTensor) -> Result<CudaTensor> {
+    binary("cuda::mul", "mul", a, b)
+}
+
+/// `a − b` (`ops::sub`), float dtypes.
+pub fn sub(a: &CudaTensor, b: &CudaTensor) -> Result<CudaTensor> {
+    want_float("cuda::ops::sub", a)?;
+    binary("cuda::ops::sub", "sub", a, b)
+}
+
+/// Every element times `factor` rounded into the dtype (`Tensor::scale`).
+pub fn scale(a: &CudaTensor, factor: f64) -> Result<CudaTensor> {
+    const OP: &str = "cuda::scale";
+    let dev = a.device();
+    let mut out = CudaTensor::uninit(dev, a.shape(), a.dtype())?;
+    let n = a.numel();
+    if n == 0 {
+        return Ok(out);
+    }
+    let f = func(dev, &source::ELEMENTWISE, "scale", a.dtype())?;
+    let (nn, fac) = (u(n), Acc::rounded(a.dtype(), factor));
+    let mut l = dev.stream().launch_builder(&f);
+    arg(&mut l, a);
+    arg_mut(&mut l, &mut out);
+    fac.push(&mut l);
+    l.arg(&nn);
+    launch(OP, &mut l, grid_for(n))?;
+    Ok(out)
+}
+
+/// A copy converted to `dtype` (`Tensor::to_dtype`: through f64, rounded once).
+pub fn to_dtype(a: &CudaTensor, dtype: DType) -> Result<CudaTensor> {
+    const OP: &str = "cuda::to_dtype";
+    let dev = a.device();
+    let mut out = CudaTensor::uninit(dev, a.shape(), dtype)?;
+    let n = a.numel();
+    if n == 0 {
+        return Ok(out);
+    }
+    let f = dev.function(&source::ELEMENTWISE, &format!("cast_{}_{dtype}", a.dtype()))?;
+    let nn = u(n);
+    let mut l = dev.stream().launch_builder(&f);
+    arg(&mut l, a);
+    arg_mut(&mut l, &mut out);
+    l.arg(&nn);
+    launch(OP, &mut l, grid_for(n))?;
+    Ok(out)
+}
+
+fn row_op(op: &'static str, root: &str, x: &CudaTensor, w: &CudaTensor) -> Result<CudaTensor> {
+    let (rows, n) = rows_last(op, x)?;
+    same_device(op, &[x, w])?;
+    want_float(op, x)?;
+    if x.dtype() != w.dtype() {
+        return Err(Error::DTypeMismatch {
+            op,
+            lhs: x.dtype(),
+            rhs: w.dtype(),
+        });
+    }
+    if w.shape() != [n] {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: x.shape().into(),
+            rhs: w.shape().into(),
+        });
+    }
+    let dev = x.device();
+    let mut out = CudaTensor::uninit(dev, x.shape(), x.dtype())?;
+    if rows * n == 0 {
+        return Ok(out);
+    }
+    let f = func(dev, &source::ELEMENTWISE, root, x.dtype())?;
+    let (r, nn) = (u(rows), u(n));
+    let mut l = dev.stream().launch_builder(&f);
+    arg(&mut l, x);
+    arg(&mut l, w);
+    arg_mut(&mut l, &mut out);
+    l.arg(&r).arg(&nn);
+    launch(op, &mut l, grid_for(rows * n))?;
+    Ok(out)
+}
+
+/// `x[.., j] + bias[j]` (`ops::add_row`).
+pub fn add_row(x: &CudaTensor, bias: &CudaTensor) -> Result<CudaTensor> {
+    row_op("cuda::ops::add_row", "add_row", x, bias)
+}
+
+/// `x[.., j] · w[j]` (`ops::mul_row`).
+pub fn mul_row(x: &CudaTensor, w: &CudaTensor) -> Result<CudaTensor> {
+    row_op("cuda::ops::mul_row", "mul_row", x, w)
+}
+
+/// `dst (=|+=) Σ_rows x` (`ops::sum_rows_into`), rows summed in order.
+pub fn sum_rows_into(dst: &mut CudaTensor, x: &CudaTensor, accum: Accum) -> Result<()> {
+    const OP: &str = "cuda::ops::sum_rows";
+    let (rows, n) = rows_last(OP, x)?;
+    want_float(OP, x)?;
+    same_device(OP, &[dst, x])?;
+    check_dst(OP, dst, &[n], x.dtype())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let dev = x.device().clone();
+    let f = func(&dev, &source::ELEMENTWISE, "sum_rows", x.dtype())?;
+    let (r, nn, a) = (u(rows), u(n), accum_flag(accum));
+    let mut l = dev.stream().launch_builder(&f);
+    arg_mut(&mut l, dst);
+    arg(&mut l, x);
+    l.arg(&r).arg(&nn).arg(&a);
+    launch(OP, &mut l, grid_for(n))
+}
+
+/// `Σ_rows x` (`ops::sum_rows`).
+pub fn sum_rows(x: &CudaTensor) -> Result<CudaTensor> {
+    let (_, n) = rows_last("cuda::ops::sum_rows", x)?;
+    let mut dst = CudaTensor::zeros(x.device(), &[n], x.dtype())?;
+    sum_rows_into(&mut dst, x, Accum::Replace)?;
+    Ok(dst)
+}
+
+// ---- activations ---------------------------------------------------------------------
+
+fn unary(op: &'static str, root: &str, x: &CudaTensor) -> Result<CudaTensor> {
+    want_float(op, x)?;
+    let dev = x.device();
+    let mut out = CudaTensor::uninit(dev, x.shape(), x.dtype())?;
+    let n = x.numel();
+    if n == 0 {
+        return Ok(out);
+    }
+    let f = func(dev, &source::ACTIVATION, root, x.dtype())?;
+    let nn = u(n);
+    let mut l = dev.stream().launch_builder(&f);
+    arg(&mut l, x);
+    arg_mut(&mut l, &mut out);
+    l.arg(&nn);
+    launch(op, &mut l, grid_for(n))?;
+    Ok(out)
+}
+
+fn unary_back(
+    op: &'static str,
+    root: &str,
+    dx: &mut CudaTensor,
+    dy: &CudaTensor,
+    x: &CudaTensor,
+    accum: Accum,
+) -> Result<()> {
+    want_float(op, x)?;
+    same_layout(op, dy, x)?;
+    same_device(op, &[dx, x])?;
+    check_dst(op, dx, x.shape(), x.dtype())?;
+    let n = x.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    let dev = x.device().clone();
+    let f = func(&dev, &source::ACTIVATION, root, x.dtype())?;
+    let (nn, a) = (u(n), accum_flag(accum));
+    let mut l = dev.stream().launch_builder(&f);
+    arg_mut(&mut l, dx);
+    arg(&mut l, dy);
+    arg(&mut l, x);
+    l.arg(&nn).arg(&a);
+    launch(op, &mut l, grid_for(n))
+}
+
+/// `ops::gelu` (tanh form).
+pub fn gelu(x: &CudaTensor) -> Result<CudaTensor> {
+    unary("cuda::ops::gelu", "gelu", x)
+}
+/// `ops::silu`.
+pub fn silu(x: &CudaTensor) -> Result<CudaTensor> {
+    unary("cuda::ops::silu", "silu", x)
+}
+/// `ops::gelu_backward_into`.
+pub fn gelu_backward_into(
+    dx: &mut CudaTensor,
+    dy: &CudaTensor,
+    x: &CudaTensor,
+    accum: Accum,
+) -> Result<()> {
+    unary_back(
+        "cuda::ops::gelu_backward",
+        "gelu_backward",
+        dx,
+        dy,
+        x,
+        accum,
+    )
+}
+/// `ops::silu_backward_into`.
+pub fn silu_backward_into(
+    dx: &mut CudaTensor,
+    dy: &CudaTensor,
+    x: &CudaTensor,
+    accum: Accum,
+) -> Result<()> {
+    unary_back(
+        "cuda::ops::silu_backward",
+        "silu_backward",
+        dx,
+        dy,
+        x,
+        accum,
+    )
+}
+/// `ops::gelu_backward`.
+pub fn gelu_backward(dy: &CudaTensor, x: &CudaTensor) -> Result<CudaTensor> {
+    let mut dx = CudaTensor::uninit(x.device(), x.shape(), x.dtype())?;
+    gelu_backward_into(&mut dx, dy, x, Accum::Replace)?;
+    Ok(dx)
+}
+/// `ops::silu_backward`.
+pub fn silu_backward(dy: &CudaTensor, x: &CudaTensor) -> Result<CudaTensor> {
+    let mut dx = CudaTensor::uninit(x.device(), x.shape(), x.dtype())?;
+    silu_backward_into(&mut dx, dy, x, Accum::Replace)?;
+    Ok(dx)
+}
+
+/// `ops::swiglu`: `silu(gate)·up`.
+pub fn swiglu(gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
+    const OP: &str = "cuda::ops::swiglu";
+    want_float(OP, gate)?;
+    same_layout(OP, gate, up)?;
+    let dev = gate.device();
+    let mut out = CudaTensor::uninit(dev, gate.shape(), gate.dtype())?;
+    let n = gate.numel();
+    if n == 0 {
+        return Ok(out);
+    }
+    let f = func(dev, &source::ACTIVATION, "swiglu", gate.dtype())?;
+    let nn = u(n);
+    let mut l = dev.stream().launch_builder(&f);
+    arg(&mut l, gate);
+    arg(&mut l, up);
+    arg_mut(&mut l, &mut out);
+    l.arg(&nn);
+    launch(OP, &mut l, grid_for(n))?;
+    Ok(out)
+}
+
+/// `ops::swiglu_backward_into`.
+pub fn swiglu_backward_into(
+    d_gate: &mut CudaTensor,
+    d_up: &mut CudaTensor,
+    dy: &CudaTensor,
+    gate: &CudaTensor,
+    up: &CudaTensor,
+    accum: Accum,
+) -> Result<()> {
+    const OP: &str = "cuda::ops::swiglu_backward";
+    want_float(OP, gate)?;
+    same_layout(OP, gate, up)?;
+    same_layout(OP, gate, dy)?;
+    same_device(OP, &[gate, d_gate, d_up])?;
+    check_dst(OP, d_gate, gate.shape(), gate.dtype())?;
+    check_dst(OP, d_up, gate.shape(), gate.dtype())?;
+    let n = gate.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    let dev = gate.device().clone();
+    let f = func(&dev, &source::ACTIVATION, "swiglu_backward", gate.dtype())?;
+    let (nn, a) = (u(n), accum_flag(accum));
+    let mut l = dev.stream().launch_builder(&f);
+    arg_mut(&mut l, d_gate);
+    arg_mut(&mut l, d_up);
+    arg(&mut l, dy);
+    arg(&mut l, gate);
+    arg(&mut l, up);
+    l.arg(&nn).arg(&a);
+    launch(OP, &mut l, grid_for(n))
+}
+
+// ---- reductions ----------------------------------------------------------------------
+
+fn split(op: &'static str, shape: &[usize], dim: usize) -> Result<(usize, usize, usize)> {
+    if dim >= shape.len() {
+        return Err(Error::DimOutOfRange {
+            op,
+            dim,
+            shape: shape.into(),
+        });
+    }
+    Ok((
+        shape[..dim].iter().product(),
+        shape[dim],
+        shape[dim + 1..].iter().product(),
+    ))
+}
+
+fn removed(shape: &[usize], dim: usize) -> Shape {
+    let mut s: Shape = shape.into();
+    s.remove(dim);
+    s
+}
+
+fn restored(op: &'static str, dy: &CudaTensor, dim: usize, extent: usize) -> Result<Shape> {
+    if dim > dy.rank() {
+        return Err(Error::DimOutOfRange {
+            op,
+            dim,
+            shape: dy.shape().into(),
+        });
+    }
+    let mut s: Shape = dy.shape().into();
+    s.insert(dim, extent);
+    if crate::checked_numel(&s).is_none() {
+        return Err(Error::Invalid {
+            op,
+            detail: format!("restored shape {s:?} overflows"),
+        });
+    }
+    Ok(s)
+}
+
+/// `ops::sum_dim`: the dim is removed.
+pub fn sum_dim(x: &CudaTensor, dim: usize) -> Result<CudaTensor> {
+    const OP: &str = "cuda::ops::sum_dim";
+    want_float(OP, x)?;
+    let (outer, extent, inner) = split(OP, x.shape(), dim)?;
+    let dev = x.device();
+    let mut out = CudaTensor::uninit(dev, &removed(x.shape(), dim), x.dtype())?;
+    if outer * inner == 0 {
+        return Ok(out);
+    }
+    let f = func(dev, &source::REDUCTION, "sum_dim", x.dtype())?;
+    let (o, e, i) = (u(outer), u(extent), u(inner));
+    let mut l = dev.stream().launch_builder(&f);
+    arg(&mut l, x);
+    arg_mut(&mut l, &mut out);
+    l.arg(&o).arg(&e).arg(&i);
+    launch(OP, &mut l, grid_for(outer * inner))?;
+    Ok(out)
+}
+
+/// `ops::sum_dim_backward`: `dy` broadcast along the restored dim.
+pub fn sum_dim_backward(dy: &CudaTensor, dim: usize, extent: usize) -> Result<CudaTensor> {
+    const OP: &str = "cuda::ops::sum_dim_backward";
+    want_float(OP, dy)?;
+    let shape = restored(OP, dy, dim, extent)?;
+    let (outer, _, inner) = split(OP, &shape, dim)?;
+    let dev = dy.device();
+    let mut dx = CudaTensor::uninit(dev, &shape, dy.dtype())?;
+    let n = outer * extent * inner;
+    if n == 0 {
+        return Ok(dx);
+    }
+    let f = func(dev, &source::REDUCTION, "sum_dim_backward", dy.dtype())?;
+    let (o, e, i) = (u(outer), u(extent), u(inner));
+    let mut l = dev.stream().launch_builder(&f);
+    arg(&mut l, dy);
+    arg_mut(&mut l, &mut dx);
+    l.arg(&o).arg(&e).arg(&i);
+    launch(OP, &mut l, grid_for(n))?;
+    Ok(dx)
+}
+
+/// What [`max_dim`] returns: values and `i64` argmax (the first maximum; a NaN wins).
+#[derive(Debug)]
+pub struct MaxDim {
+    pub values: CudaTensor,
+    pub indices: CudaTensor,
+}
+
+/// `ops::max_dim`.
+pub fn max_dim(x: &CudaTensor, dim: usize) -> Result<MaxDim> {
+    const OP: &str = "cuda::ops::max_dim";
+    want_float(OP, x)?;
+    let (outer, extent, inner) = split(OP, x.shape(), dim)?;
+    if extent == 0 {
+        return Err(Error::Invalid {
+            op: OP,
+            detail: format!("no maximum over empty dim {dim} of shape {:?}", x.shape()),
+        });
+    }
+    let dev = x.device();
+    let shape = removed(x.shape(), dim);
+    let mut values = CudaTensor::uninit(dev, &shape, x.dtype())?;
+    let mut indices = CudaTensor::uninit(dev, &shape, DType::I64)?;
+    if outer * inner > 0 {
+        let f = func(dev, &source::REDUCTION, "max_dim", x.dtype())?;
+        let (o, e, i) = (u(outer), u(extent), u(inner));
+        let mut l = dev.stream().launch_builder(&f);
+        arg(&mut l, x);
+        arg_mut(&mut l, &mut values);
+        arg_mut(&mut l, &mut indices);
+        l.arg(&o).arg(&e).arg(&i);
+        launch(OP, &mut l, grid_for(outer * inner))?;
+    }
+    Ok(MaxDim { values, indices })
+}
+
+/// `ops::max_dim_backward`: `dy` at the argmax, zeros elsewhere. The indices are checked on
+/// the host (copied back) before the launch, as the CPU op checks them.
+pub fn max_dim_backward(
+    dy: &CudaTensor,
+    indices: &CudaTensor,
+    dim: usize,
+    extent: usize,
+) -> Result<CudaTensor> {
+    const OP: &str = "cuda::ops::max_dim_backward";
+    want_float(OP, dy)?;
+    same_device(OP, &[dy, indices])?;
+    let shape = restored(OP, dy, dim, extent)?;
+    if indices.dtype() != DType::I64 {
+        return Err(Error::DTypeMismatch {
+            op: OP,
+            lhs: indices.dtype(),
+            rhs: DType::I64,
+        });
+    }
+    if indices.shape() != dy.shape() {
+        return Err(Error::ShapeMismatch {
+            op: OP,
+            lhs: dy.shape().into(),
+            rhs: indices.shape().into(),
+        });
+    }
+    let host = indices.to_host()?;
+    let ix = host.as_slice::<i64>()?;
+    if let Some((pos, &bad)) = ix
+        .iter()
+        .enumerate()
+        .find(|(_, &e)| usize::try_from(e).map_or(true, |e| e >= extent))
+    {
+        return Err(Error::Invalid {
+            op: OP,
+            detail: format!(
+                "index {bad} at flat position {pos} is out of range for extent {extent}"
+            ),
+        });
+    }
+    let (outer, _, inner) = split(OP, &shape, dim)?;
+    let dev = dy.device();
+    let mut dx = CudaTensor::uninit(dev, &shape, dy.dtype())?;
+    let n = outer * extent * inner;
+    if n == 0 {
+        return Ok(dx);
+    }
+    let f = func(dev, &source::REDUCTION, "max_dim_backward", dy.dtype())?;
+    let (o, e, i) = (u(outer), u(extent), u(inner));
+    let mut l = dev.stream().launch_builder(&f);
+    arg(&mut l, dy);
+    arg(&mut l, indices);
+    arg_mut(&mut l, &mut dx);
+    l.arg(&o).arg(&e).arg(&i);
+    launch(OP, &mut l, grid_for(n))?;
+    Ok(dx)
+}
+
+// ---- softmax -------------------------------------------------------------------------
+
+fn softmax_fwd(op: &'static str, root: &str, x: &CudaTensor) -> Result<CudaTensor> {
+    want_float(op, x)?;
+    let (rows, n) = rows_last(op, x)?;
+    let dev = x.device();
+    let mut y = CudaTensor::uninit(dev, x.shape(), x.dtype())?;
+    if rows * n == 0 {
+        return Ok(y);
+    }
+    let f = func(dev, &source::SOFTMAX, root, x.dtype())?;
+    let nn = u(n);
+    let mut l = dev.stream().launch_builder(&f);
+    arg(&mut l, x);
+    arg_mut(&mut l, &mut y);
+    l.arg(&nn);
+    launch(op, &mut l, per_row(op, rows, 0)?)?;
+    Ok(y)
+}
+
+fn softmax_back(
+    op: &'static str,
+    root: &str,
+    dx: &mut CudaTensor,
+    dy: &CudaTensor,
+    y: &CudaTensor,
+    accum: Accum,
+) -> Result<()> {
+    want_float(op, y)?;
+    let (rows, n) = rows_last(op, y)?;
+    same_layout(op, dy, y)?;
+    same_device(op, &[dx, y])?;
+    check_dst(op, dx, y.shape(), y.dtype())?;
+    if rows * n == 0 {
+        return Ok(());
+    }
+    let dev = y.device().clone();
+    let f = func(&dev, &source::SOFTMAX, root, y.dtype())?;
+    let (nn, a) = (u(n), accum_flag(accum));
+    let mut l = dev.stream().launch_builder(&f);
+    arg_mut(&mut l, dx);
+    arg(&mut l, dy);
+    arg(&mut l, y);
+    l.arg(&nn).arg(&a);
+    launch(op, &mut l, per_row(op, rows, 0)?)
+}
+
+/// `ops::softmax` along the last dim.
+pub fn softmax(x: &CudaTensor) -> Result<CudaTensor> {
+    softmax_fwd("cuda::ops::softmax", "softmax", x)
+}
+/// `ops::log_softmax` along the last dim.
+pub fn log_softmax(x: &CudaTensor) -> Result<CudaTensor> {
+    softmax_fwd("cuda::ops::log_softmax", "log_softmax", x)
+}
+/// `ops::softmax_backward_into` (from the forward output `y`).
+pub fn softmax_backward_into(
+    dx: &mut CudaTensor,
+    dy: &CudaTensor,
+    y: &CudaTensor,
+    accum: Accum,
+) -> Result<()> {
+    softmax_back(
+        "cuda::ops::softmax_backward",
+        "softmax_backward",
+        dx,
+        dy,
+        y,
+        accum,
+    )
+}
+/// `ops::log_softmax_backward_into` (from the forward output `y`).
+pub fn log_softmax_backward_into(
+    dx: &mut CudaTensor,
+    dy: &CudaTensor,
+    y: &CudaTensor,
+    accum: Accum,
+) -> Result<()> {
+    softmax_back(
+        "cuda::ops::log_softmax_backward",
+        "log_softmax_backward",
+        dx,
+        dy,
+        y,
+        accum,
+    )
+}
+
+// ---- norms ---------------------------------------------------------------------------
+
+/// `ops::layer_norm` / `ops::rms_norm` outputs: `y`, and the statistics (compute dtype,
+/// `x`'s leading shape); `mean` is `None` for RMSNorm.
+#[derive(Debug)]
+pub struct NormOutput {
+    pub y: CudaTensor,
+    pub mean: Option<CudaTensor>,
+    pub rstd: CudaTensor,
+}
+
+/// `ops::layer_norm` / `rms_norm` gradients; `dbias` is `None` for RMSNorm.
+#[derive(Debug)]
+pub struct NormGrads {
+    pub dx: CudaTensor,
+    pub dweight: CudaTensor,
+    pub dbias: Option<CudaTensor>,
+}
+
+fn norm_input(op: &'static str, x: &CudaTensor, params: &[&CudaTensor]) -> Result<(usize, usize)> {
+    want_float(op, x)?;
+    let (rows, n) = rows_last(op, x)?;
+    if n == 0 {
+        return Err(Error::Invalid {
+            op,
+            detail: format!(
+                "cannot normalize over an empty last dim (x shape {:?})",
+                x.shape()
+            ),
+        });
+    }
+    for p in params {
+        same_device(op, &[x, p])?;
+        if p.dtype() != x.dtype() {
+            return Err(Error::DTypeMismatch {
+                op,
+                lhs: x.dtype(),
+                rhs: p.dtype(),
+            });
+        }
+        if p.shape() != [n] {
+            return Err(Error::ShapeMismatch {
+                op,
+                lhs: x.shape().into(),
+                rhs: p.shape().into(),
+            });
+        }
+    }
+    Ok((rows, n))
+}
+
+/// `ops::layer_norm`: `y = (x − mean)·rstd·weight + bias` over the last dim.
+pub fn layer_norm(
+    x: &CudaTensor,
+    weight: &CudaTensor,
+    bias: &CudaTensor,
+    eps: f64,
+) -> Result<NormOutput> {
+    norm_forward("cuda::ops::layer_norm", x, weight, Some(bias), eps)
+}
+
+/// `ops::rms_norm`: `y = x·rstd·weight` over the last dim.
+pub fn rms_norm(x: &CudaTensor, weight: &CudaTensor, eps: f64) -> Result<NormOutput> {
+    norm_forward("cuda::ops::rms_norm", x, weight, None, eps)
+}
+
+fn norm_forward(
+    op: &'static str,
+    x: &CudaTensor,
+    w: &CudaTensor,
+    b: Option<&CudaTensor>,
+    eps: f64,
+) -> Result<NormOutput> {
+    let mut params = vec![w];
+    params.extend(b);
+    let (rows, n) = norm_input(op, x, &params)?;
+    let dev = x.device();
+    let lead = &x.shape()[..x.rank() - 1];
+    let ad = acc_dtype(x.dtype());
+    let mut y = CudaTensor::uninit(dev, x.shape(), x.dtype())?;
+    let mut rstd = CudaTensor::uninit(dev, lead, ad)?;
+    let mut mean = match b {
+        Some(_) => Some(CudaTensor::uninit(dev, lead, ad)?),
+        None => None,
+    };
+    if rows == 0 {
+        return Ok(NormOutput { y, mean, rstd });
+    }
+    let (nn, e) = (u(n), Acc::lit(x.dtype(), eps));
+    let cfg = per_row(op, rows, 0)?;
+    match (b, mean.as_mut()) {
+        (Some(b), Some(mean)) => {
+            let f = func(dev, &source::NORM, "layer_norm", x.dtype())?;
+            let mut l = dev.stream().launch_builder(&f);
+            arg_mut(&mut l, &mut y);
+            arg_mut(&mut l, mean);
+            arg_mut(&mut l, &mut rstd);
+            arg(&mut l, x);
+            arg(&mut l, w);
+            arg(&mut l, b);
+            l.arg(&nn);
+            e.push(&mut l);
+            launch(op, &mut l, cfg)?;
+        }
+        _ => {
+            let f = func(dev, &source::NORM, "rms_norm", x.dtype())?;
+            let mut l = dev.stream().launch_builder(&f);
+            arg_mut(&mut l, &mut y);
+            arg_mut(&mut l, &mut rstd);
+            arg(&mut l, x);
+            arg(&mut l, w);
+            l.arg(&nn);
+            e.push(&mut l);
+            launch(op, &mut l, cfg)?;
+        }
+    }
+    Ok(NormOutput { y, mean, rstd })
+}
+
+/// `ops::layer_norm_backward` from the saved `mean` and `rstd`.
+pub fn layer_norm_backward(
+    dy: &CudaTensor,
+    x: &CudaTensor,
+    weight: &CudaTensor,
+    mean: &CudaTensor,
+    rstd: &CudaTensor,
+) -> Result<NormGrads> {
+    norm_backward(
+        "cuda::ops::layer_norm_backward",
+        dy,
+        x,
+        weight,
+        Some(mean),
+        rstd,
+    )
+}
+
+/// `ops::rms_norm_backward` from the saved `rstd`.
+pub fn rms_norm_backward(
+    dy: &CudaTensor,
+    x: &CudaTensor,
+    weight: &CudaTensor,
+    rstd: &CudaTensor,
+) -> Result<NormGrads> {
+    norm_backward("cuda::ops::rms_norm_backward", dy, x, weight, None, rstd)
+}
+
+fn norm_backward(
+    op: &'static str,
+    dy: &CudaTensor,
+    x: &CudaTensor,
+    w: &CudaTensor,
+    mean: Option<&CudaTensor>,
+    rstd: &CudaTensor,
+) -> Result<NormGrads> {
+    let (rows, n) = norm_input(op, x, &[w])?;
+    same_layout(op, dy, x)?;
+    let lead = &x.shape()[..x.rank() - 1];
+    let ad = acc_dtype(x.dtype());
+    for s in mean.iter().copied().chain([rstd]) {
+        same_device(op, &[x, s])?;
+        check_dst(op, s, lead, ad)?;
+    }
+    let dev = x.device();
+    let mut dx = CudaTensor::uninit(dev, x.shape(), x.dtype())?;
+    let mut dw = CudaTensor::uninit(dev, &[n], x.dtype())?;
+    let mut db = match mean {
+        Some(_) => Some(CudaTensor::uninit(dev, &[n], x.dtype())?),
+        None => None,
+    };
+    if rows == 0 {
+        // No rows: the parameter gradients are zero sums.
+        let dw = CudaTensor::zeros(dev, &[n], x.dtype())?;
+        let db = match mean {
+            Some(_) => Some(CudaTensor::zeros(dev, &[n], x.dtype())?),
+            None => None,
+        };
+        return Ok(NormGrads {
+            dx,
+            dweight: dw,
+            dbias: db,
+        });
+    }
+    let (nn, r) = (u(n), u(rows));
+    let rows_cfg = per_row(op, rows, 0)?;
+    match (mean, db.as_mut()) {
+        (Some(mean), Some(db)) => {
+            let f = func(dev, &source::NORM, "layer_norm_backward_dx", x.dtype())?;
+            let mut l = dev.stream().launch_builder(&f);
+            arg_mut(&mut l, &mut dx);
+            arg(&mut l, dy);
+            arg(&mut l, x);
+            arg(&mut l, w);
+            arg(&mut l, mean);
+            arg(&mut l, rstd);
+            l.arg(&nn);
+            launch(op, &mut l, rows_cfg)?;
+            let f = func(dev, &source::NORM, "layer_norm_backward_dw", x.dtype())?;
+            let mut l = dev.stream().launch_builder(&f);
+            arg_mut(&mut l, &mut dw);
+            arg_mut(&mut l, db);
+            arg(&mut l, dy);
+            arg(&mut l, x);
+            arg(&mut l, mean);
+            arg(&mut l, rstd);
+            l.arg(&r).arg(&nn);
+            launch(op, &mut l, grid_for(n))?;
+        }
+        _ => {
+            let f = func(dev, &source::NORM, "rms_norm_backward_dx", x.dtype())?;
+            let mut l = dev.stream().launch_builder(&f);
+            arg_mut(&mut l, &mut dx);
+            arg(&mut l, dy);
+            arg(&mut l, x);
+            arg(&mut l, w);
+            arg(&mut l, rstd);
+            l.arg(&nn);
+            launch(op, &mut l, rows_cfg)?;
+            let f = func(dev, &source::NORM, "rms_norm_backward_dw", x.dtype())?;
+            let mut l = dev.stream().launch_builder(&f);
+            arg_mut(&mut l, &mut dw);
+            arg(&mut l, dy);
+            arg(&mut l, x);
+            arg(&mut l, rstd);
+            l.arg(&r).arg(&nn);
+            launch(op, &mut l, grid_for(n))?;
+        }
+    }
+    Ok(NormGrads {
+        dx,
+        dweight: dw,
+        dbias: db,
+    })
+}
+
+// ---- embedding -----------------------------------------------------------------------
+
+/// The ids as `usize`, each checked `< vocab` (the CPU op's check and message).
+fn read_ids(op: &'static str, ids: &Tensor, vocab: usize) -> Result<Vec<usize>> {
+    let raw: Vec<i64> = match ids.dtype() {
+        DType::I64 => ids.as_slice::<i64>()?.to_vec(),
+        DType::I32 => ids.as_slice::<i32>()?.iter().map(|&i| i as i64).collect(),
+        other => {
+            return Err(Error::Invalid {
+                op,
+                detail: format!("ids must be i64 or i32, got {other}"),
+            })
+        }
+    };
+    raw.iter()
+        .enumerate()
+        .map(|(pos, &id)| {
+            usize::try_from(id)
+                .ok()
+                .filter(|&i| i < vocab)
+                .ok_or_else(|| Error::Invalid {
+                    op,
+                    detail: format!(
+                        "id {id} at flat position {pos} of ids {:?} is out of range for vocab {vocab}",
+                        ids.shape()
+                    ),
+                })
+        })
+        .collect()
+}
+
+fn check_shard(op: &'static str, s: &VocabShard) -> Result<()> {
+    if s.start.checked_add(s.len).is_none_or(|end| end > s.vocab) {
+        return Err(Error::Invalid {
+            op,
+            detail: format!(
+                "vocab shard rows {}..{}+{} exceed vocab {}",
+                s.start, s.start, s.len, s.vocab
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// `ops::embedding_masked` (and `ops::embedding` with [`VocabShard::full`]): rows of `table`
+/// (`[shard.len, hidden]`) for the ids in the shard, zeros for the others. `ids` (i64 or i32)
+/// live on the host, where they are checked against the vocab, and are copied to the device.
+pub fn embedding(table: &CudaTensor, ids: &Tensor, shard: VocabShard) -> Result<CudaTensor> {
+    const OP: &str = "cuda::ops::embedding";
+    want_float(OP, table)?;
+    check_shard(OP, &shard)?;
+    let hidden = match table.shape() {
+        &[r, h] if r == shard.len => h,
+        _ => {
+            return Err(Error::Invalid {
+                op: OP,
+                detail: format!(
+                    "table must be [{}, hidden] (its rows of the vocab), got {:?}",
+                    shard.len,
+                    table.shape()
+                ),
+            })
+        }
+    };
+    read_ids(OP, ids, shard.vocab)?;
+    let dev = table.device();
+    let mut shape: Shape = ids.shape().into();
+    shape.push(hidden);
+    let mut out = CudaTensor::uninit(dev, &shape, table.dtype())?;
+    let tokens = ids.numel();
+    if tokens * hidden == 0 {
+        return Ok(out);
+    }
+    let ids_dev = ids.to_device(dev)?;
+    let root = if ids.dtype() == DType::I64 {
+        "embedding_i64"
+    } else {
+        "embedding_i32"
+    };
+    let f = func(dev, &source::EMBEDDING, root, table.dtype())?;
+    let (t, h, s, len) = (u(tokens), u(hidden), u(shard.start), u(shard.len));
+    let mut l = dev.stream().launch_builder(&f);
+    arg(&mut l, table);
+    arg(&mut l, &ids_dev);
+    arg_mut(&mut l, &mut out);
+    l.arg(&t).arg(&h).arg(&s).arg(&len);
+    launch(OP, &mut l, grid_for(tokens * hidden))?;
+    Ok(out)
+}
+
+/// `ops::embedding_masked_backward_into`: `dtable[r] (=|+=) Σ dy[p]` over the positions `p`
+/// whose id is row `r` of the shard, summed in position order (deterministic, the CPU's
+/// order; no atomics). `dtable` is `[shard.len, hidden]`.
+pub fn embedding_backward_into(
+    dtable: &mut CudaTensor,
+    dy: &CudaTensor,
+    ids: &Tensor,
+    shard: VocabShard,
+    accum: Accum,
+) -> Result<()> {
+    const OP: &str = "cuda::ops::embedding_backward";
+    want_float(OP, dy)?;
+    check_shard(OP, &shard)?;
+    same_device(OP, &[dtable, dy])?;
+    let hidden = match dy.shape().split_last() {
+        Some((&h, lead)) if lead == ids.shape() => h,
+        _ => {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: dy.shape().into(),
+                rhs: ids.shape().into(),
+            })
+        }
+    };
+    check_dst(OP, dtable, &[shard.len, hidden], dy.dtype())?;
+    let ids_v = read_ids(OP, ids, shard.vocab)?;
+    if shard.len * hidden == 0 {
+        return Ok(());
+    }
+    // CSR of the hits: positions grouped by local row, in position order within a row.
+    let mut starts = vec![0i64; shard.len + 1];
+    for &id in &ids_v {
+        if let Some(r) = id.checked_sub(shard.start).filter(|&r| r < shard.len) {
+            starts[r + 1] += 1;
+        }
+    }
+    for r in 0..shard.len {
+        starts[r + 1] += starts[r];
+    }
+    let mut fill: Vec<i64> = starts[..shard.len].to_vec();
+    let mut positions = vec![0i64; (starts[shard.len] as usize).max(1)];
+    for (pos, &id) in ids_v.iter().enumerate() {
+        if let Some(r) = id.checked_sub(shard.start).filter(|&r| r < shard.len) {
+            positions[fill[r] as usize] = pos as i64;
+            fill[r] += 1;
+        }
+    }
+    let dev = dy.device().clone();
+    let starts_dev = Tensor::from_vec(starts, &[shard.len + 1])?.to_device(&dev)?;
+    let n_pos = positions.len();
+    let pos_dev = Tensor::from_vec(positions, &[n_pos])?.to_device(&dev)?;
+    let f = func(&dev, &source::EMBEDDING, "embedding_backward", dy.dtype())?;
+    let (h, a) = (u(hidden), accum_flag(accum));
+    let mut l = dev.stream().launch_builder(&f);
+    arg_mut(&mut l, dtable);
+    arg(&mut l, dy);
+    arg(&mut l, &starts_dev);
+    arg(&mut l, &pos_dev);
+    l.arg(&h).arg(&a);
+    launch(OP, &mut l, per_row(OP, shard.len, 0)?)
+}
+
+// ---- cross-entropy pieces ------------------------------------------------------------
+
+fn logits_dims(op: &'static str, logits: &CudaTensor) -> Result<(usize, usize)> {
+    want_float(op, logits)?;
+    match *logits.shape() {
+        [r, c] => Ok((r, c)),
+        _ => Err(Error::Invalid {
+            op,
+            detail: format!("logits must be [rows, cols], got {:?}", logits.shape()),
+        }),
+    }
+}
+
+fn check_stat_f64(op: &'static str, t: &CudaTensor, rows: usize) -> Result<()> {
+    check_dst(op, t, &[rows], DType::F64)
+}
+
+/// Targets (host, i64 or i32, one per row, each `< vocab`) copied to the device as i64.
+fn targets(
+    op: &'static str,
+    ids: &Tensor,
+    rows: usize,
+    vocab: usize,
+    dev: &Device,
+) -> Result<CudaTensor> {
+    let v = read_ids(op, ids, vocab)?;
+    if v.len() != rows {
+        return Err(Error::Invalid {
+            op,
+            detail: format!("{} targets for {rows} rows", v.len()),
+        });
+    }
+    let v: Vec<i64> = v.into_iter().map(|i| i as i64).collect();
+    Tensor::from_vec(v, &[rows])?.to_device(dev)
+}
+
+/// Cross-entropy piece 1: each row's max of the local logits (`[rows, cols]`), f64 `[rows]`.
+/// All-reduce it (Max) over the vocab axes before piece 2.
+pub fn ce_row_max(logits: &CudaTensor) -> Result<CudaTensor> {
+    const OP: &str = "cuda::ops::ce_row_max";
+    let (rows, cols) = logits_dims(OP, logits)?;
+    let dev = logits.device();
+    if cols == 0 {
+        return Tensor::from_vec(vec![f64::NEG_INFINITY; rows], &[rows])?.to_device(dev);
+    }
+    let mut m = CudaTensor::uninit(dev, &[rows], DType::F64)?;
+    if rows == 0 {
+        return Ok(m);
+    }
+    let f = func(dev, &source::CROSS_ENTROPY, "ce_row_max", logits.dtype())?;
+    let c = u(cols);
+    let mut l = dev.stream().launch_builder(&f);
+    arg(&mut l, logits);
+    arg_mut(&mut l, &mut m);
+    l.arg(&c);
+    launch(OP, &mut l, per_row(OP, rows, 0)?)?;
+    Ok(m)
+}
+
+/// Cross-entropy piece 2: `Σ_c exp(l − max)` per row and the target's `l − max` (0 where the
+/// target column is on another rank), both f64 `[rows]`; all-reduce both (Sum). `col_start`
+/// is the first vocab column of the local logits; `vocab` the global vocab.
+pub fn ce_sum_target(
+    logits: &CudaTensor,
+    max: &CudaTensor,
+    ids: &Tensor,
+    col_start: usize,
+    vocab: usize,
+) -> Result<(CudaTensor, CudaTensor)> {
+    const OP: &str = "cuda::ops::ce_sum_target";
+    let (rows, cols) = logits_dims(OP, logits)?;
+    same_device(OP, &[logits, max])?;
+    check_stat_f64(OP, max, rows)?;
+    let dev = logits.device();
+    let ids_dev = targets(OP, ids, rows, vocab, dev)?;
+    let mut s = CudaTensor::zeros(dev, &[rows], DType::F64)?;
+    let mut t = CudaTensor::zeros(dev, &[rows], DType::F64)?;
+    if rows == 0 || cols == 0 {
+        return Ok((s, t));
+    }
+    let f = func(dev, &source::CROSS_ENTROPY, "ce_sum_target", logits.dtype())?;
+    let (c, c0) = (u(cols), u(col_start));
+    let mut l = dev.stream().launch_builder(&f);
+    arg(&mut l, logits);
+    arg(&mut l, max);
+    arg(&mut l, &ids_dev);
+    arg_mut(&mut l, &mut s);
+    arg_mut(&mut l, &mut t);
+    l.arg(&c).arg(&c0);
+    launch(OP, &mut l, per_row(OP, rows, 0)?)?;
+    Ok((s, t))
+}
+
+/// Cross-entropy piece 3: `loss = ln(sum) − target` per row, rounded into `dtype`.
+pub fn ce_loss(sum: &CudaTensor, target: &CudaTensor, dtype: DType) -> Result<CudaTensor> {
+    const OP: &str = "cuda::ops::ce_loss";
+    let rows = sum.numel();
+    same_device(OP, &[sum, target])?;
+    check_stat_f64(OP, sum, rows)?;
+    check_stat_f64(OP, target, rows)?;
+    if !dtype.is_float() {
+        return Err(crate::ops::not_float(OP, dtype));
+    }
+    let dev = sum.device();
+    let mut loss = CudaTensor::uninit(dev, &[rows], dtype)?;
+    if rows == 0 {
+        return Ok(loss);
+    }
+    let f = func(dev, &source::CROSS_ENTROPY, "ce_loss", dtype)?;
+    let r = u(rows);
+    let mut l = dev.stream().launch_builder(&f);
+    arg(&mut l, sum);
+    arg(&mut l, target);
+    arg_mut(&mut l, &mut loss);
+    l.arg(&r);
+    launch(OP, &mut l, grid_for(rows))?;
+    Ok(loss)
+}
+
+/// Cross-entropy piece 4: the logits' gradient `(softmax − onehot(target))·dy[row]`, with
+/// the reduced `max` and `sum`; `dy` is `[rows]` of the logits' dtype.
+pub fn ce_grad(
+    logits: &CudaTensor,
+    max: &CudaTensor,
+    sum: &CudaTensor,
+    ids: &Tensor,
+    dy: &CudaTensor,
+    col_start: usize,
+    vocab: usize,
+) -> Result<CudaTensor> {
+    const OP: &str = "cuda::ops::ce_grad";
+    let (rows, cols) = logits_dims(OP, logits)?;
+    same_device(OP, &[logits, max, sum, dy])?;
+    check_stat_f64(OP, max, rows)?;
+    check_stat_f64(OP, sum, rows)?;
+    check_dst(OP, dy, &[rows], logits.dtype())?;
+    let dev = logits.device();
+    let ids_dev = targets(OP, ids, rows, vocab, dev)?;
+    let mut dl = CudaTensor::uninit(dev, logits.shape(), logits.dtype())?;
+    if rows * cols == 0 {
+        return Ok(dl);
+    }
+    let f = func(dev, &source::CROSS_ENTROPY, "ce_grad", logits.dtype())?;
+    let (c, c0) = (u(cols), u(col_start));
+    let mut l = dev.stream().launch_builder(&f);
+    arg_mut(&mut l, &mut dl);
+    arg(&mut l, logits);
+    arg(&mut l, max);
+    arg(&mut l, sum);
+    arg(&mut l, &ids_dev);
+    arg(&mut l, dy);
+    l.arg(&c).arg(&c0);
+    launch(OP, &mut l, per_row(OP, rows, 0)?)?;
+    Ok(dl)
+}
+
+// ---- data movement -------------------------------------------------------------------
+
+/// Copies `blocks` runs of `run` elements from `src[src_off + b·src_stride ..]` to
+/// `dst[dst_off + b·dst_stride ..]`; the callers derive every number from checked shapes.
+#[allow(clippy::too_many_arguments)]
+fn copy_blocks(
+    op: &'static str,
+    src: &CudaTensor,
+    dst: &mut CudaTensor,
+    blocks: usize,
+    run: usize,
+    src_stride: usize,
+    src_off: usize,
+    dst_stride: usize,
+    dst_off: usize,
+) -> Result<()> {
+    if blocks * run == 0 {
+        return Ok(());
+    }
+    debug_assert!(src_off + (blocks - 1) * src_stride + run <= src.numel());
+    debug_assert!(dst_off + (blocks - 1) * dst_stride + run <= dst.numel());
+    let dev = src.device().clone();
+    let f = func(&dev, &source::COPY, "copy_blocks", src.dtype())?;
+    let a = [blocks, run, src_stride, src_off, dst_stride, dst_off].map(u);
+    let mut l = dev.stream().launch_builder(&f);
+    arg(&mut l, src);
+    arg_mut(&mut l, dst);
+    for v in &a {
+        l.arg(v);
+    }
+    launch(op, &mut l, grid_for(blocks * run))
+}
+
+fn check_sizes(op: &'static str, shape: &[usize], dim: usize, sizes: &[usize]) -> Result<()> {
+    if dim >= shape.len() {
+        return Err(Error::DimOutOfRange {
+            op,
+            dim,
+            shape: shape.into(),
+        });
+    }
+    let sum = sizes.iter().try_fold(0usize, |a, &s| a.checked_add(s));
+    if sum != Some(shape[dim]) {
+        return Err(Error::Invalid {
+            op,
+            detail: format!(
+                "sizes {sizes:?} do not add up to extent {} of dim {dim} in shape {shape:?}",
+                shape[dim]
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// `Tensor::pack`: the pieces of `dim` (extents `sizes`) one after another, flat.
+pub fn pack(t: &CudaTensor, dim: usize, sizes: &[usize]) -> Result<CudaTensor> {
+    const OP: &str = "cuda::pack";
+    check_sizes(OP, t.shape(), dim, sizes)?;
+    let (outer, extent, inner) = split(OP, t.shape(), dim)?;
+    let mut out = CudaTensor::uninit(t.device(), &[t.numel()], t.dtype())?;
+    let (mut base, mut start) = (0, 0);
+    for &len in sizes {
+        let run = len * inner;
+        copy_blocks(
+            OP,
+            t,
+            &mut out,
+            outer,
+            run,
+            extent * inner,
+            start * inner,
+            run,
+            base,
+        )?;
+        base += outer * run;
+        start += len;
+    }
+    Ok(out)
+}
+
+/// `Tensor::unpack`: the inverse of [`pack`].
+pub fn unpack(
+    flat: &CudaTensor,
+    shape: &[usize],
+    dim: usize,
+    sizes: &[usize],
+) -> Result<CudaTensor> {
+    const OP: &str = "cuda::unpack";
+    if crate::checked_numel(shape) != Some(flat.numel()) {
+        return Err(Error::Invalid {
+            op: OP,
+            detail: format!(
+                "{} packed elements do not fill shape {shape:?}",
+                flat.numel()
+            ),
+        });
+    }
+    check_sizes(OP, shape, dim, sizes)?;
+    let (outer, extent, inner) = split(OP, shape, dim)?;
+    let mut out = CudaTensor::uninit(flat.device(), shape, flat.dtype())?;
+    let (mut base, mut start) = (0, 0);
+    for &len in sizes {
+        let run = len * inner;
+        copy_blocks(
+            OP,
+            flat,
+            &mut out,
+            outer,
+            run,
+            run,
+            base,
+            extent * inner,
+            start * inner,
+        )?;
+        base += outer * run;
+        start += len;
+    }
+    Ok(out)
+}
+
+/// `Tensor::narrow` (a copy on the device).
+pub fn narrow(t: &CudaTensor, dim: usize, start: usize, len: usize) -> Result<CudaTensor> {
+    const OP: &str = "cuda::narrow";
+    let (outer, extent, inner) = split(OP, t.shape(), dim)?;
+    if start.checked_add(len).is_none_or(|e| e > extent) {
+        return Err(Error::Invalid {
+            op: OP,
+            detail: format!("{start}+{len} exceeds extent {extent} of dim {dim}"),
+        });
+    }
+    let mut shape: Shape = t.shape().into();
+    shape[dim] = len;
+    let mut out = CudaTensor::uninit(t.device(), &shape, t.dtype())?;
+    copy_blocks(
+        OP,
+        t,
+        &mut out,
+        outer,
+        len * inner,
+        extent * inner,
+        start * inner,
+        len * inner,
+        0,
+    )?;
+    Ok(out)
+}
+
+/// `Tensor::cat` along `dim`.
+pub fn cat(ts: &[&CudaTensor], dim: usize) -> Result<CudaTensor> {
+    const OP: &str = "cuda::cat";
+    let Some(first) = ts.first() else {
+        return Err(Error::Invalid {
+            op: OP,
+            detail: "nothing to concatenate".into(),
+        });
+    };
+    same_device(OP, ts)?;
+    let (outer, _, inner) = split(OP, first.shape(), dim)?;
+    let mut total = 0usize;
+    for t in ts {
+        let fits = t.rank() == first.rank()
+            && t.dtype() == first.dtype()
+            && (0..t.rank()).all(|d| d == dim || t.shape()[d] == first.shape()[d]);
+        if !fits {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: first.shape().into(),
+                rhs: t.shape().into(),
+            });
+        }
+        total += t.shape()[dim];
+    }
+    let mut shape: Shape = first.shape().into();
+    shape[dim] = total;
+    let mut out = CudaTensor::uninit(first.device(), &shape, first.dtype())?;
+    let mut at = 0;
+    for t in ts {
+        let len = t.shape()[dim];
+        copy_blocks(
+            OP,
+            t,
+            &mut out,
+            outer,
+            len * inner,
+            len * inner,
+            0,
+            total * inner,
+            at * inner,
+        )?;
+        at += len;
+    }
+    Ok(out)
+}
+
+// ---- attention -----------------------------------------------------------------------
+
+/// Bytes of shared memory one block may use without opting in (48 KiB), less what the
+/// block reductions take statically (2 × 256 × 8 bytes).
+const SHARED_BUDGET: usize = 48 * 1024 - 4096;
+
+struct AttnDims {
+    tokens: usize,
+    heads: usize,
+    batch: usize,
+    s: usize,
+    d: usize,
+}
+
+fn attn_dims(op: &'static str, qkv: &CudaTensor, cfg: &CausalAttention) -> Result<AttnDims> {
+    let bad = |detail: String| Err(Error::Invalid { op, detail });
+    want_float(op, qkv)?;
+    let &[tokens, cols] = qkv.shape() else {
+        return bad(format!(
+            "qkv must be [tokens, heads·3·head_dim], got shape {:?}",
+            qkv.shape()
+        ));
+    };
+    let (s, d) = (cfg.seq_len, cfg.head_dim);
+    if d == 0 || d % 2 != 0 {
+        return bad(format!(
+            "head_dim {d} must be even and nonzero (RoPE rotates pairs)"
+        ));
+    }
+    if s == 0 || tokens % s != 0 {
+        return bad(format!(
+            "{tokens} tokens are not whole samples of seq_len {s}"
+        ));
+    }
+    if cols % (3 * d) != 0 {
+        return bad(format!(
+            "{cols} qkv columns are not whole heads of 3·head_dim = {} (q, k, v per head)",
+            3 * d
+        ));
+    }
+    if !(cfg.rope_base.is_finite() && cfg.rope_base > 0.0) {
+        return bad(format!(
+            "rope_base {} must be positive and finite",
+            cfg.rope_base
+        ));
+    }
+    let acc = acc_dtype(qkv.dtype()).size_in_bytes();
+    // The backward's dk/dv kernel keeps two values per query of the sample.
+    if 2 * s * acc > SHARED_BUDGET {
+        return Err(Error::NotOnCuda {
+            op,
+            detail: format!(
+                ": seq_len {s} needs {} bytes of shared memory per block, over the {SHARED_BUDGET} this kernel uses (seq_len ≤ {} for {})",
+                2 * s * acc,
+                SHARED_BUDGET / (2 * acc),
+                qkv.dtype()
+            ),
+        });
+    }
+    Ok(AttnDims {
+        tokens,
+        heads: cols / (3 * d),
+        batch: tokens / s,
+        s,
+        d,
+    })
+}
+
+/// RoPE's cos/sin tables `[s, d/2]` for positions `pos_offset + i`, computed in f64 as the
+/// CPU's `Rope::for_positions` does and rounded once into the compute type.
+fn rope_tables(
+    cfg: &CausalAttention,
+    dtype: DType,
+    dev: &Device,
+) -> Result<(CudaTensor, CudaTensor)> {
+    let (d, half) = (cfg.head_dim, cfg.head_dim / 2);
+    let freq: Vec<f64> = (0..half)
+        .map(|p| cfg.rope_base.powf(2.0 * p as f64 / d as f64))
+        .collect();
+    let (mut cos, mut sin) = (
+        Vec::with_capacity(cfg.seq_len * half),
+        Vec::with_capacity(cfg.seq_len * half),
+    );
+    for i in 0..cfg.seq_len {
+        let pos = (cfg.pos_offset + i) as f64;
+        for f in &freq {
+            let (sn, cs) = (pos / f).sin_cos();
+            cos.push(cs);
+            sin.push(sn);
+        }
+    }
+    let shape = [cfg.seq_len, half];
+    let ad = acc_dtype(dtype);
+    let to = |v: Vec<f64>| -> Result<CudaTensor> {
+        let t = Tensor::from_vec(v, &shape)?;
+        let t = if ad == DType::F64 { t } else { t.to_dtype(ad) };
+        t.to_device(dev)
+    };
+    Ok((to(cos)?, to(sin)?))
+}
+
+/// q (rotated, scaled by 1/√d), k (rotated), v, each `[H, B, s, d]` in the compute type.
+fn attn_load(
+    op: &'static str,
+    qkv: &CudaTensor,
+    g: &AttnDims,
+    cs: &CudaTensor,
+    sn: &CudaTensor,
+) -> Result<[CudaTensor; 3]> {
+    let dev = qkv.device();
+    let ad = acc_dtype(qkv.dtype());
+    let shape = [g.heads, g.batch, g.s, g.d];
+    let mut q = CudaTensor::uninit(dev, &shape, ad)?;
+    let mut k = CudaTensor::uninit(dev, &shape, ad)?;
+    let mut v = CudaTensor::uninit(dev, &shape, ad)?;
+    let f = func(dev, &source::ATTENTION, "attn_load", qkv.dtype())?;
+    let dims = [g.batch, g.heads, g.s, g.d].map(u);
+    let scale = Acc::lit(qkv.dtype(), 1.0 / (g.d as f64).sqrt());
+    let mut l = dev.stream().launch_builder(&f);
+    arg(&mut l, qkv);
+    arg(&mut l, cs);
+    arg(&mut l, sn);
+    arg_mut(&mut l, &mut q);
+    arg_mut(&mut l, &mut k);
+    arg_mut(&mut l, &mut v);
+    for x in &dims {
+        l.arg(x);
+    }
+    scale.push(&mut l);
+    launch(op, &mut l, grid_for(g.heads * g.batch * g.s * g.d / 2))?;
+    Ok([q, k, v])
+}
+
+/// `ops::causal_attention` on the device: `out` `[tokens, H·d]` and `lse` `[tokens, H]`
+/// (compute dtype). `seq_len` is bounded by shared memory (an [`Error::NotOnCuda`] above it).
+pub fn causal_attention(qkv: &CudaTensor, cfg: &CausalAttention) -> Result<CudaAttentionOutput> {
+    const OP: &str = "cuda::ops::causal_attention";
+    let g = attn_dims(OP, qkv, cfg)?;
+    let dev = qkv.device();
+    let ad = acc_dtype(qkv.dtype());
+    let mut out = CudaTensor::uninit(dev, &[g.tokens, g.heads * g.d], qkv.dtype())?;
+    let mut lse = CudaTensor::uninit(dev, &[g.tokens, g.heads], ad)?;
+    if g.tokens * g.heads == 0 {
+        return Ok(CudaAttentionOutput { out, lse });
+    }
+    let (cs, sn) = rope_tables(cfg, qkv.dtype(), dev)?;
+    let [q, k, v] = attn_load(OP, qkv, &g, &cs, &sn)?;
+    let f = func(dev, &source::ATTENTION, "attn_forward", qkv.dtype())?;
+    let dims = [g.batch, g.heads, g.s, g.d].map(u);
+    let mut l = dev.stream().launch_builder(&f);
+    arg(&mut l, &q);
+    arg(&mut l, &k);
+    arg(&mut l, &v);
+    arg_mut(&mut l, &mut out);
+    arg_mut(&mut l, &mut lse);
+    for x in &dims {
+        l.arg(x);
+    }
+    let smem = (g.s * ad.size_in_bytes()) as u32;
+    launch(OP, &mut l, per_row(OP, g.heads * g.batch * g.s, smem)?)?;
+    Ok(CudaAttentionOutput { out, lse })
+}
+
+/// What [`causal_attention`] returns (as [`CausalAttentionOutput`] on the host).
+#[derive(Debug)]
+pub struct CudaAttentionOutput {
+    pub out: CudaTensor,
+    pub lse: CudaTensor,
+}
+
+impl CudaAttentionOutput {
+    /// Both tensors copied to the host.
+    pub fn to_host(&self) -> Result<CausalAttentionOutput> {
+        Ok(CausalAttentionOutput {
+            out: self.out.to_host()?,
+            lse: self.lse.to_host()?,
+        })
+    }
+}
+
+/// `ops::causal_attention_backward` on the device: `dqkv` in `qkv`'s fused layout.
+pub fn causal_attention_backward(
+    dout: &CudaTensor,
+    qkv: &CudaTensor,
+    out: &CudaTensor,
+    lse: &CudaTensor,
+    cfg: &CausalAttention,
+) -> Result<CudaTensor> {
+    const OP: &str = "cuda::ops::causal_attention_backward";
+    let g = attn_dims(OP, qkv, cfg)?;
+    same_device(OP, &[dout, qkv, out, lse])?;
+    let out_shape = [g.tokens, g.heads * g.d];
+    for t in [dout, out] {
+        check_dst(OP, t, &out_shape, qkv.dtype())?;
+    }
+    let ad = acc_dtype(qkv.dtype());
+    check_dst(OP, lse, &[g.tokens, g.heads], ad)?;
+    let dev = qkv.device();
+    let mut dqkv = CudaTensor::uninit(dev, qkv.shape(), qkv.dtype())?;
+    if g.tokens * g.heads == 0 {
+        return Ok(dqkv);
+    }
+    let (cs, sn) = rope_tables(cfg, qkv.dtype(), dev)?;
+    let [q, k, v] = attn_load(OP, qkv, &g, &cs, &sn)?;
+    let mut dsum = CudaTensor::uninit(dev, &[g.heads, g.batch, g.s], ad)?;
+    let dims = [g.batch, g.heads, g.s, g.d].map(u);
+    let rows = g.heads * g.batch * g.s;
+    let scale = Acc::lit(qkv.dtype(), 1.0 / (g.d as f64).sqrt());
+    {
+        let f = func(dev, &source::ATTENTION, "attn_backward_dq", qkv.dtype())?;
+        let mut l = dev.stream().launch_builder(&f);
+        arg(&mut l, &q);
+        arg(&mut l, &k);
+        arg(&mut l, &v);
+        arg(&mut l, dout);
+        arg(&mut l, out);
+        arg(&mut l, lse);
+        arg_mut(&mut l, &mut dsum);
+        arg_mut(&mut l, &mut dqkv);
+        arg(&mut l, &cs);
+        arg(&mut l, &sn);
+        for x in &dims {
+            l.arg(x);
+        }
+        scale.push(&mut l);
+        let smem = (g.s * ad.size_in_bytes()) as u32;
+        launch(OP, &mut l, per_row(OP, rows, smem)?)?;
+    }
+    {
+        let f = func(dev, &source::ATTENTION, "attn_backward_dkv", qkv.dtype())?;
+        let mut l = dev.stream().launch_builder(&f);
+        arg(&mut l, &q);
+        arg(&mut l, &k);
+        arg(&mut l, &v);
+        arg(&mut l, dout);
+        arg(&mut l, lse);
+        arg(&mut l, &dsum);
+        arg_mut(&mut l, &mut dqkv);
+        arg(&mut l, &cs);
+        arg(&mut l, &sn);
+        for x in &dims {
+            l.arg(x);
+        }
+        let smem = (2 * g.s * ad.size_in_bytes()) as u32;
+        launch(OP, &mut l, per_row(OP, rows, smem)?)?;
+    }
+    Ok(dqkv)
+}
+
+// ---- matmul (cuBLAS) -----------------------------------------------------------------
+
+/// `ops::matmul`'s shapes: `[m,k]·[k,n]`, `[b,m,k]·[b,k,n]`, `[b,m,k]·[k,n]` (rhs shared),
+/// after each operand's [`Transpose`](crate::ops::Transpose) of its last two dims.
+struct GemmPlan {
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    /// Elements between batch entries of rhs (0: shared).
+    b_stride: usize,
+    out: Shape,
+}
+
+fn gemm_plan(
+    op: &'static str,
+    a: &CudaTensor,
+    ta: crate::ops::Transpose,
+    b: &CudaTensor,
+    tb: crate::ops::Transpose,
+) -> Result<GemmPlan> {
+    use crate::ops::Transpose;
+    let mismatch = || Error::ShapeMismatch {
+        op,
+        lhs: a.shape().into(),
+        rhs: b.shape().into(),
+    };
+    same_device(op, &[a, b])?;
+    want_float(op, a)?;
+    if a.dtype() != b.dtype() {
+        return Err(Error::DTypeMismatch {
+            op,
+            lhs: a.dtype(),
+            rhs: b.dtype(),
+        });
+    }
+    let last2 = |t: &CudaTensor, tr: Transpose| -> Option<(usize, usize)> {
+        let s = t.shape();
+        let (r, c) = match s.len() {
+            2 | 3 => (s[s.len() - 2], s[s.len() - 1]),
+            _ => return None,
+        };
+        Some(if tr == Transpose::No { (r, c) } else { (c, r) })
+    };
+    let ((m, k), (k2, n)) = match (last2(a, ta), last2(b, tb)) {
+        (Some(x), Some(y)) => (x, y),
+        _ => return Err(mismatch()),
+    };
+    if k != k2 {
+        return Err(mismatch());
+    }
+    let (batch, b_stride, out): (usize, usize, Shape) = match (a.rank(), b.rank()) {
+        (2, 2) => (1, 0, [m, n][..].into()),
+        (3, 3) if a.shape()[0] == b.shape()[0] => {
+            (a.shape()[0], k * n, [a.shape()[0], m, n][..].into())
+        }
+        (3, 2) => (a.shape()[0], 0, [a.shape()[0], m, n][..].into()),
+        _ => return Err(mismatch()),
+    };
+    let fits = |v: usize| i32::try_from(v).is_ok();
+    if ![batch, m, n, k].into_iter().all(fits) {
+        return Err(Error::NotOnCuda {
+            op,
+            detail: format!(
+                ": a dim of {:?}·{:?} exceeds cuBLAS's i32 sizes",
+                a.shape(),
+                b.shape()
+            ),
+        });
+    }
+    Ok(GemmPlan {
+        batch,
+        m,
+        n,
+        k,
+        b_stride,
+        out,
+    })
+}
+
+/// `op(a)·op(b)` through cuBLAS (`ops::matmul`): f32 and f64 natively, bf16/f16 inputs and
+/// output with f32 compute (cublasGemmEx, rounded once). Row-major products run as the
+/// column-major `Cᵀ = op(b)ᵀ·op(a)ᵀ`. Batches use the strided-batched call (stride 0 for a
+/// shared rhs). cuBLAS's summation order is its own: results agree with the CPU to rounding.
+pub fn matmul(
+    a: &CudaTensor,
+    ta: crate::ops::Transpose,
+    b: &CudaTensor,
+    tb: crate::ops::Transpose,
+) -> Result<CudaTensor> {
+    let plan = gemm_plan("cuda::ops::matmul", a, ta, b, tb)?;
+    let mut dst = CudaTensor::uninit(a.device(), &plan.out, a.dtype())?;
+    matmul_planned(&mut dst, a, ta, b, tb, Accum::Replace, &plan)?;
+    Ok(dst)
+}
+
+/// [`matmul`] into `dst`, replacing or adding to it (`ops::matmul_into`).
+pub fn matmul_into(
+    dst: &mut CudaTensor,
+    a: &CudaTensor,
+    ta: crate::ops::Transpose,
+    b: &CudaTensor,
+    tb: crate::ops::Transpose,
+    accum: Accum,
+) -> Result<()> {
+    const OP: &str = "cuda::ops::matmul";
+    let plan = gemm_plan(OP, a, ta, b, tb)?;
+    same_device(OP, &[dst, a])?;
+    check_dst(OP, dst, &plan.out, a.dtype())?;
+    matmul_planned(dst, a, ta, b, tb, accum, &plan)
+}
+
+fn matmul_planned(
+    dst: &mut CudaTensor,
+    a: &CudaTensor,
+    ta: crate::ops::Transpose,
+    b: &CudaTensor,
+    tb: crate::ops::Transpose,
+    accum: Accum,
+    p: &GemmPlan,
+) -> Result<()> {
+    use crate::ops::Transpose;
+    use cudarc::cublas::sys::cublasOperation_t as Op;
+    use cudarc::cublas::{Gemm, GemmConfig, StridedBatchedConfig};
+    const OP: &str = "cuda::ops::matmul";
+    if p.batch * p.m * p.n == 0 {
+        return Ok(());
+    }
+    if p.k == 0 {
+        // An empty sum: zeros, or nothing to add.
+        if accum == Accum::Replace {
+            *dst = CudaTensor::zeros(a.device(), &p.out, a.dtype())?;
+        }
+        return Ok(());
+    }
+    let blas = a.device().blas()?.clone();
+    let (m, n, k) = (p.m as i32, p.n as i32, p.k as i32);
+    // Column-major: C'[n, m] = op'(B)[n, k] · op'(A)[k, m], B' = b, A' = a as stored.
+    let (transa, lda) = match tb {
+        Transpose::No => (Op::CUBLAS_OP_N, n),
+        Transpose::Yes => (Op::CUBLAS_OP_T, k),
+    };
+    let (transb, ldb) = match ta {
+        Transpose::No => (Op::CUBLAS_OP_N, k),
+        Transpose::Yes => (Op::CUBLAS_OP_T, m),
+    };
+    let beta = if accum == Accum::Add { 1.0 } else { 0.0 };
+    let (batch, stride_a, stride_b, stride_c) = (
+        p.batch as i32,
+        p.b_stride as i64,
+        (p.m * p.k) as i64,
+        (p.m * p.n) as i64,
+    );
+    let err = |e: cudarc::cublas::result::CublasError| Error::Cuda {
+        op: OP,
+        detail: e.to_string(),
+    };
+    macro_rules! run {
+        ($v:ident, $one:expr, $zero_or_one:expr) => {{
+            let (CudaBuffer::$v(sa), CudaBuffer::$v(sb)) = (a.buffer(), b.buffer()) else {
+                return Err(Error::DTypeMismatch {
+                    op: OP,
+                    lhs: a.dtype(),
+                    rhs: b.dtype(),
+                });
+            };
+            let dt = dst.dtype();
+            let CudaBuffer::$v(sc) = dst.buffer_mut() else {
+                return Err(Error::DTypeMismatch {
+                    op: OP,
+                    lhs: dt,
+                    rhs: a.dtype(),
+                });
+            };
+            let cfg = GemmConfig {
+                transa,
+                transb,
+                m: n,
+                n: m,
+                k,
+                alpha: $one,
+                lda,
+                ldb,
+                beta: $zero_or_one,
+                ldc: n,
+            };
+            // SAFETY: the plan checked the shapes: each buffer holds the batch·rows·cols
+            // elements the leading dimensions and strides above address.
+            unsafe {
+                if p.batch == 1 {
+                    blas.gemm(cfg, sb, sa, sc)
+                } else {
+                    blas.gemm_strided_batched(
+                        StridedBatchedConfig {
+                            gemm: cfg,
+                            batch_size: batch,
+                            stride_a,
+                            stride_b,
+                            stride_c,
+                        },
+                        sb,
+                        sa,
+                        sc,
+                    )
+                }
+            }
+            .map_err(err)
+        }};
+    }
+    // bf16/f16: cublasGemmEx with 16-bit inputs and output, f32 compute and f32 alpha/beta
+    // (rounded once into the output); the buffers hold the bits as u16.
+    macro_rules! run16 {
+        ($v:ident, $ty:ident) => {{
+            use cudarc::cublas::{result, sys};
+            use cudarc::driver::{DevicePtr, DevicePtrMut};
+            let (CudaBuffer::$v(sa), CudaBuffer::$v(sb)) = (a.buffer(), b.buffer()) else {
+                return Err(Error::DTypeMismatch {
+                    op: OP,
+                    lhs: a.dtype(),
+                    rhs: b.dtype(),
+                });
+            };
+            let dt = dst.dtype();
+            let CudaBuffer::$v(sc) = dst.buffer_mut() else {
+                return Err(Error::DTypeMismatch {
+                    op: OP,
+                    lhs: dt,
+                    rhs: a.dtype(),
+                });
+            };
+            let stream = a.device().stream().clone(); // the stream Device::blas bound cuBLAS to
+            let (alpha, beta) = (1.0f32, beta as f32);
+            let ty = sys::cudaDataType_t::$ty;
+            let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+            let algo = sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
+            // The guards order the stream after the buffers' last writes/reads and record
+            // this use; they live until the call is queued.
+            let (pb, _gb) = sb.device_ptr(&stream);
+            let (pa, _ga) = sa.device_ptr(&stream);
+            let (pc, _gc) = sc.device_ptr_mut(&stream);
+            // SAFETY: as for the typed calls above; alpha/beta are host f32 as
+            // CUBLAS_COMPUTE_32F requires; the pointers are device buffers of u16 bits.
+            unsafe {
+                if p.batch == 1 {
+                    result::gemm_ex(
+                        *blas.handle(),
+                        transa,
+                        transb,
+                        n,
+                        m,
+                        k,
+                        (&alpha as *const f32).cast(),
+                        pb as *const _,
+                        ty,
+                        lda,
+                        pa as *const _,
+                        ty,
+                        ldb,
+                        (&beta as *const f32).cast(),
+                        pc as *mut _,
+                        ty,
+                        n,
+                        compute,
+                        algo,
+                    )
+                } else {
+                    result::gemm_strided_batched_ex(
+                        *blas.handle(),
+                        transa,
+                        transb,
+                        n,
+                        m,
+                        k,
+                        (&alpha as *const f32).cast(),
+                        pb as *const _,
+                        ty,
+                        lda,
+                        stride_a,
+                        pa as *const _,
+                        ty,
+                        ldb,
+                        stride_b,
+                        (&beta as *const f32).cast(),
+                        pc as *mut _,
+                        ty,
+                        n,
+                        stride_c,
+                        batch,
+                        compute,
+                        algo,
+                    )
+                }
+            }
+            .map_err(err)
+        }};
+    }
+    match a.dtype() {
+        DType::F32 => run!(F32, 1.0f32, beta as f32),
+        DType::F64 => run!(F64, 1.0f64, beta),
+        DType::BF16 => run16!(BF16, CUDA_R_16BF),
+        DType::F16 => run16!(F16, CUDA_R_16F),
+        other => Err(crate::ops::not_float(OP, other)),
+    }
+}

@@ -1,0 +1,233 @@
+//! Device tensors: a shape, a dtype and a contiguous row-major device buffer on one [`Device`].
+
+use super::{driver_err, Device};
+use crate::{checked_numel, DType, Error, Result, Shape, Tensor};
+use cudarc::driver::CudaSlice;
+use half::{bf16, f16};
+
+/// A device buffer of one of the six element types. `bf16` and `f16` are held as their bits
+/// (`u16`): the kernels and cuBLAS read them as 16-bit floats, and the host copies go through
+/// `bytemuck` (no dependency of cudarc on `half`).
+#[derive(Debug)]
+pub enum CudaBuffer {
+    F32(CudaSlice<f32>),
+    F64(CudaSlice<f64>),
+    BF16(CudaSlice<u16>),
+    F16(CudaSlice<u16>),
+    I32(CudaSlice<i32>),
+    I64(CudaSlice<i64>),
+}
+
+/// Runs `$body` with `$s` bound to the typed `CudaSlice` of a `CudaBuffer` (or `&mut`).
+macro_rules! with_buffer {
+    ($buf:expr, |$s:ident| $body:expr) => {
+        match $buf {
+            CudaBuffer::F32($s) => $body,
+            CudaBuffer::F64($s) => $body,
+            CudaBuffer::BF16($s) => $body,
+            CudaBuffer::F16($s) => $body,
+            CudaBuffer::I32($s) => $body,
+            CudaBuffer::I64($s) => $body,
+        }
+    };
+}
+pub(crate) use with_buffer;
+
+impl CudaBuffer {
+    pub fn dtype(&self) -> DType {
+        match self {
+            CudaBuffer::F32(_) => DType::F32,
+            CudaBuffer::F64(_) => DType::F64,
+            CudaBuffer::BF16(_) => DType::BF16,
+            CudaBuffer::F16(_) => DType::F16,
+            CudaBuffer::I32(_) => DType::I32,
+            CudaBuffer::I64(_) => DType::I64,
+        }
+    }
+
+    /// Elements allocated (at least 1: an empty tensor holds a 1-element buffer).
+    pub fn len(&self) -> usize {
+        with_buffer!(self, |s| s.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A tensor in device memory: contiguous, row-major, on one [`Device`].
+///
+/// Invariant: the buffer holds at least `max(numel, 1)` elements of `dtype`; kernels are
+/// launched with element counts derived from `shape`, which is what keeps them in bounds.
+#[derive(Debug)]
+pub struct CudaTensor {
+    shape: Shape,
+    buf: CudaBuffer,
+    dev: Device,
+}
+
+fn len_of(op: &'static str, shape: &[usize]) -> Result<usize> {
+    checked_numel(shape).ok_or_else(|| Error::Invalid {
+        op,
+        detail: format!("shape {shape:?} has more elements than fit in usize"),
+    })
+}
+
+impl CudaTensor {
+    /// A tensor whose contents are not initialized: for kernels that write every element.
+    pub(crate) fn uninit(dev: &Device, shape: &[usize], dtype: DType) -> Result<CudaTensor> {
+        const OP: &str = "CudaTensor::uninit";
+        let n = len_of(OP, shape)?.max(1);
+        let st = dev.stream();
+        // SAFETY: callers launch a kernel that writes every element before anything reads it
+        // (and bits of any value are valid for all six types).
+        let buf = unsafe {
+            match dtype {
+                DType::F32 => st.alloc::<f32>(n).map(CudaBuffer::F32),
+                DType::F64 => st.alloc::<f64>(n).map(CudaBuffer::F64),
+                DType::BF16 => st.alloc::<u16>(n).map(CudaBuffer::BF16),
+                DType::F16 => st.alloc::<u16>(n).map(CudaBuffer::F16),
+                DType::I32 => st.alloc::<i32>(n).map(CudaBuffer::I32),
+                DType::I64 => st.alloc::<i64>(n).map(CudaBuffer::I64),
+            }
+        }
+        .map_err(|e| driver_err(OP, e))?;
+        Ok(CudaTensor {
+            shape: shape.into(),
+            buf,
+            dev: dev.clone(),
+        })
+    }
+
+    /// A tensor of zeros.
+    pub fn zeros(dev: &Device, shape: &[usize], dtype: DType) -> Result<CudaTensor> {
+        const OP: &str = "CudaTensor::zeros";
+        let n = len_of(OP, shape)?.max(1);
+        let st = dev.stream();
+        let buf = match dtype {
+            DType::F32 => st.alloc_zeros::<f32>(n).map(CudaBuffer::F32),
+            DType::F64 => st.alloc_zeros::<f64>(n).map(CudaBuffer::F64),
+            DType::BF16 => st.alloc_zeros::<u16>(n).map(CudaBuffer::BF16),
+            DType::F16 => st.alloc_zeros::<u16>(n).map(CudaBuffer::F16),
+            DType::I32 => st.alloc_zeros::<i32>(n).map(CudaBuffer::I32),
+            DType::I64 => st.alloc_zeros::<i64>(n).map(CudaBuffer::I64),
+        }
+        .map_err(|e| driver_err(OP, e))?;
+        Ok(CudaTensor {
+            shape: shape.into(),
+            buf,
+            dev: dev.clone(),
+        })
+    }
+
+    /// Copies a host tensor to the device (`Tensor::to_device`).
+    pub fn from_host(dev: &Device, t: &Tensor) -> Result<CudaTensor> {
+        const OP: &str = "Tensor::to_device";
+        let st = dev.stream();
+        macro_rules! up {
+            ($s:expr, $v:ident) => {{
+                let s = $s;
+                if s.is_empty() {
+                    st.alloc_zeros(1).map(CudaBuffer::$v)
+                } else {
+                    st.clone_htod(s).map(CudaBuffer::$v)
+                }
+            }};
+        }
+        let buf = match t.dtype() {
+            DType::F32 => up!(t.as_slice::<f32>()?, F32),
+            DType::F64 => up!(t.as_slice::<f64>()?, F64),
+            DType::BF16 => up!(bytemuck::cast_slice::<bf16, u16>(t.as_slice()?), BF16),
+            DType::F16 => up!(bytemuck::cast_slice::<f16, u16>(t.as_slice()?), F16),
+            DType::I32 => up!(t.as_slice::<i32>()?, I32),
+            DType::I64 => up!(t.as_slice::<i64>()?, I64),
+        }
+        .map_err(|e| driver_err(OP, e))?;
+        Ok(CudaTensor {
+            shape: t.shape().into(),
+            buf,
+            dev: dev.clone(),
+        })
+    }
+
+    /// Copies the tensor back to the host (waits for the ops queued before it).
+    pub fn to_host(&self) -> Result<Tensor> {
+        const OP: &str = "CudaTensor::to_host";
+        let n = self.numel();
+        let st = self.dev.stream();
+        macro_rules! down {
+            ($s:expr) => {{
+                let mut v = st.clone_dtoh($s).map_err(|e| driver_err(OP, e))?;
+                v.truncate(n);
+                Tensor::from_vec(v, &self.shape)
+            }};
+        }
+        macro_rules! down16 {
+            ($s:expr, $t:ty) => {{
+                let mut v = st.clone_dtoh($s).map_err(|e| driver_err(OP, e))?;
+                v.truncate(n);
+                let v: Vec<$t> = v.into_iter().map(<$t>::from_bits).collect();
+                Tensor::from_vec(v, &self.shape)
+            }};
+        }
+        match &self.buf {
+            CudaBuffer::F32(s) => down!(s),
+            CudaBuffer::F64(s) => down!(s),
+            CudaBuffer::BF16(s) => down16!(s, bf16),
+            CudaBuffer::F16(s) => down16!(s, f16),
+            CudaBuffer::I32(s) => down!(s),
+            CudaBuffer::I64(s) => down!(s),
+        }
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.buf.dtype()
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    pub fn buffer(&self) -> &CudaBuffer {
+        &self.buf
+    }
+
+    pub(crate) fn buffer_mut(&mut self) -> &mut CudaBuffer {
+        &mut self.buf
+    }
+
+    /// The same elements under another shape of the same element count (no copy).
+    pub fn reshape(self, shape: &[usize]) -> Result<CudaTensor> {
+        if checked_numel(shape) != Some(self.numel()) {
+            return Err(Error::LengthMismatch {
+                op: "CudaTensor::reshape",
+                len: self.numel(),
+                expected: checked_numel(shape).unwrap_or(usize::MAX),
+                shape: shape.into(),
+            });
+        }
+        Ok(CudaTensor {
+            shape: shape.into(),
+            ..self
+        })
+    }
+}
+
+impl Tensor {
+    /// Copies this tensor to `dev`'s memory.
+    pub fn to_device(&self, dev: &Device) -> Result<CudaTensor> {
+        CudaTensor::from_host(dev, self)
+    }
+}

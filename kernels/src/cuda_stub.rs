@@ -1,0 +1,84 @@
+//! CUDA stand-ins (this build has no `cuda` feature): the entry points of the real module,
+//! each answering [`Error::CudaNotCompiled`], so code that reaches for a GPU compiles on a
+//! CPU-only build and says why it cannot run.
+
+use crate::{Error, Result, Tensor};
+
+fn not_compiled(op: &'static str) -> Error {
+    Error::CudaNotCompiled { op }
+}
+
+/// Always false: this build does not load CUDA.
+pub fn driver_present() -> bool {
+    false
+}
+
+/// Always false: this build does not load CUDA.
+pub fn nvrtc_present() -> bool {
+    false
+}
+
+/// Always false: this build does not load CUDA.
+pub fn cublas_present() -> bool {
+    false
+}
+
+/// Always [`Error::CudaNotCompiled`].
+pub fn device_count() -> Result<usize> {
+    Err(not_compiled("cuda::device_count"))
+}
+
+/// A GPU handle; none can exist in this build ([`Device::new`] always fails).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Device {
+    never: std::convert::Infallible,
+}
+
+impl Device {
+    /// Always [`Error::CudaNotCompiled`].
+    pub fn new(_ordinal: usize) -> Result<Device> {
+        Err(not_compiled("cuda::Device::new"))
+    }
+
+    pub fn ordinal(&self) -> usize {
+        match self.never {}
+    }
+}
+
+/// A device tensor; none can exist in this build.
+#[derive(Debug)]
+pub struct CudaTensor {
+    never: std::convert::Infallible,
+}
+
+impl CudaTensor {
+    pub fn to_host(&self) -> Result<Tensor> {
+        match self.never {}
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        match self.never {}
+    }
+}
+
+impl Tensor {
+    /// Always [`Error::CudaNotCompiled`] (no `Device` can exist in this build).
+    pub fn to_device(&self, dev: &Device) -> Result<CudaTensor> {
+        match dev.never {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn device_new_says_the_feature_is_off() {
+        let e = super::Device::new(0).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("not compiled with the `cuda` feature"),
+            "{e}"
+        );
+        assert!(super::device_count().is_err());
+        assert!(!super::driver_present());
+    }
+}

@@ -1,0 +1,719 @@
+//! Every CUDA kernel against the CPU kernel it mirrors, on random inputs, in every dtype it
+//! supports: bitwise where the CUDA ops table says so (copies, casts, gathers, elementwise,
+//! activations, column sums), within a tolerance per dtype where the summation order differs
+//! (row reductions, attention).
+//!
+//! These need a GPU: they are ignored by default and run on the GPU machine with
+//! `--include-ignored --test-threads=1` (one at a time: `gpu_pool_reuses_freed_memory` reads
+//! the device's pool-wide counters; `scripts/cuda-gpu-bundle.sh` builds a runner that does
+//! this). Each checks for a driver and a device first and returns with a message when there
+//! is none.
+#![cfg(feature = "cuda")]
+
+use dtensor_kernels::cuda::{self, ops as g, CudaTensor, Device};
+use dtensor_kernels::ops::{self, Accum, CausalAttention, VocabShard};
+use dtensor_kernels::{DType, Tensor};
+
+const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::BF16, DType::F16];
+const ALL: [DType; 6] = [
+    DType::F32,
+    DType::F64,
+    DType::BF16,
+    DType::F16,
+    DType::I32,
+    DType::I64,
+];
+
+/// The device, or `None` (with the reason on stderr) on a machine without one.
+fn gpu() -> Option<Device> {
+    if !cuda::driver_present() {
+        eprintln!("SKIPPED (needs a CUDA GPU): libcuda.so.1 not found");
+        return None;
+    }
+    match cuda::device_count() {
+        Ok(n) if n > 0 => {}
+        Ok(_) => {
+            eprintln!("SKIPPED (needs a CUDA GPU): the driver reports 0 devices");
+            return None;
+        }
+        Err(e) => {
+            eprintln!("SKIPPED (needs a CUDA GPU): {e}");
+            return None;
+        }
+    }
+    Some(Device::new(0).unwrap_or_else(|e| panic!("a device is there but Device::new failed: {e}")))
+}
+
+/// Deterministic pseudo-random values in `[lo, hi)` (64-bit LCG).
+fn rand_vec(n: usize, seed: u64, lo: f64, hi: f64) -> Vec<f64> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            lo + (hi - lo) * ((s >> 11) as f64 / (1u64 << 53) as f64)
+        })
+        .collect()
+}
+
+fn rand(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
+    let n = shape.iter().product();
+    let (lo, hi) = if dtype.is_float() {
+        (-3.0, 3.0)
+    } else {
+        (-1000.0, 1000.0)
+    };
+    let v: Vec<f64> = rand_vec(n, seed, lo, hi)
+        .into_iter()
+        .map(|x| if dtype.is_float() { x } else { x.trunc() })
+        .collect();
+    Tensor::from_f64_vec(v, shape, dtype).unwrap()
+}
+
+fn up(t: &Tensor, dev: &Device) -> CudaTensor {
+    t.to_device(dev).unwrap()
+}
+
+fn down(t: &CudaTensor) -> Tensor {
+    t.to_host().unwrap()
+}
+
+/// Same shape, dtype and bits (NaNs compared by bits too).
+#[track_caller]
+fn assert_bitwise(what: &str, gpu: &Tensor, cpu: &Tensor) {
+    assert_eq!(gpu.shape(), cpu.shape(), "{what}: shape");
+    assert_eq!(gpu.dtype(), cpu.dtype(), "{what}: dtype");
+    let bits = |t: &Tensor| -> Vec<u64> {
+        match t.dtype() {
+            DType::F32 => t
+                .as_slice::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits() as u64)
+                .collect(),
+            DType::F64 => t
+                .as_slice::<f64>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect(),
+            DType::BF16 => t
+                .as_slice::<half::bf16>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits() as u64)
+                .collect(),
+            DType::F16 => t
+                .as_slice::<half::f16>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits() as u64)
+                .collect(),
+            DType::I32 => t
+                .as_slice::<i32>()
+                .unwrap()
+                .iter()
+                .map(|&v| v as u64)
+                .collect(),
+            DType::I64 => t
+                .as_slice::<i64>()
+                .unwrap()
+                .iter()
+                .map(|&v| v as u64)
+                .collect(),
+        }
+    };
+    let (a, b) = (bits(gpu), bits(cpu));
+    if let Some(i) = (0..a.len()).find(|&i| a[i] != b[i]) {
+        panic!(
+            "{what} ({}): element {i} differs: gpu {} vs cpu {} ({} of {} differ)",
+            gpu.dtype(),
+            gpu.to_f64_vec()[i],
+            cpu.to_f64_vec()[i],
+            (0..a.len()).filter(|&i| a[i] != b[i]).count(),
+            a.len()
+        );
+    }
+}
+
+/// Relative tolerance per dtype: a few units of the last place of the stored type.
+fn tol(dtype: DType) -> f64 {
+    match dtype {
+        DType::F64 => 1e-12,
+        DType::F32 => 2e-5,
+        DType::F16 => 4e-3,
+        DType::BF16 => 3e-2,
+        _ => 0.0,
+    }
+}
+
+/// `|gpu − cpu| ≤ tol·(1 + |cpu|)` elementwise (`scale` widens it for ops whose values are
+/// sums of many rounded terms).
+#[track_caller]
+fn assert_close(what: &str, gpu: &Tensor, cpu: &Tensor, scale: f64) {
+    assert_eq!(gpu.shape(), cpu.shape(), "{what}: shape");
+    assert_eq!(gpu.dtype(), cpu.dtype(), "{what}: dtype");
+    let t = tol(cpu.dtype()) * scale;
+    let (a, b) = (gpu.to_f64_vec(), cpu.to_f64_vec());
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(
+            (x - y).abs() <= t * (1.0 + y.abs()),
+            "{what} ({}): element {i}: gpu {x} vs cpu {y} (tolerance {t})",
+            cpu.dtype()
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_device_roundtrip_is_bitwise() {
+    let Some(dev) = gpu() else { return };
+    assert_eq!(
+        Device::new(0).unwrap(),
+        dev,
+        "Device::new is cached per ordinal"
+    );
+    println!("{dev:?}");
+    for (k, dt) in ALL.into_iter().enumerate() {
+        for shape in [&[0usize, 3][..], &[1], &[7, 33]] {
+            let x = rand(shape, dt, k as u64);
+            assert_bitwise("to_device/to_host", &down(&up(&x, &dev)), &x);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_elementwise_matches_cpu_bitwise() {
+    let Some(dev) = gpu() else { return };
+    for (k, dt) in ALL.into_iter().enumerate() {
+        let (a, b) = (
+            rand(&[5, 77], dt, 10 + k as u64),
+            rand(&[5, 77], dt, 20 + k as u64),
+        );
+        let (ga, gb) = (up(&a, &dev), up(&b, &dev));
+        assert_bitwise(
+            "add",
+            &down(&g::add(&ga, &gb).unwrap()),
+            &a.add(&b).unwrap(),
+        );
+        assert_bitwise(
+            "mul",
+            &down(&g::mul(&ga, &gb).unwrap()),
+            &a.mul(&b).unwrap(),
+        );
+        assert_bitwise("scale", &down(&g::scale(&ga, 0.3).unwrap()), &a.scale(0.3));
+        if dt.is_float() {
+            assert_bitwise(
+                "sub",
+                &down(&g::sub(&ga, &gb).unwrap()),
+                &ops::sub(&a, &b).unwrap(),
+            );
+            let w = rand(&[77], dt, 30 + k as u64);
+            let gw = up(&w, &dev);
+            assert_bitwise(
+                "add_row",
+                &down(&g::add_row(&ga, &gw).unwrap()),
+                &ops::add_row(&a, &w).unwrap(),
+            );
+            assert_bitwise(
+                "mul_row",
+                &down(&g::mul_row(&ga, &gw).unwrap()),
+                &ops::mul_row(&a, &w).unwrap(),
+            );
+            assert_bitwise(
+                "sum_rows",
+                &down(&g::sum_rows(&ga).unwrap()),
+                &ops::sum_rows(&a).unwrap(),
+            );
+            let mut gd = up(&w, &dev);
+            g::sum_rows_into(&mut gd, &ga, Accum::Add).unwrap();
+            let mut cd = w.clone();
+            ops::sum_rows_into(&mut cd, &a, Accum::Add).unwrap();
+            assert_bitwise("sum_rows_into(Add)", &down(&gd), &cd);
+        } else {
+            assert!(g::sub(&ga, &gb).is_err(), "sub of {dt} must be refused");
+        }
+        let c = rand(&[5, 76], dt, 1);
+        assert!(
+            g::add(&ga, &up(&c, &dev)).is_err(),
+            "shape mismatch must be an Err"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_cast_matches_cpu_to_dtype() {
+    let Some(dev) = gpu() else { return };
+    for (k, from) in ALL.into_iter().enumerate() {
+        // Values around the f16/bf16 range edges too (overflow to inf, subnormals).
+        let mut v = rand_vec(300, 40 + k as u64, -70000.0, 70000.0);
+        v.extend(rand_vec(300, 50 + k as u64, -1e-6, 1e-6));
+        v.extend(rand_vec(300, 60 + k as u64, -3.0, 3.0));
+        let v: Vec<f64> = v
+            .into_iter()
+            .map(|x| if from.is_float() { x } else { x.trunc() })
+            .collect();
+        let x = Tensor::from_f64_vec(v, &[900], from).unwrap();
+        let gx = up(&x, &dev);
+        for to in ALL {
+            let gpu = down(&g::to_dtype(&gx, to).unwrap());
+            let cpu = x.to_dtype(to);
+            if to == DType::F16 && matches!(from, DType::F64 | DType::F32) {
+                // half's f64 -> f16 rounds through f32 with F16C and directly without it;
+                // they differ at rounding ties only, by one unit in the last place.
+                assert_close("cast", &gpu, &cpu, 1.0);
+            } else {
+                assert_bitwise(&format!("cast {from} -> {to}"), &gpu, &cpu);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_activations_match_cpu() {
+    let Some(dev) = gpu() else { return };
+    for (k, dt) in FLOATS.into_iter().enumerate() {
+        let mut x = rand(&[3, 129], dt, 70 + k as u64);
+        // Large magnitudes exercise the saturated branches.
+        x = Tensor::cat(&[x, rand(&[1, 129], dt, 80).scale(20.0)], 0).unwrap();
+        let dy = rand(x.shape(), dt, 90 + k as u64);
+        let up_ = rand(x.shape(), dt, 95 + k as u64);
+        let (gx, gdy, gup) = (up(&x, &dev), up(&dy, &dev), up(&up_, &dev));
+        let check = |what: &str, gpu: &Tensor, cpu: &Tensor| {
+            if dt == DType::F64 {
+                assert_close(what, gpu, cpu, 1.0); // CUDA's exp vs libm's
+            } else {
+                assert_bitwise(what, gpu, cpu); // the CPU's exp_f32, operation for operation
+            }
+        };
+        check(
+            "gelu",
+            &down(&g::gelu(&gx).unwrap()),
+            &ops::gelu(&x).unwrap(),
+        );
+        check(
+            "silu",
+            &down(&g::silu(&gx).unwrap()),
+            &ops::silu(&x).unwrap(),
+        );
+        check(
+            "gelu_backward",
+            &down(&g::gelu_backward(&gdy, &gx).unwrap()),
+            &ops::gelu_backward(&dy, &x).unwrap(),
+        );
+        check(
+            "silu_backward",
+            &down(&g::silu_backward(&gdy, &gx).unwrap()),
+            &ops::silu_backward(&dy, &x).unwrap(),
+        );
+        check(
+            "swiglu",
+            &down(&g::swiglu(&gx, &gup).unwrap()),
+            &ops::swiglu(&x, &up_).unwrap(),
+        );
+        // Accum::Add into an existing gradient.
+        let (mut gdg, mut gdu) = (up(&dy, &dev), up(&up_, &dev));
+        g::swiglu_backward_into(&mut gdg, &mut gdu, &gdy, &gx, &gup, Accum::Add).unwrap();
+        let (mut cdg, mut cdu) = (dy.clone(), up_.clone());
+        ops::swiglu_backward_into(&mut cdg, &mut cdu, &dy, &x, &up_, Accum::Add).unwrap();
+        check("swiglu_backward d_gate", &down(&gdg), &cdg);
+        check("swiglu_backward d_up", &down(&gdu), &cdu);
+        let mut gd = up(&dy, &dev);
+        g::gelu_backward_into(&mut gd, &gdy, &gx, Accum::Add).unwrap();
+        let mut cd = dy.clone();
+        ops::gelu_backward_into(&mut cd, &dy, &x, Accum::Add).unwrap();
+        check("gelu_backward_into(Add)", &down(&gd), &cd);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_reductions_match_cpu_bitwise() {
+    let Some(dev) = gpu() else { return };
+    for (k, dt) in FLOATS.into_iter().enumerate() {
+        let x = rand(&[3, 5, 7], dt, 100 + k as u64);
+        let gx = up(&x, &dev);
+        for dim in 0..3 {
+            let s = ops::sum_dim(&x, dim).unwrap();
+            assert_bitwise("sum_dim", &down(&g::sum_dim(&gx, dim).unwrap()), &s);
+            let gs = up(&s, &dev);
+            assert_bitwise(
+                "sum_dim_backward",
+                &down(&g::sum_dim_backward(&gs, dim, x.shape()[dim]).unwrap()),
+                &ops::sum_dim_backward(&s, dim, x.shape()[dim]).unwrap(),
+            );
+            let m = ops::max_dim(&x, dim).unwrap();
+            let gm = g::max_dim(&gx, dim).unwrap();
+            assert_bitwise("max_dim values", &down(&gm.values), &m.values);
+            assert_bitwise("max_dim indices", &down(&gm.indices), &m.indices);
+            let dy = rand(m.values.shape(), dt, 110 + k as u64);
+            assert_bitwise(
+                "max_dim_backward",
+                &down(
+                    &g::max_dim_backward(&up(&dy, &dev), &gm.indices, dim, x.shape()[dim]).unwrap(),
+                ),
+                &ops::max_dim_backward(&dy, &m.indices, dim, x.shape()[dim]).unwrap(),
+            );
+        }
+        assert!(g::sum_dim(&gx, 3).is_err());
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_softmax_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    for (k, dt) in FLOATS.into_iter().enumerate() {
+        // 1000 columns: several elements per thread of the 256-thread block.
+        for n in [1, 7, 1000] {
+            let x = rand(&[4, n], dt, 120 + k as u64).scale(3.0);
+            let dy = rand(&[4, n], dt, 130 + k as u64);
+            let (gx, gdy) = (up(&x, &dev), up(&dy, &dev));
+            let y = ops::softmax(&x).unwrap();
+            assert_close("softmax", &down(&g::softmax(&gx).unwrap()), &y, 4.0);
+            let ly = ops::log_softmax(&x).unwrap();
+            assert_close(
+                "log_softmax",
+                &down(&g::log_softmax(&gx).unwrap()),
+                &ly,
+                4.0,
+            );
+            let mut gdx = CudaTensor::zeros(&dev, x.shape(), dt).unwrap();
+            g::softmax_backward_into(&mut gdx, &gdy, &up(&y, &dev), Accum::Replace).unwrap();
+            assert_close(
+                "softmax_backward",
+                &down(&gdx),
+                &ops::softmax_backward(&dy, &y).unwrap(),
+                8.0,
+            );
+            let mut gdx = up(&dy, &dev);
+            g::log_softmax_backward_into(&mut gdx, &gdy, &up(&ly, &dev), Accum::Add).unwrap();
+            let mut cdx = dy.clone();
+            ops::log_softmax_backward_into(&mut cdx, &dy, &ly, Accum::Add).unwrap();
+            assert_close("log_softmax_backward(Add)", &down(&gdx), &cdx, 16.0);
+        }
+        // Masks and NaN: -inf gets probability 0, a NaN row is NaN.
+        let v = vec![0.5, f64::NEG_INFINITY, 1.0, 2.0, f64::NAN, 1.0, 0.0, 0.0];
+        let x = Tensor::from_f64_vec(v, &[2, 4], dt).unwrap();
+        let y = down(&g::softmax(&up(&x, &dev)).unwrap()).to_f64_vec();
+        assert_eq!(y[1], 0.0);
+        assert!(y[4..].iter().all(|v| v.is_nan()), "{y:?}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_norms_match_cpu() {
+    let Some(dev) = gpu() else { return };
+    for (k, dt) in FLOATS.into_iter().enumerate() {
+        for n in [3, 300] {
+            let x = rand(&[2, 3, n], dt, 140 + k as u64);
+            let w = rand(&[n], dt, 150 + k as u64);
+            let b = rand(&[n], dt, 160 + k as u64);
+            let dy = rand(x.shape(), dt, 170 + k as u64);
+            let (gx, gw, gb, gdy) = (up(&x, &dev), up(&w, &dev), up(&b, &dev), up(&dy, &dev));
+            let c = ops::layer_norm(&x, &w, &b, 1e-5).unwrap();
+            let o = g::layer_norm(&gx, &gw, &gb, 1e-5).unwrap();
+            assert_close("layer_norm y", &down(&o.y), &c.y, 4.0);
+            assert_close(
+                "layer_norm mean",
+                &down(o.mean.as_ref().unwrap()),
+                &c.mean,
+                4.0,
+            );
+            assert_close("layer_norm rstd", &down(&o.rstd), &c.rstd, 4.0);
+            // Backward from the CPU's statistics, so only the backward's own order differs.
+            let cg = ops::layer_norm_backward(&dy, &x, &w, &c.mean, &c.rstd).unwrap();
+            let gg = g::layer_norm_backward(&gdy, &gx, &gw, &up(&c.mean, &dev), &up(&c.rstd, &dev))
+                .unwrap();
+            assert_close("layer_norm dx", &down(&gg.dx), &cg.dx, 16.0);
+            assert_bitwise("layer_norm dweight", &down(&gg.dweight), &cg.dweight);
+            assert_bitwise(
+                "layer_norm dbias",
+                &down(gg.dbias.as_ref().unwrap()),
+                &cg.dbias,
+            );
+            let c = ops::rms_norm(&x, &w, 1e-6).unwrap();
+            let o = g::rms_norm(&gx, &gw, 1e-6).unwrap();
+            assert!(o.mean.is_none());
+            assert_close("rms_norm y", &down(&o.y), &c.y, 4.0);
+            assert_close("rms_norm rstd", &down(&o.rstd), &c.rstd, 4.0);
+            let cg = ops::rms_norm_backward(&dy, &x, &w, &c.rstd).unwrap();
+            let gg = g::rms_norm_backward(&gdy, &gx, &gw, &up(&c.rstd, &dev)).unwrap();
+            assert_close("rms_norm dx", &down(&gg.dx), &cg.dx, 16.0);
+            assert_bitwise("rms_norm dweight", &down(&gg.dweight), &cg.dweight);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_embedding_matches_cpu_bitwise() {
+    let Some(dev) = gpu() else { return };
+    let vocab = 50;
+    for (k, dt) in FLOATS.into_iter().enumerate() {
+        // Repeated ids: the scatter-add sums several positions into one row.
+        let raw: Vec<i64> = rand_vec(3 * 40, 180 + k as u64, 0.0, vocab as f64)
+            .into_iter()
+            .map(|v| v as i64)
+            .collect();
+        for ids in [
+            Tensor::from_vec(raw.clone(), &[3, 40]).unwrap(),
+            Tensor::from_vec(raw.iter().map(|&i| i as i32).collect::<Vec<_>>(), &[3, 40]).unwrap(),
+        ] {
+            for shard in [
+                VocabShard::full(vocab),
+                VocabShard {
+                    start: 20,
+                    len: 17,
+                    vocab,
+                },
+            ] {
+                let table = rand(&[shard.len, 33], dt, 190 + k as u64);
+                let gt = up(&table, &dev);
+                assert_bitwise(
+                    "embedding",
+                    &down(&g::embedding(&gt, &ids, shard).unwrap()),
+                    &ops::embedding_masked(&table, &ids, shard).unwrap(),
+                );
+                let dy = rand(&[3, 40, 33], dt, 200 + k as u64);
+                let gdy = up(&dy, &dev);
+                for accum in [Accum::Replace, Accum::Add] {
+                    let init = rand(&[shard.len, 33], dt, 210);
+                    let mut gd = up(&init, &dev);
+                    g::embedding_backward_into(&mut gd, &gdy, &ids, shard, accum).unwrap();
+                    let mut cd = init.clone();
+                    ops::embedding_masked_backward_into(&mut cd, &dy, &ids, shard, accum).unwrap();
+                    assert_bitwise("embedding_backward", &down(&gd), &cd);
+                }
+            }
+        }
+        let bad = Tensor::from_vec(vec![vocab as i64], &[1]).unwrap();
+        let gt = up(&rand(&[vocab, 4], dt, 1), &dev);
+        assert!(g::embedding(&gt, &bad, VocabShard::full(vocab)).is_err());
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_cross_entropy_pieces_match_an_f64_reference() {
+    let Some(dev) = gpu() else { return };
+    let (rows, vocab) = (6, 300);
+    for (k, dt) in FLOATS.into_iter().enumerate() {
+        let logits = rand(&[rows, vocab], dt, 220 + k as u64).scale(2.0);
+        let ids_v: Vec<i64> = (0..rows as i64).map(|r| (r * 47) % vocab as i64).collect();
+        let ids = Tensor::from_vec(ids_v.clone(), &[rows]).unwrap();
+        let dy = rand(&[rows], dt, 230 + k as u64);
+        // The reference: DTensor::cross_entropy's f64 arithmetic on one rank.
+        let l = logits.to_f64_vec();
+        let (mut loss, mut grad) = (vec![0.0; rows], vec![0.0; rows * vocab]);
+        for r in 0..rows {
+            let row = &l[r * vocab..(r + 1) * vocab];
+            let m = row.iter().fold(f64::NEG_INFINITY, |a, &x| a.max(x));
+            let s: f64 = row.iter().map(|x| (x - m).exp()).sum();
+            loss[r] = s.ln() - (row[ids_v[r] as usize] - m);
+            for c in 0..vocab {
+                let p = (row[c] - m).exp() / s - if c == ids_v[r] as usize { 1.0 } else { 0.0 };
+                grad[r * vocab + c] = p * dy.to_f64_vec()[r];
+            }
+        }
+        let loss = Tensor::from_f64_vec(loss, &[rows], dt).unwrap();
+        let grad = Tensor::from_f64_vec(grad, &[rows, vocab], dt).unwrap();
+        // Two vocab shards, combined by hand as the all-reduces would.
+        let halves = [(0, 170), (170, 130)];
+        let parts: Vec<_> = halves
+            .iter()
+            .map(|&(c0, n)| up(&logits.narrow(1, c0, n).unwrap(), &dev))
+            .collect();
+        let maxes: Vec<Vec<f64>> = parts
+            .iter()
+            .map(|p| down(&g::ce_row_max(p).unwrap()).to_f64_vec())
+            .collect();
+        let m: Vec<f64> = (0..rows).map(|r| maxes[0][r].max(maxes[1][r])).collect();
+        let gm = up(&Tensor::from_vec(m, &[rows]).unwrap(), &dev);
+        let (mut s, mut t) = (vec![0.0; rows], vec![0.0; rows]);
+        for (p, &(c0, _)) in parts.iter().zip(&halves) {
+            let (ps, pt) = g::ce_sum_target(p, &gm, &ids, c0, vocab).unwrap();
+            for r in 0..rows {
+                s[r] += down(&ps).to_f64_vec()[r];
+                t[r] += down(&pt).to_f64_vec()[r];
+            }
+        }
+        let (gs, gt) = (
+            up(&Tensor::from_vec(s, &[rows]).unwrap(), &dev),
+            up(&Tensor::from_vec(t, &[rows]).unwrap(), &dev),
+        );
+        assert_close(
+            "ce_loss",
+            &down(&g::ce_loss(&gs, &gt, dt).unwrap()),
+            &loss,
+            4.0,
+        );
+        let gdy = up(&dy, &dev);
+        let pieces: Vec<Tensor> = parts
+            .iter()
+            .zip(&halves)
+            .map(|(p, &(c0, _))| down(&g::ce_grad(p, &gm, &gs, &ids, &gdy, c0, vocab).unwrap()))
+            .collect();
+        assert_close("ce_grad", &Tensor::cat(&pieces, 1).unwrap(), &grad, 4.0);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_pack_unpack_narrow_cat_match_cpu_bitwise() {
+    let Some(dev) = gpu() else { return };
+    for (k, dt) in ALL.into_iter().enumerate() {
+        let x = rand(&[4, 7, 5], dt, 240 + k as u64);
+        let gx = up(&x, &dev);
+        for dim in 0..3 {
+            let e = x.shape()[dim];
+            let sizes = dtensor_kernels::chunk_sizes(e, 3);
+            let packed = x.pack(dim, &sizes).unwrap();
+            let gp = g::pack(&gx, dim, &sizes).unwrap();
+            assert_bitwise("pack", &down(&gp), &packed);
+            assert_bitwise(
+                "unpack",
+                &down(&g::unpack(&gp, x.shape(), dim, &sizes).unwrap()),
+                &Tensor::unpack(&packed, x.shape(), dim, &sizes).unwrap(),
+            );
+            let n = x.narrow(dim, 1, e - 2).unwrap();
+            let gn = g::narrow(&gx, dim, 1, e - 2).unwrap();
+            assert_bitwise("narrow", &down(&gn), &n);
+            let parts = x.chunk(dim, 3).unwrap();
+            let gparts: Vec<CudaTensor> = parts.iter().map(|p| up(p, &dev)).collect();
+            let refs: Vec<&CudaTensor> = gparts.iter().collect();
+            assert_bitwise("cat", &down(&g::cat(&refs, dim).unwrap()), &x);
+        }
+        assert!(
+            g::pack(&gx, 0, &[1, 2]).is_err(),
+            "sizes not adding up must be an Err"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_causal_attention_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    for (k, dt) in FLOATS.into_iter().enumerate() {
+        // seq_len 70 crosses the CPU's 64-row block; two samples, three heads.
+        for (s, d) in [(5, 4), (70, 16)] {
+            let cfg = CausalAttention {
+                seq_len: s,
+                head_dim: d,
+                rope_base: 10000.0,
+                pos_offset: 3,
+            };
+            let heads = 3;
+            let qkv = rand(&[2 * s, heads * 3 * d], dt, 250 + k as u64);
+            let gq = up(&qkv, &dev);
+            let c = ops::causal_attention(&qkv, &cfg).unwrap();
+            let o = g::causal_attention(&gq, &cfg).unwrap().to_host().unwrap();
+            assert_close("attention out", &o.out, &c.out, 4.0);
+            assert_close("attention lse", &o.lse, &c.lse, 4.0);
+            let dout = rand(c.out.shape(), dt, 260 + k as u64);
+            let cd = ops::causal_attention_backward(&dout, &qkv, &c.out, &c.lse, &cfg).unwrap();
+            let gd = g::causal_attention_backward(
+                &up(&dout, &dev),
+                &gq,
+                &up(&c.out, &dev),
+                &up(&c.lse, &dev),
+                &cfg,
+            )
+            .unwrap();
+            assert_close("attention dqkv", &down(&gd), &cd, 16.0);
+        }
+        // Over the shared-memory bound: a clear "not on cuda" error, no launch.
+        let cfg = CausalAttention {
+            seq_len: 100_000,
+            head_dim: 2,
+            rope_base: 10000.0,
+            pos_offset: 0,
+        };
+        let e =
+            g::causal_attention(&up(&Tensor::zeros(&[100_000, 6], dt), &dev), &cfg).unwrap_err();
+        assert!(e.to_string().contains("not on cuda"), "{e}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_matmul_matches_cpu() {
+    use dtensor_kernels::ops::Transpose::{No, Yes};
+    let Some(dev) = gpu() else { return };
+    for (k, dt) in FLOATS.into_iter().enumerate() {
+        let seed = 300 + 10 * k as u64;
+        // (lhs shape, ta, rhs shape, tb): 2-D, batched, shared rhs, every transpose.
+        let cases: [(&[usize], _, &[usize], _); 6] = [
+            (&[5, 37], No, &[37, 9], No),
+            (&[37, 5], Yes, &[37, 9], No),
+            (&[5, 37], No, &[9, 37], Yes),
+            (&[37, 5], Yes, &[9, 37], Yes),
+            (&[3, 5, 37], No, &[3, 37, 9], No),
+            (&[3, 37, 5], Yes, &[9, 37], Yes),
+        ];
+        for (i, (sa, ta, sb, tb)) in cases.into_iter().enumerate() {
+            let a = rand(sa, dt, seed + i as u64);
+            let b = rand(sb, dt, seed + 100 + i as u64);
+            let c = ops::matmul(&a, ta, &b, tb).unwrap();
+            let (ga, gb) = (up(&a, &dev), up(&b, &dev));
+            let what = format!("matmul {sa:?}{ta:?}·{sb:?}{tb:?}");
+            assert_close(&what, &down(&g::matmul(&ga, ta, &gb, tb).unwrap()), &c, 8.0);
+            // Accum::Add on top of an existing dst.
+            let init = rand(c.shape(), dt, seed + 200);
+            let mut gd = up(&init, &dev);
+            g::matmul_into(&mut gd, &ga, ta, &gb, tb, Accum::Add).unwrap();
+            let mut cd = init.clone();
+            ops::matmul_into(&mut cd, &a, ta, &b, tb, Accum::Add, ops::Parallelism::None).unwrap();
+            assert_close(&format!("{what} (Add)"), &down(&gd), &cd, 8.0);
+        }
+        let a = up(&rand(&[5, 4], dt, 1), &dev);
+        assert!(
+            g::matmul(&a, No, &a, No).is_err(),
+            "k mismatch must be an Err"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_pool_reuses_freed_memory() {
+    let Some(dev) = gpu() else { return };
+    if !dev.has_memory_pool() {
+        eprintln!(
+            "SKIPPED: {dev:?} has no stream-ordered memory pool (each allocation is cuMemAlloc)"
+        );
+        return;
+    }
+    let x = CudaTensor::zeros(&dev, &[1 << 22], DType::F32).unwrap();
+    drop(g::gelu(&x).unwrap());
+    dev.synchronize().unwrap();
+    let warm = dev.pool_reserved_bytes().unwrap();
+    assert!(
+        warm >= 2 * (4 << 22),
+        "the pool holds x and the freed output: {warm} bytes"
+    );
+    for _ in 0..50 {
+        drop(g::gelu(&x).unwrap());
+    }
+    dev.synchronize().unwrap();
+    assert_eq!(
+        dev.pool_reserved_bytes().unwrap(),
+        warm,
+        "steady state: freed blocks are reused, none added"
+    );
+    drop(x);
+    dev.trim().unwrap();
+    assert_eq!(
+        dev.pool_reserved_bytes().unwrap(),
+        0,
+        "trim gives every cached block back"
+    );
+}

@@ -1,0 +1,191 @@
+//! The no-GPU check of the CUDA kernels (feature `cuda`), run in CI: every kernel module is
+//! compiled by NVRTC to PTX for `compute_90`, every entry of the kernel table must be in it,
+//! and `ptxas` assembles it for `sm_90` (the H100/H200), reporting registers and spills per
+//! kernel. Plus the error paths without a driver.
+//!
+//! Needs NVRTC on the loader path and `PTXAS` (see `scripts/cuda-tools.sh`). Without them the
+//! test prints `SKIPPED: <reason>`; with `CUDA_TOOLS_REQUIRED=1` (CI) it fails instead.
+#![cfg(feature = "cuda")]
+
+use dtensor_kernels::cuda::{self, source, Target};
+use std::path::PathBuf;
+use std::process::Command;
+
+fn required() -> bool {
+    std::env::var("CUDA_TOOLS_REQUIRED").is_ok_and(|v| v == "1")
+}
+
+/// Prints why the test cannot run, or fails when CI promised the tools.
+fn skip(reason: &str) {
+    assert!(!required(), "CUDA_TOOLS_REQUIRED=1 but {reason}");
+    eprintln!("SKIPPED: {reason}");
+}
+
+fn ptxas() -> Option<PathBuf> {
+    std::env::var_os("PTXAS")
+        .map(PathBuf::from)
+        .filter(|p| p.exists())
+}
+
+/// Kernels simple enough that a spill means something went wrong.
+fn may_spill(kernel: &str) -> bool {
+    kernel.starts_with("attn_")
+}
+
+/// `(kernel, registers, spill store bytes, spill load bytes)` from `ptxas -v` output.
+fn parse_ptxas(log: &str) -> Vec<(String, u32, u32, u32)> {
+    let mut out = Vec::new();
+    let mut current: Option<String> = None;
+    let mut spills = (0, 0);
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            current = rest.split('\'').next().map(str::to_string);
+        }
+        if line.contains("bytes spill stores") {
+            let num = |key: &str| -> u32 {
+                line.split(',')
+                    .find(|p| p.contains(key))
+                    .and_then(|p| p.split_whitespace().next())
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(0)
+            };
+            spills = (num("spill stores"), num("spill loads"));
+        }
+        if let Some(rest) = line.split("Used ").nth(1) {
+            let regs: u32 = rest
+                .split_whitespace()
+                .next()
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0);
+            if let Some(k) = current.take() {
+                out.push((k, regs, spills.0, spills.1));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn kernels_compile_to_ptx_and_assemble_for_sm90() {
+    if !cuda::nvrtc_present() {
+        return skip(
+            "libnvrtc not found (run scripts/cuda-tools.sh and export what it prints: LD_LIBRARY_PATH)",
+        );
+    }
+    let ptxas = ptxas();
+    if ptxas.is_none() {
+        skip(
+            "ptxas not found (set PTXAS=…/nvidia/cu13/bin/ptxas; scripts/cuda-tools.sh prints it)",
+        );
+    }
+    let dir = std::env::temp_dir().join(format!("dtensor-cuda-ptx-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (mut entries, mut bad) = (0, Vec::new());
+    for m in source::MODULES {
+        let t0 = std::time::Instant::now();
+        let ptx = cuda::compile(m, Target::Ptx("compute_90")).unwrap_or_else(|e| panic!("{e}"));
+        let text = String::from_utf8(ptx.to_vec()).unwrap();
+        assert!(text.contains(".target sm_90"), "{}: not sm_90 PTX", m.name);
+        let want = m.entries();
+        for e in &want {
+            assert!(
+                text.contains(&format!(".entry {e}(")),
+                "module {}: kernel {e} missing from the PTX",
+                m.name
+            );
+        }
+        let found = text.matches(".entry ").count();
+        assert_eq!(
+            found,
+            want.len(),
+            "module {}: PTX has entries the table lacks",
+            m.name
+        );
+        entries += found;
+        let compile = t0.elapsed();
+        let Some(ptxas) = &ptxas else { continue };
+        let f = dir.join(format!("{}.ptx", m.name));
+        std::fs::write(&f, &text).unwrap();
+        let out = Command::new(ptxas)
+            .args(["-arch=sm_90", "-v", "-o"])
+            .arg(dir.join(format!("{}.cubin", m.name)))
+            .arg(&f)
+            .output()
+            .unwrap();
+        let log = String::from_utf8_lossy(&out.stderr).into_owned()
+            + &String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "ptxas failed on module {}:\n{log}",
+            m.name
+        );
+        let stats = parse_ptxas(&log);
+        assert_eq!(
+            stats.len(),
+            want.len(),
+            "module {}: ptxas reported {} kernels:\n{log}",
+            m.name,
+            stats.len()
+        );
+        let max_regs = stats.iter().map(|s| s.1).max().unwrap_or(0);
+        println!(
+            "module {:<14} {:>3} kernels, NVRTC {:>5} ms, {:>7} bytes of PTX, registers ≤ {max_regs}",
+            m.name,
+            want.len(),
+            compile.as_millis(),
+            text.len()
+        );
+        for (k, regs, st, ld) in &stats {
+            if *st > 0 || *ld > 0 {
+                println!("  spills: {k}: {regs} registers, {st} bytes spill stores, {ld} bytes spill loads");
+                if !may_spill(k) {
+                    bad.push(format!("{k}: {st} bytes spill stores"));
+                }
+            }
+        }
+    }
+    println!(
+        "{entries} kernel entries compiled for compute_90{}",
+        if ptxas.is_some() {
+            " and assembled for sm_90 by ptxas"
+        } else {
+            ""
+        }
+    );
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(bad.is_empty(), "simple kernels spill: {bad:?}");
+}
+
+#[test]
+fn compile_error_carries_the_nvrtc_log() {
+    if !cuda::nvrtc_present() {
+        return skip("libnvrtc not found");
+    }
+    static BROKEN: source::KernelModule = source::KernelModule {
+        name: "broken",
+        source: "extern \"C\" __global__ void broken_f32(float* x) { x[0] = undefined_name; }",
+        roots: &[],
+    };
+    let e = cuda::compile(&BROKEN, Target::Ptx("compute_90")).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("broken") && msg.contains("undefined_name"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn no_driver_gives_an_error_not_a_panic() {
+    if cuda::driver_present() {
+        eprintln!("SKIPPED: a CUDA driver is present on this machine (this test checks the no-driver path)");
+        return;
+    }
+    let e = cuda::Device::new(0).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("no CUDA driver found") && msg.contains("libcuda.so.1"),
+        "{msg}"
+    );
+    let e = cuda::device_count().unwrap_err();
+    assert!(e.to_string().contains("no CUDA driver found"), "{e}");
+}
