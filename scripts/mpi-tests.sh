@@ -41,9 +41,10 @@ bin="$target/debug/examples"
 
 echo "== mpi: build (--features mpi)"
 # The test profile (output in debug/) reuses what README's `cargo test --workspace` built.
-# Built over the whole workspace (not `-p dtensor-collectives`): the features then unify as
-# in `cargo test --workspace --features mpi`, so nothing is compiled twice.
-cargo build --profile test --workspace --features mpi --examples
+# Built over the whole workspace (not `-p dtensor-collectives`) with the features that
+# scripts/test.sh tested it with, so the features unify as they did there and nothing is
+# compiled twice.
+cargo build --profile test --workspace --features "${DTENSOR_TEST_FEATURES:-mpi}" --examples
 
 passed=0
 failed=0

@@ -6,14 +6,32 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The `cuda` feature compiles on any machine (cudarc loads CUDA at run time), so the workspace
+# is always tested with it: the GPU code is built, the kernels are compiled by NVRTC and
+# assembled by ptxas when those tools are installed (`eval "$(bash scripts/cuda-tools.sh)"`),
+# and the tests that need a GPU are listed as ignored. With OpenMPI present the `mpi` feature
+# joins it, so the MPI suite below reuses every artifact instead of rebuilding.
+features=cuda
+mpi=no
 if command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1; then
-  # With OpenMPI present the workspace is built once with the `mpi` feature, so the MPI
-  # suite below reuses every artifact instead of rebuilding the crates above collectives.
-  cargo test --workspace --features mpi
-  # The feature replaces the stand-in that a build without it carries: test that one too.
+  features=cuda,mpi
+  mpi=yes
+fi
+export DTENSOR_TEST_FEATURES="$features"
+cargo test --workspace --features "$features"
+
+# Each feature replaces a stand-in that a build without it carries: test those too.
+cargo test -p dtensor-kernels --test cuda_stand_in
+if [ "$mpi" = yes ]; then
   cargo test -p dtensor-collectives --test mpi_stand_in
+fi
+
+if [ -z "${PTXAS:-}" ] || [ ! -x "${PTXAS:-}" ]; then
+  echo "cuda: kernel compile check (kernels/tests/cuda_ptx.rs) skipped: NVRTC and ptxas not found (eval \"\$(bash scripts/cuda-tools.sh)\" installs them; .ci/run does)"
+fi
+
+if [ "$mpi" = yes ]; then
   bash scripts/mpi-tests.sh
 else
-  cargo test --workspace
   echo "mpi: skipped: OpenMPI is not installed (apt-get install openmpi-bin libopenmpi-dev libclang-dev clang pkg-config; .ci/run does)"
 fi
