@@ -40,6 +40,8 @@ impl Device {
         Err(not_compiled("cuda::Device::new"))
     }
 
+    /// The device's ordinal in the real module; here it cannot be called, since no
+    /// [`Device`] value can exist.
     pub fn ordinal(&self) -> usize {
         match self.never {}
     }
@@ -52,10 +54,14 @@ pub struct CudaTensor {
 }
 
 impl CudaTensor {
+    /// Copies the tensor back to the host in the real module; here it cannot be called,
+    /// since no [`CudaTensor`] value can exist.
     pub fn to_host(&self) -> Result<Tensor> {
         match self.never {}
     }
 
+    /// The tensor's dimensions in the real module; here it cannot be called, since no
+    /// [`CudaTensor`] value can exist.
     pub fn shape(&self) -> &[usize] {
         match self.never {}
     }

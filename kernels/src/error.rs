@@ -62,33 +62,64 @@ pub enum Error {
     },
     /// The CUDA driver library (`libcuda.so.1`) cannot be loaded, or it finds no device.
     #[error("{op}: no CUDA driver found: {detail}")]
-    NoCudaDriver { op: &'static str, detail: String },
+    NoCudaDriver {
+        /// The entry point that needed the driver, e.g. `"cuda::Device::new"`.
+        op: &'static str,
+        /// Why: the library names searched, the failing `cuInit`/`cuDeviceGetCount`, or a
+        /// device ordinal beyond the count the driver reports.
+        detail: String,
+    },
     /// A CUDA library other than the driver (NVRTC, cuBLAS) cannot be loaded.
     #[error("{op}: {library} not found: {detail}")]
     CudaLibraryMissing {
+        /// The entry point that needed the library, e.g. `"cuda::compile"`.
         op: &'static str,
+        /// Which library: `"NVRTC"` or `"cuBLAS"`.
         library: &'static str,
+        /// The shared-library names searched and how to make one loadable.
         detail: String,
     },
     /// NVRTC rejected a kernel module; `log` is NVRTC's log.
     #[error("{op}: CUDA kernel module `{module}` failed to compile ({options}):\n{log}")]
     CudaCompile {
+        /// The entry point that compiled, `"cuda::compile"`.
         op: &'static str,
+        /// The kernel module's name (the stem of its `.cu` file, e.g. `"softmax"`).
         module: &'static str,
+        /// The NVRTC options passed (architecture, `--std=c++17`, `--fmad=false`), then
+        /// NVRTC's result code in parentheses.
         options: String,
+        /// NVRTC's program log: the compiler's errors and warnings.
         log: String,
     },
-    /// A CUDA call (driver, cuBLAS) failed.
+    /// A CUDA call failed at run time: a driver call (allocation, copy, launch, module
+    /// load, synchronization), an NVRTC call other than the compile itself, or cuBLAS.
     #[error("{op}: CUDA error: {detail}")]
-    Cuda { op: &'static str, detail: String },
-    /// The op (or this case of it) has no CUDA kernel.
+    Cuda {
+        /// The op whose call failed, e.g. `"cuda::ops::matmul"`.
+        op: &'static str,
+        /// The library's error, as text (with the kernel and module name for a failed
+        /// kernel lookup).
+        detail: String,
+    },
+    /// The op (or this case of it) has no CUDA kernel: sizes beyond what a launch, shared
+    /// memory or cuBLAS's `i32` dimensions allow, or an op not ported to the GPU.
     #[error("not on cuda: {op}{detail}")]
-    NotOnCuda { op: &'static str, detail: String },
+    NotOnCuda {
+        /// The op asked for, e.g. `"cuda::ops::causal_attention"`.
+        op: &'static str,
+        /// Empty, or `": "` followed by why this case has no kernel (it is appended to
+        /// `op` in the message).
+        detail: String,
+    },
     /// A CUDA entry point was called in a build without the `cuda` feature.
     #[error(
         "{op}: not compiled with the `cuda` feature (build dtensor-kernels with `--features cuda`)"
     )]
-    CudaNotCompiled { op: &'static str },
+    CudaNotCompiled {
+        /// The stand-in that was called, e.g. `"cuda::Device::new"`.
+        op: &'static str,
+    },
 }
 
 /// `std::result::Result` with this crate's [`Error`] as the default error type.

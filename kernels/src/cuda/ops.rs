@@ -607,7 +607,10 @@ pub fn sum_dim_backward(dy: &CudaTensor, dim: usize, extent: usize) -> Result<Cu
 /// What [`max_dim`] returns: values and `i64` argmax (the first maximum; a NaN wins).
 #[derive(Debug)]
 pub struct MaxDim {
+    /// The maxima: `x`'s dtype, `x`'s shape without `dim`.
     pub values: CudaTensor,
+    /// Where along `dim` each maximum is: [`DType::I64`], the shape of `values` (what
+    /// [`max_dim_backward`] takes).
     pub indices: CudaTensor,
 }
 
@@ -791,16 +794,26 @@ pub fn log_softmax_backward_into(
 /// `x`'s leading shape); `mean` is `None` for RMSNorm.
 #[derive(Debug)]
 pub struct NormOutput {
+    /// The normalized output, `x`'s shape and dtype.
     pub y: CudaTensor,
+    /// LayerNorm: `Some` per-row mean, shape `x.shape()[..rank-1]`, compute dtype (`f64`
+    /// for `f64`, else `f32`). RMSNorm: `None`.
     pub mean: Option<CudaTensor>,
+    /// Per-row `1/√(var + eps)` (LayerNorm, biased variance) or `1/√(mean x² + eps)`
+    /// (RMSNorm), shape `x.shape()[..rank-1]`, compute dtype.
     pub rstd: CudaTensor,
 }
 
 /// `ops::layer_norm` / `rms_norm` gradients; `dbias` is `None` for RMSNorm.
 #[derive(Debug)]
 pub struct NormGrads {
+    /// The input gradient, `x`'s shape and dtype.
     pub dx: CudaTensor,
+    /// The weight gradient `Σ_rows dy·x̂`, `[n]` in `x`'s dtype (this rank's rows only: a
+    /// partial sum under sequence parallelism).
     pub dweight: CudaTensor,
+    /// LayerNorm: `Some` bias gradient `Σ_rows dy`, `[n]` in `x`'s dtype (a partial sum
+    /// like `dweight`). RMSNorm: `None`.
     pub dbias: Option<CudaTensor>,
 }
 
@@ -1688,7 +1701,10 @@ pub fn causal_attention(qkv: &CudaTensor, cfg: &CausalAttention) -> Result<CudaA
 /// What [`causal_attention`] returns (as [`CausalAttentionOutput`] on the host).
 #[derive(Debug)]
 pub struct CudaAttentionOutput {
+    /// The attention output, `[tokens, heads·head_dim]` in `qkv`'s dtype.
     pub out: CudaTensor,
+    /// `[tokens, heads]`: each query row's log-sum-exp of its scaled scores (`q·k/√d`),
+    /// compute dtype; [`causal_attention_backward`] takes it with `out`.
     pub lse: CudaTensor,
 }
 

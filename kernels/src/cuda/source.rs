@@ -70,6 +70,10 @@ pub fn entry(root: &str, dtype: DType) -> String {
 
 use Dtypes::{All, Float};
 
+/// `elementwise.cu`: `add`, `mul`, `scale` (all six dtypes; integers wrap), `sub`, the bias
+/// row ops `add_row` / `mul_row` and the column sums `sum_rows` (floats), and the dtype casts
+/// `cast_<from>_<to>` between all six dtypes (`Tensor::to_dtype`): one grid-stride thread
+/// per element (per column for `sum_rows`), rounding once as the CPU does.
 pub static ELEMENTWISE: KernelModule = KernelModule {
     name: "elementwise",
     source: include_str!("kernels/elementwise.cu"),
@@ -90,6 +94,8 @@ pub static ELEMENTWISE: KernelModule = KernelModule {
     ],
 };
 
+/// `activation.cu`: GELU (tanh form), SiLU and SwiGLU and their backward, float dtypes,
+/// with the CPU's formulas and its f32 `exp`, so f32/bf16/f16 match the CPU bit for bit.
 pub static ACTIVATION: KernelModule = KernelModule {
     name: "activation",
     source: include_str!("kernels/activation.cu"),
@@ -103,6 +109,9 @@ pub static ACTIVATION: KernelModule = KernelModule {
     ],
 };
 
+/// `reduction.cu`: `sum_dim` and `max_dim` (value and `i64` argmax) along one dim of a tensor
+/// seen as `[outer, extent, inner]`, and their backward; one thread per output element,
+/// reducing in index order as the CPU does.
 pub static REDUCTION: KernelModule = KernelModule {
     name: "reduction",
     source: include_str!("kernels/reduction.cu"),
@@ -114,6 +123,9 @@ pub static REDUCTION: KernelModule = KernelModule {
     ],
 };
 
+/// `softmax.cu`: softmax and log-softmax along the last dim and their backward from the
+/// forward output; one block of `ROW_THREADS` per row, with fixed-order block reductions
+/// (deterministic, equal to the CPU to rounding).
 pub static SOFTMAX: KernelModule = KernelModule {
     name: "softmax",
     source: include_str!("kernels/softmax.cu"),
@@ -125,6 +137,9 @@ pub static SOFTMAX: KernelModule = KernelModule {
     ],
 };
 
+/// `norm.cu`: LayerNorm and RMSNorm over the last dim: the forward (writing the per-row
+/// `mean` / `rstd` in the compute type), `dx` (one block per row), and `dweight` / `dbias`
+/// (one thread per column, rows summed in the CPU's order).
 pub static NORM: KernelModule = KernelModule {
     name: "norm",
     source: include_str!("kernels/norm.cu"),
@@ -138,6 +153,9 @@ pub static NORM: KernelModule = KernelModule {
     ],
 };
 
+/// `embedding.cu`: the gather of table rows by `i64` or `i32` ids (ids outside the shard
+/// give zeros) and its backward, a deterministic scatter-add over host-sorted positions (one
+/// block per table row, no float atomics).
 pub static EMBEDDING: KernelModule = KernelModule {
     name: "embedding",
     source: include_str!("kernels/embedding.cu"),
@@ -148,6 +166,10 @@ pub static EMBEDDING: KernelModule = KernelModule {
     ],
 };
 
+/// `cross_entropy.cu`: the per-rank pieces of the vocab-parallel cross-entropy, in `f64`:
+/// row maxima (`ce_row_max`), the sums of `exp(l - max)` and the target logit
+/// (`ce_sum_target`), the loss (`ce_loss`) and the logits' gradient (`ce_grad`), with the
+/// all-reduces over the vocab axis done by the caller between them.
 pub static CROSS_ENTROPY: KernelModule = KernelModule {
     name: "cross_entropy",
     source: include_str!("kernels/cross_entropy.cu"),
@@ -159,12 +181,18 @@ pub static CROSS_ENTROPY: KernelModule = KernelModule {
     ],
 };
 
+/// `copy.cu`: `copy_blocks`, a strided copy of equal runs of elements (all six dtypes,
+/// bitwise), the data movement of `pack`, `unpack`, `narrow` and `cat`.
 pub static COPY: KernelModule = KernelModule {
     name: "copy",
     source: include_str!("kernels/copy.cu"),
     roots: &[("copy_blocks", All)],
 };
 
+/// `attention.cu`: causal self-attention with RoPE on a fused QKV: `attn_load` (splits,
+/// rotates and scales q/k/v into the compute type), `attn_forward` (output and per-row
+/// log-sum-exp) and the backward `attn_backward_dq` / `attn_backward_dkv`. One block per
+/// (head, sample, row), with the row's scores in dynamic shared memory.
 pub static ATTENTION: KernelModule = KernelModule {
     name: "attention",
     source: include_str!("kernels/attention.cu"),

@@ -10,11 +10,17 @@ use half::{bf16, f16};
 /// `bytemuck` (no dependency of cudarc on `half`).
 #[derive(Debug)]
 pub enum CudaBuffer {
+    /// [`DType::F32`] elements.
     F32(CudaSlice<f32>),
+    /// [`DType::F64`] elements.
     F64(CudaSlice<f64>),
+    /// [`DType::BF16`] elements, each stored as its 16 bits (`bf16::to_bits`).
     BF16(CudaSlice<u16>),
+    /// [`DType::F16`] elements, each stored as its 16 bits (`f16::to_bits`).
     F16(CudaSlice<u16>),
+    /// [`DType::I32`] elements.
     I32(CudaSlice<i32>),
+    /// [`DType::I64`] elements.
     I64(CudaSlice<i64>),
 }
 
@@ -34,6 +40,8 @@ macro_rules! with_buffer {
 pub(crate) use with_buffer;
 
 impl CudaBuffer {
+    /// The element type the variant holds ([`DType::BF16`] / [`DType::F16`] for the two
+    /// `u16` variants, not an integer type).
     pub fn dtype(&self) -> DType {
         match self {
             CudaBuffer::F32(_) => DType::F32,
@@ -50,6 +58,8 @@ impl CudaBuffer {
         with_buffer!(self, |s| s.len())
     }
 
+    /// Whether the buffer holds no elements; false for every buffer a [`CudaTensor`]
+    /// allocates, even for a tensor of zero elements (see [`CudaBuffer::len`]).
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -180,26 +190,35 @@ impl CudaTensor {
         }
     }
 
+    /// The dimensions, outermost first (row-major).
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
 
+    /// The number of dimensions (0 for a scalar).
     pub fn rank(&self) -> usize {
         self.shape.len()
     }
 
+    /// The number of elements, the product of the shape: 1 for a scalar, 0 when a
+    /// dimension is 0 (the buffer still holds one element then).
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
 
+    /// The element type.
     pub fn dtype(&self) -> DType {
         self.buf.dtype()
     }
 
+    /// The GPU whose memory holds the tensor; ops on it are queued on that device's stream.
     pub fn device(&self) -> &Device {
         &self.dev
     }
 
+    /// The device buffer, for passing to a kernel or cuBLAS. It holds at least
+    /// `max(numel, 1)` elements (a tensor of zero elements still has a one-element buffer);
+    /// only the first [`CudaTensor::numel`] are the tensor's.
     pub fn buffer(&self) -> &CudaBuffer {
         &self.buf
     }
