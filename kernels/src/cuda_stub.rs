@@ -73,18 +73,3 @@ impl Tensor {
         match dev.never {}
     }
 }
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn device_new_says_the_feature_is_off() {
-        let e = super::Device::new(0).unwrap_err();
-        assert!(
-            e.to_string()
-                .contains("not compiled with the `cuda` feature"),
-            "{e}"
-        );
-        assert!(super::device_count().is_err());
-        assert!(!super::driver_present());
-    }
-}
