@@ -7,21 +7,25 @@ use crate::axis::AxisKind;
 pub enum Error {
     /// A mesh that cannot exist or does not fit the request: no axes or more than 8, an
     /// axis of size 0, two axes with one name, a composition order that does not place
-    /// every axis once, or an axis asked for that the mesh lacks. The string says which.
+    /// every axis once, a communicator whose size is not the mesh's world size, or an
+    /// axis, axis index or coordinates the mesh does not have. The string says which.
     #[error("mesh: {0}")]
     InvalidMesh(String),
-    /// A [`ParallelConfig`](crate::ParallelConfig) string that does not parse or validate
+    /// A [`ParallelConfig`](crate::ParallelConfig) that does not parse or validate
     /// (unknown or repeated key, a degree that is not a positive integer, `sp` without
-    /// `tp` > 1, or a world size that differs from the number of ranks running).
+    /// `tp` > 1), whose world size differs from the number of ranks running, or that
+    /// cannot build the mesh asked for (a degree > 1 on an axis the model's layouts lack,
+    /// a user-declared axis).
     #[error("parallel config `{input}`: {detail}")]
     InvalidConfig {
-        /// The config string as given (`dp=2,tp=2,sp`).
+        /// The config: the string as given, or the parsed config displayed the same way
+        /// (`dp=2,tp=2,sp`).
         input: String,
         /// What is wrong with it.
         detail: String,
     },
-    #[error("{op}: rank {rank} is outside a mesh of {world} ranks")]
     /// A world rank at or beyond the mesh's world size.
+    #[error("{op}: rank {rank} is outside a mesh of {world} ranks")]
     RankOutOfRange {
         /// The operation that was given the rank.
         op: &'static str,
@@ -30,8 +34,8 @@ pub enum Error {
         /// The mesh's world size (number of ranks, the product of its axis sizes).
         world: usize,
     },
-    #[error("{op}: axis {axis} is not in the mesh {mesh}")]
     /// A mesh axis named by a layout or an operation that the mesh does not have.
+    #[error("{op}: axis {axis} is not in the mesh {mesh}")]
     AxisNotInMesh {
         /// The operation that named the axis.
         op: &'static str,
