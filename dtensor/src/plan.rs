@@ -69,8 +69,9 @@ pub enum StepKind {
         /// The tensor dim to slice.
         dim: usize,
     },
-    /// `S(dim) → P(sum)`: the chunk zero-padded to the whole dim, no communication;
-    /// adjoint `Chunk { dim }`.
+    /// `S(dim) → P(sum)`: the chunk zero-padded to the extent the axis's group covers
+    /// (the whole dim, or an outer axis's chunk of it when several axes shard `dim`), no
+    /// communication; adjoint `Chunk { dim }`.
     PadToPartial {
         /// The tensor dim that was sharded.
         dim: usize,

@@ -42,7 +42,7 @@ pub struct GptConfig {
     pub heads: usize,
     /// Transformer blocks.
     pub layers: usize,
-    /// The dense MLP's inner width (a multiple of the `Tp` size).
+    /// The dense MLP's inner width (`fc1`'s output features, sharded over `Tp`).
     pub ffn: usize,
     /// Tokens per sample (the context length; positions for RoPE).
     pub seq_len: usize,

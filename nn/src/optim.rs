@@ -87,8 +87,9 @@ impl<L: Layout> Clone for Param<L> {
 static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
 
 impl<L: Layout> Param<L> {
-    /// A parameter holding `value`, with no optimizer state yet (the optimizer creates
-    /// it at the first update) and a key of its own.
+    /// A parameter holding `value`, with no optimizer state yet (an optimizer that keeps
+    /// some, as [`AdamW`] does its moments, creates it at its first update) and a key of
+    /// its own.
     pub fn new(value: DTensor<L>) -> Self {
         Param {
             value,
