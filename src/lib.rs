@@ -60,6 +60,8 @@
 //! assert!(results.into_iter().all(|r| r.is_ok()));
 //! ```
 
+#![warn(missing_docs)]
+
 pub use dtensor_collectives as collectives;
 pub use dtensor_core as core;
 pub use dtensor_kernels as kernels;

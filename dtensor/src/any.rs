@@ -191,6 +191,7 @@ impl AnyDTensor {
         AnyDTensor::from_local(local, &shape, placements, mesh)
     }
 
+    /// This rank's piece of the tensor (its chunk on `Shard` axes, its term on `Partial` ones).
     pub fn as_local(&self) -> &Tensor {
         &self.local
     }
@@ -199,21 +200,28 @@ impl AnyDTensor {
     pub(crate) fn local_mut(&mut self) -> &mut Tensor {
         &mut self.local
     }
+    /// This rank's piece, taken out of the distributed tensor (no copy).
     pub fn into_local(self) -> Tensor {
         self.local
     }
+    /// Shape of the whole tensor, in elements per dim (for a `Ragged` axis, dim 0 is this
+    /// rank's row count).
     pub fn global_shape(&self) -> &[usize] {
         &self.global_shape
     }
+    /// Shape of this rank's piece: the global shape cut by the `Shard` axes.
     pub fn local_shape(&self) -> &[usize] {
         self.local.shape()
     }
+    /// The placement on every mesh axis, in the mesh's layout order.
     pub fn placements(&self) -> &[Placement] {
         &self.placements
     }
+    /// Element type of the local piece (the same on every rank).
     pub fn dtype(&self) -> DType {
         self.local.dtype()
     }
+    /// The mesh this tensor is distributed over, as this rank sees it.
     pub fn device_mesh(&self) -> &Arc<DeviceMesh> {
         &self.mesh
     }

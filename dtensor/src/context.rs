@@ -136,6 +136,7 @@ pub struct ContextAttention {
     /// Zigzag chunks (rank `c` holds chunks `c` and `2·cp−1−c` of `2·cp`) or contiguous
     /// ones (chunk `c` of `cp`).
     pub zigzag: bool,
+    /// How the K/V (or the heads) move over `Cp`: ring passes or all-to-all.
     pub strategy: CpStrategy,
 }
 
@@ -168,12 +169,16 @@ impl CpLayout {
         })
     }
 
+    /// Length of a whole sample, in tokens (all CP ranks' positions together).
     pub fn seq_len(&self) -> usize {
         self.seq_len
     }
+    /// Number of context-parallel ranks (the `Cp` axis size).
     pub fn cp(&self) -> usize {
         self.cp
     }
+    /// Whether each rank holds the two zigzag chunks `c` and `2·cp−1−c` (else one contiguous
+    /// chunk `c`).
     pub fn zigzag(&self) -> bool {
         self.zigzag
     }

@@ -85,6 +85,7 @@ impl DeviceMesh {
         &self.root
     }
 
+    /// The mesh: axes, sizes and rank layout.
     pub fn mesh(&self) -> &Mesh {
         &self.mesh
     }
@@ -96,6 +97,8 @@ impl DeviceMesh {
     pub fn coords(&self) -> &[usize] {
         &self.coords
     }
+    /// The communicator of every rank of this mesh (for a sub-mesh, the ranks sharing this
+    /// rank's coordinate on the axis left out).
     pub fn world(&self) -> &Arc<dyn Communicator> {
         &self.world
     }

@@ -24,6 +24,8 @@
 //! }
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod any;
 pub mod compute;
 pub mod context;

@@ -149,9 +149,11 @@ impl<B: Brand> Routing<B> {
     pub fn id(&self) -> u64 {
         self.id
     }
+    /// Number of experts `E` routed among (over the whole `Ep` group).
     pub fn experts(&self) -> usize {
         self.experts
     }
+    /// Experts each token is sent to (`k`: 1 or 2).
     pub fn top_k(&self) -> usize {
         self.top_k
     }
@@ -253,8 +255,11 @@ impl<B: Brand> Routing<B> {
 pub struct RoutingStats {
     /// Tokens routed to each expert (kept copies).
     pub per_expert: Vec<usize>,
+    /// Fewest copies any one expert received (the least-loaded expert).
     pub min: usize,
+    /// Mean copies per expert: `per_expert`'s sum over `E`.
     pub mean: f64,
+    /// Most copies any one expert received (the most-loaded expert).
     pub max: usize,
     /// Copies dropped by the capacity.
     pub dropped: usize,

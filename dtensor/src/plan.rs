@@ -39,16 +39,54 @@ use std::fmt;
 /// What one step does to one axis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StepKind {
-    AllGather { dim: usize },
-    AllGatherInvariant { dim: usize },
-    ReduceScatter { dim: usize },
+    /// `S(dim) → R`: all-gather over the axis; adjoint `ReduceScatter { dim }`.
+    AllGather {
+        /// The tensor dim that was sharded.
+        dim: usize,
+    },
+    /// `S(dim) → I`: all-gather over the axis; adjoint `Chunk { dim }` (a local slice).
+    AllGatherInvariant {
+        /// The tensor dim that was sharded.
+        dim: usize,
+    },
+    /// `P → S(dim)`: reduce-scatter over the axis; adjoint `AllGather { dim }` (sum only).
+    ReduceScatter {
+        /// The tensor dim the reduced result is sharded along.
+        dim: usize,
+    },
+    /// `P → I` (Megatron's `g`): all-reduce over the axis; adjoint `ToReplicate` (sum only).
     AllReduce,
-    AllToAll { from: usize, to: usize },
-    Chunk { dim: usize },
-    PadToPartial { dim: usize },
+    /// `S(from) → S(to)`: all-to-all over the axis; adjoint `AllToAll { from: to, to: from }`.
+    AllToAll {
+        /// The tensor dim sharded before the step.
+        from: usize,
+        /// The tensor dim sharded after it (different from `from`).
+        to: usize,
+    },
+    /// `R` or `I → S(dim)`: a local slice, no communication; adjoint `PadToPartial { dim }`
+    /// from `R`, `AllGatherInvariant { dim }` from `I`.
+    Chunk {
+        /// The tensor dim to slice.
+        dim: usize,
+    },
+    /// `S(dim) → P(sum)`: the chunk zero-padded to the extent the axis's group covers
+    /// (the whole dim, or an outer axis's chunk of it when several axes shard `dim`), no
+    /// communication; adjoint `Chunk { dim }`.
+    PadToPartial {
+        /// The tensor dim that was sharded.
+        dim: usize,
+    },
+    /// `I → R` (Megatron's `f`): no communication, a relabelling; adjoint `AllReduce`.
     ToReplicate,
+    /// `R → I`: no communication; adjoint `ToPartial { op: Sum }`.
     ToInvariant,
-    ToPartial { op: PartialOp },
+    /// `R` or `I → P(op)`: no communication; for a sum the rank at coordinate 0 on the
+    /// axis keeps the value and the others hold zeros, for avg, max and min every rank
+    /// keeps it. Adjoint (sum only): itself from `R`, `ToInvariant` from `I`.
+    ToPartial {
+        /// The reduction the partial terms will combine by.
+        op: PartialOp,
+    },
 }
 
 impl StepKind {
@@ -173,15 +211,20 @@ impl StepKind {
 pub struct Step {
     /// Layout index of the axis.
     pub axis: usize,
+    /// The axis itself (its name and role).
     pub axis_kind: AxisKind,
+    /// The axis's placement before the step.
     pub from: Placement,
+    /// The axis's placement after the step.
     pub to: Placement,
+    /// What the step does, and so which collective it issues.
     pub kind: StepKind,
     /// Bytes this rank receives from its peers in this step (0 for local steps).
     pub bytes_received: u64,
 }
 
 impl Step {
+    /// The collective this step issues, or `None` for a local step.
     pub fn collective(&self) -> Option<CollectiveKind> {
         self.kind.collective()
     }
@@ -208,9 +251,13 @@ impl fmt::Display for Step {
 /// assertable before it runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Plan {
+    /// The placements before the plan, one per mesh axis in layout order.
     pub from: SmallVec<[Placement; 4]>,
+    /// The placements after it.
     pub to: SmallVec<[Placement; 4]>,
+    /// The tensor's global shape, in elements per dim.
     pub global_shape: SmallVec<[usize; 4]>,
+    /// The steps in the order they run, at most one collective each.
     pub steps: Vec<Step>,
 }
 
@@ -323,9 +370,11 @@ pub fn nesting_blocker(placements: &[Placement], axis: usize, dims: &[usize]) ->
 /// Which tensor a plan is for, seen from which rank.
 #[derive(Clone, Copy, Debug)]
 pub struct PlanTarget<'a> {
+    /// The mesh the tensor is distributed over.
     pub mesh: &'a Mesh,
     /// The planning rank's coordinates.
     pub coords: &'a [usize],
+    /// The tensor's global shape, in elements per dim.
     pub global_shape: &'a [usize],
     /// Bytes per element.
     pub elem_size: usize,

@@ -275,6 +275,7 @@ impl<L: Layout> Clone for Var<'_, L> {
 }
 
 impl Tape {
+    /// An empty tape: no values, no backward nodes.
     pub fn new() -> Self {
         Tape::default()
     }
@@ -408,6 +409,7 @@ impl Tape {
         self.inner.borrow().nodes.len()
     }
 
+    /// Whether no backward node has been recorded yet.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -744,6 +746,7 @@ impl<'t, L: Layout> Var<'t, L> {
         self.tape.inner.borrow_mut().retained.push(self.id);
     }
 
+    /// The value, off the tape: later ops on it are not recorded and get no gradient.
     pub fn into_value(self) -> DTensor<L> {
         self.value
     }

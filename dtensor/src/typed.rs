@@ -245,24 +245,31 @@ impl<L: Layout> DTensor<L> {
     pub fn into_any(self) -> AnyDTensor {
         self.inner
     }
+    /// The run-time twin, borrowed.
     pub fn as_any(&self) -> &AnyDTensor {
         &self.inner
     }
+    /// This rank's piece of the tensor (its chunk on `Shard` axes, its term on `Partial` ones).
     pub fn as_local(&self) -> &Tensor {
         self.inner.as_local()
     }
+    /// This rank's piece, taken out of the distributed tensor (no copy).
     pub fn into_local(self) -> Tensor {
         self.inner.into_local()
     }
+    /// Shape of the whole tensor, in elements per dim.
     pub fn global_shape(&self) -> &[usize] {
         self.inner.global_shape()
     }
+    /// Shape of this rank's piece: the global shape cut by the `Shard` axes.
     pub fn local_shape(&self) -> &[usize] {
         self.inner.local_shape()
     }
+    /// The placements of `L` at run time, one per mesh axis in layout order.
     pub fn placements(&self) -> &[Placement] {
         self.inner.placements()
     }
+    /// The mesh this tensor is distributed over, as this rank sees it.
     pub fn device_mesh(&self) -> &Arc<DeviceMesh> {
         self.inner.device_mesh()
     }

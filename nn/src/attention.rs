@@ -31,7 +31,9 @@ use std::sync::Arc;
 /// Shape of an attention layer.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionConfig {
+    /// Model width: features per token, `heads · head_dim`.
     pub hidden: usize,
+    /// Attention heads over all `Tp` ranks (each rank holds `heads / tp` whole heads).
     pub heads: usize,
     /// Tokens per sample: the stream's rows are samples of this many tokens, one after
     /// another.
@@ -51,6 +53,7 @@ pub struct AttentionConfig {
 /// cannot overlap its transfers. Zigzag chunks balance the causal work across `Cp` ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ContextParallel {
+    /// Ring attention (K/V passed round the `Cp` ring) or all-to-all (Ulysses).
     pub strategy: CpStrategy,
     /// Rank `c` holds chunks `c` and `2·cp−1−c` of `2·cp` (load-balanced); otherwise
     /// chunk `c` of `cp`.
@@ -68,6 +71,7 @@ impl Default for ContextParallel {
 }
 
 impl AttentionConfig {
+    /// Features per head, `hidden / heads` (checked to divide evenly by [`check`](Self::check)).
     pub fn head_dim(&self) -> usize {
         self.hidden / self.heads
     }
@@ -142,8 +146,13 @@ fn stream_order(
 /// Causal self-attention, heads split over `Tp`.
 #[derive(Clone)]
 pub struct ParallelAttention<M: SeqMode, D: DataMode = Ddp> {
+    /// The fused QKV projection `[3·hidden, hidden]`, column-parallel: whole heads per
+    /// `Tp` rank, rows stored head by head (see the module docs).
     pub qkv: ColumnParallelLinear<D>,
+    /// The output projection `[hidden, hidden]`, row-parallel: its `Partial` product is
+    /// reduced back into the stream.
     pub out: RowParallelLinear<M, D>,
+    /// The layer's shape and its context-parallel choices.
     pub config: AttentionConfig,
 }
 
@@ -174,6 +183,11 @@ impl<M: SeqMode, D: DataMode> ParallelAttention<M, D> {
         self.out.prefetch()
     }
 
+    /// Attention over the stream `x` (`[tokens, hidden]`, samples of `seq_len` tokens one
+    /// after another). Enters with `to_replicate` (`all_gather` of the tokens under SP),
+    /// leaves with `all_reduce` (`reduce_scatter` under SP); with `cp > 1` the attention
+    /// itself passes K/V round the `Cp` ring or all-to-alls the heads. `Err` if the tokens
+    /// do not cut into whole samples or the collectives fail.
     pub fn forward<'t>(
         &self,
         tape: &'t Tape,

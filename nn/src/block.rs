@@ -34,19 +34,30 @@ use std::sync::Arc;
 /// The shape of a GPT.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GptConfig {
+    /// Vocabulary size: rows of the embedding table and columns of the logits.
     pub vocab: usize,
+    /// Model width: features per token in the residual stream.
     pub hidden: usize,
+    /// Attention heads (a multiple of the `Tp` size; they divide `hidden`).
     pub heads: usize,
+    /// Transformer blocks.
     pub layers: usize,
+    /// The dense MLP's inner width (`fc1`'s output features, sharded over `Tp`).
     pub ffn: usize,
+    /// Tokens per sample (the context length; positions for RoPE).
     pub seq_len: usize,
+    /// RMSNorm or LayerNorm, for the blocks' norms and the final one.
     pub norm: NormKind,
+    /// The MLPs' non-linearity (GELU, or SwiGLU with a second up projection).
     pub activation: Activation,
     /// Biases in the linear layers.
     pub bias: bool,
+    /// The norms' epsilon.
     pub eps: f64,
     /// The parameters' (master) dtype.
     pub dtype: DType,
+    /// Seed of the deterministic initialisation (the same parameters at any parallel
+    /// layout).
     pub seed: u64,
     /// Compute and gradient-reduction dtypes (mixed precision), FSDP's reshard flag.
     pub precision: Precision,
@@ -99,7 +110,9 @@ impl GptConfig {
 #[allow(clippy::large_enum_variant)]
 #[derive(Clone)]
 pub enum BlockMlp<M: SeqMode, D: DataMode = Ddp> {
+    /// A dense MLP, column- then row-parallel over `Tp`.
     Dense(ParallelMlp<M, D>),
+    /// A mixture of experts, experts sharded over `Ep`.
     Moe(MoeMlp<M, D>),
 }
 
@@ -144,9 +157,13 @@ impl<M: SeqMode, D: DataMode> Module for BlockMlp<M, D> {
 /// Pre-norm transformer block.
 #[derive(Clone)]
 pub struct TransformerBlock<M: SeqMode, D: DataMode = Ddp> {
+    /// The norm before attention.
     pub norm1: Norm<M, D>,
+    /// Self-attention, heads over `Tp`; its output is added to the residual stream.
     pub attn: ParallelAttention<M, D>,
+    /// The norm before the MLP.
     pub norm2: Norm<M, D>,
+    /// The MLP, dense or MoE; its output is added to the residual stream.
     pub mlp: BlockMlp<M, D>,
 }
 
@@ -297,6 +314,7 @@ pub(crate) fn head_loss<'t, M: SeqMode, D: DataMode>(
 
 /// A small GPT under sequence mode `M`, its parameters held over `Dp` as `D` says.
 pub struct Gpt<M: SeqMode, D: DataMode = Ddp> {
+    /// The model's shape, dtypes and options.
     pub config: GptConfig,
     /// DDP's gradient buckets: all-reduced over `Dp` while the backward runs, `Some(bytes)`
     /// per bucket (PyTorch's default is [`DEFAULT_BUCKET_BYTES`]); `None` (the default)
@@ -304,9 +322,14 @@ pub struct Gpt<M: SeqMode, D: DataMode = Ddp> {
     /// leaves a core (or a copy engine) free for the transfer; with every core computing,
     /// as thread ranks on a small CPU, the bucket copies cost more than they hide.
     pub ddp_bucket_bytes: Option<usize>,
+    /// The token embedding `[vocab, hidden]`, vocabulary rows over `Tp`.
     pub embedding: VocabParallelEmbedding<D>,
+    /// The transformer blocks, in order.
     pub blocks: Vec<TransformerBlock<M, D>>,
+    /// The final norm, before the LM head.
     pub norm: Norm<M, D>,
+    /// The LM head `[vocab, hidden]`, column-parallel: logits `Shard<1>` (vocabulary) over
+    /// `Tp`, scored by [`vocab_parallel_cross_entropy`] without gathering them.
     pub head: ColumnParallelLinear<D>,
 }
 

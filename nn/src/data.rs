@@ -635,6 +635,7 @@ impl<D: DataMode, K: ParamKind> Weight<D, K> {
         self.master.value()
     }
 
+    /// The compute and reduction dtypes and FSDP flags this parameter was made with.
     pub fn precision(&self) -> &Precision {
         &self.precision
     }

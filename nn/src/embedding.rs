@@ -19,6 +19,7 @@ use std::sync::Arc;
 /// The token embedding, its table sharded over `Tp` by vocabulary rows.
 #[derive(Clone)]
 pub struct VocabParallelEmbedding<D: DataMode = Ddp> {
+    /// The table `[vocab, hidden]`, `Shard<0>` (vocabulary rows) over `Tp`.
     pub weight: Weight<D, ColW>,
 }
 
@@ -47,6 +48,7 @@ impl<D: DataMode> VocabParallelEmbedding<D> {
         self.weight.prefetch()
     }
 
+    /// Vocabulary size: the table's global rows (all `Tp` ranks' rows together).
     pub fn vocab(&self) -> usize {
         self.weight.value().global_shape()[0]
     }

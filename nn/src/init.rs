@@ -14,9 +14,15 @@ use std::sync::Arc;
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Init {
     /// Normal with mean 0 and this standard deviation.
-    Normal { std: f64 },
+    Normal {
+        /// The standard deviation (0 gives zeros).
+        std: f64,
+    },
     /// Uniform on `[-bound, bound]`.
-    Uniform { bound: f64 },
+    Uniform {
+        /// Half the interval's width.
+        bound: f64,
+    },
     /// Every element this value (norm weights: 1, biases: 0).
     Constant(f64),
 }

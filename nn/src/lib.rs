@@ -59,6 +59,8 @@
 //! assert!(results.into_iter().all(|r| r.is_ok()));
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod attention;
 pub mod block;
 pub mod buckets;

@@ -20,8 +20,12 @@ use std::sync::Arc;
 /// (each parameter takes the next id), and the weights' standard deviation.
 #[derive(Clone, Copy, Debug)]
 pub struct ParamInit {
+    /// The model's seed: every element is a function of it, the parameter id and the
+    /// element's global index.
     pub seed: u64,
+    /// The id of the layer's first parameter.
     pub id: u64,
+    /// Weights' standard deviation (drawn `Normal(0, std)`).
     pub std: f64,
     /// Biases' standard deviation (0: zeros, as Megatron initialises them).
     pub bias_std: f64,
@@ -32,6 +36,8 @@ pub struct ParamInit {
 }
 
 impl ParamInit {
+    /// Weights `Normal(0, std)` and zero biases in `dtype`, ids from `id`, the default
+    /// [`Precision`] (compute and reduce in the masters' dtype).
     pub fn new(seed: u64, id: u64, std: f64, dtype: DType) -> Self {
         ParamInit {
             seed,
@@ -64,7 +70,9 @@ impl ParamInit {
 /// as the data mode `D` says.
 #[derive(Clone)]
 pub struct ColumnParallelLinear<D: DataMode = Ddp> {
+    /// The weight `[out, in]`, `Shard<0>` (output features) over `Tp`.
     pub weight: Weight<D, ColW>,
+    /// The bias `[out]`, `Shard<0>` over `Tp` like the weight's rows; `None` without bias.
     pub bias: Option<Weight<D, ColB>>,
 }
 
@@ -143,7 +151,10 @@ impl<D: DataMode> Module for ColumnParallelLinear<D> {
 /// `Partial` term; the bias is added once, after the reduction (as Megatron does).
 #[derive(Clone)]
 pub struct RowParallelLinear<M: SeqMode, D: DataMode = Ddp> {
+    /// The weight `[out, in]`, `Shard<1>` (input features) over `Tp`.
     pub weight: Weight<D, RowW>,
+    /// The bias `[out]`, placed over `Tp` as the stream it is added to is (so under SP its
+    /// gradient is `Partial` over `Tp`); `None` without bias.
     pub bias: Option<Weight<D, StreamP<M>>>,
 }
 

@@ -21,9 +21,13 @@ pub enum Activation {
 /// `fc2(act(fc1(x)))`, with `up` as SwiGLU's second projection.
 #[derive(Clone)]
 pub struct ParallelMlp<M: SeqMode, D: DataMode = Ddp> {
+    /// The first projection `[ffn, hidden]`, column-parallel (SwiGLU's gate).
     pub fc1: ColumnParallelLinear<D>,
+    /// SwiGLU's second projection `[ffn, hidden]`, column-parallel; `None` for GELU.
     pub up: Option<ColumnParallelLinear<D>>,
+    /// The output projection `[hidden, ffn]`, row-parallel: reduced back into the stream.
     pub fc2: RowParallelLinear<M, D>,
+    /// The non-linearity between the projections.
     pub activation: Activation,
 }
 
@@ -72,6 +76,10 @@ impl<M: SeqMode, D: DataMode> ParallelMlp<M, D> {
         self.fc2.prefetch()
     }
 
+    /// The MLP on the stream `x` (`[tokens, hidden]`): enters with `to_replicate`
+    /// (`all_gather` of the tokens under SP), computes the `[tokens, ffn/tp]` activation
+    /// locally, and leaves with `all_reduce` (`reduce_scatter` under SP). `Err` if the
+    /// shapes do not fit or a collective fails.
     pub fn forward<'t>(
         &self,
         tape: &'t Tape,

@@ -147,7 +147,9 @@ pub struct MoeMlp<M: SeqMode, D: DataMode = Ddp> {
     pub up: Option<Weight<D, ExpertW<M>>>,
     /// `[E, hidden, ffn]`.
     pub w2: Weight<D, ExpertW<M>>,
+    /// Experts, top-k, capacity, gate normalisation and load balancing.
     pub config: MoeConfig,
+    /// The experts' non-linearity (SwiGLU uses `up`).
     pub activation: Activation,
     state: Arc<Mutex<MoeState>>,
 }

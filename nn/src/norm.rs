@@ -29,9 +29,14 @@ pub enum NormKind {
 /// A norm over the last (feature) dim of the stream.
 #[derive(Clone)]
 pub struct Norm<M: SeqMode, D: DataMode = Ddp> {
+    /// The scale `w` `[hidden]`: `Invariant` over `Tp`, `Replicate` under SP (see the
+    /// module docs).
     pub weight: Weight<D, StreamP<M>>,
+    /// LayerNorm's shift `b` `[hidden]`, placed as the weight; `None` for RMSNorm.
     pub bias: Option<Weight<D, StreamP<M>>>,
+    /// RMSNorm or LayerNorm.
     pub kind: NormKind,
+    /// Added to the mean square (RMS) or the variance (Layer) before the square root.
     pub eps: f64,
 }
 
@@ -79,6 +84,10 @@ impl<M: SeqMode, D: DataMode> Norm<M, D> {
         self.bias.as_ref().map_or(Ok(()), |b| b.prefetch())
     }
 
+    /// Normalises each token of the stream `x` (`[tokens, hidden]`) over its features.
+    /// No communication in the forward (FSDP's gather over `Dp` aside); under SP the
+    /// weight's gradient comes back `Partial` over `Tp`. `Err` if `x`'s width is not
+    /// `hidden`.
     pub fn forward<'t>(
         &self,
         tape: &'t Tape,

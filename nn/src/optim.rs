@@ -87,6 +87,9 @@ impl<L: Layout> Clone for Param<L> {
 static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
 
 impl<L: Layout> Param<L> {
+    /// A parameter holding `value`, with no optimizer state yet (an optimizer that keeps
+    /// some, as [`AdamW`] does its moments, creates it at its first update) and a key of
+    /// its own.
     pub fn new(value: DTensor<L>) -> Self {
         Param {
             value,
@@ -94,6 +97,7 @@ impl<L: Layout> Param<L> {
             key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
         }
     }
+    /// The parameter's current value, laid out `L`.
     pub fn value(&self) -> &DTensor<L> {
         &self.value
     }
@@ -213,6 +217,9 @@ pub fn reduce_grad<T: TpParam>(
 
 /// Visits parameters one by one with their names (see [`Module::visit_params`]).
 pub trait ParamVisitor {
+    /// Called once per parameter with its dotted name (`blocks.0.attn.qkv.weight`) and
+    /// the parameter, which the visitor may read or update in place. An `Err` stops the
+    /// walk and is returned by [`Module::visit_params`].
     fn visit<D: DataMode, K: ParamKind>(&mut self, name: &str, w: &mut Weight<D, K>) -> Result<()>;
 }
 
@@ -251,8 +258,11 @@ pub fn join_name(prefix: &str, name: &str) -> String {
 /// value.
 #[derive(Clone, Debug)]
 pub struct NamedParam {
+    /// The dotted name ([`join_name`] of the module path).
     pub name: String,
+    /// The master's placements, one per mesh axis in layout order.
     pub placements: Vec<Placement>,
+    /// The whole (global) value, gathered on every rank.
     pub value: Tensor,
 }
 
@@ -293,6 +303,7 @@ pub struct GradAccumulator {
 }
 
 impl GradAccumulator {
+    /// An empty accumulator: no gradients, no backwards added.
     pub fn new() -> Self {
         Self::default()
     }
@@ -523,6 +534,7 @@ fn check_grad<L: Layout, G: Layout>(op: &'static str, p: &Param<L>, g: &DTensor<
 /// Plain SGD: `p -= lr·g`.
 #[derive(Clone, Debug)]
 pub struct Sgd {
+    /// Learning rate.
     pub lr: f64,
 }
 
@@ -552,9 +564,13 @@ impl Optimizer for Sgd {
 /// parameter, laid out like it, so a sharded parameter has sharded state.
 #[derive(Clone, Debug)]
 pub struct AdamW {
+    /// Learning rate.
     pub lr: f64,
+    /// Decay rate of the first moment (the gradients' running mean).
     pub beta1: f64,
+    /// Decay rate of the second moment (the squared gradients' running mean).
     pub beta2: f64,
+    /// Added to the bias-corrected second moment's square root before dividing.
     pub eps: f64,
     /// Decoupled weight decay, applied to matrices (weights, embedding tables) only.
     pub weight_decay: f64,
@@ -565,6 +581,8 @@ pub struct AdamW {
 }
 
 impl AdamW {
+    /// AdamW at learning rate `lr` with `beta1 = 0.9`, `beta2 = 0.95`, `eps = 1e-8`, weight
+    /// decay 0.01 on matrices only, no steps taken.
     pub fn new(lr: f64) -> Self {
         AdamW {
             lr,
@@ -694,6 +712,7 @@ pub struct GradNorm {
 }
 
 impl GradNorm {
+    /// An empty sum: norm 0 until gradients are added.
     pub fn new() -> Self {
         Self::default()
     }

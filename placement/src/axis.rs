@@ -44,6 +44,8 @@ pub enum AxisRole {
 }
 
 impl AxisRole {
+    /// Every role, in declaration order (`Dp`, `Pp`, `Ep`, `Cp`, `Tp`; not the composition
+    /// order, which is [`DEFAULT_ORDER`](crate::DEFAULT_ORDER)).
     pub const ALL: [AxisRole; 5] = [
         AxisRole::Dp,
         AxisRole::Pp,
@@ -256,6 +258,7 @@ impl fmt::Debug for AxisKind {
     label = "expected a mesh axis marker such as `Dp`, `Tp`, `Cp`, `Ep` or `Pp`, or one declared with `mesh_axis!`"
 )]
 pub trait MeshAxis: Copy + Default + fmt::Debug + Send + Sync + 'static {
+    /// The axis at run time: its name, type name and role, as a mesh stores it.
     const KIND: AxisKind;
     /// The axis's role as a type ([`roles::Dp`], …, [`roles::Cp`], [`roles::Tp`]), so a
     /// rule can depend on what an axis is *for*: attention refuses `Shard<0>` on a
@@ -272,6 +275,7 @@ pub mod roles {
 
     /// A role marker: [`Dp`], [`Pp`], [`Ep`], [`Cp`] or [`Tp`] of this module.
     pub trait RoleMarker: Send + Sync + 'static {
+        /// The role this marker stands for, at run time.
         const ROLE: AxisRole;
     }
 

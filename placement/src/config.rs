@@ -15,11 +15,22 @@ use std::str::FromStr;
 /// over the TP group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ParallelConfig {
+    /// Data-parallel degree: ranks holding replicas of the dense parameters (ZeRO/FSDP
+    /// shard them over this axis). At least 1.
     pub dp: usize,
+    /// Tensor-parallel degree: ranks splitting each matmul (the innermost axis, adjacent
+    /// ranks). At least 1.
     pub tp: usize,
+    /// Pipeline-parallel degree: stages the layers are cut into (the outermost axis). At
+    /// least 1.
     pub pp: usize,
+    /// Context-parallel degree: ranks splitting each sequence (ring attention). At least 1.
     pub cp: usize,
+    /// Expert-parallel degree: ranks the MoE experts are spread over; outside the experts
+    /// it shards tokens like `dp`. At least 1.
     pub ep: usize,
+    /// Sequence parallelism: activations outside the matmuls are `Shard` along the
+    /// sequence over `Tp` instead of whole. Needs `tp` > 1.
     pub sp: bool,
 }
 

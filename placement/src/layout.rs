@@ -67,7 +67,10 @@ impl<X: MeshAxis, P: PlacementType, R: Layout> Layout for (On<X, P>, R) {
     note = "the layout is `{Self}`; name an axis it has (a method changes one axis of the tensor's own mesh)"
 )]
 pub trait Select<X, I> {
+    /// The placement on axis `X`.
     type P: PlacementType;
+    /// This layout with the placement on axis `X` replaced by `Q`, every other axis as is:
+    /// the output layout of a one-axis transition.
     type With<Q: PlacementType>: Layout;
 }
 

@@ -19,6 +19,8 @@
 //! assert_eq!(shape.as_slice(), &[5, 4]);                      // rows 5..10 of 10
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod arith;
 pub mod axis;
 pub mod config;

@@ -136,6 +136,7 @@ impl Mesh {
         Mesh::with_order(&rest, &order)
     }
 
+    /// Number of mesh axes (1 to 8).
     pub fn ndim(&self) -> usize {
         self.axes.len()
     }
@@ -143,9 +144,14 @@ impl Mesh {
     pub fn axes(&self) -> &[(AxisKind, usize)] {
         &self.axes
     }
+    /// The axes without their sizes, in layout order.
     pub fn axis_kinds(&self) -> SmallVec<[AxisKind; 4]> {
         self.axes.iter().map(|&(a, _)| a).collect()
     }
+    /// Size (number of ranks) of the axis at layout index `axis`.
+    ///
+    /// # Panics
+    /// If `axis >= self.ndim()`.
     pub fn size(&self, axis: usize) -> usize {
         self.axes[axis].1
     }
@@ -160,6 +166,7 @@ impl Mesh {
             .filter(|&i| self.axes[i].0.role() == role)
             .collect()
     }
+    /// Number of ranks: the product of the axis sizes.
     pub fn world_size(&self) -> usize {
         self.axes.iter().map(|&(_, n)| n).product()
     }

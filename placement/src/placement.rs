@@ -22,13 +22,18 @@ use std::marker::PhantomData;
 /// How the terms of a `Partial` axis combine, at run time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PartialOp {
+    /// The value is the sum of the ranks' terms.
     Sum,
+    /// The value is the mean of the ranks' terms (their sum divided by the axis size).
     Avg,
+    /// The value is the element-wise largest of the ranks' terms.
     Max,
+    /// The value is the element-wise smallest of the ranks' terms.
     Min,
 }
 
 impl PartialOp {
+    /// Lower-case name, as printed in `P(sum)`: `"sum"`, `"avg"`, `"max"` or `"min"`.
     pub fn name(self) -> &'static str {
         match self {
             PartialOp::Sum => "sum",
@@ -46,18 +51,25 @@ impl PartialOp {
 /// A placement on one mesh axis, at run time. Prints as `S(1)`, `R`, `I`, `P(sum)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Placement {
+    /// Each rank holds one `torch.chunk` piece of this tensor dim (see [`Shard`]).
     Shard(usize),
+    /// Same value on every rank; consumers differ per rank, so its gradient is `Partial`.
     Replicate,
+    /// Same value on every rank, consumed identically everywhere; its gradient is
+    /// `Invariant` too.
     Invariant,
+    /// Each rank holds a term; the value is their reduction by this op.
     Partial(PartialOp),
     /// Dim 0 holds a data-dependent number of rows on each rank (see the module docs).
     Ragged,
 }
 
 impl Placement {
+    /// Whether this is `Shard` of some dim.
     pub fn is_shard(self) -> bool {
         matches!(self, Placement::Shard(_))
     }
+    /// Whether this is `Partial` with any reduction op.
     pub fn is_partial(self) -> bool {
         matches!(self, Placement::Partial(_))
     }
@@ -147,6 +159,7 @@ pub struct Min;
     label = "use `Sum`, `Avg`, `Max` or `Min`"
 )]
 pub trait ReduceMarker: Copy + Default + fmt::Debug + Send + Sync + 'static {
+    /// The reduction at run time.
     const OP: PartialOp;
 }
 impl ReduceMarker for Sum {
@@ -168,6 +181,7 @@ impl ReduceMarker for Min {
     label = "expected `Shard<D>`, `Replicate`, `Invariant` or `Partial<Op>`"
 )]
 pub trait PlacementType: Copy + Default + fmt::Debug + Send + Sync + 'static {
+    /// This placement at run time.
     const PLACEMENT: Placement;
     /// The gradient's placement (dual).
     type Grad: PlacementType;
@@ -203,6 +217,7 @@ impl<B: Brand> PlacementType for Ragged<B> {
     note = "a `Replicate` or `Invariant` axis already holds the whole tensor; a `Partial` axis must be reduced (all_reduce / reduce_scatter)"
 )]
 pub trait IsShard: PlacementType {
+    /// The tensor dim that is sharded (`D` of `Shard<D>`).
     const DIM: usize;
 }
 impl<const D: usize> IsShard for Shard<D> {
@@ -216,6 +231,7 @@ impl<const D: usize> IsShard for Shard<D> {
     note = "only a `Partial` axis holds terms to reduce; a `Shard` axis moves with all_gather or all_to_all (an MoE expert weight's gradient is `Shard<0>` over Ep and already whole on the expert's owner: reduce it over the data axes only)"
 )]
 pub trait IsPartial: PlacementType {
+    /// How the pending terms combine (`Sum`, `Avg`, `Max`, `Min`).
     type Op: ReduceMarker;
 }
 impl<Op: ReduceMarker> IsPartial for Partial<Op> {

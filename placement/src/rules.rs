@@ -69,6 +69,7 @@ pub type GradOf<P> = <P as PlacementType>::Grad;
     note = "per axis: R·R→R, I·I→I, S0·R→S0, R·S1→S1, S1·S0→P, P·R→P, R·P→P; an `Invariant` operand only meets `Invariant` (to_replicate it first), and two `Partial` factors do not multiply"
 )]
 pub trait MatmulRule<A: PlacementType>: PlacementType {
+    /// The placement of `C` on this axis.
     type Out: PlacementType;
 }
 
@@ -80,6 +81,7 @@ pub trait MatmulRule<A: PlacementType>: PlacementType {
     note = "per axis (x·Wᵀ, W stored [out, in]): R·R→R, I·I→I, S0·R→S0, R·S0→S1 (column-parallel), S1·S1→P (row-parallel), P·R→P, R·P→P; an `Invariant` operand only meets `Invariant` (to_replicate it first)"
 )]
 pub trait MatmulTRule<A: PlacementType>: PlacementType {
+    /// The placement of `A·Wᵀ` on this axis.
     type Out: PlacementType;
 }
 
@@ -91,6 +93,7 @@ pub trait MatmulTRule<A: PlacementType>: PlacementType {
     note = "per axis ([b,m,k]·[b,k,n]): S0·S0→S0 (batch), R·R→R, I·I→I, S1·R→S1, R·S2→S2, S2·S1→P, P·R→P, R·P→P"
 )]
 pub trait BatchedMatmulRule<A: PlacementType>: PlacementType {
+    /// The placement of `C[b]` on this axis.
     type Out: PlacementType;
 }
 
@@ -100,6 +103,7 @@ pub trait BatchedMatmulRule<A: PlacementType>: PlacementType {
     label = "a 2-D tensor can only be `Shard<0>`, `Shard<1>`, `Replicate`, `Invariant` or `Partial`"
 )]
 pub trait TransposeRule: PlacementType {
+    /// The transpose's placement on this axis (`Shard<0>` and `Shard<1>` swap).
     type T: PlacementType;
 }
 
@@ -109,6 +113,8 @@ pub trait TransposeRule: PlacementType {
     label = "a 3-D tensor can only be `Shard<0..3>`, `Replicate`, `Invariant` or `Partial`"
 )]
 pub trait TransposeLastRule: PlacementType {
+    /// The placement on this axis once the last two dims are swapped (`Shard<1>` and
+    /// `Shard<2>` swap).
     type T: PlacementType;
 }
 
@@ -119,6 +125,7 @@ pub trait TransposeLastRule: PlacementType {
     note = "per axis: equal placements (R, I or the same Shard<d>), or one `Partial<Sum>` factor times `Replicate`; two `Partial` factors would multiply sums of terms, and `Invariant` never mixes"
 )]
 pub trait MulRule<A: PlacementType>: PlacementType {
+    /// The product's placement on this axis.
     type Out: PlacementType;
 }
 
@@ -129,6 +136,7 @@ pub trait MulRule<A: PlacementType>: PlacementType {
     note = "per axis: equal placements (R, I or the same Shard<d>), or a `Partial<Sum>` numerator over a `Replicate` divisor; a `Partial` divisor is not linear"
 )]
 pub trait DivRule<A: PlacementType>: PlacementType {
+    /// The quotient's placement on this axis.
     type Out: PlacementType;
 }
 
@@ -149,6 +157,7 @@ pub trait AddRowRule<X: PlacementType>: PlacementType {}
     note = "per axis: rows S0 take a Replicate scale; rows S1 (columns split) a scale S0; R·R, I·I; one Partial<Sum> factor with a Replicate one"
 )]
 pub trait MulRowRule<X: PlacementType>: PlacementType {
+    /// The scaled rows' placement on this axis.
     type Out: PlacementType;
 }
 
@@ -159,6 +168,7 @@ pub trait MulRowRule<X: PlacementType>: PlacementType {
     note = "per axis: Shard<D> gives Partial<Sum>, Shard<e> moves to Shard<e-1> when e > D, R, I and a linear Partial stay"
 )]
 pub trait SumRule<const D: usize>: PlacementType {
+    /// The sum's placement on this axis (dim `D` removed).
     type Out: PlacementType;
 }
 
@@ -169,6 +179,7 @@ pub trait SumRule<const D: usize>: PlacementType {
     note = "per axis: Shard<D> gives Partial<Avg> (shards must be even: checked when it runs), Shard<e> moves to Shard<e-1> when e > D, R, I and a linear Partial stay"
 )]
 pub trait MeanRule<const D: usize>: PlacementType {
+    /// The mean's placement on this axis (dim `D` removed).
     type Out: PlacementType;
 }
 
@@ -179,6 +190,7 @@ pub trait MeanRule<const D: usize>: PlacementType {
     note = "per axis: Shard<D> gives Partial<Max>, Shard<e> moves to Shard<e-1> when e > D, R and I stay; a `Partial` input has no rule"
 )]
 pub trait MaxRule<const D: usize>: PlacementType {
+    /// The max's placement on this axis (dim `D` removed).
     type Out: PlacementType;
 }
 
@@ -207,6 +219,7 @@ pub trait NormRule<X: PlacementType, const D: usize>: PlacementType {}
     note = "per axis: (S0, R or I)→Partial (masked vocab-parallel lookup), (S1, R or I)→S1, (R, S0)→S0, (R, R)→R, (R, I)→R, (I, I)→I"
 )]
 pub trait EmbeddingRule<T: PlacementType>: PlacementType {
+    /// The looked-up rows' placement (`[tokens, hidden]`) on this axis.
     type Out: PlacementType;
 }
 
@@ -218,6 +231,7 @@ pub trait EmbeddingRule<T: PlacementType>: PlacementType {
     note = "per axis: (S1, R or I)→I (vocab-parallel: max and sums reduced over the axis inside the op), (S0, S0)→S0, (R, R)→R, (I, I)→I; logits must not be Partial"
 )]
 pub trait CrossEntropyRule<Lg: PlacementType>: PlacementType {
+    /// The per-token loss's placement (`[tokens]`) on this axis.
     type Out: PlacementType;
 }
 
@@ -229,6 +243,7 @@ pub trait CrossEntropyRule<Lg: PlacementType>: PlacementType {
     note = "per axis: Shard<D> stays (the leading part is split), Shard<e> moves to Shard<e+1> when e > D; R, I and Partial stay"
 )]
 pub trait SplitRule<const D: usize>: PlacementType {
+    /// The placement on this axis after the split.
     type Out: PlacementType;
 }
 
@@ -241,6 +256,7 @@ pub trait SplitRule<const D: usize>: PlacementType {
     note = "per axis: Shard<D> stays, Shard<e> moves to Shard<e-1> when e > D + 1; R, I and Partial stay"
 )]
 pub trait MergeRule<const D: usize>: PlacementType {
+    /// The placement on this axis after the merge.
     type Out: PlacementType;
 }
 
@@ -742,6 +758,8 @@ fn split_merge_rules_close() {
 /// per axis from the ids (`Self`) and the table: the lookup is `onehot · table`, so its
 /// closure is the matmul table's.
 pub trait OneHotRule<T: PlacementType>: PlacementType {
+    /// The one-hot matrix's placement on this axis; its transpose has a rule too, for the
+    /// table's gradient `onehotᵀ · dy`.
     type Out: PlacementType + TransposeRule;
 }
 impl OneHotRule<S<0>> for R {
@@ -956,6 +974,7 @@ pub struct NotABrand<B>(std::marker::PhantomData<B>);
     note = "per axis: S0→Ragged, R→R, I→I, P→P, S1→S1 (tokens are [tokens, hidden])"
 )]
 pub trait DispatchRule<B: Brand>: PlacementType {
+    /// The dispatched rows' placement on this axis.
     type Out: PlacementType;
 }
 impl<B: Brand> DispatchRule<B> for S<0> {
@@ -981,6 +1000,7 @@ impl<B: Brand> DispatchRule<B> for S<1> {
     note = "per axis: Ragged→S0, R→R, I→I, P→P, S1→S1"
 )]
 pub trait UndispatchRule: PlacementType {
+    /// The placement of the rows back home on this axis.
     type Out: PlacementType;
 }
 impl<B: Brand> UndispatchRule for Ragged<B> {
@@ -1007,6 +1027,7 @@ impl UndispatchRule for S<1> {
     note = "per axis: (Ragged, S0)→S0, (R, R)→R, (I, I)→I, (P, R)→P (row-parallel experts), (S1, R)→S1"
 )]
 pub trait CombineRule<Y: PlacementType>: PlacementType {
+    /// The combined tokens' placement (`[tokens, hidden]`) on this axis.
     type Out: PlacementType;
 }
 impl<B: Brand> CombineRule<Ragged<B>> for S<0> {
@@ -1076,6 +1097,7 @@ fn dispatch_combine_rules_close() {
     note = "per axis (x[rows, in]·W[e, out, in]ᵀ): Ragged·S0→Ragged (expert parallel: this rank's experts), Ragged·R→Ragged (a data axis), R·R→R, I·I→I, R·S1→S1 (column-parallel experts), S1·S2→P (row-parallel experts)"
 )]
 pub trait GroupedMatmulRule<X: PlacementType>: PlacementType {
+    /// The product's placement (`[rows, out]`) on this axis.
     type Out: PlacementType;
 }
 impl<B: Brand> GroupedMatmulRule<Ragged<B>> for S<0> {
@@ -1100,6 +1122,7 @@ impl GroupedMatmulRule<S<1>> for S<2> {
 /// The input gradient of a grouped product, `dx = dy·W[e]` per group, on one axis
 /// (implemented on the weight's placement).
 pub trait GroupedMatmulNRule<Dy: PlacementType>: PlacementType {
+    /// The input gradient's placement (`[rows, in]`) on this axis.
     type Out: PlacementType;
 }
 impl<B: Brand> GroupedMatmulNRule<Ragged<B>> for S<0> {
@@ -1128,6 +1151,7 @@ impl GroupedMatmulNRule<R> for S<2> {
 /// expert's owner), so the gradient is whole: `Shard<0>`. Over an axis where the weight is
 /// replicated (a data axis) each rank holds some rows of every expert: `Partial`.
 pub trait GroupedWeightGrad<Dy: PlacementType, X: PlacementType>: PlacementType {
+    /// The weight gradient's placement (`[experts, out, in]`) on this axis.
     type Out: PlacementType;
 }
 impl<B: Brand> GroupedWeightGrad<Ragged<B>, Ragged<B>> for S<0> {
@@ -1181,6 +1205,8 @@ macro_rules! lift_binary {
     ($(#[$m:meta])* $layout:ident, $rule:ident, $alias:ident) => {
         $(#[$m])*
         pub trait $layout<LA: Layout>: Layout {
+            /// The result's layout: each axis's placement is the per-axis rule's `Out` for the two
+            /// operands' placements on that axis.
             type Out: Layout;
         }
         impl $layout<()> for () {
@@ -1214,6 +1240,7 @@ macro_rules! lift_unary_dim {
     ($(#[$m:meta])* $layout:ident, $rule:ident, $alias:ident) => {
         $(#[$m])*
         pub trait $layout<const D: usize>: Layout {
+            /// The result's layout: each axis's placement is the per-axis rule's `Out`.
             type Out: Layout;
         }
         impl<const D: usize> $layout<D> for () {
@@ -1365,6 +1392,7 @@ lift_binary!(
     label = "an axis of these tokens has no dispatch rule"
 )]
 pub trait DispatchLayout<B: Brand>: Layout {
+    /// The dispatched rows' layout: each axis as [`DispatchRule`] places it.
     type Out: Layout;
 }
 impl<B: Brand> DispatchLayout<B> for () {
@@ -1391,6 +1419,7 @@ impl<X: MeshAxis, P: NotSplitOn<D>, Rest: NotSplitLayout<D>, const D: usize> Not
 
 /// A 2-D transpose over every axis.
 pub trait TransposeLayout: Layout {
+    /// The transpose's layout: each axis as [`TransposeRule`] places it.
     type T: Layout;
 }
 impl TransposeLayout for () {
@@ -1404,6 +1433,7 @@ pub type Transposed<L> = <L as TransposeLayout>::T;
 
 /// A 3-D tensor's last two dims swapped, over every axis.
 pub trait TransposeLastLayout: Layout {
+    /// The layout with the last two dims swapped: each axis as [`TransposeLastRule`] places it.
     type T: Layout;
 }
 impl TransposeLastLayout for () {

@@ -144,7 +144,6 @@
 //! heavier), overlap of transfers with computation (non-blocking or batched send/receive),
 //! activation recomputation, and the data-parallel gradient reduction after the last `W`.
 
-#![warn(missing_docs)]
 mod runtime;
 mod schedule;
 pub(crate) mod stage;
