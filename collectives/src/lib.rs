@@ -61,6 +61,8 @@
 mod args;
 mod call;
 pub mod columns;
+#[cfg(feature = "conformance")]
+pub mod conformance;
 mod counters;
 mod error;
 mod mismatch;
