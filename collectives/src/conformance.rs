@@ -127,6 +127,8 @@ pub struct Case {
     pub min_ranks: usize,
     /// Optional capabilities the case relies on.
     pub needs: &'static [Need],
+    /// The group sizes an in-process runner covers under Miri (see [`Case::group_sizes`]).
+    pub miri_ranks: &'static [usize],
     /// The case, on one rank: records failed checks in `Checks`, returns `Err` only when a
     /// call it needs fails unexpectedly.
     pub run: fn(&dyn Communicator, &mut Checks) -> Result<()>,
@@ -138,6 +140,7 @@ impl Debug for Case {
             .field("name", &self.name)
             .field("min_ranks", &self.min_ranks)
             .field("needs", &self.needs)
+            .field("miri_ranks", &self.miri_ranks)
             .finish()
     }
 }
@@ -168,6 +171,18 @@ impl Outcome {
 }
 
 impl Case {
+    /// The group sizes an in-process runner (threads; NCCL on one machine) runs the case
+    /// on: [`group_sizes`], 1 to 4 ranks, natively; under Miri, which interprets about
+    /// 1000x slower, the few sizes the case needs (the data cases 1 to 3, most others
+    /// one size). Sizes below [`min_ranks`](Case::min_ranks) give [`Outcome::Skipped`].
+    pub fn group_sizes(&self) -> Vec<usize> {
+        if cfg!(miri) {
+            self.miri_ranks.to_vec()
+        } else {
+            group_sizes().collect()
+        }
+    }
+
     /// Runs the case on this rank's `comm` (every rank of the group must call it), unless
     /// the group is too small or the backend lists a capability it needs in
     /// `unsupported` (as `(need, why)`).
@@ -1597,6 +1612,22 @@ fn reduce_scatterv_different_counts_every_rank_mismatch(
             &counts,
             ReduceOp::Sum,
         )
+    })?;
+    // Counts whose sums differ too: rank 0 says [2, 1, …], the others [1, 1, …].
+    let mut counts = vec![1; n];
+    if r == 0 {
+        counts[0] = 2;
+    }
+    let total = counts.iter().sum();
+    let mut recv = vec![0.0f32; counts[r]];
+    let needles = ["counts differ".to_string()];
+    expect_mismatch(comm, f, "counts and sums", &needles, None, || {
+        comm.reduce_scatterv(
+            f32::slice(&vec![0.0; total]),
+            f32::slice_mut(&mut recv),
+            &counts,
+            ReduceOp::Sum,
+        )
     })
 }
 
@@ -2348,16 +2379,18 @@ fn async_trait_default_stand_in_runs_at_start_with_the_same_results(
 // The table
 // ---------------------------------------------------------------------------------------
 
-/// A case of `$name` (the function of that name) for groups of at least `$min` ranks.
+/// A case of `$name` (the function of that name) for groups of at least `$min` ranks, run
+/// under Miri on the group sizes `$miri`, needing the capabilities listed last.
 macro_rules! case {
-    ($name:ident, $min:expr) => {
-        case!($name, $min, [])
+    ($name:ident, $min:expr, $miri:expr) => {
+        case!($name, $min, $miri, [])
     };
-    ($name:ident, $min:expr, [$($need:ident),*]) => {
+    ($name:ident, $min:expr, $miri:expr, [$($need:ident),*]) => {
         Case {
             name: stringify!($name),
             min_ranks: $min,
             needs: &[$(Need::$need),*],
+            miri_ranks: &$miri,
             run: $name,
         }
     };
@@ -2365,115 +2398,171 @@ macro_rules! case {
 
 static CASES: &[Case] = &[
     // Data movement against references.
-    case!(all_reduce_every_dtype_op_matches_reference, 1),
+    case!(all_reduce_every_dtype_op_matches_reference, 1, [1, 2, 3]),
     case!(
         all_reduce_order_sensitive_sum_bitwise_identical_and_equal_to_threads,
-        1
+        1,
+        [3]
     ),
-    case!(all_gather_every_dtype_matches_reference, 1),
-    case!(all_gatherv_uneven_counts_with_zeros_matches_reference, 1),
-    case!(reduce_scatter_every_dtype_op_matches_reference, 1),
+    case!(all_gather_every_dtype_matches_reference, 1, [1, 2, 3]),
+    case!(
+        all_gatherv_uneven_counts_with_zeros_matches_reference,
+        1,
+        [1, 2, 3]
+    ),
+    case!(
+        reduce_scatter_every_dtype_op_matches_reference,
+        1,
+        [1, 2, 3]
+    ),
     case!(
         reduce_scatterv_uneven_counts_with_zeros_matches_reference,
-        1
+        1,
+        [1, 2, 3]
     ),
-    case!(all_to_all_every_dtype_matches_reference, 1),
-    case!(all_to_allv_uneven_counts_with_zeros_matches_reference, 1),
-    case!(broadcast_every_dtype_root_matches_root, 1),
-    case!(barrier_repeated_every_rank_passes_and_counts, 1),
+    case!(all_to_all_every_dtype_matches_reference, 1, [1, 2, 3]),
+    case!(
+        all_to_allv_uneven_counts_with_zeros_matches_reference,
+        1,
+        [1, 2, 3]
+    ),
+    case!(broadcast_every_dtype_root_matches_root, 1, [1, 2, 3]),
+    case!(barrier_repeated_every_rank_passes_and_counts, 1, [2]),
     // In place.
-    case!(in_place_all_gatherv_and_reduce_scatterv_match_reference, 1),
-    case!(in_place_trait_defaults_match_reference, 1),
+    case!(
+        in_place_all_gatherv_and_reduce_scatterv_match_reference,
+        1,
+        [1, 2, 3]
+    ),
+    case!(in_place_trait_defaults_match_reference, 1, [1, 2, 3]),
     case!(
         in_place_buffer_of_wrong_length_invalid_argument_and_peer_mismatch,
-        2
+        2,
+        [2]
     ),
     // Column blocks.
-    case!(column_block_collectives_match_reference, 1),
-    case!(column_block_trait_defaults_match_reference, 1),
+    case!(column_block_collectives_match_reference, 1, [1, 2, 3]),
+    case!(column_block_trait_defaults_match_reference, 1, [1, 2, 3]),
     case!(
         column_block_rows_disagree_every_rank_mismatch,
         2,
+        [2],
         [ColumnRowAgreement]
     ),
     case!(
         column_collectives_with_overflowing_widths_are_invalid_on_every_rank,
-        1
+        1,
+        [2]
     ),
     // Point to point.
-    case!(send_recv_fifo_per_tag_delivers_in_order, 1),
-    case!(send_recv_symmetric_exchange_does_not_deadlock, 1),
+    case!(send_recv_fifo_per_tag_delivers_in_order, 1, [2]),
+    case!(send_recv_symmetric_exchange_does_not_deadlock, 1, [4]),
     case!(
         recv_wrong_length_or_dtype_message_mismatch_and_message_stays_queued,
-        1
+        1,
+        [2]
     ),
-    case!(send_recv_peer_out_of_range_invalid_argument, 1),
+    case!(send_recv_peer_out_of_range_invalid_argument, 1, [2]),
     case!(
         send_from_many_threads_each_recv_gets_one_whole_message,
         1,
+        [2],
         [SharedHandle]
     ),
     // Split.
-    case!(split_rows_and_columns_run_concurrently, 1),
-    case!(split_keys_order_new_ranks_and_ties_keep_parent_order, 1),
-    case!(split_sub_group_mismatch_names_world_ranks, 2),
+    case!(split_rows_and_columns_run_concurrently, 1, [4]),
+    case!(
+        split_keys_order_new_ranks_and_ties_keep_parent_order,
+        1,
+        [4]
+    ),
+    case!(split_sub_group_mismatch_names_world_ranks, 2, [4]),
     // Counters.
-    case!(counters_every_collective_match_table, 1),
-    case!(counters_failed_collective_records_nothing, 2),
+    case!(counters_every_collective_match_table, 1, [3]),
+    case!(counters_failed_collective_records_nothing, 2, [2]),
     // Mismatches and invalid arguments.
-    case!(collective_different_op_every_rank_mismatch, 2),
-    case!(all_reduce_different_length_every_rank_mismatch, 2),
-    case!(all_gather_different_dtype_every_rank_mismatch, 2),
-    case!(broadcast_different_root_every_rank_mismatch, 2),
-    case!(all_reduce_different_reduce_op_every_rank_mismatch, 2),
-    case!(reduce_scatterv_different_counts_every_rank_mismatch, 2),
-    case!(all_to_allv_counts_disagree_every_rank_mismatch, 2),
+    case!(collective_different_op_every_rank_mismatch, 2, [2]),
+    case!(all_reduce_different_length_every_rank_mismatch, 2, [2]),
+    case!(all_gather_different_dtype_every_rank_mismatch, 2, [2]),
+    case!(broadcast_different_root_every_rank_mismatch, 2, [2]),
+    case!(all_reduce_different_reduce_op_every_rank_mismatch, 2, [2]),
+    case!(reduce_scatterv_different_counts_every_rank_mismatch, 2, [2]),
+    case!(all_to_allv_counts_disagree_every_rank_mismatch, 2, [2]),
     case!(
         all_gather_recv_wrong_size_invalid_argument_and_peer_mismatch,
-        2
+        2,
+        [2]
     ),
-    case!(collective_bad_local_arguments_invalid_argument_naming_op, 2),
+    case!(
+        collective_bad_local_arguments_invalid_argument_naming_op,
+        2,
+        [2]
+    ),
     case!(
         collective_same_handle_from_two_threads_invalid_argument,
         2,
+        [2],
         [SharedHandle]
     ),
     // Asynchronous collectives.
-    case!(async_every_kind_dtype_op_equals_blocking_bitwise, 1),
+    case!(
+        async_every_kind_dtype_op_equals_blocking_bitwise,
+        1,
+        [1, 2, 3]
+    ),
     case!(
         async_order_sensitive_sum_is_the_left_to_right_sum_on_every_rank,
-        1
+        1,
+        [3]
     ),
     case!(
         async_several_in_flight_complete_in_start_order_and_wait_in_any_order,
-        1
+        1,
+        [3]
     ),
-    case!(async_waited_out_of_order_across_ranks_still_match, 1),
+    case!(async_waited_out_of_order_across_ranks_still_match, 1, [2]),
     case!(
         async_dropped_unwaited_still_runs_and_later_collectives_match,
-        1
+        1,
+        [3]
     ),
     case!(
         async_mixed_with_blocking_blocking_call_waits_for_earlier_requests,
-        1
+        1,
+        [3]
     ),
-    case!(async_counters_equal_blocking_counted_once_on_completion, 1),
+    case!(
+        async_counters_equal_blocking_counted_once_on_completion,
+        1,
+        [3]
+    ),
     case!(
         async_overlap_collective_completes_while_caller_computes,
         2,
+        [2],
         [Overlap]
     ),
-    case!(async_mismatch_every_rank_collective_mismatch_from_wait, 2),
-    case!(async_invalid_argument_on_one_rank_mismatch_on_its_peers, 2),
-    case!(async_on_split_groups_and_after_dropping_the_handle, 1),
+    case!(
+        async_mismatch_every_rank_collective_mismatch_from_wait,
+        2,
+        [2]
+    ),
+    case!(
+        async_invalid_argument_on_one_rank_mismatch_on_its_peers,
+        2,
+        [2]
+    ),
+    case!(async_on_split_groups_and_after_dropping_the_handle, 1, [4]),
     case!(
         async_start_while_another_thread_blocks_on_the_handle_invalid_argument,
         2,
+        [2],
         [SharedHandle]
     ),
     case!(
         async_trait_default_stand_in_runs_at_start_with_the_same_results,
-        2
+        2,
+        [3]
     ),
 ];
 

@@ -33,13 +33,13 @@ fn all_ok<T>(results: Vec<Result<T, RankError<Error>>>) -> Vec<T> {
 /// What the threads backend lacks: nothing.
 const UNSUPPORTED: &[(Need, &str)] = &[];
 
-/// Runs case `name` on groups of every size of `conformance::group_sizes()` (1 to 4
-/// thread ranks, 1 to 3 under Miri). Fails if any rank fails it on any size, or if it
-/// never ran (every size too small); prints the sizes it skipped.
+/// Runs case `name` on groups of every size of `Case::group_sizes` (1 to 4 thread ranks;
+/// under Miri the few sizes the case names). Fails if any rank fails it on any size, or
+/// if it never ran (every size too small); prints the sizes it skipped.
 fn run_case(name: &str) {
     let case = conformance::case(name).unwrap_or_else(|| panic!("no conformance case {name}"));
     let mut ran = Vec::new();
-    for n in conformance::group_sizes() {
+    for n in case.group_sizes() {
         let results = launch_with(n, long(), |comm| {
             Ok::<_, Error>(case.run_on(&*comm, UNSUPPORTED))
         });
