@@ -64,6 +64,7 @@ const MPI_CASES: &[Case] = &[Case {
     name: "all_to_allv_counts_disagree_mismatch_says_they_do_not_pair_up",
     min_ranks: 2,
     needs: &[],
+    miri_ranks: &[],
     run: all_to_allv_counts_disagree_mismatch_says_they_do_not_pair_up,
 }];
 

@@ -1977,16 +1977,16 @@ fn async_mixed_with_blocking_blocking_call_waits_for_earlier_requests(
     let blocking = |i: usize| (i + r) % 2 == 0;
     let mut pending: Vec<(usize, Request<Vec<f32>>)> = Vec::new();
     let mut results: Vec<Vec<f32>> = vec![Vec::new(); 5];
-    for i in 0..5 {
+    for (i, slot) in results.iter_mut().enumerate() {
         if blocking(i) || i == 3 {
             // (No asynchronous barrier: a blocking one in its place.)
             match i {
                 0 | 4 => {
                     let mut v = vec![i as f32; 8];
                     comm.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
-                    results[i] = v;
+                    *slot = v;
                 }
-                1 => results[i] = comm.all_gather_vec(&[r as f32])?,
+                1 => *slot = comm.all_gather_vec(&[r as f32])?,
                 2 => {
                     let mut out = vec![0.0f32; 2];
                     comm.reduce_scatter(
@@ -1994,7 +1994,7 @@ fn async_mixed_with_blocking_blocking_call_waits_for_earlier_requests(
                         f32::slice_mut(&mut out),
                         ReduceOp::Sum,
                     )?;
-                    results[i] = out;
+                    *slot = out;
                 }
                 _ => comm.barrier()?,
             }
