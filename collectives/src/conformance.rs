@@ -86,8 +86,11 @@
 //!
 //! Cases shrink their lengths, dtypes, reduce ops and repetitions under `cfg(miri)` (Miri
 //! interprets about 1000x slower than native), keeping one dtype of each element size and
-//! lengths that still give empty and uneven blocks; [`group_sizes`] is 1 to 4 ranks, 1 to
-//! 3 under Miri.
+//! lengths that still give empty and uneven blocks. An in-process runner runs each case on
+//! [`Case::group_sizes`]: 1 to 4 ranks natively; under Miri 1 to 3 for the data cases (3
+//! ranks still give uneven blocks and a reduction over more than two sources) and one
+//! size for the others ([`Case::miri_ranks`]). Under MPI the group sizes are the world's
+//! and its halves'.
 
 use crate::{
     threads, Buffer, CollectiveKind, Communicator, CommunicatorExt, CounterSnapshot, DType,
@@ -246,15 +249,10 @@ impl Checks {
     }
 }
 
-/// The group sizes an in-process runner covers: 1 to 4 ranks, or 1 to 3 under Miri.
-/// Three ranks still give uneven blocks and a reduction over more than two sources (the
-/// reduce kernel's other code path).
+/// The group sizes an in-process runner covers natively: 1 to 4 ranks (under Miri each
+/// case names its own, [`Case::group_sizes`]).
 pub fn group_sizes() -> std::ops::RangeInclusive<usize> {
-    if cfg!(miri) {
-        1..=3
-    } else {
-        1..=4
-    }
+    1..=4
 }
 
 /// Every case, in the order runners run them.
