@@ -9,7 +9,8 @@
 //! ```
 //!
 //! Every case runs on the world and again on two halves of it (a split), so group sizes
-//! 1..=n are covered. Rank 0 prints one line per case and group, `<case> [world of 4] ...
+//! 1..=n are covered. A case fails if it fails on any rank of the world or of either half;
+//! whether it was skipped or unsupported is rank 0's group's verdict. Rank 0 prints one line per case and group, `<case> [world of 4] ...
 //! ok` (or `FAILED`, or `skipped: <why>` for a group smaller than the case needs, or
 //! `unsupported: <why>` for a capability this backend declares it lacks), then
 //! `P passed, F failed, S skipped, U unsupported`; the exit code is 1 if any case failed on
