@@ -56,10 +56,9 @@
 //!
 //! ## Host buffers
 //!
-//! The trait's buffers ([`Slice`](crate::Slice), [`SliceMut`](crate::SliceMut),
-//! [`Buffer`](crate::Buffer)) are host memory, so every case passes host buffers and
-//! reads its results on the host once a call has returned (or a request's `wait` has
-//! returned the buffer). A device backend stages them (host to device, collective, device
+//! The trait's buffers ([`Slice`], [`SliceMut`], [`Buffer`]) are host memory, so every
+//! case passes host buffers and reads its results on the host once a call has returned
+//! (or a request's `wait` has returned the buffer). A device backend stages them (host to device, collective, device
 //! to host) or reads them in place if they are host-visible (pinned or managed). Cases
 //! that rely on the backend reading and writing the caller's host buffer in place, with
 //! no copy of the rest: `in_place_*` (the other blocks of the buffer must survive
