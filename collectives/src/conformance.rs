@@ -58,12 +58,12 @@
 //!
 //! The trait's buffers ([`Slice`], [`SliceMut`], [`Buffer`]) are host memory, so every
 //! case passes host buffers and reads its results on the host once a call has returned
-//! (or a request's `wait` has returned the buffer). A device backend stages them (host to device, collective, device
-//! to host) or reads them in place if they are host-visible (pinned or managed). Cases
-//! that rely on the backend reading and writing the caller's host buffer in place, with
-//! no copy of the rest: `in_place_*` (the other blocks of the buffer must survive
-//! `all_gatherv_in_place`). No case touches a buffer while a collective on it is in
-//! flight: asynchronous calls own their buffers until `wait`.
+//! (or a request's `wait` has returned the buffer). A device backend stages them (host to
+//! device, collective, device to host) or works on them in place where they are
+//! host-visible (pinned or managed memory). The `in_place_*` cases also need the
+//! backend to take the rank's own block from the caller's buffer and write the rest into
+//! that same buffer. No case touches a buffer while a collective on it is in flight:
+//! asynchronous calls own their buffers until `wait`.
 //!
 //! ## Unsupported, explicitly
 //!
