@@ -10,6 +10,11 @@
 //!   feature, a stand-in whose `init` returns [`Error::NotCompiled`].
 //! - `nccl`: later, behind a feature, with a stand-in that says "not compiled with …".
 //!
+//! Every backend passes one conformance suite, `conformance` (feature `conformance`, test
+//! code that this crate's tests and examples enable): the semantics below as a table of
+//! named cases, each written once against the trait; the module's docs say how a new
+//! backend runs it.
+//!
 //! Semantics every backend keeps:
 //! - Buffers are rank-ordered: in an all-gather, rank `r`'s piece lands at position `r`.
 //! - Reductions combine contributions in rank order `0, 1, …, n-1`, so every rank that
@@ -63,6 +68,8 @@
 mod args;
 mod call;
 pub mod columns;
+#[cfg(feature = "conformance")]
+pub mod conformance;
 mod counters;
 mod error;
 mod mismatch;
