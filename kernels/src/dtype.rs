@@ -22,6 +22,19 @@ pub enum DType {
 }
 
 impl DType {
+    /// Every dtype, the float ones first (the order the CUDA kernels are instantiated in).
+    pub const ALL: [DType; 6] = [
+        DType::F32,
+        DType::F64,
+        DType::BF16,
+        DType::F16,
+        DType::I32,
+        DType::I64,
+    ];
+
+    /// The float dtypes: the first four of [`DType::ALL`].
+    pub const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::BF16, DType::F16];
+
     /// Bytes per element.
     pub fn size_in_bytes(self) -> usize {
         match self {
@@ -420,6 +433,14 @@ pub fn words_as_mut<T: Element>(words: &mut [u64]) -> &mut [T] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn floats_are_the_float_dtypes_first_in_all() {
+        assert_eq!(DType::FLOATS[..], DType::ALL[..4]);
+        for d in DType::ALL {
+            assert_eq!(d.is_float(), DType::FLOATS.contains(&d), "{d}");
+        }
+    }
 
     #[test]
     fn slice_typed_other_dtype_is_none() {

@@ -269,6 +269,34 @@ fn checked_sum(sizes: &[usize]) -> Option<usize> {
     sizes.iter().try_fold(0usize, |a, &s| a.checked_add(s))
 }
 
+/// `Err` unless `dim` is a dim of `shape` and the piece extents `sizes` add up to its extent
+/// (the pieces of [`Tensor::pack`] and [`Tensor::split`]).
+pub(crate) fn check_pieces(
+    op: &'static str,
+    shape: &[usize],
+    dim: usize,
+    sizes: &[usize],
+) -> Result<()> {
+    if dim >= shape.len() {
+        return Err(Error::DimOutOfRange {
+            op,
+            dim,
+            shape: shape.into(),
+        });
+    }
+    // Checked: wrapped sizes could add up to the extent and make runs past the buffer.
+    if checked_sum(sizes) != Some(shape[dim]) {
+        return Err(Error::Invalid {
+            op,
+            detail: format!(
+                "sizes {sizes:?} do not add up to extent {} of dim {dim} in shape {shape:?}",
+                shape[dim]
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// The elements of a buffer whose dtype the caller checked to be `T`'s.
 ///
 /// # Panics
@@ -784,18 +812,7 @@ impl Tensor {
     }
 
     fn check_pieces(&self, op: &'static str, dim: usize, sizes: &[usize]) -> Result<()> {
-        self.check_dim(op, dim)?;
-        // Checked: wrapped sizes could add up to the extent and make runs past the buffer.
-        if checked_sum(sizes) != Some(self.shape[dim]) {
-            return Err(Error::Invalid {
-                op,
-                detail: format!(
-                    "sizes {sizes:?} do not add up to extent {} of dim {dim} in shape {:?}",
-                    self.shape[dim], self.shape
-                ),
-            });
-        }
-        Ok(())
+        check_pieces(op, &self.shape, dim, sizes)
     }
 
     fn check_same(&self, op: &'static str, other: &Tensor) -> Result<()> {

@@ -14,15 +14,8 @@ use dtensor_kernels::cuda::{self, ops as g, CudaTensor, Device};
 use dtensor_kernels::ops::{self, Accum, CausalAttention, VocabShard};
 use dtensor_kernels::{DType, Tensor};
 
-const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::BF16, DType::F16];
-const ALL: [DType; 6] = [
-    DType::F32,
-    DType::F64,
-    DType::BF16,
-    DType::F16,
-    DType::I32,
-    DType::I64,
-];
+const FLOATS: [DType; 4] = DType::FLOATS;
+const ALL: [DType; 6] = DType::ALL;
 
 /// The device, or `None` (with the reason on stderr) on a machine without one.
 fn gpu() -> Option<Device> {

@@ -27,7 +27,15 @@
 use super::source::{self, entry, KernelModule};
 use super::tensor::CudaBuffer;
 use super::{driver_err, CudaTensor, Device};
-use crate::ops::{Accum, CausalAttention, CausalAttentionOutput, VocabShard};
+use crate::ops::attention::{check_qkv, Dims};
+use crate::ops::embedding::{dy_hidden, out_shape, read_ids, table_dims};
+use crate::ops::norm::{check_stat, norm_rows};
+use crate::ops::reduction::{check_index_range, check_indices, max_split, removed, split_at};
+use crate::ops::{
+    acc_dtype, check_dst, check_row_param, rows_last, want_float, Accum, CausalAttention,
+    CausalAttentionOutput, VocabShard,
+};
+use crate::tensor::check_pieces;
 use crate::{DType, Error, Result, Shape, Tensor};
 use cudarc::driver::{LaunchArgs, LaunchConfig, PushKernelArg};
 
@@ -122,6 +130,49 @@ fn launch(op: &'static str, b: &mut LaunchArgs<'_>, cfg: LaunchConfig) -> Result
     Ok(())
 }
 
+/// Launches the kernel `$f` (from [`func`]) on `$dev`'s stream with the launch config `$cfg`
+/// for op `$op`, evaluating to [`launch`]'s `Result<()>`. The arguments are pushed in the
+/// order written, which must be the order of the kernel's `extern "C"` parameters in
+/// `kernels/*.cu`; each names the C type it is passed as:
+///
+/// | written | C parameter | Rust value |
+/// |---|---|---|
+/// | `src t` | `const T*` | `&CudaTensor` |
+/// | `dst t` | `T*` | `&mut CudaTensor` |
+/// | `u64 n` | `u64` | `usize` |
+/// | `int v` | `int` | `i32` |
+/// | `acc a` | `Tr<T>::A` | [`Acc`] |
+macro_rules! launch_kernel {
+    ($op:expr, $dev:expr, $f:expr, $cfg:expr; $($kind:ident $a:expr),+ $(,)?) => {{
+        let f = $f;
+        let mut l = $dev.stream().launch_builder(&f);
+        $(kernel_arg!(l, $kind $a);)+
+        launch($op, &mut l, $cfg)
+    }};
+}
+
+/// One argument of [`launch_kernel!`]; a scalar is bound to a local that outlives the launch.
+macro_rules! kernel_arg {
+    ($l:ident, src $t:expr) => {
+        arg(&mut $l, $t)
+    };
+    ($l:ident, dst $t:expr) => {
+        arg_mut(&mut $l, $t)
+    };
+    ($l:ident, u64 $n:expr) => {
+        let v: u64 = u($n);
+        $l.arg(&v);
+    };
+    ($l:ident, int $v:expr) => {
+        let v: i32 = $v;
+        $l.arg(&v);
+    };
+    ($l:ident, acc $a:expr) => {
+        let v: Acc = $a;
+        v.push(&mut $l);
+    };
+}
+
 fn func(
     dev: &Device,
     module: &'static KernelModule,
@@ -156,65 +207,10 @@ fn same_device(op: &'static str, ts: &[&CudaTensor]) -> Result<()> {
     Ok(())
 }
 
+/// `Err` unless `a` and `b` share a device, a dtype and a shape.
 fn same_layout(op: &'static str, a: &CudaTensor, b: &CudaTensor) -> Result<()> {
     same_device(op, &[a, b])?;
-    if a.dtype() != b.dtype() {
-        return Err(Error::DTypeMismatch {
-            op,
-            lhs: a.dtype(),
-            rhs: b.dtype(),
-        });
-    }
-    if a.shape() != b.shape() {
-        return Err(Error::ShapeMismatch {
-            op,
-            lhs: a.shape().into(),
-            rhs: b.shape().into(),
-        });
-    }
-    Ok(())
-}
-
-fn want_float(op: &'static str, t: &CudaTensor) -> Result<()> {
-    if t.dtype().is_float() {
-        Ok(())
-    } else {
-        Err(crate::ops::not_float(op, t.dtype()))
-    }
-}
-
-fn check_dst(op: &'static str, dst: &CudaTensor, shape: &[usize], dtype: DType) -> Result<()> {
-    if dst.dtype() != dtype {
-        return Err(Error::DTypeMismatch {
-            op,
-            lhs: dst.dtype(),
-            rhs: dtype,
-        });
-    }
-    if dst.shape() != shape {
-        return Err(Error::ShapeMismatch {
-            op,
-            lhs: dst.shape().into(),
-            rhs: shape.into(),
-        });
-    }
-    Ok(())
-}
-
-/// `(rows, n)` of a tensor seen as `[rows, n]` over its last dim.
-fn rows_last(op: &'static str, t: &CudaTensor) -> Result<(usize, usize)> {
-    let Some(&n) = t.shape().last() else {
-        return Err(Error::Invalid {
-            op,
-            detail: "needs a tensor of rank >= 1 (it works along the last dim), got shape []"
-                .into(),
-        });
-    };
-    Ok((t.numel() / n.max(1), n))
-}
-
-fn acc_dtype(d: DType) -> DType {
-    crate::ops::acc_dtype(d)
+    crate::ops::same_layout(op, a, b)
 }
 
 // ---- elementwise ---------------------------------------------------------------------
@@ -228,13 +224,7 @@ fn binary(op: &'static str, root: &str, a: &CudaTensor, b: &CudaTensor) -> Resul
         return Ok(out);
     }
     let f = func(dev, &source::ELEMENTWISE, root, a.dtype())?;
-    let nn = u(n);
-    let mut l = dev.stream().launch_builder(&f);
-    arg(&mut l, a);
-    arg(&mut l, b);
-    arg_mut(&mut l, &mut out);
-    l.arg(&nn);
-    launch(op, &mut l, grid_for(n))?;
+    launch_kernel!(op, dev, f, grid_for(n); src a, src b, dst &mut out, u64 n)?;
     Ok(out)
 }
 
@@ -264,13 +254,8 @@ pub fn scale(a: &CudaTensor, factor: f64) -> Result<CudaTensor> {
         return Ok(out);
     }
     let f = func(dev, &source::ELEMENTWISE, "scale", a.dtype())?;
-    let (nn, fac) = (u(n), Acc::rounded(a.dtype(), factor));
-    let mut l = dev.stream().launch_builder(&f);
-    arg(&mut l, a);
-    arg_mut(&mut l, &mut out);
-    fac.push(&mut l);
-    l.arg(&nn);
-    launch(OP, &mut l, grid_for(n))?;
+    launch_kernel!(OP, dev, f, grid_for(n);
+        src a, dst &mut out, acc Acc::rounded(a.dtype(), factor), u64 n)?;
     Ok(out)
 }
 
@@ -284,12 +269,7 @@ pub fn to_dtype(a: &CudaTensor, dtype: DType) -> Result<CudaTensor> {
         return Ok(out);
     }
     let f = dev.function(&source::ELEMENTWISE, &format!("cast_{}_{dtype}", a.dtype()))?;
-    let nn = u(n);
-    let mut l = dev.stream().launch_builder(&f);
-    arg(&mut l, a);
-    arg_mut(&mut l, &mut out);
-    l.arg(&nn);
-    launch(OP, &mut l, grid_for(n))?;
+    launch_kernel!(OP, dev, f, grid_for(n); src a, dst &mut out, u64 n)?;
     Ok(out)
 }
 
@@ -297,33 +277,14 @@ fn row_op(op: &'static str, root: &str, x: &CudaTensor, w: &CudaTensor) -> Resul
     let (rows, n) = rows_last(op, x)?;
     same_device(op, &[x, w])?;
     want_float(op, x)?;
-    if x.dtype() != w.dtype() {
-        return Err(Error::DTypeMismatch {
-            op,
-            lhs: x.dtype(),
-            rhs: w.dtype(),
-        });
-    }
-    if w.shape() != [n] {
-        return Err(Error::ShapeMismatch {
-            op,
-            lhs: x.shape().into(),
-            rhs: w.shape().into(),
-        });
-    }
+    check_row_param(op, x, w, n)?;
     let dev = x.device();
     let mut out = CudaTensor::uninit(dev, x.shape(), x.dtype())?;
     if rows * n == 0 {
         return Ok(out);
     }
     let f = func(dev, &source::ELEMENTWISE, root, x.dtype())?;
-    let (r, nn) = (u(rows), u(n));
-    let mut l = dev.stream().launch_builder(&f);
-    arg(&mut l, x);
-    arg(&mut l, w);
-    arg_mut(&mut l, &mut out);
-    l.arg(&r).arg(&nn);
-    launch(op, &mut l, grid_for(rows * n))?;
+    launch_kernel!(op, dev, f, grid_for(rows * n); src x, src w, dst &mut out, u64 rows, u64 n)?;
     Ok(out)
 }
 
@@ -349,12 +310,7 @@ pub fn sum_rows_into(dst: &mut CudaTensor, x: &CudaTensor, accum: Accum) -> Resu
     }
     let dev = x.device().clone();
     let f = func(&dev, &source::ELEMENTWISE, "sum_rows", x.dtype())?;
-    let (r, nn, a) = (u(rows), u(n), accum_flag(accum));
-    let mut l = dev.stream().launch_builder(&f);
-    arg_mut(&mut l, dst);
-    arg(&mut l, x);
-    l.arg(&r).arg(&nn).arg(&a);
-    launch(OP, &mut l, grid_for(n))
+    launch_kernel!(OP, dev, f, grid_for(n); dst dst, src x, u64 rows, u64 n, int accum_flag(accum))
 }
 
 /// `Σ_rows x` (`ops::sum_rows`).
@@ -376,12 +332,7 @@ fn unary(op: &'static str, root: &str, x: &CudaTensor) -> Result<CudaTensor> {
         return Ok(out);
     }
     let f = func(dev, &source::ACTIVATION, root, x.dtype())?;
-    let nn = u(n);
-    let mut l = dev.stream().launch_builder(&f);
-    arg(&mut l, x);
-    arg_mut(&mut l, &mut out);
-    l.arg(&nn);
-    launch(op, &mut l, grid_for(n))?;
+    launch_kernel!(op, dev, f, grid_for(n); src x, dst &mut out, u64 n)?;
     Ok(out)
 }
 
@@ -403,13 +354,7 @@ fn unary_back(
     }
     let dev = x.device().clone();
     let f = func(&dev, &source::ACTIVATION, root, x.dtype())?;
-    let (nn, a) = (u(n), accum_flag(accum));
-    let mut l = dev.stream().launch_builder(&f);
-    arg_mut(&mut l, dx);
-    arg(&mut l, dy);
-    arg(&mut l, x);
-    l.arg(&nn).arg(&a);
-    launch(op, &mut l, grid_for(n))
+    launch_kernel!(op, dev, f, grid_for(n); dst dx, src dy, src x, u64 n, int accum_flag(accum))
 }
 
 /// `ops::gelu` (tanh form).
@@ -477,13 +422,7 @@ pub fn swiglu(gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
         return Ok(out);
     }
     let f = func(dev, &source::ACTIVATION, "swiglu", gate.dtype())?;
-    let nn = u(n);
-    let mut l = dev.stream().launch_builder(&f);
-    arg(&mut l, gate);
-    arg(&mut l, up);
-    arg_mut(&mut l, &mut out);
-    l.arg(&nn);
-    launch(OP, &mut l, grid_for(n))?;
+    launch_kernel!(OP, dev, f, grid_for(n); src gate, src up, dst &mut out, u64 n)?;
     Ok(out)
 }
 
@@ -509,50 +448,16 @@ pub fn swiglu_backward_into(
     }
     let dev = gate.device().clone();
     let f = func(&dev, &source::ACTIVATION, "swiglu_backward", gate.dtype())?;
-    let (nn, a) = (u(n), accum_flag(accum));
-    let mut l = dev.stream().launch_builder(&f);
-    arg_mut(&mut l, d_gate);
-    arg_mut(&mut l, d_up);
-    arg(&mut l, dy);
-    arg(&mut l, gate);
-    arg(&mut l, up);
-    l.arg(&nn).arg(&a);
-    launch(OP, &mut l, grid_for(n))
+    launch_kernel!(OP, dev, f, grid_for(n);
+        dst d_gate, dst d_up, src dy, src gate, src up, u64 n, int accum_flag(accum))
 }
 
 // ---- reductions ----------------------------------------------------------------------
 
-fn split(op: &'static str, shape: &[usize], dim: usize) -> Result<(usize, usize, usize)> {
-    if dim >= shape.len() {
-        return Err(Error::DimOutOfRange {
-            op,
-            dim,
-            shape: shape.into(),
-        });
-    }
-    Ok((
-        shape[..dim].iter().product(),
-        shape[dim],
-        shape[dim + 1..].iter().product(),
-    ))
-}
-
-fn removed(shape: &[usize], dim: usize) -> Shape {
-    let mut s: Shape = shape.into();
-    s.remove(dim);
-    s
-}
-
+/// The CPU's restored shape, which must also fit (the CPU op's `zeros_checked` checks that
+/// later, with its own message).
 fn restored(op: &'static str, dy: &CudaTensor, dim: usize, extent: usize) -> Result<Shape> {
-    if dim > dy.rank() {
-        return Err(Error::DimOutOfRange {
-            op,
-            dim,
-            shape: dy.shape().into(),
-        });
-    }
-    let mut s: Shape = dy.shape().into();
-    s.insert(dim, extent);
+    let s = crate::ops::reduction::restored(op, dy, dim, extent)?;
     if crate::checked_numel(&s).is_none() {
         return Err(Error::Invalid {
             op,
@@ -566,19 +471,15 @@ fn restored(op: &'static str, dy: &CudaTensor, dim: usize, extent: usize) -> Res
 pub fn sum_dim(x: &CudaTensor, dim: usize) -> Result<CudaTensor> {
     const OP: &str = "cuda::ops::sum_dim";
     want_float(OP, x)?;
-    let (outer, extent, inner) = split(OP, x.shape(), dim)?;
+    let (outer, extent, inner) = split_at(OP, x.shape(), dim)?;
     let dev = x.device();
     let mut out = CudaTensor::uninit(dev, &removed(x.shape(), dim), x.dtype())?;
     if outer * inner == 0 {
         return Ok(out);
     }
     let f = func(dev, &source::REDUCTION, "sum_dim", x.dtype())?;
-    let (o, e, i) = (u(outer), u(extent), u(inner));
-    let mut l = dev.stream().launch_builder(&f);
-    arg(&mut l, x);
-    arg_mut(&mut l, &mut out);
-    l.arg(&o).arg(&e).arg(&i);
-    launch(OP, &mut l, grid_for(outer * inner))?;
+    launch_kernel!(OP, dev, f, grid_for(outer * inner);
+        src x, dst &mut out, u64 outer, u64 extent, u64 inner)?;
     Ok(out)
 }
 
@@ -587,7 +488,7 @@ pub fn sum_dim_backward(dy: &CudaTensor, dim: usize, extent: usize) -> Result<Cu
     const OP: &str = "cuda::ops::sum_dim_backward";
     want_float(OP, dy)?;
     let shape = restored(OP, dy, dim, extent)?;
-    let (outer, _, inner) = split(OP, &shape, dim)?;
+    let (outer, _, inner) = split_at(OP, &shape, dim)?;
     let dev = dy.device();
     let mut dx = CudaTensor::uninit(dev, &shape, dy.dtype())?;
     let n = outer * extent * inner;
@@ -595,12 +496,7 @@ pub fn sum_dim_backward(dy: &CudaTensor, dim: usize, extent: usize) -> Result<Cu
         return Ok(dx);
     }
     let f = func(dev, &source::REDUCTION, "sum_dim_backward", dy.dtype())?;
-    let (o, e, i) = (u(outer), u(extent), u(inner));
-    let mut l = dev.stream().launch_builder(&f);
-    arg(&mut l, dy);
-    arg_mut(&mut l, &mut dx);
-    l.arg(&o).arg(&e).arg(&i);
-    launch(OP, &mut l, grid_for(n))?;
+    launch_kernel!(OP, dev, f, grid_for(n); src dy, dst &mut dx, u64 outer, u64 extent, u64 inner)?;
     Ok(dx)
 }
 
@@ -618,26 +514,15 @@ pub struct MaxDim {
 pub fn max_dim(x: &CudaTensor, dim: usize) -> Result<MaxDim> {
     const OP: &str = "cuda::ops::max_dim";
     want_float(OP, x)?;
-    let (outer, extent, inner) = split(OP, x.shape(), dim)?;
-    if extent == 0 {
-        return Err(Error::Invalid {
-            op: OP,
-            detail: format!("no maximum over empty dim {dim} of shape {:?}", x.shape()),
-        });
-    }
+    let (outer, extent, inner) = max_split(OP, x.shape(), dim)?;
     let dev = x.device();
     let shape = removed(x.shape(), dim);
     let mut values = CudaTensor::uninit(dev, &shape, x.dtype())?;
     let mut indices = CudaTensor::uninit(dev, &shape, DType::I64)?;
     if outer * inner > 0 {
         let f = func(dev, &source::REDUCTION, "max_dim", x.dtype())?;
-        let (o, e, i) = (u(outer), u(extent), u(inner));
-        let mut l = dev.stream().launch_builder(&f);
-        arg(&mut l, x);
-        arg_mut(&mut l, &mut values);
-        arg_mut(&mut l, &mut indices);
-        l.arg(&o).arg(&e).arg(&i);
-        launch(OP, &mut l, grid_for(outer * inner))?;
+        launch_kernel!(OP, dev, f, grid_for(outer * inner);
+            src x, dst &mut values, dst &mut indices, u64 outer, u64 extent, u64 inner)?;
     }
     Ok(MaxDim { values, indices })
 }
@@ -654,35 +539,10 @@ pub fn max_dim_backward(
     want_float(OP, dy)?;
     same_device(OP, &[dy, indices])?;
     let shape = restored(OP, dy, dim, extent)?;
-    if indices.dtype() != DType::I64 {
-        return Err(Error::DTypeMismatch {
-            op: OP,
-            lhs: indices.dtype(),
-            rhs: DType::I64,
-        });
-    }
-    if indices.shape() != dy.shape() {
-        return Err(Error::ShapeMismatch {
-            op: OP,
-            lhs: dy.shape().into(),
-            rhs: indices.shape().into(),
-        });
-    }
+    check_indices(OP, dy, indices)?;
     let host = indices.to_host()?;
-    let ix = host.as_slice::<i64>()?;
-    if let Some((pos, &bad)) = ix
-        .iter()
-        .enumerate()
-        .find(|(_, &e)| usize::try_from(e).map_or(true, |e| e >= extent))
-    {
-        return Err(Error::Invalid {
-            op: OP,
-            detail: format!(
-                "index {bad} at flat position {pos} is out of range for extent {extent}"
-            ),
-        });
-    }
-    let (outer, _, inner) = split(OP, &shape, dim)?;
+    check_index_range(OP, host.as_slice::<i64>()?, extent)?;
+    let (outer, _, inner) = split_at(OP, &shape, dim)?;
     let dev = dy.device();
     let mut dx = CudaTensor::uninit(dev, &shape, dy.dtype())?;
     let n = outer * extent * inner;
@@ -690,13 +550,8 @@ pub fn max_dim_backward(
         return Ok(dx);
     }
     let f = func(dev, &source::REDUCTION, "max_dim_backward", dy.dtype())?;
-    let (o, e, i) = (u(outer), u(extent), u(inner));
-    let mut l = dev.stream().launch_builder(&f);
-    arg(&mut l, dy);
-    arg(&mut l, indices);
-    arg_mut(&mut l, &mut dx);
-    l.arg(&o).arg(&e).arg(&i);
-    launch(OP, &mut l, grid_for(n))?;
+    launch_kernel!(OP, dev, f, grid_for(n);
+        src dy, src indices, dst &mut dx, u64 outer, u64 extent, u64 inner)?;
     Ok(dx)
 }
 
@@ -711,12 +566,7 @@ fn softmax_fwd(op: &'static str, root: &str, x: &CudaTensor) -> Result<CudaTenso
         return Ok(y);
     }
     let f = func(dev, &source::SOFTMAX, root, x.dtype())?;
-    let nn = u(n);
-    let mut l = dev.stream().launch_builder(&f);
-    arg(&mut l, x);
-    arg_mut(&mut l, &mut y);
-    l.arg(&nn);
-    launch(op, &mut l, per_row(op, rows, 0)?)?;
+    launch_kernel!(op, dev, f, per_row(op, rows, 0)?; src x, dst &mut y, u64 n)?;
     Ok(y)
 }
 
@@ -738,13 +588,8 @@ fn softmax_back(
     }
     let dev = y.device().clone();
     let f = func(&dev, &source::SOFTMAX, root, y.dtype())?;
-    let (nn, a) = (u(n), accum_flag(accum));
-    let mut l = dev.stream().launch_builder(&f);
-    arg_mut(&mut l, dx);
-    arg(&mut l, dy);
-    arg(&mut l, y);
-    l.arg(&nn).arg(&a);
-    launch(op, &mut l, per_row(op, rows, 0)?)
+    launch_kernel!(op, dev, f, per_row(op, rows, 0)?;
+        dst dx, src dy, src y, u64 n, int accum_flag(accum))
 }
 
 /// `ops::softmax` along the last dim.
@@ -819,32 +664,10 @@ pub struct NormGrads {
 
 fn norm_input(op: &'static str, x: &CudaTensor, params: &[&CudaTensor]) -> Result<(usize, usize)> {
     want_float(op, x)?;
-    let (rows, n) = rows_last(op, x)?;
-    if n == 0 {
-        return Err(Error::Invalid {
-            op,
-            detail: format!(
-                "cannot normalize over an empty last dim (x shape {:?})",
-                x.shape()
-            ),
-        });
-    }
+    let (rows, n) = norm_rows(op, x)?;
     for p in params {
         same_device(op, &[x, p])?;
-        if p.dtype() != x.dtype() {
-            return Err(Error::DTypeMismatch {
-                op,
-                lhs: x.dtype(),
-                rhs: p.dtype(),
-            });
-        }
-        if p.shape() != [n] {
-            return Err(Error::ShapeMismatch {
-                op,
-                lhs: x.shape().into(),
-                rhs: p.shape().into(),
-            });
-        }
+        check_row_param(op, x, *p, n)?;
     }
     Ok((rows, n))
 }
@@ -886,32 +709,17 @@ fn norm_forward(
     if rows == 0 {
         return Ok(NormOutput { y, mean, rstd });
     }
-    let (nn, e) = (u(n), Acc::lit(x.dtype(), eps));
+    let e = Acc::lit(x.dtype(), eps);
     let cfg = per_row(op, rows, 0)?;
     match (b, mean.as_mut()) {
         (Some(b), Some(mean)) => {
             let f = func(dev, &source::NORM, "layer_norm", x.dtype())?;
-            let mut l = dev.stream().launch_builder(&f);
-            arg_mut(&mut l, &mut y);
-            arg_mut(&mut l, mean);
-            arg_mut(&mut l, &mut rstd);
-            arg(&mut l, x);
-            arg(&mut l, w);
-            arg(&mut l, b);
-            l.arg(&nn);
-            e.push(&mut l);
-            launch(op, &mut l, cfg)?;
+            launch_kernel!(op, dev, f, cfg;
+                dst &mut y, dst mean, dst &mut rstd, src x, src w, src b, u64 n, acc e)?;
         }
         _ => {
             let f = func(dev, &source::NORM, "rms_norm", x.dtype())?;
-            let mut l = dev.stream().launch_builder(&f);
-            arg_mut(&mut l, &mut y);
-            arg_mut(&mut l, &mut rstd);
-            arg(&mut l, x);
-            arg(&mut l, w);
-            l.arg(&nn);
-            e.push(&mut l);
-            launch(op, &mut l, cfg)?;
+            launch_kernel!(op, dev, f, cfg; dst &mut y, dst &mut rstd, src x, src w, u64 n, acc e)?;
         }
     }
     Ok(NormOutput { y, mean, rstd })
@@ -955,11 +763,9 @@ fn norm_backward(
 ) -> Result<NormGrads> {
     let (rows, n) = norm_input(op, x, &[w])?;
     same_layout(op, dy, x)?;
-    let lead = &x.shape()[..x.rank() - 1];
-    let ad = acc_dtype(x.dtype());
     for s in mean.iter().copied().chain([rstd]) {
         same_device(op, &[x, s])?;
-        check_dst(op, s, lead, ad)?;
+        check_stat(op, x, s)?;
     }
     let dev = x.device();
     let mut dx = CudaTensor::uninit(dev, x.shape(), x.dtype())?;
@@ -981,49 +787,23 @@ fn norm_backward(
             dbias: db,
         });
     }
-    let (nn, r) = (u(n), u(rows));
     let rows_cfg = per_row(op, rows, 0)?;
     match (mean, db.as_mut()) {
         (Some(mean), Some(db)) => {
             let f = func(dev, &source::NORM, "layer_norm_backward_dx", x.dtype())?;
-            let mut l = dev.stream().launch_builder(&f);
-            arg_mut(&mut l, &mut dx);
-            arg(&mut l, dy);
-            arg(&mut l, x);
-            arg(&mut l, w);
-            arg(&mut l, mean);
-            arg(&mut l, rstd);
-            l.arg(&nn);
-            launch(op, &mut l, rows_cfg)?;
+            launch_kernel!(op, dev, f, rows_cfg;
+                dst &mut dx, src dy, src x, src w, src mean, src rstd, u64 n)?;
             let f = func(dev, &source::NORM, "layer_norm_backward_dw", x.dtype())?;
-            let mut l = dev.stream().launch_builder(&f);
-            arg_mut(&mut l, &mut dw);
-            arg_mut(&mut l, db);
-            arg(&mut l, dy);
-            arg(&mut l, x);
-            arg(&mut l, mean);
-            arg(&mut l, rstd);
-            l.arg(&r).arg(&nn);
-            launch(op, &mut l, grid_for(n))?;
+            launch_kernel!(op, dev, f, grid_for(n);
+                dst &mut dw, dst db, src dy, src x, src mean, src rstd, u64 rows, u64 n)?;
         }
         _ => {
             let f = func(dev, &source::NORM, "rms_norm_backward_dx", x.dtype())?;
-            let mut l = dev.stream().launch_builder(&f);
-            arg_mut(&mut l, &mut dx);
-            arg(&mut l, dy);
-            arg(&mut l, x);
-            arg(&mut l, w);
-            arg(&mut l, rstd);
-            l.arg(&nn);
-            launch(op, &mut l, rows_cfg)?;
+            launch_kernel!(op, dev, f, rows_cfg;
+                dst &mut dx, src dy, src x, src w, src rstd, u64 n)?;
             let f = func(dev, &source::NORM, "rms_norm_backward_dw", x.dtype())?;
-            let mut l = dev.stream().launch_builder(&f);
-            arg_mut(&mut l, &mut dw);
-            arg(&mut l, dy);
-            arg(&mut l, x);
-            arg(&mut l, rstd);
-            l.arg(&r).arg(&nn);
-            launch(op, &mut l, grid_for(n))?;
+            launch_kernel!(op, dev, f, grid_for(n);
+                dst &mut dw, src dy, src x, src rstd, u64 rows, u64 n)?;
         }
     }
     Ok(NormGrads {
@@ -1035,73 +815,17 @@ fn norm_backward(
 
 // ---- embedding -----------------------------------------------------------------------
 
-/// The ids as `usize`, each checked `< vocab` (the CPU op's check and message).
-fn read_ids(op: &'static str, ids: &Tensor, vocab: usize) -> Result<Vec<usize>> {
-    let raw: Vec<i64> = match ids.dtype() {
-        DType::I64 => ids.as_slice::<i64>()?.to_vec(),
-        DType::I32 => ids.as_slice::<i32>()?.iter().map(|&i| i as i64).collect(),
-        other => {
-            return Err(Error::Invalid {
-                op,
-                detail: format!("ids must be i64 or i32, got {other}"),
-            })
-        }
-    };
-    raw.iter()
-        .enumerate()
-        .map(|(pos, &id)| {
-            usize::try_from(id)
-                .ok()
-                .filter(|&i| i < vocab)
-                .ok_or_else(|| Error::Invalid {
-                    op,
-                    detail: format!(
-                        "id {id} at flat position {pos} of ids {:?} is out of range for vocab {vocab}",
-                        ids.shape()
-                    ),
-                })
-        })
-        .collect()
-}
-
-fn check_shard(op: &'static str, s: &VocabShard) -> Result<()> {
-    if s.start.checked_add(s.len).is_none_or(|end| end > s.vocab) {
-        return Err(Error::Invalid {
-            op,
-            detail: format!(
-                "vocab shard rows {}..{}+{} exceed vocab {}",
-                s.start, s.start, s.len, s.vocab
-            ),
-        });
-    }
-    Ok(())
-}
-
 /// `ops::embedding_masked` (and `ops::embedding` with [`VocabShard::full`]): rows of `table`
 /// (`[shard.len, hidden]`) for the ids in the shard, zeros for the others. `ids` (i64 or i32)
 /// live on the host, where they are checked against the vocab, and are copied to the device.
 pub fn embedding(table: &CudaTensor, ids: &Tensor, shard: VocabShard) -> Result<CudaTensor> {
     const OP: &str = "cuda::ops::embedding";
     want_float(OP, table)?;
-    check_shard(OP, &shard)?;
-    let hidden = match table.shape() {
-        &[r, h] if r == shard.len => h,
-        _ => {
-            return Err(Error::Invalid {
-                op: OP,
-                detail: format!(
-                    "table must be [{}, hidden] (its rows of the vocab), got {:?}",
-                    shard.len,
-                    table.shape()
-                ),
-            })
-        }
-    };
+    shard.check(OP)?;
+    let hidden = table_dims(OP, table, shard.len)?;
     read_ids(OP, ids, shard.vocab)?;
     let dev = table.device();
-    let mut shape: Shape = ids.shape().into();
-    shape.push(hidden);
-    let mut out = CudaTensor::uninit(dev, &shape, table.dtype())?;
+    let mut out = CudaTensor::uninit(dev, &out_shape(ids, hidden), table.dtype())?;
     let tokens = ids.numel();
     if tokens * hidden == 0 {
         return Ok(out);
@@ -1113,13 +837,9 @@ pub fn embedding(table: &CudaTensor, ids: &Tensor, shard: VocabShard) -> Result<
         "embedding_i32"
     };
     let f = func(dev, &source::EMBEDDING, root, table.dtype())?;
-    let (t, h, s, len) = (u(tokens), u(hidden), u(shard.start), u(shard.len));
-    let mut l = dev.stream().launch_builder(&f);
-    arg(&mut l, table);
-    arg(&mut l, &ids_dev);
-    arg_mut(&mut l, &mut out);
-    l.arg(&t).arg(&h).arg(&s).arg(&len);
-    launch(OP, &mut l, grid_for(tokens * hidden))?;
+    launch_kernel!(OP, dev, f, grid_for(tokens * hidden);
+        src table, src &ids_dev, dst &mut out, u64 tokens, u64 hidden, u64 shard.start,
+        u64 shard.len)?;
     Ok(out)
 }
 
@@ -1135,18 +855,9 @@ pub fn embedding_backward_into(
 ) -> Result<()> {
     const OP: &str = "cuda::ops::embedding_backward";
     want_float(OP, dy)?;
-    check_shard(OP, &shard)?;
+    shard.check(OP)?;
     same_device(OP, &[dtable, dy])?;
-    let hidden = match dy.shape().split_last() {
-        Some((&h, lead)) if lead == ids.shape() => h,
-        _ => {
-            return Err(Error::ShapeMismatch {
-                op: OP,
-                lhs: dy.shape().into(),
-                rhs: ids.shape().into(),
-            })
-        }
-    };
+    let hidden = dy_hidden(OP, dy, ids)?;
     check_dst(OP, dtable, &[shard.len, hidden], dy.dtype())?;
     let ids_v = read_ids(OP, ids, shard.vocab)?;
     if shard.len * hidden == 0 {
@@ -1155,7 +866,7 @@ pub fn embedding_backward_into(
     // CSR of the hits: positions grouped by local row, in position order within a row.
     let mut starts = vec![0i64; shard.len + 1];
     for &id in &ids_v {
-        if let Some(r) = id.checked_sub(shard.start).filter(|&r| r < shard.len) {
+        if let Some(r) = shard.local(id) {
             starts[r + 1] += 1;
         }
     }
@@ -1165,7 +876,7 @@ pub fn embedding_backward_into(
     let mut fill: Vec<i64> = starts[..shard.len].to_vec();
     let mut positions = vec![0i64; (starts[shard.len] as usize).max(1)];
     for (pos, &id) in ids_v.iter().enumerate() {
-        if let Some(r) = id.checked_sub(shard.start).filter(|&r| r < shard.len) {
+        if let Some(r) = shard.local(id) {
             positions[fill[r] as usize] = pos as i64;
             fill[r] += 1;
         }
@@ -1175,14 +886,8 @@ pub fn embedding_backward_into(
     let n_pos = positions.len();
     let pos_dev = Tensor::from_vec(positions, &[n_pos])?.to_device(&dev)?;
     let f = func(&dev, &source::EMBEDDING, "embedding_backward", dy.dtype())?;
-    let (h, a) = (u(hidden), accum_flag(accum));
-    let mut l = dev.stream().launch_builder(&f);
-    arg_mut(&mut l, dtable);
-    arg(&mut l, dy);
-    arg(&mut l, &starts_dev);
-    arg(&mut l, &pos_dev);
-    l.arg(&h).arg(&a);
-    launch(OP, &mut l, per_row(OP, shard.len, 0)?)
+    launch_kernel!(OP, dev, f, per_row(OP, shard.len, 0)?;
+        dst dtable, src dy, src &starts_dev, src &pos_dev, u64 hidden, int accum_flag(accum))
 }
 
 // ---- cross-entropy pieces ------------------------------------------------------------
@@ -1235,12 +940,7 @@ pub fn ce_row_max(logits: &CudaTensor) -> Result<CudaTensor> {
         return Ok(m);
     }
     let f = func(dev, &source::CROSS_ENTROPY, "ce_row_max", logits.dtype())?;
-    let c = u(cols);
-    let mut l = dev.stream().launch_builder(&f);
-    arg(&mut l, logits);
-    arg_mut(&mut l, &mut m);
-    l.arg(&c);
-    launch(OP, &mut l, per_row(OP, rows, 0)?)?;
+    launch_kernel!(OP, dev, f, per_row(OP, rows, 0)?; src logits, dst &mut m, u64 cols)?;
     Ok(m)
 }
 
@@ -1266,15 +966,8 @@ pub fn ce_sum_target(
         return Ok((s, t));
     }
     let f = func(dev, &source::CROSS_ENTROPY, "ce_sum_target", logits.dtype())?;
-    let (c, c0) = (u(cols), u(col_start));
-    let mut l = dev.stream().launch_builder(&f);
-    arg(&mut l, logits);
-    arg(&mut l, max);
-    arg(&mut l, &ids_dev);
-    arg_mut(&mut l, &mut s);
-    arg_mut(&mut l, &mut t);
-    l.arg(&c).arg(&c0);
-    launch(OP, &mut l, per_row(OP, rows, 0)?)?;
+    launch_kernel!(OP, dev, f, per_row(OP, rows, 0)?;
+        src logits, src max, src &ids_dev, dst &mut s, dst &mut t, u64 cols, u64 col_start)?;
     Ok((s, t))
 }
 
@@ -1294,13 +987,7 @@ pub fn ce_loss(sum: &CudaTensor, target: &CudaTensor, dtype: DType) -> Result<Cu
         return Ok(loss);
     }
     let f = func(dev, &source::CROSS_ENTROPY, "ce_loss", dtype)?;
-    let r = u(rows);
-    let mut l = dev.stream().launch_builder(&f);
-    arg(&mut l, sum);
-    arg(&mut l, target);
-    arg_mut(&mut l, &mut loss);
-    l.arg(&r);
-    launch(OP, &mut l, grid_for(rows))?;
+    launch_kernel!(OP, dev, f, grid_for(rows); src sum, src target, dst &mut loss, u64 rows)?;
     Ok(loss)
 }
 
@@ -1328,16 +1015,8 @@ pub fn ce_grad(
         return Ok(dl);
     }
     let f = func(dev, &source::CROSS_ENTROPY, "ce_grad", logits.dtype())?;
-    let (c, c0) = (u(cols), u(col_start));
-    let mut l = dev.stream().launch_builder(&f);
-    arg_mut(&mut l, &mut dl);
-    arg(&mut l, logits);
-    arg(&mut l, max);
-    arg(&mut l, sum);
-    arg(&mut l, &ids_dev);
-    arg(&mut l, dy);
-    l.arg(&c).arg(&c0);
-    launch(OP, &mut l, per_row(OP, rows, 0)?)?;
+    launch_kernel!(OP, dev, f, per_row(OP, rows, 0)?;
+        dst &mut dl, src logits, src max, src sum, src &ids_dev, src dy, u64 cols, u64 col_start)?;
     Ok(dl)
 }
 
@@ -1364,42 +1043,16 @@ fn copy_blocks(
     debug_assert!(dst_off + (blocks - 1) * dst_stride + run <= dst.numel());
     let dev = src.device().clone();
     let f = func(&dev, &source::COPY, "copy_blocks", src.dtype())?;
-    let a = [blocks, run, src_stride, src_off, dst_stride, dst_off].map(u);
-    let mut l = dev.stream().launch_builder(&f);
-    arg(&mut l, src);
-    arg_mut(&mut l, dst);
-    for v in &a {
-        l.arg(v);
-    }
-    launch(op, &mut l, grid_for(blocks * run))
-}
-
-fn check_sizes(op: &'static str, shape: &[usize], dim: usize, sizes: &[usize]) -> Result<()> {
-    if dim >= shape.len() {
-        return Err(Error::DimOutOfRange {
-            op,
-            dim,
-            shape: shape.into(),
-        });
-    }
-    let sum = sizes.iter().try_fold(0usize, |a, &s| a.checked_add(s));
-    if sum != Some(shape[dim]) {
-        return Err(Error::Invalid {
-            op,
-            detail: format!(
-                "sizes {sizes:?} do not add up to extent {} of dim {dim} in shape {shape:?}",
-                shape[dim]
-            ),
-        });
-    }
-    Ok(())
+    launch_kernel!(op, dev, f, grid_for(blocks * run);
+        src src, dst dst, u64 blocks, u64 run, u64 src_stride, u64 src_off, u64 dst_stride,
+        u64 dst_off)
 }
 
 /// `Tensor::pack`: the pieces of `dim` (extents `sizes`) one after another, flat.
 pub fn pack(t: &CudaTensor, dim: usize, sizes: &[usize]) -> Result<CudaTensor> {
     const OP: &str = "cuda::pack";
-    check_sizes(OP, t.shape(), dim, sizes)?;
-    let (outer, extent, inner) = split(OP, t.shape(), dim)?;
+    check_pieces(OP, t.shape(), dim, sizes)?;
+    let (outer, extent, inner) = split_at(OP, t.shape(), dim)?;
     let mut out = CudaTensor::uninit(t.device(), &[t.numel()], t.dtype())?;
     let (mut base, mut start) = (0, 0);
     for &len in sizes {
@@ -1438,8 +1091,8 @@ pub fn unpack(
             ),
         });
     }
-    check_sizes(OP, shape, dim, sizes)?;
-    let (outer, extent, inner) = split(OP, shape, dim)?;
+    check_pieces(OP, shape, dim, sizes)?;
+    let (outer, extent, inner) = split_at(OP, shape, dim)?;
     let mut out = CudaTensor::uninit(flat.device(), shape, flat.dtype())?;
     let (mut base, mut start) = (0, 0);
     for &len in sizes {
@@ -1464,7 +1117,7 @@ pub fn unpack(
 /// `Tensor::narrow` (a copy on the device).
 pub fn narrow(t: &CudaTensor, dim: usize, start: usize, len: usize) -> Result<CudaTensor> {
     const OP: &str = "cuda::narrow";
-    let (outer, extent, inner) = split(OP, t.shape(), dim)?;
+    let (outer, extent, inner) = split_at(OP, t.shape(), dim)?;
     if start.checked_add(len).is_none_or(|e| e > extent) {
         return Err(Error::Invalid {
             op: OP,
@@ -1498,7 +1151,7 @@ pub fn cat(ts: &[&CudaTensor], dim: usize) -> Result<CudaTensor> {
         });
     };
     same_device(OP, ts)?;
-    let (outer, _, inner) = split(OP, first.shape(), dim)?;
+    let (outer, _, inner) = split_at(OP, first.shape(), dim)?;
     let mut total = 0usize;
     for t in ts {
         let fits = t.rank() == first.rank()
@@ -1541,46 +1194,11 @@ pub fn cat(ts: &[&CudaTensor], dim: usize) -> Result<CudaTensor> {
 /// block reductions take statically (2 × 256 × 8 bytes).
 const SHARED_BUDGET: usize = 48 * 1024 - 4096;
 
-struct AttnDims {
-    tokens: usize,
-    heads: usize,
-    batch: usize,
-    s: usize,
-    d: usize,
-}
-
-fn attn_dims(op: &'static str, qkv: &CudaTensor, cfg: &CausalAttention) -> Result<AttnDims> {
-    let bad = |detail: String| Err(Error::Invalid { op, detail });
+/// The CPU's checks of `qkv` and `cfg`, then the bound shared memory puts on `seq_len`.
+fn attn_dims(op: &'static str, qkv: &CudaTensor, cfg: &CausalAttention) -> Result<Dims> {
     want_float(op, qkv)?;
-    let &[tokens, cols] = qkv.shape() else {
-        return bad(format!(
-            "qkv must be [tokens, heads·3·head_dim], got shape {:?}",
-            qkv.shape()
-        ));
-    };
-    let (s, d) = (cfg.seq_len, cfg.head_dim);
-    if d == 0 || d % 2 != 0 {
-        return bad(format!(
-            "head_dim {d} must be even and nonzero (RoPE rotates pairs)"
-        ));
-    }
-    if s == 0 || tokens % s != 0 {
-        return bad(format!(
-            "{tokens} tokens are not whole samples of seq_len {s}"
-        ));
-    }
-    if cols % (3 * d) != 0 {
-        return bad(format!(
-            "{cols} qkv columns are not whole heads of 3·head_dim = {} (q, k, v per head)",
-            3 * d
-        ));
-    }
-    if !(cfg.rope_base.is_finite() && cfg.rope_base > 0.0) {
-        return bad(format!(
-            "rope_base {} must be positive and finite",
-            cfg.rope_base
-        ));
-    }
+    let g = check_qkv(op, qkv, cfg)?;
+    let s = g.s;
     let acc = acc_dtype(qkv.dtype()).size_in_bytes();
     // The backward's dk/dv kernel keeps two values per query of the sample.
     if 2 * s * acc > SHARED_BUDGET {
@@ -1594,13 +1212,7 @@ fn attn_dims(op: &'static str, qkv: &CudaTensor, cfg: &CausalAttention) -> Resul
             ),
         });
     }
-    Ok(AttnDims {
-        tokens,
-        heads: cols / (3 * d),
-        batch: tokens / s,
-        s,
-        d,
-    })
+    Ok(g)
 }
 
 /// RoPE's cos/sin tables `[s, d/2]` for positions `pos_offset + i`, computed in f64 as the
@@ -1640,7 +1252,7 @@ fn rope_tables(
 fn attn_load(
     op: &'static str,
     qkv: &CudaTensor,
-    g: &AttnDims,
+    g: &Dims,
     cs: &CudaTensor,
     sn: &CudaTensor,
 ) -> Result<[CudaTensor; 3]> {
@@ -1650,21 +1262,11 @@ fn attn_load(
     let mut q = CudaTensor::uninit(dev, &shape, ad)?;
     let mut k = CudaTensor::uninit(dev, &shape, ad)?;
     let mut v = CudaTensor::uninit(dev, &shape, ad)?;
-    let f = func(dev, &source::ATTENTION, "attn_load", qkv.dtype())?;
-    let dims = [g.batch, g.heads, g.s, g.d].map(u);
     let scale = Acc::lit(qkv.dtype(), 1.0 / (g.d as f64).sqrt());
-    let mut l = dev.stream().launch_builder(&f);
-    arg(&mut l, qkv);
-    arg(&mut l, cs);
-    arg(&mut l, sn);
-    arg_mut(&mut l, &mut q);
-    arg_mut(&mut l, &mut k);
-    arg_mut(&mut l, &mut v);
-    for x in &dims {
-        l.arg(x);
-    }
-    scale.push(&mut l);
-    launch(op, &mut l, grid_for(g.heads * g.batch * g.s * g.d / 2))?;
+    let f = func(dev, &source::ATTENTION, "attn_load", qkv.dtype())?;
+    launch_kernel!(op, dev, f, grid_for(g.heads * g.batch * g.s * g.d / 2);
+        src qkv, src cs, src sn, dst &mut q, dst &mut k, dst &mut v, u64 g.batch, u64 g.heads,
+        u64 g.s, u64 g.d, acc scale)?;
     Ok([q, k, v])
 }
 
@@ -1682,19 +1284,11 @@ pub fn causal_attention(qkv: &CudaTensor, cfg: &CausalAttention) -> Result<CudaA
     }
     let (cs, sn) = rope_tables(cfg, qkv.dtype(), dev)?;
     let [q, k, v] = attn_load(OP, qkv, &g, &cs, &sn)?;
-    let f = func(dev, &source::ATTENTION, "attn_forward", qkv.dtype())?;
-    let dims = [g.batch, g.heads, g.s, g.d].map(u);
-    let mut l = dev.stream().launch_builder(&f);
-    arg(&mut l, &q);
-    arg(&mut l, &k);
-    arg(&mut l, &v);
-    arg_mut(&mut l, &mut out);
-    arg_mut(&mut l, &mut lse);
-    for x in &dims {
-        l.arg(x);
-    }
     let smem = (g.s * ad.size_in_bytes()) as u32;
-    launch(OP, &mut l, per_row(OP, g.heads * g.batch * g.s, smem)?)?;
+    let f = func(dev, &source::ATTENTION, "attn_forward", qkv.dtype())?;
+    launch_kernel!(OP, dev, f, per_row(OP, g.heads * g.batch * g.s, smem)?;
+        src &q, src &k, src &v, dst &mut out, dst &mut lse, u64 g.batch, u64 g.heads, u64 g.s,
+        u64 g.d)?;
     Ok(CudaAttentionOutput { out, lse })
 }
 
@@ -1743,46 +1337,21 @@ pub fn causal_attention_backward(
     let (cs, sn) = rope_tables(cfg, qkv.dtype(), dev)?;
     let [q, k, v] = attn_load(OP, qkv, &g, &cs, &sn)?;
     let mut dsum = CudaTensor::uninit(dev, &[g.heads, g.batch, g.s], ad)?;
-    let dims = [g.batch, g.heads, g.s, g.d].map(u);
     let rows = g.heads * g.batch * g.s;
     let scale = Acc::lit(qkv.dtype(), 1.0 / (g.d as f64).sqrt());
     {
-        let f = func(dev, &source::ATTENTION, "attn_backward_dq", qkv.dtype())?;
-        let mut l = dev.stream().launch_builder(&f);
-        arg(&mut l, &q);
-        arg(&mut l, &k);
-        arg(&mut l, &v);
-        arg(&mut l, dout);
-        arg(&mut l, out);
-        arg(&mut l, lse);
-        arg_mut(&mut l, &mut dsum);
-        arg_mut(&mut l, &mut dqkv);
-        arg(&mut l, &cs);
-        arg(&mut l, &sn);
-        for x in &dims {
-            l.arg(x);
-        }
-        scale.push(&mut l);
         let smem = (g.s * ad.size_in_bytes()) as u32;
-        launch(OP, &mut l, per_row(OP, rows, smem)?)?;
+        let f = func(dev, &source::ATTENTION, "attn_backward_dq", qkv.dtype())?;
+        launch_kernel!(OP, dev, f, per_row(OP, rows, smem)?;
+            src &q, src &k, src &v, src dout, src out, src lse, dst &mut dsum, dst &mut dqkv,
+            src &cs, src &sn, u64 g.batch, u64 g.heads, u64 g.s, u64 g.d, acc scale)?;
     }
     {
-        let f = func(dev, &source::ATTENTION, "attn_backward_dkv", qkv.dtype())?;
-        let mut l = dev.stream().launch_builder(&f);
-        arg(&mut l, &q);
-        arg(&mut l, &k);
-        arg(&mut l, &v);
-        arg(&mut l, dout);
-        arg(&mut l, lse);
-        arg(&mut l, &dsum);
-        arg_mut(&mut l, &mut dqkv);
-        arg(&mut l, &cs);
-        arg(&mut l, &sn);
-        for x in &dims {
-            l.arg(x);
-        }
         let smem = (2 * g.s * ad.size_in_bytes()) as u32;
-        launch(OP, &mut l, per_row(OP, rows, smem)?)?;
+        let f = func(dev, &source::ATTENTION, "attn_backward_dkv", qkv.dtype())?;
+        launch_kernel!(OP, dev, f, per_row(OP, rows, smem)?;
+            src &q, src &k, src &v, src dout, src lse, src &dsum, dst &mut dqkv, src &cs, src &sn,
+            u64 g.batch, u64 g.heads, u64 g.s, u64 g.d)?;
     }
     Ok(dqkv)
 }
@@ -1944,8 +1513,10 @@ fn matmul_planned(
         op: OP,
         detail: e.to_string(),
     };
-    macro_rules! run {
-        ($v:ident, $one:expr, $zero_or_one:expr) => {{
+    // The typed slices of a, b and dst (variant `$v` of each; the plan checked a's and b's
+    // dtypes and the callers dst's, so the `Err`s are not reached).
+    macro_rules! buffers {
+        ($v:ident) => {{
             let (CudaBuffer::$v(sa), CudaBuffer::$v(sb)) = (a.buffer(), b.buffer()) else {
                 return Err(Error::DTypeMismatch {
                     op: OP,
@@ -1961,6 +1532,12 @@ fn matmul_planned(
                     rhs: a.dtype(),
                 });
             };
+            (sa, sb, sc)
+        }};
+    }
+    macro_rules! run {
+        ($v:ident, $one:expr, $zero_or_one:expr) => {{
+            let (sa, sb, sc) = buffers!($v);
             let cfg = GemmConfig {
                 transa,
                 transb,
@@ -2002,21 +1579,7 @@ fn matmul_planned(
         ($v:ident, $ty:ident) => {{
             use cudarc::cublas::{result, sys};
             use cudarc::driver::{DevicePtr, DevicePtrMut};
-            let (CudaBuffer::$v(sa), CudaBuffer::$v(sb)) = (a.buffer(), b.buffer()) else {
-                return Err(Error::DTypeMismatch {
-                    op: OP,
-                    lhs: a.dtype(),
-                    rhs: b.dtype(),
-                });
-            };
-            let dt = dst.dtype();
-            let CudaBuffer::$v(sc) = dst.buffer_mut() else {
-                return Err(Error::DTypeMismatch {
-                    op: OP,
-                    lhs: dt,
-                    rhs: a.dtype(),
-                });
-            };
+            let (sa, sb, sc) = buffers!($v);
             let stream = a.device().stream().clone(); // the stream Device::blas bound cuBLAS to
             let (alpha, beta) = (1.0f32, beta as f32);
             let ty = sys::cudaDataType_t::$ty;

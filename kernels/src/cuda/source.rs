@@ -22,17 +22,9 @@ pub enum Dtypes {
 impl Dtypes {
     /// The dtypes, in the order of the `FLOATS` / `ALL_TYPES` macros of `common.cuh`.
     pub fn list(self) -> &'static [DType] {
-        const ALL: [DType; 6] = [
-            DType::F32,
-            DType::F64,
-            DType::BF16,
-            DType::F16,
-            DType::I32,
-            DType::I64,
-        ];
         match self {
-            Dtypes::Float => &ALL[..4],
-            Dtypes::All => &ALL,
+            Dtypes::Float => &DType::FLOATS,
+            Dtypes::All => &DType::ALL,
         }
     }
 }

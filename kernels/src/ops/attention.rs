@@ -33,7 +33,9 @@
 //! same block turns earlier outputs NaN (`0·∞`), where a loop over `j ≤ i` would not look
 //! at it.
 
-use super::{acc_dtype, check_dst, exp_f32, same_dtype, AccFloat, Float, Parallelism};
+use super::{
+    acc_dtype, check_dst, exp_f32, same_dtype, want_float, AccFloat, Float, Layout, Parallelism,
+};
 use crate::{Error, Result, Tensor};
 use num_traits::Float as _;
 
@@ -74,18 +76,23 @@ pub struct CausalAttentionOutput {
 
 /// Validated sizes of one call.
 #[derive(Clone, Copy, Debug)]
-struct Dims {
-    tokens: usize,
-    heads: usize,
+pub(crate) struct Dims {
+    pub(crate) tokens: usize,
+    pub(crate) heads: usize,
     /// Samples.
-    batch: usize,
-    s: usize,
-    d: usize,
+    pub(crate) batch: usize,
+    pub(crate) s: usize,
+    pub(crate) d: usize,
     /// Columns of `qkv`.
-    cols: usize,
+    pub(crate) cols: usize,
 }
 
-fn check_qkv(op: &'static str, qkv: &Tensor, cfg: &CausalAttention) -> Result<Dims> {
+/// Checks `qkv` (`[tokens, heads·3·head_dim]`, float) against `cfg`; returns the sizes.
+pub(crate) fn check_qkv<L: Layout + ?Sized>(
+    op: &'static str,
+    qkv: &L,
+    cfg: &CausalAttention,
+) -> Result<Dims> {
     let bad = |detail: String| Err(Error::Invalid { op, detail });
     if qkv.rank() != 2 {
         return bad(format!(
@@ -93,9 +100,7 @@ fn check_qkv(op: &'static str, qkv: &Tensor, cfg: &CausalAttention) -> Result<Di
             qkv.shape()
         ));
     }
-    if !qkv.dtype().is_float() {
-        return Err(super::not_float(op, qkv.dtype()));
-    }
+    want_float(op, qkv)?;
     let (tokens, cols) = (qkv.shape()[0], qkv.shape()[1]);
     let (s, d) = (cfg.seq_len, cfg.head_dim);
     if d == 0 || d % 2 != 0 {

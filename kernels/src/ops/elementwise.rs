@@ -7,8 +7,8 @@
 //! | [`add_row`] | `[.., n] + [n]` (bias broadcast over every leading index) | `dx = dy`, `dbias = sum_rows(dy)` |
 //! | [`sum_rows`] | `[.., n] → [n]`, summed over all leading dims in row order | `dx[r, j] = dy[j]` |
 
-use super::{check_dst, rows_last, same_dtype, same_layout, store, Accum, Float};
-use crate::{Error, Result, Tensor};
+use super::{check_dst, check_row_param, rows_last, same_layout, store, Accum, Float};
+use crate::{Result, Tensor};
 
 /// Elementwise `a − b` (same shape and dtype), rounded once.
 pub fn sub(a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -36,14 +36,7 @@ pub fn add_row(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
 pub fn mul_row(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     const OP: &str = "ops::mul_row";
     let (_, n) = rows_last(OP, x)?;
-    same_dtype(OP, x, w)?;
-    if w.shape() != [n] {
-        return Err(Error::ShapeMismatch {
-            op: OP,
-            lhs: x.shape().into(),
-            rhs: w.shape().into(),
-        });
-    }
+    check_row_param(OP, x, w, n)?;
     let mut out = x.clone();
     dispatch_float!(OP, x.dtype(), |T| {
         let ws = w.as_slice::<T>()?;
@@ -66,14 +59,7 @@ pub fn add_row_assign(x: &mut Tensor, bias: &Tensor) -> Result<()> {
 
 fn add_row_assign_op(op: &'static str, x: &mut Tensor, bias: &Tensor) -> Result<()> {
     let (_, n) = rows_last(op, x)?;
-    same_dtype(op, x, bias)?;
-    if bias.shape() != [n] {
-        return Err(Error::ShapeMismatch {
-            op,
-            lhs: x.shape().into(),
-            rhs: bias.shape().into(),
-        });
-    }
+    check_row_param(op, &*x, bias, n)?;
     dispatch_float!(op, x.dtype(), |T| {
         let bs = bias.as_slice::<T>()?;
         if n > 0 {

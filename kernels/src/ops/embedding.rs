@@ -16,7 +16,7 @@
 //! stable sort, so each group keeps position order), each group is summed in the compute type,
 //! and the sum is written (or added, [`Accum::Add`]) once.
 
-use super::{check_dst, store, Accum, Float};
+use super::{check_dst, store, Accum, Float, Layout};
 use crate::{DType, Error, Result, Shape, Tensor};
 
 /// Which rows of the full embedding table one rank holds: rows `start..start + len` of a
@@ -41,7 +41,7 @@ impl VocabShard {
         }
     }
 
-    fn check(&self, op: &'static str) -> Result<()> {
+    pub(crate) fn check(&self, op: &'static str) -> Result<()> {
         if self
             .start
             .checked_add(self.len)
@@ -60,13 +60,13 @@ impl VocabShard {
 
     /// The local row of a valid global id, or `None` if another rank holds it.
     #[inline]
-    fn local(&self, id: usize) -> Option<usize> {
+    pub(crate) fn local(&self, id: usize) -> Option<usize> {
         id.checked_sub(self.start).filter(|&r| r < self.len)
     }
 }
 
 /// The ids as `usize`, each checked against `0..vocab`.
-fn read_ids(op: &'static str, ids: &Tensor, vocab: usize) -> Result<Vec<usize>> {
+pub(crate) fn read_ids(op: &'static str, ids: &Tensor, vocab: usize) -> Result<Vec<usize>> {
     let raw: Vec<i64> = match ids.dtype() {
         DType::I64 => ids.as_slice::<i64>()?.to_vec(),
         DType::I32 => ids.as_slice::<i32>()?.iter().map(|&i| i as i64).collect(),
@@ -95,7 +95,11 @@ fn read_ids(op: &'static str, ids: &Tensor, vocab: usize) -> Result<Vec<usize>> 
 }
 
 /// `[rows, hidden]` of a 2-D table.
-fn table_dims(op: &'static str, table: &Tensor, rows: usize) -> Result<usize> {
+pub(crate) fn table_dims<L: Layout + ?Sized>(
+    op: &'static str,
+    table: &L,
+    rows: usize,
+) -> Result<usize> {
     match table.shape() {
         &[r, h] if r == rows => Ok(h),
         _ => Err(Error::Invalid {
@@ -109,7 +113,7 @@ fn table_dims(op: &'static str, table: &Tensor, rows: usize) -> Result<usize> {
 }
 
 /// `ids.shape ++ [hidden]`.
-fn out_shape(ids: &Tensor, hidden: usize) -> Shape {
+pub(crate) fn out_shape(ids: &Tensor, hidden: usize) -> Shape {
     let mut s: Shape = ids.shape().into();
     s.push(hidden);
     s
@@ -177,7 +181,11 @@ fn scatter(
 }
 
 /// `hidden`, after checking `dy` is `ids.shape ++ [hidden]`.
-fn dy_hidden(op: &'static str, dy: &Tensor, ids: &Tensor) -> Result<usize> {
+pub(crate) fn dy_hidden<L: Layout + ?Sized>(
+    op: &'static str,
+    dy: &L,
+    ids: &Tensor,
+) -> Result<usize> {
     match dy.shape().split_last() {
         Some((&h, lead)) if lead == ids.shape() => Ok(h),
         _ => Err(Error::ShapeMismatch {

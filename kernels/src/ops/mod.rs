@@ -278,8 +278,37 @@ pub(crate) fn not_float(op: &'static str, dtype: DType) -> Error {
     }
 }
 
+/// What the argument checks read of a tensor: its dtype and shape. [`Tensor`] has it and so
+/// does the CUDA ops' `CudaTensor`, so the CPU and GPU paths check their arguments with the
+/// same code and the same messages.
+pub(crate) trait Layout {
+    fn dtype(&self) -> DType;
+    fn shape(&self) -> &[usize];
+    fn rank(&self) -> usize {
+        self.shape().len()
+    }
+}
+
+impl Layout for Tensor {
+    fn dtype(&self) -> DType {
+        Tensor::dtype(self)
+    }
+    fn shape(&self) -> &[usize] {
+        Tensor::shape(self)
+    }
+}
+
+/// `Err` unless `t` has a float dtype.
+pub(crate) fn want_float<L: Layout + ?Sized>(op: &'static str, t: &L) -> Result<()> {
+    if t.dtype().is_float() {
+        Ok(())
+    } else {
+        Err(not_float(op, t.dtype()))
+    }
+}
+
 /// `Err` unless `b` has `a`'s dtype.
-pub(crate) fn same_dtype(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+pub(crate) fn same_dtype<L: Layout + ?Sized>(op: &'static str, a: &L, b: &L) -> Result<()> {
     if a.dtype() != b.dtype() {
         return Err(Error::DTypeMismatch {
             op,
@@ -291,7 +320,7 @@ pub(crate) fn same_dtype(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()>
 }
 
 /// `Err` unless `b` has `a`'s dtype and shape.
-pub(crate) fn same_layout(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+pub(crate) fn same_layout<L: Layout + ?Sized>(op: &'static str, a: &L, b: &L) -> Result<()> {
     same_dtype(op, a, b)?;
     if a.shape() != b.shape() {
         return Err(Error::ShapeMismatch {
@@ -304,9 +333,9 @@ pub(crate) fn same_layout(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()
 }
 
 /// `Err` unless `dst` has exactly `shape` and `dtype` (destination checks of `_into` ops).
-pub(crate) fn check_dst(
+pub(crate) fn check_dst<L: Layout + ?Sized>(
     op: &'static str,
-    dst: &Tensor,
+    dst: &L,
     shape: &[usize],
     dtype: DType,
 ) -> Result<()> {
@@ -328,7 +357,7 @@ pub(crate) fn check_dst(
 }
 
 /// The tensor seen as `[rows, n]` over its last dim; `Err` for a scalar.
-pub(crate) fn rows_last(op: &'static str, t: &Tensor) -> Result<(usize, usize)> {
+pub(crate) fn rows_last<L: Layout + ?Sized>(op: &'static str, t: &L) -> Result<(usize, usize)> {
     let Some(&n) = t.shape().last() else {
         return Err(Error::Invalid {
             op,
@@ -338,4 +367,23 @@ pub(crate) fn rows_last(op: &'static str, t: &Tensor) -> Result<(usize, usize)> 
     };
     let rows = t.shape()[..t.rank() - 1].iter().product();
     Ok((rows, n))
+}
+
+/// `Err` unless `p` is `[n]` of `x`'s dtype: a per-feature parameter (bias, weight) of an op
+/// over the last dim `n` of `x`.
+pub(crate) fn check_row_param<L: Layout + ?Sized>(
+    op: &'static str,
+    x: &L,
+    p: &L,
+    n: usize,
+) -> Result<()> {
+    same_dtype(op, x, p)?;
+    if p.shape() != [n] {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: x.shape().into(),
+            rhs: p.shape().into(),
+        });
+    }
+    Ok(())
 }

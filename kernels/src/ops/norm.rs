@@ -14,7 +14,10 @@
 //! weight and bias gradients are summed over rows in row order in the compute type and
 //! rounded once. Under sequence parallelism they are partial sums: reduce them across ranks.
 
-use super::{acc_dtype, check_dst, rows_last, same_dtype, same_layout, AccFloat, Float};
+use super::{
+    acc_dtype, check_dst, check_row_param, rows_last, same_layout, want_float, AccFloat, Float,
+    Layout,
+};
 use crate::{Error, Result, Tensor};
 use num_traits::Float as _;
 
@@ -67,12 +70,20 @@ enum Kind {
     Rms,
 }
 
-/// Checks `x` and a `[n]` parameter; returns `n`.
+/// Checks `x` and the `[n]` parameters; returns `n`.
 fn check_input(op: &'static str, x: &Tensor, params: &[&Tensor]) -> Result<usize> {
-    let (_, n) = rows_last(op, x)?;
-    if !x.dtype().is_float() {
-        return Err(super::not_float(op, x.dtype()));
+    let (_, n) = norm_rows(op, x)?;
+    for p in params {
+        check_row_param(op, x, *p, n)?;
     }
+    Ok(n)
+}
+
+/// Checks `x` (float, rank ≥ 1, a nonempty last dim); returns it as `(rows, n)` over its
+/// last dim.
+pub(crate) fn norm_rows<L: Layout + ?Sized>(op: &'static str, x: &L) -> Result<(usize, usize)> {
+    let (rows, n) = rows_last(op, x)?;
+    want_float(op, x)?;
     if n == 0 {
         return Err(Error::Invalid {
             op,
@@ -82,21 +93,11 @@ fn check_input(op: &'static str, x: &Tensor, params: &[&Tensor]) -> Result<usize
             ),
         });
     }
-    for p in params {
-        same_dtype(op, x, p)?;
-        if p.shape() != [n] {
-            return Err(Error::ShapeMismatch {
-                op,
-                lhs: x.shape().into(),
-                rhs: p.shape().into(),
-            });
-        }
-    }
-    Ok(n)
+    Ok((rows, n))
 }
 
 /// Checks a saved statistic against `x`: leading shape, compute dtype.
-fn check_stat(op: &'static str, x: &Tensor, stat: &Tensor) -> Result<()> {
+pub(crate) fn check_stat<L: Layout + ?Sized>(op: &'static str, x: &L, stat: &L) -> Result<()> {
     let lead = &x.shape()[..x.rank() - 1];
     check_dst(op, stat, lead, acc_dtype(x.dtype()))
 }

@@ -7,28 +7,49 @@
 //! | [`sum_dim`] | `Σ_e x[.., e, ..]`, in index order, in the compute type, rounded once | [`sum_dim_backward`]: `dy` broadcast along the restored dim |
 //! | [`max_dim`] | values and `i64` argmax (the first maximum; a NaN wins, as in PyTorch) | [`max_dim_backward`]: `dy` placed at the argmax, zeros elsewhere |
 
-use super::Float;
+use super::{Float, Layout};
 use crate::{DType, Error, Result, Shape, Tensor};
 
-/// `(outer, extent, inner)` of `shape` around `dim`, and the shape with `dim` removed.
+/// `(outer, extent, inner)` of `x` around `dim`, and the shape with `dim` removed.
 fn split(op: &'static str, x: &Tensor, dim: usize) -> Result<(usize, usize, usize, Shape)> {
-    if dim >= x.rank() {
+    let (outer, extent, inner) = split_at(op, x.shape(), dim)?;
+    Ok((outer, extent, inner, removed(x.shape(), dim)))
+}
+
+/// `(outer, extent, inner)`: `shape` seen as `[outer, shape[dim], inner]`.
+pub(crate) fn split_at(
+    op: &'static str,
+    shape: &[usize],
+    dim: usize,
+) -> Result<(usize, usize, usize)> {
+    if dim >= shape.len() {
         return Err(Error::DimOutOfRange {
             op,
             dim,
-            shape: x.shape().into(),
+            shape: shape.into(),
         });
     }
-    let s = x.shape();
-    let outer = s[..dim].iter().product();
-    let inner = s[dim + 1..].iter().product();
-    let mut out: Shape = s.into();
-    out.remove(dim);
-    Ok((outer, s[dim], inner, out))
+    Ok((
+        shape[..dim].iter().product(),
+        shape[dim],
+        shape[dim + 1..].iter().product(),
+    ))
+}
+
+/// `shape` without `dim` (which must be in range).
+pub(crate) fn removed(shape: &[usize], dim: usize) -> Shape {
+    let mut s: Shape = shape.into();
+    s.remove(dim);
+    s
 }
 
 /// `dy.shape` with `extent` inserted at `dim` (the shape a reduction's input had).
-fn restored(op: &'static str, dy: &Tensor, dim: usize, extent: usize) -> Result<Shape> {
+pub(crate) fn restored<L: Layout + ?Sized>(
+    op: &'static str,
+    dy: &L,
+    dim: usize,
+    extent: usize,
+) -> Result<Shape> {
     if dim > dy.rank() {
         return Err(Error::DimOutOfRange {
             op,
@@ -39,6 +60,62 @@ fn restored(op: &'static str, dy: &Tensor, dim: usize, extent: usize) -> Result<
     let mut s: Shape = dy.shape().into();
     s.insert(dim, extent);
     Ok(s)
+}
+
+/// [`max_dim`]'s split of `shape` around `dim`: `Err` for an empty `dim` (no maximum).
+pub(crate) fn max_split(
+    op: &'static str,
+    shape: &[usize],
+    dim: usize,
+) -> Result<(usize, usize, usize)> {
+    let (outer, extent, inner) = split_at(op, shape, dim)?;
+    if extent == 0 {
+        return Err(Error::Invalid {
+            op,
+            detail: format!("no maximum over empty dim {dim} of shape {shape:?}"),
+        });
+    }
+    Ok((outer, extent, inner))
+}
+
+/// [`max_dim_backward`]'s `indices`: `i64`, `dy`'s shape.
+pub(crate) fn check_indices<L: Layout + ?Sized>(
+    op: &'static str,
+    dy: &L,
+    indices: &L,
+) -> Result<()> {
+    if indices.dtype() != DType::I64 {
+        return Err(Error::DTypeMismatch {
+            op,
+            lhs: indices.dtype(),
+            rhs: DType::I64,
+        });
+    }
+    if indices.shape() != dy.shape() {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: dy.shape().into(),
+            rhs: indices.shape().into(),
+        });
+    }
+    Ok(())
+}
+
+/// `Err` naming the first index of `ix` outside `0..extent`.
+pub(crate) fn check_index_range(op: &'static str, ix: &[i64], extent: usize) -> Result<()> {
+    if let Some((pos, &bad)) = ix
+        .iter()
+        .enumerate()
+        .find(|(_, &e)| usize::try_from(e).map_or(true, |e| e >= extent))
+    {
+        return Err(Error::Invalid {
+            op,
+            detail: format!(
+                "index {bad} at flat position {pos} is out of range for extent {extent}"
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// The sum over `dim`, which is removed from the shape.
@@ -101,13 +178,8 @@ pub struct MaxDim {
 /// a NaN is the maximum of any slice that holds one (the first NaN's index).
 pub fn max_dim(x: &Tensor, dim: usize) -> Result<MaxDim> {
     const OP: &str = "ops::max_dim";
-    let (outer, extent, inner, shape) = split(OP, x, dim)?;
-    if extent == 0 {
-        return Err(Error::Invalid {
-            op: OP,
-            detail: format!("no maximum over empty dim {dim} of shape {:?}", x.shape()),
-        });
-    }
+    let (outer, extent, inner) = max_split(OP, x.shape(), dim)?;
+    let shape = removed(x.shape(), dim);
     let mut values = Tensor::zeros(&shape, x.dtype());
     let mut indices = Tensor::zeros(&shape, DType::I64);
     dispatch_float!(OP, x.dtype(), |T| {
@@ -146,35 +218,11 @@ pub fn max_dim_backward(
 ) -> Result<Tensor> {
     const OP: &str = "ops::max_dim_backward";
     let shape = restored(OP, dy, dim, extent)?;
-    if indices.dtype() != DType::I64 {
-        return Err(Error::DTypeMismatch {
-            op: OP,
-            lhs: indices.dtype(),
-            rhs: DType::I64,
-        });
-    }
-    if indices.shape() != dy.shape() {
-        return Err(Error::ShapeMismatch {
-            op: OP,
-            lhs: dy.shape().into(),
-            rhs: indices.shape().into(),
-        });
-    }
+    check_indices(OP, dy, indices)?;
     let outer: usize = shape[..dim].iter().product();
     let inner: usize = shape[dim + 1..].iter().product();
     let ix = indices.as_slice::<i64>()?;
-    if let Some((pos, &bad)) = ix
-        .iter()
-        .enumerate()
-        .find(|(_, &e)| usize::try_from(e).map_or(true, |e| e >= extent))
-    {
-        return Err(Error::Invalid {
-            op: OP,
-            detail: format!(
-                "index {bad} at flat position {pos} is out of range for extent {extent}"
-            ),
-        });
-    }
+    check_index_range(OP, ix, extent)?;
     // `extent` comes from the caller: the restored shape may not fit.
     let mut dx = Tensor::zeros_checked(OP, &shape, dy.dtype())?;
     dispatch_float!(OP, dy.dtype(), |T| {
