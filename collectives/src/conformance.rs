@@ -58,9 +58,11 @@
 //!
 //! The trait's buffers ([`Slice`], [`SliceMut`], [`Buffer`]) are host memory, so every
 //! case passes host buffers and reads its results on the host once a call has returned
-//! (or a request's `wait` has returned the buffer). A device backend stages them (host to
-//! device, collective, device to host) or works on them in place where they are
-//! host-visible (pinned or managed memory). The `in_place_*` cases also need the
+//! (or a request's `wait` has returned the buffer). A device backend (NCCL) never stages
+//! through the host itself: its collectives take device buffers. To run these cases, its
+//! runner gives the backend the device copies of the case's buffers (copied in before each
+//! call and out after it: test harness only) or host-visible memory (pinned or managed)
+//! where the backend accepts it. The `in_place_*` cases also need the
 //! backend to take the rank's own block from the caller's buffer and write the rest into
 //! that same buffer. No case touches a buffer while a collective on it is in flight:
 //! asynchronous calls own their buffers until `wait`.
