@@ -5,6 +5,10 @@
 use crate::CollectiveKind;
 use dtensor_kernels::{chunk_sizes, DType, ReduceOp};
 
+/// The reason of a mismatch between column-block calls whose ranks agree on element
+/// counts but not on rows (described with [`Call::describe_rows`]).
+pub(crate) const ROWS_DIFFER: &str = "rows of the column blocks differ";
+
 /// A collective call with the lengths of the caller's own buffers.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) enum Call {
@@ -139,9 +143,21 @@ impl Call {
         }
     }
 
-    /// `all_reduce(f32 x 16, sum)`: what the rank called, for mismatch messages.
+    /// `all_reduce(f32 x 16, sum)`: what the rank called, for mismatch messages. The rows
+    /// of a column-block call are named when they are not 1.
     pub(crate) fn describe(&self, dtype: Option<DType>) -> String {
+        self.describe_as(dtype, false)
+    }
+
+    /// [`describe`](Self::describe) for a mismatch whose reason is [`ROWS_DIFFER`]: the
+    /// rows are named on every rank, 1 included, so the message says each rank's rows.
+    pub(crate) fn describe_rows(&self, dtype: Option<DType>) -> String {
+        self.describe_as(dtype, true)
+    }
+
+    fn describe_as(&self, dtype: Option<DType>, rows_always: bool) -> String {
         let dt = dtype.map_or_else(|| "-".to_string(), |d| d.to_string());
+        let note = |rows: usize| rows_note(rows, rows_always);
         match self {
             Call::AllReduce { len, op } => format!("all_reduce({dt} x {len}, {op})"),
             Call::AllGather { send, recv } => format!("all_gather({dt} x {send} -> {recv})"),
@@ -152,7 +168,7 @@ impl Call {
                 rows,
             } => format!(
                 "all_gatherv({dt} x {send} -> {recv}, counts {counts:?}{})",
-                rows_note(*rows)
+                note(*rows)
             ),
             Call::ReduceScatter { send, recv, op } => {
                 format!("reduce_scatter({dt} x {send} -> {recv}, {op})")
@@ -165,7 +181,7 @@ impl Call {
                 rows,
             } => format!(
                 "reduce_scatterv({dt} x {send} -> {recv}, counts {counts:?}, {op}{})",
-                rows_note(*rows)
+                note(*rows)
             ),
             Call::AllToAll { send, recv } => format!("all_to_all({dt} x {send} -> {recv})"),
             Call::AllToAllV {
@@ -177,7 +193,7 @@ impl Call {
             } => format!(
                 "all_to_allv({dt} x {send} -> {recv}, send_counts {send_counts:?}, \
                  recv_counts {recv_counts:?}{})",
-                rows_note(*rows)
+                note(*rows)
             ),
             Call::Broadcast { len, root } => format!("broadcast({dt} x {len}, root {root})"),
             Call::Barrier => "barrier()".to_string(),
@@ -215,11 +231,11 @@ impl Call {
     }
 }
 
-/// `, 4 rows` for column-block calls, nothing for plain ones.
-fn rows_note(rows: usize) -> String {
-    if rows > 1 {
-        format!(", {rows} rows")
-    } else {
-        String::new()
+/// `, 4 rows` for column-block calls, nothing for plain ones (1 row) unless `always`.
+fn rows_note(rows: usize, always: bool) -> String {
+    match rows {
+        1 if always => ", 1 row".to_string(),
+        1 => String::new(),
+        _ => format!(", {rows} rows"),
     }
 }

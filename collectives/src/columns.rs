@@ -36,6 +36,27 @@ pub fn pack<T: Copy>(src: &[T], rows: usize, widths: &[usize]) -> Vec<T> {
     out
 }
 
+/// [`pack`] into `dst` (as long as `src`), for callers that reuse the space.
+///
+/// # Panics
+/// If the lengths do not match `rows · Σ widths` (an internal invariant).
+pub fn pack_into<T: Copy>(src: &[T], dst: &mut [T], rows: usize, widths: &[usize]) {
+    let (total, len) = total(rows, widths).expect("columns::pack_into: size overflows");
+    assert!(
+        src.len() == len && dst.len() == len,
+        "columns::pack_into: size"
+    );
+    let (mut col, mut base) = (0, 0);
+    for &w in widths {
+        for r in 0..rows {
+            dst[base + r * w..base + (r + 1) * w]
+                .copy_from_slice(&src[r * total + col..r * total + col + w]);
+        }
+        col += w;
+        base += rows * w;
+    }
+}
+
 /// The inverse of [`pack`]: blocks one after another in `src`, written as columns of `dst`.
 ///
 /// # Panics
@@ -65,6 +86,9 @@ mod tests {
         let m: Vec<i32> = (0..10).collect();
         let p = super::pack(&m, 2, &[2, 0, 3]);
         assert_eq!(p, vec![0, 1, 5, 6, 2, 3, 4, 7, 8, 9]);
+        let mut q = vec![-1; 10];
+        super::pack_into(&m, &mut q, 2, &[2, 0, 3]);
+        assert_eq!(q, p);
         let mut back = vec![0; 10];
         super::unpack(&p, &mut back, 2, &[2, 0, 3]);
         assert_eq!(back, m);

@@ -77,11 +77,12 @@
 //! [`Outcome::Skipped`], reported the same way; a runner must run every case on at least
 //! one group large enough (the threads tests fail a case that never ran).
 //!
-//! What the current backends declare: threads supports everything; MPI lacks
-//! [`Need::ColumnRowAgreement`] (it uses the trait's column-block defaults, which agree
-//! on element counts only). An NCCL backend that keeps its communicator on one thread
-//! would declare [`Need::SharedHandle`]; one without asynchronous progress,
-//! [`Need::Overlap`].
+//! What the current backends declare: threads and MPI support everything (MPI agrees on
+//! the rows of a column-block call in the header it exchanges before every collective).
+//! An NCCL backend that keeps its communicator on one thread would declare
+//! [`Need::SharedHandle`]; one without asynchronous progress, [`Need::Overlap`]; one that
+//! keeps the trait's column-block defaults, which agree on element counts only,
+//! [`Need::ColumnRowAgreement`].
 //!
 //! ## Sizes
 //!
@@ -1003,24 +1004,31 @@ fn column_block_rows_disagree_every_rank_mismatch(
     } else {
         (1, vec![2; n])
     };
-    let send = vec![0.0f32; 2 * n];
-    let mut recv = vec![0.0f32; 2];
-    expect_mismatch(
-        comm,
-        f,
-        "column rows",
-        &["rows of the column blocks differ".into(), "2 rows".into()],
-        None,
-        || {
-            comm.reduce_scatter_cols(
-                f32::slice(&send),
-                f32::slice_mut(&mut recv),
-                rows,
-                &widths,
-                ReduceOp::Sum,
-            )
-        },
-    )
+    // The diagnosis names every rank's rows.
+    let needles = [
+        "rows of the column blocks differ".to_string(),
+        "2 rows".into(),
+        "1 row".into(),
+    ];
+    let (wide, mut narrow) = (vec![0.0f32; 2 * n], vec![0.0f32; 2]);
+    expect_mismatch(comm, f, "reduce_scatter_cols rows", &needles, None, || {
+        comm.reduce_scatter_cols(
+            f32::slice(&wide),
+            f32::slice_mut(&mut narrow),
+            rows,
+            &widths,
+            ReduceOp::Sum,
+        )
+    })?;
+    let (narrow, mut wide) = (vec![0.0f32; 2], vec![0.0f32; 2 * n]);
+    expect_mismatch(comm, f, "all_gather_cols rows", &needles, None, || {
+        comm.all_gather_cols(
+            f32::slice(&narrow),
+            f32::slice_mut(&mut wide),
+            rows,
+            &widths,
+        )
+    })
 }
 
 fn column_collectives_with_overflowing_widths_are_invalid_on_every_rank(

@@ -31,20 +31,24 @@
 //!
 //! Every collective runs two steps on the rank's `MpiComm`:
 //!
-//! 1. **agree**: each rank sends a fixed 80-byte header (call, dtype, agreed length,
-//!    reduce op, root, a hash of the counts, whether its own arguments were valid) to
-//!    every peer on a private duplicate of the communicator, and receives theirs, waiting
-//!    at most the timeout (`DTENSOR_TIMEOUT_SECS`, 120 s by default). Every rank checks all
-//!    headers alike, so all go on or all fail: calls that disagree return
-//!    [`Error::CollectiveMismatch`](crate::Error::CollectiveMismatch) on every rank (with a
-//!    second, failure-only exchange of each rank's description, so the message says who
-//!    called what), a rank's own bad arguments return
+//! 1. **agree**: each rank sends a fixed 88-byte header (call, dtype, agreed length,
+//!    reduce op, root, a hash of the counts, the rows of a column-block call, whether its
+//!    own arguments were valid) to every peer on a private duplicate of the communicator,
+//!    and receives theirs, waiting at most the timeout (`DTENSOR_TIMEOUT_SECS`, 120 s by
+//!    default). Every rank checks all headers alike, so all go on or all fail: calls that
+//!    disagree return [`Error::CollectiveMismatch`](crate::Error::CollectiveMismatch) on
+//!    every rank (with a second, failure-only exchange of each rank's description, so the
+//!    message says who called what), a rank's own bad arguments return
 //!    [`Error::InvalidArgument`](crate::Error::InvalidArgument) there. MPI itself does not
 //!    detect mismatched calls (it hangs or corrupts memory); this check is the price of
-//!    the guarantee: n−1 messages of 80 bytes each way per collective, one round trip of
-//!    latency, nothing per element. A rank that times out here cannot take back what it
-//!    posted, so it also sends each peer an empty "withdrawn" message; every rank looks
-//!    for one after its exchange, so a rank arriving after its peers gave up gets
+//!    the guarantee: n−1 messages of 88 bytes each way per collective, one round trip of
+//!    latency, nothing per element. The rows word is what makes `all_gather_cols` and
+//!    `reduce_scatter_cols` calls whose ranks agree on element counts but not on rows a
+//!    mismatch ("rows of the column blocks differ", as on the threads backend); it costs
+//!    every collective 8 of those bytes per peer, and no message or round of its own. A
+//!    rank that times out here cannot take back what it posted, so it also sends each
+//!    peer an empty "withdrawn" message; every rank looks for one after its exchange, so
+//!    a rank arriving after its peers gave up gets
 //!    [`Error::RankFailed`](crate::Error::RankFailed) at once instead of passing against
 //!    their leftovers.
 //! 2. **data**: non-blocking MPI collectives (`MPI_I…`) move the bytes, polled until done
@@ -59,6 +63,8 @@
 //! |---|---|
 //! | all_gather(v) | `MPI_Iallgather(v)` |
 //! | all_gatherv_in_place | own piece copied to scratch, then `MPI_Iallgatherv` (rsmpi does not expose `MPI_IN_PLACE`) |
+//! | all_gather_cols | `MPI_Iallgatherv` of the column blocks into reused scratch, then one pass interleaves them into `recv` |
+//! | reduce_scatter_cols, all_to_all_cols | the column blocks packed into a reused send space (one pass), then as reduce_scatterv / all_to_allv |
 //! | reduce_scatter(v), in place too | `MPI_Ialltoallv` of the blocks into reused scratch, then our kernel reduces block `r` in rank order `0..n` |
 //! | all_reduce | reduce-scatter of `chunk_sizes(len, n)` blocks as above, then all-gather of the reduced blocks |
 //! | all_to_all(v) | `MPI_Ialltoall(v)` |

@@ -5,7 +5,9 @@
 //!
 //! The header is a fixed [`HEADER_WORDS`] × u64 whatever the group size: counts travel as
 //! hashes. Counts of all_gatherv / reduce_scatterv must be equal on every rank, so their
-//! hashes must be too. For all_to_allv, rank `p`'s `send_counts[r]` must equal rank
+//! hashes must be too, and so must their rows (one word: 1 for the plain calls, the
+//! matrix's rows for the column-block ones, `all_gather_cols` / `reduce_scatter_cols`,
+//! whose ranks could otherwise agree on element counts while cutting different columns). For all_to_allv, rank `p`'s `send_counts[r]` must equal rank
 //! `r`'s `recv_counts[p]`: every rank adds up a hash of each `(from, to, count)` it sends
 //! and, separately, of each it expects; the two totals over all ranks agree exactly when
 //! the pairs do (up to a 2⁻⁶⁴ collision). Only when the verdict is a mismatch do the ranks
@@ -15,14 +17,14 @@
 // Without the `mpi` feature this module is compiled only for its unit tests.
 #![cfg_attr(not(feature = "mpi"), allow(dead_code))]
 
-pub(crate) use crate::call::Call;
+pub(crate) use crate::call::{Call, ROWS_DIFFER};
 use dtensor_kernels::{DType, ReduceOp};
 
 /// Words in a [`Header`].
-pub(crate) const HEADER_WORDS: usize = 10;
+pub(crate) const HEADER_WORDS: usize = 11;
 
-/// Marks a header as ours (and of this layout).
-const MAGIC: u64 = 0x6474_656e_736f_7201;
+/// Marks a header as ours (and of this layout: the last byte is its version).
+const MAGIC: u64 = 0x6474_656e_736f_7202;
 
 /// One rank's header, as sent to its peers.
 pub(crate) type Header = [u64; HEADER_WORDS];
@@ -68,6 +70,13 @@ impl Call {
         }
     }
 
+    /// The rows every rank must pass alike (all_gatherv / reduce_scatterv and their
+    /// column-block forms), else 0. all_to_allv's rows are the sender's own and may
+    /// differ (see `Communicator::all_to_all_cols`), so they are not agreed.
+    fn agreed_rows_word(&self) -> u64 {
+        self.agreed_rows().map_or(0, |r| r as u64)
+    }
+
     /// This rank's header (`me` of `n`); `invalid` says its own arguments were bad.
     pub(crate) fn header(&self, dtype: Option<DType>, invalid: bool, me: usize) -> Header {
         let dtype_code = dtype.map_or(0, dtype_code);
@@ -106,6 +115,7 @@ impl Call {
             out,
             inn,
             u64::from(invalid),
+            self.agreed_rows_word(),
         ]
     }
 }
@@ -202,6 +212,7 @@ pub(crate) fn check(headers: &[Header], me: usize) -> Verdict {
         (5, "roots differ"),
         (3, "lengths differ"),
         (6, "counts differ"),
+        (10, ROWS_DIFFER),
     ];
     if let Some((_, what)) = checks.iter().find(|(i, _)| differs(*i)) {
         return Verdict::Mismatch((*what).into());
@@ -254,6 +265,39 @@ mod tests {
         let b = |root| Call::Broadcast { len: 3, root };
         let v = check(&[h(&b(0), DType::I32, 0), h(&b(1), DType::I32, 1)], 0);
         assert_eq!(v, Verdict::Mismatch("roots differ".into()));
+    }
+
+    #[test]
+    fn check_column_rows_differ_with_equal_counts_mismatch() {
+        let rs = |rows| Call::ReduceScatterV {
+            send: 4,
+            recv: 2,
+            counts: vec![2, 2],
+            op: ReduceOp::Sum,
+            rows,
+        };
+        // 2 rows of width 1 against 1 row of width 2: the same counts.
+        let hs = [h(&rs(2), DType::F32, 0), h(&rs(1), DType::F32, 1)];
+        assert_eq!(check(&hs, 1), Verdict::Mismatch(ROWS_DIFFER.into()));
+        let hs = [h(&rs(2), DType::F32, 0), h(&rs(2), DType::F32, 1)];
+        assert_eq!(check(&hs, 0), Verdict::Go);
+        // Counts are checked first, as in the threads backend.
+        let mut other = rs(1);
+        if let Call::ReduceScatterV { counts, .. } = &mut other {
+            *counts = vec![3, 1];
+        }
+        let hs = [h(&rs(2), DType::F32, 0), h(&other, DType::F32, 1)];
+        assert_eq!(check(&hs, 0), Verdict::Mismatch("counts differ".into()));
+        // all_to_allv's rows are each sender's own: not agreed.
+        let a2av = |rows| Call::AllToAllV {
+            send: 4,
+            recv: 4,
+            send_counts: vec![2, 2],
+            recv_counts: vec![2, 2],
+            rows,
+        };
+        let hs = [h(&a2av(2), DType::F32, 0), h(&a2av(1), DType::F32, 1)];
+        assert_eq!(check(&hs, 0), Verdict::Go);
     }
 
     #[test]

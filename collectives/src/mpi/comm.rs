@@ -6,6 +6,7 @@
 use super::call::{self, Call, Header, Verdict, HEADER_WORDS};
 use super::launch::abort;
 use crate::args::{counts_sum, equal_blocks, is_multiple, same_dtype};
+use crate::columns;
 use crate::progress::{busy_error, Progress};
 use crate::{
     Buffer, CollectiveKind, Communicator, CounterSnapshot, Counters, Error, Request, Result,
@@ -218,6 +219,9 @@ pub(crate) struct MpiCore {
     /// Reused receive space for reductions and in-place gathers (u64: aligned for every
     /// dtype), so a collective does not page-fault a fresh allocation each call.
     scratch: Mutex<Vec<u64>>,
+    /// Reused send space: column blocks packed one after another before they are sent
+    /// (`reduce_scatter_cols`, `all_to_all_cols`). Locked before `scratch` when both are.
+    packed: Mutex<Vec<u64>>,
     /// `send`s not yet known complete (MPI may still read their buffers).
     sending: Mutex<Vec<Pending>>,
     /// Per `(src, tag)`: messages taken off MPI's queue but not yet delivered. Held for
@@ -329,6 +333,7 @@ impl MpiCore {
             counters: Counters::default(),
             busy: AtomicBool::new(false),
             scratch: Mutex::new(Vec::new()),
+            packed: Mutex::new(Vec::new()),
             sending: Mutex::new(Vec::new()),
             parked: Mutex::new(HashMap::new()),
             failed: Mutex::new(None),
@@ -397,11 +402,13 @@ impl MpiCore {
                 Err(e)
             }
             Verdict::Mismatch(what) => {
-                let mine = format!(
-                    "{}\u{0}{}",
-                    call.describe(dtype),
-                    invalid.unwrap_or_default()
-                );
+                // Every rank has the same verdict, so all name their rows or none do.
+                let described = if what == call::ROWS_DIFFER {
+                    call.describe_rows(dtype)
+                } else {
+                    call.describe(dtype)
+                };
+                let mine = format!("{described}\u{0}{}", invalid.unwrap_or_default());
                 let all = self.all_strings(op, &mine);
                 let (described, invalids): (Vec<String>, Vec<String>) = all
                     .iter()
@@ -1040,12 +1047,38 @@ impl MpiCore {
     }
 
     fn all_gatherv(&self, send: Slice<'_>, recv: SliceMut<'_>, counts: &[usize]) -> Result<()> {
+        self.all_gather_rows(send, recv, counts, 1)
+    }
+
+    fn all_gather_cols(
+        &self,
+        send: Slice<'_>,
+        recv: SliceMut<'_>,
+        rows: usize,
+        widths: &[usize],
+    ) -> Result<()> {
+        let counts = crate::col_counts("all_gather_cols", rows, widths)?;
+        self.all_gather_rows(send, recv, &counts, rows)
+    }
+
+    /// All-gather of `counts[p]` elements per rank; with `rows > 1` each piece is a
+    /// `rows`-row column block of the result (see `Communicator::all_gather_cols`),
+    /// gathered into the reused scratch and interleaved from there. `rows` is part of the
+    /// agreement (the header's rows word), so ranks that agree on counts but not on rows
+    /// get `CollectiveMismatch`, as on the threads backend.
+    fn all_gather_rows(
+        &self,
+        send: Slice<'_>,
+        recv: SliceMut<'_>,
+        counts: &[usize],
+        rows: usize,
+    ) -> Result<()> {
         let (n, me) = (self.size, self.rank);
         let call = Call::AllGatherV {
             send: send.len(),
             recv: recv.len(),
             counts: counts.to_vec(),
-            rows: 1,
+            rows,
         };
         let dtype = send.dtype();
         let mut cd = (Vec::new(), Vec::new());
@@ -1074,26 +1107,39 @@ impl MpiCore {
         let name = call.name();
         dtensor_kernels::with_slice!(SliceMut, recv, |r: T| {
             self.run(call, Some(dtype), invalid, || {
-                let mut req = null_request();
-                // SAFETY: counts validated against both buffers and MPI's int range;
-                // buffers and arrays outlive the request (`wait_data`).
-                unsafe {
-                    ok(
-                        ffi::MPI_Iallgatherv(
-                            sp.cast(),
-                            own,
-                            t,
-                            ptr_mut(r),
-                            cd.0.as_ptr(),
-                            cd.1.as_ptr(),
-                            t,
-                            self.data.0,
-                            &mut req,
-                        ),
-                        "MPI_Iallgatherv",
-                    )
+                let gather = |dst: &mut [T]| {
+                    let mut req = null_request();
+                    // SAFETY: counts validated against both buffers (`dst` is `recv` or
+                    // scratch of its length) and MPI's int range; buffers and arrays
+                    // outlive the request (`wait_data`).
+                    unsafe {
+                        ok(
+                            ffi::MPI_Iallgatherv(
+                                sp.cast(),
+                                own,
+                                t,
+                                ptr_mut(dst),
+                                cd.0.as_ptr(),
+                                cd.1.as_ptr(),
+                                t,
+                                self.data.0,
+                                &mut req,
+                            ),
+                            "MPI_Iallgatherv",
+                        )
+                    };
+                    self.wait_data(name, std::slice::from_mut(&mut req));
                 };
-                self.wait_data(name, std::slice::from_mut(&mut req));
+                if rows > 1 {
+                    let mut scratch = lock(&self.scratch);
+                    let blocks = scratch_of::<T>(&mut scratch, r.len());
+                    gather(blocks);
+                    // Exact: the counts are `rows · widths` (`col_counts`).
+                    let widths: Vec<usize> = counts.iter().map(|c| c / rows).collect();
+                    columns::unpack(blocks, r, rows, &widths);
+                } else {
+                    gather(r);
+                }
             })
         })
     }
@@ -1193,13 +1239,40 @@ impl MpiCore {
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
+        self.reduce_scatter_rows(send, recv, counts, op, 1)
+    }
+
+    fn reduce_scatter_cols(
+        &self,
+        send: Slice<'_>,
+        recv: SliceMut<'_>,
+        rows: usize,
+        widths: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let counts = crate::col_counts("reduce_scatter_cols", rows, widths)?;
+        self.reduce_scatter_rows(send, recv, &counts, op, rows)
+    }
+
+    /// Reduce-scatter of blocks of `counts[p]` elements; with `rows > 1` the blocks are
+    /// `rows`-row column blocks of `send` (see `Communicator::reduce_scatter_cols`),
+    /// packed into the reused send space first. `rows` is agreed as in
+    /// [`all_gather_rows`](Self::all_gather_rows).
+    fn reduce_scatter_rows(
+        &self,
+        send: Slice<'_>,
+        recv: SliceMut<'_>,
+        counts: &[usize],
+        op: ReduceOp,
+        rows: usize,
+    ) -> Result<()> {
         let (n, me) = (self.size, self.rank);
         let call = Call::ReduceScatterV {
             send: send.len(),
             recv: recv.len(),
             counts: counts.to_vec(),
             op,
-            rows: 1,
+            rows,
         };
         let dtype = send.dtype();
         let invalid = same_dtype(&send, &recv).or_else(|| match counts_sum(counts, "counts", n) {
@@ -1219,11 +1292,23 @@ impl MpiCore {
                 .err(),
         });
         dtensor_kernels::with_slice!(SliceMut, recv, |r: T| {
+            let name = call.name();
             self.run(call, Some(dtype), invalid, || {
                 let Some(s) = typed::<T>(send) else {
                     return;
                 };
-                let mut scratch = self.exchange_blocks::<T>("reduce_scatterv", s, counts);
+                let mut packed = (rows > 1).then(|| lock(&self.packed));
+                let s = match packed.as_mut() {
+                    Some(space) => {
+                        let blocks = scratch_of::<T>(space, s.len());
+                        // Exact: the counts are `rows · widths` (`col_counts`).
+                        let widths: Vec<usize> = counts.iter().map(|c| c / rows).collect();
+                        columns::pack_into(s, blocks, rows, &widths);
+                        &*blocks
+                    }
+                    None => s,
+                };
+                let mut scratch = self.exchange_blocks::<T>(name, s, counts);
                 Self::reduce_slots(&mut scratch, n, r, op);
             })
         })
@@ -1275,13 +1360,40 @@ impl MpiCore {
         recv: SliceMut<'_>,
         recv_counts: &[usize],
     ) -> Result<()> {
+        self.all_to_all_rows(send, send_counts, recv, recv_counts, 1)
+    }
+
+    fn all_to_all_cols(
+        &self,
+        send: Slice<'_>,
+        rows: usize,
+        send_widths: &[usize],
+        recv: SliceMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let send_counts = crate::col_counts("all_to_all_cols", rows, send_widths)?;
+        self.all_to_all_rows(send, &send_counts, recv, recv_counts, rows)
+    }
+
+    /// All-to-all of `send_counts[p]` elements to rank `p`; with `rows > 1` this rank's
+    /// blocks are `rows`-row column blocks of `send` (see `Communicator::all_to_all_cols`),
+    /// packed into the reused send space first. `rows` is this rank's own (a rank's rows
+    /// may differ from its peers'); the agreement pairs up the element counts.
+    fn all_to_all_rows(
+        &self,
+        send: Slice<'_>,
+        send_counts: &[usize],
+        recv: SliceMut<'_>,
+        recv_counts: &[usize],
+        rows: usize,
+    ) -> Result<()> {
         let n = self.size;
         let call = Call::AllToAllV {
             send: send.len(),
             recv: recv.len(),
             send_counts: send_counts.to_vec(),
             recv_counts: recv_counts.to_vec(),
-            rows: 1,
+            rows,
         };
         let dtype = send.dtype();
         let check = |buf: &str, counts: &[usize], len: usize| -> Option<String> {
@@ -1300,10 +1412,23 @@ impl MpiCore {
         let (sc, sd) = counts_displs(send_counts, "").unwrap_or_default();
         let (rc, rd) = counts_displs(recv_counts, "").unwrap_or_default();
         let t = datatype(dtype.size_in_bytes());
-        let sp = send.as_bytes_ptr().0;
         dtensor_kernels::with_slice!(SliceMut, recv, |r: T| {
             let name = call.name();
             self.run(call, Some(dtype), invalid, || {
+                let Some(s) = typed::<T>(send) else {
+                    return;
+                };
+                let mut packed = (rows > 1).then(|| lock(&self.packed));
+                let s = match packed.as_mut() {
+                    Some(space) => {
+                        let blocks = scratch_of::<T>(space, s.len());
+                        // Exact: the counts are `rows · widths` (`col_counts`).
+                        let widths: Vec<usize> = send_counts.iter().map(|c| c / rows).collect();
+                        columns::pack_into(s, blocks, rows, &widths);
+                        &*blocks
+                    }
+                    None => s,
+                };
                 let mut req = null_request();
                 // SAFETY: counts validated against both buffers and MPI's int range; the
                 // agreement checked that every pair of ranks agrees on its counts.
@@ -1311,7 +1436,7 @@ impl MpiCore {
                 unsafe {
                     ok(
                         ffi::MPI_Ialltoallv(
-                            sp.cast(),
+                            ptr(s),
                             sc.as_ptr(),
                             sd.as_ptr(),
                             t,
@@ -1724,6 +1849,44 @@ impl Communicator for MpiComm {
 
     fn backend(&self) -> &'static str {
         BACKEND
+    }
+
+    fn all_gather_cols(
+        &self,
+        send: Slice<'_>,
+        recv: SliceMut<'_>,
+        rows: usize,
+        widths: &[usize],
+    ) -> Result<()> {
+        self.gated("all_gatherv", |c| {
+            c.all_gather_cols(send, recv, rows, widths)
+        })
+    }
+
+    fn reduce_scatter_cols(
+        &self,
+        send: Slice<'_>,
+        recv: SliceMut<'_>,
+        rows: usize,
+        widths: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.gated("reduce_scatterv", |c| {
+            c.reduce_scatter_cols(send, recv, rows, widths, op)
+        })
+    }
+
+    fn all_to_all_cols(
+        &self,
+        send: Slice<'_>,
+        rows: usize,
+        send_widths: &[usize],
+        recv: SliceMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.gated("all_to_allv", |c| {
+            c.all_to_all_cols(send, rows, send_widths, recv, recv_counts)
+        })
     }
 
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {

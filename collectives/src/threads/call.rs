@@ -17,6 +17,7 @@
 
 use super::view::RawBuf;
 pub(super) use crate::call::Call;
+use crate::call::ROWS_DIFFER;
 use dtensor_kernels::DType;
 #[cfg(test)]
 use dtensor_kernels::ReduceOp;
@@ -108,7 +109,15 @@ pub(super) fn check(posts: &[Post], me: usize, members: &[usize]) -> Result<(), 
         .iter()
         .any(|p| p.call.agreed_rows() != first.call.agreed_rows())
     {
-        return mismatch("rows of the column blocks differ".into());
+        let described: Vec<String> = posts
+            .iter()
+            .map(|p| p.call.describe_rows(p.dtype))
+            .collect();
+        return Err(Problem::Mismatch(crate::mismatch::mismatch_detail(
+            ROWS_DIFFER,
+            &described,
+            members,
+        )));
     }
     for (p, post) in posts.iter().enumerate() {
         let Call::AllToAllV { send_counts, .. } = &post.call else {
@@ -166,6 +175,27 @@ mod tests {
             d,
             "ranks called different collectives: rank 0: all_reduce(f32 x 16, sum); \
              rank 1: all_gather(f32 x 8 -> 16)"
+        );
+    }
+
+    #[test]
+    fn check_column_rows_differ_names_every_ranks_rows() {
+        let rs = |rows| Call::ReduceScatterV {
+            send: 4,
+            recv: 2,
+            counts: vec![2, 2],
+            op: ReduceOp::Sum,
+            rows,
+        };
+        let posts = [post(rs(2), DType::F32), post(rs(1), DType::F32)];
+        let Err(Problem::Mismatch(d)) = check(&posts, 0, &[0, 1]) else {
+            panic!("expected a mismatch");
+        };
+        assert_eq!(
+            d,
+            "rows of the column blocks differ: \
+             rank 0: reduce_scatterv(f32 x 4 -> 2, counts [2, 2], sum, 2 rows); \
+             rank 1: reduce_scatterv(f32 x 4 -> 2, counts [2, 2], sum, 1 row)"
         );
     }
 
