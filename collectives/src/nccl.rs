@@ -37,8 +37,10 @@
 //! One `ncclUniqueId` made in the process is shared by the ranks. Several ranks on one GPU
 //! need NCCL ≥ 2.30 and `NCCL_MULTI_RANK_GPU_ENABLE=1` (older NCCL, or the variable unset,
 //! gives `ncclInvalidUsage` at init; the error says so). Set `NCCL_SOCKET_IFNAME=lo` for
-//! a single machine. Processes under MPI (the id broadcast over an MPI communicator) are
-//! not done yet.
+//! a single machine. Processes under MPI: [`from_host`]`(&*mpi.world(), options)` on every
+//! rank (rank 0's id broadcast over the MPI communicator; any host communicator works, so
+//! it needs no `mpi` feature of its own). It is written but, like the rest of this
+//! backend, not yet run on a GPU, and not under `mpirun` with NCCL at all.
 //!
 //! cudarc's `Comm` is `!Send` and its `Drop` panics when the abort fails, so this backend
 //! does not use it: each rank has a *worker* thread that creates the raw `ncclComm_t`,
@@ -121,9 +123,9 @@ mod stand_in;
 #[cfg(feature = "nccl")]
 pub use comm::NcclComm;
 #[cfg(feature = "nccl")]
-pub use launch::{launch, launch_with, library_present, require_library};
+pub use launch::{from_host, launch, launch_with, library_present, require_library};
 #[cfg(not(feature = "nccl"))]
-pub use stand_in::{launch, launch_with, library_present, require_library, NcclComm};
+pub use stand_in::{from_host, launch, launch_with, library_present, require_library, NcclComm};
 
 /// The environment variable NCCL ≥ 2.30 reads to allow several ranks on one GPU.
 pub const MULTI_RANK_GPU_ENV: &str = "NCCL_MULTI_RANK_GPU_ENABLE";

@@ -515,3 +515,37 @@ fn late_peer_gives_timeout_then_the_same_error_again() {
     assert!(errs[0].contains("timed out after"), "{}", errs[0]);
     assert_eq!(errs[0], errs[1]);
 }
+
+#[test]
+fn from_host_without_libnccl_or_driver_errs_on_every_rank() {
+    if gpu_missing().is_none() {
+        eprintln!("SKIPPED: this machine has libnccl, a driver and a GPU (the GPU tests cover it)");
+        return;
+    }
+    let results = threads::launch(3, |host| {
+        nccl::from_host(&*host, Options::default()).map(|_| ())
+    });
+    for r in results {
+        match r {
+            Err(threads::RankError::Returned(Error::Unavailable {
+                backend: "nccl", ..
+            })) => {}
+            other => panic!("expected Unavailable, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs and NCCL: run with --include-ignored on the GPU machine"]
+fn from_host_over_threads_shares_rank_0_id() {
+    require_gpu!();
+    let results = threads::launch(2, |host| -> Result<Vec<f32>, BoxError> {
+        let comm = nccl::from_host(&*host, Options::default())?;
+        let mut x = to_dev(&comm, vec![comm.rank() as f32 + 1.0; 3])?;
+        comm.all_reduce_device(x.view_mut()?, ReduceOp::Sum)?;
+        to_host::<f32>(&x)
+    });
+    for r in results {
+        assert_eq!(r.unwrap(), vec![3.0; 3]);
+    }
+}

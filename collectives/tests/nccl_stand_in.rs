@@ -26,3 +26,18 @@ fn launch_without_feature_not_compiled_on_every_rank() {
     assert!(!nccl::library_present());
     assert!(nccl::require_library().is_err());
 }
+
+#[test]
+fn from_host_without_feature_not_compiled() {
+    let results = dtensor_collectives::threads::launch(2, |host| {
+        nccl::from_host(&*host, nccl::Options::default()).map(|_| ())
+    });
+    for r in results {
+        assert!(matches!(
+            r,
+            Err(dtensor_collectives::threads::RankError::Returned(
+                Error::NotCompiled { .. }
+            ))
+        ));
+    }
+}

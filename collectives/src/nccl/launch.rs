@@ -232,3 +232,85 @@ fn panic_message(payload: &(dyn Any + Send)) -> String {
         "<non-string panic payload>".to_string()
     }
 }
+
+/// Creates this rank's NCCL communicator for the ranks of `host`, a host-memory
+/// communicator over the same ranks (MPI's world: `nccl::from_host(&*mpi.world(), …)`, or a
+/// threads group): rank 0 makes the `ncclUniqueId` and broadcasts it over `host`, and every
+/// rank joins with the GPU `local_rank % device_count`, where the local rank is the
+/// launcher's (`OMPI_COMM_WORLD_LOCAL_RANK`, `MPI_LOCALRANKID`, `SLURM_LOCALID`) or else the
+/// rank in `host`.
+///
+/// Collective over `host`. Every rank gets an error instead of a communicator when libnccl,
+/// the driver or a GPU is missing on it, or when rank 0 could not make the id. Without
+/// [`launch`]'s shared bookkeeping, a peer that fails is noticed only through NCCL (an
+/// asynchronous error, or the timeout), not at once.
+pub fn from_host(host: &dyn crate::Communicator, options: Options) -> Result<NcclComm> {
+    const OP: &str = "nccl::from_host";
+    let (rank, size) = (host.rank(), host.size());
+    // [made (1) or not (0), then the id's 128 bytes in 16 words].
+    let mut words = [0i64; 17];
+    if rank == 0 && library_present() {
+        let mut id = sys::ncclUniqueId { internal: [0; 128] };
+        // SAFETY: a valid out-pointer; the library is present.
+        if unsafe { sys::ncclGetUniqueId(&mut id) } == sys::ncclResult_t::ncclSuccess {
+            words[0] = 1;
+            for (w, chunk) in words[1..].iter_mut().zip(id.internal.chunks(8)) {
+                let bytes: Vec<u8> = chunk.iter().map(|&c| c as u8).collect();
+                *w = i64::from_le_bytes(bytes.try_into().unwrap_or([0; 8]));
+            }
+        }
+    }
+    crate::CommunicatorExt::broadcast_in_place(host, &mut words, 0)?;
+    require_library()?;
+    if words[0] != 1 {
+        return Err(Error::Library {
+            op: OP,
+            backend: BACKEND,
+            detail: "rank 0 could not make an NCCL unique id (ncclGetUniqueId failed there, \
+                     or libnccl is missing there)"
+                .into(),
+        });
+    }
+    let mut id = sys::ncclUniqueId { internal: [0; 128] };
+    for (chunk, w) in id.internal.chunks_mut(8).zip(&words[1..]) {
+        for (c, b) in chunk.iter_mut().zip(w.to_le_bytes()) {
+            *c = b as std::ffi::c_char;
+        }
+    }
+    let gpus = match dtensor_kernels::cuda::device_count() {
+        Ok(0) => {
+            return Err(Error::Unavailable {
+                backend: BACKEND,
+                detail: "no CUDA device found".into(),
+            })
+        }
+        Ok(n) => n,
+        Err(e) => {
+            return Err(Error::Unavailable {
+                backend: BACKEND,
+                detail: e.to_string(),
+            })
+        }
+    };
+    let local = [
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "MPI_LOCALRANKID",
+        "SLURM_LOCALID",
+    ]
+    .iter()
+    .find_map(|v| std::env::var(v).ok()?.trim().parse::<usize>().ok())
+    .unwrap_or(rank);
+    let device =
+        dtensor_kernels::cuda::Device::new(local % gpus).map_err(|e| Error::Unavailable {
+            backend: BACKEND,
+            detail: e.to_string(),
+        })?;
+    spawn(Init {
+        device,
+        rank,
+        size,
+        id,
+        options,
+        departures: None,
+    })
+}

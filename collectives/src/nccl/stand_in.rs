@@ -66,3 +66,8 @@ where
         .map(|_| Err(E::from(not_compiled())))
         .collect()
 }
+
+/// Returns [`Error::NotCompiled`] without touching `host`: this build has no NCCL backend.
+pub fn from_host(_host: &dyn crate::Communicator, _options: Options) -> Result<NcclComm> {
+    Err(not_compiled())
+}
