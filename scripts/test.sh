@@ -6,15 +6,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The `cuda` feature compiles on any machine (cudarc loads CUDA at run time), so the workspace
-# is always tested with it: the GPU code is built, the kernels are compiled by NVRTC and
-# assembled by ptxas when those tools are installed (`eval "$(bash scripts/cuda-tools.sh)"`),
-# and the tests that need a GPU are listed as ignored. With OpenMPI present the `mpi` feature
-# joins it, so the MPI suite below reuses every artifact instead of rebuilding.
-features=cuda
+# The `cuda` and `nccl` features compile on any machine (cudarc loads CUDA and libnccl at run
+# time), so the workspace is always tested with them: the GPU code is built, the kernels are
+# compiled by NVRTC and assembled by ptxas when those tools are installed
+# (`eval "$(bash scripts/cuda-tools.sh)"`), the NCCL backend's no-GPU tests check its errors
+# without libnccl or a driver, and the tests that need a GPU are listed as ignored. With
+# OpenMPI present the `mpi` feature joins them, so the MPI suite below reuses every artifact
+# instead of rebuilding.
+features=cuda,nccl
 mpi=no
 if command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1; then
-  features=cuda,mpi
+  features=cuda,nccl,mpi
   mpi=yes
 fi
 export DTENSOR_TEST_FEATURES="$features"
@@ -22,6 +24,7 @@ cargo test --workspace --features "$features"
 
 # Each feature replaces a stand-in that a build without it carries: test those too.
 cargo test -p dtensor-kernels --test cuda_stand_in
+cargo test -p dtensor-collectives --test nccl_stand_in
 if [ "$mpi" = yes ]; then
   cargo test -p dtensor-collectives --test mpi_stand_in
 fi

@@ -76,6 +76,27 @@ pub enum Error {
         /// The cargo feature that compiles it in.
         feature: &'static str,
     },
+    /// The backend cannot run on this machine: a library it loads at run time is missing
+    /// (libnccl, the CUDA driver), or there is no GPU for it.
+    #[error("{backend} backend: {detail}")]
+    Unavailable {
+        /// The backend asked for (`"nccl"`).
+        backend: &'static str,
+        /// What is missing and how to provide it.
+        detail: String,
+    },
+    /// A call into the backend's library failed (an NCCL or CUDA error code), or the
+    /// library reported an asynchronous error; the communicator is aborted and every later
+    /// call on it returns this error again.
+    #[error("{op} on {backend}: {detail}")]
+    Library {
+        /// The call that failed.
+        op: &'static str,
+        /// The backend (`"nccl"`).
+        backend: &'static str,
+        /// The library's error code and message.
+        detail: String,
+    },
     /// A communicator was used after its backend was shut down (an MPI handle kept past
     /// `Mpi::finalize`): no call reaches the library any more.
     #[error("{op}: the {backend} backend has been finalized in this process; its communicators cannot be used any more")]

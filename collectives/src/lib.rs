@@ -8,7 +8,9 @@
 //! - [`threads`] (default): N ranks as threads in one process, shared-memory collectives.
 //! - [`mpi`] (feature `mpi`): ranks as processes under `mpirun`, over rsmpi; without the
 //!   feature, a stand-in whose `init` returns [`Error::NotCompiled`].
-//! - `nccl`: later, behind a feature, with a stand-in that says "not compiled with …".
+//! - [`nccl`] (feature `nccl`): one rank per thread and GPU, over NCCL, on device
+//!   buffers; without the feature, a stand-in whose `launch` returns
+//!   [`Error::NotCompiled`].
 //!
 //! Every backend passes one conformance suite, `conformance` (feature `conformance`, test
 //! code that this crate's tests and examples enable): the semantics below as a table of
@@ -18,7 +20,9 @@
 //! Semantics every backend keeps:
 //! - Buffers are rank-ordered: in an all-gather, rank `r`'s piece lands at position `r`.
 //! - Reductions combine contributions in rank order `0, 1, …, n-1`, so every rank that
-//!   receives the same reduced element receives the same bits.
+//!   receives the same reduced element receives the same bits. On [`nccl`] the order is
+//!   NCCL's own: every rank still receives the same bits, but not the bits of the CPU
+//!   backends (see its "Guarantees that change on GPU").
 //! - Calls that disagree across ranks (op, dtype, length, counts, root, reduce op) return
 //!   [`Error::CollectiveMismatch`] on every rank.
 //! - A rank that panics, errors or returns makes its peers' pending and later collectives
@@ -38,6 +42,24 @@
 //!     assert_eq!(r.unwrap(), vec![6.0; 3]);
 //! }
 //! ```
+//!
+//! # Device buffers (feature `cuda`)
+//!
+//! The methods above move host memory ([`Slice`], [`SliceMut`]). With the `cuda` feature
+//! the trait also has a `*_device` twin of each data-moving call, taking
+//! `dtensor_kernels::cuda::DeviceView` / `DeviceViewMut` (views of a `CudaBuffer` range or
+//! a `CudaTensor`). Only the NCCL backend implements them; the threads and MPI backends
+//! answer [`Error::InvalidArgument`] ("threads backend: device buffers need the nccl
+//! backend"), and the NCCL backend answers the host methods the same way: no backend
+//! stages through the host behind the caller's back.
+//!
+//! Why twins, not a `Device` variant of `Slice`/`SliceMut`: the host enums are matched
+//! exhaustively all over the workspace (`with_slice!` hands each arm a typed `&[T]`),
+//! and an arm for device memory could only panic there; a variant that exists only with a
+//! feature would also change those matches' meaning per build. Separate methods with a
+//! refusing default leave every existing match and backend untouched, keep the host and
+//! device memory spaces apart in the types, and cost nothing in a build without the
+//! feature (the methods do not exist there).
 //!
 //! # Asynchronous collectives
 //!
@@ -74,6 +96,7 @@ mod counters;
 mod error;
 mod mismatch;
 pub mod mpi;
+pub mod nccl;
 mod progress;
 mod request;
 pub mod threads;
@@ -85,6 +108,9 @@ pub use error::{Error, Result};
 pub use request::{Buffer, Pending, Request};
 
 use std::sync::Arc;
+
+#[cfg(feature = "cuda")]
+use dtensor_kernels::cuda::{DeviceView, DeviceViewMut};
 
 /// A group of `size()` ranks; this handle is rank `rank()`'s end of it.
 ///
@@ -268,6 +294,88 @@ pub trait Communicator: Send + Sync {
     /// Collective: ranks passing the same `color` form a new group, ordered by `(key, rank)`
     /// (MPI_Comm_split). Failures of any world rank reach the new group too.
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>>;
+    /// [`all_reduce`](Self::all_reduce) of device memory (feature `cuda`). The default
+    /// refuses: only the NCCL backend moves device memory.
+    #[cfg(feature = "cuda")]
+    fn all_reduce_device(&self, _buf: DeviceViewMut<'_>, _op: ReduceOp) -> Result<()> {
+        Err(device_unsupported(self.backend(), "all_reduce"))
+    }
+    /// [`all_gather`](Self::all_gather) of device memory (feature `cuda`); the default
+    /// refuses.
+    #[cfg(feature = "cuda")]
+    fn all_gather_device(&self, _send: DeviceView<'_>, _recv: DeviceViewMut<'_>) -> Result<()> {
+        Err(device_unsupported(self.backend(), "all_gather"))
+    }
+    /// [`all_gatherv`](Self::all_gatherv) of device memory (feature `cuda`); the default
+    /// refuses.
+    #[cfg(feature = "cuda")]
+    fn all_gatherv_device(
+        &self,
+        _send: DeviceView<'_>,
+        _recv: DeviceViewMut<'_>,
+        _counts: &[usize],
+    ) -> Result<()> {
+        Err(device_unsupported(self.backend(), "all_gatherv"))
+    }
+    /// [`reduce_scatter`](Self::reduce_scatter) of device memory (feature `cuda`); the
+    /// default refuses.
+    #[cfg(feature = "cuda")]
+    fn reduce_scatter_device(
+        &self,
+        _send: DeviceView<'_>,
+        _recv: DeviceViewMut<'_>,
+        _op: ReduceOp,
+    ) -> Result<()> {
+        Err(device_unsupported(self.backend(), "reduce_scatter"))
+    }
+    /// [`reduce_scatterv`](Self::reduce_scatterv) of device memory (feature `cuda`); the
+    /// default refuses.
+    #[cfg(feature = "cuda")]
+    fn reduce_scatterv_device(
+        &self,
+        _send: DeviceView<'_>,
+        _recv: DeviceViewMut<'_>,
+        _counts: &[usize],
+        _op: ReduceOp,
+    ) -> Result<()> {
+        Err(device_unsupported(self.backend(), "reduce_scatterv"))
+    }
+    /// [`all_to_all`](Self::all_to_all) of device memory (feature `cuda`); the default
+    /// refuses.
+    #[cfg(feature = "cuda")]
+    fn all_to_all_device(&self, _send: DeviceView<'_>, _recv: DeviceViewMut<'_>) -> Result<()> {
+        Err(device_unsupported(self.backend(), "all_to_all"))
+    }
+    /// [`all_to_allv`](Self::all_to_allv) of device memory (feature `cuda`); the default
+    /// refuses.
+    #[cfg(feature = "cuda")]
+    fn all_to_allv_device(
+        &self,
+        _send: DeviceView<'_>,
+        _send_counts: &[usize],
+        _recv: DeviceViewMut<'_>,
+        _recv_counts: &[usize],
+    ) -> Result<()> {
+        Err(device_unsupported(self.backend(), "all_to_allv"))
+    }
+    /// [`broadcast`](Self::broadcast) of device memory (feature `cuda`); the default
+    /// refuses.
+    #[cfg(feature = "cuda")]
+    fn broadcast_device(&self, _buf: DeviceViewMut<'_>, _root: usize) -> Result<()> {
+        Err(device_unsupported(self.backend(), "broadcast"))
+    }
+    /// [`send`](Self::send) of device memory (feature `cuda`); the default refuses. Unlike
+    /// the host `send`, a device send may wait for its receiver (see the backend's docs).
+    #[cfg(feature = "cuda")]
+    fn send_device(&self, _buf: DeviceView<'_>, _dst: usize, _tag: u32) -> Result<()> {
+        Err(device_unsupported(self.backend(), "send"))
+    }
+    /// [`recv`](Self::recv) into device memory (feature `cuda`); the default refuses.
+    #[cfg(feature = "cuda")]
+    fn recv_device(&self, _buf: DeviceViewMut<'_>, _src: usize, _tag: u32) -> Result<()> {
+        Err(device_unsupported(self.backend(), "recv"))
+    }
+
     /// Calls and bytes this handle has issued so far.
     fn counters(&self) -> CounterSnapshot;
 
@@ -335,6 +443,15 @@ pub trait Communicator: Send + Sync {
             .reduce_scatterv(send.as_slice(), recv.as_slice_mut(), counts, op)
             .map(|()| recv);
         Request::ready("reduce_scatterv", r)
+    }
+}
+
+/// The refusal of a device call by a host-memory backend.
+#[cfg(feature = "cuda")]
+pub(crate) fn device_unsupported(backend: &'static str, op: &'static str) -> Error {
+    Error::InvalidArgument {
+        op,
+        detail: format!("{backend} backend: device buffers need the nccl backend"),
     }
 }
 

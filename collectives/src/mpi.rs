@@ -141,8 +141,8 @@
 
 use std::time::Duration;
 
-#[cfg(any(feature = "mpi", test))]
-mod call;
+#[cfg(any(feature = "mpi", feature = "nccl", test))]
+pub(crate) mod call;
 #[cfg(feature = "mpi")]
 mod comm;
 #[cfg(feature = "mpi")]

@@ -49,14 +49,18 @@
 //! [`Error::NotOnCuda`]); `as_slice`/`as_mut_slice` return an error for device storage, so
 //! code that reads elements directly fails with an error instead of copying silently.
 //! `Tensor::to_device`/`to_host` move between the two. The
-//! collectives take device buffers through a `DeviceSlice` variant of `Slice`/`SliceMut`,
-//! which only the NCCL backend accepts. The thread and MPI backends keep host slices.
+//! collectives take device memory as [`DeviceView`] / [`DeviceViewMut`] (views of a
+//! [`CudaBuffer`] range or a [`CudaTensor`]) through the `*_device` methods of
+//! `dtensor-collectives`' `Communicator`, which only the NCCL backend implements; the thread
+//! and MPI backends keep host slices.
 
 pub mod ops;
 pub mod source;
 mod tensor;
+mod view;
 
 pub use tensor::{CudaBuffer, CudaTensor};
+pub use view::{DeviceView, DeviceViewMut};
 
 use crate::{Error, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
