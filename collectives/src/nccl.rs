@@ -56,7 +56,7 @@
 //!
 //! | call | NCCL |
 //! |---|---|
-//! | every collective, `barrier`, `split` | first, the *agreement*: an `ncclAllGather` of an 8-word signature (op, dtype, lengths, a hash of the counts, reduce op, root, "my arguments are invalid") |
+//! | every collective, `barrier`, `split` | first, the *agreement*: an `ncclAllGather` of the MPI backend's 11-word call header (op, dtype, lengths, a hash of the counts, reduce op, root, rows of a column-block call, "my arguments are invalid") |
 //! | `all_reduce_device` | `ncclAllReduce` in place |
 //! | `all_gather_device` | `ncclAllGather` |
 //! | `all_gatherv_device` | grouped `ncclSend`/`ncclRecv` with every rank (itself included) |
@@ -68,7 +68,7 @@
 //! | `split` | a gather of every rank's `(color, key)`, then `ncclCommSplit` |
 //! | `send_device` / `recv_device` | a 4-word header (dtype, length, tag) from the sender, a 1-word answer from the receiver, then the data if they agree |
 //!
-//! The agreement costs one small all-gather (64 bytes per rank) and two tiny host↔device
+//! The agreement costs one small all-gather (88 bytes per rank) and two tiny host↔device
 //! copies per call, about the latency of an extra collective; in exchange, calls that
 //! disagree (NCCL itself does not compare sizes, ops or dtypes: a mismatch is undefined
 //! behaviour there, a hang or garbage) give every rank
