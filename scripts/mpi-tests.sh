@@ -3,8 +3,8 @@
 # backend conformance suite (collectives/src/conformance.rs, the cases the threads backend
 # runs in collectives/tests/threads.rs, driven by collectives/examples/mpi_conformance.rs)
 # under `mpirun --oversubscribe -np 2` and `-np 4` (its last line must say some passed and
-# `0 failed`; the skipped cases, for a group too small, and the unsupported ones, which
-# the MPI backend declares, are printed and never counted as passed), and checks that a
+# `0 failed`; the skipped cases, for a group too small, and the unsupported ones (none on
+# MPI today), are printed and never counted as passed), and checks that a
 # failing rank ends the whole job with a message naming it and a non-zero exit code, with
 # blocking and with asynchronous collectives (collectives/examples/mpi_fail.rs),
 # and that misuse ends in an error (or an abort), not a hang or a call into a finalized
