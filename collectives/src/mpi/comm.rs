@@ -296,6 +296,26 @@ fn scratch_of<T: Element>(words: &mut Vec<u64>, len: usize) -> &mut [T] {
     &mut dtensor_kernels::words_as_mut::<T>(&mut words[..need])[..len]
 }
 
+/// The send data of a column-block call: with one row, `s` itself; with more, `s`'s column
+/// blocks (`counts[p] / rows` columns each; exact, as the counts are `rows · widths`,
+/// `col_counts`) packed one after another into the reused send space, whose lock the
+/// caller holds in `guard` for as long as it uses the result.
+fn packed_cols<'g, 'm: 'g, T: Element>(
+    guard: &'g mut Option<MutexGuard<'m, Vec<u64>>>,
+    space: &'m Mutex<Vec<u64>>,
+    s: &'g [T],
+    rows: usize,
+    counts: &[usize],
+) -> &'g [T] {
+    if rows <= 1 {
+        return s;
+    }
+    let blocks = scratch_of::<T>(guard.insert(lock(space)), s.len());
+    let widths: Vec<usize> = counts.iter().map(|c| c / rows).collect();
+    columns::pack_into(s, blocks, rows, &widths);
+    blocks
+}
+
 fn ptr<T>(s: &[T]) -> *const c_void {
     s.as_ptr().cast()
 }
@@ -1297,17 +1317,8 @@ impl MpiCore {
                 let Some(s) = typed::<T>(send) else {
                     return;
                 };
-                let mut packed = (rows > 1).then(|| lock(&self.packed));
-                let s = match packed.as_mut() {
-                    Some(space) => {
-                        let blocks = scratch_of::<T>(space, s.len());
-                        // Exact: the counts are `rows · widths` (`col_counts`).
-                        let widths: Vec<usize> = counts.iter().map(|c| c / rows).collect();
-                        columns::pack_into(s, blocks, rows, &widths);
-                        &*blocks
-                    }
-                    None => s,
-                };
+                let mut packed = None;
+                let s = packed_cols(&mut packed, &self.packed, s, rows, counts);
                 let mut scratch = self.exchange_blocks::<T>(name, s, counts);
                 Self::reduce_slots(&mut scratch, n, r, op);
             })
@@ -1418,17 +1429,8 @@ impl MpiCore {
                 let Some(s) = typed::<T>(send) else {
                     return;
                 };
-                let mut packed = (rows > 1).then(|| lock(&self.packed));
-                let s = match packed.as_mut() {
-                    Some(space) => {
-                        let blocks = scratch_of::<T>(space, s.len());
-                        // Exact: the counts are `rows · widths` (`col_counts`).
-                        let widths: Vec<usize> = send_counts.iter().map(|c| c / rows).collect();
-                        columns::pack_into(s, blocks, rows, &widths);
-                        &*blocks
-                    }
-                    None => s,
-                };
+                let mut packed = None;
+                let s = packed_cols(&mut packed, &self.packed, s, rows, send_counts);
                 let mut req = null_request();
                 // SAFETY: counts validated against both buffers and MPI's int range; the
                 // agreement checked that every pair of ranks agrees on its counts.
