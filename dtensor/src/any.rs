@@ -34,15 +34,9 @@ pub(crate) fn reduce_op(op: PartialOp) -> ReduceOp {
     }
 }
 
-/// Dtype codes for the `distribute` header.
-const DTYPES: [DType; 6] = [
-    DType::F32,
-    DType::F64,
-    DType::BF16,
-    DType::F16,
-    DType::I32,
-    DType::I64,
-];
+/// Dtype codes for the `distribute` header: a dtype's position in [`DType::ALL`] (the same
+/// list on every rank of one build).
+const DTYPES: [DType; 6] = DType::ALL;
 
 impl AnyDTensor {
     /// This rank's piece of `global` (the whole tensor, the same on every rank: a batch of

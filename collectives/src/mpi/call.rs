@@ -134,16 +134,7 @@ pub(crate) fn dtype_code(dtype: DType) -> u64 {
 
 /// The inverse of [`dtype_code`].
 pub(crate) fn dtype_from_code(code: u64) -> Option<DType> {
-    [
-        DType::F32,
-        DType::F64,
-        DType::BF16,
-        DType::F16,
-        DType::I32,
-        DType::I64,
-    ]
-    .into_iter()
-    .find(|&d| dtype_code(d) == code)
+    DType::ALL.into_iter().find(|&d| dtype_code(d) == code)
 }
 
 /// FNV-1a over the counts and their number (stable across processes, unlike std's hasher).
