@@ -59,7 +59,7 @@ pub mod source;
 mod tensor;
 mod view;
 
-pub use tensor::{CudaBuffer, CudaTensor};
+pub use tensor::{CudaBuffer, CudaStorage, CudaTensor};
 pub use view::{DeviceView, DeviceViewMut};
 
 use crate::{Error, Result};
