@@ -44,6 +44,26 @@ pub(crate) fn host_only(op: &'static str, ts: &[&Tensor]) -> Result<()> {
     Ok(())
 }
 
+/// The ids of an embedding op whose `table` (or `dy`) is `t`: `None` if `t` is in host
+/// memory (and so are the ids), else the ids in host memory, where the device op reads and
+/// checks them against the vocab: as they are, or copied from `t`'s device. Ids are the one
+/// operand allowed to be elsewhere than the tensor they index (they are small and the
+/// device kernels take them from the host); ids on a device with a host `t`, or on another
+/// device, are an [`Error::DeviceMismatch`].
+#[cfg(feature = "cuda")]
+pub(crate) fn host_ids(op: &'static str, t: &Tensor, ids: &Tensor) -> Result<Option<Tensor>> {
+    match (t.device(), ids.device()) {
+        (None, None) => Ok(None),
+        (Some(_), None) => Ok(Some(ids.clone())),
+        (Some(a), Some(b)) if a == b => ids.to_host().map(Some),
+        _ => Err(Error::DeviceMismatch {
+            op,
+            lhs: t.place(),
+            rhs: ids.place(),
+        }),
+    }
+}
+
 /// Runs `f` on the [`CudaTensor`](crate::cuda::CudaTensor) that `t` (a device tensor, as the
 /// caller checked) is, moved out of `t` and back, so that its buffer's reference count is
 /// `t`'s own: a kernel writing through it copies the buffer only if another tensor shares it.

@@ -712,11 +712,10 @@ impl Tensor {
 
     fn try_dyn_slice(&self, op: &'static str) -> Result<Slice<'_>> {
         let (o, n) = (self.offset, self.numel());
-        Ok(with_slice!(
-            Slice,
-            self.host_buffer(op)?.data.slice(),
-            |s: T| { <T as Element>::slice(&s[o..o + n]) }
-        ))
+        let all = self.host_buffer(op)?.data.slice();
+        Ok(with_slice!(Slice, all, |s: T| <T as Element>::slice(
+            &s[o..o + n]
+        )))
     }
 
     /// The elements as a mutable dtype-erased host slice. Copies first if the storage is

@@ -513,6 +513,16 @@ pub struct MaxDim {
     pub indices: CudaTensor,
 }
 
+/// The device [`MaxDim`] as the `Tensor` op returns it (no copy: device tensors).
+impl From<MaxDim> for crate::ops::MaxDim {
+    fn from(m: MaxDim) -> Self {
+        crate::ops::MaxDim {
+            values: m.values.into(),
+            indices: m.indices.into(),
+        }
+    }
+}
+
 /// `ops::max_dim`.
 pub fn max_dim(x: &CudaTensor, dim: usize) -> Result<MaxDim> {
     const OP: &str = "cuda::ops::max_dim";
@@ -663,6 +673,50 @@ pub struct NormGrads {
     /// LayerNorm: `Some` bias gradient `Σ_rows dy`, `[n]` in `x`'s dtype (a partial sum
     /// like `dweight`). RMSNorm: `None`.
     pub dbias: Option<CudaTensor>,
+}
+
+impl NormOutput {
+    /// As `ops::layer_norm` returns it (device tensors, no copy).
+    ///
+    /// # Panics
+    /// If `mean` is `None`: [`layer_norm`] always sets it (an internal invariant).
+    pub fn into_layer(self) -> crate::ops::LayerNormOutput {
+        crate::ops::LayerNormOutput {
+            y: self.y.into(),
+            mean: self.mean.expect("layer_norm sets mean").into(),
+            rstd: self.rstd.into(),
+        }
+    }
+
+    /// As `ops::rms_norm` returns it (device tensors, no copy).
+    pub fn into_rms(self) -> crate::ops::RmsNormOutput {
+        crate::ops::RmsNormOutput {
+            y: self.y.into(),
+            rstd: self.rstd.into(),
+        }
+    }
+}
+
+impl NormGrads {
+    /// As `ops::layer_norm_backward` returns them (device tensors, no copy).
+    ///
+    /// # Panics
+    /// If `dbias` is `None`: [`layer_norm_backward`] always sets it (an internal invariant).
+    pub fn into_layer(self) -> crate::ops::LayerNormGrads {
+        crate::ops::LayerNormGrads {
+            dx: self.dx.into(),
+            dweight: self.dweight.into(),
+            dbias: self.dbias.expect("layer_norm_backward sets dbias").into(),
+        }
+    }
+
+    /// As `ops::rms_norm_backward` returns them (device tensors, no copy).
+    pub fn into_rms(self) -> crate::ops::RmsNormGrads {
+        crate::ops::RmsNormGrads {
+            dx: self.dx.into(),
+            dweight: self.dweight.into(),
+        }
+    }
 }
 
 fn norm_input(op: &'static str, x: &CudaTensor, params: &[&CudaTensor]) -> Result<(usize, usize)> {
@@ -1334,6 +1388,16 @@ pub struct CudaAttentionOutput {
     /// `[tokens, heads]`: each query row's log-sum-exp of its scaled scores (`q·k/√d`),
     /// compute dtype; [`causal_attention_backward`] takes it with `out`.
     pub lse: CudaTensor,
+}
+
+/// As `ops::causal_attention` returns it (device tensors, no copy).
+impl From<CudaAttentionOutput> for CausalAttentionOutput {
+    fn from(o: CudaAttentionOutput) -> Self {
+        CausalAttentionOutput {
+            out: o.out.into(),
+            lse: o.lse.into(),
+        }
+    }
 }
 
 impl CudaAttentionOutput {

@@ -150,6 +150,8 @@ fn check_block(op: &'static str, qkv: &Tensor, kv: &Tensor, cfg: &BlockAttention
 /// The k and v columns of a fused `[tokens, H·3·d]` QKV, packed as `[tokens, H·2·d]` (what
 /// travels around a ring: two thirds of the fused tensor).
 pub fn pack_kv(qkv: &Tensor, head_dim: usize) -> Result<Tensor> {
+    // No device kernel yet: wired when cuda::model_ops lands.
+    crate::dispatch::host_only(OP_PACK, &[qkv])?;
     let d = head_dim;
     if qkv.rank() != 2 || d == 0 || qkv.shape()[1] % (3 * d) != 0 {
         return Err(Error::Invalid {
@@ -186,6 +188,8 @@ pub fn attention_block(
     kv: &Tensor,
     cfg: &BlockAttention,
 ) -> Result<super::CausalAttentionOutput> {
+    // No device kernel yet: wired when cuda::model_ops lands.
+    crate::dispatch::host_only(OP, &[qkv, kv])?;
     let g = check_block(OP, qkv, kv, cfg)?;
     let acc = acc_dtype(qkv.dtype());
     let rows = g.batch * g.nq;
@@ -302,6 +306,8 @@ pub fn merge_attention(
     acc: &mut super::CausalAttentionOutput,
     part: &super::CausalAttentionOutput,
 ) -> Result<()> {
+    // No device kernel yet: wired when cuda::model_ops lands.
+    crate::dispatch::host_only(OP_MERGE, &[&acc.out, &acc.lse, &part.out, &part.lse])?;
     let (rows, heads) = match acc.lse.shape() {
         &[r, h] => (r, h),
         s => {
@@ -385,6 +391,8 @@ pub fn attention_block_backward(
     dq: &mut Tensor,
     dkv: &mut Tensor,
 ) -> Result<()> {
+    // No device kernel yet: wired when cuda::model_ops lands.
+    crate::dispatch::host_only(OP_BACK, &[dout, qkv, kv, out, lse, &*dq, &*dkv])?;
     let g = check_block(OP_BACK, qkv, kv, cfg)?;
     same_dtype(OP_BACK, dout, qkv)?;
     same_dtype(OP_BACK, out, qkv)?;
@@ -469,6 +477,8 @@ fn block_backward<T: Float<Acc: ExpShifted>>(
 /// and `dkv` (`[tokens, H·2·d]`, packed as [`pack_kv`]), both in the compute dtype,
 /// rounded once into `dtype`.
 pub fn fuse_qkv_grad(dq: &Tensor, dkv: &Tensor, head_dim: usize, dtype: DType) -> Result<Tensor> {
+    // No device kernel yet: wired when cuda::model_ops lands.
+    crate::dispatch::host_only(OP_FUSE, &[dq, dkv])?;
     let d = head_dim;
     let acc = acc_dtype(dtype);
     let (rows, qc) = match dq.shape() {
@@ -510,6 +520,8 @@ pub fn fuse_qkv_grad(dq: &Tensor, dkv: &Tensor, head_dim: usize, dtype: DType) -
 /// Rows of a 2-D tensor picked by index: row `i` of the result is row `src[i]` of `t`
 /// (any dtype, bit for bit). Context parallelism's token reorderings go through it.
 pub fn gather_rows(t: &Tensor, src: &[usize]) -> Result<Tensor> {
+    // No device kernel yet: wired when cuda::model_ops lands.
+    crate::dispatch::host_only(OP_ROWS, &[t])?;
     let (rows, cols) = match t.shape() {
         &[r, c] => (r, c),
         s => {

@@ -25,6 +25,8 @@ fn rows_of(op: &'static str, x: &Tensor) -> Result<(usize, usize)> {
 /// source row names stay zero).
 pub fn scatter_add_rows(src: &Tensor, rows: &[usize], n: usize) -> Result<Tensor> {
     const OP: &str = "ops::scatter_add_rows";
+    // No device kernel yet: wired when cuda::model_ops lands.
+    crate::dispatch::host_only(OP, &[src])?;
     let (m, h) = rows_of(OP, src)?;
     if m != rows.len() {
         return Err(Error::Invalid {
@@ -98,6 +100,8 @@ fn expert(w: &Tensor, g: usize, out: usize, k: usize) -> Result<Tensor> {
 /// the rows of expert `e` (Σ = rows). Returns `[rows, out]`.
 pub fn grouped_matmul_t(x: &Tensor, w: &Tensor, groups: &[usize]) -> Result<Tensor> {
     const OP: &str = "ops::grouped_matmul_t";
+    // No device kernel yet: wired when cuda::model_ops lands.
+    crate::dispatch::host_only(OP, &[x, w])?;
     let (_, out, k) = check_grouped(OP, x, w, groups)?;
     let mut pieces = Vec::with_capacity(groups.len());
     let mut start = 0;
@@ -135,6 +139,8 @@ pub fn grouped_matmul_t_backward(
     groups: &[usize],
 ) -> Result<GroupedMatmulGrads> {
     const OP: &str = "ops::grouped_matmul_t_backward";
+    // No device kernel yet: wired when cuda::model_ops lands.
+    crate::dispatch::host_only(OP, &[dy, x, w])?;
     let (e, out, k) = check_grouped(OP, x, w, groups)?;
     same_dtype(OP, dy, x)?;
     if dy.shape() != [x.shape()[0], out] {
