@@ -600,13 +600,18 @@ impl Tensor {
         }
     }
 
-    /// The host buffer, made exclusively this tensor's (copied if shared), or
-    /// [`Error::NotOnHost`] naming `op` for a device tensor.
-    fn host_buffer_mut(&mut self, op: &'static str) -> Result<&mut CpuBuffer> {
+    /// The host buffer, made exclusively this tensor's (copied if shared), with the range
+    /// of this tensor's elements in it (read after the copy, which moves them to offset 0),
+    /// or [`Error::NotOnHost`] naming `op` for a device tensor.
+    fn host_buffer_mut(
+        &mut self,
+        op: &'static str,
+    ) -> Result<(&mut CpuBuffer, std::ops::Range<usize>)> {
         self.host_buffer(op)?;
         self.make_unique();
+        let range = self.offset..self.offset + self.numel();
         match &mut self.storage {
-            Storage::Cpu(b) => Ok(Arc::get_mut(b).expect("made unique above")),
+            Storage::Cpu(b) => Ok((Arc::get_mut(b).expect("made unique above"), range)),
             #[cfg(feature = "cuda")]
             Storage::Cuda(_) => unreachable!("checked above to be host storage"),
         }
@@ -637,10 +642,9 @@ impl Tensor {
                 rhs: T::DTYPE,
             });
         }
-        let (offset, n) = (self.offset, self.numel());
-        let buf = self.host_buffer_mut("Tensor::as_mut_slice")?;
+        let (buf, range) = self.host_buffer_mut("Tensor::as_mut_slice")?;
         let v = T::view_mut(&mut buf.data).expect("dtype checked above");
-        Ok(&mut v[offset..offset + n])
+        Ok(&mut v[range])
     }
 
     /// The elements, converted to `f64` (for tests and reports). A device tensor is copied
@@ -737,10 +741,9 @@ impl Tensor {
     }
 
     fn try_dyn_slice_mut(&mut self, op: &'static str) -> Result<SliceMut<'_>> {
-        let (o, n) = (self.offset, self.numel());
-        let buf = self.host_buffer_mut(op)?;
+        let (buf, range) = self.host_buffer_mut(op)?;
         Ok(with_slice!(SliceMut, buf.data.slice_mut(), |s: T| {
-            <T as Element>::slice_mut(&mut s[o..o + n])
+            <T as Element>::slice_mut(&mut s[range])
         }))
     }
 
