@@ -27,7 +27,7 @@
 use crate::any::AnyDTensor;
 use crate::error::{Error, Result};
 use crate::typed::DTensor;
-use dtensor_collectives::{CommunicatorExt, ReduceOp};
+use dtensor_collectives::ReduceOp;
 use dtensor_kernels::ops::{self, CausalAttention, CausalAttentionOutput, Transpose, VocabShard};
 use dtensor_kernels::{DType, Tensor};
 use dtensor_placement::{
@@ -597,7 +597,7 @@ pub(crate) fn cross_entropy_parts<L: Layout, LT: CrossEntropyLayout<L>>(
         .collect();
     let all_reduce = |v: &mut Vec<f64>, op: ReduceOp| -> Result<()> {
         for &a in &vocab_axes {
-            lg.device_mesh().axis_comm(a).all_reduce_in_place(v, op)?;
+            crate::transfer::all_reduce_values(&**lg.device_mesh().axis_comm(a), v, op)?;
         }
         Ok(())
     };

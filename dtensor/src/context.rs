@@ -101,6 +101,7 @@
 use crate::any::AnyDTensor;
 use crate::compute::output;
 use crate::error::{Error, Result};
+use crate::transfer;
 use crate::typed::DTensor;
 use dtensor_collectives::Communicator;
 use dtensor_kernels::ops::{self, BlockAttention, CausalAttention, CausalAttentionOutput};
@@ -431,12 +432,10 @@ impl Geom {
         }
     }
     fn send(&self, t: &Tensor, tag: u32) -> Result<()> {
-        Ok(self.comm.send(t.as_dyn_slice(), self.next(), tag)?)
+        transfer::send(&*self.comm, t, self.next(), tag)
     }
     fn recv_like(&self, like: &Tensor, tag: u32) -> Result<Tensor> {
-        let mut t = Tensor::for_overwrite(like.shape(), like.dtype());
-        self.comm.recv(t.as_dyn_slice_mut(), self.prev(), tag)?;
-        Ok(t)
+        transfer::recv_like(&*self.comm, like, self.prev(), tag)
     }
 
     /// The within-block permutation between CP order (what an all-to-all gathers: rank
@@ -483,8 +482,8 @@ impl Geom {
         let d = self.cfg.attn.head_dim;
         let acc = ops::acc_dtype(qkv.dtype());
         let mut cur = ops::pack_kv(qkv, d)?;
-        let mut dkv = Tensor::zeros(cur.shape(), acc);
-        let mut dq = Tensor::zeros(&[qkv.shape()[0], self.heads * d], acc);
+        let mut dkv = Tensor::zeros_on(qkv.device(), cur.shape(), acc)?;
+        let mut dq = Tensor::zeros_on(qkv.device(), &[qkv.shape()[0], self.heads * d], acc)?;
         let mut owner = self.c;
         for step in 0..self.cp {
             let more = step + 1 < self.cp;
@@ -516,9 +515,8 @@ impl Geom {
         let groups = t.chunk(1, self.cp)?;
         let send = Tensor::cat(&groups, 0)?;
         drop(groups);
-        let mut recv = Tensor::for_overwrite(send.shape(), send.dtype());
-        self.comm
-            .all_to_all(send.as_dyn_slice(), recv.as_dyn_slice_mut())?;
+        let mut recv = send.zeros_like()?;
+        transfer::all_to_all(&*self.comm, &send, &mut recv)?;
         drop(send);
         let inv = invert(&self.block_perm(rows)?);
         Ok(ops::gather_rows(&recv, &inv)?)
@@ -528,9 +526,8 @@ impl Geom {
     fn to_tokens(&self, t: &Tensor) -> Result<Tensor> {
         let rows = t.shape()[0] / self.cp;
         let send = ops::gather_rows(t, &self.block_perm(rows)?)?;
-        let mut recv = Tensor::for_overwrite(send.shape(), send.dtype());
-        self.comm
-            .all_to_all(send.as_dyn_slice(), recv.as_dyn_slice_mut())?;
+        let mut recv = send.zeros_like()?;
+        transfer::all_to_all(&*self.comm, &send, &mut recv)?;
         drop(send);
         Ok(Tensor::cat(&recv.chunk(0, self.cp)?, 1)?)
     }

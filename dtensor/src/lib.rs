@@ -36,6 +36,7 @@ pub mod hop;
 pub mod moe;
 pub mod plan;
 pub mod tape;
+pub mod transfer;
 pub mod typed;
 
 pub use any::AnyDTensor;

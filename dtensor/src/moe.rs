@@ -54,6 +54,7 @@ use crate::any::AnyDTensor;
 use crate::device_mesh::DeviceMesh;
 use crate::error::{Error, Result};
 use crate::tape::{grad_of, Var};
+use crate::transfer;
 use crate::typed::DTensor;
 use dtensor_collectives::{Communicator, ReduceOp};
 use dtensor_kernels::{ops, Element, Tensor};
@@ -620,10 +621,10 @@ fn exchange_rows(
     recv_counts: &[usize],
 ) -> Result<Tensor> {
     let h = send.shape()[1];
-    let mut recv = Tensor::zeros(&[recv_counts.iter().sum(), h], send.dtype());
+    let mut recv = Tensor::zeros_on(send.device(), &[recv_counts.iter().sum(), h], send.dtype())?;
     let sc: Vec<usize> = send_counts.iter().map(|c| c * h).collect();
     let rc: Vec<usize> = recv_counts.iter().map(|c| c * h).collect();
-    comm.all_to_allv(send.as_dyn_slice(), &sc, recv.as_dyn_slice_mut(), &rc)?;
+    transfer::all_to_allv(comm, send, &sc, &mut recv, &rc)?;
     Ok(recv)
 }
 

@@ -24,7 +24,7 @@
 
 use crate::data::{DataMode, DpLayout, EpParam, ParamKind, ReducedLayout, Weight};
 use crate::seq::{axis_size, DpPartial, DpReduced};
-use dtensor_collectives::{CommunicatorExt, ReduceOp};
+use dtensor_collectives::ReduceOp;
 use dtensor_core::{AnyDTensor, DTensor, DeviceMesh, Error, Gradients, Result, Tape, Var};
 use dtensor_kernels::{DType, Tensor};
 use dtensor_placement::{
@@ -736,7 +736,7 @@ impl GradNorm {
             }
         }
         if counted {
-            self.sum_sq += g.as_local().to_f64_vec().iter().map(|x| x * x).sum::<f64>();
+            self.sum_sq += sum_of_squares(g.as_local())?;
         }
         Ok(())
     }
@@ -745,10 +745,21 @@ impl GradNorm {
     /// over the other stages too, whose parameters are their own): the global norm.
     pub fn finish(&self, mesh: &dtensor_core::DeviceMesh) -> Result<f64> {
         let mut s = [self.sum_sq];
-        mesh.root_world()
-            .all_reduce_in_place(&mut s, ReduceOp::Sum)?;
+        dtensor_core::transfer::all_reduce_values(&**mesh.root_world(), &mut s, ReduceOp::Sum)?;
         Ok(s[0].sqrt())
     }
+}
+
+/// `Σ x²` over a gradient's local piece: in f64 on the host; on a device, squared and
+/// summed there (in the dtype's accumulator) and only the scalar copied back.
+fn sum_of_squares(t: &Tensor) -> Result<f64> {
+    if t.is_cuda() {
+        let n = t.numel();
+        let sq = t.mul(t)?.reshape(&[n, 1])?;
+        let s = dtensor_kernels::ops::sum_rows(&sq)?;
+        return Ok(s.to_host()?.to_f64_vec().first().copied().unwrap_or(0.0));
+    }
+    Ok(t.to_f64_vec().iter().map(|x| x * x).sum::<f64>())
 }
 
 /// The factor clipping scales gradients by so that their global norm is at most `max_norm`
