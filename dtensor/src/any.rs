@@ -67,13 +67,15 @@ impl AnyDTensor {
     }
 
     /// Wraps this rank's local piece. `Err` if the placements do not fit the mesh or the
-    /// local shape is not the one the layout gives this rank.
+    /// local shape is not the one the layout gives this rank. On a mesh whose tensors live
+    /// on a GPU ([`DeviceMesh::device`]) a host piece is copied there first.
     pub fn from_local(
         local: Tensor,
         global_shape: &[usize],
         placements: &[Placement],
         mesh: &Arc<DeviceMesh>,
     ) -> Result<AnyDTensor> {
+        let local = to_mesh_place(local, mesh)?;
         Self::from_local_for("DTensor::from_local", local, global_shape, placements, mesh)
     }
 
@@ -86,19 +88,18 @@ impl AnyDTensor {
         mesh: &Arc<DeviceMesh>,
     ) -> Result<AnyDTensor> {
         dtensor_placement::check_placements(op, mesh.mesh(), placements, global_shape.len())?;
-        if let Some(dev) = local.device() {
-            // A device piece must be on the mesh's GPU; a host piece is kept where it is
-            // (token ids and targets: the embedding and loss read them on the host).
-            if mesh.device() != Some(dev) {
-                return Err(dtensor_kernels::Error::DeviceMismatch {
-                    op,
-                    lhs: format!("cuda:{}", dev.ordinal()),
-                    rhs: mesh
-                        .device()
-                        .map_or("host (the mesh's place)".into(), |d| format!("cuda:{}", d.ordinal())),
-                }
-                .into());
-            }
+        // Every piece lives where the mesh keeps its tensors: an op that computed its
+        // output in host memory on a device mesh has no device path yet, and says so
+        // instead of handing a host tensor to the next device kernel.
+        if local.device() != mesh.device() {
+            return Err(Error::InvalidUse {
+                op,
+                detail: format!(
+                    "the result is in {} memory but the mesh keeps its tensors on {}: this op has no device path yet",
+                    place_name(local.device()),
+                    place_name(mesh.device())
+                ),
+            });
         }
         let want = local_shape(mesh.mesh(), placements, mesh.coords(), global_shape)?;
         if local.shape() != want.as_slice() {
@@ -751,6 +752,23 @@ impl fmt::Debug for AnyDTensor {
             self.mesh.rank(),
             self.mesh.mesh()
         )
+    }
+}
+
+/// `"host"` or `"cuda:N"`.
+fn place_name(dev: Option<&dtensor_kernels::cuda::Device>) -> String {
+    match dev {
+        None => "host".into(),
+        Some(d) => format!("cuda:{}", d.ordinal()),
+    }
+}
+
+/// `t` where `mesh` keeps its tensors: copied to its GPU if it is a host tensor on a device
+/// mesh (what constructors from host data do); `t` itself otherwise.
+pub(crate) fn to_mesh_place(t: Tensor, mesh: &DeviceMesh) -> Result<Tensor> {
+    match mesh.device() {
+        Some(dev) if t.device() != Some(dev) => Ok(t.to_device(dev)?),
+        _ => Ok(t),
     }
 }
 

@@ -1752,3 +1752,7 @@ fn matmul_planned(
         other => Err(crate::ops::not_float(OP, other)),
     }
 }
+
+#[path = "optim.rs"]
+mod optim;
+pub use optim::{adamw_state_dtype, adamw_step, AdamWStep};

@@ -196,8 +196,16 @@ pub static ATTENTION: KernelModule = KernelModule {
     ],
 };
 
+/// `optim.cu`: the AdamW step (`cuda::ops::adamw_step`), in place on the parameter and its
+/// two moments; the host step's formula and order of operations (nn's `AdamW`).
+pub static OPTIM: KernelModule = KernelModule {
+    name: "optim",
+    source: include_str!("kernels/optim.cu"),
+    roots: &[("adamw", Float)],
+};
+
 /// Every kernel module.
-pub static MODULES: [&KernelModule; 9] = [
+pub static MODULES: [&KernelModule; 10] = [
     &ELEMENTWISE,
     &ACTIVATION,
     &REDUCTION,
@@ -207,6 +215,7 @@ pub static MODULES: [&KernelModule; 9] = [
     &CROSS_ENTROPY,
     &COPY,
     &ATTENTION,
+    &OPTIM,
 ];
 
 #[cfg(test)]
