@@ -921,7 +921,9 @@ where
 }
 
 fn errors_as_text<T, E: std::fmt::Display>(r: Vec<Result<T, E>>) -> Vec<Result<T, String>> {
-    r.into_iter().map(|r| r.map_err(|e| e.to_string())).collect()
+    r.into_iter()
+        .map(|r| r.map_err(|e| e.to_string()))
+        .collect()
 }
 
 #[cfg(feature = "nccl")]
@@ -969,8 +971,7 @@ fn device_preflight(a: &Args) -> Result<(), String> {
     if !dtensor::kernels::cuda::nvrtc_present() {
         return Err("--device cuda: NVRTC (libnvrtc.so) not found: put it on LD_LIBRARY_PATH (e.g. the nvidia-cuda-nvrtc wheel's nvidia/cu13/lib; scripts/cuda-tools.sh)".into());
     }
-    dtensor::collectives::nccl::require_library()
-        .map_err(|e| format!("--device cuda: {e}"))?;
+    dtensor::collectives::nccl::require_library().map_err(|e| format!("--device cuda: {e}"))?;
     Ok(())
 }
 

@@ -327,12 +327,16 @@ pub fn start_all_gatherv(
 ) -> Result<PendingTensor> {
     #[cfg(feature = "cuda")]
     if local.is_cuda() {
-        return Ok(PendingTensor::Done(device::all_gatherv(comm, local, counts)?));
+        return Ok(PendingTensor::Done(device::all_gatherv(
+            comm, local, counts,
+        )?));
     }
     let total: usize = counts.iter().sum();
     let send = Buffer::from(local.to_storage()?);
     let recv = Buffer::from(Tensor::try_for_overwrite(&[total], local.dtype())?.to_storage()?);
-    Ok(PendingTensor::Host(comm.start_all_gatherv(send, recv, counts)))
+    Ok(PendingTensor::Host(
+        comm.start_all_gatherv(send, recv, counts),
+    ))
 }
 
 /// Starts the all-reduce of the flat tensor `flat`; on a device it runs here, before this

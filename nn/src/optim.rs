@@ -716,7 +716,12 @@ fn adamw_device<L: Layout>(
         let dtype = t.dtype();
         std::mem::replace(t, Tensor::zeros(&[0], dtype))
             .try_into_cuda()
-            .map_err(|_| dtensor_kernels::Error::NotOnDevice { op: "AdamW::update" }.into())
+            .map_err(|_| {
+                dtensor_kernels::Error::NotOnDevice {
+                    op: "AdamW::update",
+                }
+                .into()
+            })
     };
     let g = g.cuda_tensor()?;
     let (mut mc, mut vc) = (take(m)?, take(v)?);
