@@ -193,10 +193,13 @@ fn assert_same_error<T, U>(what: &str, gpu: Result<T, Error>, cpu: Result<U, Err
 
 // ---- context-parallel attention pieces ----------------------------------------------
 
-/// `(batch, heads, head_dim, q_pos, k_pos)`: causal offsets, rows that see no key of the
-/// block (`lse = −∞`), a fully masked block, blocks longer than the CPU's 64-row tile,
-/// zigzag chunks, and an empty batch.
-fn block_cases() -> Vec<(usize, usize, usize, Vec<usize>, Vec<usize>)> {
+/// `(batch, heads, head_dim, q_pos, k_pos)` of one blockwise attention case.
+type BlockCase = (usize, usize, usize, Vec<usize>, Vec<usize>);
+
+/// Causal offsets, rows that see no key of the block (`lse = −∞`), keys no query sees, a
+/// fully masked block, blocks longer than the CPU's 64-row tile, zigzag chunks, and an empty
+/// batch.
+fn block_cases() -> Vec<BlockCase> {
     let zig_q: Vec<usize> = (0..4).chain(12..16).collect();
     let zig_k: Vec<usize> = (4..8).chain(8..12).collect();
     vec![

@@ -8,7 +8,7 @@
 //! | `ops::pack_kv`, `fuse_qkv_grad`, `gather_rows` | [`pack_kv`], [`fuse_qkv_grad`], [`gather_rows`] | bitwise |
 //! | `ops::grouped_matmul_t` and backward | [`grouped_matmul_t`], [`grouped_matmul_t_backward`] (cuBLAS) | to rounding (cuBLAS's order) |
 //! | `ops::scatter_add_rows` | [`scatter_add_rows`] | bitwise (deterministic, the CPU's order) |
-//! | `reduce::combine`, `reduce::reduce_into` | [`combine`], [`reduce_into`] | bitwise, every dtype and `ReduceOp` |
+//! | `reduce::combine`, `reduce::reduce_into` | [`combine`], [`reduce_into`] | bitwise, every dtype and `ReduceOp` (but the payload of a NaN that Sum/Avg computes: the GPU's is canonical, Rust leaves it unspecified) |
 //!
 //! Host-side index lists (positions, rows, groups) are checked on the host and uploaded as
 //! `i64`; every launch size comes from the checked shapes.

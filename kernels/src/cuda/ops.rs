@@ -15,11 +15,15 @@
 //! | `Tensor::pack`, `unpack`, `narrow`, `cat` | [`pack`], [`unpack`], [`narrow`], [`cat`] | bitwise |
 //! | `ops::causal_attention` and backward | [`causal_attention`], [`causal_attention_backward`] | to rounding; `seq_len` bounded by shared memory |
 //! | `ops::matmul`, `matmul_into` | [`matmul`], [`matmul_into`] (cuBLAS) | to rounding (cuBLAS's order) |
+//! | `ops::attention_block` and backward | [`attention_block`], [`attention_block_backward`] | to rounding; block lengths bounded by shared memory |
+//! | `ops::merge_attention` | [`merge_attention`] | to rounding (CUDA's exp/log) |
+//! | `ops::pack_kv`, `fuse_qkv_grad`, `gather_rows` | [`pack_kv`], [`fuse_qkv_grad`], [`gather_rows`] | bitwise |
+//! | `ops::grouped_matmul_t` and backward | [`grouped_matmul_t`], [`grouped_matmul_t_backward`] (cuBLAS per expert) | to rounding (cuBLAS's order) |
+//! | `ops::scatter_add_rows` | [`scatter_add_rows`] | bitwise (deterministic, the CPU's order) |
+//! | `reduce::combine`, `reduce::reduce_into` (Sum, Avg, Max, Min) | [`combine`], [`reduce_into`] | bitwise (a Sum/Avg NaN's payload aside) |
 //!
-//! Not on the GPU yet: `ops::attention_block` (+ backward), `merge_attention`, `pack_kv`,
-//! `fuse_qkv_grad`, `gather_rows`, `grouped_matmul_t` (+ backward), `scatter_add_rows`
-//! (the context-parallel and MoE kernels), `Tensor::map` (a host closure), and the
-//! collectives' `reduce_into` / `combine` (Sum is [`add`]; Max/Min/Avg have no kernel).
+//! Those last six rows live in [`model_ops`](super::model_ops) and are re-exported here.
+//! Not on the GPU yet: `Tensor::map` (a host closure) and the optimizer step.
 //!
 //! Element counts and row counts come from the checked shapes, never from buffer lengths, so
 //! a launch cannot index out of bounds. Ops queue on the device's stream and return at once.
