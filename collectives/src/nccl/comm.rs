@@ -16,6 +16,7 @@ use cudarc::nccl::sys;
 use dtensor_kernels::cuda::{Device, DeviceView, DeviceViewMut};
 use dtensor_kernels::{with_device_view, DType};
 use std::ffi::{c_void, CStr};
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -341,6 +342,16 @@ impl Plan {
                 }),
             }
         }
+    }
+}
+
+/// Aborts the child a failed `ncclCommSplit` may have stored in `out` (NCCL stores even a
+/// child whose initialization failed), and clears `out`.
+fn abort_child(out: &AtomicPtr<sys::ncclComm>) {
+    let child = out.swap(std::ptr::null_mut(), Ordering::AcqRel);
+    if !child.is_null() {
+        // SAFETY: a communicator NCCL handed out and nobody else holds; aborted once.
+        let _ = unsafe { sys::ncclCommAbort(child) };
     }
 }
 
@@ -1010,19 +1021,38 @@ impl Worker {
             })?;
         let new_members: Vec<usize> = group.iter().map(|&(_, r)| members[r]).collect();
         let raw = self.raw(slot)?;
-        let mut child: sys::ncclComm_t = std::ptr::null_mut();
+        // On a non-blocking parent, ncclCommSplit returns ncclInProgress with `*newcomm`
+        // still NULL: NCCL's own thread stores the child there when the split completes,
+        // and until then the *parent's* state is ncclInProgress (NVIDIA/nccl#1472,
+        // init.cc `ncclCommInitChildComm`). So the out-pointer lives on the heap (a stack
+        // slot could be written after this frame is gone if we give up first), is read
+        // only once the parent has settled, and is leaked rather than freed on the
+        // failure paths, where that late store may still come.
+        let out: &'static AtomicPtr<sys::ncclComm> =
+            Box::leak(Box::new(AtomicPtr::new(std::ptr::null_mut())));
         let mut config = non_blocking_config();
-        // SAFETY: `raw` is live; valid out-pointer and config; color and key fit an int
-        // (checked in the agreement).
-        let r =
-            unsafe { sys::ncclCommSplit(raw, color as i32, key as i32, &mut child, &mut config) };
+        // SAFETY: `raw` is live; `out` is a valid out-pointer for as long as NCCL may
+        // write it (leaked here, reclaimed below only after the split completed); color
+        // and key fit an int (checked in the agreement).
+        let r = unsafe {
+            sys::ncclCommSplit(raw, color as i32, key as i32, out.as_ptr(), &mut config)
+        };
         if let Err(code) = ok(r) {
-            if !child.is_null() {
-                // SAFETY: a communicator NCCL handed out, aborted once.
-                let _ = unsafe { sys::ncclCommAbort(child) };
-            }
+            abort_child(out);
             return Err(self.fail(slot, nccl_error(OP, code, raw)));
         }
+        let child = match self.await_child(slot, out) {
+            Ok(child) => child,
+            Err(e) => {
+                // The parent was aborted, which joins NCCL's split job: a child it stored
+                // (a failed one) is aborted too.
+                abort_child(out);
+                return Err(e);
+            }
+        };
+        // SAFETY: the split completed (the child was stored), so NCCL holds no pointer to
+        // `out` any more; it came from `Box::leak` above and is freed once.
+        drop(unsafe { Box::from_raw(std::ptr::from_ref(out).cast_mut()) });
         let index = self.slots.len();
         self.slots.push(Some(Slot {
             raw: child,
@@ -1031,9 +1061,37 @@ impl Worker {
             members: new_members.clone(),
             failed: None,
         }));
-        self.settle(slot, OP)?;
         self.settle(index, OP)?;
         Ok((index, new_rank, new_members))
+    }
+
+    /// Waits (bounded like [`Worker::settle`]) until the split on `slot` has stored its
+    /// child in `out`, and returns it: the parent settles first; some NCCL versions may
+    /// report the parent done a moment before the store, so a NULL is polled again.
+    fn await_child(
+        &mut self,
+        slot: usize,
+        out: &AtomicPtr<sys::ncclComm>,
+    ) -> Result<sys::ncclComm_t> {
+        const OP: &str = "split";
+        let start = Instant::now();
+        loop {
+            self.settle(slot, OP)?;
+            let child = out.load(Ordering::Acquire);
+            if !child.is_null() {
+                return Ok(child);
+            }
+            let waited = start.elapsed();
+            if waited >= self.timeout {
+                let err = Error::Timeout {
+                    op: OP,
+                    waited,
+                    missing: Vec::new(),
+                };
+                return Err(self.fail(slot, err));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
     }
 
     /// Ends `slot`'s communicator: finalize (bounded) and destroy when healthy, abort
