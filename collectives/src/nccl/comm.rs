@@ -1034,9 +1034,8 @@ impl Worker {
         // SAFETY: `raw` is live; `out` is a valid out-pointer for as long as NCCL may
         // write it (leaked here, reclaimed below only after the split completed); color
         // and key fit an int (checked in the agreement).
-        let r = unsafe {
-            sys::ncclCommSplit(raw, color as i32, key as i32, out.as_ptr(), &mut config)
-        };
+        let r =
+            unsafe { sys::ncclCommSplit(raw, color as i32, key as i32, out.as_ptr(), &mut config) };
         if let Err(code) = ok(r) {
             abort_child(out);
             return Err(self.fail(slot, nccl_error(OP, code, raw)));
