@@ -34,7 +34,8 @@
 //! # Ranks, threads and GPUs
 //!
 //! [`launch`]`(n, f)` runs `f` on `n` thread ranks; rank `r` uses GPU `r % device_count`.
-//! One `ncclUniqueId` made in the process is shared by the ranks. Several ranks on one GPU
+//! One `ncclUniqueId` made in the process is shared by the ranks. NCCL 2.18 or newer is
+//! required ([`require_library`] checks the loaded version). Several ranks on one GPU
 //! need NCCL ≥ 2.30 and `NCCL_MULTI_RANK_GPU_ENABLE=1` (older NCCL, or the variable unset,
 //! gives `ncclInvalidUsage` at init; the error says so). Set `NCCL_SOCKET_IFNAME=lo` for
 //! a single machine. Processes under MPI: [`from_host`]`(&*mpi.world(), options)` on every
@@ -65,7 +66,7 @@
 //! | `all_to_all(v)_device` | grouped `ncclSend`/`ncclRecv` (the agreement's pair hashes check that rank `p` sends rank `q` what `q` expects, as under MPI) |
 //! | `broadcast_device` | `ncclBroadcast` in place |
 //! | `barrier` | the agreement alone |
-//! | `split` | a gather of every rank's `(color, key)`, then `ncclCommSplit` |
+//! | `split` | a gather of every rank's `(color, key)`, then `ncclCommSplit` (non-blocking: the child is read once the parent's state leaves `ncclInProgress`) |
 //! | `send_device` / `recv_device` | a 4-word header (dtype, length, tag) from the sender, a 1-word answer from the receiver, then the data if they agree |
 //!
 //! The agreement costs one small all-gather (88 bytes per rank) and two tiny host↔device
