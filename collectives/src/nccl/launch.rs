@@ -371,6 +371,6 @@ mod tests {
         assert_eq!(version_name(21800), "2.18.0");
         assert_eq!(version_name(23007), "2.30.7");
         assert_eq!(version_name(2804), "2.8.4");
-        assert!(MIN_VERSION > 2804 && MIN_VERSION < 21803);
+        assert_eq!(version_name(MIN_VERSION), "2.18.0");
     }
 }
