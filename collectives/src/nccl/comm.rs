@@ -439,6 +439,32 @@ pub(super) struct Init {
     pub(super) id: sys::ncclUniqueId,
     pub(super) options: Options,
     pub(super) departures: Option<Arc<Departures>>,
+    /// Whether other ranks of this process may share the GPU (see [`preload_kernels`]).
+    pub(super) shared_gpu: bool,
+}
+
+/// Loads every kernel of `dtensor-kernels` on `device` (NVRTC compiles each module once per
+/// process; later launches find them loaded).
+///
+/// Ranks of one process that share a GPU share its CUDA context, and loading a kernel may
+/// synchronize the whole context (CUDA's lazy-loading notes: "loading kernels might require
+/// context synchronization"). A rank loading, say, its first cross-entropy kernel while a
+/// peer's NCCL kernel spins waiting for that rank would then deadlock until the timeout (a
+/// pipeline stage running kernels its peers never run is enough). Done before the
+/// communicator exists, no NCCL kernel can be running yet: none starts before every rank has
+/// joined. cuBLAS's own kernels still load lazily (see the module docs).
+fn preload_kernels(device: &Device) -> Result<()> {
+    const OP: &str = "nccl::launch";
+    for m in dtensor_kernels::cuda::source::MODULES {
+        for e in m.entries() {
+            device.function(m, &e).map_err(|err| Error::Library {
+                op: OP,
+                backend: BACKEND,
+                detail: format!("preloading the kernels of a GPU shared by several ranks: {err}"),
+            })?;
+        }
+    }
+    Ok(())
 }
 
 /// Starts rank `init.rank`'s worker, creates its world communicator there (bounded by the
@@ -452,7 +478,11 @@ pub(super) fn spawn(init: Init) -> Result<NcclComm> {
         id,
         options,
         departures,
+        shared_gpu,
     } = init;
+    if shared_gpu {
+        preload_kernels(&device)?;
+    }
     let (tx, rx) = mpsc::channel::<Job>();
     let (ready_tx, ready_rx) = mpsc::channel::<Result<Arc<CudaStream>>>();
     let ctx = device.stream().context().clone();

@@ -179,7 +179,7 @@ where
                 std::thread::Builder::new()
                     .name(format!("rank-{rank}"))
                     .spawn_scoped(scope, move || {
-                        run_rank(rank, world_size, rank % gpus, id, options, departures, f)
+                        run_rank(rank, world_size, gpus, id, options, departures, f)
                     })
             })
             .collect();
@@ -212,7 +212,7 @@ where
 fn run_rank<T, E, F>(
     rank: usize,
     size: usize,
-    ordinal: usize,
+    gpus: usize,
     id: sys::ncclUniqueId,
     options: &Options,
     departures: &Arc<Departures>,
@@ -223,7 +223,7 @@ where
     E: From<Error> + std::fmt::Display,
 {
     const OP: &str = "nccl::launch";
-    let comm = dtensor_kernels::cuda::Device::new(ordinal)
+    let comm = dtensor_kernels::cuda::Device::new(rank % gpus)
         .map_err(|e| Error::Unavailable {
             backend: BACKEND,
             detail: e.to_string(),
@@ -236,6 +236,8 @@ where
                 id,
                 options: options.clone(),
                 departures: Some(departures.clone()),
+                // More ranks than GPUs: some share one (and its CUDA context).
+                shared_gpu: size > gpus,
             })
         });
     let comm = match comm {
@@ -359,6 +361,10 @@ pub fn from_host(host: &dyn crate::Communicator, options: Options) -> Result<Ncc
         id,
         options,
         departures: None,
+        // Ranks of one process (threads over a threads group) may share a GPU, which NCCL
+        // allows only with this variable set; ranks in separate processes have separate
+        // CUDA contexts and need no preloading.
+        shared_gpu: std::env::var(super::MULTI_RANK_GPU_ENV).is_ok_and(|v| v.trim() == "1"),
     })
 }
 
