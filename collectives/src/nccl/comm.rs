@@ -452,9 +452,11 @@ pub(super) struct Init {
 /// peer's NCCL kernel spins waiting for that rank would then deadlock until the timeout (a
 /// pipeline stage running kernels its peers never run is enough). Done before the
 /// communicator exists, no NCCL kernel can be running yet: none starts before every rank has
-/// joined. cuBLAS's own kernels still load lazily (see the module docs).
+/// joined. cuBLAS's own kernels still load lazily (see the module docs), but its handle is
+/// made here too (when cuBLAS is present; without it `matmul` says so later).
 fn preload_kernels(device: &Device) -> Result<()> {
     const OP: &str = "nccl::launch";
+    let _ = device.blas();
     for m in dtensor_kernels::cuda::source::MODULES {
         for e in m.entries() {
             device.function(m, &e).map_err(|err| Error::Library {
