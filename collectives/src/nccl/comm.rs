@@ -1060,12 +1060,14 @@ impl Worker {
         // slot could be written after this frame is gone if we give up first), is read
         // only once the parent has settled, and is leaked rather than freed on the
         // failure paths, where that late store may still come.
-        let out: &'static AtomicPtr<sys::ncclComm> =
-            Box::leak(Box::new(AtomicPtr::new(std::ptr::null_mut())));
+        let out_box: *mut AtomicPtr<sys::ncclComm> =
+            Box::into_raw(Box::new(AtomicPtr::new(std::ptr::null_mut())));
+        // SAFETY: a live allocation, freed only below, after the last use of `out`.
+        let out: &AtomicPtr<sys::ncclComm> = unsafe { &*out_box };
         let mut config = non_blocking_config();
         // SAFETY: `raw` is live; `out` is a valid out-pointer for as long as NCCL may
-        // write it (leaked here, reclaimed below only after the split completed); color
-        // and key fit an int (checked in the agreement).
+        // write it (freed below only after the split completed, else never); color and
+        // key fit an int (checked in the agreement).
         let r =
             unsafe { sys::ncclCommSplit(raw, color as i32, key as i32, out.as_ptr(), &mut config) };
         if let Err(code) = ok(r) {
@@ -1082,8 +1084,9 @@ impl Worker {
             }
         };
         // SAFETY: the split completed (the child was stored), so NCCL holds no pointer to
-        // `out` any more; it came from `Box::leak` above and is freed once.
-        drop(unsafe { Box::from_raw(std::ptr::from_ref(out).cast_mut()) });
+        // `out` any more, and `out` is not used after this; `out_box` came from
+        // `Box::into_raw` above and is freed once.
+        drop(unsafe { Box::from_raw(out_box) });
         let index = self.slots.len();
         self.slots.push(Some(Slot {
             raw: child,
