@@ -98,7 +98,11 @@ fn conformance_suite_on_nccl() {
         println!("nccl conformance: not run on {why}");
     }
     if run.is_empty() {
-        assert!(!gpu_required(), "DTENSOR_GPU_REQUIRED=1 but {}", not.join("; "));
+        assert!(
+            !gpu_required(),
+            "DTENSOR_GPU_REQUIRED=1 but {}",
+            not.join("; ")
+        );
         eprintln!("SKIPPED: {}", not.join("; "));
         return;
     }

@@ -84,10 +84,12 @@ impl Staging {
         let buf = match host {
             Slice::F32(h) => put(st, h).map(CudaBuffer::F32),
             Slice::F64(h) => put(st, h).map(CudaBuffer::F64),
-            Slice::BF16(h) => put(st, &h.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
-                .map(CudaBuffer::BF16),
-            Slice::F16(h) => put(st, &h.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
-                .map(CudaBuffer::F16),
+            Slice::BF16(h) => {
+                put(st, &h.iter().map(|x| x.to_bits()).collect::<Vec<_>>()).map(CudaBuffer::BF16)
+            }
+            Slice::F16(h) => {
+                put(st, &h.iter().map(|x| x.to_bits()).collect::<Vec<_>>()).map(CudaBuffer::F16)
+            }
             Slice::I32(h) => put(st, h).map(CudaBuffer::I32),
             Slice::I64(h) => put(st, h).map(CudaBuffer::I64),
         }
@@ -197,17 +199,21 @@ struct Staged {
 
 impl Staged {
     fn view(&self, op: &'static str) -> Result<DeviceView<'_>> {
-        self.buf.view(0..self.len).map_err(|e| Error::InvalidArgument {
-            op,
-            detail: format!("staging: {e}"),
-        })
+        self.buf
+            .view(0..self.len)
+            .map_err(|e| Error::InvalidArgument {
+                op,
+                detail: format!("staging: {e}"),
+            })
     }
     fn view_mut(&mut self, op: &'static str) -> Result<DeviceViewMut<'_>> {
         let len = self.len;
-        self.buf.view_mut(0..len).map_err(|e| Error::InvalidArgument {
-            op,
-            detail: format!("staging: {e}"),
-        })
+        self.buf
+            .view_mut(0..len)
+            .map_err(|e| Error::InvalidArgument {
+                op,
+                detail: format!("staging: {e}"),
+            })
     }
 }
 
