@@ -23,8 +23,9 @@
 # skipping), and runs every step under `timeout` within 8 minutes in all. It writes
 # $OUT/report.txt (or .gpu/out/report.txt without $OUT): one line per step, `passed`, `FAILED
 # (exit N)`, `TIMED OUT after N s` or `not run: <why>` (a step that timed out or did not run
-# is never counted as passed), each step's log tail, and the summary; the full logs sit beside
-# it. run.sh exits 0 only if every step that ran passed and none timed out.
+# is never counted as passed; a step whose tests print SKIPPED says how many and is counted
+# apart), each step's log tail, and the summary; the full logs sit beside it. run.sh exits 0
+# only if no step failed or timed out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -139,7 +140,7 @@ export NCCL_SOCKET_IFNAME=lo NCCL_MULTI_RANK_GPU_ENABLE=1 DTENSOR_GPU_REQUIRED=1
 say "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 say ""
 
-passed=0 failed=0 timed_out=0 not_run=0
+passed=0 with_skips=0 failed=0 timed_out=0 not_run=0
 results=()
 
 # step NAME BUDGET_S COMMAND...: runs COMMAND under timeout (BUDGET_S, cut to what is left
@@ -164,8 +165,17 @@ step() {
     timed_out=$((timed_out + 1))
     verdict="TIMED OUT after ${budget} s"
   elif [ "$rc" = 0 ]; then
-    passed=$((passed + 1))
-    verdict="passed (${took} s)"
+    # Tests that return early without a GPU or tool print SKIPPED (and pass): say so,
+    # and never count the step as passed.
+    local skips
+    skips=$(grep -c 'SKIPPED' "$log")
+    if [ "$skips" -gt 0 ]; then
+      with_skips=$((with_skips + 1))
+      verdict="passed, but $skips SKIPPED (${took} s)"
+    else
+      passed=$((passed + 1))
+      verdict="passed (${took} s)"
+    fi
   else
     failed=$((failed + 1))
     verdict="FAILED (exit $rc, ${took} s)"
@@ -174,7 +184,7 @@ step() {
   {
     echo "== $name: $verdict: $*"
     # The lines that say what ran: test results, the suite's lines, summaries.
-    grep -E '^(test |nccl conformance|op=|bench_report:|SKIPPED|test result|failures:|    |thread .* panicked|error)' "$log" | tail -n 150
+    grep -E '^(test |nccl conformance|op=|bench_report:|test result|failures:|    |thread .* panicked|error)|SKIPPED' "$log" | tail -n 150
     echo "-- last lines of $name.log:"
     tail -n 15 "$log"
     echo
@@ -187,9 +197,9 @@ skip_step() {
   results+=("$1: not run: $2")
 }
 
-step cuda_gpu 120 "$here/cuda_gpu" --include-ignored --test-threads=1
+step cuda_gpu 120 "$here/cuda_gpu" --include-ignored --test-threads=1 --nocapture
 step cuda_ptx 45 "$here/cuda_ptx" --nocapture
-step nccl 90 "$here/nccl" --include-ignored --test-threads=1
+step nccl 90 "$here/nccl" --include-ignored --test-threads=1 --nocapture
 step nccl_conformance 120 "$here/nccl_conformance" --include-ignored --test-threads=1 --nocapture
 step bench_report_nccl 60 "$here/bench_report" --backend nccl --quick
 if [ ! -x "$here/train_gpt" ]; then
@@ -203,7 +213,7 @@ fi
 {
   echo "== summary ($(($(date +%s) - start)) s)"
   for r in "${results[@]}"; do echo "$r"; done
-  echo "$passed passed, $failed failed, $timed_out timed out, $not_run not run"
+  echo "$passed passed, $with_skips passed with SKIPPED tests, $failed failed, $timed_out timed out, $not_run not run"
 } | tee -a "$report"
 [ "$failed" = 0 ] && [ "$timed_out" = 0 ]
 RUN
