@@ -2811,6 +2811,37 @@ mod tests {
     }
 
     #[test]
+    fn reduced_eq_is_bitwise_unless_a_float_avg_without_rank_order() {
+        let want = [16.0f32 / 3.0, -1.0];
+        let near = [f32::from_bits(want[0].to_bits() + 1), -1.0];
+        let far = [want[0] + 1.0, -1.0];
+        let lacking = || Checks {
+            failures: Vec::new(),
+            lacks: vec![Need::RankOrderedReduction],
+        };
+        // Bitwise where the backend sums in rank order, or the op or group is exact.
+        let mut f = Checks::default();
+        reduced_eq(&mut f, &near, &want, ReduceOp::Avg, 3, || "ordered".into());
+        assert_eq!(f.failures().len(), 1);
+        let mut f = lacking();
+        reduced_eq(&mut f, &near, &want, ReduceOp::Sum, 3, || "sum".into());
+        reduced_eq(&mut f, &near, &want, ReduceOp::Avg, 4, || {
+            "four ranks".into()
+        });
+        assert_eq!(f.failures().len(), 2);
+        // Within rounding, but not a misplaced value, for a float Avg over 3 ranks.
+        let mut f = lacking();
+        reduced_eq(&mut f, &near, &want, ReduceOp::Avg, 3, || "near".into());
+        assert!(f.failures().is_empty(), "{:?}", f.failures());
+        reduced_eq(&mut f, &far, &want, ReduceOp::Avg, 3, || "far".into());
+        assert_eq!(f.failures().len(), 1);
+        // Integers stay exact.
+        let mut f = lacking();
+        reduced_eq(&mut f, &[5i32], &[6], ReduceOp::Avg, 3, || "int".into());
+        assert_eq!(f.failures().len(), 1);
+    }
+
+    #[test]
     fn ranks_label_names_like_the_mismatch_detail() {
         assert_eq!(ranks_label(1..2), "rank 1");
         assert_eq!(ranks_label(1..4), "ranks 1, 2, 3");

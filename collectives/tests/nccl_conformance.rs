@@ -211,3 +211,58 @@ fn conformance_launch_without_gpu_errs_on_every_rank() {
         }
     }
 }
+
+/// No GPU needed: NCCL's declarations on the threads backend. Every case that needs a
+/// capability NCCL lacks comes back `unsupported` with the reason, and every other case
+/// passes under those declarations (the checks that change without a capability, such as
+/// a float `Avg` within rounding, still hold for a backend that has it): so on NCCL each
+/// case either runs or says why not.
+#[test]
+fn nccl_declarations_on_threads_every_case_runs_or_says_why() {
+    let mut unsupported = Vec::new();
+    for n in [2, 3, 4] {
+        for case in conformance::cases() {
+            let results = dtensor_collectives::threads::launch(n, |comm| {
+                Ok::<_, Error>(case.run_on(&*comm, UNSUPPORTED))
+            });
+            for (r, res) in results.into_iter().enumerate() {
+                let outcome =
+                    res.unwrap_or_else(|e| panic!("{} on {n} ranks, rank {r}: {e}", case.name));
+                let lacked = case
+                    .needs
+                    .iter()
+                    .any(|need| UNSUPPORTED.iter().any(|(u, _)| u == need));
+                match outcome {
+                    Outcome::Unsupported(why) => {
+                        assert!(
+                            lacked,
+                            "{}: unsupported without a lacking need: {why}",
+                            case.name
+                        );
+                        assert!(why.contains("nccl") || why.contains("threads"), "{why}");
+                        if n == 2 && r == 0 {
+                            unsupported.push(format!("{}: {why}", case.name));
+                        }
+                    }
+                    Outcome::Passed | Outcome::Skipped(_) => {
+                        assert!(
+                            !lacked,
+                            "{} ran although NCCL lacks one of {:?}",
+                            case.name, case.needs
+                        )
+                    }
+                    Outcome::Failed(msgs) => {
+                        panic!(
+                            "{} on {n} ranks, rank {r}, under NCCL's declarations: {msgs:?}",
+                            case.name
+                        )
+                    }
+                }
+            }
+        }
+    }
+    for line in &unsupported {
+        println!("unsupported on nccl: {line}");
+    }
+    assert!(!unsupported.is_empty());
+}
