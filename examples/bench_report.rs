@@ -27,7 +27,8 @@
 //! `chunk` (a device-to-device copy of the rank's `bytes/n`); `all_gather_last` needs a
 //! device column-block all-gather, which does not exist yet, and is reported as not run.
 //! Every NCCL call returns only once its data has moved, and each timed run sits between
-//! two barriers, so the clock stops after the work is done. `memcpy_GBps` is a
+//! two barriers, so the clock stops after the work is done; a run's time is its slowest
+//! rank's, and a line shows the median over runs. `memcpy_GBps` is a
 //! device-to-device copy (`cuMemcpyDtoD` through cudarc) of `bytes` on GPU 0, measured in
 //! the same run with the stream synchronized before the clock stops; lines say
 //! `backend=nccl`.

@@ -118,7 +118,7 @@ nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv
 
 dirs=""
 for lib in 'libnvrtc.so.1[23]*' 'libcublas.so.1[23]*' 'libcublasLt.so.1[23]*'; do
-  f=$(timeout 60 find / -xdev -name "$lib" -not -path '/proc/*' 2>/dev/null | head -n 1)
+  f=$(timeout 30 find / -xdev -name "$lib" -not -path '/proc/*' 2>/dev/null | head -n 1)
   if [ -n "$f" ]; then
     d=$(dirname "$f")
     case ":$dirs:" in *":$d:"*) ;; *) dirs="$dirs${dirs:+:}$d" ;; esac
@@ -126,7 +126,7 @@ for lib in 'libnvrtc.so.1[23]*' 'libcublas.so.1[23]*' 'libcublasLt.so.1[23]*'; d
     say "library: $lib not found on this machine"
   fi
 done
-nccl=$(timeout 60 find / -xdev -name 'libnccl.so.2*' -not -path '/proc/*' 2>/dev/null | head -n 1)
+nccl=$(timeout 30 find / -xdev -name 'libnccl.so.2*' -not -path '/proc/*' 2>/dev/null | head -n 1)
 if [ -n "$nccl" ]; then
   mkdir -p "$here/shim"
   ln -sf "$nccl" "$here/shim/libnccl.so"
@@ -137,7 +137,7 @@ else
 fi
 # cuda_ptx assembles the PTX with ptxas where there is one (a CUDA toolkit or the nvcc wheel).
 if [ -z "${PTXAS:-}" ]; then
-  p=$(command -v ptxas || timeout 60 find / -xdev -type f -name ptxas -not -path '/proc/*' 2>/dev/null | head -n 1)
+  p=$(command -v ptxas || timeout 30 find / -xdev -type f -name ptxas -not -path '/proc/*' 2>/dev/null | head -n 1)
   if [ -n "$p" ]; then export PTXAS="$p"; say "ptxas: $p"; else say "ptxas: not found (cuda_ptx skips the assembly)"; fi
 fi
 export LD_LIBRARY_PATH="$dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -214,6 +214,14 @@ step nccl 90 "$here/nccl" --include-ignored --test-threads=1 --nocapture \
 step nccl_conformance 120 "$here/nccl_conformance" --include-ignored --test-threads=1 --nocapture \
   --skip conformance_launch_without_gpu_errs_on_every_rank
 step bench_report_nccl 60 "$here/bench_report" --backend nccl --quick
+# Every op but all_gather_last (no device column-block all-gather yet) printed a line.
+step bench_report_nccl_lines 5 bash -c '
+  log="$1"; missing=""
+  for op in all_gather reduce_scatter all_reduce all_to_all chunk; do
+    grep -Eq "^op=$op ranks=2 .*backend=nccl$" "$log" || missing="$missing $op"
+  done
+  if [ -n "$missing" ]; then echo "no backend=nccl line for:$missing"; exit 1; fi
+  echo "a backend=nccl line for every measured op"' _ "$report_dir/bench_report_nccl.log"
 if [ ! -x "$here/train_gpt" ]; then
   skip_step train_gpt_cuda "$(cat "$here/not-built.txt" 2>/dev/null || echo 'not in the bundle')"
 elif "$here/train_gpt" --help 2>&1 | grep -q -- '--device'; then
