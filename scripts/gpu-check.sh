@@ -8,7 +8,8 @@
 #                                 # that ships the working tree must be told to carry it)
 #
 # The bundle:
-#   cuda_gpu, cuda_ptx        dtensor-kernels' CUDA tests (every kernel against the CPU; PTX)
+#   cuda_gpu, cuda_gpu_model, cuda_ptx
+#                             dtensor-kernels' CUDA tests (every kernel against the CPU; PTX)
 #   nccl                      the NCCL backend's tests (collectives/tests/nccl.rs)
 #   nccl_conformance          the conformance suite on NCCL (collectives/tests/nccl_conformance.rs)
 #   bench_report              release, --features nccl: run as `bench_report --backend nccl --quick`
@@ -83,7 +84,8 @@ build() {
 }
 
 echo "== gpu-check: building the bundle in $out/"
-build test test -p dtensor-kernels --features cuda --test cuda_gpu --test cuda_ptx --no-run
+build test test -p dtensor-kernels --features cuda --test cuda_gpu --test cuda_gpu_model \
+  --test cuda_ptx --no-run
 build test test -p dtensor-collectives --features nccl --test nccl --test nccl_conformance --no-run
 build example build --release --example bench_report --features nccl
 # train_gpt with the GPU features, if it builds (another change adds `--device cuda`).
@@ -206,14 +208,15 @@ skip_step() {
 # are left out by name; every other skip shows in the report.
 say "left out (no-GPU-path tests): no_driver_gives_an_error_not_a_panic, launch_without_libnccl_or_driver_errs_on_every_rank, from_host_without_libnccl_or_driver_errs_on_every_rank, conformance_launch_without_gpu_errs_on_every_rank"
 say ""
-step cuda_gpu 120 "$here/cuda_gpu" --include-ignored --test-threads=1 --nocapture
-step cuda_ptx 45 "$here/cuda_ptx" --nocapture --skip no_driver_gives_an_error_not_a_panic
-step nccl 90 "$here/nccl" --include-ignored --test-threads=1 --nocapture \
+step cuda_gpu 75 "$here/cuda_gpu" --include-ignored --test-threads=1 --nocapture
+step cuda_gpu_model 75 "$here/cuda_gpu_model" --include-ignored --test-threads=1 --nocapture
+step cuda_ptx 40 "$here/cuda_ptx" --nocapture --skip no_driver_gives_an_error_not_a_panic
+step nccl 80 "$here/nccl" --include-ignored --test-threads=1 --nocapture \
   --skip launch_without_libnccl_or_driver_errs_on_every_rank \
   --skip from_host_without_libnccl_or_driver_errs_on_every_rank
-step nccl_conformance 120 "$here/nccl_conformance" --include-ignored --test-threads=1 --nocapture \
+step nccl_conformance 110 "$here/nccl_conformance" --include-ignored --test-threads=1 --nocapture \
   --skip conformance_launch_without_gpu_errs_on_every_rank
-step bench_report_nccl 60 "$here/bench_report" --backend nccl --quick
+step bench_report_nccl 50 "$here/bench_report" --backend nccl --quick
 # Every op but all_gather_last (no device column-block all-gather yet) printed a line.
 step bench_report_nccl_lines 5 bash -c '
   log="$1"; missing=""
@@ -225,7 +228,7 @@ step bench_report_nccl_lines 5 bash -c '
 if [ ! -x "$here/train_gpt" ]; then
   skip_step train_gpt_cuda "$(cat "$here/not-built.txt" 2>/dev/null || echo 'not in the bundle')"
 elif "$here/train_gpt" --help 2>&1 | grep -q -- '--device'; then
-  step train_gpt_cuda 30 "$here/train_gpt" --device cuda --check
+  step train_gpt_cuda 25 "$here/train_gpt" --device cuda --check
 else
   skip_step train_gpt_cuda "train_gpt --help does not mention --device (no GPU path yet)"
 fi
