@@ -97,6 +97,21 @@
 //!   (a different tag, dtype or length fails both sides), not matched.
 //! - No asynchronous `start_*` overlap: the trait's stand-ins run the blocking call.
 //!
+//! # The conformance suite on NCCL
+//!
+//! The backend conformance suite (`conformance`, the cases every backend passes) runs on
+//! this backend in `tests/nccl_conformance.rs` (ignored without a GPU; on 2 and 4 thread
+//! ranks), through `conformance::staging::Staging`: a **test-harness-only** adapter that
+//! copies each case's host buffers to the device and back around the `*_device` calls.
+//! Nothing on the GPU path stages through the host: [`NcclComm`]'s own host methods keep
+//! refusing host buffers. The suite's cases that need what the list above takes away are
+//! reported `unsupported`, each with its reason (`conformance::staging::UNSUPPORTED`):
+//! rank-ordered reductions, buffered sends, tag matching, asynchronous progress, one
+//! handle shared by several threads of a rank, and column-block calls that agree on rows
+//! (there are no device column-block calls; the staged ones are the trait's defaults).
+//! What the suite cannot check (a failing rank, a timeout, the refusals, this backend's
+//! wording) is in `tests/nccl.rs`.
+//!
 //! # Failures
 //!
 //! Communicators are created non-blocking (`ncclConfig_t.blocking = 0`), so no NCCL call
