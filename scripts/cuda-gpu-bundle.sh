@@ -19,7 +19,7 @@ out=.gpu
 mkdir -p "$out"
 # .gpu/ is in .gitignore.
 
-bins=$(cargo test -p dtensor-kernels --features cuda --test cuda_gpu --test cuda_ptx --no-run \
+bins=$(cargo test -p dtensor-kernels --features cuda --test cuda_gpu --test cuda_gpu_model --test cuda_ptx --no-run \
   --message-format=json 2>/dev/null \
   | python3 -c 'import json,sys
 for l in sys.stdin:
@@ -68,6 +68,7 @@ echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv 2>/dev/null || true
 rc=0
 "$here/cuda_gpu" --include-ignored --test-threads=1 || rc=1
+"$here/cuda_gpu_model" --include-ignored --test-threads=1 || rc=1
 "$here/cuda_ptx" --nocapture || rc=1
 NCCL_SOCKET_IFNAME=lo NCCL_MULTI_RANK_GPU_ENABLE=1 DTENSOR_GPU_REQUIRED=1 \
   "$here/nccl" --include-ignored --test-threads=1 || rc=1

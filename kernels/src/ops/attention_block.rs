@@ -26,7 +26,7 @@
 //! Single-threaded; `f32`/`bf16`/`f16` compute in `f32`, `f64` in `f64`.
 
 use super::attention::{forward_sample, ExpShifted, FwdScratch, Operands, Rope, SampleGrads};
-use super::{acc_dtype, check_dst, same_dtype, AccFloat, Float};
+use super::{acc_dtype, check_dst, same_dtype, AccFloat, Float, Layout};
 use crate::{DType, Error, Result, Tensor};
 use num_traits::Float as _;
 
@@ -63,19 +63,19 @@ impl BlockAttention<'_> {
 
 /// Validated sizes of one blockwise call.
 #[derive(Clone, Copy, Debug)]
-struct Dims {
-    heads: usize,
-    d: usize,
-    batch: usize,
-    nq: usize,
-    nk: usize,
+pub(crate) struct Dims {
+    pub(crate) heads: usize,
+    pub(crate) d: usize,
+    pub(crate) batch: usize,
+    pub(crate) nq: usize,
+    pub(crate) nk: usize,
 }
 
 impl Dims {
     fn qcols(&self) -> usize {
         self.heads * 3 * self.d
     }
-    fn kvcols(&self) -> usize {
+    pub(crate) fn kvcols(&self) -> usize {
         self.heads * 2 * self.d
     }
 }
@@ -84,7 +84,12 @@ fn increasing(p: &[usize]) -> bool {
     !p.is_empty() && p.windows(2).all(|w| w[0] < w[1])
 }
 
-fn check_block(op: &'static str, qkv: &Tensor, kv: &Tensor, cfg: &BlockAttention) -> Result<Dims> {
+pub(crate) fn check_block<L: Layout + ?Sized>(
+    op: &'static str,
+    qkv: &L,
+    kv: &L,
+    cfg: &BlockAttention,
+) -> Result<Dims> {
     let bad = |detail: String| Err(Error::Invalid { op, detail });
     if qkv.rank() != 2 || kv.rank() != 2 {
         return bad(format!(

@@ -5,10 +5,10 @@
 //! groups before it (a group may be empty). Gathers copy elements exactly; scatter-adds
 //! and the products follow the module conventions (f64 in f64, others rounded once).
 
-use super::{matmul, same_dtype, Transpose};
+use super::{matmul, same_dtype, Layout, Transpose};
 use crate::{Error, Result, Tensor};
 
-fn rows_of(op: &'static str, x: &Tensor) -> Result<(usize, usize)> {
+pub(crate) fn rows_of<L: Layout + ?Sized>(op: &'static str, x: &L) -> Result<(usize, usize)> {
     match *x.shape() {
         [n, h] => Ok((n, h)),
         _ => Err(Error::Invalid {
@@ -53,10 +53,10 @@ pub fn scatter_add_rows(src: &Tensor, rows: &[usize], n: usize) -> Result<Tensor
     Tensor::from_f64_vec(out, &[n, h], src.dtype())
 }
 
-fn check_grouped(
+pub(crate) fn check_grouped<L: Layout + ?Sized>(
     op: &'static str,
-    x: &Tensor,
-    w: &Tensor,
+    x: &L,
+    w: &L,
     groups: &[usize],
 ) -> Result<(usize, usize, usize)> {
     same_dtype(op, x, w)?;
