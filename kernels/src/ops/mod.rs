@@ -28,9 +28,7 @@
 //! - Where it runs: every op runs where its tensors are (feature `cuda`): all in host memory
 //!   runs the code here, all on one GPU runs the `cuda::ops` kernel (out-parameters included,
 //!   which must be on that GPU too; embedding ids may stay on the host), operands in different
-//!   places are an [`Error::DeviceMismatch`]. The context-parallel and MoE ops
-//!   ([`attention_block()`] and its kin, [`gather_rows`], [`grouped_matmul_t`],
-//!   [`scatter_add_rows`]) have no device kernel yet and answer [`Error::NotOnCuda`].
+//!   places are an [`Error::DeviceMismatch`].
 //!
 //! ```
 //! use dtensor_kernels::ops::{self, Transpose};
