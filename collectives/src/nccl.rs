@@ -35,10 +35,18 @@
 //! # Ranks, threads and GPUs
 //!
 //! [`launch`]`(n, f)` runs `f` on `n` thread ranks; rank `r` uses GPU `r % device_count`.
-//! One `ncclUniqueId` made in the process is shared by the ranks. Several ranks on one GPU
+//! One `ncclUniqueId` made in the process is shared by the ranks. NCCL 2.18 or newer is
+//! required ([`require_library`] checks the loaded version). Several ranks on one GPU
 //! need NCCL ≥ 2.30 and `NCCL_MULTI_RANK_GPU_ENABLE=1` (older NCCL, or the variable unset,
-//! gives `ncclInvalidUsage` at init; the error says so). Set `NCCL_SOCKET_IFNAME=lo` for
-//! a single machine. Processes under MPI: [`from_host`]`(&*mpi.world(), options)` on every
+//! gives `ncclInvalidUsage` at init; the error says so). Ranks of one process on one GPU
+//! share its CUDA context, where loading a kernel may synchronize the whole context: a rank
+//! loading its first kernel of a module while a peer's NCCL kernel waits for it would hang
+//! until the timeout. So when ranks share a GPU, `launch` loads every `dtensor-kernels`
+//! kernel on it before creating the communicators (once per process; NVRTC compiles the
+//! modules, a few seconds). cuBLAS loads its kernels lazily all the same: set
+//! `CUDA_MODULE_LOADING=EAGER` if ranks sharing a GPU can make their first cuBLAS call of a
+//! shape while a peer waits in a collective. Set `NCCL_SOCKET_IFNAME=lo` for a single
+//! machine. Processes under MPI: [`from_host`]`(&*mpi.world(), options)` on every
 //! rank (rank 0's id broadcast over the MPI communicator; any host communicator works, so
 //! it needs no `mpi` feature of its own). It is written but, like the rest of this
 //! backend, not yet run on a GPU, and not under `mpirun` with NCCL at all.
@@ -66,7 +74,7 @@
 //! | `all_to_all(v)_device` | grouped `ncclSend`/`ncclRecv` (the agreement's pair hashes check that rank `p` sends rank `q` what `q` expects, as under MPI) |
 //! | `broadcast_device` | `ncclBroadcast` in place |
 //! | `barrier` | the agreement alone |
-//! | `split` | a gather of every rank's `(color, key)`, then `ncclCommSplit` |
+//! | `split` | a gather of every rank's `(color, key)`, then `ncclCommSplit` (non-blocking: the child is read once the parent's state leaves `ncclInProgress`) |
 //! | `send_device` / `recv_device` | a 4-word header (dtype, length, tag) from the sender, a 1-word answer from the receiver, then the data if they agree |
 //!
 //! The agreement costs one small all-gather (88 bytes per rank) and two tiny host↔device

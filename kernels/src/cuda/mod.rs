@@ -491,12 +491,20 @@ impl Device {
             return Ok(b);
         }
         require_cublas(OP)?;
+        // One handle per device, created under a lock: a handle created in a lost race would
+        // be dropped, and cublasDestroy synchronizes the whole device, which never returns
+        // while another rank on this GPU sits in an NCCL kernel waiting for this thread's
+        // rank. (Creation is rare: one lock for all devices is enough.)
+        static CREATE: Mutex<()> = Mutex::new(());
+        let _creating = lock(&CREATE);
+        if let Some(b) = self.inner.blas.get() {
+            return Ok(b);
+        }
         let b =
             cudarc::cublas::CudaBlas::new(self.inner.stream.clone()).map_err(|e| Error::Cuda {
                 op: OP,
                 detail: e.to_string(),
             })?;
-        // Another thread may have won the race; either handle works.
         Ok(self.inner.blas.get_or_init(|| Arc::new(b)))
     }
 
