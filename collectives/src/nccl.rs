@@ -11,7 +11,7 @@
 //! let results = nccl::launch(2, |comm| -> Result<Vec<f32>, BoxError> {
 //!     let host = Tensor::from_fn(&[4], |_| comm.rank() as f32 + 1.0);
 //!     let mut x = host.to_device(comm.device())?;
-//!     comm.all_reduce_device(x.view_mut()?, ReduceOp::Sum)?;
+//!     comm.all_reduce_device(x.device_view_mut()?, ReduceOp::Sum)?;
 //!     Ok(x.to_host()?.as_slice::<f32>()?.to_vec())
 //! });
 //! for r in results {
@@ -23,7 +23,8 @@
 //! # Buffers
 //!
 //! [`NcclComm`] implements the `*_device` methods of [`Communicator`](crate::Communicator)
-//! (device views: `CudaTensor::view`/`view_mut`, `CudaBuffer::view`/`view_mut`). Its host
+//! (device views: `Tensor::device_view`/`device_view_mut`, `CudaTensor::view`/`view_mut`,
+//! `CudaBuffer::view`/`view_mut`). Its host
 //! methods refuse with `InvalidArgument` ("nccl backend: host buffers are not staged …"):
 //! nothing on the GPU path copies through the host. The buffers must live on the rank's
 //! device ([`NcclComm::device`]); NCCL's work runs on a stream of the communicator's own

@@ -127,7 +127,9 @@ fn value(rank: usize, i: usize) -> f64 {
 
 fn to_dev<T: StorageElement>(comm: &NcclComm, data: Vec<T>) -> Result<CudaTensor, BoxError> {
     let n = data.len();
-    Ok(Tensor::from_vec(data, &[n])?.to_device(comm.device())?)
+    Ok(Tensor::from_vec(data, &[n])?
+        .to_device(comm.device())?
+        .cuda_tensor()?)
 }
 
 fn zeros_dev<T: StorageElement>(comm: &NcclComm, n: usize) -> Result<CudaTensor, BoxError> {
@@ -401,7 +403,7 @@ fn host_buffers_on_nccl_and_device_buffers_on_threads_are_refused() {
             .unwrap()
             .to_device(&dev)
             .unwrap();
-        comm.all_reduce_device(t.view_mut().unwrap(), ReduceOp::Sum)
+        comm.all_reduce_device(t.device_view_mut().unwrap(), ReduceOp::Sum)
     });
     for r in results {
         let e = r.unwrap_err();

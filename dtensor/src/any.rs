@@ -450,9 +450,9 @@ impl AnyDTensor {
         let comm = self.mesh.axis_comm(axis).clone();
         let (_, sizes, counts) = self.gather_counts(self.local.shape(), axis, dim)?;
         let total: usize = counts.iter().sum();
-        let send = dtensor_collectives::Buffer::from(self.local.to_storage());
+        let send = dtensor_collectives::Buffer::from(self.local.to_storage()?);
         let recv = dtensor_collectives::Buffer::from(
-            Tensor::for_overwrite(&[total], self.dtype()).to_storage(),
+            Tensor::for_overwrite(&[total], self.dtype()).to_storage()?,
         );
         let request = comm.start_all_gatherv(send, recv, &counts);
         Ok(PendingGather {

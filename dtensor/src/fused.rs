@@ -68,7 +68,7 @@ impl FusedAllReduce {
         let flat = Tensor::cat(&flat, 0)?;
         let request = mesh
             .axis_comm(a)
-            .start_all_reduce(Buffer::from(flat.to_storage()), ReduceOp::Sum);
+            .start_all_reduce(Buffer::from(flat.to_storage()?), ReduceOp::Sum);
         Ok(FusedAllReduce {
             tensors,
             axis: a,

@@ -45,6 +45,50 @@ impl Device {
     pub fn ordinal(&self) -> usize {
         match self.never {}
     }
+
+    /// Proof that this code is not reached: no [`Device`] exists in this build.
+    pub(crate) fn unreachable(&self) -> ! {
+        match self.never {}
+    }
+}
+
+/// A view of device memory (what the device collectives take); none can exist in this
+/// build ([`Tensor::device_view`] answers [`Error::NotOnDevice`]).
+#[derive(Debug)]
+pub struct DeviceView<'a> {
+    never: std::convert::Infallible,
+    _life: std::marker::PhantomData<&'a ()>,
+}
+
+impl DeviceView<'_> {
+    /// The number of elements in the real module; here it cannot be called.
+    pub fn len(&self) -> usize {
+        match self.never {}
+    }
+
+    /// Whether the view is empty in the real module; here it cannot be called.
+    pub fn is_empty(&self) -> bool {
+        match self.never {}
+    }
+}
+
+/// A mutable view of device memory; none can exist in this build.
+#[derive(Debug)]
+pub struct DeviceViewMut<'a> {
+    never: std::convert::Infallible,
+    _life: std::marker::PhantomData<&'a ()>,
+}
+
+impl DeviceViewMut<'_> {
+    /// The number of elements in the real module; here it cannot be called.
+    pub fn len(&self) -> usize {
+        match self.never {}
+    }
+
+    /// Whether the view is empty in the real module; here it cannot be called.
+    pub fn is_empty(&self) -> bool {
+        match self.never {}
+    }
 }
 
 /// A device tensor; none can exist in this build.
@@ -65,11 +109,9 @@ impl CudaTensor {
     pub fn shape(&self) -> &[usize] {
         match self.never {}
     }
-}
 
-impl Tensor {
-    /// Always [`Error::CudaNotCompiled`] (no `Device` can exist in this build).
-    pub fn to_device(&self, dev: &Device) -> Result<CudaTensor> {
-        match dev.never {}
+    /// Proof that this code is not reached: no [`CudaTensor`] exists in this build.
+    pub(crate) fn unreachable(&self) -> ! {
+        match self.never {}
     }
 }

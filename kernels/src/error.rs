@@ -112,6 +112,34 @@ pub enum Error {
         /// `op` in the message).
         detail: String,
     },
+    /// Tensors an op would combine are in different places: host memory and a GPU, or two
+    /// GPUs. Nothing moves implicitly; copy one with `Tensor::to_device` / `to_host`.
+    #[error("{op}: tensors on different devices: {lhs} vs {rhs}")]
+    DeviceMismatch {
+        /// The op that refused, e.g. `"Tensor::add"`.
+        op: &'static str,
+        /// Where the first operand is: `"host"` or `"cuda:N"`.
+        lhs: String,
+        /// Where the operand that differs is.
+        rhs: String,
+    },
+    /// A host-only access (a host slice, a host storage, a host closure) to a tensor whose
+    /// elements are in device memory.
+    #[error(
+        "{op}: the tensor is on {device}, not in host memory (copy it with Tensor::to_host first)"
+    )]
+    NotOnHost {
+        /// The accessor that refused, e.g. `"Tensor::as_slice"`.
+        op: &'static str,
+        /// Where the tensor is: `"cuda:N"`.
+        device: String,
+    },
+    /// A device-only access (a device view, a `CudaTensor`) to a tensor in host memory.
+    #[error("{op}: the tensor is in host memory, not on a CUDA device (copy it with Tensor::to_device first)")]
+    NotOnDevice {
+        /// The accessor that refused, e.g. `"Tensor::device_view"`.
+        op: &'static str,
+    },
     /// A CUDA entry point was called in a build without the `cuda` feature.
     #[error(
         "{op}: not compiled with the `cuda` feature (build dtensor-kernels with `--features cuda`)"

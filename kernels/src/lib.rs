@@ -19,6 +19,8 @@
 
 #![warn(missing_docs)]
 
+#[macro_use]
+mod dispatch;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 /// Stand-ins for the `cuda` module in a build without the feature: the same entry points,

@@ -2,7 +2,7 @@
 
 use crate::dtype::{DType, Element, Slice, SliceMut};
 use crate::error::{Error, Result};
-use crate::{with_slice, Shape};
+use crate::{cuda, with_slice, Shape};
 use half::{bf16, f16};
 use smallvec::SmallVec;
 use std::sync::Arc;
@@ -56,12 +56,16 @@ impl Drop for CpuBuffer {
     }
 }
 
-/// Where a tensor's elements live. Only `Cpu` exists today; a `Cuda` variant (device
-/// buffers through cudarc) joins it with the `cuda` feature.
+/// Where a tensor's elements live: host memory, or (feature `cuda`) one GPU's memory.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub enum Storage {
     /// Host memory, shared by reference count among the tensors that view it.
     Cpu(Arc<CpuBuffer>),
+    /// Device memory of one GPU, shared by reference count like `Cpu`; a device tensor
+    /// starts at element 0 of its buffer.
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::CudaStorage),
 }
 
 /// Maps an element type to its `CpuStorage` variant and back.
@@ -201,6 +205,16 @@ impl CpuStorage {
 /// Storage is shared: `clone` and a [`narrow`](Tensor::narrow) of the leading dim are
 /// views that copy nothing; writing through a shared view first copies its elements
 /// (copy on write), so values never change behind another tensor's back.
+///
+/// The storage is in host memory or (feature `cuda`) on one GPU ([`Tensor::device`]). The
+/// ops run where their operands are: a device tensor's ops launch CUDA kernels on its
+/// device, operands in different places are an [`Error::DeviceMismatch`], and an op without
+/// a kernel answers [`Error::NotOnCuda`]. A device tensor's offset is always 0 (a `narrow`
+/// of it copies), so it converts to and from a [`CudaTensor`](crate::cuda::CudaTensor)
+/// without a copy. Accessors that hand out host memory ([`Tensor::as_slice`],
+/// [`Tensor::try_as_dyn_slice`], [`Tensor::to_storage`], …) return [`Error::NotOnHost`]
+/// for a device tensor rather than copying behind the caller's back; [`Tensor::to_host`]
+/// copies.
 #[derive(Clone, Debug)]
 pub struct Tensor {
     shape: Shape,
@@ -209,13 +223,28 @@ pub struct Tensor {
 }
 
 impl PartialEq for Tensor {
-    /// Same shape, dtype and elements (wherever they are stored).
+    /// Same shape, dtype and elements (wherever they are stored: device tensors are copied
+    /// to the host to compare, which is for tests and metrics, not for a hot loop).
+    ///
+    /// # Panics
+    /// If copying a device tensor to the host fails (a CUDA error).
     fn eq(&self, other: &Tensor) -> bool {
         self.shape == other.shape && self.dtype() == other.dtype() && {
-            let (a, b) = (self.as_dyn_slice(), other.as_dyn_slice());
+            let (a, b) = (host_copy(self), host_copy(other));
+            let (a, b) = (a.as_dyn_slice(), b.as_dyn_slice());
             with_slice!(Slice, a, |x: T| b.typed::<T>() == Some(x))
         }
     }
+}
+
+/// `t` itself on the host (a cheap clone), or its elements copied from the device.
+///
+/// # Panics
+/// If the copy fails (a CUDA error); for [`PartialEq`] and [`Tensor::to_f64_vec`], which
+/// have no `Result`.
+fn host_copy(t: &Tensor) -> Tensor {
+    t.to_host()
+        .unwrap_or_else(|e| panic!("copying a device tensor to the host failed: {e}"))
 }
 
 /// Product of the extents (1 for a scalar).
@@ -444,7 +473,11 @@ impl Tensor {
     }
     /// The element type.
     pub fn dtype(&self) -> DType {
-        self.buffer().data.dtype()
+        match &self.storage {
+            Storage::Cpu(b) => b.data.dtype(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => s.buffer().dtype(),
+        }
     }
     /// The bytes this tensor's elements occupy, `numel · dtype size`; a view of a larger
     /// shared buffer counts only its own elements.
@@ -456,26 +489,36 @@ impl Tensor {
     pub fn storage(&self) -> &Storage {
         &self.storage
     }
-    fn buffer(&self) -> &CpuBuffer {
-        let Storage::Cpu(b) = &self.storage;
-        b
+    /// The host buffer, or [`Error::NotOnHost`] naming `op` for a device tensor.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn host_buffer(&self, op: &'static str) -> Result<&CpuBuffer> {
+        match &self.storage {
+            Storage::Cpu(b) => Ok(b),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => Err(not_on_host(op, s.device())),
+        }
     }
     /// Whether both tensors view the same buffer (no copy was made between them).
     pub fn shares_storage_with(&self, other: &Tensor) -> bool {
-        let (Storage::Cpu(a), Storage::Cpu(b)) = (&self.storage, &other.storage);
-        Arc::ptr_eq(a, b)
+        match (&self.storage, &other.storage) {
+            (Storage::Cpu(a), Storage::Cpu(b)) => Arc::ptr_eq(a, b),
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(a), Storage::Cuda(b)) => a.same_buffer(b),
+            #[cfg(feature = "cuda")]
+            _ => false,
+        }
     }
 
     /// The whole buffer behind this tensor, as a 1-D tensor, and where this tensor's
     /// elements start in it, if no other tensor shares the buffer (else `self` back).
     /// In-place collectives use it: a shard that is a view into a full-size buffer is
-    /// already where an all-gather wants it.
+    /// already where an all-gather wants it. Host buffers only: a device tensor comes back
+    /// as it is (it is its whole buffer already).
     pub fn try_into_buffer(self) -> std::result::Result<(Tensor, usize), Tensor> {
-        let Storage::Cpu(b) = &self.storage;
-        if Arc::strong_count(b) != 1 {
-            return Err(self);
-        }
-        let len = b.data.len();
+        let len = match &self.storage {
+            Storage::Cpu(b) if Arc::strong_count(b) == 1 => b.data.len(),
+            _ => return Err(self),
+        };
         let offset = self.offset;
         Ok((
             Tensor {
@@ -487,17 +530,18 @@ impl Tensor {
         ))
     }
 
-    /// The elements, copied into an owned storage (what an asynchronous collective
-    /// takes: it must own its buffer while the caller goes on).
-    pub fn to_storage(&self) -> CpuStorage {
-        match self.as_dyn_slice() {
+    /// The elements, copied into an owned host storage (what an asynchronous collective
+    /// takes: it must own its buffer while the caller goes on). [`Error::NotOnHost`] for a
+    /// device tensor.
+    pub fn to_storage(&self) -> Result<CpuStorage> {
+        Ok(match self.try_dyn_slice("Tensor::to_storage")? {
             Slice::F32(s) => CpuStorage::F32(s.to_vec()),
             Slice::F64(s) => CpuStorage::F64(s.to_vec()),
             Slice::BF16(s) => CpuStorage::BF16(s.to_vec()),
             Slice::F16(s) => CpuStorage::F16(s.to_vec()),
             Slice::I32(s) => CpuStorage::I32(s.to_vec()),
             Slice::I64(s) => CpuStorage::I64(s.to_vec()),
-        }
+        })
     }
 
     /// A tensor of `shape` over `data` (no copy); `Err` unless the element counts agree.
@@ -512,8 +556,27 @@ impl Tensor {
         Ok(Tensor::from_storage(shape, data))
     }
 
-    /// A copy that owns its elements (no storage shared with `self`).
+    /// A copy that owns its elements (no storage shared with `self`), on the same device.
+    ///
+    /// # Panics
+    /// For a device tensor, if the device copy fails (a CUDA error: out of memory, a lost
+    /// device); [`Tensor::try_deep_clone`] returns `Err` instead.
     pub fn deep_clone(&self) -> Tensor {
+        or_panic(self.try_deep_clone())
+    }
+
+    /// [`Tensor::deep_clone`], or `Err` if a device copy fails. Never panics.
+    pub fn try_deep_clone(&self) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Storage::Cuda(_) = &self.storage {
+            let mut c = self.cuda_tensor()?;
+            c.make_unique()?;
+            return Ok(Tensor::from(c));
+        }
+        Ok(self.host_deep_clone())
+    }
+
+    fn host_deep_clone(&self) -> Tensor {
         let mut out = Tensor::for_overwrite(&self.shape, self.dtype());
         let src = self.as_dyn_slice();
         with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| d
@@ -523,26 +586,54 @@ impl Tensor {
 
     /// Makes the storage exclusively this tensor's (copying the visible elements if it is
     /// shared), so it can be written.
+    ///
+    /// # Panics
+    /// On a device tensor (callers check the storage first).
     fn make_unique(&mut self) {
-        let Storage::Cpu(b) = &mut self.storage;
-        if Arc::get_mut(b).is_none() {
-            *self = self.deep_clone();
+        let shared = match &mut self.storage {
+            Storage::Cpu(b) => Arc::get_mut(b).is_none(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => panic!("Tensor::make_unique: a host tensor was expected"),
+        };
+        if shared {
+            *self = self.host_deep_clone();
         }
     }
 
-    /// The elements as `&[T]`; `Err` if the dtype is not `T`.
+    /// The host buffer, made exclusively this tensor's (copied if shared), with the range
+    /// of this tensor's elements in it (read after the copy, which moves them to offset 0),
+    /// or [`Error::NotOnHost`] naming `op` for a device tensor.
+    fn host_buffer_mut(
+        &mut self,
+        op: &'static str,
+    ) -> Result<(&mut CpuBuffer, std::ops::Range<usize>)> {
+        self.host_buffer(op)?;
+        self.make_unique();
+        let range = self.offset..self.offset + self.numel();
+        match &mut self.storage {
+            Storage::Cpu(b) => Ok((Arc::get_mut(b).expect("made unique above"), range)),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => unreachable!("checked above to be host storage"),
+        }
+    }
+
+    /// The elements as `&[T]`; `Err` if the dtype is not `T`, or [`Error::NotOnHost`] if
+    /// the tensor is on a device (copy it with [`Tensor::to_host`] first).
     pub fn as_slice<T: StorageElement>(&self) -> Result<&[T]> {
-        let all = T::view(&self.buffer().data).ok_or(Error::DTypeMismatch {
-            op: "Tensor::as_slice",
-            lhs: self.dtype(),
-            rhs: T::DTYPE,
-        })?;
+        let all =
+            T::view(&self.host_buffer("Tensor::as_slice")?.data).ok_or(Error::DTypeMismatch {
+                op: "Tensor::as_slice",
+                lhs: self.dtype(),
+                rhs: T::DTYPE,
+            })?;
         Ok(&all[self.offset..self.offset + self.numel()])
     }
 
-    /// The elements as `&mut [T]`; `Err` if the dtype is not `T`. Copies first if the
-    /// storage is shared with another tensor.
+    /// The elements as `&mut [T]`; `Err` if the dtype is not `T`, or [`Error::NotOnHost`]
+    /// if the tensor is on a device. Copies first if the storage is shared with another
+    /// tensor.
     pub fn as_mut_slice<T: StorageElement>(&mut self) -> Result<&mut [T]> {
+        self.host_buffer("Tensor::as_mut_slice")?;
         let dtype = self.dtype();
         if dtype != T::DTYPE {
             return Err(Error::DTypeMismatch {
@@ -551,17 +642,19 @@ impl Tensor {
                 rhs: T::DTYPE,
             });
         }
-        self.make_unique();
-        let (offset, n) = (self.offset, self.numel());
-        let Storage::Cpu(b) = &mut self.storage;
-        let buf = Arc::get_mut(b).expect("made unique above");
+        let (buf, range) = self.host_buffer_mut("Tensor::as_mut_slice")?;
         let v = T::view_mut(&mut buf.data).expect("dtype checked above");
-        Ok(&mut v[offset..offset + n])
+        Ok(&mut v[range])
     }
 
-    /// The elements, converted to `f64` (for tests and reports).
+    /// The elements, converted to `f64` (for tests and reports). A device tensor is copied
+    /// to the host first.
+    ///
+    /// # Panics
+    /// If copying a device tensor to the host fails (a CUDA error).
     pub fn to_f64_vec(&self) -> Vec<f64> {
-        with_slice!(Slice, self.as_dyn_slice(), |s: T| s
+        let host = host_copy(self);
+        with_slice!(Slice, host.as_dyn_slice(), |s: T| s
             .iter()
             .map(|x| x.to_f64())
             .collect())
@@ -578,8 +671,23 @@ impl Tensor {
         })
     }
 
-    /// A copy with every element converted to `dtype` (through `f64`).
+    /// A copy with every element converted to `dtype` (through `f64`), on the same device.
+    ///
+    /// # Panics
+    /// For a device tensor, if the kernel fails (a CUDA error); [`Tensor::try_to_dtype`]
+    /// returns `Err` instead.
     pub fn to_dtype(&self, dtype: DType) -> Tensor {
+        or_panic(self.try_to_dtype(dtype))
+    }
+
+    /// [`Tensor::to_dtype`], or `Err` if a device kernel fails. Never panics.
+    pub fn try_to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        let x = self;
+        dispatch!("Tensor::to_dtype", [x] => cuda::ops::to_dtype(&x, dtype));
+        Ok(self.host_to_dtype(dtype))
+    }
+
+    fn host_to_dtype(&self, dtype: DType) -> Tensor {
         let vals = self.to_f64_vec();
         let mut out = Tensor::for_overwrite(&self.shape, dtype);
         with_slice!(SliceMut, out.as_dyn_slice_mut(), |s: T| {
@@ -590,23 +698,53 @@ impl Tensor {
         out
     }
 
-    /// The elements as a dtype-erased slice (what a `Communicator` takes).
+    /// The elements as a dtype-erased host slice (what a host `Communicator` takes).
+    ///
+    /// # Panics
+    /// Only on a device tensor (its elements are not in host memory); code that may hold
+    /// one calls [`Tensor::try_as_dyn_slice`].
     pub fn as_dyn_slice(&self) -> Slice<'_> {
-        let (o, n) = (self.offset, self.numel());
-        with_slice!(Slice, self.buffer().data.slice(), |s: T| {
-            <T as Element>::slice(&s[o..o + n])
-        })
+        self.try_dyn_slice("Tensor::as_dyn_slice")
+            .unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// The elements as a mutable dtype-erased slice. Copies first if the storage is shared.
-    pub fn as_dyn_slice_mut(&mut self) -> SliceMut<'_> {
-        self.make_unique();
+    /// The elements as a dtype-erased host slice, or [`Error::NotOnHost`] for a device
+    /// tensor ([`Tensor::device_view`] is its device twin).
+    pub fn try_as_dyn_slice(&self) -> Result<Slice<'_>> {
+        self.try_dyn_slice("Tensor::try_as_dyn_slice")
+    }
+
+    fn try_dyn_slice(&self, op: &'static str) -> Result<Slice<'_>> {
         let (o, n) = (self.offset, self.numel());
-        let Storage::Cpu(b) = &mut self.storage;
-        let buf = Arc::get_mut(b).expect("made unique above");
-        with_slice!(SliceMut, buf.data.slice_mut(), |s: T| {
-            <T as Element>::slice_mut(&mut s[o..o + n])
-        })
+        let all = self.host_buffer(op)?.data.slice();
+        Ok(with_slice!(Slice, all, |s: T| <T as Element>::slice(
+            &s[o..o + n]
+        )))
+    }
+
+    /// The elements as a mutable dtype-erased host slice. Copies first if the storage is
+    /// shared.
+    ///
+    /// # Panics
+    /// Only on a device tensor; code that may hold one calls
+    /// [`Tensor::try_as_dyn_slice_mut`].
+    pub fn as_dyn_slice_mut(&mut self) -> SliceMut<'_> {
+        self.try_dyn_slice_mut("Tensor::as_dyn_slice_mut")
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// The elements as a mutable dtype-erased host slice (copied first if the storage is
+    /// shared), or [`Error::NotOnHost`] for a device tensor ([`Tensor::device_view_mut`] is
+    /// its device twin).
+    pub fn try_as_dyn_slice_mut(&mut self) -> Result<SliceMut<'_>> {
+        self.try_dyn_slice_mut("Tensor::try_as_dyn_slice_mut")
+    }
+
+    fn try_dyn_slice_mut(&mut self, op: &'static str) -> Result<SliceMut<'_>> {
+        let (buf, range) = self.host_buffer_mut(op)?;
+        Ok(with_slice!(SliceMut, buf.data.slice_mut(), |s: T| {
+            <T as Element>::slice_mut(&mut s[range])
+        }))
     }
 
     /// The same elements under another shape with the same element count.
@@ -659,6 +797,9 @@ impl Tensor {
                 ),
             });
         }
+        let x = self;
+        // A device tensor starts at its buffer's start, so every narrow of it copies.
+        dispatch!("Tensor::narrow", [x] => cuda::ops::narrow(&x, dim, start, len));
         let (outer, extent, inner) = self.split_at_dim(dim);
         let mut shape = self.shape.clone();
         shape[dim] = len;
@@ -713,12 +854,18 @@ impl Tensor {
         self.split(dim, &sizes)
     }
 
-    /// Concatenates tensors along `dim`. All must share dtype and every other extent.
+    /// Concatenates tensors along `dim`. All must share dtype, every other extent and the
+    /// place (host, or one GPU).
     pub fn cat(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
+        const OP: &str = "Tensor::cat";
         let first = tensors.first().ok_or(Error::Invalid {
             op: "Tensor::cat",
             detail: "no tensors to concatenate".into(),
         })?;
+        let refs: SmallVec<[&Tensor; 8]> = tensors.iter().collect();
+        if crate::dispatch::on_cuda(OP, &refs)? {
+            return Self::cat_cuda(tensors, dim);
+        }
         first.check_dim("Tensor::cat", dim)?;
         for t in tensors {
             if t.dtype() != first.dtype() {
@@ -764,11 +911,28 @@ impl Tensor {
         Ok(out)
     }
 
+    #[cfg(feature = "cuda")]
+    fn cat_cuda(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
+        let cs = tensors
+            .iter()
+            .map(Tensor::cuda_tensor)
+            .collect::<Result<Vec<_>>>()?;
+        let refs: Vec<&cuda::CudaTensor> = cs.iter().collect();
+        cuda::ops::cat(&refs, dim).map(Tensor::from)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn cat_cuda(tensors: &[Tensor], _dim: usize) -> Result<Tensor> {
+        unreachable!("{} host tensors reported as device tensors", tensors.len())
+    }
+
     /// Packs the pieces of `dim` (extents `sizes`) one after another into a flat buffer of the
     /// same element count, piece 0 first: the send layout of an all-to-all or
     /// reduce-scatter along `dim`. One pass over memory.
     pub fn pack(&self, dim: usize, sizes: &[usize]) -> Result<Tensor> {
         self.check_pieces("Tensor::pack", dim, sizes)?;
+        let x = self;
+        dispatch!("Tensor::pack", [x] => cuda::ops::pack(&x, dim, sizes));
         let (outer, extent, inner) = self.split_at_dim(dim);
         let mut out = Tensor::for_overwrite(&[self.numel()], self.dtype());
         let src = self.as_dyn_slice();
@@ -797,6 +961,7 @@ impl Tensor {
                 ),
             });
         }
+        dispatch!("Tensor::unpack", [flat] => cuda::ops::unpack(&flat, shape, dim, sizes));
         let inner: usize = numel(&shape[dim + 1..]);
         let outer: usize = numel(&shape[..dim]);
         let extent = shape[dim];
@@ -835,16 +1000,27 @@ impl Tensor {
 
     /// Elementwise `self + other`.
     pub fn add(&self, other: &Tensor) -> Result<Tensor> {
+        self.check_same("Tensor::add", other)?;
+        let a = self;
+        dispatch!("Tensor::add", [a, other] => cuda::ops::add(&a, &other));
         let mut out = self.clone();
         out.add_assign(other)?;
         Ok(out)
     }
 
-    /// Elementwise `self += other`.
+    /// Elementwise `self += other`. On a device the sum is a new buffer that replaces this
+    /// tensor's (other tensors sharing the old one keep their values, as with copy on
+    /// write).
     pub fn add_assign(&mut self, other: &Tensor) -> Result<()> {
         self.check_same("Tensor::add", other)?;
+        let dst = self;
+        dispatch!("Tensor::add", mut dst, [other] => {
+            let sum = cuda::ops::add(dst, &other)?;
+            *dst = sum;
+            Ok(())
+        });
         let src = other.as_dyn_slice();
-        with_slice!(SliceMut, self.as_dyn_slice_mut(), |d: T| {
+        with_slice!(SliceMut, dst.as_dyn_slice_mut(), |d: T| {
             let s: &[T] = typed_as(src);
             for (a, &b) in d.iter_mut().zip(s) {
                 *a = a.add(b);
@@ -854,7 +1030,18 @@ impl Tensor {
     }
 
     /// Every element multiplied by `factor` (rounded once into the dtype).
+    ///
+    /// # Panics
+    /// For a device tensor, if the kernel fails (a CUDA error); [`Tensor::try_scale`]
+    /// returns `Err` instead.
     pub fn scale(&self, factor: f64) -> Tensor {
+        or_panic(self.try_scale(factor))
+    }
+
+    /// [`Tensor::scale`], or `Err` if a device kernel fails. Never panics.
+    pub fn try_scale(&self, factor: f64) -> Result<Tensor> {
+        let x = self;
+        dispatch!("Tensor::scale", [x] => cuda::ops::scale(&x, factor));
         let mut out = self.clone();
         with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
             let f = <T as Element>::from_f64(factor);
@@ -862,23 +1049,36 @@ impl Tensor {
                 *a = a.mul(f);
             }
         });
-        out
+        Ok(out)
     }
 
     /// Every element mapped through `f` (evaluated in `f64`, rounded once into the dtype).
+    ///
+    /// # Panics
+    /// On a device tensor (a host closure cannot run there); [`Tensor::try_map`] returns
+    /// [`Error::NotOnCuda`] instead.
     pub fn map(&self, f: impl Fn(f64) -> f64) -> Tensor {
+        or_panic(self.try_map(f))
+    }
+
+    /// [`Tensor::map`], or [`Error::NotOnCuda`] for a device tensor. Never panics (unless
+    /// `f` does).
+    pub fn try_map(&self, f: impl Fn(f64) -> f64) -> Result<Tensor> {
+        crate::dispatch::host_only("Tensor::map", &[self])?;
         let mut out = self.clone();
         with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
             for a in d.iter_mut() {
                 *a = <T as Element>::from_f64(f(a.to_f64()));
             }
         });
-        out
+        Ok(out)
     }
 
     /// Elementwise `self * other`.
     pub fn mul(&self, other: &Tensor) -> Result<Tensor> {
         self.check_same("Tensor::mul", other)?;
+        let a = self;
+        dispatch!("Tensor::mul", [a, other] => cuda::ops::mul(&a, &other));
         let mut out = self.clone();
         let src = other.as_dyn_slice();
         with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
@@ -906,11 +1106,13 @@ impl Tensor {
                 rhs: src.shape.clone(),
             });
         }
-        let (outer, extent, inner) = self.split_at_dim(dim);
+        let dst = self;
+        dispatch!("Tensor::write_at", mut dst, [src] => cuda::ops::write_at(dst, dim, start, &src));
+        let (outer, extent, inner) = dst.split_at_dim(dim);
         let len = src.shape[dim];
         copy_blocks(
             src.as_dyn_slice(),
-            self.as_dyn_slice_mut(),
+            dst.as_dyn_slice_mut(),
             outer,
             len * inner,
             len * inner,
@@ -919,6 +1121,188 @@ impl Tensor {
             start * inner,
         );
         Ok(())
+    }
+}
+
+/// Placement: which memory holds the elements, and moving them between host and device.
+///
+/// | call | host tensor | device tensor |
+/// |---|---|---|
+/// | [`device`](Tensor::device) / [`is_cuda`](Tensor::is_cuda) | `None` / false | `Some(dev)` / true |
+/// | [`to_device`](Tensor::to_device)`(dev)` | copy to `dev` | same device: a clone (no copy); another: a copy |
+/// | [`to_host`](Tensor::to_host) | a clone (no copy) | copy to the host (waits for queued work) |
+/// | [`zeros_on`](Tensor::zeros_on)`(place, ..)`, [`zeros_like`](Tensor::zeros_like) | host zeros | zeros on the device |
+/// | [`device_view`](Tensor::device_view) / [`device_view_mut`](Tensor::device_view_mut) | [`Error::NotOnDevice`] | views for the device collectives |
+/// | [`cuda_tensor`](Tensor::cuda_tensor) / [`try_into_cuda`](Tensor::try_into_cuda) | `Err` / `Err(self)` | the `CudaTensor`, O(1) |
+/// | `as_slice`, `as_mut_slice`, `try_as_dyn_slice(_mut)`, `to_storage` | the elements | [`Error::NotOnHost`] |
+///
+/// Without the `cuda` feature no [`cuda::Device`] can exist, so every tensor is on the host.
+impl Tensor {
+    /// The GPU holding the elements; `None` for host memory (always, without `cuda`).
+    pub fn device(&self) -> Option<&cuda::Device> {
+        match &self.storage {
+            Storage::Cpu(_) => None,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => Some(s.device()),
+        }
+    }
+
+    /// Whether the elements are in device memory.
+    pub fn is_cuda(&self) -> bool {
+        self.device().is_some()
+    }
+
+    /// Where the elements are, as errors name it: `"host"` or `"cuda:N"`.
+    pub(crate) fn place(&self) -> String {
+        match self.device() {
+            None => "host".into(),
+            Some(d) => format!("cuda:{}", d.ordinal()),
+        }
+    }
+
+    /// The tensor in `dev`'s memory: a copy of a host tensor (queued on `dev`'s stream), the
+    /// tensor itself (a clone, no copy) if it is on `dev` already, or a copy through the
+    /// host if it is on another GPU. `Err` (never a panic) if a CUDA call fails.
+    pub fn to_device(&self, dev: &cuda::Device) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        {
+            match self.device() {
+                None => Ok(Tensor::from(cuda::CudaTensor::from_host(dev, self)?)),
+                Some(d) if d == dev => Ok(self.clone()),
+                Some(_) => self.to_host()?.to_device(dev),
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        dev.unreachable()
+    }
+
+    /// The tensor in host memory: itself (a clone, no copy) if it is there, else its
+    /// elements copied from the device (waiting for the work queued before).
+    pub fn to_host(&self) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.is_cuda() {
+            return self.cuda_tensor()?.to_host();
+        }
+        Ok(self.clone())
+    }
+
+    /// A tensor of zeros on `dev` (`Some`: that GPU's memory; `None`: host memory, as
+    /// [`Tensor::try_zeros`]). `Err` if the shape has more elements than memory can hold or
+    /// the device allocation fails; never a panic.
+    pub fn zeros_on(dev: Option<&cuda::Device>, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        const OP: &str = "Tensor::zeros_on";
+        let Some(dev) = dev else {
+            return Self::zeros_checked(OP, shape, dtype);
+        };
+        checked_len(OP, shape, dtype)?;
+        #[cfg(feature = "cuda")]
+        {
+            cuda::CudaTensor::zeros(dev, shape, dtype).map(Tensor::from)
+        }
+        #[cfg(not(feature = "cuda"))]
+        dev.unreachable()
+    }
+
+    /// Zeros of this tensor's shape and dtype, where this tensor is.
+    pub fn zeros_like(&self) -> Result<Tensor> {
+        Tensor::zeros_on(self.device(), &self.shape, self.dtype())
+    }
+
+    /// A view of the elements in device memory (what the `*_device` collectives take);
+    /// [`Error::NotOnDevice`] for a host tensor.
+    pub fn device_view(&self) -> Result<cuda::DeviceView<'_>> {
+        const OP: &str = "Tensor::device_view";
+        match &self.storage {
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => s.buffer().view(0..self.numel()),
+            _ => Err(Error::NotOnDevice { op: OP }),
+        }
+    }
+
+    /// A mutable view of the elements in device memory, for a collective to write in place;
+    /// the buffer is copied first (on the device) if another tensor shares it, so the write
+    /// does not show through that tensor. [`Error::NotOnDevice`] for a host tensor.
+    pub fn device_view_mut(&mut self) -> Result<cuda::DeviceViewMut<'_>> {
+        const OP: &str = "Tensor::device_view_mut";
+        match &mut self.storage {
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => {
+                let n = numel(&self.shape);
+                s.buffer_mut()?.view_mut(0..n)
+            }
+            _ => Err(Error::NotOnDevice { op: OP }),
+        }
+    }
+
+    /// The [`CudaTensor`](cuda::CudaTensor) of a device tensor, sharing its buffer (O(1), no
+    /// copy; writes through either copy the buffer first). [`Error::NotOnDevice`] for a host
+    /// tensor.
+    pub fn cuda_tensor(&self) -> Result<cuda::CudaTensor> {
+        const OP: &str = "Tensor::cuda_tensor";
+        match &self.storage {
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => {
+                debug_assert_eq!(
+                    self.offset, 0,
+                    "a device tensor starts at its buffer's start"
+                );
+                Ok(cuda::CudaTensor::from_parts(self.shape.clone(), s.clone()))
+            }
+            _ => Err(Error::NotOnDevice { op: OP }),
+        }
+    }
+
+    /// The [`CudaTensor`](cuda::CudaTensor) a device tensor is (O(1)); a host tensor comes
+    /// back as `Err(self)`.
+    pub fn try_into_cuda(self) -> std::result::Result<cuda::CudaTensor, Tensor> {
+        match self.storage {
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => Ok(cuda::CudaTensor::from_parts(self.shape, s)),
+            _ => Err(self),
+        }
+    }
+
+    /// A host tensor of no elements that allocates nothing: what an out-parameter holds
+    /// while its device tensor is moved out (see `dispatch::with_cuda_mut`).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn placeholder() -> Tensor {
+        static EMPTY: std::sync::OnceLock<Arc<CpuBuffer>> = std::sync::OnceLock::new();
+        let buf = EMPTY.get_or_init(|| {
+            Arc::new(CpuBuffer {
+                data: CpuStorage::F32(Vec::new()),
+            })
+        });
+        Tensor {
+            shape: smallvec::smallvec![0],
+            storage: Storage::Cpu(buf.clone()),
+            offset: 0,
+        }
+    }
+}
+
+/// A device [`Tensor`] over the same buffer (O(1), no copy).
+impl From<cuda::CudaTensor> for Tensor {
+    fn from(c: cuda::CudaTensor) -> Tensor {
+        #[cfg(feature = "cuda")]
+        {
+            let (shape, storage) = c.into_parts();
+            Tensor {
+                shape,
+                storage: Storage::Cuda(storage),
+                offset: 0,
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        c.unreachable()
+    }
+}
+
+/// [`Error::NotOnHost`] for `op` on a tensor on `dev`.
+#[cfg(feature = "cuda")]
+fn not_on_host(op: &'static str, dev: &cuda::Device) -> Error {
+    Error::NotOnHost {
+        op,
+        device: format!("cuda:{}", dev.ordinal()),
     }
 }
 

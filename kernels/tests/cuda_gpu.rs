@@ -67,7 +67,7 @@ fn rand(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
 }
 
 fn up(t: &Tensor, dev: &Device) -> CudaTensor {
-    t.to_device(dev).unwrap()
+    t.to_device(dev).unwrap().cuda_tensor().unwrap()
 }
 
 fn down(t: &CudaTensor) -> Tensor {
@@ -709,4 +709,407 @@ fn gpu_pool_reuses_freed_memory() {
         0,
         "trim gives every cached block back"
     );
+}
+
+// ---- one Tensor type: the dispatched ops on device tensors ----------------------------
+
+/// How a dispatched op's device result must agree with the host result.
+#[derive(Clone, Copy, Debug)]
+enum Agree {
+    /// Same bits (data movement: the device copies what the host copies).
+    Bitwise,
+    /// Within [`tol`] times this factor (arithmetic: CUDA's order and `exp`).
+    Close(f64),
+}
+
+/// An op on plain `Tensor`s: the same call runs on the host inputs and on their device
+/// copies; `dispatch!` picks the kernels.
+type TensorOp = fn(&[Tensor]) -> dtensor_kernels::Result<Tensor>;
+
+/// The inputs every case draws from: `[a, b, row, rhs, qkv, ids]` with `a`, `b` `[6, 40]`,
+/// `row` `[40]`, `rhs` `[40, 24]`, `qkv` `[8, 24]` (2 samples × 4 tokens, 2 heads of 4),
+/// `ids` i64 `[5]` in `0..6` (row ids of `a` as an embedding table).
+fn dispatch_inputs(dt: DType, seed: u64) -> Vec<Tensor> {
+    let ids = Tensor::from_vec(vec![3i64, 0, 5, 3, 1], &[5]).unwrap();
+    vec![
+        rand(&[6, 40], dt, seed),
+        rand(&[6, 40], dt, seed + 1),
+        rand(&[40], dt, seed + 2),
+        rand(&[40, 24], dt, seed + 3),
+        rand(&[8, 24], dt, seed + 4),
+        ids,
+    ]
+}
+
+const ATTN: CausalAttention = CausalAttention {
+    seq_len: 4,
+    head_dim: 4,
+    rope_base: 10000.0,
+    pos_offset: 0,
+};
+
+/// The table of dispatched ops: name, agreement, the call.
+fn dispatch_cases() -> Vec<(&'static str, Agree, TensorOp)> {
+    use dtensor_kernels::ops::Transpose::No;
+    use Agree::{Bitwise, Close};
+    vec![
+        ("clone", Bitwise, |t| Ok(t[0].clone())),
+        ("deep_clone", Bitwise, |t| t[0].try_deep_clone()),
+        ("reshape", Bitwise, |t| t[0].clone().reshape(&[40, 6])),
+        ("narrow dim 0", Bitwise, |t| t[0].narrow(0, 1, 3)),
+        ("narrow dim 1", Bitwise, |t| t[0].narrow(1, 5, 20)),
+        ("chunk dim 1", Bitwise, |t| Ok(t[0].chunk(1, 3)?.remove(2))),
+        ("split dim 0", Bitwise, |t| {
+            Ok(t[0].split(0, &[4, 2])?.remove(1))
+        }),
+        ("cat dim 0", Bitwise, |t| {
+            Tensor::cat(&[t[0].clone(), t[1].clone()], 0)
+        }),
+        ("cat dim 1", Bitwise, |t| {
+            Tensor::cat(&[t[0].clone(), t[1].clone()], 1)
+        }),
+        ("pack dim 1", Bitwise, |t| t[0].pack(1, &[14, 14, 12])),
+        ("unpack dim 1", Bitwise, |t| {
+            Tensor::unpack(&t[1].clone().reshape(&[240])?, &[6, 40], 1, &[14, 14, 12])
+        }),
+        ("write_at dim 1", Bitwise, |t| {
+            let mut d = t[0].clone();
+            d.write_at(1, 7, &t[1].narrow(1, 0, 9)?)?;
+            Ok(d)
+        }),
+        ("to_dtype f64", Bitwise, |t| t[0].try_to_dtype(DType::F64)),
+        ("to_dtype f32", Bitwise, |t| t[0].try_to_dtype(DType::F32)),
+        ("add", Close(1.0), |t| t[0].add(&t[1])),
+        ("add_assign", Close(1.0), |t| {
+            let mut d = t[0].clone();
+            d.add_assign(&t[1])?;
+            Ok(d)
+        }),
+        ("mul", Close(1.0), |t| t[0].mul(&t[1])),
+        ("scale", Close(1.0), |t| t[0].try_scale(0.37)),
+        ("ops::sub", Close(1.0), |t| ops::sub(&t[0], &t[1])),
+        ("ops::add_row", Close(1.0), |t| ops::add_row(&t[0], &t[2])),
+        ("ops::add_row_assign", Close(1.0), |t| {
+            let mut d = t[0].clone();
+            ops::add_row_assign(&mut d, &t[2])?;
+            Ok(d)
+        }),
+        ("ops::mul_row", Close(1.0), |t| ops::mul_row(&t[0], &t[2])),
+        ("ops::sum_rows", Close(4.0), |t| ops::sum_rows(&t[0])),
+        ("ops::sum_rows_into Add", Close(4.0), |t| {
+            let mut d = t[2].clone();
+            ops::sum_rows_into(&mut d, &t[0], Accum::Add)?;
+            Ok(d)
+        }),
+        ("ops::gelu", Close(2.0), |t| ops::gelu(&t[0])),
+        ("ops::gelu_into", Close(2.0), |t| {
+            let mut d = t[1].clone();
+            ops::gelu_into(&mut d, &t[0])?;
+            Ok(d)
+        }),
+        ("ops::silu", Close(2.0), |t| ops::silu(&t[0])),
+        ("ops::gelu_backward", Close(4.0), |t| {
+            ops::gelu_backward(&t[1], &t[0])
+        }),
+        ("ops::silu_backward_into Add", Close(4.0), |t| {
+            let mut d = t[0].clone();
+            ops::silu_backward_into(&mut d, &t[1], &t[0], Accum::Add)?;
+            Ok(d)
+        }),
+        ("ops::swiglu", Close(2.0), |t| ops::swiglu(&t[0], &t[1])),
+        ("ops::swiglu_backward d_gate", Close(4.0), |t| {
+            Ok(ops::swiglu_backward(
+                &t[2].clone().reshape(&[1, 40])?,
+                &t[0].narrow(0, 0, 1)?,
+                &t[1].narrow(0, 0, 1)?,
+            )?
+            .d_gate)
+        }),
+        ("ops::sum_dim 0", Close(4.0), |t| ops::sum_dim(&t[0], 0)),
+        ("ops::sum_dim_backward", Bitwise, |t| {
+            ops::sum_dim_backward(&t[2], 0, 3)
+        }),
+        ("ops::max_dim values", Bitwise, |t| {
+            Ok(ops::max_dim(&t[0], 1)?.values)
+        }),
+        ("ops::max_dim indices", Bitwise, |t| {
+            Ok(ops::max_dim(&t[0], 1)?.indices)
+        }),
+        ("ops::softmax", Close(4.0), |t| ops::softmax(&t[0])),
+        ("ops::log_softmax_into", Close(4.0), |t| {
+            let mut d = t[1].clone();
+            ops::log_softmax_into(&mut d, &t[0])?;
+            Ok(d)
+        }),
+        ("ops::softmax_backward", Close(8.0), |t| {
+            ops::softmax_backward(&t[1], &ops::softmax(&t[0])?)
+        }),
+        ("ops::layer_norm y", Close(8.0), |t| {
+            Ok(ops::layer_norm(&t[0], &t[2], &t[2], 1e-5)?.y)
+        }),
+        ("ops::rms_norm_backward dx", Close(16.0), |t| {
+            let f = ops::rms_norm(&t[0], &t[2], 1e-5)?;
+            Ok(ops::rms_norm_backward(&t[1], &t[0], &t[2], &f.rstd)?.dx)
+        }),
+        ("ops::matmul", Close(8.0), |t| {
+            ops::matmul(&t[0], No, &t[3], No)
+        }),
+        ("ops::matmul_into Add", Close(8.0), |t| {
+            let mut d = ops::matmul(&t[1], No, &t[3], No)?;
+            ops::matmul_into(
+                &mut d,
+                &t[0],
+                No,
+                &t[3],
+                No,
+                Accum::Add,
+                ops::Parallelism::None,
+            )?;
+            Ok(d)
+        }),
+        ("ops::embedding (host ids)", Bitwise, |t| {
+            ops::embedding(&t[0], &t[5])
+        }),
+        ("ops::embedding_backward", Bitwise, |t| {
+            ops::embedding_backward(&t[1].narrow(0, 0, 5)?, &t[5], 6)
+        }),
+        ("ops::gather_rows", Bitwise, |t| {
+            ops::gather_rows(&t[0], &[5, 0, 3, 5])
+        }),
+        ("ops::scatter_add_rows", Close(4.0), |t| {
+            ops::scatter_add_rows(&t[0], &[1, 0, 1, 2, 0, 1], 3)
+        }),
+        ("ops::pack_kv", Bitwise, |t| ops::pack_kv(&t[4], 4)),
+        ("ops::grouped_matmul_t", Close(8.0), |t| {
+            ops::grouped_matmul_t(&t[0], &t[3].clone().reshape(&[2, 12, 40])?, &[4, 2])
+        }),
+        ("ops::causal_attention out", Close(4.0), |t| {
+            Ok(ops::causal_attention(&t[4], &ATTN)?.out)
+        }),
+    ]
+}
+
+/// The table's calls are valid on the host (what the GPU test compares against), for every
+/// float dtype: checked on any machine.
+#[test]
+fn dispatch_cases_run_on_the_host() {
+    for (k, dt) in FLOATS.into_iter().enumerate() {
+        let host = dispatch_inputs(dt, 400 + 10 * k as u64);
+        for (name, _, op) in dispatch_cases() {
+            let r = op(&host).unwrap_or_else(|e| panic!("{name} ({dt}): {e}"));
+            assert!(!r.is_cuda(), "{name}: host inputs give a host result");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_tensor_ops_on_device_match_the_host() {
+    let Some(dev) = gpu() else { return };
+    for (k, dt) in FLOATS.into_iter().enumerate() {
+        let host = dispatch_inputs(dt, 400 + 10 * k as u64);
+        // The ids stay on the host: the embedding ops take them there.
+        let device: Vec<Tensor> = host
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                if i == 5 {
+                    t.clone()
+                } else {
+                    t.to_device(&dev).unwrap()
+                }
+            })
+            .collect();
+        for (name, agree, op) in dispatch_cases() {
+            let what = format!("{name} ({dt})");
+            let c = op(&host).unwrap_or_else(|e| panic!("{what} on the host: {e}"));
+            let g = op(&device).unwrap_or_else(|e| panic!("{what} on the device: {e}"));
+            assert_eq!(
+                g.device(),
+                Some(&dev),
+                "{what}: the result stays on the device"
+            );
+            assert!(!c.is_cuda(), "{what}: the host result stays on the host");
+            let g = g.to_host().unwrap();
+            match agree {
+                Agree::Bitwise => assert_bitwise(&what, &g, &c),
+                Agree::Close(s) => assert_close(&what, &g, &c, s),
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_tensor_ops_mixed_places_err_naming_both() {
+    use dtensor_kernels::Error;
+    let Some(dev) = gpu() else { return };
+    let h = rand(&[4, 8], DType::F32, 1);
+    let d = h.to_device(&dev).unwrap();
+    let is_mismatch = |r: dtensor_kernels::Result<Tensor>, op: &str| match r {
+        Err(Error::DeviceMismatch { op: o, lhs, rhs }) => {
+            assert_eq!(o, op);
+            let places = [lhs.as_str(), rhs.as_str()];
+            assert!(
+                places.contains(&"host") && places.contains(&"cuda:0"),
+                "{places:?}"
+            );
+        }
+        other => panic!("{op}: expected DeviceMismatch, got {other:?}"),
+    };
+    is_mismatch(h.add(&d), "Tensor::add");
+    is_mismatch(d.mul(&h), "Tensor::mul");
+    is_mismatch(Tensor::cat(&[d.clone(), h.clone()], 0), "Tensor::cat");
+    is_mismatch(ops::sub(&d, &h), "ops::sub");
+    is_mismatch(
+        ops::matmul(&d, ops::Transpose::No, &h, ops::Transpose::Yes),
+        "ops::matmul",
+    );
+    // An out-parameter in the other place than the input.
+    let mut dst = h.clone();
+    let e = ops::gelu_into(&mut dst, &d).unwrap_err();
+    assert!(matches!(e, Error::DeviceMismatch { .. }), "{e}");
+    assert_eq!(dst, h, "nothing was written");
+    let mut dst = d.clone();
+    let e = ops::sum_rows_into(&mut dst, &h, Accum::Replace).unwrap_err();
+    assert!(matches!(e, Error::DeviceMismatch { .. }), "{e}");
+    assert!(
+        dst.is_cuda(),
+        "the out-parameter keeps its place after an error"
+    );
+    // Ids on the device with a host table.
+    let ids = Tensor::from_vec(vec![0i64, 1], &[2])
+        .unwrap()
+        .to_device(&dev)
+        .unwrap();
+    let e = ops::embedding(&h, &ids).unwrap_err();
+    assert!(matches!(e, Error::DeviceMismatch { .. }), "{e}");
+    // A host closure cannot run on the device.
+    let e = d.try_map(|x| x + 1.0).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::NotOnCuda {
+                op: "Tensor::map",
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_tensor_writes_copy_a_shared_device_buffer() {
+    let Some(dev) = gpu() else { return };
+    let x = rand(&[4, 6], DType::F32, 7);
+    let t = x.to_device(&dev).unwrap();
+    assert!(
+        t.to_device(&dev).unwrap().shares_storage_with(&t),
+        "same device: no copy"
+    );
+    assert_eq!(t.to_host().unwrap(), x);
+    // write_at into a clone: the clone's buffer is copied first, `t` keeps its values.
+    let mut v = t.clone();
+    assert!(v.shares_storage_with(&t));
+    let z = Tensor::zeros_on(Some(&dev), &[4, 2], DType::F32).unwrap();
+    v.write_at(1, 3, &z).unwrap();
+    assert!(
+        !v.shares_storage_with(&t),
+        "the write copied the shared buffer"
+    );
+    assert_eq!(t.to_host().unwrap(), x, "the other tensor keeps its values");
+    let mut expect = x.clone();
+    expect
+        .write_at(1, 3, &Tensor::zeros(&[4, 2], DType::F32))
+        .unwrap();
+    assert_eq!(v.to_host().unwrap(), expect);
+    // A tensor whose buffer is its own is written where it is.
+    let mut w = v;
+    w.write_at(
+        0,
+        0,
+        &Tensor::zeros_on(Some(&dev), &[1, 6], DType::F32).unwrap(),
+    )
+    .unwrap();
+    expect
+        .write_at(0, 0, &Tensor::zeros(&[1, 6], DType::F32))
+        .unwrap();
+    assert_eq!(w.to_host().unwrap(), expect);
+    // device_view_mut on a shared tensor copies too.
+    let mut u = t.clone();
+    {
+        let view = u.device_view_mut().unwrap();
+        assert_eq!(view.len(), 24);
+    }
+    assert!(!u.shares_storage_with(&t));
+    // An _into op writing into a clone.
+    let mut s = t.clone();
+    ops::gelu_backward_into(&mut s, &t, &t, Accum::Add).unwrap();
+    assert_eq!(
+        t.to_host().unwrap(),
+        x,
+        "an _into op does not write through a shared buffer"
+    );
+    let mut cs = x.clone();
+    ops::gelu_backward_into(&mut cs, &x, &x, Accum::Add).unwrap();
+    assert_close(
+        "gelu_backward_into on a clone",
+        &s.to_host().unwrap(),
+        &cs,
+        4.0,
+    );
+    // add_assign on a clone.
+    let mut a = t.clone();
+    a.add_assign(&t).unwrap();
+    assert_eq!(t.to_host().unwrap(), x);
+    assert_eq!(a.to_host().unwrap(), x.add(&x).unwrap());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_tensor_host_accessors_refuse_device_tensors() {
+    use dtensor_kernels::Error;
+    let Some(dev) = gpu() else { return };
+    let x = rand(&[3, 5], DType::F32, 9);
+    let mut t = x.to_device(&dev).unwrap();
+    assert!(t.is_cuda());
+    assert_eq!(t.device(), Some(&dev));
+    let not_on_host = |e: Error, op: &str| {
+        assert!(
+            matches!(&e, Error::NotOnHost { op: o, device } if *o == op && device == "cuda:0"),
+            "{e:?}"
+        );
+        let text = e.to_string();
+        assert!(text.contains(op) && text.contains("cuda:0"), "{text}");
+    };
+    not_on_host(t.as_slice::<f32>().unwrap_err(), "Tensor::as_slice");
+    not_on_host(t.as_mut_slice::<f32>().unwrap_err(), "Tensor::as_mut_slice");
+    not_on_host(t.to_storage().unwrap_err(), "Tensor::to_storage");
+    not_on_host(
+        t.try_as_dyn_slice().unwrap_err(),
+        "Tensor::try_as_dyn_slice",
+    );
+    not_on_host(
+        t.try_as_dyn_slice_mut().unwrap_err(),
+        "Tensor::try_as_dyn_slice_mut",
+    );
+    let panic = std::panic::catch_unwind(|| {
+        let _ = t.as_dyn_slice();
+    })
+    .expect_err("as_dyn_slice panics on a device tensor");
+    let text = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(
+        text.contains("Tensor::as_dyn_slice") && text.contains("cuda:0"),
+        "{text}"
+    );
+    // What is allowed: copies to the host for tests and metrics, and the device views.
+    assert_eq!(t.to_f64_vec(), x.to_f64_vec());
+    assert_eq!(t, x, "PartialEq compares values wherever they are");
+    assert_eq!(t.device_view().unwrap().len(), 15);
+    assert_eq!(t.cuda_tensor().unwrap().shape(), &[3, 5]);
+    assert_eq!(t.zeros_like().unwrap().device(), Some(&dev));
+    let back = Tensor::from(t.clone().try_into_cuda().unwrap());
+    assert!(back.shares_storage_with(&t));
+    assert!(t.try_into_buffer().is_err(), "host buffers only");
 }

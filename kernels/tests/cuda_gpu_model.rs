@@ -67,7 +67,7 @@ fn rand(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
 }
 
 fn up(t: &Tensor, dev: &Device) -> CudaTensor {
-    t.to_device(dev).unwrap()
+    t.to_device(dev).unwrap().cuda_tensor().unwrap()
 }
 
 fn down(t: &CudaTensor) -> Tensor {

@@ -40,7 +40,7 @@ fn positions(op: &'static str, p: &[usize], dev: &Device) -> Result<CudaTensor> 
             })
         })
         .collect::<Result<Vec<i64>>>()?;
-    Tensor::from_vec(v, &[p.len()])?.to_device(dev)
+    Tensor::from_vec(v, &[p.len()])?.upload(dev)
 }
 
 /// RoPE's cos/sin tables `[positions, d/2]`, computed in f64 as the CPU's
@@ -73,7 +73,7 @@ fn rope_at(
     let to = |v: Vec<f64>| -> Result<CudaTensor> {
         let t = Tensor::from_vec(v, &shape)?;
         let t = if ad == DType::F64 { t } else { t.to_dtype(ad) };
-        t.to_device(dev)
+        t.upload(dev)
     };
     Ok((to(cos)?, to(sin)?))
 }
@@ -366,7 +366,7 @@ pub fn gather_rows(t: &CudaTensor, src: &[usize]) -> Result<CudaTensor> {
     }
     // Each index is below `rows`, a dim of a tensor that exists: it fits i64.
     let idx: Vec<i64> = src.iter().map(|&i| i as i64).collect();
-    let idx = Tensor::from_vec(idx, &[n])?.to_device(dev)?;
+    let idx = Tensor::from_vec(idx, &[n])?.upload(dev)?;
     let f = func(dev, &source::ATTENTION_BLOCK, "gather_rows", t.dtype())?;
     launch_kernel!(OP, dev, f, grid_for(n * cols);
         src t, src &idx, dst &mut out, u64 n, u64 cols)?;
@@ -412,8 +412,8 @@ pub fn scatter_add_rows(src: &CudaTensor, rows: &[usize], n: usize) -> Result<Cu
         sources[fill[r] as usize] = i as i64;
         fill[r] += 1;
     }
-    let starts = Tensor::from_vec(starts, &[n + 1])?.to_device(dev)?;
-    let sources = Tensor::from_vec(sources, &[m.max(1)])?.to_device(dev)?;
+    let starts = Tensor::from_vec(starts, &[n + 1])?.upload(dev)?;
+    let sources = Tensor::from_vec(sources, &[m.max(1)])?.upload(dev)?;
     let f = func(dev, &source::MOE, "scatter_add_rows", src.dtype())?;
     launch_kernel!(OP, dev, f, grid_for(n * h);
         src src, src &starts, src &sources, dst &mut out, u64 n, u64 h)?;
@@ -493,7 +493,7 @@ fn gemm_rows(
                 });
             };
             let cd = c.dtype();
-            let CudaBuffer::$v(sc) = c.buffer_mut() else {
+            let CudaBuffer::$v(sc) = c.buffer_mut()? else {
                 return Err(Error::DTypeMismatch {
                     op,
                     lhs: cd,

@@ -80,10 +80,13 @@ pub(crate) fn arg<'a>(b: &mut LaunchArgs<'a>, t: &'a CudaTensor) {
         b.arg(s);
     })
 }
-pub(crate) fn arg_mut<'a>(b: &mut LaunchArgs<'a>, t: &'a mut CudaTensor) {
-    super::tensor::with_buffer!(t.buffer_mut(), |s| {
+/// Copies the buffer first if another tensor shares it (copy on write), so the kernel
+/// writes only this tensor's elements.
+pub(crate) fn arg_mut<'a>(b: &mut LaunchArgs<'a>, t: &'a mut CudaTensor) -> Result<()> {
+    super::tensor::with_buffer!(t.buffer_mut()?, |s| {
         b.arg(s);
-    })
+    });
+    Ok(())
 }
 
 /// A scalar in a dtype's compute type (`float` for f32/bf16/f16, `double` for f64, the
@@ -161,7 +164,7 @@ macro_rules! kernel_arg {
         arg(&mut $l, $t)
     };
     ($l:ident, dst $t:expr) => {
-        arg_mut(&mut $l, $t)
+        arg_mut(&mut $l, $t)?
     };
     ($l:ident, u64 $n:expr) => {
         let v: u64 = u($n);
@@ -515,6 +518,16 @@ pub struct MaxDim {
     pub indices: CudaTensor,
 }
 
+/// The device [`MaxDim`] as the `Tensor` op returns it (no copy: device tensors).
+impl From<MaxDim> for crate::ops::MaxDim {
+    fn from(m: MaxDim) -> Self {
+        crate::ops::MaxDim {
+            values: m.values.into(),
+            indices: m.indices.into(),
+        }
+    }
+}
+
 /// `ops::max_dim`.
 pub fn max_dim(x: &CudaTensor, dim: usize) -> Result<MaxDim> {
     const OP: &str = "cuda::ops::max_dim";
@@ -665,6 +678,50 @@ pub struct NormGrads {
     /// LayerNorm: `Some` bias gradient `Σ_rows dy`, `[n]` in `x`'s dtype (a partial sum
     /// like `dweight`). RMSNorm: `None`.
     pub dbias: Option<CudaTensor>,
+}
+
+impl NormOutput {
+    /// As `ops::layer_norm` returns it (device tensors, no copy).
+    ///
+    /// # Panics
+    /// If `mean` is `None`: [`layer_norm`] always sets it (an internal invariant).
+    pub fn into_layer(self) -> crate::ops::LayerNormOutput {
+        crate::ops::LayerNormOutput {
+            y: self.y.into(),
+            mean: self.mean.expect("layer_norm sets mean").into(),
+            rstd: self.rstd.into(),
+        }
+    }
+
+    /// As `ops::rms_norm` returns it (device tensors, no copy).
+    pub fn into_rms(self) -> crate::ops::RmsNormOutput {
+        crate::ops::RmsNormOutput {
+            y: self.y.into(),
+            rstd: self.rstd.into(),
+        }
+    }
+}
+
+impl NormGrads {
+    /// As `ops::layer_norm_backward` returns them (device tensors, no copy).
+    ///
+    /// # Panics
+    /// If `dbias` is `None`: [`layer_norm_backward`] always sets it (an internal invariant).
+    pub fn into_layer(self) -> crate::ops::LayerNormGrads {
+        crate::ops::LayerNormGrads {
+            dx: self.dx.into(),
+            dweight: self.dweight.into(),
+            dbias: self.dbias.expect("layer_norm_backward sets dbias").into(),
+        }
+    }
+
+    /// As `ops::rms_norm_backward` returns them (device tensors, no copy).
+    pub fn into_rms(self) -> crate::ops::RmsNormGrads {
+        crate::ops::RmsNormGrads {
+            dx: self.dx.into(),
+            dweight: self.dweight.into(),
+        }
+    }
 }
 
 fn norm_input(op: &'static str, x: &CudaTensor, params: &[&CudaTensor]) -> Result<(usize, usize)> {
@@ -835,7 +892,7 @@ pub fn embedding(table: &CudaTensor, ids: &Tensor, shard: VocabShard) -> Result<
     if tokens * hidden == 0 {
         return Ok(out);
     }
-    let ids_dev = ids.to_device(dev)?;
+    let ids_dev = CudaTensor::from_host(dev, ids)?;
     let root = if ids.dtype() == DType::I64 {
         "embedding_i64"
     } else {
@@ -887,9 +944,9 @@ pub fn embedding_backward_into(
         }
     }
     let dev = dy.device().clone();
-    let starts_dev = Tensor::from_vec(starts, &[shard.len + 1])?.to_device(&dev)?;
+    let starts_dev = Tensor::from_vec(starts, &[shard.len + 1])?.upload(&dev)?;
     let n_pos = positions.len();
-    let pos_dev = Tensor::from_vec(positions, &[n_pos])?.to_device(&dev)?;
+    let pos_dev = Tensor::from_vec(positions, &[n_pos])?.upload(&dev)?;
     let f = func(&dev, &source::EMBEDDING, "embedding_backward", dy.dtype())?;
     launch_kernel!(OP, dev, f, per_row(OP, shard.len, 0)?;
         dst dtable, src dy, src &starts_dev, src &pos_dev, u64 hidden, int accum_flag(accum))
@@ -928,7 +985,7 @@ fn targets(
         });
     }
     let v: Vec<i64> = v.into_iter().map(|i| i as i64).collect();
-    Tensor::from_vec(v, &[rows])?.to_device(dev)
+    Tensor::from_vec(v, &[rows])?.upload(dev)
 }
 
 /// Cross-entropy piece 1: each row's max of the local logits (`[rows, cols]`), f64 `[rows]`.
@@ -938,7 +995,7 @@ pub fn ce_row_max(logits: &CudaTensor) -> Result<CudaTensor> {
     let (rows, cols) = logits_dims(OP, logits)?;
     let dev = logits.device();
     if cols == 0 {
-        return Tensor::from_vec(vec![f64::NEG_INFINITY; rows], &[rows])?.to_device(dev);
+        return Tensor::from_vec(vec![f64::NEG_INFINITY; rows], &[rows])?.upload(dev);
     }
     let mut m = CudaTensor::uninit(dev, &[rows], DType::F64)?;
     if rows == 0 {
@@ -1146,6 +1203,37 @@ pub fn narrow(t: &CudaTensor, dim: usize, start: usize, len: usize) -> Result<Cu
     Ok(out)
 }
 
+/// `Tensor::write_at`: `src` copied into `dst` from `start` along `dim` (the other extents
+/// must match). A `dst` buffer shared with another tensor is copied first (copy on write).
+pub fn write_at(dst: &mut CudaTensor, dim: usize, start: usize, src: &CudaTensor) -> Result<()> {
+    const OP: &str = "cuda::write_at";
+    same_device(OP, &[dst, src])?;
+    let (outer, extent, inner) = split_at(OP, dst.shape(), dim)?;
+    let len = src.shape().get(dim).copied().unwrap_or(0);
+    let fits = src.rank() == dst.rank()
+        && src.dtype() == dst.dtype()
+        && start.checked_add(len).is_some_and(|end| end <= extent)
+        && (0..dst.rank()).all(|d| d == dim || src.shape()[d] == dst.shape()[d]);
+    if !fits {
+        return Err(Error::ShapeMismatch {
+            op: OP,
+            lhs: dst.shape().into(),
+            rhs: src.shape().into(),
+        });
+    }
+    copy_blocks(
+        OP,
+        src,
+        dst,
+        outer,
+        len * inner,
+        len * inner,
+        0,
+        extent * inner,
+        start * inner,
+    )
+}
+
 /// `Tensor::cat` along `dim`.
 pub fn cat(ts: &[&CudaTensor], dim: usize) -> Result<CudaTensor> {
     const OP: &str = "cuda::cat";
@@ -1248,7 +1336,7 @@ fn rope_tables(
     let to = |v: Vec<f64>| -> Result<CudaTensor> {
         let t = Tensor::from_vec(v, &shape)?;
         let t = if ad == DType::F64 { t } else { t.to_dtype(ad) };
-        t.to_device(dev)
+        t.upload(dev)
     };
     Ok((to(cos)?, to(sin)?))
 }
@@ -1305,6 +1393,16 @@ pub struct CudaAttentionOutput {
     /// `[tokens, heads]`: each query row's log-sum-exp of its scaled scores (`q·k/√d`),
     /// compute dtype; [`causal_attention_backward`] takes it with `out`.
     pub lse: CudaTensor,
+}
+
+/// As `ops::causal_attention` returns it (device tensors, no copy).
+impl From<CudaAttentionOutput> for CausalAttentionOutput {
+    fn from(o: CudaAttentionOutput) -> Self {
+        CausalAttentionOutput {
+            out: o.out.into(),
+            lse: o.lse.into(),
+        }
+    }
 }
 
 impl CudaAttentionOutput {
@@ -1530,7 +1628,7 @@ fn matmul_planned(
                 });
             };
             let dt = dst.dtype();
-            let CudaBuffer::$v(sc) = dst.buffer_mut() else {
+            let CudaBuffer::$v(sc) = dst.buffer_mut()? else {
                 return Err(Error::DTypeMismatch {
                     op: OP,
                     lhs: dt,

@@ -4,6 +4,7 @@ use super::{driver_err, Device};
 use crate::{checked_numel, DType, Error, Result, Shape, Tensor};
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
+use std::sync::Arc;
 
 /// A device buffer of one of the six element types. `bf16` and `f16` are held as their bits
 /// (`u16`): the kernels and cuBLAS read them as 16-bit floats, and the host copies go through
@@ -69,11 +70,104 @@ impl CudaBuffer {
 ///
 /// Invariant: the buffer holds at least `max(numel, 1)` elements of `dtype`; kernels are
 /// launched with element counts derived from `shape`, which is what keeps them in bounds.
-#[derive(Debug)]
+///
+/// The buffer is shared by reference count (`clone` copies nothing), as the buffer of a host
+/// [`Tensor`] is: a kernel that writes into a tensor whose buffer is shared first copies it
+/// on the device (copy on write), so values never change behind another tensor's back. A
+/// `CudaTensor` and a device [`Tensor`] convert into each other without a copy
+/// ([`Tensor::from`], [`Tensor::cuda_tensor`]).
+#[derive(Clone, Debug)]
 pub struct CudaTensor {
     shape: Shape,
-    buf: CudaBuffer,
+    buf: Arc<CudaBuffer>,
     dev: Device,
+}
+
+/// The device half of [`crate::Storage`]: a shared device buffer and the GPU it is on.
+/// A device [`Tensor`] always starts at element 0 of its buffer (its offset is 0).
+#[derive(Clone, Debug)]
+pub struct CudaStorage {
+    buf: Arc<CudaBuffer>,
+    dev: Device,
+}
+
+impl CudaStorage {
+    /// The device buffer (at least `max(numel, 1)` elements of the tensor that holds it).
+    pub fn buffer(&self) -> &CudaBuffer {
+        &self.buf
+    }
+
+    /// The GPU whose memory holds the buffer.
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    /// Whether both storages are the same buffer (no copy was made between them).
+    pub fn same_buffer(&self, other: &CudaStorage) -> bool {
+        Arc::ptr_eq(&self.buf, &other.buf)
+    }
+}
+
+impl CudaTensor {
+    /// The tensor's storage, for a [`Tensor`] (O(1): shares the buffer).
+    pub(crate) fn into_parts(self) -> (Shape, CudaStorage) {
+        (
+            self.shape,
+            CudaStorage {
+                buf: self.buf,
+                dev: self.dev,
+            },
+        )
+    }
+
+    /// A tensor of `shape` over `storage` (O(1)); the caller checked that the buffer holds
+    /// at least `max(numel, 1)` elements (it came from a tensor of that element count).
+    pub(crate) fn from_parts(shape: Shape, storage: CudaStorage) -> CudaTensor {
+        debug_assert!(storage.buf.len() >= len_of("", &shape).unwrap_or(0).max(1));
+        CudaTensor {
+            shape,
+            buf: storage.buf,
+            dev: storage.dev,
+        }
+    }
+
+    /// Whether both tensors view the same device buffer (no copy was made between them).
+    pub fn shares_buffer_with(&self, other: &CudaTensor) -> bool {
+        Arc::ptr_eq(&self.buf, &other.buf)
+    }
+
+    /// Makes the buffer exclusively this tensor's, copying it on the device (on the
+    /// device's stream) if another tensor shares it, so that it can be written.
+    pub(crate) fn make_unique(&mut self) -> Result<()> {
+        unique_buffer(&mut self.buf, &self.dev).map(|_| ())
+    }
+}
+
+impl CudaStorage {
+    /// The buffer, for writing: copied first (on the device) if another tensor shares it.
+    pub(crate) fn buffer_mut(&mut self) -> Result<&mut CudaBuffer> {
+        unique_buffer(&mut self.buf, &self.dev)
+    }
+}
+
+/// `buf` made exclusively its holder's (copy on write: a device-to-device copy on `dev`'s
+/// stream if another tensor shares it), for writing.
+fn unique_buffer<'a>(buf: &'a mut Arc<CudaBuffer>, dev: &Device) -> Result<&'a mut CudaBuffer> {
+    const OP: &str = "cuda: copy on write";
+    if Arc::get_mut(buf).is_none() {
+        let st = dev.stream();
+        let copy = match &**buf {
+            CudaBuffer::F32(s) => st.clone_dtod(s).map(CudaBuffer::F32),
+            CudaBuffer::F64(s) => st.clone_dtod(s).map(CudaBuffer::F64),
+            CudaBuffer::BF16(s) => st.clone_dtod(s).map(CudaBuffer::BF16),
+            CudaBuffer::F16(s) => st.clone_dtod(s).map(CudaBuffer::F16),
+            CudaBuffer::I32(s) => st.clone_dtod(s).map(CudaBuffer::I32),
+            CudaBuffer::I64(s) => st.clone_dtod(s).map(CudaBuffer::I64),
+        }
+        .map_err(|e| driver_err(OP, e))?;
+        *buf = Arc::new(copy);
+    }
+    Ok(Arc::get_mut(buf).expect("unique: just checked or just made"))
 }
 
 fn len_of(op: &'static str, shape: &[usize]) -> Result<usize> {
@@ -114,7 +208,7 @@ impl CudaTensor {
         .map_err(|e| driver_err(OP, e))?;
         Ok(CudaTensor {
             shape: shape.into(),
-            buf,
+            buf: Arc::new(buf),
             dev: dev.clone(),
         })
     }
@@ -135,7 +229,7 @@ impl CudaTensor {
         .map_err(|e| driver_err(OP, e))?;
         Ok(CudaTensor {
             shape: shape.into(),
-            buf,
+            buf: Arc::new(buf),
             dev: dev.clone(),
         })
     }
@@ -165,7 +259,7 @@ impl CudaTensor {
         .map_err(|e| driver_err(OP, e))?;
         Ok(CudaTensor {
             shape: t.shape().into(),
-            buf,
+            buf: Arc::new(buf),
             dev: dev.clone(),
         })
     }
@@ -190,7 +284,7 @@ impl CudaTensor {
                 Tensor::from_vec(v, &self.shape)
             }};
         }
-        match &self.buf {
+        match &*self.buf {
             CudaBuffer::F32(s) => down!(s),
             CudaBuffer::F64(s) => down!(s),
             CudaBuffer::BF16(s) => down16!(s, bf16),
@@ -233,8 +327,10 @@ impl CudaTensor {
         &self.buf
     }
 
-    pub(crate) fn buffer_mut(&mut self) -> &mut CudaBuffer {
-        &mut self.buf
+    /// The buffer, for a kernel to write: copied first (on the device) if another tensor
+    /// shares it.
+    pub(crate) fn buffer_mut(&mut self) -> Result<&mut CudaBuffer> {
+        unique_buffer(&mut self.buf, &self.dev)
     }
 
     /// The same elements under another shape of the same element count (no copy).
@@ -255,8 +351,9 @@ impl CudaTensor {
 }
 
 impl Tensor {
-    /// Copies this tensor to `dev`'s memory.
-    pub fn to_device(&self, dev: &Device) -> Result<CudaTensor> {
+    /// This host tensor copied into a new buffer on `dev` (what [`Tensor::to_device`] does
+    /// for a host tensor), as a [`CudaTensor`].
+    pub(crate) fn upload(&self, dev: &Device) -> Result<CudaTensor> {
         CudaTensor::from_host(dev, self)
     }
 }

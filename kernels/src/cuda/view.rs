@@ -161,9 +161,10 @@ impl CudaTensor {
 
     /// A mutable view of the tensor's elements, for a collective to write in place. The
     /// buffer itself cannot be replaced through it, so the tensor's invariant (its buffer
-    /// holds at least `numel` elements) holds.
+    /// holds at least `numel` elements) holds. A buffer shared with another tensor is
+    /// copied first (copy on write), so the write does not show through the other tensor.
     pub fn view_mut(&mut self) -> Result<DeviceViewMut<'_>> {
         let n = self.numel();
-        self.buffer_mut().view_mut(0..n)
+        self.buffer_mut()?.view_mut(0..n)
     }
 }

@@ -89,6 +89,7 @@ macro_rules! unary_activation {
     ) => {
         #[doc = concat!("`", $doc, "`, elementwise.")]
         pub fn $name(x: &Tensor) -> Result<Tensor> {
+            dispatch!($op, [x] => crate::cuda::ops::$name(&x));
             let mut dst = Tensor::zeros(x.shape(), x.dtype());
             $name_into(&mut dst, x)?;
             Ok(dst)
@@ -97,6 +98,10 @@ macro_rules! unary_activation {
         #[doc = concat!("`dst = ", $doc, "`; `dst` has `x`'s shape and dtype.")]
         pub fn $name_into(dst: &mut Tensor, x: &Tensor) -> Result<()> {
             check_dst($op, dst, x.shape(), x.dtype())?;
+            dispatch!($op, mut dst, [x] => {
+                let y = crate::cuda::ops::$name(&x)?;
+                crate::dispatch::replace($op, dst, y)
+            });
             dispatch_float!($op, x.dtype(), |T| {
                 map_into::<T>(dst.as_mut_slice()?, x.as_slice()?, $f);
                 Ok(())
@@ -105,6 +110,7 @@ macro_rules! unary_activation {
 
         #[doc = concat!("The input gradient of [`", stringify!($name), "`] at `x`, given the output gradient `dy`.")]
         pub fn $back(dy: &Tensor, x: &Tensor) -> Result<Tensor> {
+            dispatch!($op_back, [dy, x] => crate::cuda::ops::$back(&dy, &x));
             let mut dst = Tensor::zeros(x.shape(), x.dtype());
             $back_into(&mut dst, dy, x, Accum::Replace)?;
             Ok(dst)
@@ -114,6 +120,7 @@ macro_rules! unary_activation {
         pub fn $back_into(dx: &mut Tensor, dy: &Tensor, x: &Tensor, accum: Accum) -> Result<()> {
             same_layout($op_back, dy, x)?;
             check_dst($op_back, dx, x.shape(), x.dtype())?;
+            dispatch!($op_back, mut dx, [dy, x] => crate::cuda::ops::$back_into(dx, &dy, &x, accum));
             dispatch_float!($op_back, x.dtype(), |T| {
                 grad_into::<T>(dx.as_mut_slice()?, dy.as_slice()?, x.as_slice()?, accum, $grad);
                 Ok(())
@@ -149,6 +156,7 @@ unary_activation!(
 /// `silu(gate)·up`, elementwise (the gated MLP of LLaMA-style models; `gate` and `up` are the
 /// two halves of the first projection).
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    dispatch!("ops::swiglu", [gate, up] => crate::cuda::ops::swiglu(&gate, &up));
     let mut dst = Tensor::zeros(gate.shape(), gate.dtype());
     swiglu_into(&mut dst, gate, up)?;
     Ok(dst)
@@ -159,6 +167,10 @@ pub fn swiglu_into(dst: &mut Tensor, gate: &Tensor, up: &Tensor) -> Result<()> {
     const OP: &str = "ops::swiglu";
     same_layout(OP, gate, up)?;
     check_dst(OP, dst, gate.shape(), gate.dtype())?;
+    dispatch!(OP, mut dst, [gate, up] => {
+        let y = crate::cuda::ops::swiglu(&gate, &up)?;
+        crate::dispatch::replace(OP, dst, y)
+    });
     dispatch_float!(OP, gate.dtype(), |T| {
         let (g, u) = (gate.as_slice::<T>()?, up.as_slice::<T>()?);
         for ((d, &g), &u) in dst.as_mut_slice::<T>()?.iter_mut().zip(g).zip(u) {
@@ -179,8 +191,10 @@ pub struct SwiGluGrads {
 
 /// `d_gate = dy·up·silu'(gate)`, `d_up = dy·silu(gate)`.
 pub fn swiglu_backward(dy: &Tensor, gate: &Tensor, up: &Tensor) -> Result<SwiGluGrads> {
-    let mut d_gate = Tensor::zeros(gate.shape(), gate.dtype());
-    let mut d_up = Tensor::zeros(gate.shape(), gate.dtype());
+    // Zeros where `gate` is (the device kernel writes them; `Replace` ignores their values).
+    crate::dispatch::on_cuda("ops::swiglu_backward", &[dy, gate, up])?;
+    let mut d_gate = gate.zeros_like()?;
+    let mut d_up = gate.zeros_like()?;
     swiglu_backward_into(&mut d_gate, &mut d_up, dy, gate, up, Accum::Replace)?;
     Ok(SwiGluGrads { d_gate, d_up })
 }
@@ -200,6 +214,9 @@ pub fn swiglu_backward_into(
     same_layout(OP, gate, dy)?;
     check_dst(OP, d_gate, gate.shape(), gate.dtype())?;
     check_dst(OP, d_up, gate.shape(), gate.dtype())?;
+    if crate::dispatch::on_cuda(OP, &[&*d_gate, &*d_up, dy, gate, up])? {
+        return swiglu_backward_cuda(d_gate, d_up, dy, gate, up, accum);
+    }
     dispatch_float!(OP, gate.dtype(), |T| {
         let (g, u, dy) = (
             gate.as_slice::<T>()?,
@@ -215,4 +232,35 @@ pub fn swiglu_backward_into(
         }
         Ok(())
     })
+}
+
+/// [`swiglu_backward_into`] on the device (every operand there, as the caller checked): both
+/// out-parameters are moved out of their tensors for the kernel.
+#[cfg(feature = "cuda")]
+fn swiglu_backward_cuda(
+    d_gate: &mut Tensor,
+    d_up: &mut Tensor,
+    dy: &Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+    accum: Accum,
+) -> Result<()> {
+    let (dy, gate, up) = (dy.cuda_tensor()?, gate.cuda_tensor()?, up.cuda_tensor()?);
+    crate::dispatch::with_cuda_mut(d_gate, |dg| {
+        crate::dispatch::with_cuda_mut(d_up, |du| {
+            crate::cuda::ops::swiglu_backward_into(dg, du, &dy, &gate, &up, accum)
+        })
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn swiglu_backward_cuda(
+    _: &mut Tensor,
+    _: &mut Tensor,
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+    _: Accum,
+) -> Result<()> {
+    unreachable!("no device tensor exists without the `cuda` feature")
 }

@@ -148,6 +148,7 @@ pub(crate) fn check_qkv<L: Layout + ?Sized>(
 /// ```
 pub fn causal_attention(qkv: &Tensor, cfg: &CausalAttention) -> Result<CausalAttentionOutput> {
     let g = check_qkv(OP, qkv, cfg)?;
+    dispatch!(OP, [qkv] => crate::cuda::ops::causal_attention(&qkv, cfg));
     let mut out = Tensor::for_overwrite(&[g.tokens, g.heads * g.d], qkv.dtype());
     let mut lse = Tensor::for_overwrite(&[g.tokens, g.heads], acc_dtype(qkv.dtype()));
     dispatch_float!(OP, qkv.dtype(), |T| {
@@ -186,6 +187,8 @@ pub fn causal_attention_backward(
         }
     }
     check_dst(OP_BACK, lse, &[g.tokens, g.heads], acc_dtype(qkv.dtype()))?;
+    dispatch!(OP_BACK, [dout, qkv, out, lse] =>
+        crate::cuda::ops::causal_attention_backward(&dout, &qkv, &out, &lse, cfg));
     let mut dqkv = Tensor::for_overwrite(qkv.shape(), qkv.dtype());
     dispatch_float!(OP_BACK, qkv.dtype(), |T| {
         backward::<T>(

@@ -14,6 +14,7 @@ use crate::{Result, Tensor};
 pub fn sub(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     const OP: &str = "ops::sub";
     same_layout(OP, a, b)?;
+    dispatch!(OP, [a, b] => crate::cuda::ops::sub(&a, &b));
     let mut out = a.clone();
     dispatch_float!(OP, a.dtype(), |T| {
         let bs = b.as_slice::<T>()?;
@@ -27,6 +28,7 @@ pub fn sub(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// `x[.., j] + bias[j]`: the bias of a linear layer, broadcast over every leading index.
 pub fn add_row(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    dispatch!("ops::add_row", [x, bias] => crate::cuda::ops::add_row(&x, &bias));
     let mut out = x.clone();
     add_row_assign_op("ops::add_row", &mut out, bias)?;
     Ok(out)
@@ -37,6 +39,7 @@ pub fn mul_row(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     const OP: &str = "ops::mul_row";
     let (_, n) = rows_last(OP, x)?;
     check_row_param(OP, x, w, n)?;
+    dispatch!(OP, [x, w] => crate::cuda::ops::mul_row(&x, &w));
     let mut out = x.clone();
     dispatch_float!(OP, x.dtype(), |T| {
         let ws = w.as_slice::<T>()?;
@@ -60,6 +63,11 @@ pub fn add_row_assign(x: &mut Tensor, bias: &Tensor) -> Result<()> {
 fn add_row_assign_op(op: &'static str, x: &mut Tensor, bias: &Tensor) -> Result<()> {
     let (_, n) = rows_last(op, x)?;
     check_row_param(op, &*x, bias, n)?;
+    // On the device the sum is a new buffer that replaces `x`'s (copy on write's result).
+    dispatch!(op, mut x, [bias] => {
+        *x = crate::cuda::ops::add_row(x, &bias)?;
+        Ok(())
+    });
     dispatch_float!(op, x.dtype(), |T| {
         let bs = bias.as_slice::<T>()?;
         if n > 0 {
@@ -77,6 +85,7 @@ fn add_row_assign_op(op: &'static str, x: &mut Tensor, bias: &Tensor) -> Result<
 /// [`add_row`]). Summed in the compute type in row order, rounded once.
 pub fn sum_rows(x: &Tensor) -> Result<Tensor> {
     let (_, n) = rows_last("ops::sum_rows", x)?;
+    dispatch!("ops::sum_rows", [x] => crate::cuda::ops::sum_rows(&x));
     let mut dst = Tensor::zeros(&[n], x.dtype());
     sum_rows_into(&mut dst, x, Accum::Replace)?;
     Ok(dst)
@@ -87,6 +96,7 @@ pub fn sum_rows_into(dst: &mut Tensor, x: &Tensor, accum: Accum) -> Result<()> {
     const OP: &str = "ops::sum_rows";
     let (_, n) = rows_last(OP, x)?;
     check_dst(OP, dst, &[n], x.dtype())?;
+    dispatch!(OP, mut dst, [x] => crate::cuda::ops::sum_rows_into(dst, &x, accum));
     dispatch_float!(OP, x.dtype(), |T| {
         let mut acc = vec![<T as Float>::Acc::default(); n];
         if n > 0 {

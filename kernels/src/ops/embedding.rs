@@ -12,6 +12,10 @@
 //! masked outputs of all ranks (a `Partial` → all-reduce); the backward needs no
 //! communication.
 //!
+//! On a device (feature `cuda`) the table, `dy` and `dtable` are device tensors; the ids may
+//! stay in host memory (the device op checks them there and uploads them) or be on the same
+//! device (they are copied to the host for the check).
+//!
 //! The backward is deterministic and rounds once per row: positions are grouped by id (a
 //! stable sort, so each group keeps position order), each group is summed in the compute type,
 //! and the sum is written (or added, [`Accum::Add`]) once.
@@ -122,6 +126,10 @@ pub(crate) fn out_shape(ids: &Tensor, hidden: usize) -> Shape {
 fn gather(op: &'static str, table: &Tensor, ids: &Tensor, shard: VocabShard) -> Result<Tensor> {
     shard.check(op)?;
     let hidden = table_dims(op, table, shard.len)?;
+    #[cfg(feature = "cuda")]
+    if let Some(ids) = crate::dispatch::host_ids(op, table, ids)? {
+        return crate::cuda::ops::embedding(&table.cuda_tensor()?, &ids, shard).map(Tensor::from);
+    }
     let ids_v = read_ids(op, ids, shard.vocab)?;
     let mut out = Tensor::zeros_checked(op, &out_shape(ids, hidden), table.dtype())?;
     dispatch_float!(op, table.dtype(), |T| {
@@ -149,6 +157,16 @@ fn scatter(
     shard.check(op)?;
     let hidden = dy_hidden(op, dy, ids)?;
     check_dst(op, dtable, &[shard.len, hidden], dy.dtype())?;
+    #[cfg(feature = "cuda")]
+    if crate::dispatch::on_cuda(op, &[&*dtable, dy])?
+        | crate::dispatch::host_ids(op, dy, ids)?.is_some()
+    {
+        let ids = crate::dispatch::host_ids(op, dy, ids)?.expect("dy is on a device");
+        let dy = dy.cuda_tensor()?;
+        return crate::dispatch::with_cuda_mut(dtable, |d| {
+            crate::cuda::ops::embedding_backward_into(d, &dy, &ids, shard, accum)
+        });
+    }
     let ids_v = read_ids(op, ids, shard.vocab)?;
     let mut hits: Vec<(usize, usize)> = ids_v
         .iter()
@@ -264,7 +282,10 @@ fn embedding_masked_backward_op(
 ) -> Result<Tensor> {
     let hidden = dy_hidden(op, dy, ids)?;
     shard.check(op)?;
-    let mut dtable = Tensor::zeros_checked(op, &[shard.len, hidden], dy.dtype())?;
+    let mut dtable = match dy.device() {
+        None => Tensor::zeros_checked(op, &[shard.len, hidden], dy.dtype())?,
+        Some(dev) => Tensor::zeros_on(Some(dev), &[shard.len, hidden], dy.dtype())?,
+    };
     scatter(op, &mut dtable, dy, ids, shard, Accum::Replace)?;
     Ok(dtable)
 }

@@ -46,6 +46,7 @@ pub struct MatmulScratch {
 /// ```
 pub fn matmul(a: &Tensor, ta: Transpose, b: &Tensor, tb: Transpose) -> Result<Tensor> {
     let plan = Plan::new(a, ta, b, tb)?;
+    dispatch!(OP, [a, b] => crate::cuda::ops::matmul(&a, ta, &b, tb));
     let mut dst = Tensor::zeros_checked(OP, &plan.out_shape, a.dtype())?;
     matmul_into(&mut dst, a, ta, b, tb, Accum::Replace, Parallelism::None)?;
     Ok(dst)
@@ -80,6 +81,8 @@ pub fn matmul_into_with(
 ) -> Result<()> {
     let plan = Plan::new(a, ta, b, tb)?;
     super::check_dst(OP, dst, &plan.out_shape, a.dtype())?;
+    // cuBLAS on the device: `par` and `scratch` are for the host kernels.
+    dispatch!(OP, mut dst, [a, b] => crate::cuda::ops::matmul_into(dst, &a, ta, &b, tb, accum));
     match a.dtype() {
         DType::F32 => run_native::<f32>(
             dst.as_mut_slice()?,

@@ -25,6 +25,7 @@ pub(crate) fn rows_of<L: Layout + ?Sized>(op: &'static str, x: &L) -> Result<(us
 /// source row names stay zero).
 pub fn scatter_add_rows(src: &Tensor, rows: &[usize], n: usize) -> Result<Tensor> {
     const OP: &str = "ops::scatter_add_rows";
+    dispatch!(OP, [src] => crate::cuda::model_ops::scatter_add_rows(&src, rows, n));
     let (m, h) = rows_of(OP, src)?;
     if m != rows.len() {
         return Err(Error::Invalid {
@@ -98,6 +99,7 @@ fn expert(w: &Tensor, g: usize, out: usize, k: usize) -> Result<Tensor> {
 /// the rows of expert `e` (Σ = rows). Returns `[rows, out]`.
 pub fn grouped_matmul_t(x: &Tensor, w: &Tensor, groups: &[usize]) -> Result<Tensor> {
     const OP: &str = "ops::grouped_matmul_t";
+    dispatch!(OP, [x, w] => crate::cuda::model_ops::grouped_matmul_t(&x, &w, groups));
     let (_, out, k) = check_grouped(OP, x, w, groups)?;
     let mut pieces = Vec::with_capacity(groups.len());
     let mut start = 0;
@@ -135,6 +137,8 @@ pub fn grouped_matmul_t_backward(
     groups: &[usize],
 ) -> Result<GroupedMatmulGrads> {
     const OP: &str = "ops::grouped_matmul_t_backward";
+    dispatch!(OP, [dy, x, w] => crate::cuda::model_ops::grouped_matmul_t_backward(&dy, &x, &w, groups)
+        .map(|g| GroupedMatmulGrads { dx: g.dx.into(), dw: g.dw.into() }));
     let (e, out, k) = check_grouped(OP, x, w, groups)?;
     same_dtype(OP, dy, x)?;
     if dy.shape() != [x.shape()[0], out] {

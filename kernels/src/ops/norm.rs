@@ -205,6 +205,8 @@ fn narrow_into<T: Float>(dst: &mut [T], src: &[T::Acc]) {
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<LayerNormOutput> {
     const OP: &str = "ops::layer_norm";
     let n = check_input(OP, x, &[weight, bias])?;
+    dispatch!(OP, [x, weight, bias] => crate::cuda::ops::layer_norm(&x, &weight, &bias, eps)
+        .map(crate::cuda::ops::NormOutput::into_layer));
     let lead = &x.shape()[..x.rank() - 1];
     let mut y = Tensor::zeros(x.shape(), x.dtype());
     let mut mean = Tensor::zeros(lead, acc_dtype(x.dtype()));
@@ -240,6 +242,9 @@ pub fn layer_norm_backward(
     same_layout(OP, x, dy)?;
     check_stat(OP, x, mean)?;
     check_stat(OP, x, rstd)?;
+    dispatch!(OP, [dy, x, weight, mean, rstd] =>
+        crate::cuda::ops::layer_norm_backward(&dy, &x, &weight, &mean, &rstd)
+            .map(crate::cuda::ops::NormGrads::into_layer));
     let mut dx = Tensor::zeros(x.shape(), x.dtype());
     let mut dweight = Tensor::zeros(&[n], x.dtype());
     let mut dbias = Tensor::zeros(&[n], x.dtype());
@@ -269,6 +274,8 @@ pub fn layer_norm_backward(
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<RmsNormOutput> {
     const OP: &str = "ops::rms_norm";
     let n = check_input(OP, x, &[weight])?;
+    dispatch!(OP, [x, weight] => crate::cuda::ops::rms_norm(&x, &weight, eps)
+        .map(crate::cuda::ops::NormOutput::into_rms));
     let lead = &x.shape()[..x.rank() - 1];
     let mut y = Tensor::zeros(x.shape(), x.dtype());
     let mut rstd = Tensor::zeros(lead, acc_dtype(x.dtype()));
@@ -301,6 +308,9 @@ pub fn rms_norm_backward(
     let n = check_input(OP, x, &[weight])?;
     same_layout(OP, x, dy)?;
     check_stat(OP, x, rstd)?;
+    dispatch!(OP, [dy, x, weight, rstd] =>
+        crate::cuda::ops::rms_norm_backward(&dy, &x, &weight, &rstd)
+            .map(crate::cuda::ops::NormGrads::into_rms));
     let mut dx = Tensor::zeros(x.shape(), x.dtype());
     let mut dweight = Tensor::zeros(&[n], x.dtype());
     dispatch_float!(OP, x.dtype(), |T| {

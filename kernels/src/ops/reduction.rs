@@ -122,6 +122,7 @@ pub(crate) fn check_index_range(op: &'static str, ix: &[i64], extent: usize) -> 
 pub fn sum_dim(x: &Tensor, dim: usize) -> Result<Tensor> {
     const OP: &str = "ops::sum_dim";
     let (outer, extent, inner, shape) = split(OP, x, dim)?;
+    dispatch!(OP, [x] => crate::cuda::ops::sum_dim(&x, dim));
     let mut out = Tensor::zeros(&shape, x.dtype());
     dispatch_float!(OP, x.dtype(), |T| {
         let xs = x.as_slice::<T>()?;
@@ -148,6 +149,7 @@ pub fn sum_dim(x: &Tensor, dim: usize) -> Result<Tensor> {
 pub fn sum_dim_backward(dy: &Tensor, dim: usize, extent: usize) -> Result<Tensor> {
     const OP: &str = "ops::sum_dim_backward";
     let shape = restored(OP, dy, dim, extent)?;
+    dispatch!(OP, [dy] => crate::cuda::ops::sum_dim_backward(&dy, dim, extent));
     let outer: usize = shape[..dim].iter().product();
     let inner: usize = shape[dim + 1..].iter().product();
     // `extent` comes from the caller: the restored shape may not fit.
@@ -179,6 +181,7 @@ pub struct MaxDim {
 pub fn max_dim(x: &Tensor, dim: usize) -> Result<MaxDim> {
     const OP: &str = "ops::max_dim";
     let (outer, extent, inner) = max_split(OP, x.shape(), dim)?;
+    dispatch!(OP, [x] => crate::cuda::ops::max_dim(&x, dim));
     let shape = removed(x.shape(), dim);
     let mut values = Tensor::zeros(&shape, x.dtype());
     let mut indices = Tensor::zeros(&shape, DType::I64);
@@ -219,6 +222,7 @@ pub fn max_dim_backward(
     const OP: &str = "ops::max_dim_backward";
     let shape = restored(OP, dy, dim, extent)?;
     check_indices(OP, dy, indices)?;
+    dispatch!(OP, [dy, indices] => crate::cuda::ops::max_dim_backward(&dy, &indices, dim, extent));
     let outer: usize = shape[..dim].iter().product();
     let inner: usize = shape[dim + 1..].iter().product();
     let ix = indices.as_slice::<i64>()?;

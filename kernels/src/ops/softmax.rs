@@ -94,6 +94,13 @@ fn backward_rows<T: Float>(dx: &mut [T], dy: &[T], y: &[T], n: usize, kind: Kind
 fn forward_into(op: &'static str, dst: &mut Tensor, x: &Tensor, kind: Kind) -> Result<()> {
     let (_, n) = rows_last(op, x)?;
     check_dst(op, dst, x.shape(), x.dtype())?;
+    dispatch!(op, mut dst, [x] => {
+        let y = match kind {
+            Kind::Softmax => crate::cuda::ops::softmax(&x)?,
+            Kind::LogSoftmax => crate::cuda::ops::log_softmax(&x)?,
+        };
+        crate::dispatch::replace(op, dst, y)
+    });
     dispatch_float!(op, x.dtype(), |T| {
         forward_rows::<T>(dst.as_mut_slice()?, x.as_slice()?, n, kind);
         Ok(())
@@ -111,6 +118,10 @@ fn backward_into(
     let (_, n) = rows_last(op, y)?;
     same_layout(op, dy, y)?;
     check_dst(op, dx, y.shape(), y.dtype())?;
+    dispatch!(op, mut dx, [dy, y] => match kind {
+        Kind::Softmax => crate::cuda::ops::softmax_backward_into(dx, &dy, &y, accum),
+        Kind::LogSoftmax => crate::cuda::ops::log_softmax_backward_into(dx, &dy, &y, accum),
+    });
     dispatch_float!(op, y.dtype(), |T| {
         backward_rows::<T>(
             dx.as_mut_slice()?,
@@ -126,6 +137,7 @@ fn backward_into(
 
 /// Softmax along the last dim: `exp(x − max) / Σ exp(x − max)` per row.
 pub fn softmax(x: &Tensor) -> Result<Tensor> {
+    dispatch!("ops::softmax", [x] => crate::cuda::ops::softmax(&x));
     let mut dst = Tensor::zeros(x.shape(), x.dtype());
     softmax_into(&mut dst, x)?;
     Ok(dst)
@@ -138,7 +150,9 @@ pub fn softmax_into(dst: &mut Tensor, x: &Tensor) -> Result<()> {
 
 /// `dx = y·(dy − Σ_row dy·y)`, where `y = softmax(x)` is the forward output.
 pub fn softmax_backward(dy: &Tensor, y: &Tensor) -> Result<Tensor> {
-    let mut dx = Tensor::zeros(y.shape(), y.dtype());
+    crate::dispatch::on_cuda("ops::softmax_backward", &[dy, y])?;
+    // Where `y` is (on a device the kernel writes every element: `Replace`).
+    let mut dx = y.zeros_like()?;
     softmax_backward_into(&mut dx, dy, y, Accum::Replace)?;
     Ok(dx)
 }
@@ -150,6 +164,7 @@ pub fn softmax_backward_into(dx: &mut Tensor, dy: &Tensor, y: &Tensor, accum: Ac
 
 /// Log-softmax along the last dim: `x − max − ln Σ exp(x − max)` per row.
 pub fn log_softmax(x: &Tensor) -> Result<Tensor> {
+    dispatch!("ops::log_softmax", [x] => crate::cuda::ops::log_softmax(&x));
     let mut dst = Tensor::zeros(x.shape(), x.dtype());
     log_softmax_into(&mut dst, x)?;
     Ok(dst)
@@ -162,7 +177,8 @@ pub fn log_softmax_into(dst: &mut Tensor, x: &Tensor) -> Result<()> {
 
 /// `dx = dy − exp(y)·Σ_row dy`, where `y = log_softmax(x)` is the forward output.
 pub fn log_softmax_backward(dy: &Tensor, y: &Tensor) -> Result<Tensor> {
-    let mut dx = Tensor::zeros(y.shape(), y.dtype());
+    crate::dispatch::on_cuda("ops::log_softmax_backward", &[dy, y])?;
+    let mut dx = y.zeros_like()?;
     log_softmax_backward_into(&mut dx, dy, y, Accum::Replace)?;
     Ok(dx)
 }
