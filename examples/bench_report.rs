@@ -405,7 +405,7 @@ mod nccl_bench {
             };
             Ok(Case {
                 op,
-                send: host(send).to_device(dev)?,
+                send: host(send).to_device(dev)?.cuda_tensor()?,
                 recv: CudaTensor::zeros(dev, &[recv], dtype)?,
             })
         }
@@ -439,7 +439,9 @@ mod nccl_bench {
     /// Every rank's `v`, one after another (through the device: NCCL moves nothing else).
     fn gather_f64(comm: &NcclComm, v: &[f64]) -> Result<Vec<f64>, BoxError> {
         let dev = comm.device();
-        let send = Tensor::from_vec(v.to_vec(), &[v.len()])?.to_device(dev)?;
+        let send = Tensor::from_vec(v.to_vec(), &[v.len()])?
+            .to_device(dev)?
+            .cuda_tensor()?;
         let mut recv = CudaTensor::zeros(dev, &[v.len() * comm.size()], DType::F64)?;
         comm.all_gather_device(send.view()?, recv.view_mut()?)?;
         Ok(recv.to_host()?.as_slice::<f64>()?.to_vec())
