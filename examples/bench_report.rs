@@ -16,6 +16,22 @@
 //! under `-np 4` for the others); rank 0 times them between barriers (rank 0's time, the
 //! median of several runs, as above), measures memcpy in its own process, and prints the
 //! same lines with `backend=mpi`. The gemm lines are printed by the threads backend only.
+//!
+//! With `--backend nccl` (build with `--features nccl`) the ranks are threads of this
+//! process, each on a GPU (`nccl::launch`: rank `r` on GPU `r % device_count`; a world
+//! with more ranks than GPUs runs only when `NCCL_MULTI_RANK_GPU_ENABLE=1` allows ranks
+//! to share one), for 2 and 4 ranks. Each case is the backend's device collective alone,
+//! on warm device buffers (the placement layer does not run on device tensors yet, so no
+//! pack/unpack kernel is timed): `all_gather` (`all_gather_device`), `reduce_scatter`,
+//! `all_reduce` (sum), `all_to_all` (`all_to_all_device` of the rank's `bytes/n`) and
+//! `chunk` (a device-to-device copy of the rank's `bytes/n`); `all_gather_last` needs a
+//! device column-block all-gather, which does not exist yet, and is reported as not run.
+//! Every NCCL call returns only once its data has moved, and each timed run sits between
+//! two barriers, so the clock stops after the work is done; a run's time is its slowest
+//! rank's, and a line shows the median over runs. `memcpy_GBps` is a
+//! device-to-device copy (`cuMemcpyDtoD` through cudarc) of `bytes` on GPU 0, measured in
+//! the same run with the stream synchronized before the clock stops; lines say
+//! `backend=nccl`.
 
 #[path = "../benches/support/mod.rs"]
 mod support;
@@ -30,19 +46,23 @@ use std::time::{Duration, Instant};
 use support::{bench_mesh, memcpy_gbps, parallel_memcpy_gbps, Op, RankCase, RankPool};
 
 const USAGE: &str = "\
-usage: bench_report [--quick] [--backend threads|mpi]
+usage: bench_report [--quick] [--backend threads|mpi|nccl]
 
   --quick              fewer sizes and repetitions
   --backend <b>        threads (default): ranks are threads of this process, 2 and 4 ranks,
                        plus the gemm lines; mpi: each process started by
                        `mpirun -np N` is one rank and the cases with ranks=N run
-                       (needs a build with `--features mpi`)
+                       (needs a build with `--features mpi`); nccl: ranks are
+                       threads of this process, each on a GPU, 2 and 4 ranks (needs a
+                       build with `--features nccl`, CUDA GPUs and libnccl; ranks share
+                       a GPU only with NCCL_MULTI_RANK_GPU_ENABLE=1)
   --help               this text";
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Backend {
     Threads,
     Mpi,
+    Nccl,
 }
 
 impl Backend {
@@ -50,6 +70,7 @@ impl Backend {
         match self {
             Backend::Threads => "threads",
             Backend::Mpi => "mpi",
+            Backend::Nccl => "nccl",
         }
     }
 }
@@ -232,10 +253,11 @@ fn parse_args() -> Result<Option<(bool, Backend)>, String> {
                 backend = match it.next().as_deref() {
                     Some("threads") => Backend::Threads,
                     Some("mpi") => Backend::Mpi,
+                    Some("nccl") => Backend::Nccl,
                     Some(other) => {
-                        return Err(format!("--backend: `{other}` is not threads or mpi"))
+                        return Err(format!("--backend: `{other}` is not threads, mpi or nccl"))
                     }
-                    None => return Err("--backend needs a value: threads or mpi".into()),
+                    None => return Err("--backend needs a value: threads, mpi or nccl".into()),
                 }
             }
             "--help" | "-h" => return Ok(None),
@@ -278,6 +300,230 @@ fn main() -> ExitCode {
             }
             mpi_backend::run(|world| mpi_cases(world, quick));
         }
+        Backend::Nccl => {
+            if !cfg!(feature = "nccl") {
+                eprintln!(
+                    "error: --backend nccl: this bench_report was built without the `nccl` feature; rebuild with `cargo build --release --example bench_report --features nccl` (needs CUDA GPUs and libnccl at run time)"
+                );
+                return ExitCode::from(2);
+            }
+            #[cfg(feature = "nccl")]
+            if let Err(e) = nccl_bench::cases(quick) {
+                eprintln!("error: --backend nccl: {e}");
+                return ExitCode::from(1);
+            }
+        }
     }
     ExitCode::SUCCESS
+}
+
+/// `--backend nccl`: the device collectives on thread ranks, one per GPU.
+#[cfg(feature = "nccl")]
+mod nccl_bench {
+    use super::{case_reps, memcpy_reps, report, sizes, Backend, Op, RANKS};
+    use dtensor::collectives::nccl::{self, NcclComm, MULTI_RANK_GPU_ENV};
+    use dtensor::kernels::cuda::{self, CudaTensor, Device, DeviceView, DeviceViewMut};
+    use dtensor::prelude::{Communicator, DType, ReduceOp, Tensor};
+    use std::time::{Duration, Instant};
+
+    type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+    /// Copies `src` into `dst` (same dtype and length) on `dev`'s stream; returns once
+    /// queued.
+    fn dtod(
+        dev: &Device,
+        src: &DeviceView<'_>,
+        dst: &mut DeviceViewMut<'_>,
+    ) -> Result<(), BoxError> {
+        if src.len() != dst.len() || src.dtype() != dst.dtype() {
+            return Err(format!(
+                "device copy of {} x {} into {} x {}",
+                src.dtype(),
+                src.len(),
+                dst.dtype(),
+                dst.len()
+            )
+            .into());
+        }
+        let st = dev.stream();
+        match (src, dst) {
+            (DeviceView::F32(s), DeviceViewMut::F32(d)) => st.memcpy_dtod(s, d),
+            (DeviceView::F64(s), DeviceViewMut::F64(d)) => st.memcpy_dtod(s, d),
+            (DeviceView::BF16(s), DeviceViewMut::BF16(d)) => st.memcpy_dtod(s, d),
+            (DeviceView::F16(s), DeviceViewMut::F16(d)) => st.memcpy_dtod(s, d),
+            (DeviceView::I32(s), DeviceViewMut::I32(d)) => st.memcpy_dtod(s, d),
+            (DeviceView::I64(s), DeviceViewMut::I64(d)) => st.memcpy_dtod(s, d),
+            _ => unreachable!("dtypes checked above"),
+        }
+        .map_err(|e| format!("cuMemcpyDtoDAsync: {e}").into())
+    }
+
+    /// GB/s of a device-to-device copy of `bytes` on GPU 0 (best of `reps` batches; each
+    /// batch of copies is timed from a synchronized stream to a synchronized stream).
+    fn dtod_gbps(dev: &Device, bytes: usize, reps: usize) -> Result<f64, BoxError> {
+        let n = bytes / 4;
+        let src = CudaTensor::zeros(dev, &[n], DType::F32)?;
+        let mut dst = CudaTensor::zeros(dev, &[n], DType::F32)?;
+        let (s, mut d) = (src.view()?, dst.view_mut()?);
+        // Enough copies per batch that the two synchronizations do not dominate.
+        let batch = ((256usize << 20) / bytes.max(1)).clamp(1, 64);
+        dtod(dev, &s, &mut d)?; // warm up
+        dev.synchronize()?;
+        let mut best = f64::INFINITY;
+        for _ in 0..reps.max(1) {
+            dev.synchronize()?;
+            let t0 = Instant::now();
+            for _ in 0..batch {
+                dtod(dev, &s, &mut d)?;
+            }
+            dev.synchronize()?;
+            best = best.min(t0.elapsed().as_secs_f64() / batch as f64);
+        }
+        Ok(bytes as f64 / best / 1e9)
+    }
+
+    /// One case's buffers on one rank, allocated once (warm, as a training step's are).
+    struct Case {
+        op: Op,
+        send: CudaTensor,
+        recv: CudaTensor,
+    }
+
+    impl Case {
+        fn new(comm: &NcclComm, op: Op, bytes: usize, dtype: DType) -> Result<Case, BoxError> {
+            let numel = bytes / dtype.size_in_bytes();
+            let local = numel / comm.size();
+            let dev = comm.device();
+            let host =
+                |len: usize| Tensor::from_fn(&[len], |i| (i % 251) as f32 * 0.5).to_dtype(dtype);
+            let (send, recv) = match op {
+                Op::AllGatherS0 => (local, numel),
+                Op::ReduceScatterS0 => (numel, local),
+                Op::AllReduce => (numel, 0),
+                Op::AllToAllS0S1 | Op::ChunkS0 => (local, local),
+                Op::AllGatherSLast => return Err("no device column-block all-gather".into()),
+            };
+            Ok(Case {
+                op,
+                send: host(send).to_device(dev)?.cuda_tensor()?,
+                recv: CudaTensor::zeros(dev, &[recv], dtype)?,
+            })
+        }
+
+        /// One run of the case (returns once its data has moved).
+        fn run(&mut self, comm: &NcclComm) -> Result<(), BoxError> {
+            match self.op {
+                Op::AllGatherS0 => {
+                    comm.all_gather_device(self.send.view()?, self.recv.view_mut()?)?
+                }
+                Op::ReduceScatterS0 => comm.reduce_scatter_device(
+                    self.send.view()?,
+                    self.recv.view_mut()?,
+                    ReduceOp::Sum,
+                )?,
+                Op::AllReduce => comm.all_reduce_device(self.send.view_mut()?, ReduceOp::Sum)?,
+                Op::AllToAllS0S1 => {
+                    comm.all_to_all_device(self.send.view()?, self.recv.view_mut()?)?
+                }
+                Op::ChunkS0 => {
+                    let dev = comm.device();
+                    dtod(dev, &self.send.view()?, &mut self.recv.view_mut()?)?;
+                    dev.synchronize()?;
+                }
+                Op::AllGatherSLast => unreachable!("never built"),
+            }
+            Ok(())
+        }
+    }
+
+    /// Every rank's `v`, one after another (through the device: NCCL moves nothing else).
+    fn gather_f64(comm: &NcclComm, v: &[f64]) -> Result<Vec<f64>, BoxError> {
+        let dev = comm.device();
+        let send = Tensor::from_vec(v.to_vec(), &[v.len()])?
+            .to_device(dev)?
+            .cuda_tensor()?;
+        let mut recv = CudaTensor::zeros(dev, &[v.len() * comm.size()], DType::F64)?;
+        comm.all_gather_device(send.view()?, recv.view_mut()?)?;
+        Ok(recv.to_host()?.as_slice::<f64>()?.to_vec())
+    }
+
+    /// One rank's part of a world: every case, each run between two barriers; rank 0
+    /// prints the lines.
+    fn rank_cases(comm: &NcclComm, quick: bool, memcpy: &[f64]) -> Result<(), BoxError> {
+        let n = comm.size();
+        for (&bytes, &memcpy) in sizes(quick).iter().zip(memcpy) {
+            for dtype in [DType::F32, DType::BF16] {
+                for op in Op::ALL {
+                    if op == Op::AllGatherSLast {
+                        continue;
+                    }
+                    let mut case = Case::new(comm, op, bytes, dtype)?;
+                    comm.barrier()?;
+                    case.run(comm)?; // warm up
+                    let mut times = Vec::new();
+                    for _ in 0..case_reps(bytes) {
+                        comm.barrier()?;
+                        let t0 = Instant::now();
+                        case.run(comm)?;
+                        comm.barrier()?;
+                        times.push(t0.elapsed());
+                    }
+                    // Every rank's slowest run decides a collective's time: rank 0 reports
+                    // the per-run maximum over ranks.
+                    let secs: Vec<f64> = times.iter().map(Duration::as_secs_f64).collect();
+                    let all = gather_f64(comm, &secs)?;
+                    let worst: Vec<Duration> = (0..secs.len())
+                        .map(|i| {
+                            let t = (0..n).map(|p| all[p * secs.len() + i]).fold(0.0, f64::max);
+                            Duration::from_secs_f64(t)
+                        })
+                        .collect();
+                    if comm.rank() == 0 {
+                        report(op, n, bytes, dtype, worst, memcpy, Backend::Nccl);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every world size the GPUs allow, after the device copy bandwidth.
+    pub fn cases(quick: bool) -> Result<(), BoxError> {
+        nccl::require_library()?;
+        let gpus = cuda::device_count()?;
+        if gpus == 0 {
+            return Err("no CUDA device found".into());
+        }
+        let dev = Device::new(0)?;
+        let memcpy: Vec<f64> = sizes(quick)
+            .iter()
+            .map(|&b| dtod_gbps(&dev, b, memcpy_reps(b)))
+            .collect::<Result<_, _>>()?;
+        drop(dev);
+        let shared = std::env::var(MULTI_RANK_GPU_ENV).as_deref() == Ok("1");
+        println!(
+            "bench_report: backend=nccl, {gpus} GPU(s); op=all_gather_last not measured (no device column-block all-gather yet); memcpy_GBps is a device-to-device copy on GPU 0"
+        );
+        let mut ran = 0;
+        for n in RANKS {
+            if n > gpus && !shared {
+                println!(
+                    "bench_report: backend=nccl: skipping ranks={n}: {gpus} GPU(s) and {MULTI_RANK_GPU_ENV} is not 1 (ranks may share a GPU only when it is)"
+                );
+                continue;
+            }
+            let results = nccl::launch(n, |comm| rank_cases(&comm, quick, &memcpy));
+            for (r, res) in results.into_iter().enumerate() {
+                res.map_err(|e| format!("ranks={n}, rank {r}: {e}"))?;
+            }
+            ran += 1;
+        }
+        if ran == 0 {
+            return Err(format!(
+                "no world size runs on {gpus} GPU(s) without {MULTI_RANK_GPU_ENV}=1"
+            )
+            .into());
+        }
+        Ok(())
+    }
 }

@@ -6,7 +6,10 @@
 //! threads backend runs it in `tests/threads.rs` (one `#[test]` per case, on groups of 1
 //! to 4 thread ranks), the MPI backend in `examples/mpi_conformance.rs` (under
 //! `mpirun -np 2` and `-np 4`, on the world and on its two halves; `scripts/mpi-tests.sh`
-//! checks its summary). Enable it only in tests:
+//! checks its summary), the NCCL backend in `tests/nccl_conformance.rs` (on 2 and 4
+//! thread ranks on the GPUs, through the staging adapter `staging`, feature `nccl`;
+//! ignored without a GPU, run by `scripts/gpu-check.sh`'s bundle). Enable it only in
+//! tests:
 //!
 //! ```toml
 //! [dev-dependencies]
@@ -18,10 +21,11 @@
 //! | group of cases | what every backend must do |
 //! |---|---|
 //! | `all_reduce_*`, `all_gather*`, `reduce_scatter*`, `all_to_all*`, `broadcast_*` | every collective against a slow, obviously correct reference, for every dtype (f32, f64, bf16, f16, i32, i64), every reduce op, empty, short and long buffers (past the reduction kernel's block), uneven counts with zeros |
-//! | `*_order_sensitive_*` | reductions combine in rank order `0..n`: order-sensitive f64 sums give the left-to-right result, bitwise the same on every rank, and bitwise the threads backend's |
+//! | `*_order_sensitive_*` | reductions combine in rank order `0..n`: order-sensitive f64 sums give the left-to-right result, bitwise the same on every rank, and bitwise the threads backend's ([`Need::RankOrderedReduction`]) |
+//! | `all_reduce_any_order_*` | whatever the order: one all-reduce gives every rank the same bits, within rounding of the exact sum or mean |
 //! | `in_place_*` | `all_gatherv_in_place`, `reduce_scatterv_in_place`, the backend's own and the trait's defaults over it |
 //! | `column_*` | the column-block collectives (`*_cols`), the backend's own and the trait's defaults |
-//! | `send_recv_*`, `recv_*`, `send_from_many_threads_*` | buffered sends (a ring never deadlocks, large messages too), FIFO per `(source, tag)`, a receive of the wrong size or dtype fails and leaves the message queued, sends from many threads never interleave |
+//! | `send_recv_*`, `recv_*`, `send_from_many_threads_*` | a ring that needs no buffering (rank 0 sends first) delivers in order; buffered sends (a ring where everyone sends first never deadlocks, large messages too), FIFO per `(source, tag)`, a receive of the wrong size or dtype fails and leaves the message queued ([`Need::BufferedSend`], [`Need::TagMatching`]); sends from many threads never interleave |
 //! | `split_*` | sub-groups per mesh axis: rows and columns used alternately, keys order the new ranks, ties keep the parent order, a sub-group's mismatch names world ranks, async calls on sub-groups |
 //! | `counters_*` | every call counts its bytes as `counters.rs`'s table says; a failed call counts nothing; a new handle starts from zero |
 //! | `*_mismatch*`, `*_invalid_argument*` | calls that disagree give every rank `CollectiveMismatch` with the same diagnosis; a rank's own bad arguments give it `InvalidArgument` and its peers a mismatch; the group stays usable |
@@ -59,13 +63,15 @@
 //! The trait's buffers ([`Slice`], [`SliceMut`], [`Buffer`]) are host memory, so every
 //! case passes host buffers and reads its results on the host once a call has returned
 //! (or a request's `wait` has returned the buffer). A device backend (NCCL) never stages
-//! through the host itself: its collectives take device buffers. To run these cases, its
-//! runner gives the backend the device copies of the case's buffers (copied in before each
-//! call and out after it: test harness only) or host-visible memory (pinned or managed)
-//! where the backend accepts it. The `in_place_*` cases also need the
-//! backend to take the rank's own block from the caller's buffer and write the rest into
-//! that same buffer. No case touches a buffer while a collective on it is in flight:
-//! asynchronous calls own their buffers until `wait`.
+//! through the host itself: its collectives take device buffers, and its host methods
+//! refuse. To run these cases its runner wraps each rank's communicator in the staging
+//! adapter `staging::Staging` (feature `nccl`; **test harness only**), which copies the
+//! case's buffers to fresh device buffers before each call and back after it, and calls
+//! the backend's `*_device` method in between. The in-place calls take the rank's own
+//! block into a separate device send buffer there (NCCL has no in-place uneven calls), and
+//! the column-block calls are the trait's defaults over the staged calls. No case touches
+//! a buffer while a collective on it is in flight: asynchronous calls own their buffers
+//! until `wait`.
 //!
 //! ## Unsupported, explicitly
 //!
@@ -77,16 +83,23 @@
 //! [`Outcome::Skipped`], reported the same way; a runner must run every case on at least
 //! one group large enough (the threads tests fail a case that never ran).
 //!
+//! A case that does not need a capability may still check differently without it:
+//! [`Checks::lacks`] tells it what the backend declared. Without
+//! [`Need::RankOrderedReduction`] the reference cases check a float `Avg` over a group
+//! whose size is not a power of two within rounding (NCCL multiplies each term by a
+//! rounded `1/n`); every other reduction of their small integers is exact in any order
+//! and stays bitwise.
+//!
 //! What the current backends declare: threads and MPI support everything (MPI agrees on
 //! the rows of a column-block call in the header it exchanges before every collective).
-//! An NCCL backend that keeps its communicator on one thread would declare
-//! [`Need::SharedHandle`]; one without asynchronous progress, [`Need::Overlap`]; one that
-//! keeps the trait's column-block defaults, which agree on element counts only,
-//! [`Need::ColumnRowAgreement`]. The NCCL backend (`nccl`) does not run the suite yet: its
-//! cases pass host buffers, which that backend refuses, so its GPU tests (`tests/nccl.rs`)
-//! check the same semantics directly on device buffers. Still to do for it: a staging
-//! runner (test harness only) and `Need`s for what NCCL changes (reductions not in rank
-//! order, unbuffered sends).
+//! NCCL (`staging::UNSUPPORTED`, each with its reason) lacks [`Need::Overlap`] (no
+//! asynchronous progress: the trait's `start_*` stand-ins), [`Need::SharedHandle`] (a
+//! rank's calls serialize on its worker thread), [`Need::ColumnRowAgreement`] (no device
+//! column-block calls: the trait's defaults), [`Need::RankOrderedReduction`] (NCCL picks
+//! the order), [`Need::BufferedSend`] (a send waits for its receive) and
+//! [`Need::TagMatching`] (no tags). The cases that need none of these run on it unchanged,
+//! and its own GPU tests (`tests/nccl.rs`) check what the suite cannot: a failing rank, a
+//! timeout, the refusal of host buffers, its own wording.
 //!
 //! ## Sizes
 //!
@@ -97,6 +110,9 @@
 //! ranks still give uneven blocks and a reduction over more than two sources) and one
 //! size for the others ([`Case::miri_ranks`]). Under MPI the group sizes are the world's
 //! and its halves'.
+
+#[cfg(feature = "nccl")]
+pub mod staging;
 
 use crate::{
     threads, Buffer, CollectiveKind, Communicator, CommunicatorExt, CounterSnapshot, DType,
@@ -124,6 +140,22 @@ pub enum Need {
     /// Column-block collectives whose ranks agree on element counts but not on rows
     /// return `CollectiveMismatch` (the trait's defaults see element counts only).
     ColumnRowAgreement,
+    /// Reductions combine contributions in rank order `0, 1, …, n-1`, so order-sensitive
+    /// float sums are bitwise the left-to-right sum (and the threads backend's). A backend
+    /// without it (NCCL: its ring and tree algorithms choose the order, and its float
+    /// `Avg` multiplies each term by `1/n` before summing) still gives every rank the same
+    /// bits; the reference cases then check a float `Avg` within rounding
+    /// ([`Checks::lacks`]) and the cases about the order itself are unsupported.
+    RankOrderedReduction,
+    /// A `send` returns before its receiver posts the `recv` (the message is buffered),
+    /// so rings where every rank sends first, and several sends before any receive, do
+    /// not deadlock, and a `recv` of the wrong size leaves the message queued. NCCL's
+    /// sends wait for the matching receive.
+    BufferedSend,
+    /// `recv` takes the oldest message with its tag from the source, out of a queue that
+    /// holds other tags too. NCCL has no tags: messages between a pair arrive in call
+    /// order, and the tag is only checked.
+    TagMatching,
 }
 
 /// One conformance case: a named check that every rank of a group runs together.
@@ -209,7 +241,10 @@ impl Case {
                 comm.size()
             ));
         }
-        let mut checks = Checks::default();
+        let mut checks = Checks {
+            failures: Vec::new(),
+            lacks: unsupported.iter().map(|&(n, _)| n).collect(),
+        };
         if let Err(e) = (self.run)(comm, &mut checks) {
             checks.fail(format!("error: {e}"));
         }
@@ -226,9 +261,18 @@ impl Case {
 #[derive(Debug, Default)]
 pub struct Checks {
     failures: Vec<String>,
+    /// The capabilities the backend declared unsupported (from [`Case::run_on`]): a case
+    /// that does not need one may still check differently without it.
+    lacks: Vec<Need>,
 }
 
 impl Checks {
+    /// Whether the backend running this case declared `need` unsupported. Cases that
+    /// do not list `need` use it to check what still holds without it (a float `Avg`
+    /// within rounding instead of bitwise, without [`Need::RankOrderedReduction`]).
+    pub fn lacks(&self, need: Need) -> bool {
+        self.lacks.contains(&need)
+    }
     /// Records `what()` unless `ok`.
     pub fn check(&mut self, ok: bool, what: impl FnOnce() -> String) {
         if !ok {
@@ -417,6 +461,54 @@ fn bits<T: Element>(v: &[T]) -> String {
     format!("{v:?}")
 }
 
+/// The largest magnitude of [`val`] and [`cell`]: the scale of the rounding bound below.
+const VAL_MAX: f64 = 48.0;
+
+/// The distance from 1 to the next float of `dtype` (0 for the integers).
+fn epsilon(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => f64::from(f32::EPSILON),
+        DType::F64 => f64::EPSILON,
+        DType::BF16 => bf16::EPSILON.to_f64(),
+        DType::F16 => f16::EPSILON.to_f64(),
+        DType::I32 | DType::I64 => 0.0,
+    }
+}
+
+/// Checks reduced values (`op` over `n` ranks of [`val`] or [`cell`] terms) against the
+/// left-to-right reference: bitwise, which every order gives for these small integers
+/// except a float `Avg` over a group whose size is not a power of two, where a backend
+/// that lacks [`Need::RankOrderedReduction`] (NCCL multiplies each term by a rounded
+/// `1/n`, then sums in its own order) is checked within `(n + 2)` epsilons of the terms'
+/// largest magnitude instead.
+fn reduced_eq<T: Element>(
+    f: &mut Checks,
+    got: &[T],
+    want: &[T],
+    op: ReduceOp,
+    n: usize,
+    what: impl FnOnce() -> String,
+) {
+    let rounded = op == ReduceOp::Avg && T::DTYPE.is_float() && !n.is_power_of_two();
+    if !(rounded && f.lacks(Need::RankOrderedReduction)) {
+        f.eq(&bits(got), &bits(want), what);
+        return;
+    }
+    let tol = (n + 2) as f64 * epsilon(T::DTYPE) * VAL_MAX;
+    let far = got.len() != want.len()
+        || got
+            .iter()
+            .zip(want)
+            .any(|(g, w)| (g.to_f64() - w.to_f64()).abs() > tol);
+    if far {
+        let mut g = bits(got);
+        let mut w = bits(want);
+        g.truncate(300);
+        w.truncate(300);
+        f.fail(format!("{} (within {tol:e}): got {g}, want {w}", what()));
+    }
+}
+
 /// FNV-1a of a string, to compare long texts across ranks with one all-gather.
 fn hash(s: &str) -> i64 {
     s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
@@ -549,7 +641,7 @@ fn all_reduce_t<T: Element>(comm: &dyn Communicator, f: &mut Checks) -> Result<(
             let mut buf = vals::<T>(r, len);
             comm.all_reduce_in_place(&mut buf, op)?;
             let expect: Vec<T> = (0..len).map(|i| reduced(n, i, op)).collect();
-            f.eq(&bits(&buf), &bits(&expect), || {
+            reduced_eq(f, &buf, &expect, op, n, || {
                 format!("{} n={n} len={len} op={op}", T::DTYPE)
             });
         }
@@ -627,6 +719,65 @@ fn all_reduce_order_sensitive_sum_bitwise_identical_and_equal_to_threads(
     Ok(())
 }
 
+/// Terms that round differently in every order of summation: mixed signs and magnitudes,
+/// not small integers.
+fn rough(rank: usize, i: usize) -> f64 {
+    let m = ((rank * 7919 + i * 104_729) % 1000) as f64 / 997.0 - 0.5;
+    m * [1.0, 1.0e3, 1.0e-3, 37.0][(rank + i) % 4]
+}
+
+fn any_order_t<T: Element>(comm: &dyn Communicator, f: &mut Checks) -> Result<()> {
+    let (r, n) = (comm.rank(), comm.size());
+    let len = big(20_000);
+    for op in [ReduceOp::Sum, ReduceOp::Avg] {
+        let mut buf: Vec<T> = (0..len).map(|i| T::from_f64(rough(r, i))).collect();
+        comm.all_reduce_in_place(&mut buf, op)?;
+        // Every rank holds the same bits: gather each rank's hash of them.
+        let h = hash(&bits(&buf));
+        let all = comm.all_gather_vec(&[h])?;
+        f.check(all.iter().all(|&v| v == all[0]), || {
+            format!("{} {op} n={n}: replicas differ", T::DTYPE)
+        });
+        // Within rounding of the exact sum of the (rounded) terms: each of the n - 1
+        // additions, an Avg's scaling and the final rounding cost at most an epsilon of
+        // the terms' magnitude.
+        let eps = epsilon(T::DTYPE);
+        let mut worst: Option<(usize, f64, f64)> = None;
+        for (i, g) in buf.iter().enumerate() {
+            let terms: Vec<f64> = (0..n).map(|p| T::from_f64(rough(p, i)).to_f64()).collect();
+            let scale = if op == ReduceOp::Avg { n as f64 } else { 1.0 };
+            let exact = terms.iter().sum::<f64>() / scale;
+            let tol = (n + 2) as f64 * eps * terms.iter().map(|t| t.abs()).sum::<f64>() / scale;
+            if (g.to_f64() - exact).abs() > tol && worst.is_none() {
+                worst = Some((i, g.to_f64(), exact));
+            }
+        }
+        if let Some((i, g, e)) = worst {
+            f.fail(format!(
+                "{} {op} n={n}: element {i} is {g}, the exact result {e}",
+                T::DTYPE
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// What a backend without rank-ordered reductions still guarantees (NCCL): one call gives
+/// every rank the same bits, within rounding of the exact result, whatever order the
+/// backend sums in.
+fn all_reduce_any_order_replicas_bitwise_identical_within_rounding(
+    comm: &dyn Communicator,
+    f: &mut Checks,
+) -> Result<()> {
+    any_order_t::<f32>(comm, f)?;
+    any_order_t::<bf16>(comm, f)?;
+    if !cfg!(miri) {
+        any_order_t::<f64>(comm, f)?;
+        any_order_t::<f16>(comm, f)?;
+    }
+    Ok(())
+}
+
 fn all_gather_t<T: Element>(comm: &dyn Communicator, f: &mut Checks) -> Result<()> {
     let (r, n) = (comm.rank(), comm.size());
     for k in unless_miri(vec![0, 1, 7, 3000], vec![0, 7]) {
@@ -679,7 +830,7 @@ fn reduce_scatter_t<T: Element>(comm: &dyn Communicator, f: &mut Checks) -> Resu
             let mut recv = vec![T::zero(); k];
             comm.reduce_scatter(T::slice(&send), T::slice_mut(&mut recv), op)?;
             let expect: Vec<T> = (r * k..(r + 1) * k).map(|i| reduced(n, i, op)).collect();
-            f.eq(&bits(&recv), &bits(&expect), || {
+            reduced_eq(f, &recv, &expect, op, n, || {
                 format!("{} n={n} k={k} op={op}", T::DTYPE)
             });
         }
@@ -707,7 +858,7 @@ fn reduce_scatterv_t<T: Element>(comm: &dyn Communicator, f: &mut Checks) -> Res
             let expect: Vec<T> = (start..start + counts[r])
                 .map(|i| reduced(n, i, op))
                 .collect();
-            f.eq(&bits(&recv), &bits(&expect), || {
+            reduced_eq(f, &recv, &expect, op, n, || {
                 format!("{} n={n} counts={counts:?} op={op}", T::DTYPE)
             });
         }
@@ -852,9 +1003,12 @@ fn in_place_t<T: Element>(comm: &dyn Communicator, f: &mut Checks) -> Result<()>
         let expect: Vec<T> = (offsets[r]..offsets[r] + counts[r])
             .map(|i| reduced(n, i, op))
             .collect();
-        f.eq(
-            &bits(&buf[offsets[r]..offsets[r] + counts[r]]),
-            &bits(&expect),
+        reduced_eq(
+            f,
+            &buf[offsets[r]..offsets[r] + counts[r]],
+            &expect,
+            op,
+            n,
             || format!("{} reduce_scatterv_in_place n={n} {op}", T::DTYPE),
         );
         f.eq(&d.calls(CollectiveKind::ReduceScatter), &1, || {
@@ -944,14 +1098,18 @@ fn columns_t<T: Element>(comm: &dyn Communicator, f: &mut Checks) -> Result<()> 
     for op in unless_miri(ops(), vec![ReduceOp::Sum]) {
         let mut out = vec![T::zero(); rows * widths[me]];
         comm.reduce_scatter_cols(T::slice(&full), T::slice_mut(&mut out), rows, &widths, op)?;
-        for r in 0..rows {
-            for (j, c) in (offsets[me]..offsets[me] + widths[me]).enumerate() {
-                let terms: Vec<T> = (0..n).map(|k| cell(k, r, c)).collect();
-                f.eq(&out[r * widths[me] + j], &reduce_ref(&terms, op), || {
-                    format!("{dt} n={n} reduce_scatter_cols {op} row {r} col {c}")
-                });
-            }
-        }
+        // Row-major rows × widths[me]: this rank's columns of every row, reduced.
+        let expect: Vec<T> = (0..rows)
+            .flat_map(|r| {
+                (offsets[me]..offsets[me] + widths[me]).map(move |c| {
+                    let terms: Vec<T> = (0..n).map(|k| cell(k, r, c)).collect();
+                    reduce_ref(&terms, op)
+                })
+            })
+            .collect();
+        reduced_eq(f, &out, &expect, op, n, || {
+            format!("{dt} n={n} reduce_scatter_cols {op} ({rows} rows, widths {widths:?})")
+        });
     }
     // all_to_all_cols: rank p has rows_p = p + 1 rows of `total` columns; rank me gets
     // from each p its columns as a (p + 1) × widths[me] block.
@@ -1141,6 +1299,39 @@ fn send_recv_symmetric_exchange_does_not_deadlock(
     comm.recv(f32::slice_mut(&mut got), prev, 7)?;
     f.check(got == vals::<f32>(prev, len), || {
         format!("{len} x f32 payload")
+    });
+    comm.barrier()
+}
+
+/// A ring that needs no buffering: rank 0 sends first, every other rank receives from its
+/// predecessor before it sends on, so each send meets a posted receive. Two messages per
+/// hop on one tag (in order), of two dtypes, the second large.
+fn send_recv_chain_ring_unbuffered_delivers_in_order(
+    comm: &dyn Communicator,
+    f: &mut Checks,
+) -> Result<()> {
+    let r = comm.rank();
+    let (next, prev) = ring(comm);
+    let len = big(1 << 20);
+    let send = || -> Result<()> {
+        comm.send(f64::slice(&vals::<f64>(r, 1000)), next, 3)?;
+        comm.send(f32::slice(&vals::<f32>(r, len)), next, 3)
+    };
+    if r == 0 {
+        send()?;
+    }
+    let mut small = vec![0.0f64; 1000];
+    comm.recv(f64::slice_mut(&mut small), prev, 3)?;
+    let mut large = vec![0.0f32; len];
+    comm.recv(f32::slice_mut(&mut large), prev, 3)?;
+    if r != 0 {
+        send()?;
+    }
+    f.check(small == vals::<f64>(prev, 1000), || {
+        "first message (1000 x f64)".into()
+    });
+    f.check(large == vals::<f32>(prev, len), || {
+        format!("second message ({len} x f32)")
     });
     comm.barrier()
 }
@@ -1495,11 +1686,22 @@ fn counters_every_collective_match_table(comm: &dyn Communicator, f: &mut Checks
     let d = delta(comm, || comm.barrier())?;
     expect("barrier", d, Barrier, 0, 0);
     if n > 1 {
+        // Rank 0 sends first, the others receive first: a chain that needs no buffered
+        // sends (Need::BufferedSend), so unbuffered backends count these too.
         let (next, prev) = ring(comm);
-        let d = delta(comm, || comm.send(f32::slice(&[1.0; 3]), next, 9))?;
-        expect("send", d, Send, b(3), 0);
         let mut m = [0.0f32; 3];
+        let mut send = || -> Result<()> {
+            let d = delta(comm, || comm.send(f32::slice(&[1.0; 3]), next, 9))?;
+            expect("send", d, Send, b(3), 0);
+            Ok(())
+        };
+        if r == 0 {
+            send()?;
+        }
         let d = delta(comm, || comm.recv(f32::slice_mut(&mut m), prev, 9))?;
+        if r != 0 {
+            send()?;
+        }
         expect("recv", d, Recv, 0, b(3));
     }
     let before = comm.counters();
@@ -2413,6 +2615,12 @@ static CASES: &[Case] = &[
     case!(
         all_reduce_order_sensitive_sum_bitwise_identical_and_equal_to_threads,
         1,
+        [3],
+        [RankOrderedReduction]
+    ),
+    case!(
+        all_reduce_any_order_replicas_bitwise_identical_within_rounding,
+        1,
         [3]
     ),
     case!(all_gather_every_dtype_matches_reference, 1, [1, 2, 3]),
@@ -2466,12 +2674,24 @@ static CASES: &[Case] = &[
         [2]
     ),
     // Point to point.
-    case!(send_recv_fifo_per_tag_delivers_in_order, 1, [2]),
-    case!(send_recv_symmetric_exchange_does_not_deadlock, 1, [4]),
+    case!(
+        send_recv_fifo_per_tag_delivers_in_order,
+        1,
+        [2],
+        [BufferedSend, TagMatching]
+    ),
+    case!(
+        send_recv_symmetric_exchange_does_not_deadlock,
+        1,
+        [4],
+        [BufferedSend]
+    ),
+    case!(send_recv_chain_ring_unbuffered_delivers_in_order, 2, [3]),
     case!(
         recv_wrong_length_or_dtype_message_mismatch_and_message_stays_queued,
         1,
-        [2]
+        [2],
+        [BufferedSend]
     ),
     case!(send_recv_peer_out_of_range_invalid_argument, 1, [2]),
     case!(
@@ -2524,7 +2744,8 @@ static CASES: &[Case] = &[
     case!(
         async_order_sensitive_sum_is_the_left_to_right_sum_on_every_rank,
         1,
-        [3]
+        [3],
+        [RankOrderedReduction]
     ),
     case!(
         async_several_in_flight_complete_in_start_order_and_wait_in_any_order,
@@ -2587,6 +2808,37 @@ mod tests {
         names.sort_unstable();
         names.dedup();
         assert_eq!(names.len(), CASES.len());
+    }
+
+    #[test]
+    fn reduced_eq_is_bitwise_unless_a_float_avg_without_rank_order() {
+        let want = [16.0f32 / 3.0, -1.0];
+        let near = [f32::from_bits(want[0].to_bits() + 1), -1.0];
+        let far = [want[0] + 1.0, -1.0];
+        let lacking = || Checks {
+            failures: Vec::new(),
+            lacks: vec![Need::RankOrderedReduction],
+        };
+        // Bitwise where the backend sums in rank order, or the op or group is exact.
+        let mut f = Checks::default();
+        reduced_eq(&mut f, &near, &want, ReduceOp::Avg, 3, || "ordered".into());
+        assert_eq!(f.failures().len(), 1);
+        let mut f = lacking();
+        reduced_eq(&mut f, &near, &want, ReduceOp::Sum, 3, || "sum".into());
+        reduced_eq(&mut f, &near, &want, ReduceOp::Avg, 4, || {
+            "four ranks".into()
+        });
+        assert_eq!(f.failures().len(), 2);
+        // Within rounding, but not a misplaced value, for a float Avg over 3 ranks.
+        let mut f = lacking();
+        reduced_eq(&mut f, &near, &want, ReduceOp::Avg, 3, || "near".into());
+        assert!(f.failures().is_empty(), "{:?}", f.failures());
+        reduced_eq(&mut f, &far, &want, ReduceOp::Avg, 3, || "far".into());
+        assert_eq!(f.failures().len(), 1);
+        // Integers stay exact.
+        let mut f = lacking();
+        reduced_eq(&mut f, &[5i32], &[6], ReduceOp::Avg, 3, || "int".into());
+        assert_eq!(f.failures().len(), 1);
     }
 
     #[test]

@@ -47,8 +47,9 @@
 //!
 //! The methods above move host memory ([`Slice`], [`SliceMut`]). With the `cuda` feature
 //! the trait also has a `*_device` twin of each data-moving call, taking
-//! `dtensor_kernels::cuda::DeviceView` / `DeviceViewMut` (views of a `CudaBuffer` range or
-//! a `CudaTensor`). Only the NCCL backend implements them; the threads and MPI backends
+//! `dtensor_kernels::cuda::DeviceView` / `DeviceViewMut` (`Tensor::device_view` /
+//! `device_view_mut` of a device tensor, or views of a `CudaBuffer` range or a
+//! `CudaTensor`). Only the NCCL backend implements them; the threads and MPI backends
 //! answer [`Error::InvalidArgument`] ("threads backend: device buffers need the nccl
 //! backend"), and the NCCL backend answers the host methods the same way: no backend
 //! stages through the host behind the caller's back.

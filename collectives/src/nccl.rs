@@ -11,7 +11,7 @@
 //! let results = nccl::launch(2, |comm| -> Result<Vec<f32>, BoxError> {
 //!     let host = Tensor::from_fn(&[4], |_| comm.rank() as f32 + 1.0);
 //!     let mut x = host.to_device(comm.device())?;
-//!     comm.all_reduce_device(x.view_mut()?, ReduceOp::Sum)?;
+//!     comm.all_reduce_device(x.device_view_mut()?, ReduceOp::Sum)?;
 //!     Ok(x.to_host()?.as_slice::<f32>()?.to_vec())
 //! });
 //! for r in results {
@@ -23,7 +23,8 @@
 //! # Buffers
 //!
 //! [`NcclComm`] implements the `*_device` methods of [`Communicator`](crate::Communicator)
-//! (device views: `CudaTensor::view`/`view_mut`, `CudaBuffer::view`/`view_mut`). Its host
+//! (device views: `Tensor::device_view`/`device_view_mut`, `CudaTensor::view`/`view_mut`,
+//! `CudaBuffer::view`/`view_mut`). Its host
 //! methods refuse with `InvalidArgument` ("nccl backend: host buffers are not staged …"):
 //! nothing on the GPU path copies through the host. The buffers must live on the rank's
 //! device ([`NcclComm::device`]); NCCL's work runs on a stream of the communicator's own
@@ -34,10 +35,18 @@
 //! # Ranks, threads and GPUs
 //!
 //! [`launch`]`(n, f)` runs `f` on `n` thread ranks; rank `r` uses GPU `r % device_count`.
-//! One `ncclUniqueId` made in the process is shared by the ranks. Several ranks on one GPU
+//! One `ncclUniqueId` made in the process is shared by the ranks. NCCL 2.18 or newer is
+//! required ([`require_library`] checks the loaded version). Several ranks on one GPU
 //! need NCCL ≥ 2.30 and `NCCL_MULTI_RANK_GPU_ENABLE=1` (older NCCL, or the variable unset,
-//! gives `ncclInvalidUsage` at init; the error says so). Set `NCCL_SOCKET_IFNAME=lo` for
-//! a single machine. Processes under MPI: [`from_host`]`(&*mpi.world(), options)` on every
+//! gives `ncclInvalidUsage` at init; the error says so). Ranks of one process on one GPU
+//! share its CUDA context, where loading a kernel may synchronize the whole context: a rank
+//! loading its first kernel of a module while a peer's NCCL kernel waits for it would hang
+//! until the timeout. So when ranks share a GPU, `launch` loads every `dtensor-kernels`
+//! kernel on it before creating the communicators (once per process; NVRTC compiles the
+//! modules, a few seconds). cuBLAS loads its kernels lazily all the same: set
+//! `CUDA_MODULE_LOADING=EAGER` if ranks sharing a GPU can make their first cuBLAS call of a
+//! shape while a peer waits in a collective. Set `NCCL_SOCKET_IFNAME=lo` for a single
+//! machine. Processes under MPI: [`from_host`]`(&*mpi.world(), options)` on every
 //! rank (rank 0's id broadcast over the MPI communicator; any host communicator works, so
 //! it needs no `mpi` feature of its own). It is written but, like the rest of this
 //! backend, not yet run on a GPU, and not under `mpirun` with NCCL at all.
@@ -65,7 +74,7 @@
 //! | `all_to_all(v)_device` | grouped `ncclSend`/`ncclRecv` (the agreement's pair hashes check that rank `p` sends rank `q` what `q` expects, as under MPI) |
 //! | `broadcast_device` | `ncclBroadcast` in place |
 //! | `barrier` | the agreement alone |
-//! | `split` | a gather of every rank's `(color, key)`, then `ncclCommSplit` |
+//! | `split` | a gather of every rank's `(color, key)`, then `ncclCommSplit` (non-blocking: the child is read once the parent's state leaves `ncclInProgress`) |
 //! | `send_device` / `recv_device` | a 4-word header (dtype, length, tag) from the sender, a 1-word answer from the receiver, then the data if they agree |
 //!
 //! The agreement costs one small all-gather (88 bytes per rank) and two tiny host↔device
@@ -88,6 +97,21 @@
 //!   the timeout; messages between a pair arrive in call order, and the tag is checked
 //!   (a different tag, dtype or length fails both sides), not matched.
 //! - No asynchronous `start_*` overlap: the trait's stand-ins run the blocking call.
+//!
+//! # The conformance suite on NCCL
+//!
+//! The backend conformance suite (`conformance`, the cases every backend passes) runs on
+//! this backend in `tests/nccl_conformance.rs` (ignored without a GPU; on 2 and 4 thread
+//! ranks), through `conformance::staging::Staging`: a **test-harness-only** adapter that
+//! copies each case's host buffers to the device and back around the `*_device` calls.
+//! Nothing on the GPU path stages through the host: [`NcclComm`]'s own host methods keep
+//! refusing host buffers. The suite's cases that need what the list above takes away are
+//! reported `unsupported`, each with its reason (`conformance::staging::UNSUPPORTED`):
+//! rank-ordered reductions, buffered sends, tag matching, asynchronous progress, one
+//! handle shared by several threads of a rank, and column-block calls that agree on rows
+//! (there are no device column-block calls; the staged ones are the trait's defaults).
+//! What the suite cannot check (a failing rank, a timeout, the refusals, this backend's
+//! wording) is in `tests/nccl.rs`.
 //!
 //! # Failures
 //!

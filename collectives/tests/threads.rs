@@ -95,6 +95,7 @@ macro_rules! conformance_tests {
 conformance_tests!(
     all_reduce_every_dtype_op_matches_reference,
     all_reduce_order_sensitive_sum_bitwise_identical_and_equal_to_threads,
+    all_reduce_any_order_replicas_bitwise_identical_within_rounding,
     all_gather_every_dtype_matches_reference,
     all_gatherv_uneven_counts_with_zeros_matches_reference,
     reduce_scatter_every_dtype_op_matches_reference,
@@ -112,6 +113,7 @@ conformance_tests!(
     column_collectives_with_overflowing_widths_are_invalid_on_every_rank,
     send_recv_fifo_per_tag_delivers_in_order,
     send_recv_symmetric_exchange_does_not_deadlock,
+    send_recv_chain_ring_unbuffered_delivers_in_order,
     recv_wrong_length_or_dtype_message_mismatch_and_message_stays_queued,
     send_recv_peer_out_of_range_invalid_argument,
     send_from_many_threads_each_recv_gets_one_whole_message,

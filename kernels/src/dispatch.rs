@@ -2,14 +2,14 @@
 //! are all on that GPU (feature `cuda`).
 //!
 //! Every op of [`crate::ops`] and every computing method of [`Tensor`] starts with one
-//! [`dispatch!`] line (or [`host_only`] for an op without a device kernel):
+//! `dispatch!` line (or [`host_only`] for an op without a device kernel):
 //!
 //! | operands | what runs |
 //! |---|---|
 //! | all in host memory | the host kernel, as before devices existed |
 //! | all on one GPU | the `cuda::ops` kernel, on `CudaTensor`s sharing the tensors' buffers |
 //! | host and device, or two GPUs | [`Error::DeviceMismatch`] naming the op and both places |
-//! | on a GPU, op without a kernel | [`Error::NotOnCuda`] naming the op |
+//! | on a GPU, op without a kernel | [`Error::NotOnCuda`] naming the op (`Tensor::map`) |
 //!
 //! Without the `cuda` feature no device tensor can exist, and `dispatch!` expands to nothing.
 
@@ -72,17 +72,27 @@ pub(crate) fn with_cuda_mut<R>(
     t: &mut Tensor,
     f: impl FnOnce(&mut crate::cuda::CudaTensor) -> Result<R>,
 ) -> Result<R> {
-    let owned = std::mem::replace(t, Tensor::placeholder());
-    let mut c = match owned.try_into_cuda() {
-        Ok(c) => c,
-        Err(host) => {
-            *t = host;
-            panic!("with_cuda_mut: a device tensor was expected (callers check)");
-        }
-    };
+    let mut c = take_cuda(t);
     let r = f(&mut c);
     *t = Tensor::from(c);
     r
+}
+
+/// The [`CudaTensor`](crate::cuda::CudaTensor) a device tensor (as the caller checked) is,
+/// moved out of `t` (which holds an empty host placeholder until the caller puts a tensor
+/// back), so that its buffer's reference count is `t`'s own.
+///
+/// # Panics
+/// If `t` is a host tensor (callers check first).
+#[cfg(feature = "cuda")]
+pub(crate) fn take_cuda(t: &mut Tensor) -> crate::cuda::CudaTensor {
+    match std::mem::replace(t, Tensor::placeholder()).try_into_cuda() {
+        Ok(c) => c,
+        Err(host) => {
+            *t = host;
+            panic!("take_cuda: a device tensor was expected (callers check)");
+        }
+    }
 }
 
 /// `*dst = y` for an `_into` op computed out of place on the device: `dst` must already

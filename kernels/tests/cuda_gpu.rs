@@ -873,10 +873,33 @@ fn dispatch_cases() -> Vec<(&'static str, Agree, TensorOp)> {
         ("ops::embedding_backward", Bitwise, |t| {
             ops::embedding_backward(&t[1].narrow(0, 0, 5)?, &t[5], 6)
         }),
+        ("ops::gather_rows", Bitwise, |t| {
+            ops::gather_rows(&t[0], &[5, 0, 3, 5])
+        }),
+        ("ops::scatter_add_rows", Close(4.0), |t| {
+            ops::scatter_add_rows(&t[0], &[1, 0, 1, 2, 0, 1], 3)
+        }),
+        ("ops::pack_kv", Bitwise, |t| ops::pack_kv(&t[4], 4)),
+        ("ops::grouped_matmul_t", Close(8.0), |t| {
+            ops::grouped_matmul_t(&t[0], &t[3].clone().reshape(&[2, 12, 40])?, &[4, 2])
+        }),
         ("ops::causal_attention out", Close(4.0), |t| {
             Ok(ops::causal_attention(&t[4], &ATTN)?.out)
         }),
     ]
+}
+
+/// The table's calls are valid on the host (what the GPU test compares against), for every
+/// float dtype: checked on any machine.
+#[test]
+fn dispatch_cases_run_on_the_host() {
+    for (k, dt) in FLOATS.into_iter().enumerate() {
+        let host = dispatch_inputs(dt, 400 + 10 * k as u64);
+        for (name, _, op) in dispatch_cases() {
+            let r = op(&host).unwrap_or_else(|e| panic!("{name} ({dt}): {e}"));
+            assert!(!r.is_cuda(), "{name}: host inputs give a host result");
+        }
+    }
 }
 
 #[test]
@@ -961,18 +984,7 @@ fn gpu_tensor_ops_mixed_places_err_naming_both() {
         .unwrap();
     let e = ops::embedding(&h, &ids).unwrap_err();
     assert!(matches!(e, Error::DeviceMismatch { .. }), "{e}");
-    // An op without a device kernel.
-    let e = ops::gather_rows(&d, &[0, 1]).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::NotOnCuda {
-                op: "ops::gather_rows",
-                ..
-            }
-        ),
-        "{e}"
-    );
+    // A host closure cannot run on the device.
     let e = d.try_map(|x| x + 1.0).unwrap_err();
     assert!(
         matches!(

@@ -32,6 +32,41 @@ fn may_spill(kernel: &str) -> bool {
     kernel.starts_with("attn_")
 }
 
+/// Static shared memory a kernel launched with dynamic shared memory may declare: those
+/// launches (the `attn_` kernels) take up to `SHARED_BUDGET` = 48 KiB − 4096 bytes
+/// (`kernels/src/cuda/ops.rs`), and a block may use 48 KiB in all without the opt-in
+/// attribute, so their block reductions' arrays must fit in 4096 bytes or the longest
+/// sequences fail at launch. (The other kernels take no dynamic shared memory.)
+const STATIC_SMEM_MAX: u32 = 4096;
+
+/// Kernels launched with dynamic shared memory (the scores of a row).
+fn takes_dynamic_smem(kernel: &str) -> bool {
+    kernel.starts_with("attn_")
+}
+
+/// `(kernel, bytes of static shared memory)` from `ptxas -v` output.
+fn parse_smem(log: &str) -> Vec<(String, u32)> {
+    let mut out = Vec::new();
+    let mut current: Option<String> = None;
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            current = rest.split('\'').next().map(str::to_string);
+        }
+        if line.contains("Used ") {
+            let smem = line
+                .split(',')
+                .find(|p| p.contains("bytes smem"))
+                .and_then(|p| p.split_whitespace().next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0);
+            if let Some(k) = current.take() {
+                out.push((k, smem));
+            }
+        }
+    }
+    out
+}
+
 /// `(kernel, registers, spill store bytes, spill load bytes)` from `ptxas -v` output.
 fn parse_ptxas(log: &str) -> Vec<(String, u32, u32, u32)> {
     let mut out = Vec::new();
@@ -127,9 +162,24 @@ fn kernels_compile_to_ptx_and_assemble_for_sm90() {
             m.name,
             stats.len()
         );
+        let smem = parse_smem(&log);
+        assert_eq!(
+            smem.len(),
+            want.len(),
+            "module {}: smem lines:\n{log}",
+            m.name
+        );
+        for (k, bytes) in &smem {
+            if takes_dynamic_smem(k) && *bytes > STATIC_SMEM_MAX {
+                bad.push(format!(
+                    "{k}: {bytes} bytes of static shared memory (> {STATIC_SMEM_MAX})"
+                ));
+            }
+        }
+        let max_smem = smem.iter().map(|s| s.1).max().unwrap_or(0);
         let max_regs = stats.iter().map(|s| s.1).max().unwrap_or(0);
         println!(
-            "module {:<14} {:>3} kernels, NVRTC {:>5} ms, {:>7} bytes of PTX, registers ≤ {max_regs}",
+            "module {:<14} {:>3} kernels, NVRTC {:>5} ms, {:>7} bytes of PTX, registers ≤ {max_regs}, static smem ≤ {max_smem}",
             m.name,
             want.len(),
             compile.as_millis(),
@@ -153,7 +203,10 @@ fn kernels_compile_to_ptx_and_assemble_for_sm90() {
         }
     );
     std::fs::remove_dir_all(&dir).ok();
-    assert!(bad.is_empty(), "simple kernels spill: {bad:?}");
+    assert!(
+        bad.is_empty(),
+        "simple kernels spill, or static shared memory over budget: {bad:?}"
+    );
 }
 
 #[test]

@@ -78,8 +78,8 @@ fn fallible_twins_agree_with_the_host_methods() {
 }
 
 #[test]
-fn host_only_ops_still_run_on_the_host() {
-    // The ops without a device kernel answer NotOnCuda only for device tensors.
+fn model_ops_run_on_the_host() {
+    // The context-parallel and MoE ops dispatch like the others: host tensors, host code.
     let t = iota(&[3, 2]);
     let g = ops::gather_rows(&t, &[2, 0]).unwrap();
     assert_eq!(g.as_slice::<f32>().unwrap(), &[4., 5., 0., 1.]);

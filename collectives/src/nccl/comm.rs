@@ -16,6 +16,7 @@ use cudarc::nccl::sys;
 use dtensor_kernels::cuda::{Device, DeviceView, DeviceViewMut};
 use dtensor_kernels::{with_device_view, DType};
 use std::ffi::{c_void, CStr};
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -344,6 +345,16 @@ impl Plan {
     }
 }
 
+/// Aborts the child a failed `ncclCommSplit` may have stored in `out` (NCCL stores even a
+/// child whose initialization failed), and clears `out`.
+fn abort_child(out: &AtomicPtr<sys::ncclComm>) {
+    let child = out.swap(std::ptr::null_mut(), Ordering::AcqRel);
+    if !child.is_null() {
+        // SAFETY: a communicator NCCL handed out and nobody else holds; aborted once.
+        let _ = unsafe { sys::ncclCommAbort(child) };
+    }
+}
+
 /// Runs `calls` between `ncclGroupStart` and `ncclGroupEnd`; the group is closed even
 /// when a call fails, and the first error wins.
 fn grouped(calls: impl FnOnce() -> Result<(), sys::ncclResult_t>) -> Result<(), sys::ncclResult_t> {
@@ -428,6 +439,34 @@ pub(super) struct Init {
     pub(super) id: sys::ncclUniqueId,
     pub(super) options: Options,
     pub(super) departures: Option<Arc<Departures>>,
+    /// Whether other ranks of this process may share the GPU (see [`preload_kernels`]).
+    pub(super) shared_gpu: bool,
+}
+
+/// Loads every kernel of `dtensor-kernels` on `device` (NVRTC compiles each module once per
+/// process; later launches find them loaded).
+///
+/// Ranks of one process that share a GPU share its CUDA context, and loading a kernel may
+/// synchronize the whole context (CUDA's lazy-loading notes: "loading kernels might require
+/// context synchronization"). A rank loading, say, its first cross-entropy kernel while a
+/// peer's NCCL kernel spins waiting for that rank would then deadlock until the timeout (a
+/// pipeline stage running kernels its peers never run is enough). Done before the
+/// communicator exists, no NCCL kernel can be running yet: none starts before every rank has
+/// joined. cuBLAS's own kernels still load lazily (see the module docs), but its handle is
+/// made here too (when cuBLAS is present; without it `matmul` says so later).
+fn preload_kernels(device: &Device) -> Result<()> {
+    const OP: &str = "nccl::launch";
+    let _ = device.blas();
+    for m in dtensor_kernels::cuda::source::MODULES {
+        for e in m.entries() {
+            device.function(m, &e).map_err(|err| Error::Library {
+                op: OP,
+                backend: BACKEND,
+                detail: format!("preloading the kernels of a GPU shared by several ranks: {err}"),
+            })?;
+        }
+    }
+    Ok(())
 }
 
 /// Starts rank `init.rank`'s worker, creates its world communicator there (bounded by the
@@ -441,7 +480,11 @@ pub(super) fn spawn(init: Init) -> Result<NcclComm> {
         id,
         options,
         departures,
+        shared_gpu,
     } = init;
+    if shared_gpu {
+        preload_kernels(&device)?;
+    }
     let (tx, rx) = mpsc::channel::<Job>();
     let (ready_tx, ready_rx) = mpsc::channel::<Result<Arc<CudaStream>>>();
     let ctx = device.stream().context().clone();
@@ -1010,19 +1053,40 @@ impl Worker {
             })?;
         let new_members: Vec<usize> = group.iter().map(|&(_, r)| members[r]).collect();
         let raw = self.raw(slot)?;
-        let mut child: sys::ncclComm_t = std::ptr::null_mut();
+        // On a non-blocking parent, ncclCommSplit returns ncclInProgress with `*newcomm`
+        // still NULL: NCCL's own thread stores the child there when the split completes,
+        // and until then the *parent's* state is ncclInProgress (NVIDIA/nccl#1472,
+        // init.cc `ncclCommInitChildComm`). So the out-pointer lives on the heap (a stack
+        // slot could be written after this frame is gone if we give up first), is read
+        // only once the parent has settled, and is leaked rather than freed on the
+        // failure paths, where that late store may still come.
+        let out_box: *mut AtomicPtr<sys::ncclComm> =
+            Box::into_raw(Box::new(AtomicPtr::new(std::ptr::null_mut())));
+        // SAFETY: a live allocation, freed only below, after the last use of `out`.
+        let out: &AtomicPtr<sys::ncclComm> = unsafe { &*out_box };
         let mut config = non_blocking_config();
-        // SAFETY: `raw` is live; valid out-pointer and config; color and key fit an int
-        // (checked in the agreement).
+        // SAFETY: `raw` is live; `out` is a valid out-pointer for as long as NCCL may
+        // write it (freed below only after the split completed, else never); color and
+        // key fit an int (checked in the agreement).
         let r =
-            unsafe { sys::ncclCommSplit(raw, color as i32, key as i32, &mut child, &mut config) };
+            unsafe { sys::ncclCommSplit(raw, color as i32, key as i32, out.as_ptr(), &mut config) };
         if let Err(code) = ok(r) {
-            if !child.is_null() {
-                // SAFETY: a communicator NCCL handed out, aborted once.
-                let _ = unsafe { sys::ncclCommAbort(child) };
-            }
+            abort_child(out);
             return Err(self.fail(slot, nccl_error(OP, code, raw)));
         }
+        let child = match self.await_child(slot, out) {
+            Ok(child) => child,
+            Err(e) => {
+                // The parent was aborted, which joins NCCL's split job: a child it stored
+                // (a failed one) is aborted too.
+                abort_child(out);
+                return Err(e);
+            }
+        };
+        // SAFETY: the split completed (the child was stored), so NCCL holds no pointer to
+        // `out` any more, and `out` is not used after this; `out_box` came from
+        // `Box::into_raw` above and is freed once.
+        drop(unsafe { Box::from_raw(out_box) });
         let index = self.slots.len();
         self.slots.push(Some(Slot {
             raw: child,
@@ -1031,9 +1095,37 @@ impl Worker {
             members: new_members.clone(),
             failed: None,
         }));
-        self.settle(slot, OP)?;
         self.settle(index, OP)?;
         Ok((index, new_rank, new_members))
+    }
+
+    /// Waits (bounded like [`Worker::settle`]) until the split on `slot` has stored its
+    /// child in `out`, and returns it: the parent settles first; some NCCL versions may
+    /// report the parent done a moment before the store, so a NULL is polled again.
+    fn await_child(
+        &mut self,
+        slot: usize,
+        out: &AtomicPtr<sys::ncclComm>,
+    ) -> Result<sys::ncclComm_t> {
+        const OP: &str = "split";
+        let start = Instant::now();
+        loop {
+            self.settle(slot, OP)?;
+            let child = out.load(Ordering::Acquire);
+            if !child.is_null() {
+                return Ok(child);
+            }
+            let waited = start.elapsed();
+            if waited >= self.timeout {
+                let err = Error::Timeout {
+                    op: OP,
+                    waited,
+                    missing: Vec::new(),
+                };
+                return Err(self.fail(slot, err));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
     }
 
     /// Ends `slot`'s communicator: finalize (bounded) and destroy when healthy, abort

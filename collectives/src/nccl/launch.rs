@@ -16,10 +16,57 @@ pub fn library_present() -> bool {
     *P.get_or_init(|| unsafe { sys::is_culib_present() })
 }
 
-/// `Ok` when libnccl loads; else [`Error::Unavailable`] saying how to provide it.
+/// The oldest NCCL this backend can drive: `ncclCommSplit` (2.18) is the newest function it
+/// calls (`ncclCommInitRankConfig` / `ncclCommFinalize` came in 2.14, `ncclBfloat16` in 2.10).
+const MIN_VERSION: i32 = 21800;
+
+/// `ncclGetVersion`'s code as `major.minor.patch` (`X*10000 + Y*100 + Z` since 2.9,
+/// `X*1000 + Y*100 + Z` before).
+fn version_name(code: i32) -> String {
+    let (major, rest) = if code >= 10000 {
+        (code / 10000, code % 10000)
+    } else {
+        (code / 1000, code % 1000)
+    };
+    format!("{major}.{}.{}", rest / 100, rest % 100)
+}
+
+/// The loaded libnccl's version code (checked once per process); `None` if it cannot be
+/// loaded or does not answer.
+fn loaded_version() -> Option<i32> {
+    static V: OnceLock<Option<i32>> = OnceLock::new();
+    *V.get_or_init(|| {
+        if !library_present() {
+            return None;
+        }
+        let mut v = 0;
+        // SAFETY: a valid out-pointer; the library loads (checked above) and every NCCL 2
+        // exports ncclGetVersion.
+        (unsafe { sys::ncclGetVersion(&mut v) } == sys::ncclResult_t::ncclSuccess).then_some(v)
+    })
+}
+
+/// `Ok` when libnccl loads and is NCCL 2.18 or newer; else [`Error::Unavailable`] saying how
+/// to provide it. (cudarc resolves each NCCL function at its first call and panics when the
+/// library lacks it, so an older library is refused here, before any call.)
 pub fn require_library() -> Result<()> {
     if library_present() {
-        return Ok(());
+        return match loaded_version() {
+            Some(v) if v >= MIN_VERSION => Ok(()),
+            Some(v) => Err(Error::Unavailable {
+                backend: BACKEND,
+                detail: format!(
+                    "libnccl {} is too old: this backend needs NCCL {} or newer \
+                     (ncclCommSplit, non-blocking communicators)",
+                    version_name(v),
+                    version_name(MIN_VERSION)
+                ),
+            }),
+            None => Err(Error::Unavailable {
+                backend: BACKEND,
+                detail: "libnccl loads but ncclGetVersion failed".into(),
+            }),
+        };
     }
     let names = cudarc::get_lib_name_candidates("nccl");
     let so: Vec<&str> = names
@@ -132,7 +179,7 @@ where
                 std::thread::Builder::new()
                     .name(format!("rank-{rank}"))
                     .spawn_scoped(scope, move || {
-                        run_rank(rank, world_size, rank % gpus, id, options, departures, f)
+                        run_rank(rank, world_size, gpus, id, options, departures, f)
                     })
             })
             .collect();
@@ -165,7 +212,7 @@ where
 fn run_rank<T, E, F>(
     rank: usize,
     size: usize,
-    ordinal: usize,
+    gpus: usize,
     id: sys::ncclUniqueId,
     options: &Options,
     departures: &Arc<Departures>,
@@ -176,7 +223,7 @@ where
     E: From<Error> + std::fmt::Display,
 {
     const OP: &str = "nccl::launch";
-    let comm = dtensor_kernels::cuda::Device::new(ordinal)
+    let comm = dtensor_kernels::cuda::Device::new(rank % gpus)
         .map_err(|e| Error::Unavailable {
             backend: BACKEND,
             detail: e.to_string(),
@@ -189,6 +236,8 @@ where
                 id,
                 options: options.clone(),
                 departures: Some(departures.clone()),
+                // More ranks than GPUs: some share one (and its CUDA context).
+                shared_gpu: size > gpus,
             })
         });
     let comm = match comm {
@@ -249,9 +298,9 @@ pub fn from_host(host: &dyn crate::Communicator, options: Options) -> Result<Ncc
     let (rank, size) = (host.rank(), host.size());
     // [made (1) or not (0), then the id's 128 bytes in 16 words].
     let mut words = [0i64; 17];
-    if rank == 0 && library_present() {
+    if rank == 0 && require_library().is_ok() {
         let mut id = sys::ncclUniqueId { internal: [0; 128] };
-        // SAFETY: a valid out-pointer; the library is present.
+        // SAFETY: a valid out-pointer; the library is present and recent enough.
         if unsafe { sys::ncclGetUniqueId(&mut id) } == sys::ncclResult_t::ncclSuccess {
             words[0] = 1;
             for (w, chunk) in words[1..].iter_mut().zip(id.internal.chunks(8)) {
@@ -267,7 +316,7 @@ pub fn from_host(host: &dyn crate::Communicator, options: Options) -> Result<Ncc
             op: OP,
             backend: BACKEND,
             detail: "rank 0 could not make an NCCL unique id (ncclGetUniqueId failed there, \
-                     or libnccl is missing there)"
+                     or libnccl is missing or older than 2.18 there)"
                 .into(),
         });
     }
@@ -312,5 +361,22 @@ pub fn from_host(host: &dyn crate::Communicator, options: Options) -> Result<Ncc
         id,
         options,
         departures: None,
+        // Ranks of one process (threads over a threads group) may share a GPU, which NCCL
+        // allows only with this variable set; ranks in separate processes have separate
+        // CUDA contexts and need no preloading.
+        shared_gpu: std::env::var(super::MULTI_RANK_GPU_ENV).is_ok_and(|v| v.trim() == "1"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn version_codes_decode_in_both_encodings() {
+        assert_eq!(version_name(21800), "2.18.0");
+        assert_eq!(version_name(23007), "2.30.7");
+        assert_eq!(version_name(2804), "2.8.4");
+        assert_eq!(version_name(MIN_VERSION), "2.18.0");
+    }
 }

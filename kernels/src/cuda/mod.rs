@@ -1,5 +1,6 @@
 //! CUDA (feature `cuda`): a [`Device`] handle per GPU, kernels in CUDA C compiled by NVRTC at
-//! run time, and device tensors ([`CudaTensor`]) with host↔device copies.
+//! run time, and device tensors: a [`Tensor`](crate::Tensor) whose storage is
+//! `Storage::Cuda`, or the [`CudaTensor`] the kernels of [`ops`] take (the same buffer).
 //!
 //! Nothing CUDA is linked: cudarc loads `libcuda.so.1`, `libnvrtc.so.13` (or `.12`) and
 //! `libcublas` with `dlopen` on first use, so a build with the feature compiles and runs on a
@@ -26,8 +27,12 @@
 //! use dtensor_kernels::{cuda, Tensor};
 //! let dev = cuda::Device::new(0)?; // Err, not a panic, without a driver or GPU
 //! let x = Tensor::from_fn(&[2, 3], |i| i as f32).to_device(&dev)?;
-//! let y = cuda::ops::gelu(&x)?.to_host()?;
-//! assert_eq!(y.shape(), &[2, 3]);
+//! // The ops dispatch on where their operands are: these run on `dev`.
+//! let y = dtensor_kernels::ops::gelu(&x)?;
+//! assert_eq!(y.device(), Some(&dev));
+//! // The kernels themselves take `CudaTensor`s (the same buffer, no copy).
+//! let z = cuda::ops::gelu(&x.cuda_tensor()?)?.to_host()?;
+//! assert_eq!(z, y.to_host()?);
 //! # Ok(()) }
 //! ```
 
@@ -39,21 +44,27 @@
 //! wheel. Kernels are loaded as cubins, so the driver's limit on the PTX version does not
 //! apply.
 //!
-//! ## Next: `Storage::Cuda` (not done yet)
+//! ## One tensor type: `Storage::Cuda`
 //!
-//! The CPU [`Tensor`](crate::Tensor) stays as it is; a device tensor is a [`CudaTensor`]. The
-//! plan for one tensor type over both: add `Storage::Cuda(CudaStorage)` (a [`CudaBuffer`], its
-//! [`Device`], an element offset) beside `Storage::Cpu`; every op of `ops` matches on the
-//! storage pair first (`(Cpu, Cpu)` runs today's code, `(Cuda, Cuda)` calls [`ops`] here,
-//! mixed devices are an `Invalid` error, and an op without a kernel answers
-//! [`Error::NotOnCuda`]); `as_slice`/`as_mut_slice` return an error for device storage, so
-//! code that reads elements directly fails with an error instead of copying silently.
-//! `Tensor::to_device`/`to_host` move between the two. The
-//! collectives take device memory as [`DeviceView`] / [`DeviceViewMut`] (views of a
-//! [`CudaBuffer`] range or a [`CudaTensor`]) through the `*_device` methods of
-//! `dtensor-collectives`' `Communicator`, which only the NCCL backend implements; the thread
-//! and MPI backends keep host slices.
+//! `Storage::Cuda(`[`CudaStorage`]`)` sits beside `Storage::Cpu`: a reference-counted
+//! [`CudaBuffer`] and its [`Device`]. A device [`Tensor`](crate::Tensor) always starts at
+//! element 0 of its buffer, so it converts to and from a [`CudaTensor`] in O(1)
+//! (`Tensor::cuda_tensor`, `Tensor::try_into_cuda`, `Tensor::from`). Every op of
+//! [`crate::ops`] and every computing `Tensor` method matches on where its operands are
+//! (`kernels/src/dispatch.rs`): all on the host runs the CPU code, all on one device calls
+//! [`ops`] here, operands in different places are [`Error::DeviceMismatch`], and an op
+//! without a kernel answers [`Error::NotOnCuda`]. Host accessors (`as_slice`,
+//! `as_mut_slice`, `try_as_dyn_slice`, `to_storage`) answer [`Error::NotOnHost`], so code that
+//! reads elements directly fails with an error instead of copying silently;
+//! `Tensor::to_device` / `to_host` copy. A kernel writing into a buffer another tensor shares
+//! copies it first on the device (copy on write), as the host does.
+//!
+//! The collectives take device memory as [`DeviceView`] / [`DeviceViewMut`]
+//! (`Tensor::device_view`/`device_view_mut`, or views of a [`CudaBuffer`] range or a
+//! [`CudaTensor`]) through the `*_device` methods of `dtensor-collectives`' `Communicator`,
+//! which only the NCCL backend implements; the thread and MPI backends keep host slices.
 
+pub mod model_ops;
 pub mod ops;
 pub mod source;
 mod tensor;
@@ -324,6 +335,15 @@ fn keep_freed_memory(op: &'static str, dev: cudarc::driver::sys::CUdevice) -> Re
 /// One GPU: its context, stream, lazily created cuBLAS handle and lazily loaded kernel
 /// modules. Cheap to clone (shared); [`Device::new`] returns the same handle for the same
 /// ordinal within a process. Work is queued on one stream in call order.
+///
+/// Memory: allocations come from the device's default stream-ordered memory pool (cudarc's
+/// `CudaStream::alloc` calls `cuMemAllocAsync` when the device supports it, and frees with
+/// `cuMemFreeAsync`). [`Device::new`] sets that pool's release threshold to `u64::MAX`, which
+/// makes it a caching allocator: freed blocks stay with the pool and later allocations on the
+/// stream reuse them, so ops in a steady state do not call the driver for memory.
+/// [`Device::pool_reserved_bytes`] reports what it holds, [`Device::trim`] gives the cached
+/// blocks back. On a device without memory pools ([`Device::has_memory_pool`] false) each
+/// allocation is a `cuMemAlloc`.
 #[derive(Clone)]
 pub struct Device {
     inner: Arc<Inner>,
@@ -471,12 +491,20 @@ impl Device {
             return Ok(b);
         }
         require_cublas(OP)?;
+        // One handle per device, created under a lock: a handle created in a lost race would
+        // be dropped, and cublasDestroy synchronizes the whole device, which never returns
+        // while another rank on this GPU sits in an NCCL kernel waiting for this thread's
+        // rank. (Creation is rare: one lock for all devices is enough.)
+        static CREATE: Mutex<()> = Mutex::new(());
+        let _creating = lock(&CREATE);
+        if let Some(b) = self.inner.blas.get() {
+            return Ok(b);
+        }
         let b =
             cudarc::cublas::CudaBlas::new(self.inner.stream.clone()).map_err(|e| Error::Cuda {
                 op: OP,
                 detail: e.to_string(),
             })?;
-        // Another thread may have won the race; either handle works.
         Ok(self.inner.blas.get_or_init(|| Arc::new(b)))
     }
 

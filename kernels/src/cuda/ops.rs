@@ -15,11 +15,15 @@
 //! | `Tensor::pack`, `unpack`, `narrow`, `cat` | [`pack`], [`unpack`], [`narrow`], [`cat`] | bitwise |
 //! | `ops::causal_attention` and backward | [`causal_attention`], [`causal_attention_backward`] | to rounding; `seq_len` bounded by shared memory |
 //! | `ops::matmul`, `matmul_into` | [`matmul`], [`matmul_into`] (cuBLAS) | to rounding (cuBLAS's order) |
+//! | `ops::attention_block` and backward | [`attention_block`], [`attention_block_backward`] | to rounding; block lengths bounded by shared memory |
+//! | `ops::merge_attention` | [`merge_attention`] | to rounding (CUDA's exp/log) |
+//! | `ops::pack_kv`, `fuse_qkv_grad`, `gather_rows` | [`pack_kv`], [`fuse_qkv_grad`], [`gather_rows`] | bitwise |
+//! | `ops::grouped_matmul_t` and backward | [`grouped_matmul_t`], [`grouped_matmul_t_backward`] (cuBLAS per expert) | to rounding (cuBLAS's order) |
+//! | `ops::scatter_add_rows` | [`scatter_add_rows`] | bitwise (deterministic, the CPU's order) |
+//! | `reduce::combine`, `reduce::reduce_into` (Sum, Avg, Max, Min) | [`combine`], [`reduce_into`] | bitwise (a Sum/Avg NaN's payload aside) |
 //!
-//! Not on the GPU yet: `ops::attention_block` (+ backward), `merge_attention`, `pack_kv`,
-//! `fuse_qkv_grad`, `gather_rows`, `grouped_matmul_t` (+ backward), `scatter_add_rows`
-//! (the context-parallel and MoE kernels), `Tensor::map` (a host closure), and the
-//! collectives' `reduce_into` / `combine` (Sum is [`add`]; Max/Min/Avg have no kernel).
+//! Those last six rows live in [`model_ops`](super::model_ops) and are re-exported here.
+//! Not on the GPU yet: `Tensor::map` (a host closure) and the optimizer step.
 //!
 //! Element counts and row counts come from the checked shapes, never from buffer lengths, so
 //! a launch cannot index out of bounds. Ops queue on the device's stream and return at once.
@@ -45,7 +49,7 @@ pub(crate) const THREADS: u32 = 256;
 /// Blocks of a grid-stride launch at most (enough to fill an H200 several times over).
 const MAX_BLOCKS: usize = 1 << 16;
 
-fn grid_for(n: usize) -> LaunchConfig {
+pub(crate) fn grid_for(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(THREADS as usize).clamp(1, MAX_BLOCKS) as u32;
     LaunchConfig {
         grid_dim: (blocks, 1, 1),
@@ -55,7 +59,7 @@ fn grid_for(n: usize) -> LaunchConfig {
 }
 
 /// One block per row (`rows ≥ 1`), `shared` bytes of dynamic shared memory.
-fn per_row(op: &'static str, rows: usize, shared: u32) -> Result<LaunchConfig> {
+pub(crate) fn per_row(op: &'static str, rows: usize, shared: u32) -> Result<LaunchConfig> {
     let blocks = u32::try_from(rows)
         .ok()
         .filter(|&b| b <= i32::MAX as u32)
@@ -71,14 +75,14 @@ fn per_row(op: &'static str, rows: usize, shared: u32) -> Result<LaunchConfig> {
 }
 
 /// Pushes a buffer as a `const T*` / `T*` argument.
-fn arg<'a>(b: &mut LaunchArgs<'a>, t: &'a CudaTensor) {
+pub(crate) fn arg<'a>(b: &mut LaunchArgs<'a>, t: &'a CudaTensor) {
     super::tensor::with_buffer!(t.buffer(), |s| {
         b.arg(s);
     })
 }
 /// Copies the buffer first if another tensor shares it (copy on write), so the kernel
 /// writes only this tensor's elements.
-fn arg_mut<'a>(b: &mut LaunchArgs<'a>, t: &'a mut CudaTensor) -> Result<()> {
+pub(crate) fn arg_mut<'a>(b: &mut LaunchArgs<'a>, t: &'a mut CudaTensor) -> Result<()> {
     super::tensor::with_buffer!(t.buffer_mut()?, |s| {
         b.arg(s);
     });
@@ -87,7 +91,7 @@ fn arg_mut<'a>(b: &mut LaunchArgs<'a>, t: &'a mut CudaTensor) -> Result<()> {
 
 /// A scalar in a dtype's compute type (`float` for f32/bf16/f16, `double` for f64, the
 /// integer itself for i32/i64), as the kernels' `Tr<T>::A` parameters take it.
-enum Acc {
+pub(crate) enum Acc {
     F32(f32),
     F64(f64),
     I32(i32),
@@ -108,13 +112,13 @@ impl Acc {
         }
     }
     /// `v` rounded straight into the compute type (`A::lit(v)` on the CPU).
-    fn lit(dtype: DType, v: f64) -> Acc {
+    pub(crate) fn lit(dtype: DType, v: f64) -> Acc {
         match dtype {
             DType::F64 => Acc::F64(v),
             _ => Acc::F32(v as f32),
         }
     }
-    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+    pub(crate) fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
         match self {
             Acc::F32(v) => b.arg(v),
             Acc::F64(v) => b.arg(v),
@@ -124,7 +128,7 @@ impl Acc {
     }
 }
 
-fn launch(op: &'static str, b: &mut LaunchArgs<'_>, cfg: LaunchConfig) -> Result<()> {
+pub(crate) fn launch(op: &'static str, b: &mut LaunchArgs<'_>, cfg: LaunchConfig) -> Result<()> {
     // SAFETY: every caller pushes exactly the arguments of the kernel's `extern "C"`
     // signature in `kernels/*.cu`, in order and of those types (buffers of the dtype named by
     // the entry's suffix, `u64` counts, `int` flags, `Tr<T>::A` scalars), and derives the
@@ -175,8 +179,9 @@ macro_rules! kernel_arg {
         v.push(&mut $l);
     };
 }
+pub(crate) use {kernel_arg, launch_kernel};
 
-fn func(
+pub(crate) fn func(
     dev: &Device,
     module: &'static KernelModule,
     root: &str,
@@ -185,7 +190,7 @@ fn func(
     dev.function(module, &entry(root, dtype))
 }
 
-fn u(n: usize) -> u64 {
+pub(crate) fn u(n: usize) -> u64 {
     n as u64
 }
 
@@ -196,7 +201,7 @@ fn accum_flag(a: Accum) -> i32 {
     }
 }
 
-fn same_device(op: &'static str, ts: &[&CudaTensor]) -> Result<()> {
+pub(crate) fn same_device(op: &'static str, ts: &[&CudaTensor]) -> Result<()> {
     if let Some(first) = ts.first() {
         for t in &ts[1..] {
             if t.device() != first.device() {
@@ -211,7 +216,7 @@ fn same_device(op: &'static str, ts: &[&CudaTensor]) -> Result<()> {
 }
 
 /// `Err` unless `a` and `b` share a device, a dtype and a shape.
-fn same_layout(op: &'static str, a: &CudaTensor, b: &CudaTensor) -> Result<()> {
+pub(crate) fn same_layout(op: &'static str, a: &CudaTensor, b: &CudaTensor) -> Result<()> {
     same_device(op, &[a, b])?;
     crate::ops::same_layout(op, a, b)
 }
@@ -1082,7 +1087,7 @@ pub fn ce_grad(
 /// Copies `blocks` runs of `run` elements from `src[src_off + b·src_stride ..]` to
 /// `dst[dst_off + b·dst_stride ..]`; the callers derive every number from checked shapes.
 #[allow(clippy::too_many_arguments)]
-fn copy_blocks(
+pub(crate) fn copy_blocks(
     op: &'static str,
     src: &CudaTensor,
     dst: &mut CudaTensor,
@@ -1280,7 +1285,7 @@ pub fn cat(ts: &[&CudaTensor], dim: usize) -> Result<CudaTensor> {
 
 /// Bytes of shared memory one block may use without opting in (48 KiB), less what the
 /// block reductions take statically (2 × 256 × 8 bytes).
-const SHARED_BUDGET: usize = 48 * 1024 - 4096;
+pub(crate) const SHARED_BUDGET: usize = 48 * 1024 - 4096;
 
 /// The CPU's checks of `qkv` and `cfg`, then the bound shared memory puts on `seq_len`.
 fn attn_dims(op: &'static str, qkv: &CudaTensor, cfg: &CausalAttention) -> Result<Dims> {
@@ -1752,6 +1757,9 @@ fn matmul_planned(
         other => Err(crate::ops::not_float(OP, other)),
     }
 }
+
+// The context-parallel attention pieces, the MoE kernels and the collectives' reductions.
+pub use super::model_ops::*;
 
 #[path = "optim.rs"]
 mod optim;

@@ -17,6 +17,8 @@ pub enum Dtypes {
     Float,
     /// The float types and `i32`, `i64`.
     All,
+    /// The compute types `f32`, `f64` (kernels on partial results kept in them).
+    Compute,
 }
 
 impl Dtypes {
@@ -25,6 +27,7 @@ impl Dtypes {
         match self {
             Dtypes::Float => &DType::FLOATS,
             Dtypes::All => &DType::ALL,
+            Dtypes::Compute => &[DType::F32, DType::F64],
         }
     }
 }
@@ -60,7 +63,7 @@ pub fn entry(root: &str, dtype: DType) -> String {
     format!("{root}_{dtype}")
 }
 
-use Dtypes::{All, Float};
+use Dtypes::{All, Compute, Float};
 
 /// `elementwise.cu`: `add`, `mul`, `scale` (all six dtypes; integers wrap), `sub`, the bias
 /// row ops `add_row` / `mul_row` and the column sums `sum_rows` (floats), and the dtype casts
@@ -196,6 +199,48 @@ pub static ATTENTION: KernelModule = KernelModule {
     ],
 };
 
+/// `attention_block.cu`: the context-parallel (ring) attention pieces: blockwise attention of
+/// a query block to a key/value block at given positions (`attn_block_load_q` /
+/// `attn_block_load_kv` load and rotate the operands, `attn_block_forward` gives the partial
+/// output and lse in the compute type, `attn_block_masked` a fully masked block's), its backward
+/// share `attn_block_backward_dq` / `attn_block_backward_dkv` (added into compute-type
+/// accumulators), `merge_attention` (compute types), `fuse_qkv_grad` and the bitwise row gather
+/// `gather_rows` (all six dtypes). Same structure as `attention.cu`: one block per (head,
+/// sample, row), scores in dynamic shared memory.
+pub static ATTENTION_BLOCK: KernelModule = KernelModule {
+    name: "attention_block",
+    source: include_str!("kernels/attention_block.cu"),
+    roots: &[
+        ("attn_block_load_q", Float),
+        ("attn_block_load_kv", Float),
+        ("attn_block_masked", Float),
+        ("attn_block_forward", Float),
+        ("attn_block_backward_dq", Float),
+        ("attn_block_backward_dkv", Float),
+        ("fuse_qkv_grad", Float),
+        ("merge_attention", Compute),
+        ("gather_rows", All),
+    ],
+};
+
+/// `moe.cu`: `scatter_add_rows` (all six dtypes), a deterministic scatter-add over
+/// host-sorted sources summed in f64 in the CPU's order (bitwise the CPU's result). The
+/// grouped products are cuBLAS calls.
+pub static MOE: KernelModule = KernelModule {
+    name: "moe",
+    source: include_str!("kernels/moe.cu"),
+    roots: &[("scatter_add_rows", All)],
+};
+
+/// `reduce_ext.cu`: the collectives' element-wise reductions on device buffers,
+/// `reduce_combine` (Sum/Avg, Max, Min: one `int` op code) and `reduce_avg_div` (Avg's final
+/// division), all six dtypes, bitwise the CPU's `reduce::combine` / `div_count`.
+pub static REDUCE_EXT: KernelModule = KernelModule {
+    name: "reduce_ext",
+    source: include_str!("kernels/reduce_ext.cu"),
+    roots: &[("reduce_combine", All), ("reduce_avg_div", All)],
+};
+
 /// `optim.cu`: the AdamW step (`cuda::ops::adamw_step`), in place on the parameter and its
 /// two moments; the host step's formula and order of operations (nn's `AdamW`).
 pub static OPTIM: KernelModule = KernelModule {
@@ -205,7 +250,7 @@ pub static OPTIM: KernelModule = KernelModule {
 };
 
 /// Every kernel module.
-pub static MODULES: [&KernelModule; 10] = [
+pub static MODULES: [&KernelModule; 13] = [
     &ELEMENTWISE,
     &ACTIVATION,
     &REDUCTION,
@@ -215,6 +260,9 @@ pub static MODULES: [&KernelModule; 10] = [
     &CROSS_ENTROPY,
     &COPY,
     &ATTENTION,
+    &ATTENTION_BLOCK,
+    &MOE,
+    &REDUCE_EXT,
     &OPTIM,
 ];
 
@@ -234,6 +282,12 @@ mod tests {
         let n = all.len();
         assert_eq!(ELEMENTWISE.entries().len(), 3 * 6 + 4 * 4 + 6 * 6);
         assert!(ELEMENTWISE.entries().contains(&"cast_bf16_i64".to_string()));
+        assert_eq!(ATTENTION_BLOCK.entries().len(), 7 * 4 + 2 + 6);
+        assert!(ATTENTION_BLOCK
+            .entries()
+            .contains(&"merge_attention_f64".to_string()));
+        assert_eq!(MOE.entries().len() + REDUCE_EXT.entries().len(), 3 * 6);
+        assert_eq!(n, 200 + 36 + 18, "entries of all modules");
         all.sort();
         all.dedup();
         assert_eq!(all.len(), n, "duplicate kernel entry names");

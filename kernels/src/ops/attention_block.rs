@@ -26,7 +26,7 @@
 //! Single-threaded; `f32`/`bf16`/`f16` compute in `f32`, `f64` in `f64`.
 
 use super::attention::{forward_sample, ExpShifted, FwdScratch, Operands, Rope, SampleGrads};
-use super::{acc_dtype, check_dst, same_dtype, AccFloat, Float};
+use super::{acc_dtype, check_dst, same_dtype, AccFloat, Float, Layout};
 use crate::{DType, Error, Result, Tensor};
 use num_traits::Float as _;
 
@@ -63,19 +63,19 @@ impl BlockAttention<'_> {
 
 /// Validated sizes of one blockwise call.
 #[derive(Clone, Copy, Debug)]
-struct Dims {
-    heads: usize,
-    d: usize,
-    batch: usize,
-    nq: usize,
-    nk: usize,
+pub(crate) struct Dims {
+    pub(crate) heads: usize,
+    pub(crate) d: usize,
+    pub(crate) batch: usize,
+    pub(crate) nq: usize,
+    pub(crate) nk: usize,
 }
 
 impl Dims {
     fn qcols(&self) -> usize {
         self.heads * 3 * self.d
     }
-    fn kvcols(&self) -> usize {
+    pub(crate) fn kvcols(&self) -> usize {
         self.heads * 2 * self.d
     }
 }
@@ -84,7 +84,12 @@ fn increasing(p: &[usize]) -> bool {
     !p.is_empty() && p.windows(2).all(|w| w[0] < w[1])
 }
 
-fn check_block(op: &'static str, qkv: &Tensor, kv: &Tensor, cfg: &BlockAttention) -> Result<Dims> {
+pub(crate) fn check_block<L: Layout + ?Sized>(
+    op: &'static str,
+    qkv: &L,
+    kv: &L,
+    cfg: &BlockAttention,
+) -> Result<Dims> {
     let bad = |detail: String| Err(Error::Invalid { op, detail });
     if qkv.rank() != 2 || kv.rank() != 2 {
         return bad(format!(
@@ -150,8 +155,7 @@ fn check_block(op: &'static str, qkv: &Tensor, kv: &Tensor, cfg: &BlockAttention
 /// The k and v columns of a fused `[tokens, H·3·d]` QKV, packed as `[tokens, H·2·d]` (what
 /// travels around a ring: two thirds of the fused tensor).
 pub fn pack_kv(qkv: &Tensor, head_dim: usize) -> Result<Tensor> {
-    // No device kernel yet: wired when cuda::model_ops lands.
-    crate::dispatch::host_only(OP_PACK, &[qkv])?;
+    dispatch!(OP_PACK, [qkv] => crate::cuda::model_ops::pack_kv(&qkv, head_dim));
     let d = head_dim;
     if qkv.rank() != 2 || d == 0 || qkv.shape()[1] % (3 * d) != 0 {
         return Err(Error::Invalid {
@@ -188,8 +192,7 @@ pub fn attention_block(
     kv: &Tensor,
     cfg: &BlockAttention,
 ) -> Result<super::CausalAttentionOutput> {
-    // No device kernel yet: wired when cuda::model_ops lands.
-    crate::dispatch::host_only(OP, &[qkv, kv])?;
+    dispatch!(OP, [qkv, kv] => crate::cuda::model_ops::attention_block(&qkv, &kv, cfg));
     let g = check_block(OP, qkv, kv, cfg)?;
     let acc = acc_dtype(qkv.dtype());
     let rows = g.batch * g.nq;
@@ -306,8 +309,9 @@ pub fn merge_attention(
     acc: &mut super::CausalAttentionOutput,
     part: &super::CausalAttentionOutput,
 ) -> Result<()> {
-    // No device kernel yet: wired when cuda::model_ops lands.
-    crate::dispatch::host_only(OP_MERGE, &[&acc.out, &acc.lse, &part.out, &part.lse])?;
+    if crate::dispatch::on_cuda(OP_MERGE, &[&acc.out, &acc.lse, &part.out, &part.lse])? {
+        return merge_attention_cuda(acc, part);
+    }
     let (rows, heads) = match acc.lse.shape() {
         &[r, h] => (r, h),
         s => {
@@ -391,8 +395,9 @@ pub fn attention_block_backward(
     dq: &mut Tensor,
     dkv: &mut Tensor,
 ) -> Result<()> {
-    // No device kernel yet: wired when cuda::model_ops lands.
-    crate::dispatch::host_only(OP_BACK, &[dout, qkv, kv, out, lse, &*dq, &*dkv])?;
+    if crate::dispatch::on_cuda(OP_BACK, &[dout, qkv, kv, out, lse, &*dq, &*dkv])? {
+        return attention_block_backward_cuda([dout, qkv, kv, out, lse], cfg, dq, dkv);
+    }
     let g = check_block(OP_BACK, qkv, kv, cfg)?;
     same_dtype(OP_BACK, dout, qkv)?;
     same_dtype(OP_BACK, out, qkv)?;
@@ -477,8 +482,7 @@ fn block_backward<T: Float<Acc: ExpShifted>>(
 /// and `dkv` (`[tokens, H·2·d]`, packed as [`pack_kv`]), both in the compute dtype,
 /// rounded once into `dtype`.
 pub fn fuse_qkv_grad(dq: &Tensor, dkv: &Tensor, head_dim: usize, dtype: DType) -> Result<Tensor> {
-    // No device kernel yet: wired when cuda::model_ops lands.
-    crate::dispatch::host_only(OP_FUSE, &[dq, dkv])?;
+    dispatch!(OP_FUSE, [dq, dkv] => crate::cuda::model_ops::fuse_qkv_grad(&dq, &dkv, head_dim, dtype));
     let d = head_dim;
     let acc = acc_dtype(dtype);
     let (rows, qc) = match dq.shape() {
@@ -520,8 +524,7 @@ pub fn fuse_qkv_grad(dq: &Tensor, dkv: &Tensor, head_dim: usize, dtype: DType) -
 /// Rows of a 2-D tensor picked by index: row `i` of the result is row `src[i]` of `t`
 /// (any dtype, bit for bit). Context parallelism's token reorderings go through it.
 pub fn gather_rows(t: &Tensor, src: &[usize]) -> Result<Tensor> {
-    // No device kernel yet: wired when cuda::model_ops lands.
-    crate::dispatch::host_only(OP_ROWS, &[t])?;
+    dispatch!(OP_ROWS, [t] => crate::cuda::model_ops::gather_rows(&t, src));
     let (rows, cols) = match t.shape() {
         &[r, c] => (r, c),
         s => {
@@ -555,4 +558,64 @@ pub fn gather_rows(t: &Tensor, src: &[usize]) -> Result<Tensor> {
         DType::I32 => go!(i32),
         DType::I64 => go!(i64),
     }
+}
+
+/// [`merge_attention`] on the device (every tensor there, as the caller checked): `acc`'s
+/// tensors are moved out for the kernel and back, whatever it returns.
+#[cfg(feature = "cuda")]
+fn merge_attention_cuda(
+    acc: &mut super::CausalAttentionOutput,
+    part: &super::CausalAttentionOutput,
+) -> Result<()> {
+    use crate::cuda::ops::CudaAttentionOutput;
+    let p = CudaAttentionOutput {
+        out: part.out.cuda_tensor()?,
+        lse: part.lse.cuda_tensor()?,
+    };
+    let mut a = CudaAttentionOutput {
+        out: crate::dispatch::take_cuda(&mut acc.out),
+        lse: crate::dispatch::take_cuda(&mut acc.lse),
+    };
+    let r = crate::cuda::model_ops::merge_attention(&mut a, &p);
+    acc.out = a.out.into();
+    acc.lse = a.lse.into();
+    r
+}
+
+#[cfg(not(feature = "cuda"))]
+fn merge_attention_cuda(
+    _: &mut super::CausalAttentionOutput,
+    _: &super::CausalAttentionOutput,
+) -> Result<()> {
+    unreachable!("no device tensor exists without the `cuda` feature")
+}
+
+/// [`attention_block_backward`] on the device (every tensor there, as the caller checked):
+/// `[dout, qkv, kv, out, lse]`, both out-parameters moved out for the kernel.
+#[cfg(feature = "cuda")]
+fn attention_block_backward_cuda(
+    ins: [&Tensor; 5],
+    cfg: &BlockAttention,
+    dq: &mut Tensor,
+    dkv: &mut Tensor,
+) -> Result<()> {
+    let [dout, qkv, kv, out, lse] = ins.map(Tensor::cuda_tensor);
+    let (dout, qkv, kv, out, lse) = (dout?, qkv?, kv?, out?, lse?);
+    crate::dispatch::with_cuda_mut(dq, |dq| {
+        crate::dispatch::with_cuda_mut(dkv, |dkv| {
+            crate::cuda::model_ops::attention_block_backward(
+                &dout, &qkv, &kv, &out, &lse, cfg, dq, dkv,
+            )
+        })
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn attention_block_backward_cuda(
+    _: [&Tensor; 5],
+    _: &BlockAttention,
+    _: &mut Tensor,
+    _: &mut Tensor,
+) -> Result<()> {
+    unreachable!("no device tensor exists without the `cuda` feature")
 }

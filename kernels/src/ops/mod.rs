@@ -25,6 +25,10 @@
 //!   (`"ops::matmul: …"`); nothing here panics on user input.
 //! - Single-threaded, fixed summation order: the same inputs give the same bits on every rank.
 //!   Only [`matmul_into`] takes a [`Parallelism`], and the convenience API passes `None`.
+//! - Where it runs: every op runs where its tensors are (feature `cuda`): all in host memory
+//!   runs the code here, all on one GPU runs the `cuda::ops` kernel (out-parameters included,
+//!   which must be on that GPU too; embedding ids may stay on the host), operands in different
+//!   places are an [`Error::DeviceMismatch`].
 //!
 //! ```
 //! use dtensor_kernels::ops::{self, Transpose};

@@ -5,10 +5,10 @@
 //! groups before it (a group may be empty). Gathers copy elements exactly; scatter-adds
 //! and the products follow the module conventions (f64 in f64, others rounded once).
 
-use super::{matmul, same_dtype, Transpose};
+use super::{matmul, same_dtype, Layout, Transpose};
 use crate::{Error, Result, Tensor};
 
-fn rows_of(op: &'static str, x: &Tensor) -> Result<(usize, usize)> {
+pub(crate) fn rows_of<L: Layout + ?Sized>(op: &'static str, x: &L) -> Result<(usize, usize)> {
     match *x.shape() {
         [n, h] => Ok((n, h)),
         _ => Err(Error::Invalid {
@@ -25,8 +25,7 @@ fn rows_of(op: &'static str, x: &Tensor) -> Result<(usize, usize)> {
 /// source row names stay zero).
 pub fn scatter_add_rows(src: &Tensor, rows: &[usize], n: usize) -> Result<Tensor> {
     const OP: &str = "ops::scatter_add_rows";
-    // No device kernel yet: wired when cuda::model_ops lands.
-    crate::dispatch::host_only(OP, &[src])?;
+    dispatch!(OP, [src] => crate::cuda::model_ops::scatter_add_rows(&src, rows, n));
     let (m, h) = rows_of(OP, src)?;
     if m != rows.len() {
         return Err(Error::Invalid {
@@ -53,10 +52,10 @@ pub fn scatter_add_rows(src: &Tensor, rows: &[usize], n: usize) -> Result<Tensor
     Tensor::from_f64_vec(out, &[n, h], src.dtype())
 }
 
-fn check_grouped(
+pub(crate) fn check_grouped<L: Layout + ?Sized>(
     op: &'static str,
-    x: &Tensor,
-    w: &Tensor,
+    x: &L,
+    w: &L,
     groups: &[usize],
 ) -> Result<(usize, usize, usize)> {
     same_dtype(op, x, w)?;
@@ -100,8 +99,7 @@ fn expert(w: &Tensor, g: usize, out: usize, k: usize) -> Result<Tensor> {
 /// the rows of expert `e` (Σ = rows). Returns `[rows, out]`.
 pub fn grouped_matmul_t(x: &Tensor, w: &Tensor, groups: &[usize]) -> Result<Tensor> {
     const OP: &str = "ops::grouped_matmul_t";
-    // No device kernel yet: wired when cuda::model_ops lands.
-    crate::dispatch::host_only(OP, &[x, w])?;
+    dispatch!(OP, [x, w] => crate::cuda::model_ops::grouped_matmul_t(&x, &w, groups));
     let (_, out, k) = check_grouped(OP, x, w, groups)?;
     let mut pieces = Vec::with_capacity(groups.len());
     let mut start = 0;
@@ -139,8 +137,8 @@ pub fn grouped_matmul_t_backward(
     groups: &[usize],
 ) -> Result<GroupedMatmulGrads> {
     const OP: &str = "ops::grouped_matmul_t_backward";
-    // No device kernel yet: wired when cuda::model_ops lands.
-    crate::dispatch::host_only(OP, &[dy, x, w])?;
+    dispatch!(OP, [dy, x, w] => crate::cuda::model_ops::grouped_matmul_t_backward(&dy, &x, &w, groups)
+        .map(|g| GroupedMatmulGrads { dx: g.dx.into(), dw: g.dw.into() }));
     let (e, out, k) = check_grouped(OP, x, w, groups)?;
     same_dtype(OP, dy, x)?;
     if dy.shape() != [x.shape()[0], out] {

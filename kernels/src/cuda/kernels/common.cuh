@@ -160,7 +160,8 @@ __device__ __forceinline__ double lg(double v) { return log(v); }
 __device__ __forceinline__ float sq(float v) { return sqrtf(v); }
 __device__ __forceinline__ double sq(double v) { return sqrt(v); }
 
-// Casts, as Tensor::to_dtype: through f64 (exact for every source type), then rounded once
+// Casts, as Tensor::to_dtype: through f64 (exact for every source type but i64 beyond 2^53,
+// which rounds there exactly as the CPU rounds it), then rounded once
 // into the destination the way `half`/Rust `as` do it:
 // - f32: round to nearest even (`as f32`).
 // - bf16: half's f64_to_bf16, ported bit for bit (it drops the low 32 bits of the f64

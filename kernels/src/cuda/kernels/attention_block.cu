@@ -1,0 +1,322 @@
+// The context-parallel (ring) attention pieces of ops::attention_block on the device:
+// blockwise attention of a query block to a key/value block at arbitrary (strictly increasing)
+// positions, its backward share, the lse merge of partial results, the fused QKV gradient from
+// its parts, and the row gather context parallelism reorders tokens with. Same approach as
+// attention.cu: one block per (head, sample, row), the row's scores in dynamic shared memory
+// (the host bounds the block lengths by it).
+//
+// Layouts (d the head dim, H heads, B samples, nq / nk query / key rows per sample):
+//   qkv [B*nq, H*3d] (queries read at h*3d), kv [B*nk, H*2d] (head h: k at h*2d, v at h*2d + d);
+//   out [B*nq, H*d] and lse [B*nq, H] in the compute type; dq [B*nq, H*d], dkv as kv, compute type.
+//   Loaded operands: q [H, B, nq, d] (rotated, scaled by 1/sqrt(d)), k, v [H, B, nk, d] (k rotated).
+//   qpos [nq], kpos [nk]: i64 positions; cs/sn [n, d/2]: RoPE tables for them (host-computed in
+//   f64 as the CPU's Rope::for_positions, rounded once into the compute type).
+// Query i sees key j when kpos[j] <= qpos[i]: with increasing positions the visible keys are a
+// prefix (count_le) and the queries that see key j a suffix (count_lt).
+
+template <class A> __device__ __forceinline__ A* blk_smem() {
+    extern __shared__ double blk_smem_d[];  // double: 8-byte aligned for both compute types
+    return reinterpret_cast<A*>(blk_smem_d);
+}
+
+// How many of the increasing pos[0..n] are <= x.
+__device__ __forceinline__ u64 count_le(const i64* pos, u64 n, i64 x) {
+    u64 lo = 0, hi = n;
+    while (lo < hi) {
+        u64 mid = lo + (hi - lo) / 2;
+        if (pos[mid] <= x) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+// How many of the increasing pos[0..n] are < x.
+__device__ __forceinline__ u64 count_lt(const i64* pos, u64 n, i64 x) {
+    u64 lo = 0, hi = n;
+    while (lo < hi) {
+        u64 mid = lo + (hi - lo) / 2;
+        if (pos[mid] < x) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+template <class A> __device__ __forceinline__ A blk_dot(const A* a, const A* b, u64 d) {
+    A acc = 0;
+    for (u64 c = 0; c < d; ++c) acc += a[c] * b[c];
+    return acc;
+}
+
+// q[h, b, i, :] = R(qpos[i]) * qkv[b*nq + i, h*3d ..] * scale (Rope::rotate).
+template <class T>
+__device__ void blk_load_q_k(const T* qkv, const typename Tr<T>::A* cs, const typename Tr<T>::A* sn,
+                             typename Tr<T>::A* q, u64 batch, u64 heads, u64 nq, u64 d, typename Tr<T>::A scale) {
+    typedef typename Tr<T>::A A;
+    u64 half = d / 2;
+    GRID_STRIDE(o, heads * batch * nq * half) {
+        u64 p = o % half, i = (o / half) % nq, b = (o / (half * nq)) % batch, h = o / (half * nq * batch);
+        const T* src = qkv + (b * nq + i) * heads * 3 * d + h * 3 * d;
+        A c = cs[i * half + p], sv = sn[i * half + p];
+        u64 dst = ((h * batch + b) * nq + i) * d + 2 * p;
+        A a0 = Tr<T>::to(src[2 * p]), a1 = Tr<T>::to(src[2 * p + 1]);
+        q[dst] = (a0 * c - a1 * sv) * scale;
+        q[dst + 1] = (a0 * sv + a1 * c) * scale;
+    }
+}
+
+// k[h, b, j, :] = R(kpos[j]) * kv[b*nk + j, h*2d ..], v[h, b, j, :] = kv[b*nk + j, h*2d + d ..].
+template <class T>
+__device__ void blk_load_kv_k(const T* kv, const typename Tr<T>::A* cs, const typename Tr<T>::A* sn,
+                              typename Tr<T>::A* k, typename Tr<T>::A* v, u64 batch, u64 heads, u64 nk, u64 d) {
+    typedef typename Tr<T>::A A;
+    u64 half = d / 2;
+    GRID_STRIDE(o, heads * batch * nk * half) {
+        u64 p = o % half, j = (o / half) % nk, b = (o / (half * nk)) % batch, h = o / (half * nk * batch);
+        const T* src = kv + (b * nk + j) * heads * 2 * d + h * 2 * d;
+        A c = cs[j * half + p], sv = sn[j * half + p];
+        u64 dst = ((h * batch + b) * nk + j) * d + 2 * p;
+        A a0 = Tr<T>::to(src[2 * p]), a1 = Tr<T>::to(src[2 * p + 1]);
+        k[dst] = (a0 * c - a1 * sv) * (A)1;
+        k[dst + 1] = (a0 * sv + a1 * c) * (A)1;
+        v[dst] = Tr<T>::to(src[d + 2 * p]);
+        v[dst + 1] = Tr<T>::to(src[d + 2 * p + 1]);
+    }
+}
+
+// A fully masked block: out = 0, lse = -inf everywhere.
+template <class A> __device__ void blk_masked_k(A* out, A* lse, u64 rows, u64 heads, u64 d) {
+    GRID_STRIDE(i, rows * heads * d) out[i] = (A)0;
+    GRID_STRIDE(i, rows * heads) lse[i] = neg_inf<A>();
+}
+
+// Forward of query row (h, b, i): normalized out and lse over the visible keys; a row that sees
+// none gets out = 0, lse = -inf. Shared memory: nk scores.
+template <class A>
+__device__ void blk_fwd_k(const A* q, const A* k, const A* v, const i64* qpos, const i64* kpos, A* out, A* lse,
+                          u64 batch, u64 heads, u64 nq, u64 nk, u64 d) {
+    A* e = blk_smem<A>();
+    u64 row = blockIdx.x;
+    u64 i = row % nq, b = (row / nq) % batch, h = row / (nq * batch);
+    u64 t = b * nq + i;
+    A* o = out + t * heads * d + h * d;
+    u64 live = count_le(kpos, nk, qpos[i]);  // the same in every thread of the block
+    if (live == 0) {
+        for (u64 c = threadIdx.x; c < d; c += blockDim.x) o[c] = (A)0;
+        if (threadIdx.x == 0) lse[t * heads + h] = neg_inf<A>();
+        return;
+    }
+    const A* qi = q + ((h * batch + b) * nq + i) * d;
+    const A* kb = k + (h * batch + b) * nk * d;
+    const A* vb = v + (h * batch + b) * nk * d;
+    A m = neg_inf<A>();
+    for (u64 j = threadIdx.x; j < live; j += blockDim.x) {
+        A sc = blk_dot(qi, kb + j * d, d);
+        e[j] = sc;
+        if (sc > m) m = sc;
+    }
+    m = block_max(m);
+    A l = 0;
+    for (u64 j = threadIdx.x; j < live; j += blockDim.x) {
+        A x = exp_fast(e[j] - m);
+        e[j] = x;
+        l += x;
+    }
+    l = block_sum(l);  // also a barrier: every e[j] is written
+    for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
+        A acc = 0;
+        for (u64 j = 0; j < live; ++j) acc += e[j] * vb[j * d + c];
+        o[c] = acc / l;
+    }
+    if (threadIdx.x == 0) lse[t * heads + h] = m + lg(l);
+}
+
+// dq of query row (h, b, i), added into dq: D_i = dout_i . out_i (stored in dsum for the dkv
+// kernel), dS_ij = P_ij (dout_i . v_j - D_i) with P_ij = exp(q_i . k_j - lse_i) over the visible
+// keys, dq += scale * R^T sum_j dS_ij k_j (Rope::unrotate_add). Shared memory: nk values of dS.
+template <class T>
+__device__ void blk_bwd_dq_k(const typename Tr<T>::A* q, const typename Tr<T>::A* k, const typename Tr<T>::A* v,
+                             const T* dout, const T* out, const typename Tr<T>::A* lse, const i64* qpos,
+                             const i64* kpos, typename Tr<T>::A* dsum, typename Tr<T>::A* dq,
+                             const typename Tr<T>::A* cs, const typename Tr<T>::A* sn, u64 batch, u64 heads, u64 nq,
+                             u64 nk, u64 d, typename Tr<T>::A scale) {
+    typedef typename Tr<T>::A A;
+    A* ds = blk_smem<A>();
+    u64 row = blockIdx.x;
+    u64 i = row % nq, b = (row / nq) % batch, h = row / (nq * batch);
+    u64 t = b * nq + i;
+    const T* go = dout + t * heads * d + h * d;
+    const T* oo = out + t * heads * d + h * d;
+    A part = 0;
+    for (u64 c = threadIdx.x; c < d; c += blockDim.x) part += Tr<T>::to(go[c]) * Tr<T>::to(oo[c]);
+    A D = block_sum(part);
+    if (threadIdx.x == 0) dsum[(h * batch + b) * nq + i] = D;
+    u64 live = count_le(kpos, nk, qpos[i]);
+    if (live == 0) return;  // uniform over the block
+    A L = lse[t * heads + h];
+    const A* qi = q + ((h * batch + b) * nq + i) * d;
+    const A* kb = k + (h * batch + b) * nk * d;
+    const A* vb = v + (h * batch + b) * nk * d;
+    for (u64 j = threadIdx.x; j < live; j += blockDim.x) {
+        A p = exp_fast(blk_dot(qi, kb + j * d, d) - L);
+        A dp = 0;
+        const A* vj = vb + j * d;
+        for (u64 c = 0; c < d; ++c) dp += Tr<T>::to(go[c]) * vj[c];
+        ds[j] = p * (dp - D);
+    }
+    __syncthreads();
+    u64 half = d / 2;
+    A* dst = dq + t * heads * d + h * d;
+    for (u64 pp = threadIdx.x; pp < half; pp += blockDim.x) {
+        A a0 = 0, a1 = 0;
+        for (u64 j = 0; j < live; ++j) {
+            a0 += ds[j] * kb[j * d + 2 * pp];
+            a1 += ds[j] * kb[j * d + 2 * pp + 1];
+        }
+        A c = cs[i * half + pp], sv = sn[i * half + pp];
+        dst[2 * pp] += (a0 * c + a1 * sv) * scale;
+        dst[2 * pp + 1] += (a1 * c - a0 * sv) * scale;
+    }
+}
+
+// dk, dv of key row (h, b, j), added into dkv (after blk_bwd_dq, which stored D): over the
+// queries that see key j (a suffix i0..nq), dv_j += sum_i P_ij dout_i, dk += R^T sum_i dS_ij q_i
+// (q already scaled). Shared memory: 2*nq values (P and dS).
+template <class T>
+__device__ void blk_bwd_dkv_k(const typename Tr<T>::A* q, const typename Tr<T>::A* k, const typename Tr<T>::A* v,
+                              const T* dout, const typename Tr<T>::A* lse, const typename Tr<T>::A* dsum,
+                              const i64* qpos, const i64* kpos, typename Tr<T>::A* dkv,
+                              const typename Tr<T>::A* cs, const typename Tr<T>::A* sn, u64 batch, u64 heads, u64 nq,
+                              u64 nk, u64 d) {
+    typedef typename Tr<T>::A A;
+    A* P = blk_smem<A>();
+    A* dS = P + nq;
+    u64 row = blockIdx.x;
+    u64 j = row % nk, b = (row / nk) % batch, h = row / (nk * batch);
+    u64 i0 = count_lt(qpos, nq, kpos[j]);  // the first query that sees key j
+    if (i0 == nq) return;                  // uniform over the block
+    const A* kj = k + ((h * batch + b) * nk + j) * d;
+    const A* vj = v + ((h * batch + b) * nk + j) * d;
+    const A* qb = q + (h * batch + b) * nq * d;
+    for (u64 i = i0 + threadIdx.x; i < nq; i += blockDim.x) {
+        u64 t = b * nq + i;
+        A p = exp_fast(blk_dot(qb + i * d, kj, d) - lse[t * heads + h]);
+        const T* go = dout + t * heads * d + h * d;
+        A dp = 0;
+        for (u64 c = 0; c < d; ++c) dp += Tr<T>::to(go[c]) * vj[c];
+        P[i - i0] = p;
+        dS[i - i0] = p * (dp - dsum[(h * batch + b) * nq + i]);
+    }
+    __syncthreads();
+    u64 half = d / 2;
+    A* dst = dkv + (b * nk + j) * heads * 2 * d + h * 2 * d;
+    for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
+        A acc = 0;
+        for (u64 i = i0; i < nq; ++i) acc += P[i - i0] * Tr<T>::to(dout[(b * nq + i) * heads * d + h * d + c]);
+        dst[d + c] += acc;
+    }
+    for (u64 pp = threadIdx.x; pp < half; pp += blockDim.x) {
+        A a0 = 0, a1 = 0;
+        for (u64 i = i0; i < nq; ++i) {
+            a0 += dS[i - i0] * qb[i * d + 2 * pp];
+            a1 += dS[i - i0] * qb[i * d + 2 * pp + 1];
+        }
+        A c = cs[j * half + pp], sv = sn[j * half + pp];
+        dst[2 * pp] += (a0 * c + a1 * sv) * (A)1;
+        dst[2 * pp + 1] += (a1 * c - a0 * sv) * (A)1;
+    }
+}
+
+// ops::merge_attention, one thread per (row, head): lse = log(e^la + e^lb) computed as
+// m + log(e^(la-m) + e^(lb-m)), out = e^(la-lse) out_a + e^(lb-lse) out_b; a side with
+// lse = -inf contributes nothing (the CPU's branches, in its order). fmax ignores a NaN operand
+// as Rust's max does.
+template <class A> __device__ __forceinline__ A mx(A a, A b);
+template <> __device__ __forceinline__ float mx<float>(float a, float b) { return fmaxf(a, b); }
+template <> __device__ __forceinline__ double mx<double>(double a, double b) { return fmax(a, b); }
+
+template <class A> __device__ void merge_attention_k(A* oa, A* la, const A* ob, const A* lb, u64 n, u64 d) {
+    GRID_STRIDE(r, n) {
+        A b = lb[r];
+        if (b == neg_inf<A>()) continue;
+        A* x = oa + r * d;
+        const A* y = ob + r * d;
+        A a = la[r];
+        if (a == neg_inf<A>()) {
+            for (u64 c = 0; c < d; ++c) x[c] = y[c];
+            la[r] = b;
+            continue;
+        }
+        A m = mx(a, b);
+        A l = m + lg(ex(a - m) + ex(b - m));
+        A wa = ex(a - l), wb = ex(b - l);
+        for (u64 c = 0; c < d; ++c) x[c] = wa * x[c] + wb * y[c];
+        la[r] = l;
+    }
+}
+
+// ops::fuse_qkv_grad: dqkv[r, h*3d + c] = round(dq[r, h*d + c]) for c < d, round(dkv[r, h*2d + c - d])
+// after.
+template <class T>
+__device__ void fuse_qkv_grad_k(const typename Tr<T>::A* dq, const typename Tr<T>::A* dkv, T* out, u64 rows,
+                                u64 heads, u64 d) {
+    GRID_STRIDE(o, rows * heads * 3 * d) {
+        u64 c = o % (3 * d), rh = o / (3 * d);  // rh = r*heads + h
+        out[o] = Tr<T>::from(c < d ? dq[rh * d + c] : dkv[rh * 2 * d + c - d]);
+    }
+}
+
+// ops::gather_rows: out[i, :] = t[src[i], :] (bitwise; the host checked every index).
+template <class T> __device__ void gather_rows_k(const T* t, const i64* src, T* out, u64 n, u64 cols) {
+    GRID_STRIDE(o, n * cols) {
+        u64 i = o / cols, c = o % cols;
+        out[o] = t[(u64)src[i] * cols + c];
+    }
+}
+
+#define BLK_ENTRIES(N, T)                                                                                          \
+    extern "C" __global__ void attn_block_load_q_##N(const T* qkv, const Tr<T>::A* cs, const Tr<T>::A* sn,         \
+                                                     Tr<T>::A* q, u64 batch, u64 heads, u64 nq, u64 d,             \
+                                                     Tr<T>::A scale) {                                             \
+        blk_load_q_k<T>(qkv, cs, sn, q, batch, heads, nq, d, scale);                                               \
+    }                                                                                                              \
+    extern "C" __global__ void attn_block_load_kv_##N(const T* kv, const Tr<T>::A* cs, const Tr<T>::A* sn,         \
+                                                      Tr<T>::A* k, Tr<T>::A* v, u64 batch, u64 heads, u64 nk,      \
+                                                      u64 d) {                                                     \
+        blk_load_kv_k<T>(kv, cs, sn, k, v, batch, heads, nk, d);                                                   \
+    }                                                                                                              \
+    extern "C" __global__ void attn_block_masked_##N(Tr<T>::A* out, Tr<T>::A* lse, u64 rows, u64 heads, u64 d) {   \
+        blk_masked_k<Tr<T>::A>(out, lse, rows, heads, d);                                                          \
+    }                                                                                                              \
+    extern "C" __global__ void attn_block_forward_##N(const Tr<T>::A* q, const Tr<T>::A* k, const Tr<T>::A* v,     \
+                                                      const i64* qpos, const i64* kpos, Tr<T>::A* out,             \
+                                                      Tr<T>::A* lse, u64 batch, u64 heads, u64 nq, u64 nk, u64 d) { \
+        blk_fwd_k<Tr<T>::A>(q, k, v, qpos, kpos, out, lse, batch, heads, nq, nk, d);                               \
+    }                                                                                                              \
+    extern "C" __global__ void attn_block_backward_dq_##N(                                                         \
+        const Tr<T>::A* q, const Tr<T>::A* k, const Tr<T>::A* v, const T* dout, const T* out, const Tr<T>::A* lse, \
+        const i64* qpos, const i64* kpos, Tr<T>::A* dsum, Tr<T>::A* dq, const Tr<T>::A* cs, const Tr<T>::A* sn,    \
+        u64 batch, u64 heads, u64 nq, u64 nk, u64 d, Tr<T>::A scale) {                                             \
+        blk_bwd_dq_k<T>(q, k, v, dout, out, lse, qpos, kpos, dsum, dq, cs, sn, batch, heads, nq, nk, d, scale);    \
+    }                                                                                                              \
+    extern "C" __global__ void attn_block_backward_dkv_##N(                                                        \
+        const Tr<T>::A* q, const Tr<T>::A* k, const Tr<T>::A* v, const T* dout, const Tr<T>::A* lse,              \
+        const Tr<T>::A* dsum, const i64* qpos, const i64* kpos, Tr<T>::A* dkv, const Tr<T>::A* cs,                 \
+        const Tr<T>::A* sn, u64 batch, u64 heads, u64 nq, u64 nk, u64 d) {                                         \
+        blk_bwd_dkv_k<T>(q, k, v, dout, lse, dsum, qpos, kpos, dkv, cs, sn, batch, heads, nq, nk, d);              \
+    }                                                                                                              \
+    extern "C" __global__ void fuse_qkv_grad_##N(const Tr<T>::A* dq, const Tr<T>::A* dkv, T* out, u64 rows,        \
+                                                 u64 heads, u64 d) {                                               \
+        fuse_qkv_grad_k<T>(dq, dkv, out, rows, heads, d);                                                          \
+    }
+FLOATS(BLK_ENTRIES)
+
+// merge_attention runs on the compute types only.
+#define MERGE_ENTRIES(N, A)                                                                                        \
+    extern "C" __global__ void merge_attention_##N(A* oa, A* la, const A* ob, const A* lb, u64 n, u64 d) {         \
+        merge_attention_k<A>(oa, la, ob, lb, n, d);                                                                \
+    }
+MERGE_ENTRIES(f32, float)
+MERGE_ENTRIES(f64, double)
+
+#define GATHER_ENTRIES(N, T)                                                                                       \
+    extern "C" __global__ void gather_rows_##N(const T* t, const i64* src, T* out, u64 n, u64 cols) {              \
+        gather_rows_k<T>(t, src, out, n, cols);                                                                    \
+    }
+ALL_TYPES(GATHER_ENTRIES)

@@ -1,0 +1,727 @@
+//! The model's remaining CUDA kernels (`cuda::model_ops`) against the CPU ops they mirror:
+//! the context-parallel attention pieces, the MoE kernels and the collectives' reductions,
+//! in every dtype each supports, over uneven and empty sizes, and their argument errors
+//! (the CPU's message, with the op named `cuda::…`).
+//!
+//! These need a GPU (constructing a `CudaTensor` needs one, error cases included): they are
+//! ignored by default and run on the GPU machine with `--include-ignored`. Each checks for a
+//! driver and a device first and returns with a `SKIPPED` message when there is none.
+#![cfg(feature = "cuda")]
+
+use dtensor_kernels::cuda::ops::{self as g, CudaAttentionOutput};
+use dtensor_kernels::cuda::{self, CudaTensor, Device};
+use dtensor_kernels::ops::{self, BlockAttention, CausalAttentionOutput};
+use dtensor_kernels::{reduce, DType, Element, Error, ReduceOp, Tensor};
+
+const FLOATS: [DType; 4] = DType::FLOATS;
+const ALL: [DType; 6] = DType::ALL;
+
+/// The device, or `None` (with the reason on stderr) on a machine without one.
+fn gpu() -> Option<Device> {
+    if !cuda::driver_present() {
+        eprintln!("SKIPPED (needs a CUDA GPU): libcuda.so.1 not found");
+        return None;
+    }
+    match cuda::device_count() {
+        Ok(n) if n > 0 => {}
+        Ok(_) => {
+            eprintln!("SKIPPED (needs a CUDA GPU): the driver reports 0 devices");
+            return None;
+        }
+        Err(e) => {
+            eprintln!("SKIPPED (needs a CUDA GPU): {e}");
+            return None;
+        }
+    }
+    Some(Device::new(0).unwrap_or_else(|e| panic!("a device is there but Device::new failed: {e}")))
+}
+
+/// Deterministic pseudo-random values in `[lo, hi)` (64-bit LCG).
+fn rand_vec(n: usize, seed: u64, lo: f64, hi: f64) -> Vec<f64> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            lo + (hi - lo) * ((s >> 11) as f64 / (1u64 << 53) as f64)
+        })
+        .collect()
+}
+
+fn rand(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
+    let n = shape.iter().product();
+    let v: Vec<f64> = rand_vec(n, seed, -3.0, 3.0)
+        .into_iter()
+        .map(|x| {
+            if dtype.is_float() {
+                x
+            } else {
+                (x * 300.0).trunc()
+            }
+        })
+        .collect();
+    Tensor::from_f64_vec(v, shape, dtype).unwrap()
+}
+
+fn up(t: &Tensor, dev: &Device) -> CudaTensor {
+    t.to_device(dev).unwrap().cuda_tensor().unwrap()
+}
+
+fn down(t: &CudaTensor) -> Tensor {
+    t.to_host().unwrap()
+}
+
+/// The elements' bits (NaNs compared by bits too).
+fn bits(t: &Tensor) -> Vec<u64> {
+    match t.dtype() {
+        DType::F32 => t
+            .as_slice::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits() as u64)
+            .collect(),
+        DType::F64 => t
+            .as_slice::<f64>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect(),
+        DType::BF16 => t
+            .as_slice::<half::bf16>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits() as u64)
+            .collect(),
+        DType::F16 => t
+            .as_slice::<half::f16>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits() as u64)
+            .collect(),
+        DType::I32 => t
+            .as_slice::<i32>()
+            .unwrap()
+            .iter()
+            .map(|&v| v as u64)
+            .collect(),
+        DType::I64 => t
+            .as_slice::<i64>()
+            .unwrap()
+            .iter()
+            .map(|&v| v as u64)
+            .collect(),
+    }
+}
+
+/// Same shape, dtype and bits.
+#[track_caller]
+fn assert_bitwise(what: &str, gpu: &Tensor, cpu: &Tensor) {
+    assert_bits(what, gpu, cpu, false);
+}
+
+/// Same shape, dtype and bits; with `any_nan`, a NaN equals any NaN (the payload of an
+/// arithmetic result's NaN is not specified by Rust, and the GPU's is canonical).
+#[track_caller]
+fn assert_bits(what: &str, gpu: &Tensor, cpu: &Tensor, any_nan: bool) {
+    assert_eq!(gpu.shape(), cpu.shape(), "{what}: shape");
+    assert_eq!(gpu.dtype(), cpu.dtype(), "{what}: dtype");
+    let (a, b) = (bits(gpu), bits(cpu));
+    let (ga, cb) = (gpu.to_f64_vec(), cpu.to_f64_vec());
+    let same = |i: usize| a[i] == b[i] || (any_nan && ga[i].is_nan() && cb[i].is_nan());
+    if let Some(i) = (0..a.len()).find(|&i| !same(i)) {
+        panic!(
+            "{what} ({}): element {i} differs: gpu {} vs cpu {} ({} of {} differ)",
+            gpu.dtype(),
+            gpu.to_f64_vec()[i],
+            cpu.to_f64_vec()[i],
+            (0..a.len()).filter(|&i| !same(i)).count(),
+            a.len()
+        );
+    }
+}
+
+/// Relative tolerance per dtype: a few units of the last place of the stored type.
+fn tol(dtype: DType) -> f64 {
+    match dtype {
+        DType::F64 => 1e-12,
+        DType::F32 => 2e-5,
+        DType::F16 => 4e-3,
+        DType::BF16 => 3e-2,
+        _ => 0.0,
+    }
+}
+
+/// `|gpu − cpu| ≤ tol·scale·(1 + |cpu|)` elementwise, with equal infinities (a masked
+/// row's `lse = −∞`) equal.
+#[track_caller]
+fn assert_close(what: &str, gpu: &Tensor, cpu: &Tensor, scale: f64) {
+    assert_eq!(gpu.shape(), cpu.shape(), "{what}: shape");
+    assert_eq!(gpu.dtype(), cpu.dtype(), "{what}: dtype");
+    let t = tol(cpu.dtype()) * scale;
+    for (i, (x, y)) in gpu.to_f64_vec().iter().zip(cpu.to_f64_vec()).enumerate() {
+        let ok = if y.is_infinite() {
+            *x == y
+        } else {
+            (x - y).abs() <= t * (1.0 + y.abs())
+        };
+        assert!(
+            ok,
+            "{what} ({}): element {i}: gpu {x} vs cpu {y} (tolerance {t})",
+            cpu.dtype()
+        );
+    }
+}
+
+/// The GPU op's error is the CPU op's, with the op named `cuda::…`.
+#[track_caller]
+fn assert_same_error<T, U>(what: &str, gpu: Result<T, Error>, cpu: Result<U, Error>) {
+    let Err(ce) = cpu else {
+        panic!("{what}: the CPU op accepted its arguments")
+    };
+    let Err(ge) = gpu else {
+        panic!("{what}: the GPU op accepted what the CPU op refused: {ce}")
+    };
+    assert_eq!(
+        ge.to_string(),
+        format!("cuda::{ce}"),
+        "{what}: the GPU and CPU errors differ"
+    );
+}
+
+// ---- context-parallel attention pieces ----------------------------------------------
+
+/// `(batch, heads, head_dim, q_pos, k_pos)` of one blockwise attention case.
+type BlockCase = (usize, usize, usize, Vec<usize>, Vec<usize>);
+
+/// Causal offsets, rows that see no key of the block (`lse = −∞`), keys no query sees, a
+/// fully masked block, blocks longer than the CPU's 64-row tile, zigzag chunks, and an empty
+/// batch.
+fn block_cases() -> Vec<BlockCase> {
+    let zig_q: Vec<usize> = (0..4).chain(12..16).collect();
+    let zig_k: Vec<usize> = (4..8).chain(8..12).collect();
+    vec![
+        (2, 3, 4, (3..8).collect(), (0..8).collect()),
+        (1, 2, 8, zig_q.clone(), zig_k.clone()),
+        (2, 1, 6, zig_k, zig_q),
+        (3, 2, 4, vec![0, 1], vec![5, 6, 9]),
+        (2, 2, 16, (0..70).collect(), (0..70).collect()),
+        (1, 1, 2, vec![7], vec![1, 3, 5, 7, 9]),
+        (0, 2, 4, vec![0, 1, 2], vec![0, 1]),
+    ]
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_attention_block_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    for (k, dt) in FLOATS.into_iter().enumerate() {
+        let acc = ops::acc_dtype(dt);
+        for (c, (batch, heads, d, qp, kp)) in block_cases().into_iter().enumerate() {
+            let cfg = BlockAttention {
+                head_dim: d,
+                rope_base: 10000.0,
+                q_pos: &qp,
+                k_pos: &kp,
+            };
+            let what = format!("case {c} ({dt}, q {qp:?}, k {kp:?})");
+            let seed = 100 * k as u64 + 10 * c as u64;
+            let qkv = rand(&[batch * qp.len(), heads * 3 * d], dt, seed);
+            let kv = rand(&[batch * kp.len(), heads * 2 * d], dt, seed + 1);
+            let (gq, gk) = (up(&qkv, &dev), up(&kv, &dev));
+            let cpu = ops::attention_block(&qkv, &kv, &cfg).unwrap();
+            let gpu = g::attention_block(&gq, &gk, &cfg)
+                .unwrap()
+                .to_host()
+                .unwrap();
+            // out and lse are in the compute dtype, from the same rounded inputs.
+            assert_close(&format!("{what}: out"), &gpu.out, &cpu.out, 16.0);
+            assert_close(&format!("{what}: lse"), &gpu.lse, &cpu.lse, 16.0);
+
+            // The backward from this block's own result as the "final" one, adding into
+            // accumulators that already hold something.
+            let out = cpu.out.to_dtype(dt);
+            let dout = rand(out.shape(), dt, seed + 2);
+            let mut dq = rand(&[batch * qp.len(), heads * d], acc, seed + 3);
+            let mut dkv = rand(kv.shape(), acc, seed + 4);
+            let (mut gdq, mut gdkv) = (up(&dq, &dev), up(&dkv, &dev));
+            ops::attention_block_backward(
+                &dout, &qkv, &kv, &out, &cpu.lse, &cfg, &mut dq, &mut dkv,
+            )
+            .unwrap();
+            g::attention_block_backward(
+                &up(&dout, &dev),
+                &gq,
+                &gk,
+                &up(&out, &dev),
+                &up(&cpu.lse, &dev),
+                &cfg,
+                &mut gdq,
+                &mut gdkv,
+            )
+            .unwrap();
+            assert_close(&format!("{what}: dq"), &down(&gdq), &dq, 64.0);
+            assert_close(&format!("{what}: dkv"), &down(&gdkv), &dkv, 64.0);
+        }
+
+        // Errors: the CPU's checks and messages.
+        let (qp, kp) = ([0usize, 1, 2], [0usize, 1]);
+        let cfg = BlockAttention {
+            head_dim: 4,
+            rope_base: 10000.0,
+            q_pos: &qp,
+            k_pos: &kp,
+        };
+        let qkv = rand(&[6, 24], dt, 1);
+        let kv = rand(&[4, 16], dt, 2);
+        let bad_kv = rand(&[4, 12], dt, 3);
+        assert_same_error(
+            "kv columns",
+            g::attention_block(&up(&qkv, &dev), &up(&bad_kv, &dev), &cfg),
+            ops::attention_block(&qkv, &bad_kv, &cfg),
+        );
+        let odd = BlockAttention { head_dim: 3, ..cfg };
+        assert_same_error(
+            "odd head_dim",
+            g::attention_block(&up(&qkv, &dev), &up(&kv, &dev), &odd),
+            ops::attention_block(&qkv, &kv, &odd),
+        );
+        let unsorted = [2usize, 1, 3];
+        let bad_pos = BlockAttention {
+            q_pos: &unsorted,
+            ..cfg
+        };
+        assert_same_error(
+            "positions",
+            g::attention_block(&up(&qkv, &dev), &up(&kv, &dev), &bad_pos),
+            ops::attention_block(&qkv, &kv, &bad_pos),
+        );
+        let uneven = rand(&[5, 24], dt, 4);
+        assert_same_error(
+            "samples",
+            g::attention_block(&up(&uneven, &dev), &up(&kv, &dev), &cfg),
+            ops::attention_block(&uneven, &kv, &cfg),
+        );
+        let c = ops::attention_block(&qkv, &kv, &cfg).unwrap();
+        let out = c.out.to_dtype(dt);
+        let short = rand(&[6, 12], dt, 5);
+        let (mut dq, mut dkv) = (Tensor::zeros(&[6, 8], acc), Tensor::zeros(&[4, 16], acc));
+        let (mut gdq, mut gdkv) = (up(&dq, &dev), up(&dkv, &dev));
+        assert_same_error(
+            "dout shape",
+            g::attention_block_backward(
+                &up(&short, &dev),
+                &up(&qkv, &dev),
+                &up(&kv, &dev),
+                &up(&out, &dev),
+                &up(&c.lse, &dev),
+                &cfg,
+                &mut gdq,
+                &mut gdkv,
+            ),
+            ops::attention_block_backward(&short, &qkv, &kv, &out, &c.lse, &cfg, &mut dq, &mut dkv),
+        );
+        let mut wrong_dq = Tensor::zeros(&[6, 7], acc);
+        let mut gwrong = up(&wrong_dq, &dev);
+        let dout = rand(&[6, 8], dt, 6);
+        assert_same_error(
+            "dq shape",
+            g::attention_block_backward(
+                &up(&dout, &dev),
+                &up(&qkv, &dev),
+                &up(&kv, &dev),
+                &up(&out, &dev),
+                &up(&c.lse, &dev),
+                &cfg,
+                &mut gwrong,
+                &mut gdkv,
+            ),
+            ops::attention_block_backward(
+                &dout,
+                &qkv,
+                &kv,
+                &out,
+                &c.lse,
+                &cfg,
+                &mut wrong_dq,
+                &mut dkv,
+            ),
+        );
+
+        // Over the shared-memory bound: a clear "not on cuda" error, no launch.
+        let many: Vec<usize> = (0..20_000).collect();
+        let long = BlockAttention {
+            head_dim: 2,
+            rope_base: 10000.0,
+            q_pos: &many[..1],
+            k_pos: &many,
+        };
+        let e = g::attention_block(
+            &up(&Tensor::zeros(&[1, 6], dt), &dev),
+            &up(&Tensor::zeros(&[20_000, 4], dt), &dev),
+            &long,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("not on cuda"), "{e}");
+    }
+}
+
+/// A partial result on the CPU: attention of random queries at `qp` to keys at `kp`.
+fn partial(dt: DType, qp: &[usize], kp: &[usize], seed: u64) -> CausalAttentionOutput {
+    let cfg = BlockAttention {
+        head_dim: 4,
+        rope_base: 10000.0,
+        q_pos: qp,
+        k_pos: kp,
+    };
+    let qkv = rand(&[2 * qp.len(), 3 * 3 * 4], dt, seed);
+    let kv = rand(&[2 * kp.len(), 3 * 2 * 4], dt, seed + 1);
+    ops::attention_block(&qkv, &kv, &cfg).unwrap()
+}
+
+fn up_out(o: &CausalAttentionOutput, dev: &Device) -> CudaAttentionOutput {
+    CudaAttentionOutput {
+        out: up(&o.out, dev),
+        lse: up(&o.lse, dev),
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_merge_attention_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    let qp: Vec<usize> = (4..10).collect();
+    // Keys early (every row sees some), late (the first rows see none: lse = −∞ on that
+    // side), and past every query (the whole part is −∞).
+    let (early, late, past): (Vec<usize>, Vec<usize>, Vec<usize>) =
+        ((0..4).collect(), (6..9).collect(), (20..23).collect());
+    for (k, dt) in [DType::F32, DType::F64].into_iter().enumerate() {
+        for (c, (a, b)) in [
+            (&early, &late),
+            (&late, &early),
+            (&late, &late),
+            (&early, &past),
+            (&past, &early),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let seed = 10 * k as u64 + 2 * c as u64;
+            let mut acc = partial(dt, &qp, a, seed);
+            let part = partial(dt, &qp, b, seed + 500);
+            let mut gacc = up_out(&acc, &dev);
+            g::merge_attention(&mut gacc, &up_out(&part, &dev)).unwrap();
+            ops::merge_attention(&mut acc, &part).unwrap();
+            let got = gacc.to_host().unwrap();
+            assert_close(&format!("merge {c} out"), &got.out, &acc.out, 4.0);
+            assert_close(&format!("merge {c} lse"), &got.lse, &acc.lse, 4.0);
+        }
+        // Empty rows: nothing to do, no error.
+        let empty = CausalAttentionOutput {
+            out: Tensor::zeros(&[0, 8], dt),
+            lse: Tensor::zeros(&[0, 2], dt),
+        };
+        let mut ge = up_out(&empty, &dev);
+        g::merge_attention(&mut ge, &up_out(&empty, &dev)).unwrap();
+    }
+    // Errors: a storage dtype, mismatched shapes.
+    let mut a = partial(DType::F32, &qp, &early, 1);
+    let bf = CausalAttentionOutput {
+        out: a.out.to_dtype(DType::BF16),
+        lse: a.lse.to_dtype(DType::BF16),
+    };
+    let mut bf2 = CausalAttentionOutput {
+        out: bf.out.clone(),
+        lse: bf.lse.clone(),
+    };
+    assert_same_error(
+        "bf16 partials",
+        g::merge_attention(&mut up_out(&bf, &dev), &up_out(&bf, &dev)),
+        ops::merge_attention(&mut bf2, &bf),
+    );
+    let short = CausalAttentionOutput {
+        out: Tensor::zeros(&[11, 12], DType::F32),
+        lse: Tensor::zeros(&[11, 3], DType::F32),
+    };
+    assert_same_error(
+        "rows",
+        g::merge_attention(&mut up_out(&a, &dev), &up_out(&short, &dev)),
+        ops::merge_attention(&mut a, &short),
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_pack_kv_fuse_qkv_grad_gather_rows_match_cpu_bitwise() {
+    let Some(dev) = gpu() else { return };
+    for (k, dt) in FLOATS.into_iter().enumerate() {
+        let acc = ops::acc_dtype(dt);
+        for (rows, heads, d) in [(5, 3, 4), (1, 1, 2), (0, 2, 4), (7, 2, 6)] {
+            let seed = 40 * k as u64 + rows as u64;
+            let qkv = rand(&[rows, heads * 3 * d], dt, seed);
+            assert_bitwise(
+                "pack_kv",
+                &down(&g::pack_kv(&up(&qkv, &dev), d).unwrap()),
+                &ops::pack_kv(&qkv, d).unwrap(),
+            );
+            let dq = rand(&[rows, heads * d], acc, seed + 1);
+            let dkv = rand(&[rows, heads * 2 * d], acc, seed + 2);
+            assert_bitwise(
+                "fuse_qkv_grad",
+                &down(&g::fuse_qkv_grad(&up(&dq, &dev), &up(&dkv, &dev), d, dt).unwrap()),
+                &ops::fuse_qkv_grad(&dq, &dkv, d, dt).unwrap(),
+            );
+        }
+        let qkv = rand(&[4, 24], dt, 7);
+        assert_same_error(
+            "pack_kv head_dim",
+            g::pack_kv(&up(&qkv, &dev), 5),
+            ops::pack_kv(&qkv, 5),
+        );
+        let dq = rand(&[4, 8], acc, 8);
+        let dkv = rand(&[4, 12], acc, 9);
+        assert_same_error(
+            "fuse_qkv_grad dkv",
+            g::fuse_qkv_grad(&up(&dq, &dev), &up(&dkv, &dev), 4, dt),
+            ops::fuse_qkv_grad(&dq, &dkv, 4, dt),
+        );
+    }
+    let ints = rand(&[2, 12], DType::I32, 1);
+    assert_same_error(
+        "pack_kv of i32",
+        g::pack_kv(&up(&ints, &dev), 4),
+        ops::pack_kv(&ints, 4),
+    );
+    let (dq, dkv) = (rand(&[2, 4], DType::F32, 2), rand(&[2, 8], DType::F32, 3));
+    assert_same_error(
+        "fuse_qkv_grad into i64",
+        g::fuse_qkv_grad(&up(&dq, &dev), &up(&dkv, &dev), 4, DType::I64),
+        ops::fuse_qkv_grad(&dq, &dkv, 4, DType::I64),
+    );
+    for (k, dt) in ALL.into_iter().enumerate() {
+        let t = rand(&[6, 5], dt, 60 + k as u64);
+        let gt = up(&t, &dev);
+        for src in [&[5usize, 0, 0, 3][..], &[], &[2, 2, 2, 2, 2, 2, 2, 1]] {
+            assert_bitwise(
+                &format!("gather_rows {src:?}"),
+                &down(&g::gather_rows(&gt, src).unwrap()),
+                &ops::gather_rows(&t, src).unwrap(),
+            );
+        }
+        let narrow = rand(&[3, 0], dt, 1);
+        assert_bitwise(
+            "gather_rows of no columns",
+            &down(&g::gather_rows(&up(&narrow, &dev), &[1, 2]).unwrap()),
+            &ops::gather_rows(&narrow, &[1, 2]).unwrap(),
+        );
+        assert_same_error(
+            "gather_rows out of range",
+            g::gather_rows(&gt, &[1, 6]),
+            ops::gather_rows(&t, &[1, 6]),
+        );
+        let flat = rand(&[6], dt, 2);
+        assert_same_error(
+            "gather_rows of 1-D",
+            g::gather_rows(&up(&flat, &dev), &[0]),
+            ops::gather_rows(&flat, &[0]),
+        );
+    }
+}
+
+// ---- mixture of experts ---------------------------------------------------------------
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_grouped_matmul_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    for (k, dt) in FLOATS.into_iter().enumerate() {
+        // (groups, out, in): uneven groups with empty ones, all-empty, one expert.
+        let cases: [(&[usize], usize, usize); 5] = [
+            (&[3, 0, 5, 1], 7, 33),
+            (&[0, 4], 9, 5),
+            (&[0, 0, 0], 4, 6),
+            (&[17], 1, 70),
+            (&[2, 3], 6, 0),
+        ];
+        for (c, (groups, out, inp)) in cases.into_iter().enumerate() {
+            let rows: usize = groups.iter().sum();
+            let seed = 500 + 20 * k as u64 + 3 * c as u64;
+            let x = rand(&[rows, inp], dt, seed);
+            let w = rand(&[groups.len(), out, inp], dt, seed + 1);
+            let dy = rand(&[rows, out], dt, seed + 2);
+            let (gx, gw) = (up(&x, &dev), up(&w, &dev));
+            let what = format!("grouped_matmul_t {groups:?} out {out} in {inp} ({dt})");
+            assert_close(
+                &what,
+                &down(&g::grouped_matmul_t(&gx, &gw, groups).unwrap()),
+                &ops::grouped_matmul_t(&x, &w, groups).unwrap(),
+                8.0,
+            );
+            let cg = ops::grouped_matmul_t_backward(&dy, &x, &w, groups).unwrap();
+            let gg = g::grouped_matmul_t_backward(&up(&dy, &dev), &gx, &gw, groups).unwrap();
+            assert_close(&format!("{what}: dx"), &down(&gg.dx), &cg.dx, 8.0);
+            assert_close(&format!("{what}: dw"), &down(&gg.dw), &cg.dw, 8.0);
+        }
+        let x = rand(&[5, 3], dt, 1);
+        let w = rand(&[2, 4, 3], dt, 2);
+        let (gx, gw) = (up(&x, &dev), up(&w, &dev));
+        assert_same_error(
+            "groups",
+            g::grouped_matmul_t(&gx, &gw, &[2, 2]),
+            ops::grouped_matmul_t(&x, &w, &[2, 2]),
+        );
+        let w2 = rand(&[2, 4, 2], dt, 3);
+        assert_same_error(
+            "in features",
+            g::grouped_matmul_t(&gx, &up(&w2, &dev), &[2, 3]),
+            ops::grouped_matmul_t(&x, &w2, &[2, 3]),
+        );
+        let dy = rand(&[5, 3], dt, 4);
+        assert_same_error(
+            "dy shape",
+            g::grouped_matmul_t_backward(&up(&dy, &dev), &gx, &gw, &[2, 3]),
+            ops::grouped_matmul_t_backward(&dy, &x, &w, &[2, 3]),
+        );
+    }
+    let x = rand(&[2, 3], DType::I32, 1);
+    let w = rand(&[1, 2, 3], DType::I32, 2);
+    assert!(g::grouped_matmul_t(&up(&x, &dev), &up(&w, &dev), &[2]).is_err());
+    assert!(ops::grouped_matmul_t(&x, &w, &[2]).is_err());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_scatter_add_rows_matches_cpu_bitwise() {
+    let Some(dev) = gpu() else { return };
+    for (k, dt) in ALL.into_iter().enumerate() {
+        // (destinations, n, hidden): repeats in any order, rows no source names, no sources,
+        // no columns, no rows.
+        let cases: [(&[usize], usize, usize); 5] = [
+            (&[3, 0, 3, 3, 5, 0, 1], 7, 37),
+            (&[2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2], 3, 300),
+            (&[], 4, 5),
+            (&[1, 0], 2, 0),
+            (&[], 0, 3),
+        ];
+        for (c, (rows, n, h)) in cases.into_iter().enumerate() {
+            let src = rand(&[rows.len(), h], dt, 700 + 10 * k as u64 + c as u64);
+            let gs = up(&src, &dev);
+            let cpu = ops::scatter_add_rows(&src, rows, n).unwrap();
+            let gpu = down(&g::scatter_add_rows(&gs, rows, n).unwrap());
+            let what = format!("scatter_add_rows {rows:?} into {n} ({dt})");
+            if dt == DType::F16 {
+                // The f64 sums round into f16 as Tensor::to_dtype does: through f32 with
+                // F16C, directly without it (one ulp apart at ties; see cuda_gpu.rs casts).
+                assert_close(&what, &gpu, &cpu, 1.0);
+            } else {
+                assert_bitwise(&what, &gpu, &cpu);
+            }
+            // Deterministic: the same bits on every run.
+            let again = down(&g::scatter_add_rows(&gs, rows, n).unwrap());
+            assert_bitwise(&format!("{what}, run twice"), &again, &gpu);
+        }
+        let src = rand(&[3, 2], dt, 1);
+        let gs = up(&src, &dev);
+        assert_same_error(
+            "destination out of range",
+            g::scatter_add_rows(&gs, &[0, 4, 1], 4),
+            ops::scatter_add_rows(&src, &[0, 4, 1], 4),
+        );
+        assert_same_error(
+            "destination count",
+            g::scatter_add_rows(&gs, &[0, 1], 4),
+            ops::scatter_add_rows(&src, &[0, 1], 4),
+        );
+    }
+}
+
+// ---- the collectives' reductions ----------------------------------------------------
+
+/// `srcs` reduced on the CPU by `reduce::reduce_into` and pairwise by `reduce::combine`.
+fn cpu_reduce(srcs: &[Tensor], op: ReduceOp) -> (Tensor, Tensor) {
+    fn typed<T: Element + dtensor_kernels::StorageElement>(
+        srcs: &[Tensor],
+        op: ReduceOp,
+    ) -> (Tensor, Tensor) {
+        let shape = srcs[0].shape();
+        let views: Vec<&[T]> = srcs.iter().map(|t| t.as_slice::<T>().unwrap()).collect();
+        let mut dst = vec![T::zero(); views[0].len()];
+        reduce::reduce_into(&mut dst, &views, op);
+        let mut acc = views[0].to_vec();
+        reduce::combine(&mut acc, views[1], op);
+        (
+            Tensor::from_vec(dst, shape).unwrap(),
+            Tensor::from_vec(acc, shape).unwrap(),
+        )
+    }
+    match srcs[0].dtype() {
+        DType::F32 => typed::<f32>(srcs, op),
+        DType::F64 => typed::<f64>(srcs, op),
+        DType::BF16 => typed::<half::bf16>(srcs, op),
+        DType::F16 => typed::<half::f16>(srcs, op),
+        DType::I32 => typed::<i32>(srcs, op),
+        DType::I64 => typed::<i64>(srcs, op),
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_reductions_match_cpu_bitwise() {
+    let Some(dev) = gpu() else { return };
+    for (k, dt) in ALL.into_iter().enumerate() {
+        for n in [0usize, 1, 1000, 5003] {
+            // Three sources; floats with NaNs, signed zeros and ties planted in them.
+            let srcs: Vec<Tensor> = (0..3)
+                .map(|s| {
+                    let mut v = rand(&[n], dt, 900 + 10 * k as u64 + s).to_f64_vec();
+                    if dt.is_float() && n >= 1000 {
+                        v[7 * s as usize] = f64::NAN;
+                        v[100] = if s == 0 { 0.0 } else { -0.0 };
+                        v[101] = if s == 1 { 0.0 } else { -0.0 };
+                        v[200] = 1.5;
+                        v[300 + s as usize] = f64::INFINITY;
+                        v[400] = if s == 2 { f64::NEG_INFINITY } else { 2.0 };
+                    }
+                    Tensor::from_f64_vec(v, &[n], dt).unwrap()
+                })
+                .collect();
+            let gsrcs: Vec<CudaTensor> = srcs.iter().map(|t| up(t, &dev)).collect();
+            let refs: Vec<&CudaTensor> = gsrcs.iter().collect();
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+                let what = format!("{op:?} of {n} {dt}");
+                // Max/Min move bits (NaN payloads included); a Sum/Avg NaN is computed.
+                let arith = matches!(op, ReduceOp::Sum | ReduceOp::Avg);
+                let (want, want_pair) = cpu_reduce(&srcs, op);
+                let mut dst = CudaTensor::zeros(&dev, &[n], dt).unwrap();
+                g::reduce_into(&mut dst, &refs, op).unwrap();
+                assert_bits(&format!("reduce_into {what}"), &down(&dst), &want, arith);
+                let mut acc = up(&srcs[0], &dev);
+                g::combine(&mut acc, &gsrcs[1], op).unwrap();
+                assert_bits(&format!("combine {what}"), &down(&acc), &want_pair, arith);
+                // One source: a copy (Avg divides by one).
+                let mut one = CudaTensor::zeros(&dev, &[n], dt).unwrap();
+                g::reduce_into(&mut one, &refs[..1], op).unwrap();
+                let what = format!("reduce_into of one, {what}");
+                assert_bits(&what, &down(&one), &srcs[0], op == ReduceOp::Avg);
+            }
+        }
+        let a = up(&rand(&[4], dt, 1), &dev);
+        let mut b = up(&rand(&[5], dt, 2), &dev);
+        assert!(
+            g::combine(&mut b, &a, ReduceOp::Max).is_err(),
+            "length mismatch"
+        );
+        assert!(
+            g::reduce_into(&mut b, &[&a], ReduceOp::Sum).is_err(),
+            "length mismatch"
+        );
+    }
+    let a = up(&rand(&[4], DType::F32, 1), &dev);
+    let mut b = up(&rand(&[4], DType::F64, 2), &dev);
+    assert!(
+        g::combine(&mut b, &a, ReduceOp::Sum).is_err(),
+        "dtype mismatch"
+    );
+}

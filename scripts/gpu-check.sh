@@ -1,0 +1,252 @@
+#!/usr/bin/env bash
+# The GPU check: builds here what a GPU machine without a Rust toolchain runs, packs it,
+# stripped, into .gpu/ (git-ignored) with a runner, and reports the bundle's size:
+#
+#   bash scripts/gpu-check.sh     # here: build into .gpu/ (must stay under the 64 MiB a
+#                                 # transfer to the GPU machine allows)
+#   bash .gpu/run.sh              # there (copy .gpu/ over first; it is git-ignored, so a tool
+#                                 # that ships the working tree must be told to carry it)
+#
+# The bundle:
+#   cuda_gpu, cuda_gpu_model, cuda_ptx
+#                             dtensor-kernels' CUDA tests (every kernel against the CPU; PTX)
+#   nccl                      the NCCL backend's tests (collectives/tests/nccl.rs)
+#   nccl_conformance          the conformance suite on NCCL (collectives/tests/nccl_conformance.rs)
+#   bench_report              release, --features nccl: run as `bench_report --backend nccl --quick`
+#   train_gpt                 release, --features cuda,nccl, if it builds; run.sh runs
+#                             `train_gpt --device cuda --check` only if `train_gpt --help`
+#                             mentions --device
+#
+# run.sh finds the CUDA 13 NVRTC and cuBLAS libraries and libnccl (system or pip wheels), puts
+# their folders on LD_LIBRARY_PATH (with a `libnccl.so` link to the wheel's `libnccl.so.2`, the
+# only name cudarc does not try), sets NCCL_SOCKET_IFNAME=lo, NCCL_MULTI_RANK_GPU_ENABLE=1 (ranks
+# sharing a GPU) and DTENSOR_GPU_REQUIRED=1 (a missing GPU or library fails instead of
+# skipping), and runs every step under `timeout` within 8 minutes in all. It writes
+# $OUT/report.txt (or .gpu/out/report.txt without $OUT): one line per step, `passed`, `FAILED
+# (exit N)`, `TIMED OUT after N s` or `not run: <why>` (a step that timed out or did not run
+# is never counted as passed; a step whose tests print SKIPPED says how many and is counted
+# apart), each step's log tail, and the summary; the full logs sit beside it. run.sh exits 0
+# only if no step failed or timed out.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+out=.gpu
+rm -rf "$out"
+mkdir -p "$out"
+# .gpu/ is in .gitignore.
+build_log="$out/build.txt"
+: >"$build_log"
+
+export CARGO_INCREMENTAL=0
+
+# The executables of the `kind` targets cargo builds ("test" or "example"), as `name path`.
+artifacts() {
+  local kind=$1
+  python3 -c 'import json,sys
+kind = sys.argv[1]
+for l in sys.stdin:
+    try:
+        m = json.loads(l)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == [kind]:
+        print(m["target"]["name"], m["executable"])' "$kind"
+}
+
+# pack NAME PATH: a stripped copy in the bundle.
+pack() {
+  cp "$2" "$out/$1"
+  strip "$out/$1"
+  echo "packed $1 ($(du -h "$out/$1" | cut -f1))" | tee -a "$build_log"
+}
+
+# build KIND CARGO_ARGS...: builds and packs every KIND executable; fails the script if the
+# build fails.
+build() {
+  local kind=$1
+  shift
+  local json
+  if ! json=$(nice cargo "$@" --message-format=json 2>>"$build_log"); then
+    echo "gpu-check: cargo $* failed (see $build_log)" >&2
+    tail -n 30 "$build_log" >&2
+    exit 1
+  fi
+  local found=0
+  while read -r name path; do
+    [ -n "$name" ] || continue
+    pack "$name" "$path"
+    found=1
+  done <<<"$(artifacts "$kind" <<<"$json")"
+  if [ "$found" = 0 ]; then
+    echo "gpu-check: cargo $* built no $kind executable" >&2
+    exit 1
+  fi
+}
+
+echo "== gpu-check: building the bundle in $out/"
+build test test -p dtensor-kernels --features cuda --test cuda_gpu --test cuda_gpu_model \
+  --test cuda_ptx --no-run
+build test test -p dtensor-collectives --features nccl --test nccl --test nccl_conformance --no-run
+build example build --release --example bench_report --features nccl
+# train_gpt with the GPU features, if it builds (another change adds `--device cuda`).
+if json=$(nice cargo build --release --example train_gpt --features cuda,nccl \
+  --message-format=json 2>>"$build_log"); then
+  while read -r name path; do
+    [ -n "$name" ] && pack "$name" "$path"
+  done <<<"$(artifacts example <<<"$json")"
+else
+  echo "train_gpt --features cuda,nccl does not build: not in the bundle (see $build_log)" \
+    | tee -a "$build_log" "$out/not-built.txt"
+fi
+
+cat >"$out/run.sh" <<'RUN'
+#!/usr/bin/env bash
+# Runs the GPU checks on a GPU machine; built by scripts/gpu-check.sh (see its header).
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+report_dir="${OUT:-$here/out}"
+mkdir -p "$report_dir"
+report="$report_dir/report.txt"
+start=$(date +%s)
+# 8 minutes for everything, the library search included; each step gets its own budget,
+# cut to what is left.
+deadline=$((start + 470))
+: >"$report"
+say() { echo "$*" | tee -a "$report"; }
+
+say "gpu-check report, $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname)"
+nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader \
+  2>&1 | sed 's/^/gpu: /' | tee -a "$report"
+
+dirs=""
+for lib in 'libnvrtc.so.1[23]*' 'libcublas.so.1[23]*' 'libcublasLt.so.1[23]*'; do
+  f=$(timeout 30 find / -xdev -name "$lib" -not -path '/proc/*' 2>/dev/null | head -n 1)
+  if [ -n "$f" ]; then
+    d=$(dirname "$f")
+    case ":$dirs:" in *":$d:"*) ;; *) dirs="$dirs${dirs:+:}$d" ;; esac
+  else
+    say "library: $lib not found on this machine"
+  fi
+done
+nccl=$(timeout 30 find / -xdev -name 'libnccl.so.2*' -not -path '/proc/*' 2>/dev/null | head -n 1)
+if [ -n "$nccl" ]; then
+  mkdir -p "$here/shim"
+  ln -sf "$nccl" "$here/shim/libnccl.so"
+  dirs="$dirs${dirs:+:}$here/shim"
+  say "library: libnccl from $nccl"
+else
+  say "library: libnccl.so.2 not found on this machine"
+fi
+# cuda_ptx assembles the PTX with ptxas where there is one (a CUDA toolkit or the nvcc wheel).
+if [ -z "${PTXAS:-}" ]; then
+  p=$(command -v ptxas || timeout 30 find / -xdev -type f -name ptxas -not -path '/proc/*' 2>/dev/null | head -n 1)
+  if [ -n "$p" ]; then export PTXAS="$p"; say "ptxas: $p"; else say "ptxas: not found (cuda_ptx skips the assembly)"; fi
+fi
+export LD_LIBRARY_PATH="$dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export NCCL_SOCKET_IFNAME=lo NCCL_MULTI_RANK_GPU_ENABLE=1 DTENSOR_GPU_REQUIRED=1
+say "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+say ""
+
+passed=0 with_skips=0 failed=0 timed_out=0 not_run=0
+results=()
+
+# step NAME BUDGET_S COMMAND...: runs COMMAND under timeout (BUDGET_S, cut to what is left
+# of the 8 minutes), its output in NAME.log; records passed / FAILED / TIMED OUT.
+step() {
+  local name=$1 budget=$2
+  shift 2
+  local left=$((deadline - $(date +%s)))
+  if [ "$left" -lt 10 ]; then
+    not_run=$((not_run + 1))
+    results+=("$name: not run: the 8 minutes are spent")
+    return
+  fi
+  [ "$budget" -le "$left" ] || budget=$left
+  local log="$report_dir/$name.log" t0 rc
+  t0=$(date +%s)
+  timeout -k 5 "$budget" "$@" >"$log" 2>&1
+  rc=$?
+  local took=$(($(date +%s) - t0))
+  local verdict
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    timed_out=$((timed_out + 1))
+    verdict="TIMED OUT after ${budget} s"
+  elif [ "$rc" = 0 ]; then
+    # Tests that return early without a GPU or tool print SKIPPED (and pass): say so,
+    # and never count the step as passed.
+    local skips
+    skips=$(grep -c 'SKIPPED' "$log")
+    if [ "$skips" -gt 0 ]; then
+      with_skips=$((with_skips + 1))
+      verdict="passed, but $skips SKIPPED (${took} s)"
+    else
+      passed=$((passed + 1))
+      verdict="passed (${took} s)"
+    fi
+  else
+    failed=$((failed + 1))
+    verdict="FAILED (exit $rc, ${took} s)"
+  fi
+  results+=("$name: $verdict")
+  {
+    echo "== $name: $verdict: $*"
+    # The lines that say what ran: test results, the suite's lines, summaries.
+    grep -E '^(test |nccl conformance|op=|bench_report:|test result|failures:|    |thread .* panicked|error)|SKIPPED' "$log" | tail -n 150
+    echo "-- last lines of $name.log:"
+    tail -n 15 "$log"
+    echo
+  } >>"$report"
+}
+
+# skip_step NAME WHY
+skip_step() {
+  not_run=$((not_run + 1))
+  results+=("$1: not run: $2")
+}
+
+# The tests of the no-GPU path (they return early, saying SKIPPED, where there is a GPU)
+# are left out by name; every other skip shows in the report.
+say "left out (no-GPU-path tests): no_driver_gives_an_error_not_a_panic, launch_without_libnccl_or_driver_errs_on_every_rank, from_host_without_libnccl_or_driver_errs_on_every_rank, conformance_launch_without_gpu_errs_on_every_rank"
+say ""
+step cuda_gpu 75 "$here/cuda_gpu" --include-ignored --test-threads=1 --nocapture
+step cuda_gpu_model 75 "$here/cuda_gpu_model" --include-ignored --test-threads=1 --nocapture
+step cuda_ptx 40 "$here/cuda_ptx" --nocapture --skip no_driver_gives_an_error_not_a_panic
+step nccl 80 "$here/nccl" --include-ignored --test-threads=1 --nocapture \
+  --skip launch_without_libnccl_or_driver_errs_on_every_rank \
+  --skip from_host_without_libnccl_or_driver_errs_on_every_rank
+step nccl_conformance 110 "$here/nccl_conformance" --include-ignored --test-threads=1 --nocapture \
+  --skip conformance_launch_without_gpu_errs_on_every_rank
+step bench_report_nccl 50 "$here/bench_report" --backend nccl --quick
+# Every op but all_gather_last (no device column-block all-gather yet) printed a line.
+step bench_report_nccl_lines 5 bash -c '
+  log="$1"; missing=""
+  for op in all_gather reduce_scatter all_reduce all_to_all chunk; do
+    grep -Eq "^op=$op ranks=2 .*backend=nccl$" "$log" || missing="$missing $op"
+  done
+  if [ -n "$missing" ]; then echo "no backend=nccl line for:$missing"; exit 1; fi
+  echo "a backend=nccl line for every measured op"' _ "$report_dir/bench_report_nccl.log"
+if [ ! -x "$here/train_gpt" ]; then
+  skip_step train_gpt_cuda "$(cat "$here/not-built.txt" 2>/dev/null || echo 'not in the bundle')"
+elif "$here/train_gpt" --help 2>&1 | grep -q -- '--device'; then
+  step train_gpt_cuda 25 "$here/train_gpt" --device cuda --check
+else
+  skip_step train_gpt_cuda "train_gpt --help does not mention --device (no GPU path yet)"
+fi
+
+{
+  echo "== summary ($(($(date +%s) - start)) s)"
+  for r in "${results[@]}"; do echo "$r"; done
+  echo "$passed passed, $with_skips passed with SKIPPED tests, $failed failed, $timed_out timed out, $not_run not run"
+} | tee -a "$report"
+[ "$failed" = 0 ] && [ "$timed_out" = 0 ]
+RUN
+chmod +x "$out/run.sh"
+
+size=$(du -sb "$out" | cut -f1)
+limit=$((64 * 1024 * 1024))
+ls -la "$out"
+echo "gpu-check: bundle $out/ is $((size / 1024 / 1024)) MiB ($size bytes; the transfer allows $limit)"
+if [ "$size" -ge "$limit" ]; then
+  echo "gpu-check: the bundle is over 64 MiB" >&2
+  exit 1
+fi
