@@ -763,6 +763,11 @@ pub(crate) fn without_dim(shape: &[usize], d: usize) -> Vec<usize> {
 /// A `[r, c]` tensor's transpose `[c, r]`, any dtype, bit for bit.
 pub(crate) fn transpose_local(t: &Tensor) -> Result<Tensor> {
     let (r, c) = (t.shape()[0], t.shape()[1]);
+    if t.is_cuda() {
+        // On a device: the columns packed one after another (the `pack` kernel copies, bit
+        // for bit) are the rows of the transpose.
+        return Ok(t.pack(1, &vec![1; c])?.reshape(&[c, r])?);
+    }
     macro_rules! tr {
         ($T:ty) => {{
             let s = t.as_slice::<$T>()?;
