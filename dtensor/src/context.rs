@@ -431,11 +431,10 @@ impl Geom {
             k_pos: &self.pos[owner],
         }
     }
-    fn send(&self, t: &Tensor, tag: u32) -> Result<()> {
-        transfer::send(&*self.comm, t, self.next(), tag)
-    }
-    fn recv_like(&self, like: &Tensor, tag: u32) -> Result<Tensor> {
-        transfer::recv_like(&*self.comm, like, self.prev(), tag)
+    /// One hop round the ring: `t` to the next rank, the previous rank's back (in an order
+    /// that cannot deadlock on unbuffered device sends: [`transfer::shift`]).
+    fn shift(&self, t: &Tensor, tag: u32) -> Result<Tensor> {
+        transfer::shift(&*self.comm, t, self.next(), self.prev(), tag)
     }
 
     /// The within-block permutation between CP order (what an all-to-all gathers: rank
@@ -451,10 +450,12 @@ impl Geom {
         let mut acc: Option<CausalAttentionOutput> = None;
         for step in 0..self.cp {
             let more = step + 1 < self.cp;
-            // The next hop leaves before this block's compute (buffered send).
-            if more {
-                self.send(&cur, TAG_KV)?;
-            }
+            // The next hop moves before this block's compute.
+            let next = if more {
+                Some(self.shift(&cur, TAG_KV)?)
+            } else {
+                None
+            };
             let b = self.block(owner);
             if !b.fully_masked() {
                 let part = ops::attention_block(qkv, &cur, &b)?;
@@ -463,8 +464,8 @@ impl Geom {
                     Some(a) => ops::merge_attention(a, &part)?,
                 }
             }
-            if more {
-                cur = self.recv_like(&cur, TAG_KV)?;
+            if let Some(next) = next {
+                cur = next;
                 owner = (owner + self.cp - 1) % self.cp;
             }
         }
@@ -487,22 +488,21 @@ impl Geom {
         let mut owner = self.c;
         for step in 0..self.cp {
             let more = step + 1 < self.cp;
-            if more {
-                self.send(&cur, TAG_KV_BACK)?;
-            }
+            let next = if more {
+                Some(self.shift(&cur, TAG_KV_BACK)?)
+            } else {
+                None
+            };
             let b = self.block(owner);
             ops::attention_block_backward(dy, qkv, &cur, out, lse, &b, &mut dq, &mut dkv)?;
             if self.cp > 1 {
                 // This block's dK/dV, with this rank's share added, follows it; the last hop
                 // takes it home to its owner.
-                self.send(&dkv, TAG_DKV)?;
+                dkv = self.shift(&dkv, TAG_DKV)?;
             }
-            if more {
-                cur = self.recv_like(&cur, TAG_KV_BACK)?;
+            if let Some(next) = next {
+                cur = next;
                 owner = (owner + self.cp - 1) % self.cp;
-            }
-            if self.cp > 1 {
-                dkv = self.recv_like(&dkv, TAG_DKV)?;
             }
         }
         Ok(ops::fuse_qkv_grad(&dq, &dkv, d, qkv.dtype())?)

@@ -128,6 +128,26 @@ pub fn recv_like(comm: &dyn Communicator, like: &Tensor, src: usize, tag: u32) -
     Ok(t)
 }
 
+/// Sends `t` to rank `dst` and returns what rank `src` sent with `tag` (a tensor like `t`,
+/// where `t` is): one hop of a ring. The host backends buffer sends, so every rank sends
+/// first; a device send waits for its receiver (NCCL has no buffering), so there the odd
+/// ranks receive first, which leaves no cycle of waiting senders in a ring of two or more.
+pub fn shift(
+    comm: &dyn Communicator,
+    t: &Tensor,
+    dst: usize,
+    src: usize,
+    tag: u32,
+) -> Result<Tensor> {
+    if t.is_cuda() && comm.rank() % 2 == 1 {
+        let got = recv_like(comm, t, src, tag)?;
+        send(comm, t, dst, tag)?;
+        return Ok(got);
+    }
+    send(comm, t, dst, tag)?;
+    recv_like(comm, t, src, tag)
+}
+
 /// Uneven all-gather of flat pieces: this rank's `local` (`counts[rank]` elements) and the
 /// peers' pieces, one after another in rank order, as a flat tensor of `Σ counts` elements
 /// where `local` is.

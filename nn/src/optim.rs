@@ -825,10 +825,16 @@ impl GradNorm {
 /// summed there (in the dtype's accumulator) and only the scalar copied back.
 fn sum_of_squares(t: &Tensor) -> Result<f64> {
     if t.is_cuda() {
+        // `sum_rows` gives a thread to each column: `cols` partial sums (each over n/cols
+        // rows, in the dtype's accumulator) come back and are added in f64.
         let n = t.numel();
-        let sq = t.mul(t)?.reshape(&[n, 1])?;
+        let cols = [1024, 256, 64, 16, 4, 1]
+            .into_iter()
+            .find(|c| n % c == 0)
+            .unwrap_or(1);
+        let sq = t.mul(t)?.reshape(&[n / cols, cols])?;
         let s = dtensor_kernels::ops::sum_rows(&sq)?;
-        return Ok(s.to_host()?.to_f64_vec().first().copied().unwrap_or(0.0));
+        return Ok(s.to_host()?.to_f64_vec().iter().sum());
     }
     Ok(t.to_f64_vec().iter().map(|x| x * x).sum::<f64>())
 }
