@@ -126,7 +126,8 @@ usage: train_gpt [flags]
                     and NCCL_MULTI_RANK_GPU_ENABLE=1), every tensor in device memory. Needs a
                     build with `--features cuda,nccl`, the CUDA driver, libnccl, and NVRTC
                     and cuBLAS on LD_LIBRARY_PATH; threads backend only. Ops without a device
-                    kernel yet (--moe, cp > 1) stop with an error naming the op. With
+                    path yet (--moe routing) stop with an error naming the op; pp > 1 is
+                    untested on GPUs (blocking device sends between stages). With
                     --check the reference runs on the CPU and the tolerance is 1e-2 for f32
                     (cuBLAS sums the GEMMs in another order), 1e-6 for f64
   --print-loss-bits also print every step's loss as the exact bits of the f64 value,
