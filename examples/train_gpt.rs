@@ -966,6 +966,9 @@ fn device_preflight(a: &Args) -> Result<(), String> {
     if a.backend == Backend::Mpi {
         return Err("--device cuda runs thread ranks over NCCL (--backend threads); NCCL under mpirun is not supported by train_gpt yet".into());
     }
+    if a.save_dir.is_some() || a.resume.is_some() {
+        return Err("--device cuda: checkpoints (--save-dir, --resume) are not on the device path yet (dtensor-checkpoint reads and agrees in host memory); drop them or use --device cpu".into());
+    }
     if !dtensor::kernels::cuda::driver_present() {
         return Err("--device cuda: no CUDA driver found (libcuda.so.1 could not be loaded); run on a machine with an NVIDIA GPU and driver, or use --device cpu".into());
     }
