@@ -73,6 +73,13 @@
 //! progress thread per handle; a backend that does not override the `start_*` methods
 //! gets the trait's stand-ins, which run the blocking call at start (no overlap).
 //!
+//! With the `cuda` feature, `start_*_device` twins take owned `DeviceBuffer`s (device
+//! tensors moved in) and return a `DeviceRequest` (a [`Request`] that gives a
+//! `DeviceBuffer` back), under the same rules. The NCCL backend runs them on its worker
+//! and stream while the caller computes (see [`nccl`]); the trait's default runs the
+//! blocking `*_device` call at start, so the host-memory backends refuse with the
+//! blocking call's error.
+//!
 //! ```
 //! use dtensor_collectives::{threads, CommunicatorExt, ReduceOp};
 //! let results = threads::launch(2, |comm| {

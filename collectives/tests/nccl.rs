@@ -666,10 +666,10 @@ fn start_device_returns_before_the_peer_starts_and_test_polls() {
     require_gpu!();
     let got = run_ok(2, |comm| {
         let me = comm.rank();
+        let buf = dev_buf(comm, vec![me as f32 + 1.0; 1 << 20])?;
         if me == 1 {
             std::thread::sleep(Duration::from_millis(1500));
         }
-        let buf = dev_buf(comm, vec![me as f32 + 1.0; 1 << 20])?;
         let t0 = Instant::now();
         let mut req = comm.start_all_reduce_device(buf, ReduceOp::Sum);
         let start = t0.elapsed();
@@ -772,7 +772,7 @@ fn start_device_failing_or_late_peer_errs_from_wait_within_the_timeout() {
         options,
         |comm| -> Result<Option<(Duration, Duration, String)>, BoxError> {
             if comm.rank() == 1 {
-                std::thread::sleep(Duration::from_secs(6));
+                std::thread::sleep(Duration::from_secs(4));
                 return Ok(None);
             }
             let buf = dev_buf(&comm, vec![1.0f32; 4])?;

@@ -12,8 +12,10 @@
 //! - It is slow by design (two host↔device copies and allocations per buffer per call)
 //!   and its timings mean nothing.
 //! - What it adds itself is only glue: the in-place calls copy the rank's own block into a
-//!   separate device send buffer (NCCL has no in-place variants of the uneven calls), and
-//!   the column-block calls are the trait's defaults over the staged calls. Everything the
+//!   separate device send buffer (NCCL has no in-place variants of the uneven calls), the
+//!   column-block calls are the trait's defaults over the staged calls, and the
+//!   asynchronous `start_*` calls copy their buffers in at start, hand them to the
+//!   backend's `start_*_device`, and copy the result out in `wait`. Everything the
 //!   suite checks about agreement, mismatches, counters and data comes from NCCL and
 //!   `NcclComm`.
 //!
