@@ -386,3 +386,34 @@ mod device {
         }
     }
 }
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+    use dtensor_kernels::Tensor;
+
+    #[test]
+    fn device_buffer_from_host_tensor_invalid_argument_naming_the_fix() {
+        let host = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3]).unwrap();
+        let e = DeviceBuffer::from_tensor(host).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "DeviceBuffer::from_tensor: invalid argument: a host tensor (f32 x [3]): a device \
+             buffer holds device memory (move it with Tensor::to_device first)"
+        );
+    }
+
+    #[test]
+    fn ready_device_request_hands_back_its_result() {
+        let mut r: DeviceRequest = Request::ready(
+            "all_gather",
+            Err(Error::InvalidArgument {
+                op: "all_gather",
+                detail: "x".into(),
+            }),
+        );
+        assert!(r.test());
+        assert_eq!(r.op(), "all_gather");
+        assert!(matches!(r.wait(), Err(Error::InvalidArgument { .. })));
+    }
+}

@@ -1350,7 +1350,8 @@ impl NcclComm {
         plan: impl FnOnce(Option<u64>, u64) -> Plan + Send + 'static,
     ) -> DeviceRequest {
         let op = call.name();
-        let dtype = out.dtype();
+        // The dtype the blocking call names in its header: send's where there is one.
+        let dtype = send.as_ref().unwrap_or(&out).dtype();
         let elsewhere = |b: &DeviceBuffer| {
             unless(b.device() == &self.device, || {
                 format!(
