@@ -11,7 +11,7 @@
 //! | [`all_gatherv`] | in place around the own piece when it already sits in a buffer of the full size (as before) | `all_gatherv_device` into a new buffer |
 //! | [`reduce_scatterv`] | in place, then the own block copied out | `reduce_scatterv_device` into a new buffer |
 //! | [`all_gather_cols`], [`reduce_scatter_cols`], [`all_to_all_cols`] | the backend's column call | the contiguous device call, the column blocks packed / unpacked by the device `pack` / `unpack` kernels |
-//! | [`start_all_gatherv`], [`start_all_reduce`] | the backend's asynchronous call | the blocking device call at start, a completed [`PendingTensor`]: no overlap on GPU yet |
+//! | [`start_all_gatherv`], [`start_all_reduce`] | the backend's asynchronous call | the backend's asynchronous device call (`start_*_device`: on NCCL, queued on its stream and completed by an event) |
 //!
 //! Operands in different places (host and device, or two GPUs) are an
 //! [`Error::Kernel`](crate::Error::Kernel)`(DeviceMismatch)`; a device tensor handed to a
@@ -319,8 +319,9 @@ fn pack_cols(t: &Tensor, rows: usize, widths: &[usize]) -> Result<Tensor> {
 pub enum PendingTensor {
     /// A host collective in flight on the backend.
     Host(Request),
-    /// A device collective, already complete (no overlap on GPU yet).
-    Done(Tensor),
+    /// A device collective in flight on the backend (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    Device(dtensor_collectives::DeviceRequest),
 }
 
 impl PendingTensor {
@@ -332,24 +333,33 @@ impl PendingTensor {
                 let len = buf.len();
                 Ok(Tensor::from_cpu_storage(&[len], buf.into_storage())?)
             }
-            PendingTensor::Done(t) => Ok(t),
+            #[cfg(feature = "cuda")]
+            PendingTensor::Device(r) => {
+                let t = r.wait()?.into_tensor();
+                let n = t.numel();
+                Ok(t.reshape(&[n])?)
+            }
         }
     }
 }
 
-/// Starts [`all_gatherv`] of `local` (flattened): the host backends move the data while
-/// the caller computes. On a device the gather runs here, before this returns (no overlap
-/// on GPU yet: a CUDA stream and event per request would give it).
+/// Starts [`all_gatherv`] of `local` (flattened) into a new flat buffer where `local` is;
+/// the backend moves the data while the caller computes (the host backends on a progress
+/// thread, NCCL on its stream).
 pub fn start_all_gatherv(
     comm: &dyn Communicator,
     local: &Tensor,
     counts: &[usize],
 ) -> Result<PendingTensor> {
     #[cfg(feature = "cuda")]
-    if local.is_cuda() {
-        return Ok(PendingTensor::Done(device::all_gatherv(
-            comm, local, counts,
-        )?));
+    if let Some(dev) = local.device() {
+        use dtensor_collectives::DeviceBuffer;
+        let n = local.numel();
+        let send = DeviceBuffer::from_tensor(local.clone().reshape(&[n])?)?;
+        let recv = DeviceBuffer::zeros(dev, local.dtype(), counts.iter().sum())?;
+        return Ok(PendingTensor::Device(
+            comm.start_all_gatherv_device(send, recv, counts),
+        ));
     }
     let total: usize = counts.iter().sum();
     let send = Buffer::from(local.to_storage()?);
@@ -359,8 +369,8 @@ pub fn start_all_gatherv(
     ))
 }
 
-/// Starts the all-reduce of the flat tensor `flat`; on a device it runs here, before this
-/// returns (no overlap on GPU yet).
+/// Starts the all-reduce of the flat tensor `flat` (in place on its buffer, copied first
+/// if another tensor shares it); the backend reduces while the caller computes.
 pub fn start_all_reduce(
     comm: &dyn Communicator,
     flat: Tensor,
@@ -368,9 +378,8 @@ pub fn start_all_reduce(
 ) -> Result<PendingTensor> {
     #[cfg(feature = "cuda")]
     if flat.is_cuda() {
-        let mut flat = flat;
-        all_reduce(comm, &mut flat, op)?;
-        return Ok(PendingTensor::Done(flat));
+        let buf = dtensor_collectives::DeviceBuffer::from_tensor(flat)?;
+        return Ok(PendingTensor::Device(comm.start_all_reduce_device(buf, op)));
     }
     Ok(PendingTensor::Host(
         comm.start_all_reduce(Buffer::from(flat.to_storage()?), op),
@@ -439,6 +448,25 @@ pub fn broadcast_values<T: StorageElement>(
             let mut t = Tensor::from_vec(v.to_vec(), &[v.len()])?.to_device(&dev)?;
             broadcast(comm, &mut t, root)?;
             v.copy_from_slice(t.to_host()?.as_slice::<T>()?);
+            Ok(())
+        }
+    }
+}
+
+/// [`all_to_all`] of a few host values (the MoE count exchange), moved as
+/// [`all_reduce_values`] moves them.
+pub fn all_to_all_values<T: StorageElement>(
+    comm: &dyn Communicator,
+    send: &[T],
+    recv: &mut [T],
+) -> Result<()> {
+    match comm.device() {
+        None => Ok(comm.all_to_all(T::slice(send), T::slice_mut(recv))?),
+        Some(dev) => {
+            let s = Tensor::from_vec(send.to_vec(), &[send.len()])?.to_device(&dev)?;
+            let mut r = Tensor::zeros_on(Some(&dev), &[recv.len()], T::DTYPE)?;
+            all_to_all(comm, &s, &mut r)?;
+            recv.copy_from_slice(r.to_host()?.as_slice::<T>()?);
             Ok(())
         }
     }
