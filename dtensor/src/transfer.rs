@@ -12,6 +12,8 @@
 //! | [`reduce_scatterv`] | in place, then the own block copied out | `reduce_scatterv_device` into a new buffer |
 //! | [`all_gather_cols`], [`reduce_scatter_cols`], [`all_to_all_cols`] | the backend's column call | the contiguous device call, the column blocks packed / unpacked by the device `pack` / `unpack` kernels |
 //! | [`start_all_gatherv`], [`start_all_reduce`] | the backend's asynchronous call | the backend's asynchronous device call (`start_*_device`: on NCCL, queued on its stream and completed by an event) |
+//! | [`shift`] (a ring hop) | send, then receive (sends are buffered) | odd ranks receive first (NCCL sends wait for their receiver) |
+//! | [`all_reduce_values`], [`broadcast_values`], [`all_to_all_values`] (headers, loss pieces, a norm, MoE counts: a few host values) | the host call | up to the device, the device call, back |
 //!
 //! Operands in different places (host and device, or two GPUs) are an
 //! [`Error::Kernel`](crate::Error::Kernel)`(DeviceMismatch)`; a device tensor handed to a
