@@ -135,6 +135,12 @@ pub trait Communicator: Send + Sync {
     fn size(&self) -> usize;
     /// The backend's name (`"threads"`, `"mpi"`, `"nccl"`), for receipts and errors.
     fn backend(&self) -> &'static str;
+    /// The GPU whose memory this rank's collectives move: `Some` on the NCCL backend (the
+    /// rank's device), `None` (the default) on the host-memory backends. Tensors of a
+    /// `DeviceMesh` over this communicator live there.
+    fn device(&self) -> Option<dtensor_kernels::cuda::Device> {
+        None
+    }
 
     /// Reduces `buf` across ranks, in place; every rank ends with the same bits.
     fn all_reduce(&self, buf: SliceMut<'_>, op: ReduceOp) -> Result<()>;

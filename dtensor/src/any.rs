@@ -6,7 +6,8 @@
 use crate::device_mesh::DeviceMesh;
 use crate::error::{Error, Placements, Result};
 use crate::plan::{self, nesting_blocker, Plan, Step, StepKind};
-use dtensor_collectives::{CommunicatorExt, ReduceOp};
+use crate::transfer;
+use dtensor_collectives::ReduceOp;
 use dtensor_kernels::{chunk_sizes, numel, DType, Shape, Tensor};
 use dtensor_placement::{chunk_range, local_ranges, local_shape, PartialOp, Placement};
 use std::fmt;
@@ -66,13 +67,15 @@ impl AnyDTensor {
     }
 
     /// Wraps this rank's local piece. `Err` if the placements do not fit the mesh or the
-    /// local shape is not the one the layout gives this rank.
+    /// local shape is not the one the layout gives this rank. On a mesh whose tensors live
+    /// on a GPU ([`DeviceMesh::device`]) a host piece is copied there first.
     pub fn from_local(
         local: Tensor,
         global_shape: &[usize],
         placements: &[Placement],
         mesh: &Arc<DeviceMesh>,
     ) -> Result<AnyDTensor> {
+        let local = to_mesh_place(local, mesh)?;
         Self::from_local_for("DTensor::from_local", local, global_shape, placements, mesh)
     }
 
@@ -85,6 +88,19 @@ impl AnyDTensor {
         mesh: &Arc<DeviceMesh>,
     ) -> Result<AnyDTensor> {
         dtensor_placement::check_placements(op, mesh.mesh(), placements, global_shape.len())?;
+        // Every piece lives where the mesh keeps its tensors: an op that computed its
+        // output in host memory on a device mesh has no device path yet, and says so
+        // instead of handing a host tensor to the next device kernel.
+        if local.device() != mesh.device() {
+            return Err(Error::InvalidUse {
+                op,
+                detail: format!(
+                    "the result is in {} memory but the mesh keeps its tensors on {}: this op has no device path yet",
+                    place_name(local.device()),
+                    place_name(mesh.device())
+                ),
+            });
+        }
         let want = local_shape(mesh.mesh(), placements, mesh.coords(), global_shape)?;
         if local.shape() != want.as_slice() {
             return Err(Error::ShapeMismatch {
@@ -144,7 +160,7 @@ impl AnyDTensor {
                 None => header[0] = -1,
             }
         }
-        world.broadcast_in_place(&mut header, src)?;
+        transfer::broadcast_values(&**world, &mut header, src)?;
         if header[0] < 0 {
             return Err(Error::ShapeMismatch {
                 op,
@@ -163,11 +179,13 @@ impl AnyDTensor {
         let dtype = DTYPES[header[1] as usize];
         // Validate placements on every rank before moving data, so all fail together.
         dtensor_placement::check_placements(op, mesh.mesh(), placements, ndim)?;
-        let mut data = match (me == src, full) {
-            (true, Some(t)) => t.clone(),
-            _ => Tensor::zeros(&shape, dtype),
+        // The data moves where the mesh keeps its tensors (its GPU on NCCL).
+        let mut data = match (me == src, full, mesh.device()) {
+            (true, Some(t), None) => t.clone(),
+            (true, Some(t), Some(dev)) => t.to_device(dev)?,
+            _ => Tensor::zeros_on(mesh.device(), &shape, dtype)?,
         };
-        world.broadcast(data.as_dyn_slice_mut(), src)?;
+        transfer::broadcast(&**world, &mut data, src)?;
         let ranges = local_ranges(mesh.mesh(), placements, mesh.coords(), &shape)?;
         let mut local = data;
         for (d, r) in ranges.iter().enumerate() {
@@ -180,7 +198,7 @@ impl AnyDTensor {
             .enumerate()
             .any(|(a, p)| *p == Placement::Partial(PartialOp::Sum) && mesh.coords()[a] != 0);
         if zero_here {
-            local = Tensor::zeros(local.shape(), dtype);
+            local = local.zeros_like()?;
         }
         AnyDTensor::from_local(local, &shape, placements, mesh)
     }
@@ -385,9 +403,7 @@ impl AnyDTensor {
                 // In place on the buffer this call owns (copied first only if a clone
                 // elsewhere still shares it).
                 let mut buf = local;
-                self.mesh
-                    .axis_comm(axis)
-                    .all_reduce(buf.as_dyn_slice_mut(), reduce_op(p))?;
+                transfer::all_reduce(&**self.mesh.axis_comm(axis), &mut buf, reduce_op(p))?;
                 buf
             }
             StepKind::AllToAll { from: a, to: b } => self.all_to_all_dims(&local, axis, a, b)?,
@@ -402,14 +418,14 @@ impl AnyDTensor {
                 let r = chunk_range(parent, n, self.mesh.coords()[axis]);
                 let mut shape: Shape = local.shape().into();
                 shape[dim] = parent;
-                let mut out = Tensor::zeros(&shape, dtype);
+                let mut out = Tensor::zeros_on(local.device(), &shape, dtype)?;
                 out.write_at(dim, r.start, &local)?;
                 out
             }
             StepKind::ToReplicate | StepKind::ToInvariant => local,
             StepKind::ToPartial { op } => {
                 if op == PartialOp::Sum && self.mesh.coords()[axis] != 0 {
-                    Tensor::zeros(local.shape(), dtype)
+                    local.zeros_like()?
                 } else {
                     local
                 }
@@ -449,12 +465,7 @@ impl AnyDTensor {
         self.check_step(axis, StepKind::AllGather { dim })?;
         let comm = self.mesh.axis_comm(axis).clone();
         let (_, sizes, counts) = self.gather_counts(self.local.shape(), axis, dim)?;
-        let total: usize = counts.iter().sum();
-        let send = dtensor_collectives::Buffer::from(self.local.to_storage()?);
-        let recv = dtensor_collectives::Buffer::from(
-            Tensor::for_overwrite(&[total], self.dtype()).to_storage()?,
-        );
-        let request = comm.start_all_gatherv(send, recv, &counts);
+        let request = transfer::start_all_gatherv(&*comm, &self.local, &counts)?;
         Ok(PendingGather {
             src: self,
             axis,
@@ -512,35 +523,17 @@ impl AnyDTensor {
         let (parent, sizes, counts) = self.gather_counts(local.shape(), axis, dim)?;
         let mut shape: Shape = local.shape().into();
         shape[dim] = parent;
-        let total = numel(&shape);
-        let dtype = local.dtype();
         if numel(&shape[..dim]) == 1 {
-            // Pieces arrive one after another, which is already the row-major result. If
-            // this shard is a view at its own place in an unshared buffer of the full size
-            // (e.g. it came from `chunk`), gather around it: its bytes never move.
-            let my_offset: usize = counts[..comm.rank()].iter().sum();
-            let mut out = match local.try_into_buffer() {
-                Ok((buf, off)) if buf.numel() == total && off == my_offset => buf,
-                Ok((buf, off)) => buf
-                    .narrow(0, off, counts[comm.rank()])?
-                    .reshape(&[counts[comm.rank()]])?,
-                Err(local) => local,
-            };
-            if out.numel() == total {
-                comm.all_gatherv_in_place(out.as_dyn_slice_mut(), &counts)?;
-                return Ok(out.reshape(&shape)?);
-            }
-            let mut gathered = Tensor::for_overwrite(&[total], dtype);
-            comm.all_gatherv(out.as_dyn_slice(), gathered.as_dyn_slice_mut(), &counts)?;
+            // Pieces arrive one after another, which is already the row-major result (on
+            // the host gathered around the own piece when it sits at its place already).
+            let gathered = transfer::all_gatherv(&*comm, local, &counts)?;
             return Ok(gathered.reshape(&shape)?);
         }
         // Otherwise the pieces are column blocks of the result seen as rows × columns
         // (rows: the extents before `dim`): the backend writes each row in place.
         let rows = numel(&shape[..dim]);
         let widths: Vec<usize> = sizes.iter().map(|s| s * numel(&shape[dim + 1..])).collect();
-        let mut out = Tensor::for_overwrite(&shape, dtype);
-        comm.all_gather_cols(local.as_dyn_slice(), out.as_dyn_slice_mut(), rows, &widths)?;
-        Ok(out)
+        transfer::all_gather_cols(&*comm, &local, &shape, rows, &widths)
     }
 
     fn reduce_scatter_dim(
@@ -568,33 +561,21 @@ impl AnyDTensor {
                 .iter()
                 .map(|s| s * numel(&local.shape()[dim + 1..]))
                 .collect();
-            let mut out = Tensor::for_overwrite(&out_shape, local.dtype());
-            comm.reduce_scatter_cols(
-                local.as_dyn_slice(),
-                out.as_dyn_slice_mut(),
+            return transfer::reduce_scatter_cols(
+                &*comm,
+                &local,
+                &out_shape,
                 rows,
                 &widths,
                 reduce_op(p),
-            )?;
-            return Ok(out);
+            );
         }
         // Along the leading dim the blocks are contiguous: reduce in place, so this rank's
         // block of its own buffer receives the result, then copy that block out. A view
         // would save the copy (1/n of the buffer) but keep the whole buffer alive: n times
         // the memory of a shard, which is what FSDP and ZeRO gradients must not hold.
-        let mut send = local;
-        comm.reduce_scatterv_in_place(send.as_dyn_slice_mut(), &counts, reduce_op(p))?;
-        let offset: usize = counts[..me].iter().sum();
-        let total = send.numel();
-        let block = send
-            .reshape(&[total])?
-            .narrow(0, offset, counts[me])?
-            .reshape(&out_shape)?;
-        Ok(if counts[me] < total {
-            block.deep_clone()
-        } else {
-            block
-        })
+        let block = transfer::reduce_scatterv(&*comm, local, &counts, reduce_op(p))?;
+        Ok(block.reshape(&out_shape)?)
     }
 
     fn all_to_all_dims(
@@ -618,18 +599,11 @@ impl AnyDTensor {
         let mut new_shape: Shape = shape.into();
         new_shape[from] = from_lens.iter().sum();
         new_shape[to] = to_pieces[me];
-        let mut recv = Tensor::for_overwrite(&[numel(&new_shape)], local.dtype());
         // The blocks for the peers are column blocks of the rows × columns view (rows: the
         // extents before `to`); contiguous when nothing lies before `to`.
         let rows = numel(&shape[..to]);
         let send_widths: Vec<usize> = send_counts.iter().map(|c| c / rows.max(1)).collect();
-        comm.all_to_all_cols(
-            local.as_dyn_slice(),
-            rows,
-            &send_widths,
-            recv.as_dyn_slice_mut(),
-            &recv_counts,
-        )?;
+        let recv = transfer::all_to_all_cols(&**comm, local, rows, &send_widths, &recv_counts)?;
         if numel(&new_shape[..from]) == 1 {
             Ok(recv.reshape(&new_shape)?)
         } else {
@@ -781,13 +755,30 @@ impl fmt::Debug for AnyDTensor {
     }
 }
 
+/// `"host"` or `"cuda:N"`.
+fn place_name(dev: Option<&dtensor_kernels::cuda::Device>) -> String {
+    match dev {
+        None => "host".into(),
+        Some(d) => format!("cuda:{}", d.ordinal()),
+    }
+}
+
+/// `t` where `mesh` keeps its tensors: copied to its GPU if it is a host tensor on a device
+/// mesh (what constructors from host data do); `t` itself otherwise.
+pub(crate) fn to_mesh_place(t: Tensor, mesh: &DeviceMesh) -> Result<Tensor> {
+    match mesh.device() {
+        Some(dev) if t.device() != Some(dev) => Ok(t.to_device(dev)?),
+        _ => Ok(t),
+    }
+}
+
 /// An all-gather started by [`AnyDTensor::start_all_gather`].
 pub struct PendingGather {
     src: AnyDTensor,
     axis: usize,
     dim: usize,
     sizes: Vec<usize>,
-    request: dtensor_collectives::Request,
+    request: transfer::PendingTensor,
 }
 
 impl PendingGather {
@@ -800,8 +791,6 @@ impl PendingGather {
     /// (what its adjoint, a reduce-scatter, reverses).
     pub fn wait(self) -> Result<(AnyDTensor, Plan)> {
         let flat = self.request.wait()?;
-        let len = flat.len();
-        let flat = Tensor::from_cpu_storage(&[len], flat.into_storage())?;
         let mut pieces = Vec::with_capacity(self.sizes.len());
         let mut offset = 0;
         for &s in &self.sizes {

@@ -27,7 +27,7 @@
 use crate::any::AnyDTensor;
 use crate::error::{Error, Result};
 use crate::typed::DTensor;
-use dtensor_collectives::{CommunicatorExt, ReduceOp};
+use dtensor_collectives::ReduceOp;
 use dtensor_kernels::ops::{self, CausalAttention, CausalAttentionOutput, Transpose, VocabShard};
 use dtensor_kernels::{DType, Tensor};
 use dtensor_placement::{
@@ -99,6 +99,8 @@ fn via_f64(t: &Tensor, dtype: DType, f: impl FnOnce(Vec<f64>) -> Vec<f64>) -> Re
 }
 
 fn ids_of(op: &'static str, t: &Tensor) -> Result<Vec<usize>> {
+    // Ids are read on the host (a few per row); device ids are copied here.
+    let t = &t.to_host()?;
     let v: Vec<i64> = match t.dtype() {
         DType::I64 => t.as_slice::<i64>()?.to_vec(),
         DType::I32 => t.as_slice::<i32>()?.iter().map(|&i| i as i64).collect(),
@@ -459,7 +461,8 @@ impl<L: Layout> DTensor<L> {
         check_dim(OP, a, D)?;
         let out_shape = without_dim(a.local_shape(), D);
         let local = if a.local_shape()[D] == 0 {
-            Tensor::zeros(&out_shape, a.dtype()).map(|_| f64::NEG_INFINITY)
+            let empty = Tensor::zeros(&out_shape, a.dtype()).map(|_| f64::NEG_INFINITY);
+            crate::any::to_mesh_place(empty, a.device_mesh())?
         } else {
             ops::max_dim(a.as_local(), D)?.values
         };
@@ -556,18 +559,32 @@ impl<L: Layout> DTensor<L> {
     }
 }
 
-/// Cross-entropy's forward, with what its backward needs: the probabilities of this rank's
-/// logits (normalized by the global max and sum) and each row's target column, if this rank
-/// holds it.
-#[allow(clippy::type_complexity)]
+/// What cross-entropy's backward needs from its forward.
+pub(crate) enum CrossEntropySaved {
+    /// Host logits: the probabilities of this rank's logits (normalized by the global max
+    /// and sum) and each row's target column, if this rank holds it.
+    Host {
+        probs: Vec<f64>,
+        target_col: Vec<Option<usize>>,
+    },
+    /// Device logits: the reduced row max and `Σ exp` (f64 `[rows]`, on the device), the
+    /// targets (host), and where this rank's vocab columns start; the device kernel
+    /// recomputes the probabilities from them.
+    #[cfg(feature = "cuda")]
+    Device {
+        max: dtensor_kernels::cuda::CudaTensor,
+        sum: dtensor_kernels::cuda::CudaTensor,
+        ids: Tensor,
+        col_start: usize,
+        vocab: usize,
+    },
+}
+
+/// Cross-entropy's forward, with what its backward needs ([`CrossEntropySaved`]).
 pub(crate) fn cross_entropy_parts<L: Layout, LT: CrossEntropyLayout<L>>(
     logits: &DTensor<L>,
     targets: &DTensor<LT>,
-) -> Result<(
-    DTensor<CrossEntropyOut<L, LT>>,
-    Vec<f64>,
-    Vec<Option<usize>>,
-)> {
+) -> Result<(DTensor<CrossEntropyOut<L, LT>>, CrossEntropySaved)> {
     const OP: &str = "DTensor::cross_entropy";
     let (lg, tg) = (logits.as_any(), targets.as_any());
     same_mesh(OP, lg, tg)?;
@@ -597,11 +614,41 @@ pub(crate) fn cross_entropy_parts<L: Layout, LT: CrossEntropyLayout<L>>(
         .collect();
     let all_reduce = |v: &mut Vec<f64>, op: ReduceOp| -> Result<()> {
         for &a in &vocab_axes {
-            lg.device_mesh().axis_comm(a).all_reduce_in_place(v, op)?;
+            crate::transfer::all_reduce_values(&**lg.device_mesh().axis_comm(a), v, op)?;
         }
         Ok(())
     };
     let cols_here = local_range(lg, 1)?;
+    #[cfg(feature = "cuda")]
+    if lg.as_local().is_cuda() {
+        // The device kernels in the host's order: row max, all-reduce (Max); Σ exp and the
+        // target's logit, all-reduce (Sum) each; the loss. Only the ids are read on the host.
+        use dtensor_kernels::cuda::{ops as cu, CudaTensor};
+        let reduce = |t: CudaTensor, op: ReduceOp| -> Result<CudaTensor> {
+            let mut t = Tensor::from(t);
+            for &a in &vocab_axes {
+                crate::transfer::all_reduce(&**lg.device_mesh().axis_comm(a), &mut t, op)?;
+            }
+            Ok(t.cuda_tensor()?)
+        };
+        let ids = tg.as_local().to_host()?;
+        let x = lg.as_local().cuda_tensor()?;
+        let max = reduce(cu::ce_row_max(&x)?, ReduceOp::Max)?;
+        let (sum, target) = cu::ce_sum_target(&x, &max, &ids, cols_here.start, vocab)?;
+        let sum = reduce(sum, ReduceOp::Sum)?;
+        let target = reduce(target, ReduceOp::Sum)?;
+        let loss = Tensor::from(cu::ce_loss(&sum, &target, lg.dtype())?);
+        return Ok((
+            output(OP, loss, &[lg.global_shape()[0]], lg)?,
+            CrossEntropySaved::Device {
+                max,
+                sum,
+                ids,
+                col_start: cols_here.start,
+                vocab,
+            },
+        ));
+    }
     let l = lg.as_local().to_f64_vec();
     let mut max: Vec<f64> = (0..rows)
         .map(|r| {
@@ -638,8 +685,7 @@ pub(crate) fn cross_entropy_parts<L: Layout, LT: CrossEntropyLayout<L>>(
     let local = Tensor::from_f64_vec(loss, &[rows], lg.dtype())?;
     Ok((
         output(OP, local, &[lg.global_shape()[0]], lg)?,
-        probs,
-        target_col,
+        CrossEntropySaved::Host { probs, target_col },
     ))
 }
 
@@ -717,6 +763,11 @@ pub(crate) fn without_dim(shape: &[usize], d: usize) -> Vec<usize> {
 /// A `[r, c]` tensor's transpose `[c, r]`, any dtype, bit for bit.
 pub(crate) fn transpose_local(t: &Tensor) -> Result<Tensor> {
     let (r, c) = (t.shape()[0], t.shape()[1]);
+    if t.is_cuda() {
+        // On a device: the columns packed one after another (the `pack` kernel copies, bit
+        // for bit) are the rows of the transpose.
+        return Ok(t.pack(1, &vec![1; c])?.reshape(&[c, r])?);
+    }
     macro_rules! tr {
         ($T:ty) => {{
             let s = t.as_slice::<$T>()?;

@@ -101,6 +101,7 @@
 use crate::any::AnyDTensor;
 use crate::compute::output;
 use crate::error::{Error, Result};
+use crate::transfer;
 use crate::typed::DTensor;
 use dtensor_collectives::Communicator;
 use dtensor_kernels::ops::{self, BlockAttention, CausalAttention, CausalAttentionOutput};
@@ -430,13 +431,10 @@ impl Geom {
             k_pos: &self.pos[owner],
         }
     }
-    fn send(&self, t: &Tensor, tag: u32) -> Result<()> {
-        Ok(self.comm.send(t.as_dyn_slice(), self.next(), tag)?)
-    }
-    fn recv_like(&self, like: &Tensor, tag: u32) -> Result<Tensor> {
-        let mut t = Tensor::for_overwrite(like.shape(), like.dtype());
-        self.comm.recv(t.as_dyn_slice_mut(), self.prev(), tag)?;
-        Ok(t)
+    /// One hop round the ring: `t` to the next rank, the previous rank's back (in an order
+    /// that cannot deadlock on unbuffered device sends: [`transfer::shift`]).
+    fn shift(&self, t: &Tensor, tag: u32) -> Result<Tensor> {
+        transfer::shift(&*self.comm, t, self.next(), self.prev(), tag)
     }
 
     /// The within-block permutation between CP order (what an all-to-all gathers: rank
@@ -452,10 +450,12 @@ impl Geom {
         let mut acc: Option<CausalAttentionOutput> = None;
         for step in 0..self.cp {
             let more = step + 1 < self.cp;
-            // The next hop leaves before this block's compute (buffered send).
-            if more {
-                self.send(&cur, TAG_KV)?;
-            }
+            // The next hop moves before this block's compute.
+            let next = if more {
+                Some(self.shift(&cur, TAG_KV)?)
+            } else {
+                None
+            };
             let b = self.block(owner);
             if !b.fully_masked() {
                 let part = ops::attention_block(qkv, &cur, &b)?;
@@ -464,8 +464,8 @@ impl Geom {
                     Some(a) => ops::merge_attention(a, &part)?,
                 }
             }
-            if more {
-                cur = self.recv_like(&cur, TAG_KV)?;
+            if let Some(next) = next {
+                cur = next;
                 owner = (owner + self.cp - 1) % self.cp;
             }
         }
@@ -483,27 +483,26 @@ impl Geom {
         let d = self.cfg.attn.head_dim;
         let acc = ops::acc_dtype(qkv.dtype());
         let mut cur = ops::pack_kv(qkv, d)?;
-        let mut dkv = Tensor::zeros(cur.shape(), acc);
-        let mut dq = Tensor::zeros(&[qkv.shape()[0], self.heads * d], acc);
+        let mut dkv = Tensor::zeros_on(qkv.device(), cur.shape(), acc)?;
+        let mut dq = Tensor::zeros_on(qkv.device(), &[qkv.shape()[0], self.heads * d], acc)?;
         let mut owner = self.c;
         for step in 0..self.cp {
             let more = step + 1 < self.cp;
-            if more {
-                self.send(&cur, TAG_KV_BACK)?;
-            }
+            let next = if more {
+                Some(self.shift(&cur, TAG_KV_BACK)?)
+            } else {
+                None
+            };
             let b = self.block(owner);
             ops::attention_block_backward(dy, qkv, &cur, out, lse, &b, &mut dq, &mut dkv)?;
             if self.cp > 1 {
                 // This block's dK/dV, with this rank's share added, follows it; the last hop
                 // takes it home to its owner.
-                self.send(&dkv, TAG_DKV)?;
+                dkv = self.shift(&dkv, TAG_DKV)?;
             }
-            if more {
-                cur = self.recv_like(&cur, TAG_KV_BACK)?;
+            if let Some(next) = next {
+                cur = next;
                 owner = (owner + self.cp - 1) % self.cp;
-            }
-            if self.cp > 1 {
-                dkv = self.recv_like(&dkv, TAG_DKV)?;
             }
         }
         Ok(ops::fuse_qkv_grad(&dq, &dkv, d, qkv.dtype())?)
@@ -516,9 +515,8 @@ impl Geom {
         let groups = t.chunk(1, self.cp)?;
         let send = Tensor::cat(&groups, 0)?;
         drop(groups);
-        let mut recv = Tensor::for_overwrite(send.shape(), send.dtype());
-        self.comm
-            .all_to_all(send.as_dyn_slice(), recv.as_dyn_slice_mut())?;
+        let mut recv = send.zeros_like()?;
+        transfer::all_to_all(&*self.comm, &send, &mut recv)?;
         drop(send);
         let inv = invert(&self.block_perm(rows)?);
         Ok(ops::gather_rows(&recv, &inv)?)
@@ -528,9 +526,8 @@ impl Geom {
     fn to_tokens(&self, t: &Tensor) -> Result<Tensor> {
         let rows = t.shape()[0] / self.cp;
         let send = ops::gather_rows(t, &self.block_perm(rows)?)?;
-        let mut recv = Tensor::for_overwrite(send.shape(), send.dtype());
-        self.comm
-            .all_to_all(send.as_dyn_slice(), recv.as_dyn_slice_mut())?;
+        let mut recv = send.zeros_like()?;
+        transfer::all_to_all(&*self.comm, &send, &mut recv)?;
         drop(send);
         Ok(Tensor::cat(&recv.chunk(0, self.cp)?, 1)?)
     }

@@ -2,6 +2,7 @@
 
 use crate::error::{Error, Result};
 use dtensor_collectives::{Communicator, CounterSnapshot};
+use dtensor_kernels::cuda;
 use dtensor_placement::{AxisKind, Mesh};
 use smallvec::SmallVec;
 use std::fmt;
@@ -20,6 +21,9 @@ pub struct DeviceMesh {
     /// `world` itself: what a global reduction (the gradient norm across pipeline stages)
     /// runs over.
     root: Arc<dyn Communicator>,
+    /// Where this rank's tensors live: the world communicator's GPU (NCCL), or `None`
+    /// (host memory) for the host backends.
+    device: Option<cuda::Device>,
 }
 
 impl DeviceMesh {
@@ -53,6 +57,7 @@ impl DeviceMesh {
             rank,
             coords,
             root: world.clone(),
+            device: world.device(),
             world,
             axes,
         }))
@@ -77,6 +82,7 @@ impl DeviceMesh {
             world,
             axes: keep.iter().map(|&i| self.axes[i].clone()).collect(),
             root: self.root.clone(),
+            device: self.device.clone(),
         }))
     }
 
@@ -96,6 +102,14 @@ impl DeviceMesh {
     /// This rank's coordinate on each axis (layout order).
     pub fn coords(&self) -> &[usize] {
         &self.coords
+    }
+    /// The GPU holding this rank's tensors (the world communicator's
+    /// [`device`](Communicator::device): NCCL's), or `None` for host memory (the threads
+    /// and MPI backends). Constructors that make a local piece from host data
+    /// (`distribute`, `from_fn`, parameter init) put it here, and every collective on the
+    /// mesh moves memory of this place.
+    pub fn device(&self) -> Option<&cuda::Device> {
+        self.device.as_ref()
     }
     /// The communicator of every rank of this mesh (for a sub-mesh, the ranks sharing this
     /// rank's coordinate on the axis left out).
@@ -134,11 +148,15 @@ impl fmt::Debug for DeviceMesh {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "DeviceMesh {{ mesh: {}, rank: {}, coords: {:?}, backend: {} }}",
+            "DeviceMesh {{ mesh: {}, rank: {}, coords: {:?}, backend: {}, place: {} }}",
             self.mesh,
             self.rank,
             self.coords.as_slice(),
-            self.world.backend()
+            self.world.backend(),
+            match &self.device {
+                None => "host".to_string(),
+                Some(d) => format!("cuda:{}", d.ordinal()),
+            }
         )
     }
 }

@@ -10,7 +10,8 @@
 
 use crate::any::AnyDTensor;
 use crate::error::{Error, Result};
-use dtensor_collectives::{Buffer, ReduceOp, Request};
+use crate::transfer::{self, PendingTensor};
+use dtensor_collectives::ReduceOp;
 use dtensor_kernels::Tensor;
 use dtensor_placement::{AxisKind, PartialOp, Placement};
 
@@ -18,7 +19,7 @@ use dtensor_placement::{AxisKind, PartialOp, Placement};
 pub struct FusedAllReduce {
     tensors: Vec<AnyDTensor>,
     axis: usize,
-    request: Request,
+    request: PendingTensor,
 }
 
 impl FusedAllReduce {
@@ -66,9 +67,7 @@ impl FusedAllReduce {
             })
             .collect::<std::result::Result<_, _>>()?;
         let flat = Tensor::cat(&flat, 0)?;
-        let request = mesh
-            .axis_comm(a)
-            .start_all_reduce(Buffer::from(flat.to_storage()?), ReduceOp::Sum);
+        let request = transfer::start_all_reduce(&**mesh.axis_comm(a), flat, ReduceOp::Sum)?;
         Ok(FusedAllReduce {
             tensors,
             axis: a,
@@ -78,9 +77,7 @@ impl FusedAllReduce {
 
     /// Waits for the reduction: every tensor, `Invariant` on the axis.
     pub fn wait(self) -> Result<Vec<AnyDTensor>> {
-        let buf = self.request.wait()?;
-        let len = buf.len();
-        let flat = Tensor::from_cpu_storage(&[len], buf.into_storage())?;
+        let flat = self.request.wait()?;
         let mut offset = 0;
         let mut out = Vec::with_capacity(self.tensors.len());
         for t in self.tensors {

@@ -10,6 +10,7 @@
 use crate::any::AnyDTensor;
 use crate::device_mesh::DeviceMesh;
 use crate::error::{Error, Result};
+use crate::transfer;
 use crate::typed::DTensor;
 use dtensor_collectives::Communicator;
 use dtensor_kernels::{DType, Tensor};
@@ -110,7 +111,7 @@ impl<L: Layout> StageHop<L> {
 
     fn send_any(&self, op: &'static str, t: &AnyDTensor, peer: usize, tag: u32) -> Result<()> {
         self.check(op, t)?;
-        Ok(self.pp.send(t.as_local().as_dyn_slice(), peer, tag)?)
+        transfer::send(&*self.pp, t.as_local(), peer, tag)
     }
 
     fn recv_any<R: Layout>(&self, op: &'static str, peer: usize, tag: u32) -> Result<AnyDTensor> {
@@ -121,8 +122,8 @@ impl<L: Layout> StageHop<L> {
             self.mesh.coords(),
             &self.global,
         )?;
-        let mut local = Tensor::try_zeros(&shape, self.dtype)?;
-        self.pp.recv(local.as_dyn_slice_mut(), peer, tag)?;
+        let mut local = Tensor::zeros_on(self.mesh.device(), &shape, self.dtype)?;
+        transfer::recv(&*self.pp, &mut local, peer, tag)?;
         AnyDTensor::from_local_for(op, local, &self.global, &placements, &self.mesh)
     }
 

@@ -5,6 +5,11 @@
 //! typed adjoint; [`AnyDTensor`], its run-time twin; [`DeviceMesh`], one rank's view of the
 //! mesh with a communicator per axis; and redistribution [`Plan`]s.
 //!
+//! The same code runs on host memory (the threads and MPI backends) and on GPUs (NCCL): a
+//! mesh keeps its tensors where its communicator moves memory ([`DeviceMesh::device`]), and
+//! every collective goes through [`transfer`], which hands the backend host slices or device
+//! views accordingly (feature `cuda`).
+//!
 //! ```
 //! use dtensor_collectives::threads;
 //! use dtensor_core::{DTensor, DeviceMesh, Error};
@@ -36,6 +41,7 @@ pub mod hop;
 pub mod moe;
 pub mod plan;
 pub mod tape;
+pub mod transfer;
 pub mod typed;
 
 pub use any::AnyDTensor;

@@ -54,9 +54,10 @@ use crate::any::AnyDTensor;
 use crate::device_mesh::DeviceMesh;
 use crate::error::{Error, Result};
 use crate::tape::{grad_of, Var};
+use crate::transfer;
 use crate::typed::DTensor;
 use dtensor_collectives::{Communicator, ReduceOp};
-use dtensor_kernels::{ops, Element, Tensor};
+use dtensor_kernels::{ops, Tensor};
 use dtensor_placement::{
     AxisKind, Brand, CombineLayout, CombineOut, DispatchLayout, DispatchOut, DispatchedBy, Ep,
     ExpertTokens, GroupedMatmulLayout, GroupedMatmulOut, Layout, NotSplitLayout, Select, SumLayout,
@@ -234,7 +235,7 @@ impl<B: Brand> Routing<B> {
         buf[e + 2] = self.choices.len() as i64;
         for &a in axes {
             if let Some(c) = self.mesh.comm(a) {
-                c.all_reduce(i64::slice_mut(&mut buf), ReduceOp::Sum)?;
+                transfer::all_reduce_values(&**c, &mut buf, ReduceOp::Sum)?;
             }
         }
         let per_expert: Vec<usize> = buf[..e].iter().map(|&c| c as usize).collect();
@@ -418,7 +419,7 @@ where
     // The count exchange: block d holds this rank's rows for rank d's local experts.
     let send: Vec<i64> = by_expert.iter().map(|v| v.len() as i64).collect();
     let mut recv = vec![0i64; e];
-    comm.all_to_all(i64::slice(&send), i64::slice_mut(&mut recv))?;
+    transfer::all_to_all_values(&*comm, &send, &mut recv)?;
     let recv_counts: Vec<Vec<usize>> = recv
         .chunks(el)
         .map(|c| c.iter().map(|&x| x as usize).collect())
@@ -620,10 +621,10 @@ fn exchange_rows(
     recv_counts: &[usize],
 ) -> Result<Tensor> {
     let h = send.shape()[1];
-    let mut recv = Tensor::zeros(&[recv_counts.iter().sum(), h], send.dtype());
+    let mut recv = Tensor::zeros_on(send.device(), &[recv_counts.iter().sum(), h], send.dtype())?;
     let sc: Vec<usize> = send_counts.iter().map(|c| c * h).collect();
     let rc: Vec<usize> = recv_counts.iter().map(|c| c * h).collect();
-    comm.all_to_allv(send.as_dyn_slice(), &sc, recv.as_dyn_slice_mut(), &rc)?;
+    transfer::all_to_allv(comm, send, &sc, &mut recv, &rc)?;
     Ok(recv)
 }
 
@@ -856,14 +857,12 @@ fn aux_loss_impl<'t, B: Brand, L: AuxLossLayout>(
         for (a, p) in L::placements().iter().enumerate() {
             if *p == dtensor_placement::Placement::Shard(0) {
                 if let Some(c) = mesh.comm(mesh.mesh().axes()[a].0) {
-                    c.all_reduce(i64::slice_mut(&mut buf), ReduceOp::Sum)?;
+                    transfer::all_reduce_values(&**c, &mut buf, ReduceOp::Sum)?;
                 }
             }
         }
     } else {
-        routing
-            .comm
-            .all_reduce(i64::slice_mut(&mut buf), ReduceOp::Sum)?;
+        transfer::all_reduce_values(&*routing.comm, &mut buf, ReduceOp::Sum)?;
     }
     let total = buf[e] as f64;
     let copies = total * routing.top_k as f64;

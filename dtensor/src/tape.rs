@@ -150,7 +150,7 @@ impl GradStore {
         match self.slots.get(id).and_then(|s| s.as_ref()) {
             Some(g) => Ok(DTensor::wrap(g.clone())),
             None => {
-                let zeros = Tensor::zeros(&meta.local, meta.dtype);
+                let zeros = Tensor::zeros_on(meta.mesh.device(), &meta.local, meta.dtype)?;
                 let any = AnyDTensor::from_local_for(
                     "Tape::backward (zero gradient)",
                     zeros,
@@ -527,7 +527,7 @@ impl Tape {
                         v.placements().iter().map(|p| p.dual()).collect();
                     AnyDTensor::from_local_for(
                         "Tape::backward (zero gradient)",
-                        Tensor::zeros(v.local_shape(), v.dtype()),
+                        v.as_local().zeros_like()?,
                         v.global_shape(),
                         &dual,
                         v.device_mesh(),
@@ -680,7 +680,9 @@ impl WeightPass {
 /// Every axis `Partial<Sum>` or `Invariant`: the seed (ones, laid out as the dual) is exact.
 fn ones_like<L: Layout>(v: &DTensor<L>) -> Result<DTensor<L::Grad>> {
     let t = v.as_any();
+    // Built on the host (the seed is the loss's few elements) and moved where the loss is.
     let ones = Tensor::zeros(t.local_shape(), t.dtype()).map(|_| 1.0);
+    let ones = crate::any::to_mesh_place(ones, t.device_mesh())?;
     output("Var::backward (seed)", ones, t.global_shape(), t)
 }
 
@@ -1356,10 +1358,28 @@ impl<'t, L: Layout> Var<'t, L> {
         &self,
         targets: &Var<'t, LT>,
     ) -> Result<Var<'t, CrossEntropyOut<L, LT>>> {
-        let (y, probs, target_col) =
-            crate::compute::cross_entropy_parts(&self.value, &targets.value)?;
+        let (y, saved) = crate::compute::cross_entropy_parts(&self.value, &targets.value)?;
         let lv = self.value.as_any().clone();
         Ok(self.unary(y, false, move |dy| {
+            let (probs, target_col) = match saved {
+                crate::compute::CrossEntropySaved::Host { probs, target_col } => {
+                    (probs, target_col)
+                }
+                #[cfg(feature = "cuda")]
+                crate::compute::CrossEntropySaved::Device {
+                    max,
+                    sum,
+                    ids,
+                    col_start,
+                    vocab,
+                } => {
+                    let (x, d) = (lv.as_local().cuda_tensor()?, dy.as_local().cuda_tensor()?);
+                    let g = dtensor_kernels::cuda::ops::ce_grad(
+                        &x, &max, &sum, &ids, &d, col_start, vocab,
+                    )?;
+                    return grad_of("Var::cross_entropy", Tensor::from(g), &lv);
+                }
+            };
             let d = dy.as_local().to_f64_vec();
             let (rows, cols) = (lv.local_shape()[0], lv.local_shape()[1]);
             let mut g = probs;

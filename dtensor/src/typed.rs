@@ -173,6 +173,7 @@ impl<L: Layout> DTensor<L> {
             }
         }
         let t = Tensor::from_f64_vec(vals, &local_shape, dtype)?;
+        let t = crate::any::to_mesh_place(t, mesh)?;
         Ok(Self::wrap(AnyDTensor::from_local_for(
             OP,
             t,

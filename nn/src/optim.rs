@@ -24,7 +24,7 @@
 
 use crate::data::{DataMode, DpLayout, EpParam, ParamKind, ReducedLayout, Weight};
 use crate::seq::{axis_size, DpPartial, DpReduced};
-use dtensor_collectives::{CommunicatorExt, ReduceOp};
+use dtensor_collectives::ReduceOp;
 use dtensor_core::{AnyDTensor, DTensor, DeviceMesh, Error, Gradients, Result, Tape, Var};
 use dtensor_kernels::{DType, Tensor};
 use dtensor_placement::{
@@ -547,6 +547,12 @@ impl Optimizer for Sgd {
         G: Layout + ReducedGrad<L>,
     {
         check_grad("Sgd::update", p, g)?;
+        if p.local().is_cuda() {
+            // On a device: `w + (−lr·g)`, each rounded in the dtype (the host rounds once
+            // from f64).
+            let t = p.local().add(&g.as_local().try_scale(-self.lr)?)?;
+            return p.set_local(t);
+        }
         let gv = g.as_local().to_f64_vec();
         let v: Vec<f64> = p
             .local()
@@ -637,16 +643,23 @@ impl Optimizer for AdamW {
             DType::F32 => DType::F32,
             _ => DType::F64,
         };
-        if p.state.len() != 2 || p.state[0].dtype() != state_dtype {
+        let place = p.local().device().cloned();
+        if p.state.len() != 2
+            || p.state[0].dtype() != state_dtype
+            || p.state[0].device() != place.as_ref()
+        {
             let shape = p.local().shape().to_vec();
             p.state = vec![
-                Tensor::zeros(&shape, state_dtype),
-                Tensor::zeros(&shape, state_dtype),
+                Tensor::zeros_on(place.as_ref(), &shape, state_dtype)?,
+                Tensor::zeros_on(place.as_ref(), &shape, state_dtype)?,
             ];
         }
         let [m, v] = &mut p.state[..] else {
             unreachable!("two moments set above")
         };
+        if place.is_some() {
+            return adamw_device(&mut p.value, g.as_local(), m, v, &h);
+        }
         match p.value.as_local().dtype() {
             DType::F32 => {
                 let (m, v) = (m.as_mut_slice::<f32>()?, v.as_mut_slice::<f32>()?);
@@ -675,6 +688,64 @@ impl Optimizer for AdamW {
             }
         }
     }
+}
+
+/// AdamW on a parameter in device memory: the device kernel (`cuda::ops::adamw_step`, the
+/// formula and order of [`adamw_step`]), in place on the parameter and its moments.
+#[cfg(feature = "cuda")]
+fn adamw_device<L: Layout>(
+    w: &mut DTensor<L>,
+    g: &Tensor,
+    m: &mut Tensor,
+    v: &mut Tensor,
+    h: &AdamHyper,
+) -> Result<()> {
+    use dtensor_kernels::cuda::{ops, CudaTensor};
+    let step = ops::AdamWStep {
+        lr: h.lr,
+        beta1: h.beta1,
+        beta2: h.beta2,
+        eps: h.eps,
+        decay: h.decay,
+        c1: h.c1,
+        c2: h.c2,
+    };
+    // Moved out of their tensors and back, so the kernel writes the only reference to each
+    // buffer (no copy on write).
+    let take = |t: &mut Tensor| -> Result<CudaTensor> {
+        let dtype = t.dtype();
+        std::mem::replace(t, Tensor::zeros(&[0], dtype))
+            .try_into_cuda()
+            .map_err(|_| {
+                dtensor_kernels::Error::NotOnDevice {
+                    op: "AdamW::update",
+                }
+                .into()
+            })
+    };
+    let g = g.cuda_tensor()?;
+    let (mut mc, mut vc) = (take(m)?, take(v)?);
+    let r = w.update_local_in_place(|wl| {
+        let mut wc = take(wl)?;
+        let r = ops::adamw_step(&mut wc, &g, &mut mc, &mut vc, &step);
+        *wl = Tensor::from(wc);
+        Ok(r?)
+    });
+    *m = Tensor::from(mc);
+    *v = Tensor::from(vc);
+    r
+}
+
+/// Without the `cuda` feature no tensor is in device memory.
+#[cfg(not(feature = "cuda"))]
+fn adamw_device<L: Layout>(
+    _w: &mut DTensor<L>,
+    _g: &Tensor,
+    _m: &mut Tensor,
+    _v: &mut Tensor,
+    _h: &AdamHyper,
+) -> Result<()> {
+    unreachable!("a parameter in device memory in a build without `cuda`")
 }
 
 /// One AdamW step's constants (`c1`, `c2`: the bias corrections).
@@ -736,7 +807,7 @@ impl GradNorm {
             }
         }
         if counted {
-            self.sum_sq += g.as_local().to_f64_vec().iter().map(|x| x * x).sum::<f64>();
+            self.sum_sq += sum_of_squares(g.as_local())?;
         }
         Ok(())
     }
@@ -745,10 +816,27 @@ impl GradNorm {
     /// over the other stages too, whose parameters are their own): the global norm.
     pub fn finish(&self, mesh: &dtensor_core::DeviceMesh) -> Result<f64> {
         let mut s = [self.sum_sq];
-        mesh.root_world()
-            .all_reduce_in_place(&mut s, ReduceOp::Sum)?;
+        dtensor_core::transfer::all_reduce_values(&**mesh.root_world(), &mut s, ReduceOp::Sum)?;
         Ok(s[0].sqrt())
     }
+}
+
+/// `Σ x²` over a gradient's local piece: in f64 on the host; on a device, squared and
+/// summed there (in the dtype's accumulator) and only the scalar copied back.
+fn sum_of_squares(t: &Tensor) -> Result<f64> {
+    if t.is_cuda() {
+        // `sum_rows` gives a thread to each column: `cols` partial sums (each over n/cols
+        // rows, in the dtype's accumulator) come back and are added in f64.
+        let n = t.numel();
+        let cols = [1024, 256, 64, 16, 4, 1]
+            .into_iter()
+            .find(|c| n % c == 0)
+            .unwrap_or(1);
+        let sq = t.mul(t)?.reshape(&[n / cols, cols])?;
+        let s = dtensor_kernels::ops::sum_rows(&sq)?;
+        return Ok(s.to_host()?.to_f64_vec().iter().sum());
+    }
+    Ok(t.to_f64_vec().iter().map(|x| x * x).sum::<f64>())
 }
 
 /// The factor clipping scales gradients by so that their global norm is at most `max_norm`

@@ -1447,6 +1447,9 @@ impl Communicator for NcclComm {
     fn backend(&self) -> &'static str {
         BACKEND
     }
+    fn device(&self) -> Option<Device> {
+        Some(self.device.clone())
+    }
 
     fn all_reduce(&self, _buf: SliceMut<'_>, _op: ReduceOp) -> Result<()> {
         host_refused("all_reduce")

@@ -1760,3 +1760,7 @@ fn matmul_planned(
 
 // The context-parallel attention pieces, the MoE kernels and the collectives' reductions.
 pub use super::model_ops::*;
+
+#[path = "optim.rs"]
+mod optim;
+pub use optim::{adamw_state_dtype, adamw_step, AdamWStep};

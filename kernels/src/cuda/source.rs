@@ -241,8 +241,16 @@ pub static REDUCE_EXT: KernelModule = KernelModule {
     roots: &[("reduce_combine", All), ("reduce_avg_div", All)],
 };
 
+/// `optim.cu`: the AdamW step (`cuda::ops::adamw_step`), in place on the parameter and its
+/// two moments; the host step's formula and order of operations (nn's `AdamW`).
+pub static OPTIM: KernelModule = KernelModule {
+    name: "optim",
+    source: include_str!("kernels/optim.cu"),
+    roots: &[("adamw", Float)],
+};
+
 /// Every kernel module.
-pub static MODULES: [&KernelModule; 12] = [
+pub static MODULES: [&KernelModule; 13] = [
     &ELEMENTWISE,
     &ACTIVATION,
     &REDUCTION,
@@ -255,6 +263,7 @@ pub static MODULES: [&KernelModule; 12] = [
     &ATTENTION_BLOCK,
     &MOE,
     &REDUCE_EXT,
+    &OPTIM,
 ];
 
 #[cfg(test)]

@@ -22,7 +22,7 @@ use crate::optim::{
 use crate::pipeline::schedule::{Action, Schedule};
 use crate::pipeline::stage::{GptStage, StageInput, StageOutput};
 use crate::seq::{Grad, Ids, Loss, SeqMode, Stream};
-use dtensor_collectives::{Communicator, CommunicatorExt};
+use dtensor_collectives::Communicator;
 use dtensor_core::{DTensor, DeviceMesh, Error, Result, StageHop, Tape, Var, WeightPass};
 use dtensor_kernels::Tensor;
 use dtensor_placement::AxisKind;
@@ -358,7 +358,7 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
             loss[0] = crate::embedding::loss_total(total)?;
         }
         if let Some(pp) = &self.pp {
-            pp.broadcast_in_place(&mut loss, pp.size() - 1)?;
+            dtensor_core::transfer::broadcast_values(&**pp, &mut loss, pp.size() - 1)?;
         }
         let grad_norm = step_accumulated(self, acc, opt, max_norm)?;
         self.update_expert_bias();

@@ -1,0 +1,232 @@
+//! The device path: the same model code on NCCL ranks (every tensor in GPU memory) against
+//! the threads backend (host memory). Redistributions move the same bits; a TP layer's
+//! training steps (norm, SwiGLU MLP, AdamW with clipping) agree with the host to f64
+//! rounding; AdamW's device kernel steps bit for bit as the host.
+//!
+//! Every test needs a CUDA GPU, libnccl, NVRTC and cuBLAS, and a build with
+//! `--features cuda,nccl`: ignored otherwise (run with `--include-ignored` on a GPU machine).
+
+use dtensor::collectives::threads;
+use dtensor::core::{AnyDTensor, DTensor, DeviceMesh, Result, Tape};
+use dtensor::kernels::{DType, Tensor};
+use dtensor::nn::*;
+use dtensor::placement::{
+    layout, AxisKind, Invariant, Mesh, ParallelConfig, PartialOp, Placement, Tp,
+};
+use std::sync::Arc;
+
+/// Runs `f` on every rank of `mesh` on threads (host memory); each rank's value.
+fn on_host<T: Send>(mesh: &Mesh, f: impl Fn(&Arc<DeviceMesh>) -> Result<T> + Sync) -> Vec<T> {
+    threads::launch(mesh.world_size(), |world| {
+        let dm = DeviceMesh::new(world, mesh.clone())?;
+        f(&dm)
+    })
+    .into_iter()
+    .enumerate()
+    .map(|(r, res)| res.unwrap_or_else(|e| panic!("host rank {r}: {e}")))
+    .collect()
+}
+
+/// Runs `f` on every rank of `mesh` on NCCL thread ranks (rank r on GPU r mod the GPU
+/// count; the mesh keeps its tensors there); each rank's value.
+#[cfg(feature = "nccl")]
+fn on_gpus<T: Send>(mesh: &Mesh, f: impl Fn(&Arc<DeviceMesh>) -> Result<T> + Sync) -> Vec<T> {
+    use dtensor::collectives::{nccl, Communicator};
+    nccl::launch(mesh.world_size(), |comm| -> Result<T> {
+        let dm = DeviceMesh::new(comm as Arc<dyn Communicator>, mesh.clone())?;
+        assert!(
+            dm.device().is_some(),
+            "an NCCL mesh keeps its tensors on a GPU"
+        );
+        f(&dm)
+    })
+    .into_iter()
+    .enumerate()
+    .map(|(r, res)| res.unwrap_or_else(|e| panic!("GPU rank {r}: {e}")))
+    .collect()
+}
+
+#[cfg(not(feature = "nccl"))]
+fn on_gpus<T: Send>(_mesh: &Mesh, _f: impl Fn(&Arc<DeviceMesh>) -> Result<T> + Sync) -> Vec<T> {
+    panic!("this test binary was built without the `nccl` feature: needs a CUDA GPU, libnccl, NVRTC and cuBLAS, and --features cuda,nccl")
+}
+
+fn seeded(seed: u64, shape: &[usize], dtype: DType) -> Tensor {
+    Init::Normal { std: 1.0 }.full(seed, 0, shape, dtype)
+}
+
+/// Every redistribution kind on two Tp ranks, f32 `[6, 5]` (uneven over 2 on dim 1):
+/// each step's local piece, read back to the host.
+fn redistributions(dm: &Arc<DeviceMesh>) -> Result<Vec<Vec<f64>>> {
+    let g = seeded(7, &[6, 5], DType::F32);
+    let shard = |d: usize| vec![Placement::Shard(d)];
+    let mut out = Vec::new();
+    let mut push = |t: &AnyDTensor| -> Result<()> {
+        if dm.device().is_some() && t.as_local().numel() > 0 {
+            assert!(t.as_local().is_cuda(), "a piece left the device");
+        }
+        out.push(t.as_local().to_host()?.to_f64_vec());
+        Ok(())
+    };
+    let rep = vec![Placement::Replicate];
+    for (from, to) in [
+        (shard(0), rep.clone()),                   // all-gather, contiguous
+        (shard(1), rep.clone()),                   // all-gather of column blocks
+        (shard(0), shard(1)),                      // all-to-all of column blocks
+        (shard(1), shard(0)),                      // and back
+        (rep.clone(), shard(1)),                   // local chunk
+        (vec![Placement::Invariant], rep.clone()), // no-op
+    ] {
+        let t = AnyDTensor::from_global(&g, &from, dm)?;
+        push(&t)?;
+        push(&t.redistribute(&to)?)?;
+    }
+    // Partial terms: each rank's own, then reduce-scatter (rows and columns) and all-reduce.
+    let term = seeded(8 + dm.rank() as u64, &[6, 5], DType::F32);
+    let partial = vec![Placement::Partial(PartialOp::Sum)];
+    for to in [shard(0), shard(1), vec![Placement::Invariant]] {
+        let t = AnyDTensor::from_local(term.clone(), &[6, 5], &partial, dm)?;
+        push(&t.redistribute(&to)?)?;
+    }
+    // distribute from rank 1 and the full tensor back.
+    let t = AnyDTensor::distribute((dm.rank() == 1).then_some(&g), 1, &shard(1), dm)?;
+    push(&t)?;
+    out.push(t.full_tensor()?.to_host()?.to_f64_vec());
+    Ok(out)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU, libnccl, NVRTC and cuBLAS, and --features cuda,nccl"]
+fn redistribute_tp2_device_equals_host_bitwise() {
+    let mesh = Mesh::new(&[(AxisKind::Tp, 2)]).unwrap();
+    let host = on_host(&mesh, redistributions);
+    let gpu = on_gpus(&mesh, redistributions);
+    // Two-rank sums are the same bits in either order, so even the reductions agree.
+    for (r, (h, d)) in host.iter().zip(&gpu).enumerate() {
+        for (i, (a, b)) in h.iter().zip(d).enumerate() {
+            assert_eq!(a, b, "rank {r}, step {i}");
+        }
+    }
+}
+
+const T: usize = 8;
+const H: usize = 8;
+const FFN: usize = 16;
+
+/// A LayerNorm and a SwiGLU MLP, tensor-parallel over Tp (f64 parameters).
+struct Tiny {
+    norm: Norm<NoSp>,
+    mlp: ParallelMlp<NoSp>,
+}
+
+impl Module for Tiny {
+    fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
+        self.norm.visit_params(&join_name(prefix, "norm"), v)?;
+        self.mlp.visit_params(&join_name(prefix, "mlp"), v)
+    }
+}
+
+/// Three training steps (loss `mean_t Σ_j y[t, j]·target[t, j]`, AdamW, clipping at 0.5):
+/// every parameter and every step's gradient norm, on the host.
+fn tiny_steps(dm: &Arc<DeviceMesh>) -> Result<(Vec<Vec<f64>>, Vec<f64>)> {
+    let init = ParamInit::new(5, 0, 0.3, DType::F64).with_bias_std(0.1);
+    let mut m = Tiny {
+        norm: Norm::new(NormKind::Layer, H, 1e-5, init.with_id(0), dm)?,
+        mlp: ParallelMlp::new(H, FFN, Activation::SwiGlu, true, init.with_id(10), 0.2, dm)?,
+    };
+    let x = seeded(41, &[T, H], DType::F64);
+    let target = seeded(42, &[T, H], DType::F64).scale(1.0 / T as f64);
+    let mut opt = AdamW::new(1e-2);
+    let mut norms = Vec::new();
+    for _ in 0..3 {
+        let tape = Tape::new();
+        let h = m
+            .norm
+            .forward(&tape, &tape.constant(DTensor::from_global(&x, dm)?))?;
+        let y = m.mlp.forward(&tape, &h)?;
+        let mut grads = y.backward_with(DTensor::from_global(&target, dm)?)?;
+        norms.push(step(&mut m, &mut grads, &mut opt, 0.5)?);
+    }
+    let params = named_params(&mut m)?
+        .into_iter()
+        .map(|p| Ok(p.value.to_host()?.to_f64_vec()))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((params, norms))
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU, libnccl, NVRTC and cuBLAS, and --features cuda,nccl"]
+fn tp2_norm_mlp_adamw_steps_on_device_match_host() {
+    let mesh = dtensor::nn::model_mesh(&ParallelConfig::parse("tp=2").unwrap()).unwrap();
+    let host = on_host(&mesh, tiny_steps);
+    let gpu = on_gpus(&mesh, tiny_steps);
+    // f64 throughout; cuBLAS orders the GEMM sums its own way, so agreement is to rounding.
+    let tol = 1e-9;
+    for (r, ((hp, hn), (dp, dn))) in host.iter().zip(&gpu).enumerate() {
+        for (i, (a, b)) in hn.iter().zip(dn).enumerate() {
+            assert!(
+                (a - b).abs() <= tol * a.abs(),
+                "rank {r} step {i} grad norm {a} vs {b}"
+            );
+        }
+        for (i, (a, b)) in hp.iter().zip(dp).enumerate() {
+            let scale = a.iter().fold(1e-300f64, |m, v| m.max(v.abs()));
+            let err = a
+                .iter()
+                .zip(b)
+                .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()));
+            assert!(err <= tol * scale, "rank {r} param {i}: max |diff| {err:e}");
+        }
+    }
+}
+
+/// Three AdamW steps of one `[37]` parameter with fixed gradients (one rank, no
+/// reduction): the parameter and both moments, on the host.
+fn adamw_steps(dm: &Arc<DeviceMesh>, dtype: DType) -> Result<Vec<Vec<f64>>> {
+    type L = layout![Tp: Invariant];
+    let w = DTensor::<L>::from_global(&seeded(3, &[37], dtype), dm)?;
+    let mut p = Param::new(w);
+    let mut opt = AdamW::new(3e-2);
+    for s in 0..3 {
+        let g = DTensor::<L>::from_global(&seeded(10 + s, &[37], dtype), dm)?;
+        opt.begin_step();
+        opt.update(&mut p, &g)?;
+    }
+    let mut out = vec![p.local().to_host()?.to_f64_vec()];
+    for m in p.state() {
+        out.push(m.to_host()?.to_f64_vec());
+    }
+    Ok(out)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU, libnccl, NVRTC and cuBLAS, and --features cuda,nccl"]
+fn adamw_device_kernel_steps_bitwise_as_host() {
+    let mesh = Mesh::new(&[(AxisKind::Tp, 1)]).unwrap();
+    for dtype in [DType::F32, DType::F64, DType::BF16] {
+        let host = on_host(&mesh, |dm| adamw_steps(dm, dtype));
+        let gpu = on_gpus(&mesh, |dm| adamw_steps(dm, dtype));
+        assert_eq!(host, gpu, "{dtype}: parameter and moments after 3 steps");
+    }
+}
+
+/// The error a device op without a kernel gives: named, not a panic or a host fallback.
+#[test]
+#[ignore = "needs a CUDA GPU, libnccl, NVRTC and cuBLAS, and --features cuda,nccl"]
+fn host_only_op_on_device_mesh_is_a_named_error() {
+    let mesh = Mesh::new(&[(AxisKind::Tp, 1)]).unwrap();
+    let errs = on_gpus(&mesh, |dm| {
+        type L = layout![Tp: Invariant];
+        let a = DTensor::<L>::from_global(&seeded(1, &[4], DType::F32), dm)?;
+        // `div` computes in f64 on the host: on a device mesh it must refuse, naming itself.
+        Ok(match a.div(&a) {
+            Ok(_) => String::new(),
+            Err(e) => e.to_string(),
+        })
+    });
+    assert!(
+        errs[0].contains("DTensor::div") && errs[0].contains("no device path"),
+        "{}",
+        errs[0]
+    );
+}
