@@ -25,8 +25,9 @@
 //! gpu_bench case=gemm_bf16_8192 flop=… ms=… TFLOPs=…
 //! ```
 //!
-//! Without a GPU (or without the driver, NVRTC or cuBLAS) it prints `gpu_bench: no CUDA
-//! device: <why>` and exits 0, or 1 under `DTENSOR_GPU_REQUIRED=1`.
+//! Without a GPU (or without the driver or NVRTC) it prints `gpu_bench: no CUDA device:
+//! <why>` and exits 0; a failing op later (cuBLAS missing, a kernel error) is
+//! `gpu_bench: error: <what>` and exit 1.
 
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, Throughput};
@@ -51,12 +52,10 @@ fn main() -> ExitCode {
     let dev = match Device::new(0) {
         Ok(dev) => dev,
         Err(e) => {
+            // A bench, not a test: it says why it measured nothing (the GPU check's report
+            // counts it as not run, never as passed).
             println!("gpu_bench: no CUDA device: {e}");
-            return if std::env::var("DTENSOR_GPU_REQUIRED").as_deref() == Ok("1") {
-                ExitCode::FAILURE
-            } else {
-                ExitCode::SUCCESS
-            };
+            return ExitCode::SUCCESS;
         }
     };
     // Defaults that keep the whole bench near a minute on an H200; the command line
@@ -184,8 +183,7 @@ fn copies(c: &mut Criterion, dev: &Device) -> Result<BTreeMap<usize, f64>, BoxEr
         let n = bytes / 4;
         let src = CudaTensor::zeros(dev, &[n], DType::F32)?;
         let mut dst = CudaTensor::zeros(dev, &[n], DType::F32)?;
-        let (DeviceView::F32(s), DeviceViewMut::F32(mut d)) = (src.view()?, dst.view_mut()?)
-        else {
+        let (DeviceView::F32(s), DeviceViewMut::F32(mut d)) = (src.view()?, dst.view_mut()?) else {
             return Err("f32 tensors gave views of another dtype".into());
         };
         let stream = dev.stream().clone();
@@ -206,7 +204,7 @@ fn copies(c: &mut Criterion, dev: &Device) -> Result<BTreeMap<usize, f64>, BoxEr
     Ok(out)
 }
 
-/// A `[rows, cols]` device tensor of `dtype` holding `mib` MiB of varied values.
+/// A `[rows, cols]` device tensor of `dtype` holding varied values in [-0.5, 0.5).
 fn matrix(dev: &Device, rows: usize, cols: usize, dtype: DType) -> Result<Tensor, BoxError> {
     let host = Tensor::try_from_fn(&[rows, cols], |i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)?;
     Ok(host.to_device(dev)?.try_to_dtype(dtype)?)
