@@ -264,14 +264,16 @@ step bench_report_nccl_lines 5 bash -c '
   if [ -n "$missing" ]; then echo "no backend=nccl line for:$missing"; exit 1; fi
   echo "a backend=nccl line for every measured op"' _ "$report_dir/bench_report_nccl.log"
 # The larger model of the figures: one rank (one GPU), the size torch_reference.py runs.
-large=(--mesh dp=1 --hidden 1024 --layers 8 --heads 16 --seq 1024 --batch 8 --steps 6 --log-every 1)
+large_seq=1024 large_batch=8
+large=(--mesh dp=1 --hidden 1024 --layers 8 --heads 16 --seq "$large_seq" --batch "$large_batch"
+  --steps 6 --log-every 1)
 if [ ! -x "$here/train_gpt" ]; then
   why="$(cat "$here/not-built.txt" 2>/dev/null || echo 'not in the bundle')"
   skip_step train_gpt_cuda "$why"
   skip_step train_gpt_cuda_large "$why"
 elif "$here/train_gpt" --help 2>&1 | grep -q -- '--device'; then
   step train_gpt_cuda 25 "$here/train_gpt" --device cuda --check
-  step train_gpt_cuda_large 60 "$here/train_gpt" --device cuda "${large[@]}"
+  step train_gpt_cuda_large 90 "$here/train_gpt" --device cuda "${large[@]}"
 else
   skip_step train_gpt_cuda "train_gpt --help does not mention --device (no GPU path yet)"
   skip_step train_gpt_cuda_large "train_gpt --help does not mention --device (no GPU path yet)"
@@ -282,7 +284,11 @@ fi
 why_not() {
   local r
   for r in "${results[@]}"; do
-    case "$r" in "$1: "*) echo "${r#"$1: "}"; return ;; esac
+    case "$r" in
+      "$1: not run: "*) echo "${r#"$1: not run: "}"; return ;;
+      "$1: passed"*) echo "$1 printed no such line (see $1.log)"; return ;;
+      "$1: "*) echo "$1 ${r#"$1: "}"; return ;;
+    esac
   done
   echo "the step did not run"
 }
@@ -311,7 +317,7 @@ field() { sed -nE "s/.*[[:space:]]$1=([^[:space:]]+).*/\1/p" <<<"$2"; }
   ours=$(grep -m 1 '^gpu_bench case=gemm_bf16_8192 ' "$blog" 2>/dev/null)
   theirs=$(grep -m 1 '^torch_ref case=matmul_bf16_8192 ' "$tlog" 2>/dev/null)
   if [ -z "$ours" ]; then
-    echo "gemm bf16 8192: not run: gpu_bench: $(why_not gpu_bench)"
+    echo "gemm bf16 8192: not run: $(why_not gpu_bench)"
   elif [ -z "$theirs" ]; then
     echo "gemm bf16 8192: ours $(field TFLOPs "$ours") TFLOP/s; torch not run: $(why_not torch_reference)"
   else
@@ -325,7 +331,7 @@ field() { sed -nE "s/.*[[:space:]]$1=([^[:space:]]+).*/\1/p" <<<"$2"; }
   if [ -z "$steady" ]; then
     echo "train_gpt step (hidden 1024, 8 layers, seq 1024, batch 8): not run: $(why_not train_gpt_cuda_large)"
   else
-    ours_ms=$(awk -v t="$steady" 'BEGIN { printf "%.1f", 8 * 1024 / t * 1000 }')
+    ours_ms=$(awk -v t="$steady" -v n="$((large_batch * large_seq))" 'BEGIN { printf "%.1f", n / t * 1000 }')
     if [ -z "$theirs" ]; then
       echo "train_gpt step: ours $ours_ms ms; torch eager not run: $(why_not torch_reference)"
     else
