@@ -92,8 +92,9 @@
 //!
 //! What the current backends declare: threads and MPI support everything (MPI agrees on
 //! the rows of a column-block call in the header it exchanges before every collective).
-//! NCCL (`staging::UNSUPPORTED`, each with its reason) lacks [`Need::Overlap`] (no
-//! asynchronous progress: the trait's `start_*` stand-ins), [`Need::SharedHandle`] (a
+//! NCCL (`staging::UNSUPPORTED`, each with its reason) lacks [`Need::Overlap`] (its
+//! requests progress on the rank's worker, where `send`/`recv` queue behind them, so the
+//! overlap case's unblocking `send` would wait for its request), [`Need::SharedHandle`] (a
 //! rank's calls serialize on its worker thread), [`Need::ColumnRowAgreement`] (no device
 //! column-block calls: the trait's defaults), [`Need::RankOrderedReduction`] (NCCL picks
 //! the order), [`Need::BufferedSend`] (a send waits for its receive) and

@@ -73,6 +73,13 @@
 //! progress thread per handle; a backend that does not override the `start_*` methods
 //! gets the trait's stand-ins, which run the blocking call at start (no overlap).
 //!
+//! With the `cuda` feature, `start_*_device` twins take owned `DeviceBuffer`s (device
+//! tensors moved in) and return a `DeviceRequest` (a [`Request`] that gives a
+//! `DeviceBuffer` back), under the same rules. The NCCL backend runs them on its worker
+//! and stream while the caller computes (see [`nccl`]); the trait's default runs the
+//! blocking `*_device` call at start, so the host-memory backends refuse with the
+//! blocking call's error.
+//!
 //! ```
 //! use dtensor_collectives::{threads, CommunicatorExt, ReduceOp};
 //! let results = threads::launch(2, |comm| {
@@ -107,6 +114,8 @@ pub use counters::{CollectiveKind, CounterSnapshot, Counters};
 pub use dtensor_kernels::{DType, Element, ReduceOp, Slice, SliceMut, StorageElement};
 pub use error::{Error, Result};
 pub use request::{Buffer, Pending, Request};
+#[cfg(feature = "cuda")]
+pub use request::{DeviceBuffer, DeviceRequest};
 
 use std::sync::Arc;
 
@@ -444,6 +453,85 @@ pub trait Communicator: Send + Sync {
             .reduce_scatterv(send.as_slice(), recv.as_slice_mut(), counts, op)
             .map(|()| recv);
         Request::ready("reduce_scatterv", r)
+    }
+
+    /// Starts [`all_reduce_device`](Self::all_reduce_device) of `buf` (feature `cuda`);
+    /// [`Request::wait`] returns `buf` reduced. The rules of [`Request`] hold as for the
+    /// host `start_*` calls.
+    ///
+    /// The default runs the blocking device call at start and returns a completed request
+    /// (so a host-memory backend refuses, with its blocking call's
+    /// `InvalidArgument`, "… backend: device buffers need the nccl backend"). The NCCL
+    /// backend overrides every `start_*_device` method: the call runs on the rank's NCCL
+    /// worker and stream while the caller goes on (see `nccl`'s docs).
+    #[cfg(feature = "cuda")]
+    fn start_all_reduce_device(&self, mut buf: DeviceBuffer, op: ReduceOp) -> DeviceRequest {
+        let r = buf
+            .view_mut()
+            .and_then(|v| self.all_reduce_device(v, op))
+            .map(|()| buf);
+        Request::ready("all_reduce", r)
+    }
+    /// Starts [`all_gather_device`](Self::all_gather_device) from `send` into `recv`
+    /// (`size × send.len()` elements, overwritten); [`Request::wait`] returns `recv`. The
+    /// default runs the blocking call at start (see
+    /// [`start_all_reduce_device`](Self::start_all_reduce_device)).
+    #[cfg(feature = "cuda")]
+    fn start_all_gather_device(&self, send: DeviceBuffer, mut recv: DeviceBuffer) -> DeviceRequest {
+        let r = send
+            .view()
+            .and_then(|s| Ok((s, recv.view_mut()?)))
+            .and_then(|(s, r)| self.all_gather_device(s, r));
+        Request::ready("all_gather", r.map(|()| recv))
+    }
+    /// Starts [`all_gatherv_device`](Self::all_gatherv_device) from `send` into `recv`
+    /// (`Σ counts` elements); [`Request::wait`] returns `recv`. The default runs the
+    /// blocking call at start.
+    #[cfg(feature = "cuda")]
+    fn start_all_gatherv_device(
+        &self,
+        send: DeviceBuffer,
+        mut recv: DeviceBuffer,
+        counts: &[usize],
+    ) -> DeviceRequest {
+        let r = send
+            .view()
+            .and_then(|s| Ok((s, recv.view_mut()?)))
+            .and_then(|(s, r)| self.all_gatherv_device(s, r, counts));
+        Request::ready("all_gatherv", r.map(|()| recv))
+    }
+    /// Starts [`reduce_scatter_device`](Self::reduce_scatter_device) of `send`
+    /// (`size × recv.len()` elements) into `recv`; [`Request::wait`] returns `recv`. The
+    /// default runs the blocking call at start.
+    #[cfg(feature = "cuda")]
+    fn start_reduce_scatter_device(
+        &self,
+        send: DeviceBuffer,
+        mut recv: DeviceBuffer,
+        op: ReduceOp,
+    ) -> DeviceRequest {
+        let r = send
+            .view()
+            .and_then(|s| Ok((s, recv.view_mut()?)))
+            .and_then(|(s, r)| self.reduce_scatter_device(s, r, op));
+        Request::ready("reduce_scatter", r.map(|()| recv))
+    }
+    /// Starts [`reduce_scatterv_device`](Self::reduce_scatterv_device) of `send`
+    /// (`Σ counts` elements) into `recv` (`counts[rank()]`); [`Request::wait`] returns
+    /// `recv`. The default runs the blocking call at start.
+    #[cfg(feature = "cuda")]
+    fn start_reduce_scatterv_device(
+        &self,
+        send: DeviceBuffer,
+        mut recv: DeviceBuffer,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> DeviceRequest {
+        let r = send
+            .view()
+            .and_then(|s| Ok((s, recv.view_mut()?)))
+            .and_then(|(s, r)| self.reduce_scatterv_device(s, r, counts, op));
+        Request::ready("reduce_scatterv", r.map(|()| recv))
     }
 }
 

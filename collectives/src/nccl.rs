@@ -30,7 +30,8 @@
 //! device ([`NcclComm::device`]); NCCL's work runs on a stream of the communicator's own
 //! (several ranks may share a GPU, and one stream per GPU would serialize their kernels
 //! into a deadlock), ordered after the buffers' earlier writes and before their later uses
-//! by cudarc's per-buffer events. Every call returns only once its data has moved.
+//! by cudarc's per-buffer events. Every blocking call returns only once its data has
+//! moved; the asynchronous ones own their buffers instead (see below).
 //!
 //! # Ranks, threads and GPUs
 //!
@@ -59,7 +60,9 @@
 //! [`Communicator`](crate::Communicator) requires) without any `unsafe impl`: no NCCL
 //! handle ever crosses a thread. The caller's borrow of the buffers outlasts the call,
 //! because the handle waits for the worker's answer, which comes after the data moved or
-//! after the communicator was aborted (after which NCCL touches no buffer).
+//! after the communicator was aborted (after which NCCL touches no buffer). An asynchronous
+//! call moves its owned buffers into the job it queues, so the same holds without the
+//! handle waiting.
 //!
 //! # What each call does
 //!
@@ -96,7 +99,58 @@
 //!   `recv_device` (within the timeout), so two ranks that both send first deadlock until
 //!   the timeout; messages between a pair arrive in call order, and the tag is checked
 //!   (a different tag, dtype or length fails both sides), not matched.
-//! - No asynchronous `start_*` overlap: the trait's stand-ins run the blocking call.
+//! - Asynchronous calls take device buffers (`start_*_device`, below); the host
+//!   `start_*` methods refuse host buffers like every host method. `send_device` /
+//!   `recv_device` queue on the rank's worker behind its requests (on the CPU backends
+//!   they do not wait for requests).
+//!
+//! # Asynchronous collectives: what overlaps on the GPU
+//!
+//! `start_all_reduce_device`, `start_all_gather(v)_device` and
+//! `start_reduce_scatter(v)_device` take owned `DeviceBuffer`s
+//! (a device tensor moved in, O(1)) and return a
+//! `DeviceRequest` at once. The call becomes one job on the rank's
+//! worker, queued behind every call issued before it on any handle of the rank: the
+//! worker makes its stream wait for the buffers' pending writes (cudarc's per-buffer
+//! events, as for the blocking calls: a kernel that wrote `send` on the compute stream is
+//! ordered before NCCL reads it, without the caller synchronizing), runs the agreement,
+//! enqueues the NCCL call on its stream, and polls an event recorded after it (with
+//! `ncclCommGetAsyncError`, bounded by the timeout, exactly as a blocking call does).
+//! Then it records the call on the buffers' events, counts it, and sends the result buffer
+//! to the request: [`Request::test`](crate::Request::test) polls for that answer and
+//! [`Request::wait`](crate::Request::wait) blocks for it.
+//!
+//! | runs concurrently | with |
+//! |---|---|
+//! | the caller's thread: host code and kernel launches on the compute stream | the whole request (agreement, NCCL kernels, completion polling on the worker) |
+//! | compute-stream kernels that do not touch the request's buffers | NCCL's kernels on the communicator's own stream (their SMs permitting) |
+//! | a request's NCCL kernels | nothing else of the same rank's NCCL: calls run one after another, in issue order (blocking calls too, so the "Mixing" rule of [`Request`](crate::Request) holds) |
+//!
+//! The caller cannot read `recv` (or the all-reduced buffer) early: it is moved into the
+//! request and comes back from `wait` only once the data phase has finished. A request
+//! dropped unwaited waits (its rule on every backend); the buffers stay in the worker's job
+//! until NCCL is done with them, or until the communicator was aborted and its stream
+//! drained after a failure, so no memory NCCL still writes is freed. Failures come from
+//! `wait` as from the blocking call: `RankFailed`, `Timeout` (within the timeout; the
+//! communicator is then aborted and every later call returns the same error),
+//! `CollectiveMismatch`, `InvalidArgument` (also for a buffer on another GPU than the
+//! communicator's). The threads and MPI backends keep the trait's default, which runs the
+//! blocking device call at start and so refuses with its `InvalidArgument`.
+//!
+//! ```no_run
+//! # #[cfg(feature = "nccl")] {
+//! use dtensor_collectives::{nccl, Communicator, DeviceBuffer, ReduceOp};
+//! use dtensor_kernels::Tensor;
+//! type BoxError = Box<dyn std::error::Error + Send + Sync>;
+//! let results = nccl::launch(2, |comm| -> Result<Tensor, BoxError> {
+//!     let shard = Tensor::from_fn(&[4], |_| comm.rank() as f32).to_device(comm.device())?;
+//!     let recv = DeviceBuffer::zeros(comm.device(), shard.dtype(), 8)?;
+//!     let gather = comm.start_all_gather_device(DeviceBuffer::from_tensor(shard)?, recv);
+//!     // ... compute on the device while the gather moves ...
+//!     Ok(gather.wait()?.into_tensor())
+//! });
+//! # }
+//! ```
 //!
 //! # The conformance suite on NCCL
 //!
@@ -107,9 +161,12 @@
 //! Nothing on the GPU path stages through the host: [`NcclComm`]'s own host methods keep
 //! refusing host buffers. The suite's cases that need what the list above takes away are
 //! reported `unsupported`, each with its reason (`conformance::staging::UNSUPPORTED`):
-//! rank-ordered reductions, buffered sends, tag matching, asynchronous progress, one
-//! handle shared by several threads of a rank, and column-block calls that agree on rows
-//! (there are no device column-block calls; the staged ones are the trait's defaults).
+//! rank-ordered reductions, buffered sends, tag matching, overlap with a `send` that the
+//! peers wait for (sends queue behind requests on the worker), one handle shared by
+//! several threads of a rank, and column-block calls that agree on rows (there are no
+//! device column-block calls; the staged ones are the trait's defaults). The suite's other
+//! asynchronous cases run on the backend's own `start_*_device` calls (the adapter stages
+//! a request's buffers in at start and out at `wait`).
 //! What the suite cannot check (a failing rank, a timeout, the refusals, this backend's
 //! wording) is in `tests/nccl.rs`.
 //!

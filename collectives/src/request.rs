@@ -114,25 +114,27 @@ impl<T: StorageElement> From<Vec<T>> for Buffer {
 
 /// A backend's side of a [`Request`]: how to learn whether the collective has completed,
 /// and how to wait for it. Implement it only to write a backend; callers use [`Request`].
-pub trait Pending: Send {
+/// `B` is what the collective hands back: a host [`Buffer`], or a `DeviceBuffer` for the
+/// device calls (feature `cuda`).
+pub trait Pending<B = Buffer>: Send {
     /// Whether the collective has completed, so that [`wait`](Pending::wait) returns at
     /// once. Never blocks.
     fn test(&mut self) -> bool;
     /// Blocks until the collective has completed and returns its result buffer, or the
     /// error the blocking call would have returned. Must return within the backend's
     /// failure bounds (the timeout), never hang.
-    fn wait(self: Box<Self>) -> Result<Buffer>;
+    fn wait(self: Box<Self>) -> Result<B>;
 }
 
 /// A result known at start (the trait's stand-in implementations, and errors found before
 /// anything was queued).
-struct Ready(Result<Buffer>);
+struct Ready<B>(Result<B>);
 
-impl Pending for Ready {
+impl<B: Send> Pending<B> for Ready<B> {
     fn test(&mut self) -> bool {
         true
     }
-    fn wait(self: Box<Self>) -> Result<Buffer> {
+    fn wait(self: Box<Self>) -> Result<B> {
         self.0
     }
 }
@@ -161,19 +163,22 @@ impl Pending for Ready {
 ///   drop returns.
 /// - **Counters** count a request once, when it completes successfully (before `wait`
 ///   returns), as the blocking call does.
+///
+/// `B` is the buffer the backend hands back (a host [`Buffer`], or for the device calls of
+/// feature `cuda` a `DeviceBuffer`: see `DeviceRequest`), `T` what the caller gets from it.
 #[must_use = "a request completes its collective; wait for it to get the result (dropping it waits too)"]
-pub struct Request<T = Buffer> {
+pub struct Request<T = Buffer, B = Buffer> {
     op: &'static str,
     /// `None` once waited for.
-    pending: Option<Box<dyn Pending>>,
+    pending: Option<Box<dyn Pending<B>>>,
     /// From the backend's buffer to what the caller gets (a typed `Vec` for the
     /// `CommunicatorExt` forms).
-    map: fn(Buffer) -> T,
+    map: fn(B) -> T,
 }
 
-impl Request {
+impl<B: Send + 'static> Request<B, B> {
     /// A request that `pending` completes; `op` names the collective (`"all_reduce"`).
-    pub fn new(op: &'static str, pending: Box<dyn Pending>) -> Request {
+    pub fn new(op: &'static str, pending: Box<dyn Pending<B>>) -> Request<B, B> {
         Request {
             op,
             pending: Some(pending),
@@ -183,10 +188,12 @@ impl Request {
 
     /// A request that has already completed with `result` (for a backend that ran the
     /// collective at start).
-    pub fn ready(op: &'static str, result: Result<Buffer>) -> Request {
+    pub fn ready(op: &'static str, result: Result<B>) -> Request<B, B> {
         Request::new(op, Box::new(Ready(result)))
     }
+}
 
+impl Request {
     /// The same request, giving a `Vec<T>` (the buffer moved in holds `T`s, and every
     /// backend hands back buffers of the dtype it was given).
     pub(crate) fn typed<T: StorageElement>(mut self) -> Request<Vec<T>> {
@@ -209,7 +216,7 @@ fn into_vec_of<T: StorageElement>(b: Buffer) -> Vec<T> {
     })
 }
 
-impl<T> Request<T> {
+impl<T, B> Request<T, B> {
     /// The collective this request runs (`"all_reduce"`, …).
     pub fn op(&self) -> &'static str {
         self.op
@@ -233,7 +240,7 @@ impl<T> Request<T> {
     }
 }
 
-impl<T> Drop for Request<T> {
+impl<T, B> Drop for Request<T, B> {
     /// Waits for the collective and discards its outcome (see the rules above). A panic
     /// the backend re-raises from its wait is discarded too: a drop must not panic, least
     /// of all while the thread is already unwinding.
@@ -244,11 +251,169 @@ impl<T> Drop for Request<T> {
     }
 }
 
-impl<T> fmt::Debug for Request<T> {
+impl<T, B> fmt::Debug for Request<T, B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Request")
             .field("op", &self.op)
             .field("waited", &self.pending.is_none())
             .finish()
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub use device::{DeviceBuffer, DeviceRequest};
+
+/// Owned device buffers for the asynchronous device calls (feature `cuda`).
+#[cfg(feature = "cuda")]
+mod device {
+    use super::Request;
+    use crate::{DType, Error, Result};
+    use dtensor_kernels::cuda::{CudaTensor, Device, DeviceView, DeviceViewMut};
+    use dtensor_kernels::Tensor;
+
+    /// An owned buffer of device memory: what an asynchronous device collective
+    /// (`start_*_device`, feature `cuda`) takes and gives back, the device twin of
+    /// [`Buffer`](crate::Buffer). It holds a [`CudaTensor`] (its elements, in row-major
+    /// order, are the buffer; its shape comes back unchanged from
+    /// [`into_tensor`](DeviceBuffer::into_tensor)).
+    ///
+    /// Moving the tensor in is what makes the request safe: nothing but the request can
+    /// read or write the memory NCCL uses until `wait` hands it back, and an unfinished
+    /// request keeps it alive. Making one from a tensor shares its buffer without a copy
+    /// (`CudaTensor` buffers are reference counted); a buffer that a collective writes
+    /// (all-reduce's, a `recv`) and that another tensor shares is copied first, on the
+    /// device, so the write never shows through that other tensor.
+    #[derive(Clone, Debug)]
+    pub struct DeviceBuffer(CudaTensor);
+
+    /// A [`Request`] of a device collective: `wait` gives back a [`DeviceBuffer`].
+    pub type DeviceRequest = Request<DeviceBuffer, DeviceBuffer>;
+
+    impl DeviceBuffer {
+        /// `len` zeros of `dtype` on `device` (a flat buffer: shape `[len]`).
+        pub fn zeros(device: &Device, dtype: DType, len: usize) -> Result<DeviceBuffer> {
+            CudaTensor::zeros(device, &[len], dtype)
+                .map(DeviceBuffer)
+                .map_err(|e| device_error("DeviceBuffer::zeros", e))
+        }
+
+        /// The buffer of a device tensor (O(1): shares its memory); a host tensor is an
+        /// `InvalidArgument` (device buffers hold device memory only; nothing is copied
+        /// behind the caller's back).
+        pub fn from_tensor(t: Tensor) -> Result<DeviceBuffer> {
+            t.try_into_cuda()
+                .map(DeviceBuffer)
+                .map_err(|t| Error::InvalidArgument {
+                    op: "DeviceBuffer::from_tensor",
+                    detail: format!(
+                        "a host tensor ({} x {:?}): a device buffer holds device memory \
+                         (move it with Tensor::to_device first)",
+                        t.dtype(),
+                        t.shape()
+                    ),
+                })
+        }
+
+        /// The element type.
+        pub fn dtype(&self) -> DType {
+            self.0.dtype()
+        }
+
+        /// The number of elements (not bytes).
+        pub fn len(&self) -> usize {
+            self.0.numel()
+        }
+
+        /// True if the buffer holds no elements.
+        pub fn is_empty(&self) -> bool {
+            self.len() == 0
+        }
+
+        /// The shape of the tensor it holds.
+        pub fn shape(&self) -> &[usize] {
+            self.0.shape()
+        }
+
+        /// The GPU whose memory holds the buffer.
+        pub fn device(&self) -> &Device {
+            self.0.device()
+        }
+
+        /// A view of the elements, as the blocking `*_device` calls take them.
+        pub fn view(&self) -> Result<DeviceView<'_>> {
+            self.0
+                .view()
+                .map_err(|e| device_error("DeviceBuffer::view", e))
+        }
+
+        /// A mutable view of the elements (copied first, on the device, if another tensor
+        /// shares the memory).
+        pub fn view_mut(&mut self) -> Result<DeviceViewMut<'_>> {
+            self.0
+                .view_mut()
+                .map_err(|e| device_error("DeviceBuffer::view_mut", e))
+        }
+
+        /// The tensor the buffer holds.
+        pub fn as_cuda_tensor(&self) -> &CudaTensor {
+            &self.0
+        }
+
+        /// The tensor the buffer holds (O(1)).
+        pub fn into_cuda_tensor(self) -> CudaTensor {
+            self.0
+        }
+
+        /// The elements as a device [`Tensor`] of the shape moved in (O(1)).
+        pub fn into_tensor(self) -> Tensor {
+            Tensor::from(self.0)
+        }
+    }
+
+    impl From<CudaTensor> for DeviceBuffer {
+        fn from(t: CudaTensor) -> DeviceBuffer {
+            DeviceBuffer(t)
+        }
+    }
+
+    /// A failure of the kernels' device code (an allocation, a copy on write), as this
+    /// crate reports a library's error.
+    fn device_error(op: &'static str, e: dtensor_kernels::Error) -> Error {
+        Error::Library {
+            op,
+            backend: "cuda",
+            detail: e.to_string(),
+        }
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+    use dtensor_kernels::Tensor;
+
+    #[test]
+    fn device_buffer_from_host_tensor_invalid_argument_naming_the_fix() {
+        let host = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3]).unwrap();
+        let e = DeviceBuffer::from_tensor(host).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "DeviceBuffer::from_tensor: invalid argument: a host tensor (f32 x [3]): a device \
+             buffer holds device memory (move it with Tensor::to_device first)"
+        );
+    }
+
+    #[test]
+    fn ready_device_request_hands_back_its_result() {
+        let mut r: DeviceRequest = Request::ready(
+            "all_gather",
+            Err(Error::InvalidArgument {
+                op: "all_gather",
+                detail: "x".into(),
+            }),
+        );
+        assert!(r.test());
+        assert_eq!(r.op(), "all_gather");
+        assert!(matches!(r.wait(), Err(Error::InvalidArgument { .. })));
     }
 }

@@ -5,12 +5,15 @@
 //! `NCCL_MULTI_RANK_GPU_ENABLE=1` when ranks share a GPU): every collective against a
 //! reference on 2 (and 3) ranks, for every dtype, replicas bitwise equal across ranks;
 //! mismatches, invalid arguments, a failing rank, a timeout and both refusals (host buffers
-//! on NCCL, device buffers on threads).
+//! on NCCL, device buffers on threads); the asynchronous device calls (`start_*_device`)
+//! against the blocking ones, dropped unwaited, with a late or failing peer, and refused by
+//! the threads backend.
 #![cfg(feature = "nccl")]
 
 use dtensor_collectives::nccl::{self, NcclComm, Options};
 use dtensor_collectives::{
-    threads, CollectiveKind, Communicator, CommunicatorExt, Error, ReduceOp,
+    threads, CollectiveKind, Communicator, CommunicatorExt, DeviceBuffer, DeviceRequest, Error,
+    ReduceOp,
 };
 use dtensor_kernels::cuda::{self, CudaTensor};
 use dtensor_kernels::half::{bf16, f16};
@@ -549,5 +552,297 @@ fn from_host_over_threads_shares_rank_0_id() {
     });
     for r in results {
         assert_eq!(r.unwrap(), vec![3.0; 3]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// GPU: asynchronous device calls (`start_*_device`)
+// ---------------------------------------------------------------------------------------
+
+fn dev_buf<T: StorageElement>(comm: &NcclComm, data: Vec<T>) -> Result<DeviceBuffer, BoxError> {
+    Ok(DeviceBuffer::from(to_dev(comm, data)?))
+}
+
+fn zeros_buf<T: StorageElement>(comm: &NcclComm, n: usize) -> Result<DeviceBuffer, BoxError> {
+    Ok(DeviceBuffer::zeros(comm.device(), T::DTYPE, n)?)
+}
+
+fn waited<T: StorageElement>(req: DeviceRequest) -> Result<Vec<T>, BoxError> {
+    to_host::<T>(&req.wait()?.into_cuda_tensor())
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs and NCCL: run with --include-ignored on the GPU machine"]
+fn start_device_two_gathers_in_flight_equal_blocking_bitwise_on_2_ranks() {
+    require_gpu!();
+    let counts = [3usize, 5];
+    let got = run_ok(2, |comm| {
+        let me = comm.rank();
+        let piece: Vec<f32> = (0..4099).map(|i| value(me, i) as f32 / 3.0).collect();
+        let own: Vec<bf16> = (0..counts[me])
+            .map(|i| bf16::from_f64(value(me, i)))
+            .collect();
+        let grads: Vec<f32> = (0..1001).map(|i| value(me, i) as f32 / 7.0).collect();
+        let blocks: Vec<f64> = (0..6).map(|i| value(me, i) / 5.0).collect();
+        // Blocking references.
+        let send = to_dev(comm, piece.clone())?;
+        let mut recv = zeros_dev::<f32>(comm, 2 * 4099)?;
+        comm.all_gather_device(send.view()?, recv.view_mut()?)?;
+        let sendv = to_dev(comm, own.clone())?;
+        let mut recvv = zeros_dev::<bf16>(comm, 8)?;
+        comm.all_gatherv_device(sendv.view()?, recvv.view_mut()?, &counts)?;
+        let mut g = to_dev(comm, grads.clone())?;
+        comm.all_reduce_device(g.view_mut()?, ReduceOp::Sum)?;
+        let rs_send = to_dev(comm, blocks.clone())?;
+        let mut rs = zeros_dev::<f64>(comm, 3)?;
+        comm.reduce_scatter_device(rs_send.view()?, rs.view_mut()?, ReduceOp::Sum)?;
+        let mut rsv = zeros_dev::<f64>(comm, [2usize, 4][me])?;
+        comm.reduce_scatterv_device(rs_send.view()?, rsv.view_mut()?, &[2, 4], ReduceOp::Max)?;
+        let blocking = (
+            to_host::<f32>(&recv)?,
+            to_host::<bf16>(&recvv)?,
+            to_host::<f32>(&g)?,
+            to_host::<f64>(&rs)?,
+            to_host::<f64>(&rsv)?,
+        );
+        // The same calls started, two gathers in flight at once, waited newest first.
+        let before = comm.counters();
+        let a =
+            comm.start_all_gather_device(dev_buf(comm, piece)?, zeros_buf::<f32>(comm, 2 * 4099)?);
+        let b = comm.start_all_gatherv_device(
+            dev_buf(comm, own)?,
+            zeros_buf::<bf16>(comm, 8)?,
+            &counts,
+        );
+        let b = waited::<bf16>(b)?;
+        let mut a = a;
+        assert!(
+            a.test(),
+            "a request started before a completed one is complete"
+        );
+        let a = waited::<f32>(a)?;
+        let c = comm.start_all_reduce_device(dev_buf(comm, grads)?, ReduceOp::Sum);
+        let d = comm.start_reduce_scatter_device(
+            dev_buf(comm, blocks.clone())?,
+            zeros_buf::<f64>(comm, 3)?,
+            ReduceOp::Sum,
+        );
+        let e = comm.start_reduce_scatterv_device(
+            dev_buf(comm, blocks)?,
+            zeros_buf::<f64>(comm, [2usize, 4][me])?,
+            &[2, 4],
+            ReduceOp::Max,
+        );
+        let started = (
+            a,
+            b,
+            waited::<f32>(c)?,
+            waited::<f64>(d)?,
+            waited::<f64>(e)?,
+        );
+        let counted = comm.counters().since(&before);
+        Ok((blocking, started, counted))
+    });
+    for (me, ((ba, bb, bc, bd, be), (a, b, c, d, e), counted)) in got.iter().enumerate() {
+        assert_eq!(bits(a), bits(ba), "rank {me}: all_gather");
+        assert_eq!(bits(b), bits(bb), "rank {me}: all_gatherv");
+        assert_eq!(bits(c), bits(bc), "rank {me}: all_reduce");
+        assert_eq!(bits(d), bits(bd), "rank {me}: reduce_scatter");
+        assert_eq!(bits(e), bits(be), "rank {me}: reduce_scatterv");
+        let want: Vec<f32> = (0..2)
+            .flat_map(|r| (0..4099).map(move |i| value(r, i) as f32 / 3.0))
+            .collect();
+        assert_eq!(bits(a), bits(&want), "rank {me}: gathered pieces");
+        assert_eq!(counted.calls(CollectiveKind::AllGather), 2);
+        assert_eq!(counted.calls(CollectiveKind::AllReduce), 1);
+        assert_eq!(counted.calls(CollectiveKind::ReduceScatter), 2);
+    }
+    assert_eq!(bits(&got[0].1 .2), bits(&got[1].1 .2), "replicas differ");
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs and NCCL: run with --include-ignored on the GPU machine"]
+fn start_device_returns_before_the_peer_starts_and_test_polls() {
+    require_gpu!();
+    let got = run_ok(2, |comm| {
+        let me = comm.rank();
+        let buf = dev_buf(comm, vec![me as f32 + 1.0; 1 << 20])?;
+        if me == 1 {
+            std::thread::sleep(Duration::from_millis(1500));
+        }
+        let t0 = Instant::now();
+        let mut req = comm.start_all_reduce_device(buf, ReduceOp::Sum);
+        let start = t0.elapsed();
+        let early = req.test();
+        let out = waited::<f32>(req)?;
+        Ok((start, early, out.iter().all(|&x| x == 3.0)))
+    });
+    let (start, early, ok) = &got[0];
+    assert!(
+        *start < Duration::from_millis(500),
+        "rank 0's start blocked for {start:?} (its peer starts 1.5 s late)"
+    );
+    assert!(!early, "complete before the peer started");
+    assert!(*ok && got[1].2);
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs and NCCL: run with --include-ignored on the GPU machine"]
+fn start_device_dropped_unwaited_still_runs_and_later_calls_match() {
+    require_gpu!();
+    let got = run_ok(2, |comm| {
+        let me = comm.rank();
+        let before = comm.counters();
+        // Dropped at once on rank 0 (the drop waits), waited on rank 1.
+        let req =
+            comm.start_all_reduce_device(dev_buf(comm, vec![1.0f32; 1 << 20])?, ReduceOp::Sum);
+        let waited_on_1 = if me == 0 {
+            drop(req);
+            None
+        } else {
+            Some(waited::<f32>(req)?.iter().all(|&x| x == 2.0))
+        };
+        let after_drop = comm
+            .counters()
+            .since(&before)
+            .calls(CollectiveKind::AllReduce);
+        // Dropped on every rank in the middle of a sequence; later calls still pair up.
+        let a = comm.start_all_gather_device(
+            dev_buf(comm, vec![me as i32; 3])?,
+            zeros_buf::<i32>(comm, 6)?,
+        );
+        drop(comm.start_all_reduce_device(dev_buf(comm, vec![5i64; 7])?, ReduceOp::Max));
+        let mut x = to_dev(comm, vec![1.0f32; 4])?;
+        comm.all_reduce_device(x.view_mut()?, ReduceOp::Sum)?;
+        Ok((
+            waited_on_1,
+            after_drop,
+            waited::<i32>(a)?,
+            to_host::<f32>(&x)?,
+        ))
+    });
+    for (me, (w, after_drop, a, x)) in got.into_iter().enumerate() {
+        if me == 1 {
+            assert_eq!(w, Some(true));
+        }
+        assert_eq!(
+            after_drop, 1,
+            "rank {me}: the dropped request was not complete"
+        );
+        assert_eq!(a, vec![0, 0, 0, 1, 1, 1]);
+        assert_eq!(x, vec![2.0; 4]);
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs and NCCL: run with --include-ignored on the GPU machine"]
+fn start_device_failing_or_late_peer_errs_from_wait_within_the_timeout() {
+    require_gpu!();
+    // A peer that returns: RankFailed from wait.
+    let start = Instant::now();
+    let results = nccl::launch(2, |comm| -> Result<(), BoxError> {
+        if comm.rank() == 1 {
+            return Err("rank 1 gives up".into());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let req = comm.start_all_gather_device(
+            dev_buf(&comm, vec![1.0f32; 4])?,
+            zeros_buf::<f32>(&comm, 8)?,
+        );
+        req.wait()?;
+        Ok(())
+    });
+    assert!(
+        start.elapsed() < Duration::from_secs(60),
+        "{:?}",
+        start.elapsed()
+    );
+    let e0 = results[0].as_ref().unwrap_err().to_string();
+    assert!(
+        e0.contains("rank 1 failed") && e0.contains("rank 1 gives up"),
+        "{e0}"
+    );
+    // A peer that never arrives: Timeout from wait after the 2 s timeout, the start
+    // itself returning at once; a request dropped unwaited then returns too.
+    let options = Options {
+        timeout: Duration::from_secs(2),
+    };
+    let results = nccl::launch_with(
+        2,
+        options,
+        |comm| -> Result<Option<(Duration, Duration, String)>, BoxError> {
+            if comm.rank() == 1 {
+                std::thread::sleep(Duration::from_secs(4));
+                return Ok(None);
+            }
+            let buf = dev_buf(&comm, vec![1.0f32; 4])?;
+            let t0 = Instant::now();
+            let req = comm.start_all_reduce_device(buf, ReduceOp::Sum);
+            let started = t0.elapsed();
+            let dropped =
+                comm.start_all_reduce_device(dev_buf(&comm, vec![1.0f32; 4])?, ReduceOp::Sum);
+            let e = req.wait().unwrap_err().to_string();
+            drop(dropped);
+            Ok(Some((started, t0.elapsed(), e)))
+        },
+    );
+    let (started, waited, e) = results.into_iter().next().unwrap().unwrap().unwrap();
+    assert!(
+        started < Duration::from_millis(500),
+        "start blocked for {started:?}"
+    );
+    assert!(waited < Duration::from_secs(30), "wait took {waited:?}");
+    assert!(e.contains("timed out after"), "{e}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (not NCCL): run with --include-ignored on the GPU machine"]
+fn start_device_on_threads_refused_with_the_blocking_calls_error() {
+    if !cuda::driver_present() || !matches!(cuda::device_count(), Ok(n) if n > 0) {
+        assert!(
+            std::env::var("DTENSOR_GPU_REQUIRED").as_deref() != Ok("1"),
+            "DTENSOR_GPU_REQUIRED=1 but no CUDA device"
+        );
+        eprintln!("SKIPPED (needs a CUDA GPU): no driver or device");
+        return;
+    }
+    let dev = cuda::Device::new(0).unwrap();
+    let results = threads::launch(2, |comm| {
+        let buf = || DeviceBuffer::zeros(&dev, dtensor_kernels::DType::F32, 4).unwrap();
+        let blocking = comm
+            .all_reduce_device(buf().view_mut().unwrap(), ReduceOp::Sum)
+            .unwrap_err();
+        let errs = [
+            comm.start_all_reduce_device(buf(), ReduceOp::Sum).wait(),
+            comm.start_all_gather_device(buf(), buf()).wait(),
+            comm.start_all_gatherv_device(buf(), buf(), &[2, 2]).wait(),
+            comm.start_reduce_scatter_device(buf(), buf(), ReduceOp::Sum)
+                .wait(),
+            comm.start_reduce_scatterv_device(buf(), buf(), &[2, 2], ReduceOp::Sum)
+                .wait(),
+        ]
+        .map(|r| r.unwrap_err());
+        Ok::<_, Error>((blocking, errs))
+    });
+    for r in results {
+        let (blocking, errs) = r.unwrap();
+        assert_eq!(
+            blocking.to_string(),
+            "all_reduce: invalid argument: threads backend: device buffers need the nccl backend"
+        );
+        for (e, op) in errs.iter().zip([
+            "all_reduce",
+            "all_gather",
+            "all_gatherv",
+            "reduce_scatter",
+            "reduce_scatterv",
+        ]) {
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "{op}: invalid argument: threads backend: device buffers need the nccl backend"
+                )
+            );
+        }
     }
 }

@@ -12,8 +12,10 @@
 //! - It is slow by design (two host↔device copies and allocations per buffer per call)
 //!   and its timings mean nothing.
 //! - What it adds itself is only glue: the in-place calls copy the rank's own block into a
-//!   separate device send buffer (NCCL has no in-place variants of the uneven calls), and
-//!   the column-block calls are the trait's defaults over the staged calls. Everything the
+//!   separate device send buffer (NCCL has no in-place variants of the uneven calls), the
+//!   column-block calls are the trait's defaults over the staged calls, and the
+//!   asynchronous `start_*` calls copy their buffers in at start, hand them to the
+//!   backend's `start_*_device`, and copy the result out in `wait`. Everything the
 //!   suite checks about agreement, mismatches, counters and data comes from NCCL and
 //!   `NcclComm`.
 //!
@@ -21,9 +23,13 @@
 
 use super::Need;
 use crate::nccl::NcclComm;
-use crate::{Communicator, CounterSnapshot, Error, ReduceOp, Result, Slice, SliceMut};
+use crate::{
+    Buffer, Communicator, CounterSnapshot, DeviceBuffer, DeviceRequest, Error, Pending, ReduceOp,
+    Request, Result, Slice, SliceMut,
+};
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use dtensor_kernels::cuda::{CudaBuffer, DeviceView, DeviceViewMut};
+use dtensor_kernels::Tensor;
 use half::{bf16, f16};
 use std::sync::Arc;
 
@@ -32,7 +38,9 @@ use std::sync::Arc;
 pub const UNSUPPORTED: &[(Need, &str)] = &[
     (
         Need::Overlap,
-        "no asynchronous progress: the trait's start_* stand-ins run the blocking call at start",
+        "requests progress on the rank's NCCL worker, and send/recv queue on that same \
+         worker behind them: the case's send that lets the peers start would wait for the \
+         request it is meant to unblock",
     ),
     (
         Need::SharedHandle,
@@ -188,6 +196,64 @@ impl Staging {
             )),
             Some(_) => None,
         }
+    }
+}
+
+impl Staging {
+    /// A device copy of a request's host buffer, as the backend's `start_*_device` takes it.
+    fn upload_owned(&self, op: &'static str, host: Buffer) -> Result<DeviceBuffer> {
+        let err = |e| staging_error(op, "host-to-device copy", e);
+        let len = host.len();
+        let t = Tensor::from_cpu_storage(&[len], host.into_storage()).map_err(err)?;
+        let d = t.to_device(self.comm.device()).map_err(err)?;
+        self.stream()
+            .synchronize()
+            .map_err(|e| staging_error(op, "host-to-device copy", e))?;
+        DeviceBuffer::from_tensor(d)
+    }
+
+    /// Stages a request's buffer in and starts the device call with it; the request
+    /// stages its result back when waited for.
+    fn start_staged(
+        &self,
+        op: &'static str,
+        buf: Buffer,
+        start: impl FnOnce(&NcclComm, DeviceBuffer) -> DeviceRequest,
+    ) -> Request {
+        match self.upload_owned(op, buf) {
+            Ok(d) => Request::new(op, Box::new(Unstage(start(&self.comm, d)))),
+            Err(e) => Request::ready(op, Err(e)),
+        }
+    }
+
+    /// [`start_staged`](Self::start_staged) of a call with a send and a recv buffer.
+    fn start_staged2(
+        &self,
+        op: &'static str,
+        send: Buffer,
+        recv: Buffer,
+        start: impl FnOnce(&NcclComm, DeviceBuffer, DeviceBuffer) -> DeviceRequest,
+    ) -> Request {
+        match self.upload_owned(op, send) {
+            Ok(s) => self.start_staged(op, recv, |c, r| start(c, s, r)),
+            Err(e) => Request::ready(op, Err(e)),
+        }
+    }
+}
+
+/// A staged request: the backend's device request, its result copied back to the host
+/// when waited for.
+struct Unstage(DeviceRequest);
+
+impl Pending for Unstage {
+    fn test(&mut self) -> bool {
+        self.0.test()
+    }
+    fn wait(self: Box<Self>) -> Result<Buffer> {
+        let op = self.0.op();
+        let err = |e| staging_error(op, "device-to-host copy", e);
+        let host = self.0.wait()?.into_tensor().to_host().map_err(err)?;
+        Ok(Buffer::from(host.to_storage().map_err(err)?))
     }
 }
 
@@ -391,5 +457,38 @@ impl Communicator for Staging {
     }
     fn set_label(&self, label: &'static str) {
         self.comm.set_label(label);
+    }
+
+    // The asynchronous calls stage their buffers in at start and out at `wait`; in between
+    // the request is the backend's own (`start_*_device`), so the async cases check its
+    // ordering, drop, mixing, counters and errors.
+    fn start_all_reduce(&self, buf: Buffer, op: ReduceOp) -> Request {
+        self.start_staged("all_reduce", buf, |c, b| c.start_all_reduce_device(b, op))
+    }
+    fn start_all_gather(&self, send: Buffer, recv: Buffer) -> Request {
+        self.start_staged2("all_gather", send, recv, |c, s, r| {
+            c.start_all_gather_device(s, r)
+        })
+    }
+    fn start_all_gatherv(&self, send: Buffer, recv: Buffer, counts: &[usize]) -> Request {
+        self.start_staged2("all_gatherv", send, recv, |c, s, r| {
+            c.start_all_gatherv_device(s, r, counts)
+        })
+    }
+    fn start_reduce_scatter(&self, send: Buffer, recv: Buffer, op: ReduceOp) -> Request {
+        self.start_staged2("reduce_scatter", send, recv, |c, s, r| {
+            c.start_reduce_scatter_device(s, r, op)
+        })
+    }
+    fn start_reduce_scatterv(
+        &self,
+        send: Buffer,
+        recv: Buffer,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Request {
+        self.start_staged2("reduce_scatterv", send, recv, |c, s, r| {
+            c.start_reduce_scatterv_device(s, r, counts, op)
+        })
     }
 }

@@ -6,8 +6,8 @@ use super::{Options, MULTI_RANK_GPU_ENV};
 use crate::call::Call;
 use crate::mpi::call::{self as wire, Header, Verdict, HEADER_WORDS};
 use crate::{
-    CollectiveKind, Communicator, CounterSnapshot, Counters, Error, ReduceOp, Result, Slice,
-    SliceMut,
+    CollectiveKind, Communicator, CounterSnapshot, Counters, DeviceBuffer, DeviceRequest, Error,
+    Pending, ReduceOp, Request, Result, Slice, SliceMut,
 };
 use cudarc::driver::{
     CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop, ValidAsZeroBits,
@@ -400,6 +400,15 @@ struct Link {
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
+/// The error of a call whose worker has ended (its answer can never come).
+fn worker_gone(op: &'static str) -> Error {
+    Error::Library {
+        op,
+        backend: BACKEND,
+        detail: "the rank's NCCL worker thread has ended".into(),
+    }
+}
+
 impl Link {
     /// Runs `job` on the worker and returns its answer; `Err` if the worker is gone.
     fn run<R: Send + 'static>(
@@ -407,18 +416,54 @@ impl Link {
         op: &'static str,
         job: impl FnOnce(&mut Worker) -> Result<R> + Send + 'static,
     ) -> Result<R> {
-        let gone = || Error::Library {
-            op,
-            backend: BACKEND,
-            detail: "the rank's NCCL worker thread has ended".into(),
-        };
+        self.submit(job).recv().map_err(|_| worker_gone(op))?
+    }
+
+    /// Queues `job` on the worker (behind every job queued before it) and returns where
+    /// its answer will arrive. If the worker is gone, the job is dropped unrun and the
+    /// receiver reports a disconnected channel.
+    fn submit<R: Send + 'static>(
+        &self,
+        job: impl FnOnce(&mut Worker) -> Result<R> + Send + 'static,
+    ) -> mpsc::Receiver<Result<R>> {
         let (rtx, rrx) = mpsc::channel();
-        let tx = lock(&self.tx).clone().ok_or_else(gone)?;
-        tx.send(Box::new(move |w: &mut Worker| {
-            let _ = rtx.send(job(w));
-        }))
-        .map_err(|_| gone())?;
-        rrx.recv().map_err(|_| gone())?
+        if let Some(tx) = lock(&self.tx).clone() {
+            let _ = tx.send(Box::new(move |w: &mut Worker| {
+                let _ = rtx.send(job(w));
+            }));
+        }
+        rrx
+    }
+}
+
+/// The handle's side of an asynchronous device call: the worker's answer, once it came.
+/// The worker owns the call's buffers until the data phase has finished (or the
+/// communicator was aborted and its stream drained), then sends the result buffer here.
+struct Answer {
+    op: &'static str,
+    rx: mpsc::Receiver<Result<DeviceBuffer>>,
+    got: Option<Result<DeviceBuffer>>,
+}
+
+impl Pending<DeviceBuffer> for Answer {
+    fn test(&mut self) -> bool {
+        if self.got.is_none() {
+            match self.rx.try_recv() {
+                Ok(r) => self.got = Some(r),
+                Err(mpsc::TryRecvError::Empty) => return false,
+                Err(mpsc::TryRecvError::Disconnected) => self.got = Some(Err(worker_gone(self.op))),
+            }
+        }
+        true
+    }
+
+    fn wait(self: Box<Self>) -> Result<DeviceBuffer> {
+        match self.got {
+            Some(r) => r,
+            // Bounded: the worker answers every job within its timeouts (each job queued
+            // before this one too), or ends, which disconnects the channel.
+            None => self.rx.recv().unwrap_or_else(|_| Err(worker_gone(self.op))),
+        }
     }
 }
 
@@ -561,7 +606,7 @@ pub(super) fn spawn(init: Init) -> Result<NcclComm> {
         members: (0..size).collect(),
         device,
         stream,
-        counters: Counters::default(),
+        counters: Arc::default(),
     })
 }
 
@@ -1178,7 +1223,8 @@ pub struct NcclComm {
     members: Vec<usize>,
     device: Device,
     stream: Arc<CudaStream>,
-    counters: Counters,
+    /// Shared with the jobs of asynchronous calls, which count on completion.
+    counters: Arc<Counters>,
 }
 
 impl std::fmt::Debug for NcclComm {
@@ -1252,7 +1298,7 @@ impl NcclComm {
             members,
             device: self.device.clone(),
             stream: self.stream.clone(),
-            counters: Counters::default(),
+            counters: Arc::default(),
         })
     }
 
@@ -1281,6 +1327,83 @@ impl NcclComm {
             self.counters.record(kind, sent * b, received * b);
         }
         Ok(())
+    }
+
+    /// Starts an asynchronous device call: queues on the worker a job that owns `send`
+    /// (if any) and `out`, runs the agreement, enqueues the data phase `plan(send address,
+    /// out address)` on the worker's stream, waits for it there (an event recorded after
+    /// its kernels, bounded by the timeout like a blocking call), counts it, and answers
+    /// with `out`. Returns at once; the request's `wait` takes the answer.
+    ///
+    /// Ordering on the GPU is the blocking calls': the views' cudarc events make the
+    /// worker's stream wait for the buffers' earlier writes (and, for `out`, reads) before
+    /// the agreement and the data phase, and record the NCCL work as the buffers' latest
+    /// use once it has finished. The buffers stay in the job until then: dropping the
+    /// request (which waits) or its handle cannot free memory NCCL still uses, and after a
+    /// failure the worker has aborted the communicator and drained its stream first.
+    fn start_device(
+        &self,
+        call: Call,
+        invalid: Option<String>,
+        send: Option<DeviceBuffer>,
+        mut out: DeviceBuffer,
+        plan: impl FnOnce(Option<u64>, u64) -> Plan + Send + 'static,
+    ) -> DeviceRequest {
+        let op = call.name();
+        // The dtype the blocking call names in its header: send's where there is one.
+        let dtype = send.as_ref().unwrap_or(&out).dtype();
+        let elsewhere = |b: &DeviceBuffer| {
+            unless(b.device() == &self.device, || {
+                format!(
+                    "a buffer on GPU {}, this rank's communicator is on GPU {}",
+                    b.device().ordinal(),
+                    self.device.ordinal()
+                )
+            })
+        };
+        let invalid = invalid
+            .or_else(|| send.as_ref().and_then(elsewhere))
+            .or_else(|| elsewhere(&out));
+        let slot = self.slot;
+        let (me, n) = (self.rank, self.size);
+        let moved = invalid.is_none().then(|| call.elements_moved(me, n));
+        let kind = call.kind();
+        let counters = self.counters.clone();
+        let rx = self
+            .link
+            .submit(move |w: &mut Worker| -> Result<DeviceBuffer> {
+                let stream = w.stream.clone();
+                {
+                    let send_view = send.as_ref().map(DeviceBuffer::view).transpose();
+                    match (send_view, out.view_mut()) {
+                        (Ok(sv), Ok(mut ov)) => {
+                            let s = sv.as_ref().map(|v| addr(v, &stream));
+                            let o = addr_mut(&mut ov, &stream);
+                            let plan = if invalid.is_some() {
+                                Plan::Nothing
+                            } else {
+                                plan(s.as_ref().map(|a| a.0), o.0)
+                            };
+                            w.collective(slot, &call, Some(dtype), invalid, &plan)?;
+                            // `s` and `o` drop here, after the data phase has finished: they
+                            // record it on the buffers' events, as the blocking calls do.
+                        }
+                        // A view that cannot be made (a failed copy on write) is this rank's
+                        // invalid argument: its peers learn of it in the agreement.
+                        (Err(e), _) | (_, Err(e)) => {
+                            let invalid = Some(invalid.unwrap_or_else(|| e.to_string()));
+                            w.collective(slot, &call, Some(dtype), invalid, &Plan::Nothing)?;
+                        }
+                    }
+                }
+                if let Some((sent, received)) = moved {
+                    let b = dtype.size_in_bytes() as u64;
+                    counters.record(kind, sent * b, received * b);
+                }
+                drop(send);
+                Ok(out)
+            });
+        Request::new(op, Box::new(Answer { op, rx, got: None }))
     }
 
     /// Checks `counts` (one per rank, summing to `total`).
@@ -1712,6 +1835,150 @@ impl Communicator for NcclComm {
         let bytes = (len * dtype.size_in_bytes()) as u64;
         self.counters.record(CollectiveKind::Recv, 0, bytes);
         Ok(())
+    }
+
+    fn start_all_reduce_device(&self, buf: DeviceBuffer, op: ReduceOp) -> DeviceRequest {
+        let (len, dtype) = (buf.len(), buf.dtype());
+        let call = Call::AllReduce { len, op };
+        self.start_device(call, None, None, buf, move |_, a| Plan::AllReduce {
+            buf: a,
+            len,
+            dtype,
+            op,
+        })
+    }
+
+    fn start_all_gather_device(&self, send: DeviceBuffer, recv: DeviceBuffer) -> DeviceRequest {
+        let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
+        let invalid = if recv.dtype() != dtype {
+            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
+        } else {
+            unless(s.checked_mul(self.size) == Some(r), || {
+                format!("recv holds {r} elements, not {} x {s}", self.size)
+            })
+        };
+        let call = Call::AllGather { send: s, recv: r };
+        self.start_device(call, invalid, Some(send), recv, move |sa, ra| {
+            Plan::AllGather {
+                send: sa.unwrap_or(0),
+                recv: ra,
+                count: s,
+                dtype,
+            }
+        })
+    }
+
+    fn start_all_gatherv_device(
+        &self,
+        send: DeviceBuffer,
+        recv: DeviceBuffer,
+        counts: &[usize],
+    ) -> DeviceRequest {
+        let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
+        let invalid = if recv.dtype() != dtype {
+            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
+        } else {
+            self.counts_fit(counts, r, "counts").or_else(|| {
+                unless(counts[self.rank] == s, || {
+                    format!(
+                        "send holds {s} elements, counts[{}] is {}",
+                        self.rank, counts[self.rank]
+                    )
+                })
+            })
+        };
+        let call = Call::AllGatherV {
+            send: s,
+            recv: r,
+            counts: counts.to_vec(),
+            rows: 1,
+        };
+        let (counts, n) = (counts.to_vec(), self.size);
+        self.start_device(call, invalid, Some(send), recv, move |sa, ra| {
+            let sa = sa.unwrap_or(0);
+            Plan::Exchange {
+                sends: (0..n).map(|p| (p, sa, s)).collect(),
+                recvs: blocks(&counts)
+                    .into_iter()
+                    .enumerate()
+                    .map(|(p, (off, c))| (p, offset(ra, off, dtype), c))
+                    .collect(),
+                dtype,
+            }
+        })
+    }
+
+    fn start_reduce_scatter_device(
+        &self,
+        send: DeviceBuffer,
+        recv: DeviceBuffer,
+        op: ReduceOp,
+    ) -> DeviceRequest {
+        let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
+        let invalid = if recv.dtype() != dtype {
+            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
+        } else {
+            unless(r.checked_mul(self.size) == Some(s), || {
+                format!("send holds {s} elements, not {} x {r}", self.size)
+            })
+        };
+        let call = Call::ReduceScatter {
+            send: s,
+            recv: r,
+            op,
+        };
+        self.start_device(call, invalid, Some(send), recv, move |sa, ra| {
+            Plan::ReduceScatter {
+                send: sa.unwrap_or(0),
+                recv: ra,
+                count: r,
+                dtype,
+                op,
+            }
+        })
+    }
+
+    fn start_reduce_scatterv_device(
+        &self,
+        send: DeviceBuffer,
+        recv: DeviceBuffer,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> DeviceRequest {
+        let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
+        let invalid = if recv.dtype() != dtype {
+            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
+        } else {
+            self.counts_fit(counts, s, "counts").or_else(|| {
+                unless(counts[self.rank] == r, || {
+                    format!(
+                        "recv holds {r} elements, counts[{}] is {}",
+                        self.rank, counts[self.rank]
+                    )
+                })
+            })
+        };
+        let call = Call::ReduceScatterV {
+            send: s,
+            recv: r,
+            counts: counts.to_vec(),
+            op,
+            rows: 1,
+        };
+        let counts = counts.to_vec();
+        self.start_device(call, invalid, Some(send), recv, move |sa, ra| {
+            let sa = sa.unwrap_or(0);
+            Plan::Reduces {
+                blocks: blocks(&counts)
+                    .into_iter()
+                    .enumerate()
+                    .map(|(p, (off, c))| (p, offset(sa, off, dtype), c))
+                    .collect(),
+                recv: ra,
+                dtype,
+                op,
+            }
+        })
     }
 }
 
