@@ -249,7 +249,7 @@ if command -v python3 >/dev/null 2>&1; then
 else
   skip_step torch_reference "python3 not found on this machine"
 fi
-step nccl 70 "$here/nccl" --include-ignored --test-threads=1 --nocapture \
+step nccl 80 "$here/nccl" --include-ignored --test-threads=1 --nocapture \
   --skip launch_without_libnccl_or_driver_errs_on_every_rank \
   --skip from_host_without_libnccl_or_driver_errs_on_every_rank
 step nccl_conformance 90 "$here/nccl_conformance" --include-ignored --test-threads=1 --nocapture \
