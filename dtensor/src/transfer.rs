@@ -75,7 +75,7 @@ pub fn all_to_all(comm: &dyn Communicator, send: &Tensor, recv: &mut Tensor) -> 
 }
 
 /// Uneven all-to-all of flat blocks (see
-/// [`Communicator::all_to_allv`](dtensor_collectives::Communicator::all_to_allv)).
+/// [`Communicator::all_to_allv`]).
 pub fn all_to_allv(
     comm: &dyn Communicator,
     send: &Tensor,

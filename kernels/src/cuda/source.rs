@@ -287,7 +287,11 @@ mod tests {
             .entries()
             .contains(&"merge_attention_f64".to_string()));
         assert_eq!(MOE.entries().len() + REDUCE_EXT.entries().len(), 3 * 6);
-        assert_eq!(OPTIM.entries().len(), 4, "adamw_step for the four float dtypes");
+        assert_eq!(
+            OPTIM.entries().len(),
+            4,
+            "adamw_step for the four float dtypes"
+        );
         assert_eq!(n, 200 + 36 + 18 + 4, "entries of all modules");
         all.sort();
         all.dedup();
