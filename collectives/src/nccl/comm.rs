@@ -1422,6 +1422,71 @@ impl NcclComm {
             )
         })
     }
+
+    /// Why an all-gather of `send` into `recv` (each `(len, dtype)`) is invalid, if it is: the
+    /// blocking and the asynchronous device calls check alike.
+    fn all_gather_invalid(&self, send: (usize, DType), recv: (usize, DType)) -> Option<String> {
+        let ((s, dtype), (r, recv_dtype)) = (send, recv);
+        if recv_dtype != dtype {
+            return Some(format!("send is {dtype}, recv is {recv_dtype}"));
+        }
+        unless(s.checked_mul(self.size) == Some(r), || {
+            format!("recv holds {r} elements, not {} x {s}", self.size)
+        })
+    }
+
+    /// Why an all-gather-v of `send` into `recv` by `counts` is invalid, if it is.
+    fn all_gatherv_invalid(
+        &self,
+        send: (usize, DType),
+        recv: (usize, DType),
+        counts: &[usize],
+    ) -> Option<String> {
+        let ((s, dtype), (r, recv_dtype)) = (send, recv);
+        if recv_dtype != dtype {
+            return Some(format!("send is {dtype}, recv is {recv_dtype}"));
+        }
+        self.counts_fit(counts, r, "counts").or_else(|| {
+            unless(counts[self.rank] == s, || {
+                format!(
+                    "send holds {s} elements, counts[{}] is {}",
+                    self.rank, counts[self.rank]
+                )
+            })
+        })
+    }
+
+    /// Why a reduce-scatter of `send` into `recv` is invalid, if it is.
+    fn reduce_scatter_invalid(&self, send: (usize, DType), recv: (usize, DType)) -> Option<String> {
+        let ((s, dtype), (r, recv_dtype)) = (send, recv);
+        if recv_dtype != dtype {
+            return Some(format!("send is {dtype}, recv is {recv_dtype}"));
+        }
+        unless(r.checked_mul(self.size) == Some(s), || {
+            format!("send holds {s} elements, not {} x {r}", self.size)
+        })
+    }
+
+    /// Why a reduce-scatter-v of `send` into `recv` by `counts` is invalid, if it is.
+    fn reduce_scatterv_invalid(
+        &self,
+        send: (usize, DType),
+        recv: (usize, DType),
+        counts: &[usize],
+    ) -> Option<String> {
+        let ((s, dtype), (r, recv_dtype)) = (send, recv);
+        if recv_dtype != dtype {
+            return Some(format!("send is {dtype}, recv is {recv_dtype}"));
+        }
+        self.counts_fit(counts, s, "counts").or_else(|| {
+            unless(counts[self.rank] == r, || {
+                format!(
+                    "recv holds {r} elements, counts[{}] is {}",
+                    self.rank, counts[self.rank]
+                )
+            })
+        })
+    }
 }
 
 /// `(offset, count)` of each block of `counts`.
@@ -1569,13 +1634,7 @@ impl Communicator for NcclComm {
 
     fn all_gather_device(&self, send: DeviceView<'_>, mut recv: DeviceViewMut<'_>) -> Result<()> {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = if recv.dtype() != dtype {
-            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
-        } else {
-            unless(s.checked_mul(self.size) == Some(r), || {
-                format!("recv holds {r} elements, not {} x {s}", self.size)
-            })
-        };
+        let invalid = self.all_gather_invalid((s, dtype), (r, recv.dtype()));
         let (sa, _gs) = addr(&send, &self.stream);
         let (ra, _gr) = addr_mut(&mut recv, &self.stream);
         let plan = Plan::AllGather {
@@ -1595,18 +1654,7 @@ impl Communicator for NcclComm {
         counts: &[usize],
     ) -> Result<()> {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = if recv.dtype() != dtype {
-            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
-        } else {
-            self.counts_fit(counts, r, "counts").or_else(|| {
-                unless(counts[self.rank] == s, || {
-                    format!(
-                        "send holds {s} elements, counts[{}] is {}",
-                        self.rank, counts[self.rank]
-                    )
-                })
-            })
-        };
+        let invalid = self.all_gatherv_invalid((s, dtype), (r, recv.dtype()), counts);
         let (sa, _gs) = addr(&send, &self.stream);
         let (ra, _gr) = addr_mut(&mut recv, &self.stream);
         let plan = if invalid.is_some() {
@@ -1638,13 +1686,7 @@ impl Communicator for NcclComm {
         op: ReduceOp,
     ) -> Result<()> {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = if recv.dtype() != dtype {
-            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
-        } else {
-            unless(r.checked_mul(self.size) == Some(s), || {
-                format!("send holds {s} elements, not {} x {r}", self.size)
-            })
-        };
+        let invalid = self.reduce_scatter_invalid((s, dtype), (r, recv.dtype()));
         let (sa, _gs) = addr(&send, &self.stream);
         let (ra, _gr) = addr_mut(&mut recv, &self.stream);
         let plan = Plan::ReduceScatter {
@@ -1670,18 +1712,7 @@ impl Communicator for NcclComm {
         op: ReduceOp,
     ) -> Result<()> {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = if recv.dtype() != dtype {
-            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
-        } else {
-            self.counts_fit(counts, s, "counts").or_else(|| {
-                unless(counts[self.rank] == r, || {
-                    format!(
-                        "recv holds {r} elements, counts[{}] is {}",
-                        self.rank, counts[self.rank]
-                    )
-                })
-            })
-        };
+        let invalid = self.reduce_scatterv_invalid((s, dtype), (r, recv.dtype()), counts);
         let (sa, _gs) = addr(&send, &self.stream);
         let (ra, _gr) = addr_mut(&mut recv, &self.stream);
         let plan = if invalid.is_some() {
@@ -1853,13 +1884,7 @@ impl Communicator for NcclComm {
 
     fn start_all_gather_device(&self, send: DeviceBuffer, recv: DeviceBuffer) -> DeviceRequest {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = if recv.dtype() != dtype {
-            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
-        } else {
-            unless(s.checked_mul(self.size) == Some(r), || {
-                format!("recv holds {r} elements, not {} x {s}", self.size)
-            })
-        };
+        let invalid = self.all_gather_invalid((s, dtype), (r, recv.dtype()));
         let call = Call::AllGather { send: s, recv: r };
         self.start_device(call, invalid, Some(send), recv, move |sa, ra| {
             Plan::AllGather {
@@ -1878,18 +1903,7 @@ impl Communicator for NcclComm {
         counts: &[usize],
     ) -> DeviceRequest {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = if recv.dtype() != dtype {
-            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
-        } else {
-            self.counts_fit(counts, r, "counts").or_else(|| {
-                unless(counts[self.rank] == s, || {
-                    format!(
-                        "send holds {s} elements, counts[{}] is {}",
-                        self.rank, counts[self.rank]
-                    )
-                })
-            })
-        };
+        let invalid = self.all_gatherv_invalid((s, dtype), (r, recv.dtype()), counts);
         let call = Call::AllGatherV {
             send: s,
             recv: r,
@@ -1918,13 +1932,7 @@ impl Communicator for NcclComm {
         op: ReduceOp,
     ) -> DeviceRequest {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = if recv.dtype() != dtype {
-            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
-        } else {
-            unless(r.checked_mul(self.size) == Some(s), || {
-                format!("send holds {s} elements, not {} x {r}", self.size)
-            })
-        };
+        let invalid = self.reduce_scatter_invalid((s, dtype), (r, recv.dtype()));
         let call = Call::ReduceScatter {
             send: s,
             recv: r,
@@ -1949,18 +1957,7 @@ impl Communicator for NcclComm {
         op: ReduceOp,
     ) -> DeviceRequest {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = if recv.dtype() != dtype {
-            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
-        } else {
-            self.counts_fit(counts, s, "counts").or_else(|| {
-                unless(counts[self.rank] == r, || {
-                    format!(
-                        "recv holds {r} elements, counts[{}] is {}",
-                        self.rank, counts[self.rank]
-                    )
-                })
-            })
-        };
+        let invalid = self.reduce_scatterv_invalid((s, dtype), (r, recv.dtype()), counts);
         let call = Call::ReduceScatterV {
             send: s,
             recv: r,
