@@ -31,7 +31,7 @@
 use super::source::{self, entry, KernelModule};
 use super::tensor::CudaBuffer;
 use super::{driver_err, CudaTensor, Device};
-use crate::ops::attention::{check_qkv, Dims};
+use crate::ops::attention::{check_qkv, Dims, Rope};
 use crate::ops::embedding::{dy_hidden, out_shape, read_ids, table_dims};
 use crate::ops::norm::{check_stat, norm_rows};
 use crate::ops::reduction::{check_index_range, check_indices, max_split, removed, split_at};
@@ -1308,30 +1308,17 @@ fn attn_dims(op: &'static str, qkv: &CudaTensor, cfg: &CausalAttention) -> Resul
     Ok(g)
 }
 
-/// RoPE's cos/sin tables `[s, d/2]` for positions `pos_offset + i`, computed in f64 as the
-/// CPU's `Rope::for_positions` does and rounded once into the compute type.
-fn rope_tables(
-    cfg: &CausalAttention,
+/// RoPE's cos/sin tables `[positions, d/2]`: the CPU's (`Rope::for_positions`, in f64),
+/// rounded once into the compute type and uploaded.
+pub(super) fn rope_tables(
+    positions: impl ExactSizeIterator<Item = usize>,
+    d: usize,
+    base: f64,
     dtype: DType,
     dev: &Device,
 ) -> Result<(CudaTensor, CudaTensor)> {
-    let (d, half) = (cfg.head_dim, cfg.head_dim / 2);
-    let freq: Vec<f64> = (0..half)
-        .map(|p| cfg.rope_base.powf(2.0 * p as f64 / d as f64))
-        .collect();
-    let (mut cos, mut sin) = (
-        Vec::with_capacity(cfg.seq_len * half),
-        Vec::with_capacity(cfg.seq_len * half),
-    );
-    for i in 0..cfg.seq_len {
-        let pos = (cfg.pos_offset + i) as f64;
-        for f in &freq {
-            let (sn, cs) = (pos / f).sin_cos();
-            cos.push(cs);
-            sin.push(sn);
-        }
-    }
-    let shape = [cfg.seq_len, half];
+    let shape = [positions.len(), d / 2];
+    let (cos, sin) = Rope::<f64>::for_positions(positions, d, base).into_tables();
     let ad = acc_dtype(dtype);
     let to = |v: Vec<f64>| -> Result<CudaTensor> {
         let t = Tensor::from_vec(v, &shape)?;
@@ -1339,6 +1326,12 @@ fn rope_tables(
         t.upload(dev)
     };
     Ok((to(cos)?, to(sin)?))
+}
+
+/// The tables for `cfg`'s rows, at positions `pos_offset + i`.
+fn rope_for(cfg: &CausalAttention, dtype: DType, dev: &Device) -> Result<(CudaTensor, CudaTensor)> {
+    let positions = (0..cfg.seq_len).map(|i| cfg.pos_offset + i);
+    rope_tables(positions, cfg.head_dim, cfg.rope_base, dtype, dev)
 }
 
 /// q (rotated, scaled by 1/√d), k (rotated), v, each `[H, B, s, d]` in the compute type.
@@ -1375,7 +1368,7 @@ pub fn causal_attention(qkv: &CudaTensor, cfg: &CausalAttention) -> Result<CudaA
     if g.tokens * g.heads == 0 {
         return Ok(CudaAttentionOutput { out, lse });
     }
-    let (cs, sn) = rope_tables(cfg, qkv.dtype(), dev)?;
+    let (cs, sn) = rope_for(cfg, qkv.dtype(), dev)?;
     let [q, k, v] = attn_load(OP, qkv, &g, &cs, &sn)?;
     let smem = (g.s * ad.size_in_bytes()) as u32;
     let f = func(dev, &source::ATTENTION, "attn_forward", qkv.dtype())?;
@@ -1437,7 +1430,7 @@ pub fn causal_attention_backward(
     if g.tokens * g.heads == 0 {
         return Ok(dqkv);
     }
-    let (cs, sn) = rope_tables(cfg, qkv.dtype(), dev)?;
+    let (cs, sn) = rope_for(cfg, qkv.dtype(), dev)?;
     let [q, k, v] = attn_load(OP, qkv, &g, &cs, &sn)?;
     let mut dsum = CudaTensor::uninit(dev, &[g.heads, g.batch, g.s], ad)?;
     let rows = g.heads * g.batch * g.s;
