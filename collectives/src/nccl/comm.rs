@@ -1423,65 +1423,42 @@ impl NcclComm {
         })
     }
 
-    /// Why an all-gather of `send` into `recv` (each `(len, dtype)`) is invalid, if it is: the
-    /// blocking and the asynchronous device calls check alike.
-    fn all_gather_invalid(&self, send: (usize, DType), recv: (usize, DType)) -> Option<String> {
-        let ((s, dtype), (r, recv_dtype)) = (send, recv);
-        if recv_dtype != dtype {
-            return Some(format!("send is {dtype}, recv is {recv_dtype}"));
+    /// Why an even collective is invalid, if it is: `whole` (name, length) must hold `size`
+    /// blocks of `part` elements (all-gather: recv of send; reduce-scatter: send of recv), in
+    /// one dtype. The blocking and the asynchronous device calls check alike.
+    fn even_invalid(
+        &self,
+        dtypes: (DType, DType),
+        whole: (&str, usize),
+        part: usize,
+    ) -> Option<String> {
+        let ((send_dtype, recv_dtype), (name, w)) = (dtypes, whole);
+        if recv_dtype != send_dtype {
+            return Some(format!("send is {send_dtype}, recv is {recv_dtype}"));
         }
-        unless(s.checked_mul(self.size) == Some(r), || {
-            format!("recv holds {r} elements, not {} x {s}", self.size)
+        unless(part.checked_mul(self.size) == Some(w), || {
+            format!("{name} holds {w} elements, not {} x {part}", self.size)
         })
     }
 
-    /// Why an all-gather-v of `send` into `recv` by `counts` is invalid, if it is.
-    fn all_gatherv_invalid(
+    /// Why an uneven collective is invalid, if it is: `counts` must split the `whole` buffer
+    /// and give this rank's block the length of `own` (name, length; all-gather-v: send,
+    /// reduce-scatter-v: recv), in one dtype.
+    fn uneven_invalid(
         &self,
-        send: (usize, DType),
-        recv: (usize, DType),
+        dtypes: (DType, DType),
+        whole: usize,
+        own: (&str, usize),
         counts: &[usize],
     ) -> Option<String> {
-        let ((s, dtype), (r, recv_dtype)) = (send, recv);
-        if recv_dtype != dtype {
-            return Some(format!("send is {dtype}, recv is {recv_dtype}"));
+        let ((send_dtype, recv_dtype), (name, o)) = (dtypes, own);
+        if recv_dtype != send_dtype {
+            return Some(format!("send is {send_dtype}, recv is {recv_dtype}"));
         }
-        self.counts_fit(counts, r, "counts").or_else(|| {
-            unless(counts[self.rank] == s, || {
+        self.counts_fit(counts, whole, "counts").or_else(|| {
+            unless(counts[self.rank] == o, || {
                 format!(
-                    "send holds {s} elements, counts[{}] is {}",
-                    self.rank, counts[self.rank]
-                )
-            })
-        })
-    }
-
-    /// Why a reduce-scatter of `send` into `recv` is invalid, if it is.
-    fn reduce_scatter_invalid(&self, send: (usize, DType), recv: (usize, DType)) -> Option<String> {
-        let ((s, dtype), (r, recv_dtype)) = (send, recv);
-        if recv_dtype != dtype {
-            return Some(format!("send is {dtype}, recv is {recv_dtype}"));
-        }
-        unless(r.checked_mul(self.size) == Some(s), || {
-            format!("send holds {s} elements, not {} x {r}", self.size)
-        })
-    }
-
-    /// Why a reduce-scatter-v of `send` into `recv` by `counts` is invalid, if it is.
-    fn reduce_scatterv_invalid(
-        &self,
-        send: (usize, DType),
-        recv: (usize, DType),
-        counts: &[usize],
-    ) -> Option<String> {
-        let ((s, dtype), (r, recv_dtype)) = (send, recv);
-        if recv_dtype != dtype {
-            return Some(format!("send is {dtype}, recv is {recv_dtype}"));
-        }
-        self.counts_fit(counts, s, "counts").or_else(|| {
-            unless(counts[self.rank] == r, || {
-                format!(
-                    "recv holds {r} elements, counts[{}] is {}",
+                    "{name} holds {o} elements, counts[{}] is {}",
                     self.rank, counts[self.rank]
                 )
             })
@@ -1634,7 +1611,7 @@ impl Communicator for NcclComm {
 
     fn all_gather_device(&self, send: DeviceView<'_>, mut recv: DeviceViewMut<'_>) -> Result<()> {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = self.all_gather_invalid((s, dtype), (r, recv.dtype()));
+        let invalid = self.even_invalid((dtype, recv.dtype()), ("recv", r), s);
         let (sa, _gs) = addr(&send, &self.stream);
         let (ra, _gr) = addr_mut(&mut recv, &self.stream);
         let plan = Plan::AllGather {
@@ -1654,7 +1631,7 @@ impl Communicator for NcclComm {
         counts: &[usize],
     ) -> Result<()> {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = self.all_gatherv_invalid((s, dtype), (r, recv.dtype()), counts);
+        let invalid = self.uneven_invalid((dtype, recv.dtype()), r, ("send", s), counts);
         let (sa, _gs) = addr(&send, &self.stream);
         let (ra, _gr) = addr_mut(&mut recv, &self.stream);
         let plan = if invalid.is_some() {
@@ -1686,7 +1663,7 @@ impl Communicator for NcclComm {
         op: ReduceOp,
     ) -> Result<()> {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = self.reduce_scatter_invalid((s, dtype), (r, recv.dtype()));
+        let invalid = self.even_invalid((dtype, recv.dtype()), ("send", s), r);
         let (sa, _gs) = addr(&send, &self.stream);
         let (ra, _gr) = addr_mut(&mut recv, &self.stream);
         let plan = Plan::ReduceScatter {
@@ -1712,7 +1689,7 @@ impl Communicator for NcclComm {
         op: ReduceOp,
     ) -> Result<()> {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = self.reduce_scatterv_invalid((s, dtype), (r, recv.dtype()), counts);
+        let invalid = self.uneven_invalid((dtype, recv.dtype()), s, ("recv", r), counts);
         let (sa, _gs) = addr(&send, &self.stream);
         let (ra, _gr) = addr_mut(&mut recv, &self.stream);
         let plan = if invalid.is_some() {
@@ -1884,7 +1861,7 @@ impl Communicator for NcclComm {
 
     fn start_all_gather_device(&self, send: DeviceBuffer, recv: DeviceBuffer) -> DeviceRequest {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = self.all_gather_invalid((s, dtype), (r, recv.dtype()));
+        let invalid = self.even_invalid((dtype, recv.dtype()), ("recv", r), s);
         let call = Call::AllGather { send: s, recv: r };
         self.start_device(call, invalid, Some(send), recv, move |sa, ra| {
             Plan::AllGather {
@@ -1903,7 +1880,7 @@ impl Communicator for NcclComm {
         counts: &[usize],
     ) -> DeviceRequest {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = self.all_gatherv_invalid((s, dtype), (r, recv.dtype()), counts);
+        let invalid = self.uneven_invalid((dtype, recv.dtype()), r, ("send", s), counts);
         let call = Call::AllGatherV {
             send: s,
             recv: r,
@@ -1932,7 +1909,7 @@ impl Communicator for NcclComm {
         op: ReduceOp,
     ) -> DeviceRequest {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = self.reduce_scatter_invalid((s, dtype), (r, recv.dtype()));
+        let invalid = self.even_invalid((dtype, recv.dtype()), ("send", s), r);
         let call = Call::ReduceScatter {
             send: s,
             recv: r,
@@ -1957,7 +1934,7 @@ impl Communicator for NcclComm {
         op: ReduceOp,
     ) -> DeviceRequest {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = self.reduce_scatterv_invalid((s, dtype), (r, recv.dtype()), counts);
+        let invalid = self.uneven_invalid((dtype, recv.dtype()), s, ("recv", r), counts);
         let call = Call::ReduceScatterV {
             send: s,
             recv: r,
