@@ -20,7 +20,7 @@ use super::ops::{
 use super::source;
 use super::tensor::CudaBuffer;
 use super::{CudaTensor, Device};
-use crate::ops::attention_block::{check_block, check_merge, Dims};
+use crate::ops::attention_block::{check_block, check_fuse_qkv_grad, check_merge, Dims};
 use crate::ops::moe::{check_grouped, check_scatter_add};
 use crate::ops::Transpose;
 use crate::ops::{acc_dtype, check_dst, not_float, same_dtype, want_float, BlockAttention};
@@ -251,19 +251,7 @@ pub fn fuse_qkv_grad(
 ) -> Result<CudaTensor> {
     const OP: &str = "cuda::ops::fuse_qkv_grad";
     let d = head_dim;
-    let acc = acc_dtype(dtype);
-    let (rows, qc) = match dq.shape() {
-        &[r, c] if d > 0 && c % d == 0 => (r, c),
-        s => {
-            return Err(Error::Invalid {
-                op: OP,
-                detail: format!("dq of shape {s:?} is not [tokens, heads·{d}]"),
-            })
-        }
-    };
-    let heads = qc / d;
-    check_dst(OP, dq, &[rows, heads * d], acc)?;
-    check_dst(OP, dkv, &[rows, heads * 2 * d], acc)?;
+    let (rows, heads) = check_fuse_qkv_grad(OP, dq, dkv, d, dtype)?;
     if !dtype.is_float() {
         return Err(not_float(OP, dtype));
     }

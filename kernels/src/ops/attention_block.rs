@@ -491,25 +491,39 @@ fn block_backward<T: Float<Acc: ExpShifted>>(
     }
 }
 
+/// `(rows, heads)` of a QKV gradient fused from `dq` and `dkv`, or the error for parts that
+/// are not `[tokens, H·d]` and `[tokens, H·2·d]` in `dtype`'s compute dtype: the CPU op and
+/// its device twin check alike.
+pub(crate) fn check_fuse_qkv_grad<L: Layout + ?Sized>(
+    op: &'static str,
+    dq: &L,
+    dkv: &L,
+    d: usize,
+    dtype: DType,
+) -> Result<(usize, usize)> {
+    let acc = acc_dtype(dtype);
+    let (rows, qc) = match *dq.shape() {
+        [r, c] if d > 0 && c % d == 0 => (r, c),
+        ref s => {
+            return Err(Error::Invalid {
+                op,
+                detail: format!("dq of shape {s:?} is not [tokens, heads·{d}]"),
+            })
+        }
+    };
+    let heads = qc / d;
+    check_dst(op, dq, &[rows, heads * d], acc)?;
+    check_dst(op, dkv, &[rows, heads * 2 * d], acc)?;
+    Ok((rows, heads))
+}
+
 /// The fused `[tokens, H·3·d]` gradient of a QKV from its parts: `dq` (`[tokens, H·d]`)
 /// and `dkv` (`[tokens, H·2·d]`, packed as [`pack_kv`]), both in the compute dtype,
 /// rounded once into `dtype`.
 pub fn fuse_qkv_grad(dq: &Tensor, dkv: &Tensor, head_dim: usize, dtype: DType) -> Result<Tensor> {
     dispatch!(OP_FUSE, [dq, dkv] => crate::cuda::model_ops::fuse_qkv_grad(&dq, &dkv, head_dim, dtype));
     let d = head_dim;
-    let acc = acc_dtype(dtype);
-    let (rows, qc) = match dq.shape() {
-        &[r, c] if d > 0 && c % d == 0 => (r, c),
-        s => {
-            return Err(Error::Invalid {
-                op: OP_FUSE,
-                detail: format!("dq of shape {s:?} is not [tokens, heads·{d}]"),
-            })
-        }
-    };
-    let heads = qc / d;
-    check_dst(OP_FUSE, dq, &[rows, heads * d], acc)?;
-    check_dst(OP_FUSE, dkv, &[rows, heads * 2 * d], acc)?;
+    let (rows, heads) = check_fuse_qkv_grad(OP_FUSE, dq, dkv, d, dtype)?;
     let mut dqkv = Tensor::for_overwrite(&[rows, heads * 3 * d], dtype);
     dispatch_float!(OP_FUSE, dtype, |T| {
         let (q, kv) = (
