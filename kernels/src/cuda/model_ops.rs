@@ -14,8 +14,8 @@
 //! `i64`; every launch size comes from the checked shapes.
 
 use super::ops::{
-    arg, arg_mut, copy_blocks, func, grid_for, kernel_arg, launch, launch_kernel, per_row,
-    rope_tables, same_device, same_layout, u, Acc, CudaAttentionOutput, SHARED_BUDGET,
+    arg, arg_mut, copy_blocks, func, gemm_ops, grid_for, kernel_arg, launch, launch_kernel,
+    per_row, rope_tables, same_device, same_layout, u, Acc, CudaAttentionOutput, SHARED_BUDGET,
 };
 use super::source;
 use super::tensor::CudaBuffer;
@@ -378,7 +378,7 @@ fn gemm_rows(
     (m, n, k): (usize, usize, usize),
 ) -> Result<()> {
     use cudarc::cublas::result;
-    use cudarc::cublas::sys::{self, cublasOperation_t as Op};
+    use cudarc::cublas::sys;
     use cudarc::driver::{DevicePtr, DevicePtrMut};
     debug_assert!(a_off + m * k <= a.numel() && b_off + k * n <= b.numel());
     debug_assert!(c_off + m * n <= c.numel());
@@ -386,14 +386,7 @@ fn gemm_rows(
     let dev = a.device().clone();
     let blas = dev.blas()?.clone();
     let stream = dev.stream().clone(); // the stream Device::blas bound cuBLAS to
-    let (transa, lda) = match tb {
-        Transpose::No => (Op::CUBLAS_OP_N, n),
-        Transpose::Yes => (Op::CUBLAS_OP_T, k),
-    };
-    let (transb, ldb) = match ta {
-        Transpose::No => (Op::CUBLAS_OP_N, k),
-        Transpose::Yes => (Op::CUBLAS_OP_T, m),
-    };
+    let ((transa, lda), (transb, ldb)) = gemm_ops(ta, tb, (m, n, k));
     let err = |e: result::CublasError| Error::Cuda {
         op,
         detail: e.to_string(),

@@ -1564,6 +1564,30 @@ pub fn matmul_into(
     matmul_planned(dst, a, ta, b, tb, accum, &plan)
 }
 
+/// cuBLAS's operations and leading dimensions for the row-major `C[m, n] = op(A)[m, k] ·
+/// op(B)[k, n]`, computed column-major as `C'[n, m] = op'(B)[n, k] · op'(A)[k, m]`:
+/// `((transa, lda), (transb, ldb))`, cuBLAS's first operand being `B`.
+pub(super) fn gemm_ops<I: Copy>(
+    ta: crate::ops::Transpose,
+    tb: crate::ops::Transpose,
+    (m, n, k): (I, I, I),
+) -> (
+    (cudarc::cublas::sys::cublasOperation_t, I),
+    (cudarc::cublas::sys::cublasOperation_t, I),
+) {
+    use crate::ops::Transpose;
+    use cudarc::cublas::sys::cublasOperation_t as Op;
+    let a = match tb {
+        Transpose::No => (Op::CUBLAS_OP_N, n),
+        Transpose::Yes => (Op::CUBLAS_OP_T, k),
+    };
+    let b = match ta {
+        Transpose::No => (Op::CUBLAS_OP_N, k),
+        Transpose::Yes => (Op::CUBLAS_OP_T, m),
+    };
+    (a, b)
+}
+
 fn matmul_planned(
     dst: &mut CudaTensor,
     a: &CudaTensor,
@@ -1573,8 +1597,6 @@ fn matmul_planned(
     accum: Accum,
     p: &GemmPlan,
 ) -> Result<()> {
-    use crate::ops::Transpose;
-    use cudarc::cublas::sys::cublasOperation_t as Op;
     use cudarc::cublas::{Gemm, GemmConfig, StridedBatchedConfig};
     const OP: &str = "cuda::ops::matmul";
     if p.batch * p.m * p.n == 0 {
@@ -1590,14 +1612,7 @@ fn matmul_planned(
     let blas = a.device().blas()?.clone();
     let (m, n, k) = (p.m as i32, p.n as i32, p.k as i32);
     // Column-major: C'[n, m] = op'(B)[n, k] · op'(A)[k, m], B' = b, A' = a as stored.
-    let (transa, lda) = match tb {
-        Transpose::No => (Op::CUBLAS_OP_N, n),
-        Transpose::Yes => (Op::CUBLAS_OP_T, k),
-    };
-    let (transb, ldb) = match ta {
-        Transpose::No => (Op::CUBLAS_OP_N, k),
-        Transpose::Yes => (Op::CUBLAS_OP_T, m),
-    };
+    let ((transa, lda), (transb, ldb)) = gemm_ops(ta, tb, (m, n, k));
     let beta = if accum == Accum::Add { 1.0 } else { 0.0 };
     let (batch, stride_a, stride_b, stride_c) = (
         p.batch as i32,
