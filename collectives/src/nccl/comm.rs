@@ -1466,6 +1466,50 @@ impl NcclComm {
     }
 }
 
+/// An all-gather-v as grouped sends and receives (the blocking and the asynchronous call
+/// alike): this rank's `send` (address, length) to each of `n` ranks, rank `p`'s block into
+/// `recv` after the blocks of `counts` before it.
+fn all_gatherv_plan(
+    n: usize,
+    send: (u64, usize),
+    recv: u64,
+    counts: &[usize],
+    dtype: DType,
+) -> Plan {
+    let (sa, s) = send;
+    Plan::Exchange {
+        sends: (0..n).map(|p| (p, sa, s)).collect(),
+        recvs: blocks(counts)
+            .into_iter()
+            .enumerate()
+            .map(|(p, (off, c))| (p, offset(recv, off, dtype), c))
+            .collect(),
+        dtype,
+    }
+}
+
+/// A reduce-scatter-v as one reduce per rank (the blocking and the asynchronous call alike):
+/// rank `p`'s block of `send`, after the blocks of `counts` before it, reduced into `recv`
+/// on rank `p`.
+fn reduce_scatterv_plan(
+    send: u64,
+    recv: u64,
+    counts: &[usize],
+    dtype: DType,
+    op: ReduceOp,
+) -> Plan {
+    Plan::Reduces {
+        blocks: blocks(counts)
+            .into_iter()
+            .enumerate()
+            .map(|(p, (off, c))| (p, offset(send, off, dtype), c))
+            .collect(),
+        recv,
+        dtype,
+        op,
+    }
+}
+
 /// `(offset, count)` of each block of `counts`.
 fn blocks(counts: &[usize]) -> Vec<(usize, usize)> {
     let mut off = 0;
@@ -1637,15 +1681,7 @@ impl Communicator for NcclComm {
         let plan = if invalid.is_some() {
             Plan::Nothing
         } else {
-            Plan::Exchange {
-                sends: (0..self.size).map(|p| (p, sa, s)).collect(),
-                recvs: blocks(counts)
-                    .into_iter()
-                    .enumerate()
-                    .map(|(p, (off, c))| (p, offset(ra, off, dtype), c))
-                    .collect(),
-                dtype,
-            }
+            all_gatherv_plan(self.size, (sa, s), ra, counts, dtype)
         };
         let call = Call::AllGatherV {
             send: s,
@@ -1695,16 +1731,7 @@ impl Communicator for NcclComm {
         let plan = if invalid.is_some() {
             Plan::Nothing
         } else {
-            Plan::Reduces {
-                blocks: blocks(counts)
-                    .into_iter()
-                    .enumerate()
-                    .map(|(p, (off, c))| (p, offset(sa, off, dtype), c))
-                    .collect(),
-                recv: ra,
-                dtype,
-                op,
-            }
+            reduce_scatterv_plan(sa, ra, counts, dtype, op)
         };
         let call = Call::ReduceScatterV {
             send: s,
@@ -1889,16 +1916,7 @@ impl Communicator for NcclComm {
         };
         let (counts, n) = (counts.to_vec(), self.size);
         self.start_device(call, invalid, Some(send), recv, move |sa, ra| {
-            let sa = sa.unwrap_or(0);
-            Plan::Exchange {
-                sends: (0..n).map(|p| (p, sa, s)).collect(),
-                recvs: blocks(&counts)
-                    .into_iter()
-                    .enumerate()
-                    .map(|(p, (off, c))| (p, offset(ra, off, dtype), c))
-                    .collect(),
-                dtype,
-            }
+            all_gatherv_plan(n, (sa.unwrap_or(0), s), ra, &counts, dtype)
         })
     }
 
@@ -1944,17 +1962,7 @@ impl Communicator for NcclComm {
         };
         let counts = counts.to_vec();
         self.start_device(call, invalid, Some(send), recv, move |sa, ra| {
-            let sa = sa.unwrap_or(0);
-            Plan::Reduces {
-                blocks: blocks(&counts)
-                    .into_iter()
-                    .enumerate()
-                    .map(|(p, (off, c))| (p, offset(sa, off, dtype), c))
-                    .collect(),
-                recv: ra,
-                dtype,
-                op,
-            }
+            reduce_scatterv_plan(sa.unwrap_or(0), ra, &counts, dtype, op)
         })
     }
 }
