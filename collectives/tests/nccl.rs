@@ -20,32 +20,17 @@ use dtensor_kernels::half::{bf16, f16};
 use dtensor_kernels::{StorageElement, Tensor};
 use std::time::{Duration, Instant};
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+mod common;
+use common::{gpu_missing, gpu_required};
 
-/// Why the GPU tests cannot run here, if they cannot.
-fn gpu_missing() -> Option<String> {
-    if let Err(e) = nccl::require_library() {
-        return Some(e.to_string());
-    }
-    if !cuda::driver_present() {
-        return Some("libcuda.so.1 not found".into());
-    }
-    match cuda::device_count() {
-        Ok(0) => Some("the driver reports 0 devices".into()),
-        Ok(_) => None,
-        Err(e) => Some(e.to_string()),
-    }
-}
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Returns from the test with `SKIPPED: <why>` when there is no GPU or no libnccl; fails
 /// instead when `DTENSOR_GPU_REQUIRED=1` (so a GPU run cannot pass by skipping).
 macro_rules! require_gpu {
     () => {
         if let Some(why) = gpu_missing() {
-            assert!(
-                std::env::var("DTENSOR_GPU_REQUIRED").as_deref() != Ok("1"),
-                "DTENSOR_GPU_REQUIRED=1 but {why}"
-            );
+            assert!(!gpu_required(), "DTENSOR_GPU_REQUIRED=1 but {why}");
             eprintln!("SKIPPED (needs CUDA GPUs and NCCL): {why}");
             return;
         }
@@ -468,15 +453,23 @@ fn all_reduce_device_length_mismatch_every_rank_errs_group_stays_usable() {
 #[ignore = "needs CUDA GPUs and NCCL: run with --include-ignored on the GPU machine"]
 fn failing_rank_gives_peer_rank_failed_quickly() {
     require_gpu!();
+    assert_failing_peer_reported_quickly(|comm| {
+        let mut x = zeros_dev::<f32>(comm, 4)?;
+        comm.all_reduce_device(x.view_mut()?, ReduceOp::Sum)?;
+        Ok(())
+    });
+}
+
+/// Rank 1 returns an error at once; rank 0, 200 ms later, runs `op`, which must fail well
+/// within the timeout with an error naming rank 1 and its reason.
+fn assert_failing_peer_reported_quickly(op: impl Fn(&NcclComm) -> Result<(), BoxError> + Sync) {
     let start = Instant::now();
     let results = nccl::launch(2, |comm| -> Result<(), BoxError> {
         if comm.rank() == 1 {
             return Err("rank 1 gives up".into());
         }
         std::thread::sleep(Duration::from_millis(200));
-        let mut x = zeros_dev::<f32>(&comm, 4)?;
-        comm.all_reduce_device(x.view_mut()?, ReduceOp::Sum)?;
-        Ok(())
+        op(&comm)
     });
     assert!(
         start.elapsed() < Duration::from_secs(60),
@@ -739,29 +732,12 @@ fn start_device_dropped_unwaited_still_runs_and_later_calls_match() {
 fn start_device_failing_or_late_peer_errs_from_wait_within_the_timeout() {
     require_gpu!();
     // A peer that returns: RankFailed from wait.
-    let start = Instant::now();
-    let results = nccl::launch(2, |comm| -> Result<(), BoxError> {
-        if comm.rank() == 1 {
-            return Err("rank 1 gives up".into());
-        }
-        std::thread::sleep(Duration::from_millis(200));
-        let req = comm.start_all_gather_device(
-            dev_buf(&comm, vec![1.0f32; 4])?,
-            zeros_buf::<f32>(&comm, 8)?,
-        );
+    assert_failing_peer_reported_quickly(|comm| {
+        let req = comm
+            .start_all_gather_device(dev_buf(comm, vec![1.0f32; 4])?, zeros_buf::<f32>(comm, 8)?);
         req.wait()?;
         Ok(())
     });
-    assert!(
-        start.elapsed() < Duration::from_secs(60),
-        "{:?}",
-        start.elapsed()
-    );
-    let e0 = results[0].as_ref().unwrap_err().to_string();
-    assert!(
-        e0.contains("rank 1 failed") && e0.contains("rank 1 gives up"),
-        "{e0}"
-    );
     // A peer that never arrives: Timeout from wait after the 2 s timeout, the start
     // itself returning at once; a request dropped unwaited then returns too.
     let options = Options {
@@ -799,10 +775,7 @@ fn start_device_failing_or_late_peer_errs_from_wait_within_the_timeout() {
 #[ignore = "needs a CUDA GPU (not NCCL): run with --include-ignored on the GPU machine"]
 fn start_device_on_threads_refused_with_the_blocking_calls_error() {
     if !cuda::driver_present() || !matches!(cuda::device_count(), Ok(n) if n > 0) {
-        assert!(
-            std::env::var("DTENSOR_GPU_REQUIRED").as_deref() != Ok("1"),
-            "DTENSOR_GPU_REQUIRED=1 but no CUDA device"
-        );
+        assert!(!gpu_required(), "DTENSOR_GPU_REQUIRED=1 but no CUDA device");
         eprintln!("SKIPPED (needs a CUDA GPU): no driver or device");
         return;
     }

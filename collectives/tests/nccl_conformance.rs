@@ -22,25 +22,8 @@ use dtensor_collectives::Error;
 use dtensor_kernels::cuda;
 use std::time::{Duration, Instant};
 
-/// Why the suite cannot run here, if it cannot.
-fn gpu_missing() -> Option<String> {
-    if let Err(e) = nccl::require_library() {
-        return Some(e.to_string());
-    }
-    if !cuda::driver_present() {
-        return Some("libcuda.so.1 not found".into());
-    }
-    match cuda::device_count() {
-        Ok(0) => Some("the driver reports 0 devices".into()),
-        Ok(_) => None,
-        Err(e) => Some(e.to_string()),
-    }
-}
-
-/// Whether a missing GPU or library must fail the test (set by the GPU runner).
-fn gpu_required() -> bool {
-    std::env::var("DTENSOR_GPU_REQUIRED").as_deref() == Ok("1")
-}
+mod common;
+use common::{gpu_missing, gpu_required};
 
 /// The group sizes this machine can run (2 and 4 ranks, where the GPUs allow), and a
 /// note for each size it cannot.

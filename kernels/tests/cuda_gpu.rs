@@ -10,47 +10,15 @@
 //! is none.
 #![cfg(feature = "cuda")]
 
-use dtensor_kernels::cuda::{self, ops as g, CudaTensor, Device};
+use dtensor_kernels::cuda::{ops as g, CudaTensor, Device};
 use dtensor_kernels::ops::{self, Accum, CausalAttention, VocabShard};
 use dtensor_kernels::{DType, Tensor};
 
+mod common;
+use common::cuda::{assert_bitwise, assert_close, down, gpu, rand_vec, up};
+
 const FLOATS: [DType; 4] = DType::FLOATS;
 const ALL: [DType; 6] = DType::ALL;
-
-/// The device, or `None` (with the reason on stderr) on a machine without one.
-fn gpu() -> Option<Device> {
-    if !cuda::driver_present() {
-        eprintln!("SKIPPED (needs a CUDA GPU): libcuda.so.1 not found");
-        return None;
-    }
-    match cuda::device_count() {
-        Ok(n) if n > 0 => {}
-        Ok(_) => {
-            eprintln!("SKIPPED (needs a CUDA GPU): the driver reports 0 devices");
-            return None;
-        }
-        Err(e) => {
-            eprintln!("SKIPPED (needs a CUDA GPU): {e}");
-            return None;
-        }
-    }
-    Some(Device::new(0).unwrap_or_else(|e| panic!("a device is there but Device::new failed: {e}")))
-}
-
-/// Deterministic pseudo-random values in `[lo, hi)` (64-bit LCG).
-fn rand_vec(n: usize, seed: u64, lo: f64, hi: f64) -> Vec<f64> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            lo + (hi - lo) * ((s >> 11) as f64 / (1u64 << 53) as f64)
-        })
-        .collect()
-}
 
 fn rand(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
     let n = shape.iter().product();
@@ -64,100 +32,6 @@ fn rand(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
         .map(|x| if dtype.is_float() { x } else { x.trunc() })
         .collect();
     Tensor::from_f64_vec(v, shape, dtype).unwrap()
-}
-
-fn up(t: &Tensor, dev: &Device) -> CudaTensor {
-    t.to_device(dev).unwrap().cuda_tensor().unwrap()
-}
-
-fn down(t: &CudaTensor) -> Tensor {
-    t.to_host().unwrap()
-}
-
-/// Same shape, dtype and bits (NaNs compared by bits too).
-#[track_caller]
-fn assert_bitwise(what: &str, gpu: &Tensor, cpu: &Tensor) {
-    assert_eq!(gpu.shape(), cpu.shape(), "{what}: shape");
-    assert_eq!(gpu.dtype(), cpu.dtype(), "{what}: dtype");
-    let bits = |t: &Tensor| -> Vec<u64> {
-        match t.dtype() {
-            DType::F32 => t
-                .as_slice::<f32>()
-                .unwrap()
-                .iter()
-                .map(|v| v.to_bits() as u64)
-                .collect(),
-            DType::F64 => t
-                .as_slice::<f64>()
-                .unwrap()
-                .iter()
-                .map(|v| v.to_bits())
-                .collect(),
-            DType::BF16 => t
-                .as_slice::<half::bf16>()
-                .unwrap()
-                .iter()
-                .map(|v| v.to_bits() as u64)
-                .collect(),
-            DType::F16 => t
-                .as_slice::<half::f16>()
-                .unwrap()
-                .iter()
-                .map(|v| v.to_bits() as u64)
-                .collect(),
-            DType::I32 => t
-                .as_slice::<i32>()
-                .unwrap()
-                .iter()
-                .map(|&v| v as u64)
-                .collect(),
-            DType::I64 => t
-                .as_slice::<i64>()
-                .unwrap()
-                .iter()
-                .map(|&v| v as u64)
-                .collect(),
-        }
-    };
-    let (a, b) = (bits(gpu), bits(cpu));
-    if let Some(i) = (0..a.len()).find(|&i| a[i] != b[i]) {
-        panic!(
-            "{what} ({}): element {i} differs: gpu {} vs cpu {} ({} of {} differ)",
-            gpu.dtype(),
-            gpu.to_f64_vec()[i],
-            cpu.to_f64_vec()[i],
-            (0..a.len()).filter(|&i| a[i] != b[i]).count(),
-            a.len()
-        );
-    }
-}
-
-/// Relative tolerance per dtype: a few units of the last place of the stored type.
-fn tol(dtype: DType) -> f64 {
-    match dtype {
-        DType::F64 => 1e-12,
-        DType::F32 => 2e-5,
-        DType::F16 => 4e-3,
-        DType::BF16 => 3e-2,
-        _ => 0.0,
-    }
-}
-
-/// `|gpu − cpu| ≤ tol·(1 + |cpu|)` elementwise (`scale` widens it for ops whose values are
-/// sums of many rounded terms).
-#[track_caller]
-fn assert_close(what: &str, gpu: &Tensor, cpu: &Tensor, scale: f64) {
-    assert_eq!(gpu.shape(), cpu.shape(), "{what}: shape");
-    assert_eq!(gpu.dtype(), cpu.dtype(), "{what}: dtype");
-    let t = tol(cpu.dtype()) * scale;
-    let (a, b) = (gpu.to_f64_vec(), cpu.to_f64_vec());
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        assert!(
-            (x - y).abs() <= t * (1.0 + y.abs()),
-            "{what} ({}): element {i}: gpu {x} vs cpu {y} (tolerance {t})",
-            cpu.dtype()
-        );
-    }
 }
 
 #[test]

@@ -197,6 +197,28 @@ impl Staging {
             Some(_) => None,
         }
     }
+
+    /// This rank's block of `counts`, `(offset, len)`, saturating: the counts may be
+    /// invalid (`in_place_fits` says why).
+    fn own_block(&self, counts: &[usize]) -> (usize, usize) {
+        let me = self.rank();
+        let off = counts
+            .iter()
+            .take(me)
+            .fold(0usize, |a, &c| a.saturating_add(c));
+        (off, counts.get(me).copied().unwrap_or(0))
+    }
+}
+
+/// An in-place call's result: an invalid-argument error from the call it staged through is
+/// named for the in-place `op`, with the reason `in_place_fits` found.
+fn in_place_result(op: &'static str, result: Result<()>, invalid: Option<String>) -> Result<()> {
+    match (result, invalid) {
+        (Err(Error::InvalidArgument { .. }), Some(detail)) => {
+            Err(Error::InvalidArgument { op, detail })
+        }
+        (r, _) => r,
+    }
 }
 
 impl Staging {
@@ -343,12 +365,7 @@ impl Communicator for Staging {
     fn all_gatherv_in_place(&self, buf: SliceMut<'_>, counts: &[usize]) -> Result<()> {
         const OP: &str = "all_gatherv_in_place";
         let invalid = self.in_place_fits(&buf, counts);
-        let me = self.rank();
-        let off = counts
-            .iter()
-            .take(me)
-            .fold(0usize, |a, &c| a.saturating_add(c));
-        let len = counts.get(me).copied().unwrap_or(0);
+        let (off, len) = self.own_block(counts);
         // The own block as a separate send buffer (NCCL's uneven all-gather is grouped
         // sends and receives between distinct buffers); invalid arguments still join
         // the agreement, with a send that cannot fit, so the peers learn of them.
@@ -364,12 +381,7 @@ impl Communicator for Staging {
                 counts,
             )
         });
-        match (result, invalid) {
-            (Err(Error::InvalidArgument { .. }), Some(detail)) => {
-                Err(Error::InvalidArgument { op: OP, detail })
-            }
-            (r, _) => r,
-        }
+        in_place_result(OP, result, invalid)
     }
     fn reduce_scatterv_in_place(
         &self,
@@ -379,12 +391,7 @@ impl Communicator for Staging {
     ) -> Result<()> {
         const OP: &str = "reduce_scatterv_in_place";
         let invalid = self.in_place_fits(&buf, counts);
-        let me = self.rank();
-        let off = counts
-            .iter()
-            .take(me)
-            .fold(0usize, |a, &c| a.saturating_add(c));
-        let len = counts.get(me).copied().unwrap_or(0);
+        let (off, len) = self.own_block(counts);
         let result = dtensor_kernels::with_slice!(SliceMut, buf, |b: T| {
             let mut out: Vec<T> = vec![<T as crate::Element>::zero(); len];
             self.reduce_scatterv(
@@ -396,12 +403,7 @@ impl Communicator for Staging {
             b[off..off + len].copy_from_slice(&out);
             Ok(())
         });
-        match (result, invalid) {
-            (Err(Error::InvalidArgument { .. }), Some(detail)) => {
-                Err(Error::InvalidArgument { op: OP, detail })
-            }
-            (r, _) => r,
-        }
+        in_place_result(OP, result, invalid)
     }
     fn reduce_scatter(&self, send: Slice<'_>, recv: SliceMut<'_>, op: ReduceOp) -> Result<()> {
         self.send_recv("reduce_scatter", send, recv, |s, r| {

@@ -1422,6 +1422,92 @@ impl NcclComm {
             )
         })
     }
+
+    /// Why an even collective is invalid, if it is: `whole` (name, length) must hold `size`
+    /// blocks of `part` elements (all-gather: recv of send; reduce-scatter: send of recv), in
+    /// one dtype. The blocking and the asynchronous device calls check alike.
+    fn even_invalid(
+        &self,
+        dtypes: (DType, DType),
+        whole: (&str, usize),
+        part: usize,
+    ) -> Option<String> {
+        let ((send_dtype, recv_dtype), (name, w)) = (dtypes, whole);
+        if recv_dtype != send_dtype {
+            return Some(format!("send is {send_dtype}, recv is {recv_dtype}"));
+        }
+        unless(part.checked_mul(self.size) == Some(w), || {
+            format!("{name} holds {w} elements, not {} x {part}", self.size)
+        })
+    }
+
+    /// Why an uneven collective is invalid, if it is: `counts` must split the `whole` buffer
+    /// and give this rank's block the length of `own` (name, length; all-gather-v: send,
+    /// reduce-scatter-v: recv), in one dtype.
+    fn uneven_invalid(
+        &self,
+        dtypes: (DType, DType),
+        whole: usize,
+        own: (&str, usize),
+        counts: &[usize],
+    ) -> Option<String> {
+        let ((send_dtype, recv_dtype), (name, o)) = (dtypes, own);
+        if recv_dtype != send_dtype {
+            return Some(format!("send is {send_dtype}, recv is {recv_dtype}"));
+        }
+        self.counts_fit(counts, whole, "counts").or_else(|| {
+            unless(counts[self.rank] == o, || {
+                format!(
+                    "{name} holds {o} elements, counts[{}] is {}",
+                    self.rank, counts[self.rank]
+                )
+            })
+        })
+    }
+}
+
+/// An all-gather-v as grouped sends and receives (the blocking and the asynchronous call
+/// alike): this rank's `send` (address, length) to each of `n` ranks, rank `p`'s block into
+/// `recv` after the blocks of `counts` before it.
+fn all_gatherv_plan(
+    n: usize,
+    send: (u64, usize),
+    recv: u64,
+    counts: &[usize],
+    dtype: DType,
+) -> Plan {
+    let (sa, s) = send;
+    Plan::Exchange {
+        sends: (0..n).map(|p| (p, sa, s)).collect(),
+        recvs: blocks(counts)
+            .into_iter()
+            .enumerate()
+            .map(|(p, (off, c))| (p, offset(recv, off, dtype), c))
+            .collect(),
+        dtype,
+    }
+}
+
+/// A reduce-scatter-v as one reduce per rank (the blocking and the asynchronous call alike):
+/// rank `p`'s block of `send`, after the blocks of `counts` before it, reduced into `recv`
+/// on rank `p`.
+fn reduce_scatterv_plan(
+    send: u64,
+    recv: u64,
+    counts: &[usize],
+    dtype: DType,
+    op: ReduceOp,
+) -> Plan {
+    Plan::Reduces {
+        blocks: blocks(counts)
+            .into_iter()
+            .enumerate()
+            .map(|(p, (off, c))| (p, offset(send, off, dtype), c))
+            .collect(),
+        recv,
+        dtype,
+        op,
+    }
 }
 
 /// `(offset, count)` of each block of `counts`.
@@ -1569,13 +1655,7 @@ impl Communicator for NcclComm {
 
     fn all_gather_device(&self, send: DeviceView<'_>, mut recv: DeviceViewMut<'_>) -> Result<()> {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = if recv.dtype() != dtype {
-            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
-        } else {
-            unless(s.checked_mul(self.size) == Some(r), || {
-                format!("recv holds {r} elements, not {} x {s}", self.size)
-            })
-        };
+        let invalid = self.even_invalid((dtype, recv.dtype()), ("recv", r), s);
         let (sa, _gs) = addr(&send, &self.stream);
         let (ra, _gr) = addr_mut(&mut recv, &self.stream);
         let plan = Plan::AllGather {
@@ -1595,32 +1675,13 @@ impl Communicator for NcclComm {
         counts: &[usize],
     ) -> Result<()> {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = if recv.dtype() != dtype {
-            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
-        } else {
-            self.counts_fit(counts, r, "counts").or_else(|| {
-                unless(counts[self.rank] == s, || {
-                    format!(
-                        "send holds {s} elements, counts[{}] is {}",
-                        self.rank, counts[self.rank]
-                    )
-                })
-            })
-        };
+        let invalid = self.uneven_invalid((dtype, recv.dtype()), r, ("send", s), counts);
         let (sa, _gs) = addr(&send, &self.stream);
         let (ra, _gr) = addr_mut(&mut recv, &self.stream);
         let plan = if invalid.is_some() {
             Plan::Nothing
         } else {
-            Plan::Exchange {
-                sends: (0..self.size).map(|p| (p, sa, s)).collect(),
-                recvs: blocks(counts)
-                    .into_iter()
-                    .enumerate()
-                    .map(|(p, (off, c))| (p, offset(ra, off, dtype), c))
-                    .collect(),
-                dtype,
-            }
+            all_gatherv_plan(self.size, (sa, s), ra, counts, dtype)
         };
         let call = Call::AllGatherV {
             send: s,
@@ -1638,13 +1699,7 @@ impl Communicator for NcclComm {
         op: ReduceOp,
     ) -> Result<()> {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = if recv.dtype() != dtype {
-            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
-        } else {
-            unless(r.checked_mul(self.size) == Some(s), || {
-                format!("send holds {s} elements, not {} x {r}", self.size)
-            })
-        };
+        let invalid = self.even_invalid((dtype, recv.dtype()), ("send", s), r);
         let (sa, _gs) = addr(&send, &self.stream);
         let (ra, _gr) = addr_mut(&mut recv, &self.stream);
         let plan = Plan::ReduceScatter {
@@ -1670,33 +1725,13 @@ impl Communicator for NcclComm {
         op: ReduceOp,
     ) -> Result<()> {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = if recv.dtype() != dtype {
-            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
-        } else {
-            self.counts_fit(counts, s, "counts").or_else(|| {
-                unless(counts[self.rank] == r, || {
-                    format!(
-                        "recv holds {r} elements, counts[{}] is {}",
-                        self.rank, counts[self.rank]
-                    )
-                })
-            })
-        };
+        let invalid = self.uneven_invalid((dtype, recv.dtype()), s, ("recv", r), counts);
         let (sa, _gs) = addr(&send, &self.stream);
         let (ra, _gr) = addr_mut(&mut recv, &self.stream);
         let plan = if invalid.is_some() {
             Plan::Nothing
         } else {
-            Plan::Reduces {
-                blocks: blocks(counts)
-                    .into_iter()
-                    .enumerate()
-                    .map(|(p, (off, c))| (p, offset(sa, off, dtype), c))
-                    .collect(),
-                recv: ra,
-                dtype,
-                op,
-            }
+            reduce_scatterv_plan(sa, ra, counts, dtype, op)
         };
         let call = Call::ReduceScatterV {
             send: s,
@@ -1853,13 +1888,7 @@ impl Communicator for NcclComm {
 
     fn start_all_gather_device(&self, send: DeviceBuffer, recv: DeviceBuffer) -> DeviceRequest {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = if recv.dtype() != dtype {
-            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
-        } else {
-            unless(s.checked_mul(self.size) == Some(r), || {
-                format!("recv holds {r} elements, not {} x {s}", self.size)
-            })
-        };
+        let invalid = self.even_invalid((dtype, recv.dtype()), ("recv", r), s);
         let call = Call::AllGather { send: s, recv: r };
         self.start_device(call, invalid, Some(send), recv, move |sa, ra| {
             Plan::AllGather {
@@ -1878,18 +1907,7 @@ impl Communicator for NcclComm {
         counts: &[usize],
     ) -> DeviceRequest {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = if recv.dtype() != dtype {
-            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
-        } else {
-            self.counts_fit(counts, r, "counts").or_else(|| {
-                unless(counts[self.rank] == s, || {
-                    format!(
-                        "send holds {s} elements, counts[{}] is {}",
-                        self.rank, counts[self.rank]
-                    )
-                })
-            })
-        };
+        let invalid = self.uneven_invalid((dtype, recv.dtype()), r, ("send", s), counts);
         let call = Call::AllGatherV {
             send: s,
             recv: r,
@@ -1898,16 +1916,7 @@ impl Communicator for NcclComm {
         };
         let (counts, n) = (counts.to_vec(), self.size);
         self.start_device(call, invalid, Some(send), recv, move |sa, ra| {
-            let sa = sa.unwrap_or(0);
-            Plan::Exchange {
-                sends: (0..n).map(|p| (p, sa, s)).collect(),
-                recvs: blocks(&counts)
-                    .into_iter()
-                    .enumerate()
-                    .map(|(p, (off, c))| (p, offset(ra, off, dtype), c))
-                    .collect(),
-                dtype,
-            }
+            all_gatherv_plan(n, (sa.unwrap_or(0), s), ra, &counts, dtype)
         })
     }
 
@@ -1918,13 +1927,7 @@ impl Communicator for NcclComm {
         op: ReduceOp,
     ) -> DeviceRequest {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = if recv.dtype() != dtype {
-            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
-        } else {
-            unless(r.checked_mul(self.size) == Some(s), || {
-                format!("send holds {s} elements, not {} x {r}", self.size)
-            })
-        };
+        let invalid = self.even_invalid((dtype, recv.dtype()), ("send", s), r);
         let call = Call::ReduceScatter {
             send: s,
             recv: r,
@@ -1949,18 +1952,7 @@ impl Communicator for NcclComm {
         op: ReduceOp,
     ) -> DeviceRequest {
         let (s, r, dtype) = (send.len(), recv.len(), send.dtype());
-        let invalid = if recv.dtype() != dtype {
-            Some(format!("send is {dtype}, recv is {}", recv.dtype()))
-        } else {
-            self.counts_fit(counts, s, "counts").or_else(|| {
-                unless(counts[self.rank] == r, || {
-                    format!(
-                        "recv holds {r} elements, counts[{}] is {}",
-                        self.rank, counts[self.rank]
-                    )
-                })
-            })
-        };
+        let invalid = self.uneven_invalid((dtype, recv.dtype()), s, ("recv", r), counts);
         let call = Call::ReduceScatterV {
             send: s,
             recv: r,
@@ -1970,17 +1962,7 @@ impl Communicator for NcclComm {
         };
         let counts = counts.to_vec();
         self.start_device(call, invalid, Some(send), recv, move |sa, ra| {
-            let sa = sa.unwrap_or(0);
-            Plan::Reduces {
-                blocks: blocks(&counts)
-                    .into_iter()
-                    .enumerate()
-                    .map(|(p, (off, c))| (p, offset(sa, off, dtype), c))
-                    .collect(),
-                recv: ra,
-                dtype,
-                op,
-            }
+            reduce_scatterv_plan(sa.unwrap_or(0), ra, &counts, dtype, op)
         })
     }
 }

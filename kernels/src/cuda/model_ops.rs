@@ -14,14 +14,14 @@
 //! `i64`; every launch size comes from the checked shapes.
 
 use super::ops::{
-    arg, arg_mut, copy_blocks, func, grid_for, kernel_arg, launch, launch_kernel, per_row,
-    same_device, same_layout, u, Acc, CudaAttentionOutput, SHARED_BUDGET,
+    arg, arg_mut, copy_blocks, func, gemm_ops, grid_for, kernel_arg, launch, launch_kernel,
+    per_row, rope_tables, same_device, same_layout, u, Acc, CudaAttentionOutput, SHARED_BUDGET,
 };
 use super::source;
 use super::tensor::CudaBuffer;
 use super::{CudaTensor, Device};
-use crate::ops::attention_block::{check_block, Dims};
-use crate::ops::moe::{check_grouped, rows_of};
+use crate::ops::attention_block::{check_block, check_fuse_qkv_grad, check_merge, Dims};
+use crate::ops::moe::{check_grouped, check_scatter_add};
 use crate::ops::Transpose;
 use crate::ops::{acc_dtype, check_dst, not_float, same_dtype, want_float, BlockAttention};
 use crate::{DType, Error, ReduceOp, Result, Tensor};
@@ -41,41 +41,6 @@ fn positions(op: &'static str, p: &[usize], dev: &Device) -> Result<CudaTensor> 
         })
         .collect::<Result<Vec<i64>>>()?;
     Tensor::from_vec(v, &[p.len()])?.upload(dev)
-}
-
-/// RoPE's cos/sin tables `[positions, d/2]`, computed in f64 as the CPU's
-/// `Rope::for_positions` does and rounded once into the compute type.
-fn rope_at(
-    pos: &[usize],
-    d: usize,
-    base: f64,
-    dtype: DType,
-    dev: &Device,
-) -> Result<(CudaTensor, CudaTensor)> {
-    let half = d / 2;
-    let freq: Vec<f64> = (0..half)
-        .map(|p| base.powf(2.0 * p as f64 / d as f64))
-        .collect();
-    let (mut cos, mut sin) = (
-        Vec::with_capacity(pos.len() * half),
-        Vec::with_capacity(pos.len() * half),
-    );
-    for &p in pos {
-        let p = p as f64;
-        for f in &freq {
-            let (sn, cs) = (p / f).sin_cos();
-            cos.push(cs);
-            sin.push(sn);
-        }
-    }
-    let shape = [pos.len(), half];
-    let ad = acc_dtype(dtype);
-    let to = |v: Vec<f64>| -> Result<CudaTensor> {
-        let t = Tensor::from_vec(v, &shape)?;
-        let t = if ad == DType::F64 { t } else { t.to_dtype(ad) };
-        t.upload(dev)
-    };
-    Ok((to(cos)?, to(sin)?))
 }
 
 /// `Err` ([`Error::NotOnCuda`]) unless `values` compute-type values fit the shared memory of
@@ -118,8 +83,8 @@ fn block_load(
 ) -> Result<BlockOperands> {
     let (dev, dt) = (qkv.device(), qkv.dtype());
     let ad = acc_dtype(dt);
-    let (cq, sq) = rope_at(cfg.q_pos, g.d, cfg.rope_base, dt, dev)?;
-    let (ck, sk) = rope_at(cfg.k_pos, g.d, cfg.rope_base, dt, dev)?;
+    let (cq, sq) = rope_tables(cfg.q_pos.iter().copied(), g.d, cfg.rope_base, dt, dev)?;
+    let (ck, sk) = rope_tables(cfg.k_pos.iter().copied(), g.d, cfg.rope_base, dt, dev)?;
     let mut q = CudaTensor::uninit(dev, &[g.heads, g.batch, g.nq, g.d], ad)?;
     let mut k = CudaTensor::uninit(dev, &[g.heads, g.batch, g.nk, g.d], ad)?;
     let mut v = CudaTensor::uninit(dev, &[g.heads, g.batch, g.nk, g.d], ad)?;
@@ -239,32 +204,8 @@ pub fn attention_block_backward(
 /// at a time (a side with `lse = −∞` contributes nothing). Compute dtypes (f32, f64) only.
 pub fn merge_attention(acc: &mut CudaAttentionOutput, part: &CudaAttentionOutput) -> Result<()> {
     const OP: &str = "cuda::ops::merge_attention";
-    let (rows, heads) = match acc.lse.shape() {
-        &[r, h] => (r, h),
-        s => {
-            return Err(Error::Invalid {
-                op: OP,
-                detail: format!("lse must be [tokens, heads], got {s:?}"),
-            })
-        }
-    };
+    let (rows, heads, ocols) = check_merge(OP, (&acc.out, &acc.lse), (&part.out, &part.lse))?;
     let dt = acc.lse.dtype();
-    if !matches!(dt, DType::F32 | DType::F64) {
-        return Err(Error::Invalid {
-            op: OP,
-            detail: format!("partial results are in a compute dtype (f32 or f64), got {dt}"),
-        });
-    }
-    check_dst(OP, &part.lse, &[rows, heads], dt)?;
-    let ocols = acc.out.shape().get(1).copied().unwrap_or(0);
-    if heads == 0 || ocols % heads != 0 {
-        return Err(Error::Invalid {
-            op: OP,
-            detail: format!("out {:?} is not [tokens, heads·d]", acc.out.shape()),
-        });
-    }
-    check_dst(OP, &acc.out, &[rows, ocols], dt)?;
-    check_dst(OP, &part.out, &[rows, ocols], dt)?;
     same_device(OP, &[&acc.out, &acc.lse, &part.out, &part.lse])?;
     let n = rows * heads;
     if n == 0 {
@@ -310,19 +251,7 @@ pub fn fuse_qkv_grad(
 ) -> Result<CudaTensor> {
     const OP: &str = "cuda::ops::fuse_qkv_grad";
     let d = head_dim;
-    let acc = acc_dtype(dtype);
-    let (rows, qc) = match dq.shape() {
-        &[r, c] if d > 0 && c % d == 0 => (r, c),
-        s => {
-            return Err(Error::Invalid {
-                op: OP,
-                detail: format!("dq of shape {s:?} is not [tokens, heads·{d}]"),
-            })
-        }
-    };
-    let heads = qc / d;
-    check_dst(OP, dq, &[rows, heads * d], acc)?;
-    check_dst(OP, dkv, &[rows, heads * 2 * d], acc)?;
+    let (rows, heads) = check_fuse_qkv_grad(OP, dq, dkv, d, dtype)?;
     if !dtype.is_float() {
         return Err(not_float(OP, dtype));
     }
@@ -380,19 +309,7 @@ pub fn gather_rows(t: &CudaTensor, src: &[usize]) -> Result<CudaTensor> {
 /// sums its sources in source order in f64, then rounds once (see `moe.cu`).
 pub fn scatter_add_rows(src: &CudaTensor, rows: &[usize], n: usize) -> Result<CudaTensor> {
     const OP: &str = "cuda::ops::scatter_add_rows";
-    let (m, h) = rows_of(OP, src)?;
-    if m != rows.len() {
-        return Err(Error::Invalid {
-            op: OP,
-            detail: format!("{m} source rows but {} destinations", rows.len()),
-        });
-    }
-    if let Some(&bad) = rows.iter().find(|&&r| r >= n) {
-        return Err(Error::Invalid {
-            op: OP,
-            detail: format!("row {bad} out of range for {n} rows"),
-        });
-    }
+    let (m, h) = check_scatter_add(OP, src, rows, n)?;
     let dev = src.device();
     let mut out = CudaTensor::uninit(dev, &[n, h], src.dtype())?;
     if n * h == 0 {
@@ -461,7 +378,7 @@ fn gemm_rows(
     (m, n, k): (usize, usize, usize),
 ) -> Result<()> {
     use cudarc::cublas::result;
-    use cudarc::cublas::sys::{self, cublasOperation_t as Op};
+    use cudarc::cublas::sys;
     use cudarc::driver::{DevicePtr, DevicePtrMut};
     debug_assert!(a_off + m * k <= a.numel() && b_off + k * n <= b.numel());
     debug_assert!(c_off + m * n <= c.numel());
@@ -469,14 +386,7 @@ fn gemm_rows(
     let dev = a.device().clone();
     let blas = dev.blas()?.clone();
     let stream = dev.stream().clone(); // the stream Device::blas bound cuBLAS to
-    let (transa, lda) = match tb {
-        Transpose::No => (Op::CUBLAS_OP_N, n),
-        Transpose::Yes => (Op::CUBLAS_OP_T, k),
-    };
-    let (transb, ldb) = match ta {
-        Transpose::No => (Op::CUBLAS_OP_N, k),
-        Transpose::Yes => (Op::CUBLAS_OP_T, m),
-    };
+    let ((transa, lda), (transb, ldb)) = gemm_ops(ta, tb, (m, n, k));
     let err = |e: result::CublasError| Error::Cuda {
         op,
         detail: e.to_string(),

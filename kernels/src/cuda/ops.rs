@@ -31,7 +31,7 @@
 use super::source::{self, entry, KernelModule};
 use super::tensor::CudaBuffer;
 use super::{driver_err, CudaTensor, Device};
-use crate::ops::attention::{check_qkv, Dims};
+use crate::ops::attention::{check_qkv, Dims, Rope};
 use crate::ops::embedding::{dy_hidden, out_shape, read_ids, table_dims};
 use crate::ops::norm::{check_stat, norm_rows};
 use crate::ops::reduction::{check_index_range, check_indices, max_split, removed, split_at};
@@ -1308,30 +1308,17 @@ fn attn_dims(op: &'static str, qkv: &CudaTensor, cfg: &CausalAttention) -> Resul
     Ok(g)
 }
 
-/// RoPE's cos/sin tables `[s, d/2]` for positions `pos_offset + i`, computed in f64 as the
-/// CPU's `Rope::for_positions` does and rounded once into the compute type.
-fn rope_tables(
-    cfg: &CausalAttention,
+/// RoPE's cos/sin tables `[positions, d/2]`: the CPU's (`Rope::for_positions`, in f64),
+/// rounded once into the compute type and uploaded.
+pub(super) fn rope_tables(
+    positions: impl ExactSizeIterator<Item = usize>,
+    d: usize,
+    base: f64,
     dtype: DType,
     dev: &Device,
 ) -> Result<(CudaTensor, CudaTensor)> {
-    let (d, half) = (cfg.head_dim, cfg.head_dim / 2);
-    let freq: Vec<f64> = (0..half)
-        .map(|p| cfg.rope_base.powf(2.0 * p as f64 / d as f64))
-        .collect();
-    let (mut cos, mut sin) = (
-        Vec::with_capacity(cfg.seq_len * half),
-        Vec::with_capacity(cfg.seq_len * half),
-    );
-    for i in 0..cfg.seq_len {
-        let pos = (cfg.pos_offset + i) as f64;
-        for f in &freq {
-            let (sn, cs) = (pos / f).sin_cos();
-            cos.push(cs);
-            sin.push(sn);
-        }
-    }
-    let shape = [cfg.seq_len, half];
+    let shape = [positions.len(), d / 2];
+    let (cos, sin) = Rope::<f64>::for_positions(positions, d, base).into_tables();
     let ad = acc_dtype(dtype);
     let to = |v: Vec<f64>| -> Result<CudaTensor> {
         let t = Tensor::from_vec(v, &shape)?;
@@ -1339,6 +1326,12 @@ fn rope_tables(
         t.upload(dev)
     };
     Ok((to(cos)?, to(sin)?))
+}
+
+/// The tables for `cfg`'s rows, at positions `pos_offset + i`.
+fn rope_for(cfg: &CausalAttention, dtype: DType, dev: &Device) -> Result<(CudaTensor, CudaTensor)> {
+    let positions = (0..cfg.seq_len).map(|i| cfg.pos_offset + i);
+    rope_tables(positions, cfg.head_dim, cfg.rope_base, dtype, dev)
 }
 
 /// q (rotated, scaled by 1/√d), k (rotated), v, each `[H, B, s, d]` in the compute type.
@@ -1375,7 +1368,7 @@ pub fn causal_attention(qkv: &CudaTensor, cfg: &CausalAttention) -> Result<CudaA
     if g.tokens * g.heads == 0 {
         return Ok(CudaAttentionOutput { out, lse });
     }
-    let (cs, sn) = rope_tables(cfg, qkv.dtype(), dev)?;
+    let (cs, sn) = rope_for(cfg, qkv.dtype(), dev)?;
     let [q, k, v] = attn_load(OP, qkv, &g, &cs, &sn)?;
     let smem = (g.s * ad.size_in_bytes()) as u32;
     let f = func(dev, &source::ATTENTION, "attn_forward", qkv.dtype())?;
@@ -1437,7 +1430,7 @@ pub fn causal_attention_backward(
     if g.tokens * g.heads == 0 {
         return Ok(dqkv);
     }
-    let (cs, sn) = rope_tables(cfg, qkv.dtype(), dev)?;
+    let (cs, sn) = rope_for(cfg, qkv.dtype(), dev)?;
     let [q, k, v] = attn_load(OP, qkv, &g, &cs, &sn)?;
     let mut dsum = CudaTensor::uninit(dev, &[g.heads, g.batch, g.s], ad)?;
     let rows = g.heads * g.batch * g.s;
@@ -1571,6 +1564,30 @@ pub fn matmul_into(
     matmul_planned(dst, a, ta, b, tb, accum, &plan)
 }
 
+/// cuBLAS's operations and leading dimensions for the row-major `C[m, n] = op(A)[m, k] ·
+/// op(B)[k, n]`, computed column-major as `C'[n, m] = op'(B)[n, k] · op'(A)[k, m]`:
+/// `((transa, lda), (transb, ldb))`, cuBLAS's first operand being `B`.
+pub(super) fn gemm_ops<I: Copy>(
+    ta: crate::ops::Transpose,
+    tb: crate::ops::Transpose,
+    (m, n, k): (I, I, I),
+) -> (
+    (cudarc::cublas::sys::cublasOperation_t, I),
+    (cudarc::cublas::sys::cublasOperation_t, I),
+) {
+    use crate::ops::Transpose;
+    use cudarc::cublas::sys::cublasOperation_t as Op;
+    let a = match tb {
+        Transpose::No => (Op::CUBLAS_OP_N, n),
+        Transpose::Yes => (Op::CUBLAS_OP_T, k),
+    };
+    let b = match ta {
+        Transpose::No => (Op::CUBLAS_OP_N, k),
+        Transpose::Yes => (Op::CUBLAS_OP_T, m),
+    };
+    (a, b)
+}
+
 fn matmul_planned(
     dst: &mut CudaTensor,
     a: &CudaTensor,
@@ -1580,8 +1597,6 @@ fn matmul_planned(
     accum: Accum,
     p: &GemmPlan,
 ) -> Result<()> {
-    use crate::ops::Transpose;
-    use cudarc::cublas::sys::cublasOperation_t as Op;
     use cudarc::cublas::{Gemm, GemmConfig, StridedBatchedConfig};
     const OP: &str = "cuda::ops::matmul";
     if p.batch * p.m * p.n == 0 {
@@ -1597,14 +1612,7 @@ fn matmul_planned(
     let blas = a.device().blas()?.clone();
     let (m, n, k) = (p.m as i32, p.n as i32, p.k as i32);
     // Column-major: C'[n, m] = op'(B)[n, k] · op'(A)[k, m], B' = b, A' = a as stored.
-    let (transa, lda) = match tb {
-        Transpose::No => (Op::CUBLAS_OP_N, n),
-        Transpose::Yes => (Op::CUBLAS_OP_T, k),
-    };
-    let (transb, ldb) = match ta {
-        Transpose::No => (Op::CUBLAS_OP_N, k),
-        Transpose::Yes => (Op::CUBLAS_OP_T, m),
-    };
+    let ((transa, lda), (transb, ldb)) = gemm_ops(ta, tb, (m, n, k));
     let beta = if accum == Accum::Add { 1.0 } else { 0.0 };
     let (batch, stride_a, stride_b, stride_c) = (
         p.batch as i32,

@@ -207,7 +207,7 @@ pub fn causal_attention_backward(
 
 /// RoPE's cosines and sines for the `s` positions of a sample, `[s, d/2]`, computed in `f64`
 /// (as `pos / base^(2p/d)`) and rounded once into the compute type.
-pub(super) struct Rope<A> {
+pub(crate) struct Rope<A> {
     cos: Vec<A>,
     sin: Vec<A>,
     half: usize,
@@ -223,7 +223,7 @@ impl<A: AccFloat> Rope<A> {
     }
 
     /// The table for rows at the given positions (row `i` rotates by `positions[i]`).
-    pub(super) fn for_positions(
+    pub(crate) fn for_positions(
         positions: impl ExactSizeIterator<Item = usize>,
         d: usize,
         base: f64,
@@ -243,6 +243,13 @@ impl<A: AccFloat> Rope<A> {
             }
         }
         Rope { cos, sin, half }
+    }
+
+    /// The cos and sin tables, each `[positions, d/2]` row-major (what the device kernels
+    /// read).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn into_tables(self) -> (Vec<A>, Vec<A>) {
+        (self.cos, self.sin)
     }
 
     /// `dst = mul · R(pos_i) · src`.

@@ -302,6 +302,43 @@ fn block_forward<T: Float<Acc: ExpShifted>>(
     }
 }
 
+/// `(rows, heads, out columns)` of a merge of `part` into `acc` (each `(out, lse)`), or the
+/// error for arguments that cannot be merged: the CPU op and its device twin check alike.
+pub(crate) fn check_merge<L: Layout + ?Sized>(
+    op: &'static str,
+    acc: (&L, &L),
+    part: (&L, &L),
+) -> Result<(usize, usize, usize)> {
+    let ((acc_out, acc_lse), (part_out, part_lse)) = (acc, part);
+    let (rows, heads) = match acc_lse.shape() {
+        &[r, h] => (r, h),
+        s => {
+            return Err(Error::Invalid {
+                op,
+                detail: format!("lse must be [tokens, heads], got {s:?}"),
+            })
+        }
+    };
+    let dt = acc_lse.dtype();
+    if !matches!(dt, DType::F32 | DType::F64) {
+        return Err(Error::Invalid {
+            op,
+            detail: format!("partial results are in a compute dtype (f32 or f64), got {dt}"),
+        });
+    }
+    check_dst(op, part_lse, &[rows, heads], dt)?;
+    let ocols = acc_out.shape().get(1).copied().unwrap_or(0);
+    if heads == 0 || ocols % heads != 0 {
+        return Err(Error::Invalid {
+            op,
+            detail: format!("out {:?} is not [tokens, heads·d]", acc_out.shape()),
+        });
+    }
+    check_dst(op, acc_out, &[rows, ocols], dt)?;
+    check_dst(op, part_out, &[rows, ocols], dt)?;
+    Ok((rows, heads, ocols))
+}
+
 /// Merges a partial attention result into a running one, row and head at a time:
 /// `lse = log(e^lse_a + e^lse_b)`, `out = e^(lse_a − lse)·out_a + e^(lse_b − lse)·out_b`
 /// (a side with `lse = −∞` contributes nothing). Both in the compute dtype, shaped alike.
@@ -312,32 +349,8 @@ pub fn merge_attention(
     if crate::dispatch::on_cuda(OP_MERGE, &[&acc.out, &acc.lse, &part.out, &part.lse])? {
         return merge_attention_cuda(acc, part);
     }
-    let (rows, heads) = match acc.lse.shape() {
-        &[r, h] => (r, h),
-        s => {
-            return Err(Error::Invalid {
-                op: OP_MERGE,
-                detail: format!("lse must be [tokens, heads], got {s:?}"),
-            })
-        }
-    };
+    let (_, heads, ocols) = check_merge(OP_MERGE, (&acc.out, &acc.lse), (&part.out, &part.lse))?;
     let dt = acc.lse.dtype();
-    if !matches!(dt, DType::F32 | DType::F64) {
-        return Err(Error::Invalid {
-            op: OP_MERGE,
-            detail: format!("partial results are in a compute dtype (f32 or f64), got {dt}"),
-        });
-    }
-    check_dst(OP_MERGE, &part.lse, &[rows, heads], dt)?;
-    let ocols = acc.out.shape().get(1).copied().unwrap_or(0);
-    if heads == 0 || ocols % heads != 0 {
-        return Err(Error::Invalid {
-            op: OP_MERGE,
-            detail: format!("out {:?} is not [tokens, heads·d]", acc.out.shape()),
-        });
-    }
-    check_dst(OP_MERGE, &acc.out, &[rows, ocols], dt)?;
-    check_dst(OP_MERGE, &part.out, &[rows, ocols], dt)?;
     fn run<A: AccFloat>(oa: &mut [A], la: &mut [A], ob: &[A], lb: &[A], d: usize) {
         for (i, (la, &lb)) in la.iter_mut().zip(lb).enumerate() {
             let (a, b) = (&mut oa[i * d..(i + 1) * d], &ob[i * d..(i + 1) * d]);
@@ -478,25 +491,39 @@ fn block_backward<T: Float<Acc: ExpShifted>>(
     }
 }
 
+/// `(rows, heads)` of a QKV gradient fused from `dq` and `dkv`, or the error for parts that
+/// are not `[tokens, H·d]` and `[tokens, H·2·d]` in `dtype`'s compute dtype: the CPU op and
+/// its device twin check alike.
+pub(crate) fn check_fuse_qkv_grad<L: Layout + ?Sized>(
+    op: &'static str,
+    dq: &L,
+    dkv: &L,
+    d: usize,
+    dtype: DType,
+) -> Result<(usize, usize)> {
+    let acc = acc_dtype(dtype);
+    let (rows, qc) = match *dq.shape() {
+        [r, c] if d > 0 && c % d == 0 => (r, c),
+        ref s => {
+            return Err(Error::Invalid {
+                op,
+                detail: format!("dq of shape {s:?} is not [tokens, heads·{d}]"),
+            })
+        }
+    };
+    let heads = qc / d;
+    check_dst(op, dq, &[rows, heads * d], acc)?;
+    check_dst(op, dkv, &[rows, heads * 2 * d], acc)?;
+    Ok((rows, heads))
+}
+
 /// The fused `[tokens, H·3·d]` gradient of a QKV from its parts: `dq` (`[tokens, H·d]`)
 /// and `dkv` (`[tokens, H·2·d]`, packed as [`pack_kv`]), both in the compute dtype,
 /// rounded once into `dtype`.
 pub fn fuse_qkv_grad(dq: &Tensor, dkv: &Tensor, head_dim: usize, dtype: DType) -> Result<Tensor> {
     dispatch!(OP_FUSE, [dq, dkv] => crate::cuda::model_ops::fuse_qkv_grad(&dq, &dkv, head_dim, dtype));
     let d = head_dim;
-    let acc = acc_dtype(dtype);
-    let (rows, qc) = match dq.shape() {
-        &[r, c] if d > 0 && c % d == 0 => (r, c),
-        s => {
-            return Err(Error::Invalid {
-                op: OP_FUSE,
-                detail: format!("dq of shape {s:?} is not [tokens, heads·{d}]"),
-            })
-        }
-    };
-    let heads = qc / d;
-    check_dst(OP_FUSE, dq, &[rows, heads * d], acc)?;
-    check_dst(OP_FUSE, dkv, &[rows, heads * 2 * d], acc)?;
+    let (rows, heads) = check_fuse_qkv_grad(OP_FUSE, dq, dkv, d, dtype)?;
     let mut dqkv = Tensor::for_overwrite(&[rows, heads * 3 * d], dtype);
     dispatch_float!(OP_FUSE, dtype, |T| {
         let (q, kv) = (

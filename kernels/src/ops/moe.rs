@@ -21,24 +21,37 @@ pub(crate) fn rows_of<L: Layout + ?Sized>(op: &'static str, x: &L) -> Result<(us
     }
 }
 
-/// The adjoint of [`gather_rows`](super::gather_rows): `out[rows[i]] += src[i]`, `out` is `[n, h]` (rows no
-/// source row names stay zero).
-pub fn scatter_add_rows(src: &Tensor, rows: &[usize], n: usize) -> Result<Tensor> {
-    const OP: &str = "ops::scatter_add_rows";
-    dispatch!(OP, [src] => crate::cuda::model_ops::scatter_add_rows(&src, rows, n));
-    let (m, h) = rows_of(OP, src)?;
+/// `src`'s `(rows, hidden)` for a scatter-add of its rows to `rows` of an `n`-row output, or
+/// the error for arguments that cannot be scattered: the CPU op and its device twin check
+/// alike.
+pub(crate) fn check_scatter_add<L: Layout + ?Sized>(
+    op: &'static str,
+    src: &L,
+    rows: &[usize],
+    n: usize,
+) -> Result<(usize, usize)> {
+    let (m, h) = rows_of(op, src)?;
     if m != rows.len() {
         return Err(Error::Invalid {
-            op: OP,
+            op,
             detail: format!("{m} source rows but {} destinations", rows.len()),
         });
     }
     if let Some(&bad) = rows.iter().find(|&&r| r >= n) {
         return Err(Error::Invalid {
-            op: OP,
+            op,
             detail: format!("row {bad} out of range for {n} rows"),
         });
     }
+    Ok((m, h))
+}
+
+/// The adjoint of [`gather_rows`](super::gather_rows): `out[rows[i]] += src[i]`, `out` is `[n, h]` (rows no
+/// source row names stay zero).
+pub fn scatter_add_rows(src: &Tensor, rows: &[usize], n: usize) -> Result<Tensor> {
+    const OP: &str = "ops::scatter_add_rows";
+    dispatch!(OP, [src] => crate::cuda::model_ops::scatter_add_rows(&src, rows, n));
+    let (_, h) = check_scatter_add(OP, src, rows, n)?;
     let v = src.to_f64_vec();
     let mut out = vec![0.0; n * h];
     for (i, &r) in rows.iter().enumerate() {

@@ -5,6 +5,9 @@
 
 use dtensor_kernels::{DType, Error, Tensor};
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
 pub const ALL: [DType; 4] = [DType::F64, DType::F32, DType::BF16, DType::F16];
 
 /// `n` deterministic values in `[-1, 1)` (splitmix64).
