@@ -7,6 +7,7 @@ use super::call::{self, Call, Header, Verdict, HEADER_WORDS};
 use super::launch::abort;
 use crate::args::{counts_sum, equal_blocks, is_multiple, same_dtype};
 use crate::columns;
+use crate::mismatch::{described_call, split_described};
 use crate::progress::{busy_error, Progress};
 use crate::{
     Buffer, CollectiveKind, Communicator, CounterSnapshot, Counters, Error, Request, Result,
@@ -409,7 +410,7 @@ impl MpiCore {
             Verdict::Invalid => {
                 // The peers see a mismatch and exchange descriptions: take part.
                 let detail = invalid.unwrap_or_default();
-                self.all_strings(op, &format!("{}\u{0}{detail}", call.describe(dtype)));
+                self.all_strings(op, &described_call(&call.describe(dtype), Some(&detail)));
                 Err(Error::InvalidArgument { op, detail })
             }
             Verdict::Departed { rank } => {
@@ -428,21 +429,8 @@ impl MpiCore {
                 } else {
                     call.describe(dtype)
                 };
-                let mine = format!("{described}\u{0}{}", invalid.unwrap_or_default());
-                let all = self.all_strings(op, &mine);
-                let (described, invalids): (Vec<String>, Vec<String>) = all
-                    .iter()
-                    .map(|s| {
-                        let (d, i) = s.split_once('\u{0}').unwrap_or((s, ""));
-                        (d.to_string(), i.to_string())
-                    })
-                    .unzip();
-                let what = match invalids.iter().position(|i| !i.is_empty()) {
-                    Some(r) if what.ends_with("passed invalid arguments") => {
-                        format!("{what} ({})", invalids[r])
-                    }
-                    _ => what,
-                };
+                let all = self.all_strings(op, &described_call(&described, invalid.as_deref()));
+                let (what, described) = split_described(what, &all);
                 Err(Error::CollectiveMismatch {
                     op,
                     backend: BACKEND,

@@ -4,6 +4,7 @@
 use super::launch::Departures;
 use super::{Options, MULTI_RANK_GPU_ENV};
 use crate::call::Call;
+use crate::mismatch::{described_call, split_described};
 use crate::mpi::call::{self as wire, Header, Verdict, HEADER_WORDS};
 use crate::{
     CollectiveKind, Communicator, CounterSnapshot, Counters, DeviceBuffer, DeviceRequest, Error,
@@ -876,7 +877,11 @@ impl Worker {
             Verdict::Go => Ok(()),
             Verdict::Invalid => {
                 let detail = invalid.unwrap_or_default();
-                self.gather_strings(slot, op, &format!("{}\u{1}{detail}", call.describe(dtype)))?;
+                self.gather_strings(
+                    slot,
+                    op,
+                    &described_call(&call.describe(dtype), Some(&detail)),
+                )?;
                 Err(Error::InvalidArgument { op, detail })
             }
             Verdict::Departed { rank } => Err(Error::RankFailed {
@@ -885,28 +890,10 @@ impl Worker {
                 reason: "returned before joining".into(),
             }),
             Verdict::Mismatch(what) => {
-                // Descriptions travel separated from the invalid-argument text by U+0001
-                // (NUL ends a string in the gathered bytes); a description cut at
-                // DESCRIPTION_BYTES loses its tail only.
-                let mine = format!(
-                    "{}\u{1}{}",
-                    call.describe(dtype),
-                    invalid.unwrap_or_default()
-                );
+                // A description cut at DESCRIPTION_BYTES loses its tail only.
+                let mine = described_call(&call.describe(dtype), invalid.as_deref());
                 let all = self.gather_strings(slot, op, &mine)?;
-                let (described, invalids): (Vec<String>, Vec<String>) = all
-                    .iter()
-                    .map(|s| {
-                        let (d, i) = s.split_once('\u{1}').unwrap_or((s, ""));
-                        (d.to_string(), i.to_string())
-                    })
-                    .unzip();
-                let what = match invalids.iter().position(|i| !i.is_empty()) {
-                    Some(r) if what.ends_with("passed invalid arguments") => {
-                        format!("{what} ({})", invalids[r])
-                    }
-                    _ => what,
-                };
+                let (what, described) = split_described(what, &all);
                 Err(Error::CollectiveMismatch {
                     op,
                     backend: BACKEND,
