@@ -126,9 +126,9 @@ usage: train_gpt [flags]
                     and NCCL_MULTI_RANK_GPU_ENABLE=1), every tensor in device memory. Needs a
                     build with `--features cuda,nccl`, the CUDA driver, libnccl, and NVRTC
                     and cuBLAS on LD_LIBRARY_PATH; threads backend only. Ops without a device
-                    path yet (--moe routing) stop with an error naming the op; pp > 1 is
-                    refused (stage hops are blocking device sends, which 1F1B can
-                    cross). With
+                    path yet (--moe routing) stop with an error naming the op; pp > 1
+                    runs every schedule (its hops were checked deadlock-free under NCCL's
+                    rendezvous, tagless send/recv on the host emulator). With
                     --check the reference runs on the CPU and the tolerance is 1e-2 for f32
                     (cuBLAS sums the GEMMs in another order), 1e-6 for f64
   --print-loss-bits also print every step's loss as the exact bits of the f64 value,
@@ -966,12 +966,6 @@ fn device_preflight(a: &Args) -> Result<(), String> {
     }
     if a.backend == Backend::Mpi {
         return Err("--device cuda runs thread ranks over NCCL (--backend threads); NCCL under mpirun is not supported by train_gpt yet".into());
-    }
-    if a.config.pp > 1 {
-        // A stage hop is a device send that waits for its receiver (NCCL), and under 1F1B
-        // two neighbours can each send to the other at once: a deadlock that would end
-        // only in the NCCL timeout. Refused until the hops are grouped send/recv pairs.
-        return Err(format!("--device cuda: pp = {} > 1 is not on the device path yet (stage hops are blocking device sends, which 1F1B can cross); use pp = 1 or --device cpu", a.config.pp));
     }
     if a.save_dir.is_some() || a.resume.is_some() {
         return Err("--device cuda: checkpoints (--save-dir, --resume) are not on the device path yet (dtensor-checkpoint reads and agrees in host memory); drop them or use --device cpu".into());
