@@ -15,7 +15,7 @@
 //!
 //! | NCCL semantics | emulated? |
 //! |---|---|
-//! | a send completes only once its receiver has posted the matching receive (rendezvous) | yes: `send` returns after the receiver's answer. Two ranks that both send to each other first wait until the inner communicator's timeout ([`Error::Timeout`]), where NCCL would hang until its own |
+//! | a send completes only once its receiver has posted the matching receive (rendezvous) | yes: `send` returns after the receiver's answer. Two ranks that both send to each other first wait until the inner communicator's timeout ([`Error::Timeout`]), where the NCCL backend waits for its own timeout |
 //! | no tags: messages between a pair match in call order | yes: every message travels on one internal channel per pair; a `recv` whose tag differs from the next message's fails on both ends, naming both tags ([`Error::CollectiveMismatch`]). On NCCL itself an untagged mismatch of equal sizes would silently deliver the wrong data; our NCCL backend checks the same header and fails the same way |
 //! | one call at a time per rank (the NCCL backend runs a rank's calls on one worker thread) | for `send`/`recv` only: they take a lock shared by the handle and every group split from it, so two threads of a rank never interleave their messages; collectives do not take it |
 //! | stream order between point-to-point calls and asynchronous collectives (on NCCL a `send` queues behind the rank's requests in flight) | no: `start_*` requests progress on the inner backend's own thread, independently of `send`/`recv` |
@@ -29,12 +29,12 @@
 //! with its payload's bytes, as on NCCL.
 //!
 //! The conformance suite runs over it on 2 and 4 thread ranks (`tests/unbuffered.rs`),
-//! with NCCL's point-to-point declarations in [`UNSUPPORTED`]; the pipeline schedules and
+//! with NCCL's point-to-point declarations in `UNSUPPORTED` (feature `conformance`); the pipeline schedules and
 //! ring attention run over it in the workspace's `tests/rendezvous.rs`, bitwise against
 //! the plain threads backend.
 //!
 //! ```
-//! use dtensor_collectives::{threads, unbuffered, CommunicatorExt, Element, Error};
+//! use dtensor_collectives::{threads, unbuffered, Element, Error};
 //! use std::time::Duration;
 //!
 //! let opts = threads::Options { timeout: Duration::from_secs(2) };
