@@ -7,18 +7,24 @@
 //!   (`nn::pipeline::Pipeline`, set up as `train_gpt` does) with GPipe, 1F1B, interleaved
 //!   1F1B (v = 2) and ZB-H1, at pp = 2 and 4, with tp = 2: 2 AdamW steps, every
 //!   rank's losses and gradient norms equal.
+//! - `pipeline_dp2_buckets_and_fsdp_prefetch_under_rendezvous_match_threads_bitwise`:
+//!   1F1B and ZB-H1 at pp = 2, dp = 2 with DDP buckets and with FSDP's prefetch, whose
+//!   asynchronous collectives are in flight around the hops (a hop waits for them under
+//!   the emulator, as on NCCL's stream).
 //! - `ring_attention_under_rendezvous_matches_threads_bitwise`: context-parallel ring
 //!   attention forward and backward at cp = 2 (with tp = 2) and cp = 3.
 //!
 //! They can fail: with the host's former hop order in `transfer::shift` (every rank sends,
 //! then receives: fine with buffered sends), the ring attention here timed out on the
-//! first hop. Every wait is bounded by the threads backend's timeout: a hop that deadlocks under
-//! rendezvous fails the test with a `Timeout` instead of hanging it.
+//! first hop. Every wait is bounded by the threads backend's timeout: a hop that deadlocks
+//! under rendezvous fails the test with a `Timeout` instead of hanging it.
 
 use dtensor::collectives::{threads, unbuffered};
 use dtensor::kernels::ops::CausalAttention;
 use dtensor::nn::pipeline::{self, microbatches, Pipeline, Schedule};
-use dtensor::nn::{model_mesh, Activation, AdamW, Ddp, GptConfig, Ids, NoSp, NormKind, Precision};
+use dtensor::nn::{
+    model_mesh, Activation, AdamW, DataMode, Ddp, Fsdp, GptConfig, Ids, NoSp, NormKind, Precision,
+};
 use dtensor::prelude::*;
 use std::sync::Arc;
 use std::time::Duration;
@@ -73,22 +79,39 @@ fn gpt(layers: usize) -> GptConfig {
 /// `[Pp, Dp: 1, Ep: 1, Cp: 1, Tp: tp]` (the mesh, model and microbatches built as
 /// `train_gpt`'s `train_rank` builds them).
 fn pipelined(schedule: &Schedule, tp: usize, rendezvous: bool) -> Vec<Vec<(f64, f64)>> {
+    pipelined_as::<Ddp>(schedule, (1, tp), None, Precision::default(), rendezvous)
+}
+
+/// [`pipelined`] over `[Pp, Dp: dp, Ep: 1, Cp: 1, Tp: tp]` in data mode `D`, with DDP
+/// buckets of `buckets` bytes (started during each chunk's last backward: asynchronous
+/// all-reduces in flight around the stage hops) and the given precision (FSDP's prefetch).
+fn pipelined_as<D: DataMode>(
+    schedule: &Schedule,
+    (dp, tp): (usize, usize),
+    buckets: Option<usize>,
+    precision: Precision,
+    rendezvous: bool,
+) -> Vec<Vec<(f64, f64)>> {
     let config = ParallelConfig {
         pp: schedule.pp,
+        dp,
         tp,
         ..Default::default()
     };
     let mesh = model_mesh(&config).unwrap();
     let m = schedule.microbatches;
-    let seq: Vec<i64> = (0..m * SEQ + 1)
+    let rows = m * dp * SEQ;
+    let seq: Vec<i64> = (0..rows + 1)
         .map(|i| ((i * i * 7 + 3) % 20) as i64)
         .collect();
-    let ids = Tensor::from_vec(seq[..m * SEQ].to_vec(), &[m * SEQ]).unwrap();
-    let tg = Tensor::from_vec(seq[1..].to_vec(), &[m * SEQ]).unwrap();
-    let layers = schedule.num_stages();
+    let ids = Tensor::from_vec(seq[..rows].to_vec(), &[rows]).unwrap();
+    let tg = Tensor::from_vec(seq[1..].to_vec(), &[rows]).unwrap();
+    let mut cfg = gpt(schedule.num_stages());
+    cfg.precision = precision;
     launch(mesh.world_size(), rendezvous, |world| {
         let dm = DeviceMesh::new(world, mesh.clone())?;
-        let mut model = Pipeline::<NoSp, Ddp>::new(gpt(layers), schedule.clone(), &dm)?;
+        let mut model = Pipeline::<NoSp, D>::new(cfg, schedule.clone(), &dm)?;
+        model.ddp_bucket_bytes = buckets;
         let sm = model.stage_mesh().clone();
         let split = |t: &Tensor| -> Result<Vec<DTensor<Ids>>> {
             microbatches(t, m, SEQ)?
@@ -107,6 +130,19 @@ fn pipelined(schedule: &Schedule, tp: usize, rendezvous: bool) -> Vec<Vec<(f64, 
     })
 }
 
+/// Asserts every rank's losses and gradient norms are the same bits in both runs.
+fn same_bits(what: &str, got: &[Vec<(f64, f64)>], want: &[Vec<(f64, f64)>]) {
+    let bits = |v: &[(f64, f64)]| -> Vec<(u64, u64)> {
+        v.iter().map(|(l, n)| (l.to_bits(), n.to_bits())).collect()
+    };
+    assert_eq!(got.len(), want.len());
+    for (r, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(bits(g), bits(w), "{what} rank {r}: {g:?} vs {w:?}");
+        assert!(g.iter().all(|(l, n)| l.is_finite() && n.is_finite()));
+    }
+    eprintln!("{what}: losses {:?} bitwise", got[0]);
+}
+
 #[test]
 fn pipeline_every_schedule_under_rendezvous_matches_threads_bitwise() {
     for (pp, tp) in [(2, 2), (4, 2)] {
@@ -121,15 +157,26 @@ fn pipeline_every_schedule_under_rendezvous_matches_threads_bitwise() {
             let what = format!("{:?} pp={pp} tp={tp} m={m}", s.kind);
             let want = pipelined(s, tp, false);
             let got = pipelined(s, tp, true);
-            for (r, (g, w)) in got.iter().zip(&want).enumerate() {
-                let bits = |v: &[(f64, f64)]| -> Vec<(u64, u64)> {
-                    v.iter().map(|(l, n)| (l.to_bits(), n.to_bits())).collect()
-                };
-                assert_eq!(bits(g), bits(w), "{what} rank {r}: {g:?} vs {w:?}");
-                assert!(g.iter().all(|(l, n)| l.is_finite() && n.is_finite()));
-            }
-            eprintln!("{what}: losses {:?} bitwise", got[0]);
+            same_bits(&what, &got, &want);
         }
+    }
+}
+
+/// Asynchronous data-parallel collectives in flight around the stage hops (DDP buckets,
+/// FSDP's prefetched gathers): under the emulator a hop waits for them, as on NCCL.
+#[test]
+fn pipeline_dp2_buckets_and_fsdp_prefetch_under_rendezvous_match_threads_bitwise() {
+    let prefetch = Precision::default().resharded(true).prefetched(true);
+    for s in [
+        pipeline::one_f_one_b(2, 2).unwrap(),
+        pipeline::zero_bubble_h1(2, 2).unwrap(),
+    ] {
+        let what = format!("{:?} pp=2 dp=2 ddp buckets", s.kind);
+        let run = |rdv| pipelined_as::<Ddp>(&s, (2, 1), Some(256), Precision::default(), rdv);
+        same_bits(&what, &run(true), &run(false));
+        let what = format!("{:?} pp=2 dp=2 fsdp prefetch", s.kind);
+        let run = |rdv| pipelined_as::<Fsdp>(&s, (2, 1), None, prefetch, rdv);
+        same_bits(&what, &run(true), &run(false));
     }
 }
 

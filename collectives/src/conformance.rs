@@ -102,9 +102,9 @@
 //! and its own GPU tests (`tests/nccl.rs`) check what the suite cannot: a failing rank, a
 //! timeout, the refusal of host buffers, its own wording.
 //! The unbuffered emulator (`unbuffered`: NCCL's point-to-point semantics over the threads
-//! backend, `tests/unbuffered.rs`) declares NCCL's point-to-point needs,
-//! [`Need::BufferedSend`], [`Need::TagMatching`] and [`Need::SharedHandle`], and passes
-//! every other case.
+//! backend, `tests/unbuffered.rs`) declares NCCL's needs about point-to-point calls and
+//! request progress, [`Need::BufferedSend`], [`Need::TagMatching`],
+//! [`Need::SharedHandle`] and [`Need::Overlap`], and passes every other case.
 //!
 //! ## Sizes
 //!

@@ -18,7 +18,7 @@
 //! | a send completes only once its receiver has posted the matching receive (rendezvous) | yes: `send` returns after the receiver's answer. Two ranks that both send to each other first wait until the inner communicator's timeout ([`Error::Timeout`]), where the NCCL backend waits for its own timeout |
 //! | no tags: messages between a pair match in call order | yes: every message travels on one internal channel per pair; a `recv` whose tag differs from the next message's fails on both ends, naming both tags ([`Error::CollectiveMismatch`]). On NCCL itself an untagged mismatch of equal sizes would silently deliver the wrong data; our NCCL backend checks the same header and fails the same way |
 //! | one call at a time per rank (the NCCL backend runs a rank's calls on one worker thread) | for `send`/`recv` only: they take a lock shared by the handle and every group split from it, so two threads of a rank never interleave their messages; collectives do not take it |
-//! | stream order between point-to-point calls and asynchronous collectives (on NCCL a `send` queues behind the rank's requests in flight) | no: `start_*` requests progress on the inner backend's own thread, independently of `send`/`recv` |
+//! | stream order: a rank's `send`/`recv` queue behind the asynchronous collectives it started before (its one worker and stream) | yes: a `send` or `recv` first waits for every request this rank started, on any of its groups, that has not completed (the request keeps its result for its own `wait`). Blocking collectives do not (they wait for the earlier requests of their own handle, as the inner backend does) |
 //! | reduction order (NCCL's ring and tree algorithms choose it) | no: collectives are the inner backend's, unchanged (rank order on the threads backend) |
 //! | device memory, streams, NCCL's own timeouts and errors | no: host buffers only (the `*_device` calls keep the trait's refusal) |
 //!
@@ -29,7 +29,7 @@
 //! with its payload's bytes, as on NCCL.
 //!
 //! The conformance suite runs over it on 2 and 4 thread ranks (`tests/unbuffered.rs`),
-//! with NCCL's point-to-point declarations in `UNSUPPORTED` (feature `conformance`); the pipeline schedules and
+//! with NCCL's declarations about point-to-point calls and request progress in `UNSUPPORTED` (feature `conformance`); the pipeline schedules and
 //! ring attention run over it in the workspace's `tests/rendezvous.rs`, bitwise against
 //! the plain threads backend.
 //!
@@ -62,10 +62,10 @@
 use crate::threads::{self, Options, RankError};
 use crate::{
     Buffer, CollectiveKind, Communicator, CounterSnapshot, Counters, DType, Element, Error,
-    ReduceOp, Request, Result, Slice, SliceMut,
+    Pending, ReduceOp, Request, Result, Slice, SliceMut,
 };
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 /// The internal tag of headers and payloads: one FIFO channel per ordered pair of ranks.
 const DATA: u32 = 0;
@@ -76,9 +76,10 @@ const HEADER_BYTES: u64 = 4 * 8;
 const ANSWER_BYTES: u64 = 8;
 
 /// What the emulator lacks of the conformance suite's optional capabilities, with the
-/// reason a case that needs one is reported unsupported: NCCL's point-to-point
-/// declarations (the NCCL backend declares these too, and more about its collectives,
-/// which the emulator does not emulate). Feature `conformance`.
+/// reason a case that needs one is reported unsupported: what NCCL lacks about
+/// point-to-point calls and request progress (the NCCL backend declares these too, and
+/// more about its collectives, which the emulator does not emulate). Feature
+/// `conformance`.
 #[cfg(feature = "conformance")]
 pub const UNSUPPORTED: &[(crate::conformance::Need, &str)] = &[
     (
@@ -98,27 +99,83 @@ pub const UNSUPPORTED: &[(crate::conformance::Need, &str)] = &[
          collective cases of this need delegate to the inner backend and are reported \
          with it)",
     ),
+    (
+        crate::conformance::Need::Overlap,
+        "send and recv wait for the rank's requests in flight (as NCCL's stream order): the \
+         case's send that lets the peers start would wait for the request it is meant to \
+         unblock",
+    ),
 ];
 
 /// A host communicator whose `send`/`recv` follow NCCL's semantics (see the module docs).
 pub struct Unbuffered {
     inner: Arc<dyn Communicator>,
-    /// One point-to-point call at a time on this rank, across the groups split from it.
-    p2p: Arc<Mutex<()>>,
+    /// This rank's state, shared by the groups split from its world.
+    rank: Arc<RankState>,
     /// The protocol's own messages, which the inner communicator counted.
     overhead: Counters,
+}
+
+/// What NCCL's one worker and stream per rank order: the point-to-point calls, and the
+/// asynchronous requests they queue behind.
+#[derive(Default)]
+struct RankState {
+    /// One point-to-point call at a time on this rank.
+    p2p: Mutex<()>,
+    /// Requests started on this rank (any of its groups), as `send`/`recv` find them.
+    in_flight: Mutex<Vec<Weak<Slot>>>,
+}
+
+/// A request in flight, shared by the caller's [`Request`] and the rank's next
+/// point-to-point call, whichever waits for it first.
+type Slot = Mutex<Option<InFlight>>;
+
+enum InFlight {
+    Running(Request),
+    Done(Result<Buffer>),
+}
+
+/// The caller's side of a tracked request.
+struct Tracked(Arc<Slot>);
+
+impl Pending for Tracked {
+    fn test(&mut self) -> bool {
+        match &mut *lock(&self.0) {
+            Some(InFlight::Running(r)) => r.test(),
+            _ => true,
+        }
+    }
+    fn wait(self: Box<Self>) -> Result<Buffer> {
+        // The lock is held while waiting: a point-to-point call on another thread waits
+        // for the request too.
+        let mut slot = lock(&self.0);
+        match slot.take() {
+            Some(InFlight::Running(r)) => r.wait(),
+            Some(InFlight::Done(result)) => result,
+            None => Err(Error::InvalidArgument {
+                op: "wait",
+                detail: "request already completed".into(),
+            }),
+        }
+    }
+}
+
+/// A lock whose poisoning only means another thread panicked mid-call (the inner
+/// communicator reports that to the peers).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Unbuffered {
     /// Wraps one rank's communicator.
     pub fn new(inner: Arc<dyn Communicator>) -> Unbuffered {
-        Unbuffered::sharing(inner, Arc::new(Mutex::new(())))
+        Unbuffered::sharing(inner, Arc::default())
     }
 
-    fn sharing(inner: Arc<dyn Communicator>, p2p: Arc<Mutex<()>>) -> Unbuffered {
+    fn sharing(inner: Arc<dyn Communicator>, rank: Arc<RankState>) -> Unbuffered {
         Unbuffered {
             inner,
-            p2p,
+            rank,
             overhead: Counters::default(),
         }
     }
@@ -142,10 +199,29 @@ impl Unbuffered {
         Ok(())
     }
 
-    /// One point-to-point call at a time on this rank (a poisoned lock only means another
-    /// thread panicked mid-call; the inner communicator reports that to the peers).
-    fn lock(&self) -> std::sync::MutexGuard<'_, ()> {
-        self.p2p.lock().unwrap_or_else(|p| p.into_inner())
+    /// Starts a point-to-point call: one at a time on this rank, after the requests the
+    /// rank started before it (on NCCL they run first on its worker and stream). A
+    /// request's own error is its waiter's to see, as on the inner backend.
+    fn begin_p2p(&self) -> MutexGuard<'_, ()> {
+        let one = lock(&self.rank.p2p);
+        let started = std::mem::take(&mut *lock(&self.rank.in_flight));
+        for slot in started.iter().filter_map(Weak::upgrade) {
+            let mut slot = lock(&slot);
+            if let Some(InFlight::Running(r)) = slot.take() {
+                *slot = Some(InFlight::Done(r.wait()));
+            }
+        }
+        one
+    }
+
+    /// The caller's request for `r`, which this rank's next point-to-point call waits for.
+    fn track(&self, r: Request) -> Request {
+        let op = r.op();
+        let slot = Arc::new(Mutex::new(Some(InFlight::Running(r))));
+        let mut in_flight = lock(&self.rank.in_flight);
+        in_flight.retain(|w| w.strong_count() > 0);
+        in_flight.push(Arc::downgrade(&slot));
+        Request::new(op, Box::new(Tracked(slot)))
     }
 }
 
@@ -170,7 +246,7 @@ impl Communicator for Unbuffered {
     fn send(&self, buf: Slice<'_>, dst: usize, tag: u32) -> Result<()> {
         const OP: &str = "send";
         self.check_peer(OP, dst)?;
-        let _one = self.lock();
+        let _one = self.begin_p2p();
         let (dtype, len) = (buf.dtype(), buf.len());
         let header = [dtype_code(dtype), len as i64, i64::from(tag), 0];
         self.inner.send(i64::slice(&header), dst, DATA)?;
@@ -196,7 +272,7 @@ impl Communicator for Unbuffered {
     fn recv(&self, buf: SliceMut<'_>, src: usize, tag: u32) -> Result<()> {
         const OP: &str = "recv";
         self.check_peer(OP, src)?;
-        let _one = self.lock();
+        let _one = self.begin_p2p();
         let (dtype, len) = (buf.dtype(), buf.len());
         let mut header = [0i64; 4];
         self.inner.recv(i64::slice_mut(&mut header), src, DATA)?;
@@ -317,7 +393,7 @@ impl Communicator for Unbuffered {
     }
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {
         let child = self.inner.split(color, key)?;
-        Ok(Arc::new(Unbuffered::sharing(child, self.p2p.clone())))
+        Ok(Arc::new(Unbuffered::sharing(child, self.rank.clone())))
     }
     fn counters(&self) -> CounterSnapshot {
         // The overhead first: it is recorded after the inner call counted it, so the
@@ -330,16 +406,16 @@ impl Communicator for Unbuffered {
     }
 
     fn start_all_reduce(&self, buf: Buffer, op: ReduceOp) -> Request {
-        self.inner.start_all_reduce(buf, op)
+        self.track(self.inner.start_all_reduce(buf, op))
     }
     fn start_all_gather(&self, send: Buffer, recv: Buffer) -> Request {
-        self.inner.start_all_gather(send, recv)
+        self.track(self.inner.start_all_gather(send, recv))
     }
     fn start_all_gatherv(&self, send: Buffer, recv: Buffer, counts: &[usize]) -> Request {
-        self.inner.start_all_gatherv(send, recv, counts)
+        self.track(self.inner.start_all_gatherv(send, recv, counts))
     }
     fn start_reduce_scatter(&self, send: Buffer, recv: Buffer, op: ReduceOp) -> Request {
-        self.inner.start_reduce_scatter(send, recv, op)
+        self.track(self.inner.start_reduce_scatter(send, recv, op))
     }
     fn start_reduce_scatterv(
         &self,
@@ -348,7 +424,7 @@ impl Communicator for Unbuffered {
         counts: &[usize],
         op: ReduceOp,
     ) -> Request {
-        self.inner.start_reduce_scatterv(send, recv, counts, op)
+        self.track(self.inner.start_reduce_scatterv(send, recv, counts, op))
     }
 }
 

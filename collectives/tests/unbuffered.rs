@@ -2,12 +2,14 @@
 //! semantics over the threads backend.
 //!
 //! - The backend conformance suite over it on 2 and 4 thread ranks, with NCCL's
-//!   point-to-point declarations (`unbuffered::UNSUPPORTED`): the cases that need buffered
-//!   sends, tag matching or one handle shared by threads report `unsupported` with the
+//!   declarations about point-to-point calls and request progress
+//!   (`unbuffered::UNSUPPORTED`): the cases that need buffered sends, tag matching, one
+//!   handle shared by threads or progress while a send waits report `unsupported` with the
 //!   reason; every other case must pass.
 //! - What it adds: a crossed exchange (both ranks send first) times out instead of
 //!   completing, a receive of another tag fails on both ends naming both tags, the
-//!   protocol's own messages are not counted, split groups are wrapped too.
+//!   protocol's own messages are not counted, split groups are wrapped too, and a send
+//!   waits for the requests its rank started before it (stream order).
 
 use dtensor_collectives::conformance::{self, Outcome};
 use dtensor_collectives::threads::{self, Options};
@@ -178,5 +180,33 @@ fn counters_leave_out_the_protocol_and_split_groups_are_unbuffered() {
     for res in res {
         let e = res.unwrap_err().to_string();
         assert!(e.contains("timed out"), "{e}");
+    }
+}
+
+/// Rank 0 starts an all-reduce, then sends to rank 1, which receives before it joins the
+/// all-reduce. Buffered and without stream order (threads) that completes; on NCCL the
+/// send queues behind the all-reduce, which waits for rank 1: under the emulator both
+/// ranks time out.
+#[test]
+fn send_waits_for_the_ranks_requests_in_flight() {
+    let run = |comm: std::sync::Arc<dyn dtensor_collectives::Communicator>| {
+        use dtensor_collectives::CommunicatorExt;
+        let mut got = [0.0f32];
+        if comm.rank() == 0 {
+            let r = comm.start_all_reduce_vec(vec![1.0f32; 4], dtensor_collectives::ReduceOp::Sum);
+            comm.send(f32::slice(&[3.0]), 1, 0)?;
+            r.wait()?;
+        } else {
+            comm.recv(f32::slice_mut(&mut got), 0, 0)?;
+            let r = comm.start_all_reduce_vec(vec![1.0f32; 4], dtensor_collectives::ReduceOp::Sum);
+            r.wait()?;
+        }
+        Ok::<_, Error>(got[0])
+    };
+    let buffered = threads::launch_with(2, opts(5), run);
+    assert_eq!(buffered[1].as_ref().unwrap(), &3.0);
+    for res in unbuffered::launch_with(2, opts(1), run) {
+        let e = res.unwrap_err().to_string();
+        assert!(e.contains("timed out") || e.contains("failed"), "{e}");
     }
 }

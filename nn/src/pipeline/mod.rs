@@ -87,8 +87,10 @@
 //! `tp = 2`) over thread ranks wrapped in `dtensor_collectives::unbuffered::Unbuffered`,
 //! which gives `send`/`recv` NCCL's semantics (a send returns once its receiver has taken
 //! it; a receive whose tag differs from the pair's next message fails), and checks the
-//! losses bitwise against plain threads. The emulator does not model NCCL's stream order
-//! or its reduction order (see its docs).
+//! losses bitwise against plain threads; the next test there does the same at `pp = 2`,
+//! `dp = 2` with DDP buckets and FSDP's prefetch in flight around the hops (the emulator
+//! queues a send behind the rank's requests, as NCCL's stream does). The emulator does not
+//! model NCCL's reduction order (see its docs).
 //!
 //! ## Memory accounting
 //!
