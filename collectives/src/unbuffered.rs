@@ -207,9 +207,10 @@ impl Unbuffered {
         let started = std::mem::take(&mut *lock(&self.rank.in_flight));
         for slot in started.iter().filter_map(Weak::upgrade) {
             let mut slot = lock(&slot);
-            if let Some(InFlight::Running(r)) = slot.take() {
-                *slot = Some(InFlight::Done(r.wait()));
-            }
+            *slot = match slot.take() {
+                Some(InFlight::Running(r)) => Some(InFlight::Done(r.wait())),
+                other => other,
+            };
         }
         one
     }
