@@ -960,6 +960,13 @@ where
         .collect()
 }
 
+/// Writes `line` and a newline to stderr in one write, so that the lines of MPI processes
+/// sharing mpirun's stderr do not interleave mid-line.
+fn say_line(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
 /// This MPI process's NCCL communicator (`--backend mpi --device cuda`): rank 0's unique id
 /// is broadcast over the MPI world, and the process takes GPU `local rank mod` the GPU
 /// count, the local rank being the launcher's node-local one (`OMPI_COMM_WORLD_LOCAL_RANK`,
@@ -1066,13 +1073,13 @@ fn train_mpi<M: SeqMode, D: DataMode>(a: &Args) -> Result<MpiOut, String> {
         if a.device == Place::Cuda {
             let mine = device_preflight(a);
             if let Err(e) = &mine {
-                eprintln!("error: rank {rank}: {e}");
+                say_line(&format!("error: rank {rank}: {e}"));
             }
             let verdicts = world.all_gather_vec(&[i64::from(mine.is_err())])?;
             let failed: Vec<usize> = (0..size).filter(|&r| verdicts[r] != 0).collect();
             if !failed.is_empty() {
                 if mine.is_ok() {
-                    eprintln!("error: rank {rank}: --device cuda: the device checks failed on ranks {failed:?}");
+                    say_line(&format!("error: rank {rank}: --device cuda: the device checks failed on ranks {failed:?}"));
                 }
                 return Ok(MpiOut::Refused);
             }
