@@ -125,8 +125,9 @@ usage: train_gpt [flags]
                     GPU r mod the GPU count (one rank per GPU; sharing a GPU needs NCCL ≥ 2.30
                     and NCCL_MULTI_RANK_GPU_ENABLE=1), every tensor in device memory. Needs a
                     build with `--features cuda,nccl`, the CUDA driver, libnccl, and NVRTC
-                    and cuBLAS on LD_LIBRARY_PATH; threads backend only. Ops without a device
-                    path yet (--moe routing) stop with an error naming the op; pp > 1 is
+                    and cuBLAS on LD_LIBRARY_PATH; threads backend only. --moe routes on
+                    the host (the router logits come down, the gates go up). Ops without a
+                    device path yet stop with an error naming the op; pp > 1 is
                     refused (stage hops are blocking device sends, which 1F1B can
                     cross). With
                     --check the reference runs on the CPU and the tolerance is 1e-2 for f32
