@@ -132,8 +132,9 @@ usage: train_gpt [flags]
                     (its node-local rank) mod the GPU count; every process checks the driver,
                     NVRTC and libnccl first and all exit 1 if any lacks one. Checkpoints
                     (--save-dir, --resume) copy the shards each rank writes to the host
-                    once, and loaded pieces go to the device. Ops without a device
-                    path yet (--moe routing) stop with an error naming the op; pp > 1 is
+                    once, and loaded pieces go to the device. --moe routes on the host (the
+                    router logits come down, the gates go up). Ops without a device path
+                    yet stop with an error naming the op; pp > 1 is
                     refused (stage hops are blocking device sends, which 1F1B can
                     cross). With
                     --check the reference runs on the CPU and the tolerance is 1e-2 for f32

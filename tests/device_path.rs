@@ -231,7 +231,97 @@ fn host_only_op_on_device_mesh_is_a_named_error() {
     );
 }
 
-// Checkpoints on the device: dtensor-checkpoint over an NCCL world.
+// ---- MoE on the device ------------------------------------------------------------------
+
+/// f32 agreement of the device path with the host: cuBLAS sums each GEMM in its own order
+/// (no TF32), so values agree to a few f32 roundings relative to their scale.
+const F32_TOL: f64 = 1e-4;
+const MOE_TOKENS: usize = 16;
+const MOE_EXPERTS: usize = 4;
+const MOE_AUX: f64 = 0.3;
+
+/// Every parameter's gradient as the optimizer takes it, whole, on the host, in visiting
+/// order.
+struct HostGrads<'g>(&'g mut dtensor::core::Gradients, Vec<Vec<f64>>);
+impl ParamVisitor for HostGrads<'_> {
+    fn visit<D: DataMode, K: ParamKind>(&mut self, _: &str, w: &mut Weight<D, K>) -> Result<()> {
+        let g = w.reduced_grad(self.0)?.full_tensor()?;
+        self.1.push(g.to_host()?.to_f64_vec());
+        Ok(())
+    }
+}
+
+/// One forward and backward of an f32 MoE layer (4 experts, top-2, SwiGLU, dropless) with
+/// the loss `Σ y ⊙ c + 0.3 · aux`: the output, the aux loss, the input gradient and every
+/// parameter gradient (whole, on the host), and the routing statistics.
+fn moe_layer_run(dm: &Arc<DeviceMesh>) -> Result<(Vec<Vec<f64>>, dtensor::core::RoutingStats)> {
+    let config = MoeConfig {
+        aux_loss_coef: MOE_AUX,
+        ..MoeConfig::new(MOE_EXPERTS, 2)
+    };
+    let init = ParamInit::new(5, 40, 0.4, DType::F32);
+    let mut mlp = MoeMlp::<NoSp, Ddp>::new(H, FFN, config, Activation::SwiGlu, init, 0.3, dm)?;
+    let tape = Tape::new();
+    let x = seeded(51, &[MOE_TOKENS, H], DType::F32);
+    let c = seeded(52, &[MOE_TOKENS, H], DType::F32);
+    let xv = tape.leaf(DTensor::<Stream<NoSp>>::from_global(&x, dm)?);
+    let cv = tape.constant(DTensor::<Stream<NoSp>>::from_global(&c, dm)?);
+    let (y, aux) = mlp.forward(&tape, &xv)?;
+    if dm.device().is_some() {
+        assert!(
+            y.value().as_local().is_cuda(),
+            "the MoE output left the device"
+        );
+    }
+    let main = y.mul(&cv)?.sum_dim::<1>()?.sum_dim::<0>()?;
+    let loss = main.add(&aux.scale(MOE_AUX)?)?;
+    let mut out = vec![
+        y.value().full_tensor()?.to_host()?.to_f64_vec(),
+        aux.value().full_tensor()?.to_host()?.to_f64_vec(),
+    ];
+    let mut g = loss.backward()?;
+    let dx: DTensor<Stream<NoSp>> = g.take(&xv)?;
+    out.push(dx.full_tensor()?.to_host()?.to_f64_vec());
+    let mut grads = HostGrads(&mut g, Vec::new());
+    mlp.visit_params("", &mut grads)?;
+    out.extend(grads.1);
+    let stats = mlp
+        .take_stats()
+        .pop()
+        .expect("one forward records its statistics");
+    Ok((out, stats))
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU, libnccl, NVRTC and cuBLAS, and --features cuda,nccl"]
+fn moe_layer_ep2_forward_backward_on_device_match_host() {
+    let mesh = dtensor::nn::model_mesh(&ParallelConfig::parse("ep=2").unwrap()).unwrap();
+    let host = on_host(&mesh, moe_layer_run);
+    let gpu = on_gpus(&mesh, moe_layer_run);
+    let names = [
+        "output", "aux loss", "dx", "d router", "d w1", "d up", "d w2",
+    ];
+    for (r, ((hv, hs), (dv, ds))) in host.iter().zip(&gpu).enumerate() {
+        // The routing is decided on the host from the logits: the same choices both ways.
+        assert_eq!(hs, ds, "rank {r}: routing statistics");
+        assert_eq!(hv.len(), names.len(), "rank {r}: values");
+        assert_eq!(dv.len(), names.len(), "rank {r}: values");
+        for (name, (a, b)) in names.iter().zip(hv.iter().zip(dv)) {
+            assert_eq!(a.len(), b.len(), "rank {r} {name}: lengths");
+            let scale = a.iter().fold(1e-300f64, |m, v| m.max(v.abs()));
+            let err = a
+                .iter()
+                .zip(b)
+                .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()));
+            assert!(
+                err <= F32_TOL * scale,
+                "rank {r} {name}: max |diff| {err:e} (scale {scale:e})"
+            );
+        }
+    }
+}
+
+// ---- Checkpoints on the device (dtensor-checkpoint over an NCCL world) ------------------
 
 /// `Tiny` with parameters drawn from `seed`.
 fn ckpt_tiny(dm: &Arc<DeviceMesh>, seed: u64) -> Result<Tiny> {
