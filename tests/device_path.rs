@@ -320,3 +320,118 @@ fn moe_layer_ep2_forward_backward_on_device_match_host() {
         }
     }
 }
+
+// ---- Checkpoints on the device (dtensor-checkpoint over an NCCL world) ------------------
+
+/// `Tiny` with parameters drawn from `seed`.
+fn ckpt_tiny(dm: &Arc<DeviceMesh>, seed: u64) -> Result<Tiny> {
+    let init = ParamInit::new(seed, 0, 0.3, DType::F64).with_bias_std(0.1);
+    Ok(Tiny {
+        norm: Norm::new(NormKind::Layer, H, 1e-5, init.with_id(0), dm)?,
+        mlp: ParallelMlp::new(H, FFN, Activation::SwiGlu, true, init.with_id(10), 0.2, dm)?,
+    })
+}
+
+fn ckpt_err(e: dtensor_checkpoint::Error) -> dtensor::core::Error {
+    dtensor::core::Error::InvalidUse {
+        op: "checkpoint",
+        detail: e.to_string(),
+    }
+}
+
+/// Every parameter's local master and both AdamW moments, as bits; each must live where
+/// the mesh keeps its tensors (a GPU on an NCCL mesh).
+fn ckpt_state_bits(m: &mut Tiny, dm: &Arc<DeviceMesh>) -> Result<Vec<Vec<u64>>> {
+    struct Collect {
+        on_device: bool,
+        out: Vec<Vec<u64>>,
+    }
+    impl ParamVisitor for Collect {
+        fn visit<D: DataMode, K: ParamKind>(
+            &mut self,
+            name: &str,
+            w: &mut Weight<D, K>,
+        ) -> Result<()> {
+            let mut pieces = vec![w.value().as_local().clone()];
+            pieces.extend(w.master().state().iter().cloned());
+            assert_eq!(pieces.len(), 3, "{name}: a master and two AdamW moments");
+            for t in pieces {
+                assert_eq!(
+                    t.is_cuda(),
+                    self.on_device,
+                    "{name}: a piece in the wrong memory"
+                );
+                let v = t.to_host()?.to_f64_vec();
+                self.out.push(v.iter().map(|x| x.to_bits()).collect());
+            }
+            Ok(())
+        }
+    }
+    let mut c = Collect {
+        on_device: dm.device().is_some(),
+        out: Vec::new(),
+    };
+    m.visit_params("", &mut c)?;
+    Ok(c.out)
+}
+
+/// Two training steps of `Tiny` (so AdamW holds moments), saved to `dir`: the state saved.
+fn ckpt_train_save(dm: &Arc<DeviceMesh>, dir: &std::path::Path) -> Result<Vec<Vec<u64>>> {
+    let mut m = ckpt_tiny(dm, 5)?;
+    let x = seeded(41, &[T, H], DType::F64);
+    let target = seeded(42, &[T, H], DType::F64).scale(1.0 / T as f64);
+    let mut opt = AdamW::new(1e-2);
+    for _ in 0..2 {
+        let tape = Tape::new();
+        let h = m
+            .norm
+            .forward(&tape, &tape.constant(DTensor::from_global(&x, dm)?))?;
+        let y = m.mlp.forward(&tape, &h)?;
+        let mut grads = y.backward_with(DTensor::from_global(&target, dm)?)?;
+        step(&mut m, &mut grads, &mut opt, 0.5)?;
+    }
+    let extra: std::collections::BTreeMap<String, String> =
+        [("data.step".to_string(), "2".to_string())].into();
+    dtensor_checkpoint::nn::save_model(dir, dm.world(), &mut m, &opt, &extra).map_err(ckpt_err)?;
+    ckpt_state_bits(&mut m, dm)
+}
+
+/// A `Tiny` of other weights loaded from `from` (and saved again to `to` if given): the
+/// state loaded and the optimizer's step count.
+fn ckpt_load(
+    dm: &Arc<DeviceMesh>,
+    from: &std::path::Path,
+    to: Option<&std::path::Path>,
+) -> Result<(Vec<Vec<u64>>, u64)> {
+    let mut m = ckpt_tiny(dm, 77)?;
+    let mut opt = AdamW::new(1e-2);
+    let extra =
+        dtensor_checkpoint::nn::load_model(from, dm.world(), &mut m, &mut opt).map_err(ckpt_err)?;
+    assert_eq!(extra.get("data.step").map(String::as_str), Some("2"));
+    if let Some(to) = to {
+        dtensor_checkpoint::nn::save_model(to, dm.world(), &mut m, &opt, &extra)
+            .map_err(ckpt_err)?;
+    }
+    Ok((ckpt_state_bits(&mut m, dm)?, opt.steps()))
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU, libnccl, NVRTC and cuBLAS, and --features cuda,nccl"]
+fn checkpoint_tp2_saved_on_device_loads_on_host_and_back_bitwise() {
+    let mesh = dtensor::nn::model_mesh(&ParallelConfig::parse("tp=2").unwrap()).unwrap();
+    let root = std::env::temp_dir().join(format!("dtensor-device-ckpt-{}", std::process::id()));
+    let (from_gpu, from_host) = (root.join("gpu"), root.join("host"));
+    let _ = std::fs::remove_dir_all(&root);
+    // Masters and moments saved from device memory by 2 NCCL ranks ...
+    let saved = on_gpus(&mesh, |dm| ckpt_train_save(dm, &from_gpu));
+    // ... load on the threads backend (host memory), which saves them again ...
+    let host = on_host(&mesh, |dm| ckpt_load(dm, &from_gpu, Some(&from_host)));
+    // ... and that load back onto NCCL ranks, into device memory.
+    let back = on_gpus(&mesh, |dm| ckpt_load(dm, &from_host, None));
+    let _ = std::fs::remove_dir_all(&root);
+    for (r, (s, ((h, hs), (b, bs)))) in saved.iter().zip(host.iter().zip(&back)).enumerate() {
+        assert_eq!((*hs, *bs), (2, 2), "rank {r}: AdamW's step count");
+        assert_eq!(s, h, "rank {r}: saved on the device, loaded on the host");
+        assert_eq!(s, b, "rank {r}: saved on the host, loaded on the device");
+    }
+}
