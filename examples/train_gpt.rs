@@ -11,7 +11,9 @@
 //! one per GPU, over the NCCL backend: every tensor of the model lives in device memory,
 //! the collectives move device memory, and the kernels and AdamW run on the device
 //! (`docs/gpus.md`): `cargo run --release --features cuda,nccl --example train_gpt --
-//! --device cuda --mesh dp=2,tp=2 --check`.
+//! --device cuda --mesh dp=2,tp=2 --check`. Under MPI (`--features mpi,cuda,nccl`), `mpirun
+//! -np 4 train_gpt --backend mpi --device cuda …` runs one process per GPU, each over an
+//! NCCL communicator made from the MPI world; checkpoints work on the device too.
 //!
 //! The same program runs on MPI ranks, one process each (build with `--features mpi`):
 //! `mpirun -np 4 target/release/examples/train_gpt --backend mpi --mesh dp=2,tp=2 --sp`.
@@ -125,10 +127,16 @@ usage: train_gpt [flags]
                     GPU r mod the GPU count (one rank per GPU; sharing a GPU needs NCCL ≥ 2.30
                     and NCCL_MULTI_RANK_GPU_ENABLE=1), every tensor in device memory. Needs a
                     build with `--features cuda,nccl`, the CUDA driver, libnccl, and NVRTC
-                    and cuBLAS on LD_LIBRARY_PATH; threads backend only. Ops without a device
-                    path yet (--moe routing) stop with an error naming the op; pp > 1
-                    runs every schedule (its hops were checked deadlock-free under NCCL's
-                    rendezvous, tagless send/recv on the host emulator). With
+                    and cuBLAS on LD_LIBRARY_PATH. With --backend mpi (build with
+                    `--features mpi,cuda,nccl`) each process is one rank over NCCL, on GPU
+                    (its node-local rank) mod the GPU count; every process checks the driver,
+                    NVRTC and libnccl first and all exit 1 if any lacks one. Checkpoints
+                    (--save-dir, --resume) copy the shards each rank writes to the host
+                    once, and loaded pieces go to the device. --moe routes on the host (the
+                    router logits come down, the gates go up). Ops without a device path
+                    yet stop with an error naming the op. pp > 1 runs every schedule (its
+                    hops were checked deadlock-free under NCCL's rendezvous, tagless
+                    send/recv on the host emulator, tests/rendezvous.rs). With
                     --check the reference runs on the CPU and the tolerance is 1e-2 for f32
                     (cuBLAS sums the GEMMs in another order), 1e-6 for f64
   --print-loss-bits also print every step's loss as the exact bits of the f64 value,
@@ -953,22 +961,42 @@ where
         .collect()
 }
 
+/// Writes `line` and a newline to stderr in one write, so that the lines of MPI processes
+/// sharing mpirun's stderr do not interleave mid-line.
+fn say_line(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
+/// This MPI process's NCCL communicator (`--backend mpi --device cuda`): rank 0's unique id
+/// is broadcast over the MPI world, and the process takes GPU `local rank mod` the GPU
+/// count, the local rank being the launcher's node-local one (`OMPI_COMM_WORLD_LOCAL_RANK`,
+/// `MPI_LOCALRANKID`, `SLURM_LOCALID`), else the world rank.
+#[cfg(feature = "nccl")]
+fn nccl_over_mpi(world: &dyn Communicator) -> Result<Arc<dyn Communicator>, Error> {
+    use dtensor::collectives::nccl;
+    Ok(Arc::new(nccl::from_host(world, nccl::Options::default())?))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn nccl_over_mpi(_world: &dyn Communicator) -> Result<Arc<dyn Communicator>, Error> {
+    Err(Error::InvalidUse {
+        op: "train_gpt --device cuda",
+        detail: BUILT_WITHOUT_CUDA.into(),
+    })
+}
+
 const BUILT_WITHOUT_CUDA: &str = "--device cuda: this train_gpt was built without the `cuda` and `nccl` features; rebuild with `cargo build --release --example train_gpt --features cuda,nccl` (needs the CUDA driver and libnccl at run time only)";
 
-/// Checks that `--device cuda` can run here: built with the features, the threads backend,
-/// a CUDA driver, NVRTC and libnccl present. Each failure is an error, never a panic.
+/// Checks that `--device cuda` can run in this process: built with the features, a CUDA
+/// driver, NVRTC and libnccl present. Each failure is an error, never a panic. Under
+/// `--backend mpi` every process runs it itself, before any collective ([`train_mpi`]).
 fn device_preflight(a: &Args) -> Result<(), String> {
     if a.device == Place::Cpu {
         return Ok(());
     }
     if !cfg!(feature = "nccl") {
         return Err(BUILT_WITHOUT_CUDA.into());
-    }
-    if a.backend == Backend::Mpi {
-        return Err("--device cuda runs thread ranks over NCCL (--backend threads); NCCL under mpirun is not supported by train_gpt yet".into());
-    }
-    if a.save_dir.is_some() || a.resume.is_some() {
-        return Err("--device cuda: checkpoints (--save-dir, --resume) are not on the device path yet (dtensor-checkpoint reads and agrees in host memory); drop them or use --device cpu".into());
     }
     if !dtensor::kernels::cuda::driver_present() {
         return Err("--device cuda: no CUDA driver found (libcuda.so.1 could not be loaded); run on a machine with an NVIDIA GPU and driver, or use --device cpu".into());
@@ -986,8 +1014,9 @@ enum MpiOut {
     Root(RankOut),
     /// Any other rank.
     Peer,
-    /// The world's size is not the mesh's (rank 0 has said so).
-    WrongSize,
+    /// This world cannot run: its size is not the mesh's (rank 0 has said so), or the
+    /// device checks failed on some rank (every rank has said so). Every rank exits 1.
+    Refused,
 }
 
 /// `CollectiveKind::ALL` calls, then bytes sent and received: one axis's counters as numbers.
@@ -1014,8 +1043,9 @@ fn counters_from_numbers(v: &[i64]) -> CounterSnapshot {
     s
 }
 
-/// Trains with each process `mpirun` started as one rank (`train_rank` on the MPI world).
-/// Rank 0 prints the header and the log, and gets every rank's counters summed.
+/// Trains with each process `mpirun` started as one rank (`train_rank` on the MPI world,
+/// or with `--device cuda` on an NCCL communicator made over it). Rank 0 prints the header
+/// and the log, and gets every rank's counters summed.
 fn train_mpi<M: SeqMode, D: DataMode>(a: &Args) -> Result<MpiOut, String> {
     let c = a.config;
     let mesh = model_mesh(c)?;
@@ -1030,12 +1060,35 @@ fn train_mpi<M: SeqMode, D: DataMode>(a: &Args) -> Result<MpiOut, String> {
                     mesh.world_size()
                 );
             }
-            return Ok(MpiOut::WrongSize);
+            return Ok(MpiOut::Refused);
+        }
+        // --device cuda: each process checks its own machine before any collective, then
+        // the ranks share their verdicts over MPI (host memory), so a failure on any rank
+        // ends every rank with an error and exit code 1, none left waiting in NCCL's setup.
+        if a.device == Place::Cuda {
+            let mine = device_preflight(a);
+            if let Err(e) = &mine {
+                say_line(&format!("error: rank {rank}: {e}"));
+            }
+            let verdicts = world.all_gather_vec(&[i64::from(mine.is_err())])?;
+            let failed: Vec<usize> = (0..size).filter(|&r| verdicts[r] != 0).collect();
+            if !failed.is_empty() {
+                if mine.is_ok() {
+                    say_line(&format!("error: rank {rank}: --device cuda: the device checks failed on ranks {failed:?}"));
+                }
+                return Ok(MpiOut::Refused);
+            }
         }
         if rank == 0 {
             println!("{}", header(a, "MPI"));
         }
-        let out = train_rank::<M, D>(a, world.clone(), mesh.clone(), true)?;
+        // The model's collectives: the MPI world itself, or NCCL over it with --device cuda
+        // (the reports below stay on the MPI world: host values).
+        let comm = match a.device {
+            Place::Cpu => world.clone(),
+            Place::Cuda => nccl_over_mpi(&*world)?,
+        };
+        let out = train_rank::<M, D>(a, comm, mesh.clone(), true)?;
         if let Some(path) = &a.trace {
             // Every process renders its own events; rank 0 gathers and writes them.
             let mine: Vec<i32> = trace::chrome_lines(&trace::take())
@@ -1103,9 +1156,10 @@ fn header(a: &Args, ranks: &str) -> String {
     format!(
         "train_gpt: {} layers, hidden {}, {} heads, byte vocab 256, seq {}, global batch {} ({} tokens), {}, on {} {ranks} ranks, device {}",
         a.layers, a.hidden, a.heads, a.seq, a.batch, a.batch * a.seq, a.dtype, a.config.world_size(),
-        match a.device {
-            Place::Cpu => "cpu",
-            Place::Cuda => "cuda (NCCL; rank r on GPU r mod the GPU count)",
+        match (a.device, a.backend) {
+            (Place::Cpu, _) => "cpu",
+            (Place::Cuda, Backend::Threads) => "cuda (NCCL; rank r on GPU r mod the GPU count)",
+            (Place::Cuda, Backend::Mpi) => "cuda (NCCL over MPI; each process on GPU (its node-local rank) mod the GPU count)",
         }
     )
 }
@@ -1251,13 +1305,17 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
             out
         }
         Backend::Mpi => {
-            device_preflight(a)?;
+            // A build without the device features says so before MPI starts; the machine's
+            // checks run in every MPI process (train_mpi).
+            if !cfg!(feature = "nccl") {
+                device_preflight(a)?;
+            }
             mpi_preflight(a)?;
             let out = with_modes(a, OnMpi)?;
             match out {
                 MpiOut::Root(out) => out,
                 MpiOut::Peer => return Ok(None),
-                MpiOut::WrongSize => return Ok(Some(false)),
+                MpiOut::Refused => return Ok(Some(false)),
             }
         }
     };

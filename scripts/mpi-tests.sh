@@ -20,7 +20,9 @@
 # a message naming it, and a restart from the checkpoint ends with the never-failed run's
 # final loss (scripts/mpi-restart.sh)
 # (and say how
-# to launch it when started without mpirun), and `bench_report --backend mpi --quick` under
+# to launch it when started without mpirun), `train_gpt --backend mpi --device cuda` (a
+# build with `--features mpi,cuda,nccl`) without a GPU ends both ranks with the named "no
+# CUDA driver" error and a non-zero exit, within a timeout, and `bench_report --backend mpi --quick` under
 # `mpirun -np 2` must print a `backend=mpi` line for every redistribution op.
 #
 # Needs OpenMPI (openmpi-bin, libopenmpi-dev) and libclang (for rsmpi's bindings); `.ci/run`
@@ -263,6 +265,39 @@ for c in "${launch_cases[@]}"; do
   fi
   rm -f "$log"
 done
+
+# train_gpt --backend mpi --device cuda on a machine without a GPU: every process checks
+# its driver before any collective and the ranks share their verdicts, so both ranks must
+# print the named "no CUDA driver" error and the job exit non-zero, within the timeout
+# (not the 124 of a hang). Needs a build with the device features (CI's test.sh builds
+# with them; otherwise train_gpt is rebuilt with them here).
+echo "== mpi: train_gpt --backend mpi --device cuda without a GPU, mpirun -np 2"
+if ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1'; then
+  echo "mpi: train_gpt --device cuda without a GPU: skipped: a CUDA driver (libcuda.so.1) is installed here, and this check is for machines without one (not counted as passed)"
+else
+  case ",${DTENSOR_TEST_FEATURES:-mpi}," in
+    *,nccl,*) ;;
+    *) cargo build --profile test --features mpi,cuda,nccl --example train_gpt ;;
+  esac
+  log=$(mktemp)
+  set +e
+  timeout 120 "${MPIRUN[@]}" -np 2 "$bin/train_gpt" --backend mpi --device cuda --mesh dp=2 \
+    --steps 1 >"$log" 2>&1
+  rc=$?
+  set -e
+  missing=()
+  for r in 0 1; do
+    grep -Eq "^error: rank $r: --device cuda: no CUDA driver found" "$log" || missing+=("rank $r")
+  done
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "${#missing[@]}" -eq 0 ] && ! grep -q panicked "$log"; then
+    grep -E "no CUDA driver found" "$log"
+    pass "train_gpt --backend mpi --device cuda without a GPU: exit $rc, both ranks name the missing driver"
+  else
+    cat "$log"
+    fail "train_gpt --backend mpi --device cuda without a GPU: exit $rc (want non-zero, not the 124 of a hang), no 'no CUDA driver found' error from: ${missing[*]:-none}"
+  fi
+  rm -f "$log"
+fi
 
 # bench_report: a smoke test (not a performance test): every op prints a backend=mpi line.
 echo "== mpi: bench_report --backend mpi --quick, mpirun -np 2"

@@ -231,13 +231,212 @@ fn host_only_op_on_device_mesh_is_a_named_error() {
     );
 }
 
-// ---------------------------------------------------------------------------------------
-// Pipeline stages (pp = 2) on the device
-// ---------------------------------------------------------------------------------------
+// ---- MoE on the device ------------------------------------------------------------------
 
-/// f32 losses and gradient norms of two NCCL ranks against the host: cuBLAS sums the GEMMs
-/// in its own order, so they agree to f32 rounding, far inside this.
-const PIPELINE_F32_TOL: f64 = 1e-4;
+/// f32 agreement of the device path with the host: cuBLAS sums each GEMM in its own order
+/// (no TF32), so values agree to a few f32 roundings relative to their scale.
+const F32_TOL: f64 = 1e-4;
+const MOE_TOKENS: usize = 16;
+const MOE_EXPERTS: usize = 4;
+const MOE_AUX: f64 = 0.3;
+
+/// Every parameter's gradient as the optimizer takes it, whole, on the host, in visiting
+/// order.
+struct HostGrads<'g>(&'g mut dtensor::core::Gradients, Vec<Vec<f64>>);
+impl ParamVisitor for HostGrads<'_> {
+    fn visit<D: DataMode, K: ParamKind>(&mut self, _: &str, w: &mut Weight<D, K>) -> Result<()> {
+        let g = w.reduced_grad(self.0)?.full_tensor()?;
+        self.1.push(g.to_host()?.to_f64_vec());
+        Ok(())
+    }
+}
+
+/// One forward and backward of an f32 MoE layer (4 experts, top-2, SwiGLU, dropless) with
+/// the loss `Σ y ⊙ c + 0.3 · aux`: the output, the aux loss, the input gradient and every
+/// parameter gradient (whole, on the host), and the routing statistics.
+fn moe_layer_run(dm: &Arc<DeviceMesh>) -> Result<(Vec<Vec<f64>>, dtensor::core::RoutingStats)> {
+    let config = MoeConfig {
+        aux_loss_coef: MOE_AUX,
+        ..MoeConfig::new(MOE_EXPERTS, 2)
+    };
+    let init = ParamInit::new(5, 40, 0.4, DType::F32);
+    let mut mlp = MoeMlp::<NoSp, Ddp>::new(H, FFN, config, Activation::SwiGlu, init, 0.3, dm)?;
+    let tape = Tape::new();
+    let x = seeded(51, &[MOE_TOKENS, H], DType::F32);
+    let c = seeded(52, &[MOE_TOKENS, H], DType::F32);
+    let xv = tape.leaf(DTensor::<Stream<NoSp>>::from_global(&x, dm)?);
+    let cv = tape.constant(DTensor::<Stream<NoSp>>::from_global(&c, dm)?);
+    let (y, aux) = mlp.forward(&tape, &xv)?;
+    if dm.device().is_some() {
+        assert!(
+            y.value().as_local().is_cuda(),
+            "the MoE output left the device"
+        );
+    }
+    let main = y.mul(&cv)?.sum_dim::<1>()?.sum_dim::<0>()?;
+    let loss = main.add(&aux.scale(MOE_AUX)?)?;
+    let mut out = vec![
+        y.value().full_tensor()?.to_host()?.to_f64_vec(),
+        aux.value().full_tensor()?.to_host()?.to_f64_vec(),
+    ];
+    let mut g = loss.backward()?;
+    let dx: DTensor<Stream<NoSp>> = g.take(&xv)?;
+    out.push(dx.full_tensor()?.to_host()?.to_f64_vec());
+    let mut grads = HostGrads(&mut g, Vec::new());
+    mlp.visit_params("", &mut grads)?;
+    out.extend(grads.1);
+    let stats = mlp
+        .take_stats()
+        .pop()
+        .expect("one forward records its statistics");
+    Ok((out, stats))
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU, libnccl, NVRTC and cuBLAS, and --features cuda,nccl"]
+fn moe_layer_ep2_forward_backward_on_device_match_host() {
+    let mesh = dtensor::nn::model_mesh(&ParallelConfig::parse("ep=2").unwrap()).unwrap();
+    let host = on_host(&mesh, moe_layer_run);
+    let gpu = on_gpus(&mesh, moe_layer_run);
+    let names = [
+        "output", "aux loss", "dx", "d router", "d w1", "d up", "d w2",
+    ];
+    for (r, ((hv, hs), (dv, ds))) in host.iter().zip(&gpu).enumerate() {
+        // The routing is decided on the host from the logits: the same choices both ways.
+        assert_eq!(hs, ds, "rank {r}: routing statistics");
+        assert_eq!(hv.len(), names.len(), "rank {r}: values");
+        assert_eq!(dv.len(), names.len(), "rank {r}: values");
+        for (name, (a, b)) in names.iter().zip(hv.iter().zip(dv)) {
+            assert_eq!(a.len(), b.len(), "rank {r} {name}: lengths");
+            let scale = a.iter().fold(1e-300f64, |m, v| m.max(v.abs()));
+            let err = a
+                .iter()
+                .zip(b)
+                .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()));
+            assert!(
+                err <= F32_TOL * scale,
+                "rank {r} {name}: max |diff| {err:e} (scale {scale:e})"
+            );
+        }
+    }
+}
+
+// ---- Checkpoints on the device (dtensor-checkpoint over an NCCL world) ------------------
+
+/// `Tiny` with parameters drawn from `seed`.
+fn ckpt_tiny(dm: &Arc<DeviceMesh>, seed: u64) -> Result<Tiny> {
+    let init = ParamInit::new(seed, 0, 0.3, DType::F64).with_bias_std(0.1);
+    Ok(Tiny {
+        norm: Norm::new(NormKind::Layer, H, 1e-5, init.with_id(0), dm)?,
+        mlp: ParallelMlp::new(H, FFN, Activation::SwiGlu, true, init.with_id(10), 0.2, dm)?,
+    })
+}
+
+fn ckpt_err(e: dtensor_checkpoint::Error) -> dtensor::core::Error {
+    dtensor::core::Error::InvalidUse {
+        op: "checkpoint",
+        detail: e.to_string(),
+    }
+}
+
+/// Every parameter's local master and both AdamW moments, as bits; each must live where
+/// the mesh keeps its tensors (a GPU on an NCCL mesh).
+fn ckpt_state_bits(m: &mut Tiny, dm: &Arc<DeviceMesh>) -> Result<Vec<Vec<u64>>> {
+    struct Collect {
+        on_device: bool,
+        out: Vec<Vec<u64>>,
+    }
+    impl ParamVisitor for Collect {
+        fn visit<D: DataMode, K: ParamKind>(
+            &mut self,
+            name: &str,
+            w: &mut Weight<D, K>,
+        ) -> Result<()> {
+            let mut pieces = vec![w.value().as_local().clone()];
+            pieces.extend(w.master().state().iter().cloned());
+            assert_eq!(pieces.len(), 3, "{name}: a master and two AdamW moments");
+            for t in pieces {
+                assert_eq!(
+                    t.is_cuda(),
+                    self.on_device,
+                    "{name}: a piece in the wrong memory"
+                );
+                let v = t.to_host()?.to_f64_vec();
+                self.out.push(v.iter().map(|x| x.to_bits()).collect());
+            }
+            Ok(())
+        }
+    }
+    let mut c = Collect {
+        on_device: dm.device().is_some(),
+        out: Vec::new(),
+    };
+    m.visit_params("", &mut c)?;
+    Ok(c.out)
+}
+
+/// Two training steps of `Tiny` (so AdamW holds moments), saved to `dir`: the state saved.
+fn ckpt_train_save(dm: &Arc<DeviceMesh>, dir: &std::path::Path) -> Result<Vec<Vec<u64>>> {
+    let mut m = ckpt_tiny(dm, 5)?;
+    let x = seeded(41, &[T, H], DType::F64);
+    let target = seeded(42, &[T, H], DType::F64).scale(1.0 / T as f64);
+    let mut opt = AdamW::new(1e-2);
+    for _ in 0..2 {
+        let tape = Tape::new();
+        let h = m
+            .norm
+            .forward(&tape, &tape.constant(DTensor::from_global(&x, dm)?))?;
+        let y = m.mlp.forward(&tape, &h)?;
+        let mut grads = y.backward_with(DTensor::from_global(&target, dm)?)?;
+        step(&mut m, &mut grads, &mut opt, 0.5)?;
+    }
+    let extra: std::collections::BTreeMap<String, String> =
+        [("data.step".to_string(), "2".to_string())].into();
+    dtensor_checkpoint::nn::save_model(dir, dm.world(), &mut m, &opt, &extra).map_err(ckpt_err)?;
+    ckpt_state_bits(&mut m, dm)
+}
+
+/// A `Tiny` of other weights loaded from `from` (and saved again to `to` if given): the
+/// state loaded and the optimizer's step count.
+fn ckpt_load(
+    dm: &Arc<DeviceMesh>,
+    from: &std::path::Path,
+    to: Option<&std::path::Path>,
+) -> Result<(Vec<Vec<u64>>, u64)> {
+    let mut m = ckpt_tiny(dm, 77)?;
+    let mut opt = AdamW::new(1e-2);
+    let extra =
+        dtensor_checkpoint::nn::load_model(from, dm.world(), &mut m, &mut opt).map_err(ckpt_err)?;
+    assert_eq!(extra.get("data.step").map(String::as_str), Some("2"));
+    if let Some(to) = to {
+        dtensor_checkpoint::nn::save_model(to, dm.world(), &mut m, &opt, &extra)
+            .map_err(ckpt_err)?;
+    }
+    Ok((ckpt_state_bits(&mut m, dm)?, opt.steps()))
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU, libnccl, NVRTC and cuBLAS, and --features cuda,nccl"]
+fn checkpoint_tp2_saved_on_device_loads_on_host_and_back_bitwise() {
+    let mesh = dtensor::nn::model_mesh(&ParallelConfig::parse("tp=2").unwrap()).unwrap();
+    let root = std::env::temp_dir().join(format!("dtensor-device-ckpt-{}", std::process::id()));
+    let (from_gpu, from_host) = (root.join("gpu"), root.join("host"));
+    let _ = std::fs::remove_dir_all(&root);
+    // Masters and moments saved from device memory by 2 NCCL ranks ...
+    let saved = on_gpus(&mesh, |dm| ckpt_train_save(dm, &from_gpu));
+    // ... load on the threads backend (host memory), which saves them again ...
+    let host = on_host(&mesh, |dm| ckpt_load(dm, &from_gpu, Some(&from_host)));
+    // ... and that load back onto NCCL ranks, into device memory.
+    let back = on_gpus(&mesh, |dm| ckpt_load(dm, &from_host, None));
+    let _ = std::fs::remove_dir_all(&root);
+    for (r, (s, ((h, hs), (b, bs)))) in saved.iter().zip(host.iter().zip(&back)).enumerate() {
+        assert_eq!((*hs, *bs), (2, 2), "rank {r}: AdamW's step count");
+        assert_eq!(s, h, "rank {r}: saved on the device, loaded on the host");
+        assert_eq!(s, b, "rank {r}: saved on the host, loaded on the device");
+    }
+}
+
+// ---- Pipeline stages on the device (pp = 2: stage hops are NCCL sends and receives) ------
 
 /// Two 1F1B steps (4 microbatches) of a tiny f32 GPT cut into 2 stages over `Pp` (set up
 /// as `train_gpt` does): each step's loss and gradient norm.
@@ -298,8 +497,7 @@ fn pp2_pipeline_steps_on_two_nccl_ranks_match_host() {
         assert_eq!(h.len(), d.len());
         for (i, ((hl, hn), (dl, dn))) in h.iter().zip(d).enumerate() {
             assert!(
-                (hl - dl).abs() <= PIPELINE_F32_TOL * hl.abs()
-                    && (hn - dn).abs() <= PIPELINE_F32_TOL * hn.abs(),
+                (hl - dl).abs() <= F32_TOL * hl.abs() && (hn - dn).abs() <= F32_TOL * hn.abs(),
                 "rank {r} step {i}: host loss {hl}, grad norm {hn}; GPU {dl}, {dn}"
             );
         }

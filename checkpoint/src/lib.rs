@@ -43,6 +43,16 @@
 //! index; `scripts/mpi-tests.sh` saves under one `mpirun` and resumes under another, and
 //! `scripts/mpi-restart.sh` resumes after a rank was killed with SIGKILL mid-run.
 //!
+//! **Device meshes** (a world over the NCCL backend, whose collectives take device memory
+//! only): the agreements, the gather of shard records and the broadcast of the generation
+//! are a few host values, moved through `dtensor_core::transfer`'s `*_values` helpers (up
+//! to the device, the device collective, back), so the same code runs there. A rank copies
+//! each shard it writes from device to host memory once, just before serializing its file
+//! (writing a file is a host operation); shards it does not write (replicas) are not
+//! copied. A load reads into host memory and builds each piece with
+//! [`AnyDTensor::from_local`], which copies it to the mesh's GPU once: every loaded tensor
+//! lives where the model's tensors do.
+//!
 //! [`nn::save_model`] / [`nn::load_model`] add a model's training state: masters, AdamW
 //! moments and step count, and the layers' non-parameter state
 //! ([`dtensor_nn::Module::visit_state`], e.g. an MoE layer's expert selection bias).
@@ -57,8 +67,8 @@ use crate::crc::crc32;
 use crate::index::{
     dtype_name, FileEntry, Index, ShardEntry, TensorEntry, DEFAULT_BLOCK_BYTES, INDEX_FILE, VERSION,
 };
-use dtensor_collectives::{Communicator, CommunicatorExt};
-use dtensor_core::{AnyDTensor, DTensor, DeviceMesh};
+use dtensor_collectives::Communicator;
+use dtensor_core::{transfer, AnyDTensor, DTensor, DeviceMesh};
 use dtensor_kernels::{half, DType, Tensor};
 use dtensor_placement::{local_ranges, Layout, Placement};
 use std::collections::{BTreeMap, HashMap};
@@ -169,18 +179,14 @@ pub fn agree<T>(world: &Arc<dyn Communicator>, op: &'static str, local: Result<T
         Ok(_) => Vec::new(),
         Err(e) => format!("{e}").into_bytes(),
     };
-    let lens: Vec<i64> = world.all_gather_vec(&[msg.len() as i64])?;
+    let lens: Vec<i64> = transfer::all_gather_values(&**world, &[msg.len() as i64])?;
     if lens.iter().all(|&l| l == 0) {
         return local;
     }
     let words: Vec<usize> = lens.iter().map(|&l| (l as usize).div_ceil(8)).collect();
     let send = pack(&msg);
     let mut recv = vec![0i64; words.iter().sum()];
-    world.all_gatherv(
-        dtensor_kernels::Slice::I64(&send),
-        dtensor_kernels::SliceMut::I64(&mut recv),
-        &words,
-    )?;
+    transfer::all_gatherv_values(&**world, &send, &mut recv, &words)?;
     let local = local?;
     let mut detail = Vec::new();
     let mut at = 0;
@@ -215,8 +221,10 @@ fn unpack(words: &[i64], len: usize) -> Vec<u8> {
     out
 }
 
-/// The local tensor's elements as little-endian bytes.
-fn tensor_bytes(t: &Tensor) -> Vec<u8> {
+/// The local tensor's elements as little-endian bytes. A piece in device memory is copied
+/// to the host first, once (writing a file is a host operation).
+fn tensor_bytes(t: &Tensor) -> dtensor_kernels::Result<Vec<u8>> {
+    let t = &t.to_host()?;
     fn le<T: bytemuck::Pod, const N: usize>(s: &[T], f: impl Fn(&T) -> [u8; N]) -> Vec<u8> {
         if cfg!(target_endian = "little") {
             bytemuck::cast_slice(s).to_vec()
@@ -226,10 +234,10 @@ fn tensor_bytes(t: &Tensor) -> Vec<u8> {
     }
     macro_rules! s {
         ($t:ty) => {
-            t.as_slice::<$t>().expect("dtype matched")
+            t.as_slice::<$t>()?
         };
     }
-    match t.dtype() {
+    Ok(match t.dtype() {
         DType::F32 => le(s!(f32), |x| x.to_le_bytes()),
         DType::F64 => le(s!(f64), |x| x.to_le_bytes()),
         DType::I32 => le(s!(i32), |x| x.to_le_bytes()),
@@ -242,7 +250,7 @@ fn tensor_bytes(t: &Tensor) -> Vec<u8> {
             .iter()
             .flat_map(|x| x.to_bits().to_le_bytes())
             .collect(),
-    }
+    })
 }
 
 /// A tensor of `shape` and `dtype` from its little-endian bytes.
@@ -399,7 +407,7 @@ pub fn save_with(
     };
     let generation = agree(world, "save", generation)?;
     let mut g = [generation as i64];
-    world.broadcast_in_place(&mut g, 0)?;
+    transfer::broadcast_values(&**world, &mut g, 0)?;
     let generation = g[0] as u64;
 
     let file_name = data_file_name(generation, me);
@@ -415,14 +423,10 @@ pub fn save_with(
 
     // Gather every rank's record (JSON) on every rank; rank 0 writes the index.
     let text = serde_json::to_vec(&record).expect("JSON values serialize");
-    let lens: Vec<i64> = world.all_gather_vec(&[text.len() as i64])?;
+    let lens: Vec<i64> = transfer::all_gather_values(&**world, &[text.len() as i64])?;
     let words: Vec<usize> = lens.iter().map(|&l| (l as usize).div_ceil(8)).collect();
     let mut recv = vec![0i64; words.iter().sum()];
-    world.all_gatherv(
-        dtensor_kernels::Slice::I64(&pack(&text)),
-        dtensor_kernels::SliceMut::I64(&mut recv),
-        &words,
-    )?;
+    transfer::all_gatherv_values(&**world, &pack(&text), &mut recv, &words)?;
     let mut records = Vec::new();
     let mut at = 0;
     for (&l, &w) in lens.iter().zip(&words) {
@@ -528,7 +532,8 @@ fn write_rank_file(
         };
         metas.insert(name.to_string(), entry.to_json());
         if writer {
-            owned.push((name, t, tensor_bytes(t.as_local())));
+            let bytes = tensor_bytes(t.as_local()).map_err(dtensor_core::Error::from)?;
+            owned.push((name, t, bytes));
         }
     }
     if owned.is_empty() {

@@ -6,6 +6,11 @@
 //! `<layer>.expert_bias`), each a replicated `[n]` f64 tensor.
 //! Loading into a model built on another mesh or data mode reshards every tensor to the
 //! layout the new model holds it in.
+//!
+//! On a device mesh the masters and AdamW moments live in GPU memory: a save copies the
+//! shards this rank writes to the host once; a load builds masters and moments on the
+//! mesh's GPU (so AdamW's device kernel continues from them) and copies the small layer
+//! state back into the layers' host values.
 
 use crate::{load, read_index, save, Result, SaveReport, Target};
 use dtensor_collectives::Communicator;

@@ -35,6 +35,14 @@
 //! token's output (a residual around the MoE block passes the token through); its gate
 //! gets no gradient. Without one (dropless) every copy is sent.
 //!
+//! **Host and device.** On a device mesh the routing decision runs on the host (the
+//! all-to-all-v needs its counts there): [`route`] and the aux loss each copy the router
+//! logits (`[tokens, E]`) down once and send their results up (gates `[tokens, k]`, a
+//! scalar); their backwards bring the small output gradient down and send the logits'
+//! gradient up, reusing the forward's probabilities. [`dispatch`] and [`combine`] stay on
+//! the device: row gathers and scatter-adds (in a fixed order, so the same bits every run),
+//! an elementwise product by each row's gate and a row sum for the gates' gradient.
+//!
 //! **Bytes.** Let `out` be the kept copies a rank sends to other Ep ranks and `in` those it
 //! receives from them ([`Routing::remote_copies_sent`], [`Routing::remote_copies_received`]),
 //! `row = hidden_local · dtype_bytes`. Copies that stay on their rank cross no wire.
@@ -57,7 +65,7 @@ use crate::tape::{grad_of, Var};
 use crate::transfer;
 use crate::typed::DTensor;
 use dtensor_collectives::{Communicator, ReduceOp};
-use dtensor_kernels::{ops, Tensor};
+use dtensor_kernels::{ops, DType, Tensor};
 use dtensor_placement::{
     AxisKind, Brand, CombineLayout, CombineOut, DispatchLayout, DispatchOut, DispatchedBy, Ep,
     ExpertTokens, GroupedMatmulLayout, GroupedMatmulOut, Layout, NotSplitLayout, Select, SumLayout,
@@ -301,6 +309,14 @@ fn ep_comm(op: &'static str, mesh: &DeviceMesh) -> Result<Arc<dyn Communicator>>
     })
 }
 
+/// `t` (computed on the host) where `like` is: copied up to its device, or itself.
+fn beside(t: Tensor, like: &Tensor) -> Result<Tensor> {
+    Ok(match like.device() {
+        Some(dev) => t.to_device(dev)?,
+        None => t,
+    })
+}
+
 /// Softmax of each row of `v` (`[rows, cols]`), in f64.
 fn softmax_rows(v: &[f64], cols: usize) -> Vec<f64> {
     let mut p = v.to_vec();
@@ -380,7 +396,9 @@ where
     }
     let tokens = shape[0];
     let el = e / ep;
-    let probs = softmax_rows(&lv.as_local().to_f64_vec(), e);
+    // The routing decision runs on the host: the counts must be there for the all-to-all-v
+    // anyway. One copy of the logits down (`[tokens, E]`, a no-op on the host).
+    let probs = softmax_rows(&lv.as_local().to_host()?.to_f64_vec(), e);
     // Selection: probabilities plus the bias (which never reaches the gates).
     let mut choices = Vec::with_capacity(tokens * k);
     for t in 0..tokens {
@@ -473,13 +491,16 @@ where
     let gv = gates_of(&probs);
     let choices = routing.choices.clone();
     let global = [lv.global_shape()[0], k];
+    // The gates go up to the logits' device (`[tokens, k]`); the backward brings their
+    // gradient down (`[tokens, k]`) and the logits' gradient up (`[tokens, E]`), reusing
+    // the forward's probabilities.
     let gates = logits.custom::<L>(
         "moe::route (gates)",
         &global,
-        |x| Ok(Tensor::from_f64_vec(gv, &[tokens, k], x.dtype())?),
+        |x| beside(Tensor::from_f64_vec(gv, &[tokens, k], x.dtype())?, x),
         move |dy, x| {
-            let p = softmax_rows(&x.to_f64_vec(), e);
-            let dg = dy.to_f64_vec();
+            let p = probs;
+            let dg = dy.to_host()?.to_f64_vec();
             let mut dl = vec![0.0; tokens * e];
             for t in 0..tokens {
                 let sel = &choices[t * k..(t + 1) * k];
@@ -502,7 +523,7 @@ where
                     dl[t * e + i] = pt[i] * (dp[i] - dot);
                 }
             }
-            Ok(Tensor::from_f64_vec(dl, &[tokens, e], x.dtype())?)
+            beside(Tensor::from_f64_vec(dl, &[tokens, e], x.dtype())?, x)
         },
     )?;
     Ok((routing, gates))
@@ -746,6 +767,7 @@ where
     let h = yv.local_shape()[1];
     let recv_counts = routing.recv_counts();
     let src_major = ops::scatter_add_rows(yv.as_local(), &routing.perm, routing.perm.len())?;
+    // `back`: the sent copies' outputs, `[m, h]` in send order (row i is slot `slots[i]`).
     let back = exchange_rows(
         &*routing.comm,
         &src_major,
@@ -753,18 +775,13 @@ where
         &routing.send_counts,
     )?;
     let slots = routing.send_slots.clone();
-    let (bv, g) = (back.to_f64_vec(), gv.as_local().to_f64_vec());
-    let mut out = vec![0.0; n * h];
-    for (i, &s) in slots.iter().enumerate() {
-        let t = s / k;
-        for (o, b) in out[t * h..(t + 1) * h]
-            .iter_mut()
-            .zip(&bv[i * h..(i + 1) * h])
-        {
-            *o += g[s] * b;
-        }
-    }
-    let local = Tensor::from_f64_vec(out, &[n, h], yv.dtype())?;
+    let token_of: Vec<usize> = slots.iter().map(|s| s / k).collect();
+    // Each sent copy's gate broadcast along its row, `[m, h]`, in the rows' dtype.
+    let g = in_dtype(gv.as_local(), yv.dtype())?;
+    let g_rows = gate_rows(&g, &slots, n * k, h)?;
+    // out[t] = Σ over t's kept copies in send order of gate · row: a product per element,
+    // then a scatter-add (in the accumulation type, in send order: deterministic).
+    let local = ops::scatter_add_rows(&back.mul(&g_rows)?, &token_of, n)?;
     let global = [gv.global_shape()[0], yv.global_shape()[1]];
     let value: DTensor<CombineOut<LY, LG>> = crate::compute::output(OP, local, &global, &gv)?;
     let (comm, perm, send_counts) = (
@@ -776,24 +793,37 @@ where
     Ok(gates
         .tape()
         .record(value, true, &[y_id, g_id], move |dout, store| {
-            let d = dout.as_local().to_f64_vec();
-            let mut dsend = vec![0.0; slots.len() * h];
-            let mut dg = vec![0.0; n * k];
-            for (i, &s) in slots.iter().enumerate() {
-                let t = s / k;
-                let (dt, bi) = (&d[t * h..(t + 1) * h], &bv[i * h..(i + 1) * h]);
-                for (o, x) in dsend[i * h..(i + 1) * h].iter_mut().zip(dt) {
-                    *o = g[s] * x;
-                }
-                dg[s] = dt.iter().zip(bi).map(|(a, b)| a * b).sum();
-            }
-            let dsend = Tensor::from_f64_vec(dsend, &[slots.len(), h], yv.dtype())?;
+            // Each sent copy's token gradient, `[m, h]`.
+            let d_rows = ops::gather_rows(dout.as_local(), &token_of)?;
+            let dsend = d_rows.mul(&g_rows)?;
             let recv = exchange_rows(&*comm, &dsend, &send_counts, &recv_counts)?;
             let dy = ops::gather_rows(&recv, &perm)?;
             store.accumulate::<LY>(y_id, grad_of(OP, dy, &yv)?)?;
-            let dg = Tensor::from_f64_vec(dg, &[n, k], gv.dtype())?;
+            // dgate[slot] = ⟨dout[t], row⟩: a row sum, scattered to the slots (a dropped
+            // slot stays zero).
+            let m = slots.len();
+            let dots = ops::sum_dim(&d_rows.mul(&back)?, 1)?.reshape(&[m, 1])?;
+            let dg = ops::scatter_add_rows(&dots, &slots, n * k)?.reshape(&[n, k])?;
+            let dg = in_dtype(&dg, gv.dtype())?;
             store.accumulate::<LG>(g_id, grad_of(OP, dg, &gv)?)
         }))
+}
+
+/// `t` in `dtype` (itself, no copy, if it is already), where `t` is.
+fn in_dtype(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    Ok(if t.dtype() == dtype {
+        t.clone()
+    } else {
+        t.try_to_dtype(dtype)?
+    })
+}
+
+/// `[m, h]`: row `i` is the gate of slot `slots[i]` (of `gates`, `[n, k]`, `n · k =
+/// slots_total`) repeated `h` times, in `gates`' memory (host or device).
+fn gate_rows(gates: &Tensor, slots: &[usize], slots_total: usize, h: usize) -> Result<Tensor> {
+    let flat = gates.clone().reshape(&[slots_total, 1])?;
+    let picked = ops::gather_rows(&flat, slots)?.reshape(&[slots.len()])?;
+    Ok(ops::sum_dim_backward(&picked, 1, h)?)
 }
 
 /// Router logits `[tokens, E]` that sum over both dims (what [`aux_loss`] and
@@ -869,30 +899,29 @@ fn aux_loss_impl<'t, B: Brand, L: AuxLossLayout>(
     let f: Vec<f64> = buf[..e].iter().map(|&c| c as f64 / copies).collect();
     let scale = e as f64 / total;
     let tokens = routing.tokens;
-    let fb = f.clone();
+    // The probabilities on the host: one more copy of the logits down (`[tokens, E]`);
+    // the loss (a scalar) goes up, and in the backward its gradient (a scalar) comes down
+    // and the logits' gradient (`[tokens, E]`) goes up.
+    let p = softmax_rows(&lv.as_local().to_host()?.to_f64_vec(), e);
+    let s: f64 = p
+        .chunks(e)
+        .map(|row| row.iter().zip(&f).map(|(a, b)| a * b).sum::<f64>())
+        .sum();
     logits.custom::<AuxLossOut<L>>(
         op,
         &[],
-        |x| {
-            let p = softmax_rows(&x.to_f64_vec(), e);
-            let s: f64 = p
-                .chunks(e)
-                .map(|row| row.iter().zip(&f).map(|(a, b)| a * b).sum::<f64>())
-                .sum();
-            Ok(Tensor::from_f64_vec(vec![scale * s], &[], x.dtype())?)
-        },
+        |x| beside(Tensor::from_f64_vec(vec![scale * s], &[], x.dtype())?, x),
         move |dy, x| {
-            let d = dy.to_f64_vec()[0] * scale;
-            let p = softmax_rows(&x.to_f64_vec(), e);
+            let d = dy.to_host()?.to_f64_vec()[0] * scale;
             let mut dl = vec![0.0; tokens * e];
             for t in 0..tokens {
                 let pt = &p[t * e..(t + 1) * e];
-                let dot: f64 = pt.iter().zip(&fb).map(|(a, b)| a * b).sum();
+                let dot: f64 = pt.iter().zip(&f).map(|(a, b)| a * b).sum();
                 for i in 0..e {
-                    dl[t * e + i] = d * pt[i] * (fb[i] - dot);
+                    dl[t * e + i] = d * pt[i] * (f[i] - dot);
                 }
             }
-            Ok(Tensor::from_f64_vec(dl, &[tokens, e], x.dtype())?)
+            beside(Tensor::from_f64_vec(dl, &[tokens, e], x.dtype())?, x)
         },
     )
 }

@@ -13,7 +13,7 @@
 //! | [`all_gather_cols`], [`reduce_scatter_cols`], [`all_to_all_cols`] | the backend's column call | the contiguous device call, the column blocks packed / unpacked by the device `pack` / `unpack` kernels |
 //! | [`start_all_gatherv`], [`start_all_reduce`] | the backend's asynchronous call | the backend's asynchronous device call (`start_*_device`: on NCCL, queued on its stream and completed by an event) |
 //! | [`shift`] (a ring hop) | odd ranks receive first, even ranks send first (as on the device, although host sends are buffered) | the same (NCCL sends wait for their receiver) |
-//! | [`all_reduce_values`], [`broadcast_values`], [`all_to_all_values`] (headers, loss pieces, a norm, MoE counts: a few host values) | the host call | up to the device, the device call, back |
+//! | [`all_reduce_values`], [`broadcast_values`], [`all_to_all_values`], [`all_gather_values`], [`all_gatherv_values`] (headers, loss pieces, a norm, MoE counts, checkpoint agreements and shard records: a few host values) | the host call | up to the device, the device call, back |
 //!
 //! Operands in different places (host and device, or two GPUs) are an
 //! [`Error::Kernel`](crate::Error::Kernel)`(DeviceMismatch)`; a device tensor handed to a
@@ -476,4 +476,78 @@ pub fn all_to_all_values<T: StorageElement>(
             Ok(())
         }
     }
+}
+
+/// All-gather of a few host values (a checkpoint's agreement, its error lengths): rank
+/// `r`'s `send` at `r · send.len()` of the result, moved as [`all_reduce_values`] moves
+/// them. On a host backend exactly its `all_gather` into a new vector.
+pub fn all_gather_values<T: StorageElement>(comm: &dyn Communicator, send: &[T]) -> Result<Vec<T>> {
+    let mut out = vec![T::zero(); send.len() * comm.size()];
+    match comm.device() {
+        None => comm.all_gather(T::slice(send), T::slice_mut(&mut out))?,
+        Some(dev) => {
+            let s = Tensor::from_vec(send.to_vec(), &[send.len()])?.to_device(&dev)?;
+            let mut r = Tensor::zeros_on(Some(&dev), &[out.len()], T::DTYPE)?;
+            all_gather_into(comm, &s, &mut r)?;
+            out.copy_from_slice(r.to_host()?.as_slice::<T>()?);
+        }
+    }
+    Ok(out)
+}
+
+/// Uneven all-gather of a few host values (a checkpoint's error messages and shard
+/// records, packed into words): rank `r` contributes `counts[r]` values, placed one after
+/// another in rank order in `recv` (`Σ counts` values), moved as [`all_reduce_values`]
+/// moves them. On a host backend exactly its `all_gatherv`; on a device the backend checks
+/// the lengths as its host call does.
+pub fn all_gatherv_values<T: StorageElement>(
+    comm: &dyn Communicator,
+    send: &[T],
+    recv: &mut [T],
+    counts: &[usize],
+) -> Result<()> {
+    match comm.device() {
+        None => Ok(comm.all_gatherv(T::slice(send), T::slice_mut(recv), counts)?),
+        Some(dev) => {
+            let s = Tensor::from_vec(send.to_vec(), &[send.len()])?.to_device(&dev)?;
+            let mut r = Tensor::zeros_on(Some(&dev), &[recv.len()], T::DTYPE)?;
+            all_gatherv_into(comm, &s, &mut r, counts)?;
+            recv.copy_from_slice(r.to_host()?.as_slice::<T>()?);
+            Ok(())
+        }
+    }
+}
+
+/// Equal-piece all-gather of `send` into `recv` (`size ×` its elements), where both are.
+fn all_gather_into(comm: &dyn Communicator, send: &Tensor, recv: &mut Tensor) -> Result<()> {
+    common_device("all_gather", &[send, recv])?;
+    #[cfg(feature = "cuda")]
+    if send.is_cuda() {
+        return Ok(comm.all_gather_device(send.device_view()?, recv.device_view_mut()?)?);
+    }
+    Ok(comm.all_gather(send.try_as_dyn_slice()?, recv.try_as_dyn_slice_mut()?)?)
+}
+
+/// Uneven all-gather of `send` (`counts[rank]` elements) into `recv` (`Σ counts`), where
+/// both are; the backend checks the lengths.
+fn all_gatherv_into(
+    comm: &dyn Communicator,
+    send: &Tensor,
+    recv: &mut Tensor,
+    counts: &[usize],
+) -> Result<()> {
+    common_device("all_gatherv", &[send, recv])?;
+    #[cfg(feature = "cuda")]
+    if send.is_cuda() {
+        return Ok(comm.all_gatherv_device(
+            send.device_view()?,
+            recv.device_view_mut()?,
+            counts,
+        )?);
+    }
+    Ok(comm.all_gatherv(
+        send.try_as_dyn_slice()?,
+        recv.try_as_dyn_slice_mut()?,
+        counts,
+    )?)
 }

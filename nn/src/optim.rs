@@ -124,7 +124,8 @@ impl<L: Layout> Param<L> {
         grads.of_key(self.key, &self.value)
     }
     /// Replaces the optimizer's state (a checkpoint's AdamW moments): each tensor must have
-    /// the local shape of the value. An empty `state` clears it.
+    /// the local shape of the value and live where it does (host or the same GPU; AdamW
+    /// would otherwise start the moments again from zero). An empty `state` clears it.
     pub fn set_state(&mut self, state: Vec<Tensor>) -> Result<()> {
         if let Some(t) = state.iter().find(|t| t.shape() != self.local().shape()) {
             return Err(Error::ShapeMismatch {
@@ -135,6 +136,18 @@ impl<L: Layout> Param<L> {
                     self.local().shape()
                 ),
             });
+        }
+        if let Some(t) = state.iter().find(|t| t.device() != self.local().device()) {
+            let place = |t: &Tensor| {
+                t.device()
+                    .map_or("host".to_string(), |d| format!("cuda:{}", d.ordinal()))
+            };
+            return Err(dtensor_kernels::Error::DeviceMismatch {
+                op: "Param::set_state",
+                lhs: place(self.local()),
+                rhs: place(t),
+            }
+            .into());
         }
         self.state = state;
         Ok(())

@@ -30,21 +30,13 @@ __device__ void attn_load_k(const T* qkv, const typename Tr<T>::A* cs, const typ
         A c = cs[i * half + p], sv = sn[i * half + p];
         u64 dst = ((h * batch + b) * s + i) * d + 2 * p;
         A a0 = Tr<T>::to(src[2 * p]), a1 = Tr<T>::to(src[2 * p + 1]);
-        q[dst] = (a0 * c - a1 * sv) * scale;
-        q[dst + 1] = (a0 * sv + a1 * c) * scale;
+        rope_rotate(a0, a1, c, sv, scale, q[dst], q[dst + 1]);
         a0 = Tr<T>::to(src[d + 2 * p]);
         a1 = Tr<T>::to(src[d + 2 * p + 1]);
-        k[dst] = (a0 * c - a1 * sv) * (A)1;
-        k[dst + 1] = (a0 * sv + a1 * c) * (A)1;
+        rope_rotate(a0, a1, c, sv, (A)1, k[dst], k[dst + 1]);
         v[dst] = Tr<T>::to(src[2 * d + 2 * p]);
         v[dst + 1] = Tr<T>::to(src[2 * d + 2 * p + 1]);
     }
-}
-
-template <class A> __device__ __forceinline__ A dot(const A* a, const A* b, u64 d) {
-    A acc = 0;
-    for (u64 c = 0; c < d; ++c) acc += a[c] * b[c];
-    return acc;
 }
 
 // Shared memory: s scores.
@@ -59,7 +51,7 @@ __device__ void attn_fwd_k(const typename Tr<T>::A* q, const typename Tr<T>::A* 
     const A* qi = q + (base + i) * d;
     A m = neg_inf<A>();
     for (u64 j = threadIdx.x; j <= i; j += blockDim.x) {
-        A sc = dot(qi, k + (base + j) * d, d);
+        A sc = row_dot(qi, k + (base + j) * d, d);
         e[j] = sc;
         if (sc > m) m = sc;
     }
@@ -103,7 +95,7 @@ __device__ void attn_bwd_dq_k(const typename Tr<T>::A* q, const typename Tr<T>::
     A L = lse[t * heads + h];
     const A* qi = q + (base + i) * d;
     for (u64 j = threadIdx.x; j <= i; j += blockDim.x) {
-        A p = exp_fast(dot(qi, k + (base + j) * d, d) - L);
+        A p = exp_fast(row_dot(qi, k + (base + j) * d, d) - L);
         A dp = 0;
         const A* vj = v + (base + j) * d;
         for (u64 c = 0; c < d; ++c) dp += Tr<T>::to(go[c]) * vj[c];
@@ -119,8 +111,10 @@ __device__ void attn_bwd_dq_k(const typename Tr<T>::A* q, const typename Tr<T>::
             a1 += ds[j] * k[(base + j) * d + 2 * pp + 1];
         }
         A c = cs[i * half + pp], sv = sn[i * half + pp];
-        dst[2 * pp] = Tr<T>::from((a0 * c + a1 * sv) * scale);
-        dst[2 * pp + 1] = Tr<T>::from((a1 * c - a0 * sv) * scale);
+        A x0, x1;
+        rope_unrotate(a0, a1, c, sv, scale, x0, x1);
+        dst[2 * pp] = Tr<T>::from(x0);
+        dst[2 * pp + 1] = Tr<T>::from(x1);
     }
 }
 
@@ -142,7 +136,7 @@ __device__ void attn_bwd_dkv_k(const typename Tr<T>::A* q, const typename Tr<T>:
     const A* vj = v + (base + j) * d;
     for (u64 i = j + threadIdx.x; i < s; i += blockDim.x) {
         u64 t = b * s + i;
-        A p = exp_fast(dot(q + (base + i) * d, kj, d) - lse[t * heads + h]);
+        A p = exp_fast(row_dot(q + (base + i) * d, kj, d) - lse[t * heads + h]);
         const T* go = dout + t * heads * d + h * d;
         A dp = 0;
         for (u64 c = 0; c < d; ++c) dp += Tr<T>::to(go[c]) * vj[c];
@@ -164,8 +158,10 @@ __device__ void attn_bwd_dkv_k(const typename Tr<T>::A* q, const typename Tr<T>:
             a1 += dS[i - j] * q[(base + i) * d + 2 * pp + 1];
         }
         A c = cs[j * half + pp], sv = sn[j * half + pp];
-        dst[d + 2 * pp] = Tr<T>::from((a0 * c + a1 * sv) * (A)1);
-        dst[d + 2 * pp + 1] = Tr<T>::from((a1 * c - a0 * sv) * (A)1);
+        A x0, x1;
+        rope_unrotate(a0, a1, c, sv, (A)1, x0, x1);
+        dst[d + 2 * pp] = Tr<T>::from(x0);
+        dst[d + 2 * pp + 1] = Tr<T>::from(x1);
     }
 }
 

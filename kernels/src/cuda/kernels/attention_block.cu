@@ -38,12 +38,6 @@ __device__ __forceinline__ u64 count_lt(const i64* pos, u64 n, i64 x) {
     return lo;
 }
 
-template <class A> __device__ __forceinline__ A blk_dot(const A* a, const A* b, u64 d) {
-    A acc = 0;
-    for (u64 c = 0; c < d; ++c) acc += a[c] * b[c];
-    return acc;
-}
-
 // q[h, b, i, :] = R(qpos[i]) * qkv[b*nq + i, h*3d ..] * scale (Rope::rotate).
 template <class T>
 __device__ void blk_load_q_k(const T* qkv, const typename Tr<T>::A* cs, const typename Tr<T>::A* sn,
@@ -56,8 +50,7 @@ __device__ void blk_load_q_k(const T* qkv, const typename Tr<T>::A* cs, const ty
         A c = cs[i * half + p], sv = sn[i * half + p];
         u64 dst = ((h * batch + b) * nq + i) * d + 2 * p;
         A a0 = Tr<T>::to(src[2 * p]), a1 = Tr<T>::to(src[2 * p + 1]);
-        q[dst] = (a0 * c - a1 * sv) * scale;
-        q[dst + 1] = (a0 * sv + a1 * c) * scale;
+        rope_rotate(a0, a1, c, sv, scale, q[dst], q[dst + 1]);
     }
 }
 
@@ -73,8 +66,7 @@ __device__ void blk_load_kv_k(const T* kv, const typename Tr<T>::A* cs, const ty
         A c = cs[j * half + p], sv = sn[j * half + p];
         u64 dst = ((h * batch + b) * nk + j) * d + 2 * p;
         A a0 = Tr<T>::to(src[2 * p]), a1 = Tr<T>::to(src[2 * p + 1]);
-        k[dst] = (a0 * c - a1 * sv) * (A)1;
-        k[dst + 1] = (a0 * sv + a1 * c) * (A)1;
+        rope_rotate(a0, a1, c, sv, (A)1, k[dst], k[dst + 1]);
         v[dst] = Tr<T>::to(src[d + 2 * p]);
         v[dst + 1] = Tr<T>::to(src[d + 2 * p + 1]);
     }
@@ -107,7 +99,7 @@ __device__ void blk_fwd_k(const A* q, const A* k, const A* v, const i64* qpos, c
     const A* vb = v + (h * batch + b) * nk * d;
     A m = neg_inf<A>();
     for (u64 j = threadIdx.x; j < live; j += blockDim.x) {
-        A sc = blk_dot(qi, kb + j * d, d);
+        A sc = row_dot(qi, kb + j * d, d);
         e[j] = sc;
         if (sc > m) m = sc;
     }
@@ -154,7 +146,7 @@ __device__ void blk_bwd_dq_k(const typename Tr<T>::A* q, const typename Tr<T>::A
     const A* kb = k + (h * batch + b) * nk * d;
     const A* vb = v + (h * batch + b) * nk * d;
     for (u64 j = threadIdx.x; j < live; j += blockDim.x) {
-        A p = exp_fast(blk_dot(qi, kb + j * d, d) - L);
+        A p = exp_fast(row_dot(qi, kb + j * d, d) - L);
         A dp = 0;
         const A* vj = vb + j * d;
         for (u64 c = 0; c < d; ++c) dp += Tr<T>::to(go[c]) * vj[c];
@@ -170,8 +162,10 @@ __device__ void blk_bwd_dq_k(const typename Tr<T>::A* q, const typename Tr<T>::A
             a1 += ds[j] * kb[j * d + 2 * pp + 1];
         }
         A c = cs[i * half + pp], sv = sn[i * half + pp];
-        dst[2 * pp] += (a0 * c + a1 * sv) * scale;
-        dst[2 * pp + 1] += (a1 * c - a0 * sv) * scale;
+        A x0, x1;
+        rope_unrotate(a0, a1, c, sv, scale, x0, x1);
+        dst[2 * pp] += x0;
+        dst[2 * pp + 1] += x1;
     }
 }
 
@@ -196,7 +190,7 @@ __device__ void blk_bwd_dkv_k(const typename Tr<T>::A* q, const typename Tr<T>::
     const A* qb = q + (h * batch + b) * nq * d;
     for (u64 i = i0 + threadIdx.x; i < nq; i += blockDim.x) {
         u64 t = b * nq + i;
-        A p = exp_fast(blk_dot(qb + i * d, kj, d) - lse[t * heads + h]);
+        A p = exp_fast(row_dot(qb + i * d, kj, d) - lse[t * heads + h]);
         const T* go = dout + t * heads * d + h * d;
         A dp = 0;
         for (u64 c = 0; c < d; ++c) dp += Tr<T>::to(go[c]) * vj[c];
@@ -218,8 +212,10 @@ __device__ void blk_bwd_dkv_k(const typename Tr<T>::A* q, const typename Tr<T>::
             a1 += dS[i - i0] * qb[i * d + 2 * pp + 1];
         }
         A c = cs[j * half + pp], sv = sn[j * half + pp];
-        dst[2 * pp] += (a0 * c + a1 * sv) * (A)1;
-        dst[2 * pp + 1] += (a1 * c - a0 * sv) * (A)1;
+        A x0, x1;
+        rope_unrotate(a0, a1, c, sv, (A)1, x0, x1);
+        dst[2 * pp] += x0;
+        dst[2 * pp + 1] += x1;
     }
 }
 
