@@ -435,3 +435,71 @@ fn checkpoint_tp2_saved_on_device_loads_on_host_and_back_bitwise() {
         assert_eq!(s, b, "rank {r}: saved on the host, loaded on the device");
     }
 }
+
+// ---- Pipeline stages on the device (pp = 2: stage hops are NCCL sends and receives) ------
+
+/// Two 1F1B steps (4 microbatches) of a tiny f32 GPT cut into 2 stages over `Pp` (set up
+/// as `train_gpt` does): each step's loss and gradient norm.
+fn pipelined_steps(dm: &Arc<DeviceMesh>) -> Result<Vec<(f64, f64)>> {
+    const SEQ: usize = 4;
+    let m = 4;
+    let config = GptConfig {
+        vocab: 20,
+        hidden: 16,
+        heads: 2,
+        layers: 2,
+        ffn: 32,
+        seq_len: SEQ,
+        norm: NormKind::Rms,
+        activation: Activation::SwiGlu,
+        bias: true,
+        eps: 1e-5,
+        dtype: DType::F32,
+        seed: 11,
+        precision: Precision::default(),
+        recompute: false,
+        context: Default::default(),
+        moe: None,
+    };
+    let schedule = pipeline::one_f_one_b(2, m)?;
+    let mut model = Pipeline::<NoSp, Ddp>::new(config, schedule, dm)?;
+    let sm = model.stage_mesh().clone();
+    let seq: Vec<i64> = (0..m * SEQ + 1)
+        .map(|i| ((i * 5 + 2) % 20) as i64)
+        .collect();
+    let split = |t: Vec<i64>| -> Result<Vec<DTensor<Ids>>> {
+        pipeline::microbatches(&Tensor::from_vec(t, &[m * SEQ])?, m, SEQ)?
+            .iter()
+            .map(|mb| DTensor::<Ids>::from_global(mb, &sm))
+            .collect()
+    };
+    let (ids, targets) = (split(seq[..m * SEQ].to_vec())?, split(seq[1..].to_vec())?);
+    let mut opt = AdamW::new(3e-3);
+    (0..2)
+        .map(|_| {
+            let r = model.train_step(&ids, &targets, &mut opt, 1.0)?;
+            Ok((r.loss, r.grad_norm))
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU, libnccl, NVRTC and cuBLAS, and --features cuda,nccl"]
+fn pp2_pipeline_steps_on_two_nccl_ranks_match_host() {
+    assert!(
+        dtensor::kernels::cuda::driver_present(),
+        "needs a CUDA GPU: libcuda.so.1 not found (or a build without --features cuda,nccl)"
+    );
+    let mesh = dtensor::nn::model_mesh(&ParallelConfig::parse("pp=2").unwrap()).unwrap();
+    let host = on_host(&mesh, pipelined_steps);
+    let gpu = on_gpus(&mesh, pipelined_steps);
+    for (r, (h, d)) in host.iter().zip(&gpu).enumerate() {
+        assert_eq!(h.len(), d.len());
+        for (i, ((hl, hn), (dl, dn))) in h.iter().zip(d).enumerate() {
+            assert!(
+                (hl - dl).abs() <= F32_TOL * hl.abs() && (hn - dn).abs() <= F32_TOL * hn.abs(),
+                "rank {r} step {i}: host loss {hl}, grad norm {hn}; GPU {dl}, {dn}"
+            );
+        }
+    }
+}

@@ -101,6 +101,10 @@
 //! [`Need::TagMatching`] (no tags). The cases that need none of these run on it unchanged,
 //! and its own GPU tests (`tests/nccl.rs`) check what the suite cannot: a failing rank, a
 //! timeout, the refusal of host buffers, its own wording.
+//! The unbuffered emulator (`unbuffered`: NCCL's point-to-point semantics over the threads
+//! backend, `tests/unbuffered.rs`) declares NCCL's needs about point-to-point calls and
+//! request progress, [`Need::BufferedSend`], [`Need::TagMatching`],
+//! [`Need::SharedHandle`] and [`Need::Overlap`], and passes every other case.
 //!
 //! ## Sizes
 //!

@@ -12,6 +12,10 @@
 //!   buffers; without the feature, a stand-in whose `launch` returns
 //!   [`Error::NotCompiled`].
 //!
+//! [`unbuffered`] is no backend but a wrapper around one: NCCL's point-to-point semantics
+//! (rendezvous sends, no tags) over a host communicator, so host tests see what the GPU
+//! path would.
+//!
 //! Every backend passes one conformance suite, `conformance` (feature `conformance`, test
 //! code that this crate's tests and examples enable): the semantics below as a table of
 //! named cases, each written once against the trait; the module's docs say how a new
@@ -109,6 +113,7 @@ mod progress;
 mod request;
 pub mod threads;
 pub mod trace;
+pub mod unbuffered;
 
 pub use counters::{CollectiveKind, CounterSnapshot, Counters};
 pub use dtensor_kernels::{DType, Element, ReduceOp, Slice, SliceMut, StorageElement};

@@ -12,7 +12,7 @@
 //! | [`reduce_scatterv`] | in place, then the own block copied out | `reduce_scatterv_device` into a new buffer |
 //! | [`all_gather_cols`], [`reduce_scatter_cols`], [`all_to_all_cols`] | the backend's column call | the contiguous device call, the column blocks packed / unpacked by the device `pack` / `unpack` kernels |
 //! | [`start_all_gatherv`], [`start_all_reduce`] | the backend's asynchronous call | the backend's asynchronous device call (`start_*_device`: on NCCL, queued on its stream and completed by an event) |
-//! | [`shift`] (a ring hop) | send, then receive (sends are buffered) | odd ranks receive first (NCCL sends wait for their receiver) |
+//! | [`shift`] (a ring hop) | odd ranks receive first, even ranks send first (as on the device, although host sends are buffered) | the same (NCCL sends wait for their receiver) |
 //! | [`all_reduce_values`], [`broadcast_values`], [`all_to_all_values`], [`all_gather_values`], [`all_gatherv_values`] (headers, loss pieces, a norm, MoE counts, checkpoint agreements and shard records: a few host values) | the host call | up to the device, the device call, back |
 //!
 //! Operands in different places (host and device, or two GPUs) are an
@@ -131,9 +131,13 @@ pub fn recv_like(comm: &dyn Communicator, like: &Tensor, src: usize, tag: u32) -
 }
 
 /// Sends `t` to rank `dst` and returns what rank `src` sent with `tag` (a tensor like `t`,
-/// where `t` is): one hop of a ring. The host backends buffer sends, so every rank sends
-/// first; a device send waits for its receiver (NCCL has no buffering), so there the odd
-/// ranks receive first, which leaves no cycle of waiting senders in a ring of two or more.
+/// where `t` is): one hop of a ring. A device send waits for its receiver (NCCL has no
+/// buffering), so the odd ranks receive first and the even ones send first, which leaves
+/// no cycle of waiting senders in a ring of two or more (odd sizes too: the last, even
+/// rank's send meets rank 0's receive, which follows rank 0's send to the odd rank 1).
+/// The host does the same although its backends buffer, so that the host tests run the
+/// order the GPU path runs: over the unbuffered emulator
+/// (`dtensor_collectives::unbuffered`) a ring attention completes only in this order.
 pub fn shift(
     comm: &dyn Communicator,
     t: &Tensor,
@@ -141,7 +145,7 @@ pub fn shift(
     src: usize,
     tag: u32,
 ) -> Result<Tensor> {
-    if t.is_cuda() && comm.rank() % 2 == 1 {
+    if comm.rank() % 2 == 1 {
         let got = recv_like(comm, t, src, tag)?;
         send(comm, t, dst, tag)?;
         return Ok(got);

@@ -79,6 +79,19 @@
 //! peer happen in the order that peer receives them, and one message tag with per-pair
 //! FIFO order identifies every transfer.
 //!
+//! Both claims (deadlock-free under rendezvous, and matching in per-pair call order with
+//! tags only checked, as on NCCL) are tested on the host, not only by `validate`: the
+//! workspace's `tests/rendezvous.rs`
+//! (`pipeline_every_schedule_under_rendezvous_matches_threads_bitwise`) runs [`Pipeline`]
+//! with GPipe, 1F1B, interleaved 1F1B (`v = 2`) and ZB-H1 at `pp = 2` and `4` (with
+//! `tp = 2`) over thread ranks wrapped in `dtensor_collectives::unbuffered::Unbuffered`,
+//! which gives `send`/`recv` NCCL's semantics (a send returns once its receiver has taken
+//! it; a receive whose tag differs from the pair's next message fails), and checks the
+//! losses bitwise against plain threads; the next test there does the same at `pp = 2`,
+//! `dp = 2` with DDP buckets and FSDP's prefetch in flight around the hops (the emulator
+//! queues a send behind the rank's requests, as NCCL's stream does). The emulator does not
+//! model NCCL's reduction order (see its docs).
+//!
 //! ## Memory accounting
 //!
 //! [`LiveCount`] counts, per rank, forwards done whose backward is not done:
