@@ -16,8 +16,9 @@
 #   bench_report              release, --features nccl: run as `bench_report --backend nccl --quick`
 #   train_gpt                 release, --features cuda,nccl, if it builds; run.sh runs
 #                             `train_gpt --device cuda --check`, then one rank at hidden 1024,
-#                             8 layers, seq 1024 for its step time, only if `train_gpt --help`
-#                             mentions --device
+#                             8 layers, seq 1024 for its step time, then pp = 2 and MoE
+#                             (ep = 2) with --check and a save/resume, only if
+#                             `train_gpt --help` mentions --device
 #   gpu_bench                 the criterion bench benches/cuda.rs (--features cuda,nccl):
 #                             pack/unpack/narrow/cat and GEMM on GPU 0 beside a device-to-device
 #                             copy, with `gpu_bench case=…` summary lines
@@ -256,7 +257,7 @@ step nccl 80 "$here/nccl" --include-ignored --test-threads=1 --nocapture \
   --skip from_host_without_libnccl_or_driver_errs_on_every_rank
 step nccl_conformance 90 "$here/nccl_conformance" --include-ignored --test-threads=1 --nocapture \
   --skip conformance_launch_without_gpu_errs_on_every_rank
-step device_path 60 "$here/device_path" --include-ignored --test-threads=1 --nocapture
+step device_path 90 "$here/device_path" --include-ignored --test-threads=1 --nocapture
 step bench_report_nccl 45 "$here/bench_report" --backend nccl --quick
 # Every op but all_gather_last (no device column-block all-gather yet) printed a line.
 step bench_report_nccl_lines 5 bash -c '
@@ -272,14 +273,33 @@ large=(--mesh dp=1 --hidden 1024 --layers 8 --heads 16 --seq "$large_seq" --batc
   --steps 6 --log-every 1)
 if [ ! -x "$here/train_gpt" ]; then
   why="$(cat "$here/not-built.txt" 2>/dev/null || echo 'not in the bundle')"
-  skip_step train_gpt_cuda "$why"
-  skip_step train_gpt_cuda_large "$why"
+  for s in train_gpt_cuda train_gpt_cuda_large train_gpt_cuda_pp train_gpt_cuda_moe train_gpt_cuda_resume; do
+    skip_step "$s" "$why"
+  done
 elif "$here/train_gpt" --help 2>&1 | grep -q -- '--device'; then
   step train_gpt_cuda 40 "$here/train_gpt" --device cuda --mesh dp=2,tp=2 --sp --steps 10 --check
   step train_gpt_cuda_large 90 "$here/train_gpt" --device cuda "${large[@]}"
+  # The rest of the model on the device, each against the CPU reference: pipeline stages
+  # (1F1B over NCCL sends), MoE (ep = 2, dropless), and a checkpoint saved after 3 steps
+  # and resumed to 6, whose last printed loss (4 decimals) must match the uninterrupted
+  # run's within 2e-4 (cuBLAS and NCCL need not repeat their bits between runs).
+  step train_gpt_cuda_pp 40 "$here/train_gpt" --device cuda --mesh pp=2,tp=2 --steps 5 --check
+  step train_gpt_cuda_moe 40 "$here/train_gpt" --device cuda --moe --experts 4 --top-k 2 \
+    --mesh ep=2,dp=2 --steps 5 --check
+  step train_gpt_cuda_resume 60 bash -c '
+    bin="$1" dir="$2"; rm -rf "$dir"
+    last() { grep -E "^step +[0-9]+  loss " | tail -n 1 | sed -E "s/.*  loss ([^ ]+).*/\1/"; }
+    common=(--device cuda --mesh dp=2,tp=2 --steps 6 --log-every 1)
+    full=$("$bin" "${common[@]}" | last) || exit 1
+    "$bin" --device cuda --mesh dp=2,tp=2 --steps 3 --save-dir "$dir" >/dev/null || exit 1
+    resumed=$("$bin" "${common[@]}" --resume "$dir" | last) || exit 1
+    echo "last loss: uninterrupted $full, saved at step 3 and resumed $resumed"
+    awk -v a="$full" -v b="$resumed" "BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != \"\" && d <= 2e-4) }"
+  ' _ "$here/train_gpt" "$report_dir/resume-ckpt"
 else
-  skip_step train_gpt_cuda "train_gpt --help does not mention --device (no GPU path yet)"
-  skip_step train_gpt_cuda_large "train_gpt --help does not mention --device (no GPU path yet)"
+  for s in train_gpt_cuda train_gpt_cuda_large train_gpt_cuda_pp train_gpt_cuda_moe train_gpt_cuda_resume; do
+    skip_step "$s" "train_gpt --help does not mention --device (no GPU path yet)"
+  done
 fi
 
 # The figures (docs/gpus.md): each measured number beside its target, from the logs above.
