@@ -5,24 +5,30 @@
 use dtensor_kernels::cuda::{self, CudaTensor, Device};
 use dtensor_kernels::{DType, Tensor};
 
-/// The device, or `None` (with the reason on stderr) on a machine without one.
+/// The device, or `None` (with the reason on stderr) on a machine without one. With
+/// `DTENSOR_GPU_REQUIRED=1` (set by the GPU check's runner) a missing GPU fails the test
+/// instead, so a GPU run cannot pass by skipping.
 pub fn gpu() -> Option<Device> {
-    if !cuda::driver_present() {
-        eprintln!("SKIPPED (needs a CUDA GPU): libcuda.so.1 not found");
-        return None;
-    }
-    match cuda::device_count() {
-        Ok(n) if n > 0 => {}
-        Ok(_) => {
-            eprintln!("SKIPPED (needs a CUDA GPU): the driver reports 0 devices");
-            return None;
-        }
-        Err(e) => {
-            eprintln!("SKIPPED (needs a CUDA GPU): {e}");
-            return None;
-        }
-    }
-    Some(Device::new(0).unwrap_or_else(|e| panic!("a device is there but Device::new failed: {e}")))
+    let missing =
+        if !cuda::driver_present() {
+            "libcuda.so.1 not found".to_string()
+        } else {
+            match cuda::device_count() {
+                Ok(n) if n > 0 => {
+                    return Some(Device::new(0).unwrap_or_else(|e| {
+                        panic!("a device is there but Device::new failed: {e}")
+                    }))
+                }
+                Ok(_) => "the driver reports 0 devices".to_string(),
+                Err(e) => e.to_string(),
+            }
+        };
+    assert!(
+        std::env::var("DTENSOR_GPU_REQUIRED").as_deref() != Ok("1"),
+        "DTENSOR_GPU_REQUIRED=1 but no CUDA GPU: {missing}"
+    );
+    eprintln!("SKIPPED (needs a CUDA GPU): {missing}");
+    None
 }
 
 /// Deterministic pseudo-random values in `[lo, hi)` (64-bit LCG).
