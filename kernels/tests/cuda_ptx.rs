@@ -1,6 +1,7 @@
 //! The no-GPU check of the CUDA kernels (feature `cuda`), run in CI: every kernel module is
-//! compiled by NVRTC to PTX for `compute_90`, every entry of the kernel table must be in it,
-//! and `ptxas` assembles it for `sm_90` (the H100/H200), reporting registers and spills per
+//! compiled by NVRTC to PTX for `compute_90`, every entry of the kernel table must be in it
+//! with the parameters the launches push (`KernelModule::params`: count, order, and each one's
+//! PTX type, so an `int` for a `u64` or a `double` for a `float` fails here), and `ptxas` assembles it for `sm_90` (the H100/H200), reporting registers and spills per
 //! kernel. Plus the error paths without a driver.
 //!
 //! Needs NVRTC on the loader path and `PTXAS` (see `scripts/cuda-tools.sh`). Without them the
@@ -100,6 +101,24 @@ fn parse_ptxas(log: &str) -> Vec<(String, u32, u32, u32)> {
     out
 }
 
+/// The parameter types (`.u64`, `.u32`, `.f32`, `.f64`, …) of `.entry name(…)` in `ptx`.
+fn ptx_params<'a>(ptx: &'a str, name: &str) -> Vec<&'a str> {
+    let head = format!(".entry {name}(");
+    let Some(at) = ptx.find(&head) else {
+        return Vec::new();
+    };
+    let rest = &ptx[at + head.len()..];
+    let list = &rest[..rest.find(')').unwrap_or(rest.len())];
+    list.split(',')
+        .filter_map(|p| {
+            let mut words = p.split_whitespace();
+            (words.next() == Some(".param"))
+                .then(|| words.next())
+                .flatten()
+        })
+        .collect()
+}
+
 #[test]
 fn kernels_compile_to_ptx_and_assemble_for_sm90() {
     if !cuda::nvrtc_present() {
@@ -128,6 +147,23 @@ fn kernels_compile_to_ptx_and_assemble_for_sm90() {
                 "module {}: kernel {e} missing from the PTX",
                 m.name
             );
+        }
+        for &(root, dts) in m.roots {
+            for &d in dts.list() {
+                let e = format!("{root}_{d}");
+                let want: Vec<&str> = m
+                    .params(root, d)
+                    .unwrap_or_else(|| panic!("{e}: no parameters read from {}.cu", m.name))
+                    .into_iter()
+                    .map(|p| p.ptx())
+                    .collect();
+                let got = ptx_params(&text, &e);
+                if got != want {
+                    bad.push(format!(
+                        "{e}: the PTX takes {got:?}, the launches push (source.rs) {want:?}"
+                    ));
+                }
+            }
         }
         let found = text.matches(".entry ").count();
         assert_eq!(
@@ -205,7 +241,7 @@ fn kernels_compile_to_ptx_and_assemble_for_sm90() {
     std::fs::remove_dir_all(&dir).ok();
     assert!(
         bad.is_empty(),
-        "simple kernels spill, or static shared memory over budget: {bad:?}"
+        "kernel parameters differ from the launches', simple kernels spill, or static shared memory is over budget: {bad:?}"
     );
 }
 

@@ -15,9 +15,10 @@
 
 use super::ops::{
     arg, arg_mut, copy_blocks, func, gemm_ops, grid_for, kernel_arg, launch, launch_kernel,
-    per_row, rope_tables, same_device, same_layout, u, Acc, CudaAttentionOutput, SHARED_BUDGET,
+    per_row, rope_tables, same_device, same_layout, u, Acc, CudaAttentionOutput, Kernel,
+    SHARED_BUDGET,
 };
-use super::source;
+use super::source::{self, Param, Scalar};
 use super::tensor::CudaBuffer;
 use super::{CudaTensor, Device};
 use crate::ops::attention_block::{check_block, check_fuse_qkv_grad, check_merge, Dims};

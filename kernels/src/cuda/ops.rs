@@ -26,9 +26,12 @@
 //! Not on the GPU yet: `Tensor::map` (a host closure) and the optimizer step.
 //!
 //! Element counts and row counts come from the checked shapes, never from buffer lengths, so
-//! a launch cannot index out of bounds. Ops queue on the device's stream and return at once.
+//! a launch cannot index out of bounds. Every launch goes through `launch_kernel!`, which
+//! compares the arguments it pushes (count, order, scalar types, buffers' element types and
+//! read/write) with the parameters of the kernel's `extern "C"` definition
+//! ([`KernelModule::params`]) and answers an `Err` instead of launching on a mismatch. Ops queue on the device's stream and return at once.
 
-use super::source::{self, entry, KernelModule};
+use super::source::{self, entry, KernelModule, Param, Scalar};
 use super::tensor::CudaBuffer;
 use super::{driver_err, CudaTensor, Device};
 use crate::ops::attention::{check_qkv, Dims, Rope};
@@ -118,6 +121,15 @@ impl Acc {
             _ => Acc::F32(v as f32),
         }
     }
+    /// The C type it is pushed as.
+    pub(crate) fn param(&self) -> Param {
+        Param::Scalar(match self {
+            Acc::F32(_) => Scalar::F32,
+            Acc::F64(_) => Scalar::F64,
+            Acc::I32(_) => Scalar::I32,
+            Acc::I64(_) => Scalar::I64,
+        })
+    }
     pub(crate) fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
         match self {
             Acc::F32(v) => b.arg(v),
@@ -128,66 +140,127 @@ impl Acc {
     }
 }
 
+/// A kernel entry ready to launch: the loaded function and the parameters its `extern "C"`
+/// definition declares ([`KernelModule::params`]).
+pub(crate) struct Kernel {
+    pub(crate) function: cudarc::driver::CudaFunction,
+    name: String,
+    params: Vec<Param>,
+}
+
+impl Kernel {
+    /// `Err` unless `pushed` is the kernel's parameter list: same count, order, scalar types
+    /// and buffer element types, read-only buffers where it reads and writable where it
+    /// writes. A mismatch would be undefined behaviour on the GPU.
+    pub(crate) fn check(&self, op: &'static str, pushed: &[Param]) -> Result<()> {
+        if pushed == self.params.as_slice() {
+            return Ok(());
+        }
+        Err(Error::Cuda {
+            op,
+            detail: format!(
+                "launch of `{}` pushes {pushed:?}, the kernel takes {:?}",
+                self.name, self.params
+            ),
+        })
+    }
+}
+
+/// Launches what `b` holds; `kernel.check` has compared the arguments with the kernel's.
 pub(crate) fn launch(op: &'static str, b: &mut LaunchArgs<'_>, cfg: LaunchConfig) -> Result<()> {
-    // SAFETY: every caller pushes exactly the arguments of the kernel's `extern "C"`
-    // signature in `kernels/*.cu`, in order and of those types (buffers of the dtype named by
-    // the entry's suffix, `u64` counts, `int` flags, `Tr<T>::A` scalars), and derives the
-    // counts from shapes the buffers were allocated for.
+    // SAFETY: [`launch_kernel!`] pushed exactly the arguments of the kernel's `extern "C"`
+    // signature in `kernels/*.cu` (checked by `Kernel::check` against the signature parsed
+    // from the source, which the `cuda_ptx` test checks against the PTX): in order, of those
+    // types, buffers of the element types it declares; the counts come from shapes the
+    // buffers were allocated for.
     unsafe { b.launch(cfg) }.map_err(|e| driver_err(op, e))?;
     Ok(())
 }
 
-/// Launches the kernel `$f` (from [`func`]) on `$dev`'s stream with the launch config `$cfg`
-/// for op `$op`, evaluating to [`launch`]'s `Result<()>`. The arguments are pushed in the
-/// order written, which must be the order of the kernel's `extern "C"` parameters in
+/// Launches the [`Kernel`] `$k` (from [`func`]) on `$dev`'s stream with the launch config
+/// `$cfg` for op `$op`, evaluating to [`launch`]'s `Result<()>`. The arguments are pushed in
+/// the order written, which must be the order of the kernel's `extern "C"` parameters in
 /// `kernels/*.cu`; each names the C type it is passed as:
 ///
 /// | written | C parameter | Rust value |
 /// |---|---|---|
-/// | `src t` | `const T*` | `&CudaTensor` |
-/// | `dst t` | `T*` | `&mut CudaTensor` |
+/// | `src t` | `const E*`, `E` the tensor's dtype | `&CudaTensor` |
+/// | `dst t` | `E*` | `&mut CudaTensor` |
 /// | `u64 n` | `u64` | `usize` |
 /// | `int v` | `int` | `i32` |
 /// | `acc a` | `Tr<T>::A` | [`Acc`] |
+/// | `f64 x` | `double` | `f64` |
+///
+/// Before launching, the pushed list is compared with the kernel's declared parameters
+/// ([`Kernel::check`]): a launch that disagrees with its kernel returns an `Err` instead of
+/// running.
 macro_rules! launch_kernel {
-    ($op:expr, $dev:expr, $f:expr, $cfg:expr; $($kind:ident $a:expr),+ $(,)?) => {{
-        let f = $f;
-        let mut l = $dev.stream().launch_builder(&f);
-        $(kernel_arg!(l, $kind $a);)+
+    ($op:expr, $dev:expr, $k:expr, $cfg:expr; $($kind:ident $a:expr),+ $(,)?) => {{
+        let k: Kernel = $k;
+        let mut pushed = Vec::new();
+        let mut l = $dev.stream().launch_builder(&k.function);
+        $(kernel_arg!(l, pushed, $kind $a);)+
+        k.check($op, &pushed)?;
         launch($op, &mut l, $cfg)
     }};
 }
 
-/// One argument of [`launch_kernel!`]; a scalar is bound to a local that outlives the launch.
+/// One argument of [`launch_kernel!`], recorded in `$p` as the [`Param`] it is pushed as; a
+/// scalar is bound to a local that outlives the launch.
 macro_rules! kernel_arg {
-    ($l:ident, src $t:expr) => {
-        arg(&mut $l, $t)
+    ($l:ident, $p:ident, src $t:expr) => {
+        let t: &CudaTensor = $t;
+        $p.push(Param::Src(t.dtype()));
+        arg(&mut $l, t);
     };
-    ($l:ident, dst $t:expr) => {
-        arg_mut(&mut $l, $t)?
+    ($l:ident, $p:ident, dst $t:expr) => {
+        let t: &mut CudaTensor = $t;
+        $p.push(Param::Dst(t.dtype()));
+        arg_mut(&mut $l, t)?;
     };
-    ($l:ident, u64 $n:expr) => {
+    ($l:ident, $p:ident, u64 $n:expr) => {
         let v: u64 = u($n);
+        $p.push(Param::Scalar(Scalar::U64));
         $l.arg(&v);
     };
-    ($l:ident, int $v:expr) => {
+    ($l:ident, $p:ident, int $v:expr) => {
         let v: i32 = $v;
+        $p.push(Param::Scalar(Scalar::I32));
         $l.arg(&v);
     };
-    ($l:ident, acc $a:expr) => {
+    ($l:ident, $p:ident, acc $a:expr) => {
         let v: Acc = $a;
+        $p.push(v.param());
         v.push(&mut $l);
+    };
+    ($l:ident, $p:ident, f64 $x:expr) => {
+        let v: f64 = $x;
+        $p.push(Param::Scalar(Scalar::F64));
+        $l.arg(&v);
     };
 }
 pub(crate) use {kernel_arg, launch_kernel};
 
+/// The kernel `root_dtype` of `module`, loaded on `dev`, with its declared parameters.
 pub(crate) fn func(
     dev: &Device,
     module: &'static KernelModule,
     root: &str,
     dtype: DType,
-) -> Result<cudarc::driver::CudaFunction> {
-    dev.function(module, &entry(root, dtype))
+) -> Result<Kernel> {
+    let name = entry(root, dtype);
+    let params = module.params(root, dtype).ok_or_else(|| Error::Cuda {
+        op: "cuda::ops::func",
+        detail: format!(
+            "module `{}` declares no kernel `{name}` with parameters of known types",
+            module.name
+        ),
+    })?;
+    Ok(Kernel {
+        function: dev.function(module, &name)?,
+        name,
+        params,
+    })
 }
 
 pub(crate) fn u(n: usize) -> u64 {
@@ -276,7 +349,12 @@ pub fn to_dtype(a: &CudaTensor, dtype: DType) -> Result<CudaTensor> {
     if n == 0 {
         return Ok(out);
     }
-    let f = dev.function(&source::ELEMENTWISE, &format!("cast_{}_{dtype}", a.dtype()))?;
+    let f = func(
+        dev,
+        &source::ELEMENTWISE,
+        &format!("cast_{}", a.dtype()),
+        dtype,
+    )?;
     launch_kernel!(OP, dev, f, grid_for(n); src a, dst &mut out, u64 n)?;
     Ok(out)
 }

@@ -61,16 +61,7 @@ pub fn adamw_step(
     }
     let dev = w.device().clone();
     let f = func(&dev, &source::OPTIM, "adamw", w.dtype())?;
-    let scalars = [h.lr, h.beta1, h.beta2, h.eps, h.decay, h.c1, h.c2];
-    let count = u(n);
-    let mut l = dev.stream().launch_builder(&f);
-    arg_mut(&mut l, w)?;
-    arg(&mut l, g);
-    arg_mut(&mut l, m)?;
-    arg_mut(&mut l, v)?;
-    for s in &scalars {
-        l.arg(s);
-    }
-    l.arg(&count);
-    launch(OP, &mut l, grid_for(n))
+    launch_kernel!(OP, dev, f, grid_for(n);
+        dst w, src g, dst m, dst v, f64 h.lr, f64 h.beta1, f64 h.beta2, f64 h.eps, f64 h.decay,
+        f64 h.c1, f64 h.c2, u64 n)
 }

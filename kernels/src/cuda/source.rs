@@ -63,6 +63,180 @@ pub fn entry(root: &str, dtype: DType) -> String {
     format!("{root}_{dtype}")
 }
 
+/// A scalar kernel parameter's C type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scalar {
+    /// `u64` (counts, sizes, offsets).
+    U64,
+    /// `int` (flags, op codes, `Tr<int>::A`).
+    I32,
+    /// `i64` (`Tr<i64>::A`).
+    I64,
+    /// `float` (`Tr<T>::A` of f32, bf16, f16).
+    F32,
+    /// `double` (`Tr<double>::A`, the AdamW constants).
+    F64,
+}
+
+/// One parameter of a kernel entry, as its `extern "C"` signature in the `.cu` source
+/// declares it (the C types resolved for the entry's dtype), or as a launch pushes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Param {
+    /// `const E*`: a buffer the kernel reads, of element type `E`.
+    Src(DType),
+    /// `E*`: a buffer the kernel writes.
+    Dst(DType),
+    /// A scalar passed by value.
+    Scalar(Scalar),
+}
+
+impl Param {
+    /// The PTX parameter type NVRTC gives it (`.param .u64 …` for pointers).
+    pub fn ptx(self) -> &'static str {
+        match self {
+            Param::Src(_) | Param::Dst(_) | Param::Scalar(Scalar::U64 | Scalar::I64) => ".u64",
+            Param::Scalar(Scalar::I32) => ".u32",
+            Param::Scalar(Scalar::F32) => ".f32",
+            Param::Scalar(Scalar::F64) => ".f64",
+        }
+    }
+}
+
+/// The compute type `Tr<T>::A` of `common.cuh`: f32 for the 16-bit floats, else the dtype.
+fn compute(dtype: DType) -> DType {
+    match dtype {
+        DType::BF16 | DType::F16 => DType::F32,
+        d => d,
+    }
+}
+
+/// One parameter as written in the source: pointer or not, `const` or not, the type's text
+/// (without `const` and `*`).
+#[derive(Debug)]
+struct CParam {
+    pointer: bool,
+    constant: bool,
+    ty: String,
+}
+
+/// Every `extern "C" __global__` definition of `source`: the root (the name before its first
+/// `_##`, so `cast_##SN##_##DN` is `cast`) and its parameters.
+fn parse_entries(source: &str) -> Vec<(String, Vec<CParam>)> {
+    const START: &str = "extern \"C\" __global__ void ";
+    let mut out = Vec::new();
+    for (at, _) in source.match_indices(START) {
+        let rest = &source[at + START.len()..];
+        let Some(open) = rest.find('(') else { continue };
+        let name = rest[..open].trim();
+        let root = name.split("_##").next().unwrap_or(name).to_string();
+        let Some(close) = rest[open..].find(')') else {
+            continue;
+        };
+        let list = rest[open + 1..open + close].replace('\\', " ");
+        let params = list
+            .split(',')
+            .map(|p| {
+                let p = p.split_whitespace().collect::<Vec<_>>().join(" ");
+                // The last identifier is the parameter's name.
+                let cut = p
+                    .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .map_or(0, |i| i + 1);
+                let ty = &p[..cut];
+                let constant = ty.starts_with("const ");
+                let ty = ty.strip_prefix("const ").unwrap_or(ty);
+                CParam {
+                    pointer: ty.contains('*'),
+                    constant,
+                    ty: ty.replace('*', "").trim().to_string(),
+                }
+            })
+            .collect();
+        out.push((root, params));
+    }
+    out
+}
+
+/// The parsed definitions of every module, by module name (parsed once per process).
+fn definitions(module: &KernelModule) -> Option<&'static [(String, Vec<CParam>)]> {
+    use std::collections::HashMap;
+    use std::sync::OnceLock;
+    type Defs = HashMap<&'static str, Vec<(String, Vec<CParam>)>>;
+    static DEFS: OnceLock<Defs> = OnceLock::new();
+    DEFS.get_or_init(|| {
+        MODULES
+            .iter()
+            .map(|m| (m.name, parse_entries(m.source)))
+            .collect()
+    })
+    .get(module.name)
+    .map(Vec::as_slice)
+}
+
+impl KernelModule {
+    /// The parameters of the entry `root_dtype`, read from its `extern "C"` definition in the
+    /// `.cu` source with the macro's type names resolved for `dtype` (`T`, `Tr<T>::A`, the
+    /// casts' `S`/`D`, `AdamS<T>::S`, …). `None` when the module defines no such root for
+    /// that dtype or a type is not one the launches know.
+    ///
+    /// Every launch compares what it pushes with this list before launching (a mismatch is
+    /// an `Err`, not undefined behaviour on the GPU), and the no-GPU test `cuda_ptx` checks
+    /// the list against the parameters of the compiled PTX.
+    pub fn params(&self, root: &str, dtype: DType) -> Option<Vec<Param>> {
+        if !self
+            .roots
+            .iter()
+            .any(|&(r, dts)| r == root && dts.list().contains(&dtype))
+        {
+            return None;
+        }
+        // `cast_<from>` roots share the one `cast_##SN##_##DN` definition.
+        let (defined, from) = match root.strip_prefix("cast_") {
+            Some(f) => ("cast", DType::ALL.into_iter().find(|d| d.to_string() == f)),
+            None => (root, None),
+        };
+        let (_, params) = definitions(self)?.iter().find(|(r, _)| r == defined)?;
+        let elem = |ty: &str| -> Option<DType> {
+            Some(match ty {
+                "T" => dtype,
+                "Tr<T>::A" | "A" => compute(dtype),
+                "AdamS<T>::S" if dtype == DType::F32 => DType::F32,
+                "AdamS<T>::S" => DType::F64,
+                "S" => from?,
+                "D" if from.is_some() => dtype,
+                "i64" => DType::I64,
+                "int" => DType::I32,
+                "float" => DType::F32,
+                "double" => DType::F64,
+                _ => return None,
+            })
+        };
+        params
+            .iter()
+            .map(|p| {
+                if p.pointer {
+                    let e = elem(&p.ty)?;
+                    return Some(if p.constant {
+                        Param::Src(e)
+                    } else {
+                        Param::Dst(e)
+                    });
+                }
+                let s = match p.ty.as_str() {
+                    "u64" => Scalar::U64,
+                    other => match elem(other)? {
+                        DType::I32 => Scalar::I32,
+                        DType::I64 => Scalar::I64,
+                        DType::F32 => Scalar::F32,
+                        DType::F64 => Scalar::F64,
+                        DType::BF16 | DType::F16 => return None,
+                    },
+                };
+                Some(Param::Scalar(s))
+            })
+            .collect()
+    }
+}
+
 use Dtypes::{All, Compute, Float};
 
 /// `elementwise.cu`: `add`, `mul`, `scale` (all six dtypes; integers wrap), `sub`, the bias
@@ -274,6 +448,107 @@ mod tests {
     fn block_size_matches_the_kernels() {
         let define = format!("#define ROW_THREADS {}", crate::cuda::ops::THREADS);
         assert!(COMMON.contains(&define), "common.cuh must say `{define}`");
+    }
+
+    #[test]
+    fn every_entry_has_its_parameters_read_from_the_source() {
+        for m in MODULES {
+            for &(root, dts) in m.roots {
+                for &d in dts.list() {
+                    let p = m.params(root, d);
+                    assert!(
+                        p.as_ref().is_some_and(|p| !p.is_empty()),
+                        "{}: {root}_{d}: {p:?}",
+                        m.name
+                    );
+                }
+                let other = DType::ALL.into_iter().find(|d| !dts.list().contains(d));
+                if let Some(d) = other {
+                    assert_eq!(m.params(root, d), None, "{root}_{d} is not instantiated");
+                }
+            }
+        }
+        assert_eq!(ELEMENTWISE.params("nope", DType::F32), None);
+    }
+
+    #[test]
+    fn parameters_resolve_the_macro_types_for_the_dtype() {
+        use Param::{Dst, Scalar as S, Src};
+        use Scalar::*;
+        assert_eq!(
+            ELEMENTWISE.params("scale", DType::BF16).unwrap(),
+            [Src(DType::BF16), Dst(DType::BF16), S(F32), S(U64)]
+        );
+        assert_eq!(
+            ELEMENTWISE.params("scale", DType::I64).unwrap(),
+            [Src(DType::I64), Dst(DType::I64), S(I64), S(U64)]
+        );
+        assert_eq!(
+            ELEMENTWISE.params("cast_f16", DType::I32).unwrap(),
+            [Src(DType::F16), Dst(DType::I32), S(U64)]
+        );
+        assert_eq!(
+            ELEMENTWISE.params("sum_rows", DType::F64).unwrap(),
+            [Dst(DType::F64), Src(DType::F64), S(U64), S(U64), S(I32)]
+        );
+        assert_eq!(
+            NORM.params("layer_norm", DType::F16).unwrap(),
+            [
+                Dst(DType::F16),
+                Dst(DType::F32),
+                Dst(DType::F32),
+                Src(DType::F16),
+                Src(DType::F16),
+                Src(DType::F16),
+                S(U64),
+                S(F32)
+            ]
+        );
+        assert_eq!(
+            EMBEDDING.params("embedding_i32", DType::BF16).unwrap()[1],
+            Src(DType::I32)
+        );
+        assert_eq!(
+            CROSS_ENTROPY.params("ce_loss", DType::BF16).unwrap(),
+            [Src(DType::F64), Src(DType::F64), Dst(DType::BF16), S(U64)]
+        );
+        assert_eq!(
+            ATTENTION_BLOCK
+                .params("merge_attention", DType::F64)
+                .unwrap(),
+            [
+                Dst(DType::F64),
+                Dst(DType::F64),
+                Src(DType::F64),
+                Src(DType::F64),
+                S(U64),
+                S(U64)
+            ]
+        );
+        let adam = |d| OPTIM.params("adamw", d).unwrap();
+        assert_eq!(adam(DType::F32)[2], Dst(DType::F32));
+        assert_eq!(
+            adam(DType::BF16)[..4],
+            [
+                Dst(DType::BF16),
+                Src(DType::BF16),
+                Dst(DType::F64),
+                Dst(DType::F64)
+            ]
+        );
+        assert_eq!(
+            adam(DType::F16)[4..],
+            [
+                S(F64),
+                S(F64),
+                S(F64),
+                S(F64),
+                S(F64),
+                S(F64),
+                S(F64),
+                S(U64)
+            ]
+        );
     }
 
     #[test]
