@@ -1161,15 +1161,23 @@ impl Worker {
             let raw = s.raw;
             // SAFETY: a live communicator; destroyed once below, then forgotten.
             let r = unsafe { sys::ncclCommFinalize(raw) };
-            if ok(r).is_ok() && self.settle(slot, "nccl drop").is_ok() {
-                let _ = unsafe { sys::ncclCommDestroy(raw) };
-                if let Some(Some(s)) = self.slots.get_mut(slot) {
-                    s.raw = std::ptr::null_mut();
+            match ok(r) {
+                // Finalize refused: abort. (The error is read while `raw` is still live.)
+                Err(code) => {
+                    let err = nccl_error("nccl drop", code, raw);
+                    self.fail(slot, err);
                 }
-            } else {
-                // `settle` failed the slot (aborted it), or finalize refused: abort.
-                let err = nccl_error("nccl drop", r, raw);
-                self.fail(slot, err);
+                Ok(()) => {
+                    // A failed `settle` has aborted the communicator already (NCCL freed
+                    // it): `raw` must not reach NCCL again, not even ncclGetLastError.
+                    if self.settle(slot, "nccl drop").is_ok() {
+                        // SAFETY: live and finalized; destroyed once, then forgotten.
+                        let _ = unsafe { sys::ncclCommDestroy(raw) };
+                        if let Some(Some(s)) = self.slots.get_mut(slot) {
+                            s.raw = std::ptr::null_mut();
+                        }
+                    }
+                }
             }
         }
         if let Some(s) = self.slots.get_mut(slot) {
