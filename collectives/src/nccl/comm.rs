@@ -1068,22 +1068,13 @@ impl Worker {
             &[color as u64, key as u64],
             sys::ncclDataType_t::ncclUint64,
         )?;
-        let mut group: Vec<(u64, usize)> = pairs
-            .chunks(2)
-            .enumerate()
-            .filter(|(_, p)| p[0] == color as u64)
-            .map(|(r, p)| (p[1], r))
-            .collect();
-        group.sort();
-        let new_rank = group
-            .iter()
-            .position(|&(_, r)| r == me)
-            .ok_or_else(|| Error::Library {
+        let (new_rank, group) =
+            split_group(&pairs, color as u64, me).ok_or_else(|| Error::Library {
                 op: OP,
                 backend: BACKEND,
                 detail: "this rank is missing from its own color's group".into(),
             })?;
-        let new_members: Vec<usize> = group.iter().map(|&(_, r)| members[r]).collect();
+        let new_members: Vec<usize> = group.iter().map(|&r| members[r]).collect();
         let raw = self.raw(slot)?;
         // On a non-blocking parent, ncclCommSplit returns ncclInProgress with `*newcomm`
         // still NULL: NCCL's own thread stores the child there when the split completes,
@@ -1170,15 +1161,23 @@ impl Worker {
             let raw = s.raw;
             // SAFETY: a live communicator; destroyed once below, then forgotten.
             let r = unsafe { sys::ncclCommFinalize(raw) };
-            if ok(r).is_ok() && self.settle(slot, "nccl drop").is_ok() {
-                let _ = unsafe { sys::ncclCommDestroy(raw) };
-                if let Some(Some(s)) = self.slots.get_mut(slot) {
-                    s.raw = std::ptr::null_mut();
+            match ok(r) {
+                // Finalize refused: abort. (The error is read while `raw` is still live.)
+                Err(code) => {
+                    let err = nccl_error("nccl drop", code, raw);
+                    self.fail(slot, err);
                 }
-            } else {
-                // `settle` failed the slot (aborted it), or finalize refused: abort.
-                let err = nccl_error("nccl drop", r, raw);
-                self.fail(slot, err);
+                Ok(()) => {
+                    // A failed `settle` has aborted the communicator already (NCCL freed
+                    // it): `raw` must not reach NCCL again, not even ncclGetLastError.
+                    if self.settle(slot, "nccl drop").is_ok() {
+                        // SAFETY: live and finalized; destroyed once, then forgotten.
+                        let _ = unsafe { sys::ncclCommDestroy(raw) };
+                        if let Some(Some(s)) = self.slots.get_mut(slot) {
+                            s.raw = std::ptr::null_mut();
+                        }
+                    }
+                }
             }
         }
         if let Some(s) = self.slots.get_mut(slot) {
@@ -1497,6 +1496,52 @@ fn reduce_scatterv_plan(
     }
 }
 
+/// An equal-block all-to-all as grouped sends and receives: block `p` of `send` (`k`
+/// elements at element offset `p·k`) to rank `p` of `n`, rank `p`'s block into block `p`
+/// of `recv`.
+fn all_to_all_plan(n: usize, send: u64, recv: u64, k: usize, dtype: DType) -> Plan {
+    Plan::Exchange {
+        sends: (0..n).map(|p| (p, offset(send, p * k, dtype), k)).collect(),
+        recvs: (0..n).map(|p| (p, offset(recv, p * k, dtype), k)).collect(),
+        dtype,
+    }
+}
+
+/// An all-to-all-v as grouped sends and receives: `send`'s block `p` (address, and the
+/// blocks of `send_counts` before it) to rank `p`, rank `p`'s block into `recv` after the
+/// blocks of `recv_counts` before it.
+fn all_to_allv_plan(send: (u64, &[usize]), recv: (u64, &[usize]), dtype: DType) -> Plan {
+    let at = |(base, counts): (u64, &[usize])| -> Vec<Transfer> {
+        blocks(counts)
+            .into_iter()
+            .enumerate()
+            .map(|(p, (off, c))| (p, offset(base, off, dtype), c))
+            .collect()
+    };
+    Plan::Exchange {
+        sends: at(send),
+        recvs: at(recv),
+        dtype,
+    }
+}
+
+/// NCCL's rule for the group `ncclCommSplit` gives rank `me`: the ranks whose color is
+/// `color`, ordered by key, ties by rank in the parent. `pairs` holds every parent rank's
+/// `(color, key)`, flat. Returns `me`'s rank in the new group and the parent ranks of the
+/// group in new-rank order; `None` if `me` is not of that color.
+fn split_group(pairs: &[u64], color: u64, me: usize) -> Option<(usize, Vec<usize>)> {
+    let mut group: Vec<(u64, usize)> = pairs
+        .chunks(2)
+        .enumerate()
+        .filter(|(_, p)| p[0] == color)
+        .map(|(r, p)| (p.get(1).copied().unwrap_or(0), r))
+        .collect();
+    group.sort();
+    let ranks: Vec<usize> = group.into_iter().map(|(_, r)| r).collect();
+    let new_rank = ranks.iter().position(|&r| r == me)?;
+    Some((new_rank, ranks))
+}
+
 /// `(offset, count)` of each block of `counts`.
 fn blocks(counts: &[usize]) -> Vec<(usize, usize)> {
     let mut off = 0;
@@ -1742,14 +1787,9 @@ impl Communicator for NcclComm {
         } else {
             None
         };
-        let k = s / n;
         let (sa, _gs) = addr(&send, &self.stream);
         let (ra, _gr) = addr_mut(&mut recv, &self.stream);
-        let plan = Plan::Exchange {
-            sends: (0..n).map(|p| (p, offset(sa, p * k, dtype), k)).collect(),
-            recvs: (0..n).map(|p| (p, offset(ra, p * k, dtype), k)).collect(),
-            dtype,
-        };
+        let plan = all_to_all_plan(n, sa, ra, s / n, dtype);
         let call = Call::AllToAll { send: s, recv: r };
         self.run_collective(call, Some(dtype), invalid, plan)
     }
@@ -1773,19 +1813,7 @@ impl Communicator for NcclComm {
         let plan = if invalid.is_some() {
             Plan::Nothing
         } else {
-            Plan::Exchange {
-                sends: blocks(send_counts)
-                    .into_iter()
-                    .enumerate()
-                    .map(|(p, (off, c))| (p, offset(sa, off, dtype), c))
-                    .collect(),
-                recvs: blocks(recv_counts)
-                    .into_iter()
-                    .enumerate()
-                    .map(|(p, (off, c))| (p, offset(ra, off, dtype), c))
-                    .collect(),
-                dtype,
-            }
+            all_to_allv_plan((sa, send_counts), (ra, recv_counts), dtype)
         };
         let call = Call::AllToAllV {
             send: s,
@@ -1984,6 +2012,211 @@ mod tests {
             "all_reduce: invalid argument: nccl backend: host buffers are not staged through \
              the device; pass device buffers to the `*_device` methods"
         );
+    }
+
+    /// Rank `r`'s memory in the model below: `ELEMS` values at device address `base(r)`.
+    const ELEMS: usize = 64;
+    fn base(r: usize) -> u64 {
+        0x7f00_0000_0000 + (r as u64) * 0x1_0000_0000
+    }
+
+    /// The element index of device address `addr` in rank `r`'s memory, checking that it
+    /// is one (in range, on an element boundary of `dtype`).
+    fn index(r: usize, addr: u64, len: usize, dtype: DType) -> usize {
+        let bytes = addr
+            .checked_sub(base(r))
+            .unwrap_or_else(|| panic!("rank {r}: address {addr:#x} below its memory"));
+        let size = dtype.size_in_bytes() as u64;
+        assert_eq!(
+            bytes % size,
+            0,
+            "rank {r}: {addr:#x} not on a {dtype} boundary"
+        );
+        let i = (bytes / size) as usize;
+        assert!(
+            i + len <= ELEMS,
+            "rank {r}: [{i}, {}) out of its memory",
+            i + len
+        );
+        i
+    }
+
+    /// A host model of NCCL running one grouped exchange per rank (`plans[r]`, addresses
+    /// in rank `r`'s memory): the sends from `p` to `q` meet `q`'s receives from `p` in
+    /// issue order, with equal counts (NCCL's rule; a mismatch is undefined behaviour
+    /// there, a panic here); empty transfers are skipped as `Plan::enqueue` skips them.
+    fn run_exchanges(plans: &[Plan], mem: &mut [Vec<f64>]) {
+        let n = plans.len();
+        let parts = |r: usize| match &plans[r] {
+            Plan::Exchange {
+                sends,
+                recvs,
+                dtype,
+            } => (sends.clone(), recvs.clone(), *dtype),
+            other => panic!("rank {r}: not an exchange: {other:?}"),
+        };
+        for p in 0..n {
+            for q in 0..n {
+                let (sends, _, dtype) = parts(p);
+                let (_, recvs, rdtype) = parts(q);
+                assert_eq!(dtype, rdtype);
+                let out: Vec<_> = sends.iter().filter(|t| t.0 == q && t.2 > 0).collect();
+                let inn: Vec<_> = recvs.iter().filter(|t| t.0 == p && t.2 > 0).collect();
+                assert_eq!(out.len(), inn.len(), "sends {p} -> {q} vs receives");
+                for (&(_, sa, c), &(_, ra, rc)) in out.into_iter().zip(inn) {
+                    assert_eq!(c, rc, "send {p} -> {q} of {c}, receive of {rc}");
+                    let (si, ri) = (index(p, sa, c, dtype), index(q, ra, c, dtype));
+                    let data = mem[p][si..si + c].to_vec();
+                    mem[q][ri..ri + c].copy_from_slice(&data);
+                }
+            }
+        }
+    }
+
+    /// Every rank's memory: its own values `1000·r + i` (distinct everywhere).
+    fn memories(n: usize) -> Vec<Vec<f64>> {
+        (0..n)
+            .map(|r| (0..ELEMS).map(|i| (1000 * r + i) as f64).collect())
+            .collect()
+    }
+
+    /// Where `recv` starts in rank `r`'s memory (after its send region).
+    const RECV_AT: usize = 32;
+
+    #[test]
+    fn all_to_allv_plan_delivers_each_block_to_its_peer_at_its_offset() {
+        let n = 3;
+        let c = |p: usize, q: usize| (p + 2 * q) % 4;
+        for dtype in [DType::BF16, DType::F32, DType::F64] {
+            let plans: Vec<Plan> = (0..n)
+                .map(|r| {
+                    let sc: Vec<usize> = (0..n).map(|q| c(r, q)).collect();
+                    let rc: Vec<usize> = (0..n).map(|p| c(p, r)).collect();
+                    let recv = offset(base(r), RECV_AT, dtype);
+                    all_to_allv_plan((base(r), &sc), (recv, &rc), dtype)
+                })
+                .collect();
+            let mut mem = memories(n);
+            run_exchanges(&plans, &mut mem);
+            for (q, m) in mem.iter().enumerate() {
+                let mut want = Vec::new();
+                for p in 0..n {
+                    let off: usize = (0..q).map(|x| c(p, x)).sum();
+                    want.extend((off..off + c(p, q)).map(|i| (1000 * p + i) as f64));
+                }
+                assert_eq!(
+                    &m[RECV_AT..RECV_AT + want.len()],
+                    &want[..],
+                    "rank {q} {dtype}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn all_to_all_plan_swaps_block_p_of_q_with_block_q_of_p() {
+        let (n, k) = (4, 3);
+        let plans: Vec<Plan> = (0..n)
+            .map(|r| {
+                all_to_all_plan(
+                    n,
+                    base(r),
+                    offset(base(r), RECV_AT, DType::F32),
+                    k,
+                    DType::F32,
+                )
+            })
+            .collect();
+        let mut mem = memories(n);
+        run_exchanges(&plans, &mut mem);
+        for (q, m) in mem.iter().enumerate() {
+            let want: Vec<f64> = (0..n)
+                .flat_map(|p| (q * k..q * k + k).map(move |i| (1000 * p + i) as f64))
+                .collect();
+            assert_eq!(&m[RECV_AT..RECV_AT + n * k], &want[..], "rank {q}");
+        }
+    }
+
+    #[test]
+    fn all_gatherv_plan_places_every_piece_in_rank_order_uneven_and_empty() {
+        let counts = [3usize, 0, 5, 1];
+        let n = counts.len();
+        let dtype = DType::I64;
+        let plans: Vec<Plan> = (0..n)
+            .map(|r| {
+                let recv = offset(base(r), RECV_AT, dtype);
+                all_gatherv_plan(n, (base(r), counts[r]), recv, &counts, dtype)
+            })
+            .collect();
+        let mut mem = memories(n);
+        run_exchanges(&plans, &mut mem);
+        let want: Vec<f64> = (0..n)
+            .flat_map(|p| (0..counts[p]).map(move |i| (1000 * p + i) as f64))
+            .collect();
+        for (r, m) in mem.iter().enumerate() {
+            assert_eq!(&m[RECV_AT..RECV_AT + want.len()], &want[..], "rank {r}");
+        }
+    }
+
+    #[test]
+    fn reduce_scatterv_plan_reduces_block_p_to_root_p_in_one_call_order() {
+        let counts = [2usize, 0, 3];
+        let n = counts.len();
+        let dtype = DType::F16;
+        let plans: Vec<Plan> = (0..n)
+            .map(|r| {
+                let recv = offset(base(r), RECV_AT, dtype);
+                reduce_scatterv_plan(base(r), recv, &counts, dtype, ReduceOp::Sum)
+            })
+            .collect();
+        let blocks_of = |r: usize| match &plans[r] {
+            Plan::Reduces { blocks, recv, .. } => (blocks.clone(), *recv),
+            other => panic!("not a grouped reduce: {other:?}"),
+        };
+        // The grouped ncclReduce calls must match across ranks in order: same roots, same
+        // counts (the addresses are each rank's own).
+        let order = |r: usize| -> Vec<(usize, usize)> {
+            blocks_of(r)
+                .0
+                .iter()
+                .filter(|t| t.2 > 0)
+                .map(|t| (t.0, t.2))
+                .collect()
+        };
+        for r in 1..n {
+            assert_eq!(order(r), order(0), "rank {r}'s reduces");
+        }
+        let mut mem = memories(n);
+        for (j, &(root, count)) in order(0).iter().enumerate() {
+            let mut sum = vec![0.0; count];
+            for (r, m) in mem.iter().enumerate() {
+                let addr = blocks_of(r).0.iter().filter(|t| t.2 > 0).nth(j).unwrap().1;
+                let i = index(r, addr, count, dtype);
+                for (s, v) in sum.iter_mut().zip(&m[i..i + count]) {
+                    *s += v;
+                }
+            }
+            let ri = index(root, blocks_of(root).1, count, dtype);
+            mem[root][ri..ri + count].copy_from_slice(&sum);
+        }
+        for (r, m) in mem.iter().enumerate() {
+            let off: usize = counts[..r].iter().sum();
+            let want: Vec<f64> = (off..off + counts[r])
+                .map(|i| (0..n).map(|p| (1000 * p + i) as f64).sum())
+                .collect();
+            assert_eq!(&m[RECV_AT..RECV_AT + counts[r]], &want[..], "rank {r}");
+        }
+    }
+
+    #[test]
+    fn split_group_orders_by_key_then_parent_rank_like_nccl() {
+        // (color, key) of parent ranks 0..4.
+        let pairs = [0, 1, 1, 0, 0, 0, 0, 1, 1, 0];
+        assert_eq!(split_group(&pairs, 0, 0), Some((1, vec![2, 0, 3])));
+        assert_eq!(split_group(&pairs, 0, 2), Some((0, vec![2, 0, 3])));
+        assert_eq!(split_group(&pairs, 0, 3), Some((2, vec![2, 0, 3])));
+        assert_eq!(split_group(&pairs, 1, 4), Some((1, vec![1, 4])));
+        assert_eq!(split_group(&pairs, 1, 0), None);
     }
 
     #[test]

@@ -303,10 +303,7 @@ pub fn from_host(host: &dyn crate::Communicator, options: Options) -> Result<Ncc
         // SAFETY: a valid out-pointer; the library is present and recent enough.
         if unsafe { sys::ncclGetUniqueId(&mut id) } == sys::ncclResult_t::ncclSuccess {
             words[0] = 1;
-            for (w, chunk) in words[1..].iter_mut().zip(id.internal.chunks(8)) {
-                let bytes: Vec<u8> = chunk.iter().map(|&c| c as u8).collect();
-                *w = i64::from_le_bytes(bytes.try_into().unwrap_or([0; 8]));
-            }
+            words[1..].copy_from_slice(&id_words(&id));
         }
     }
     crate::CommunicatorExt::broadcast_in_place(host, &mut words, 0)?;
@@ -320,12 +317,7 @@ pub fn from_host(host: &dyn crate::Communicator, options: Options) -> Result<Ncc
                 .into(),
         });
     }
-    let mut id = sys::ncclUniqueId { internal: [0; 128] };
-    for (chunk, w) in id.internal.chunks_mut(8).zip(&words[1..]) {
-        for (c, b) in chunk.iter_mut().zip(w.to_le_bytes()) {
-            *c = b as std::ffi::c_char;
-        }
-    }
+    let id = id_from_words(&words[1..]);
     let gpus = match dtensor_kernels::cuda::device_count() {
         Ok(0) => {
             return Err(Error::Unavailable {
@@ -368,9 +360,50 @@ pub fn from_host(host: &dyn crate::Communicator, options: Options) -> Result<Ncc
     })
 }
 
+/// An `ncclUniqueId`'s 128 bytes as 16 little-endian words (what `from_host` broadcasts).
+fn id_words(id: &sys::ncclUniqueId) -> [i64; 16] {
+    let mut words = [0i64; 16];
+    for (w, chunk) in words.iter_mut().zip(id.internal.chunks(8)) {
+        let mut bytes = [0u8; 8];
+        for (b, &c) in bytes.iter_mut().zip(chunk) {
+            *b = c as u8;
+        }
+        *w = i64::from_le_bytes(bytes);
+    }
+    words
+}
+
+/// The inverse of [`id_words`] (missing words read as zeros).
+fn id_from_words(words: &[i64]) -> sys::ncclUniqueId {
+    let mut id = sys::ncclUniqueId { internal: [0; 128] };
+    for (chunk, w) in id.internal.chunks_mut(8).zip(words) {
+        for (c, b) in chunk.iter_mut().zip(w.to_le_bytes()) {
+            *c = b as std::ffi::c_char;
+        }
+    }
+    id
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unique_id_survives_its_word_form_every_byte_value() {
+        let mut id = sys::ncclUniqueId { internal: [0; 128] };
+        for (i, c) in id.internal.iter_mut().enumerate() {
+            // Even bytes below 128, then odd ones from 129 (negative as a signed c_char).
+            *c = (i as u8).wrapping_mul(2).wrapping_add((i / 64) as u8) as std::ffi::c_char;
+        }
+        let back = id_from_words(&id_words(&id));
+        assert_eq!(back.internal, id.internal);
+        assert_eq!(
+            id_words(&id)[0] & 0xff,
+            0,
+            "byte 0 is the low byte of word 0"
+        );
+        assert_eq!((id_words(&id)[0] >> 8) & 0xff, 2);
+    }
 
     #[test]
     fn version_codes_decode_in_both_encodings() {
