@@ -5,6 +5,72 @@
 use crate::CollectiveKind;
 use dtensor_kernels::{chunk_sizes, DType, ReduceOp};
 
+/// A dtype as a number (1..=6) on the wire.
+pub(crate) fn dtype_code(dtype: DType) -> u64 {
+    match dtype {
+        DType::F32 => 1,
+        DType::F64 => 2,
+        DType::BF16 => 3,
+        DType::F16 => 4,
+        DType::I32 => 5,
+        DType::I64 => 6,
+    }
+}
+
+/// The inverse of [`dtype_code`].
+pub(crate) fn dtype_from_code(code: u64) -> Option<DType> {
+    DType::ALL.into_iter().find(|&d| dtype_code(d) == code)
+}
+
+/// The 4 words a rendezvous send announces its message with before the data (the NCCL
+/// backend's `send_device` and the `unbuffered` emulator's `send`, which mirrors it):
+/// dtype code, length, tag, 0. The receiver answers with [`check_p2p_header`]'s verdict.
+pub(crate) fn p2p_header(dtype: DType, len: usize, tag: u32) -> [u64; 4] {
+    [dtype_code(dtype), len as u64, u64::from(tag), 0]
+}
+
+/// What a receive finds in the next message's [`p2p_header`] from its source.
+#[derive(Debug, PartialEq)]
+pub(crate) enum P2pHeaderCheck {
+    /// Dtype, length and tag are the receive's own: the data follows.
+    Agrees,
+    /// The tag is the receive's, the dtype or the length is not.
+    Message { got_dtype: DType, got_len: usize },
+    /// Another tag (or a dtype code no dtype has): on a backend without tags, this receive
+    /// would take a message meant for another one.
+    Tag {
+        got_dtype: Option<DType>,
+        got_len: usize,
+        got_tag: u64,
+    },
+}
+
+/// Compares `header` (the sender's [`p2p_header`]) with a receive of `len` elements of
+/// `dtype` with `tag`.
+pub(crate) fn check_p2p_header(
+    header: &[u64],
+    dtype: DType,
+    len: usize,
+    tag: u32,
+) -> P2pHeaderCheck {
+    let word = |i: usize| header.get(i).copied().unwrap_or(0);
+    let got_dtype = dtype_from_code(word(0));
+    let (got_len, got_tag) = (word(1) as usize, word(2));
+    match got_dtype {
+        Some(d) if got_tag == u64::from(tag) && d == dtype && got_len == len => {
+            P2pHeaderCheck::Agrees
+        }
+        Some(got_dtype) if got_tag == u64::from(tag) => {
+            P2pHeaderCheck::Message { got_dtype, got_len }
+        }
+        _ => P2pHeaderCheck::Tag {
+            got_dtype,
+            got_len,
+            got_tag,
+        },
+    }
+}
+
 /// The reason of a mismatch between column-block calls whose ranks agree on element
 /// counts but not on rows (described with [`Call::describe_rows`]).
 pub(crate) const ROWS_DIFFER: &str = "rows of the column blocks differ";
@@ -237,5 +303,53 @@ fn rows_note(rows: usize, always: bool) -> String {
         1 if always => ", 1 row".to_string(),
         1 => String::new(),
         _ => format!(", {rows} rows"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn p2p_header_check_classifies_what_differs() {
+        let h = p2p_header(DType::F32, 8, 3);
+        assert_eq!(
+            check_p2p_header(&h, DType::F32, 8, 3),
+            P2pHeaderCheck::Agrees
+        );
+        assert_eq!(
+            check_p2p_header(&h, DType::F64, 8, 3),
+            P2pHeaderCheck::Message {
+                got_dtype: DType::F32,
+                got_len: 8
+            }
+        );
+        assert_eq!(
+            check_p2p_header(&h, DType::F32, 9, 3),
+            P2pHeaderCheck::Message {
+                got_dtype: DType::F32,
+                got_len: 8
+            }
+        );
+        assert_eq!(
+            check_p2p_header(&h, DType::F32, 8, 4),
+            P2pHeaderCheck::Tag {
+                got_dtype: Some(DType::F32),
+                got_len: 8,
+                got_tag: 3
+            }
+        );
+        // An unreadable dtype code is never taken for a match.
+        assert_eq!(
+            check_p2p_header(&[0, 8, 3, 0], DType::F32, 8, 3),
+            P2pHeaderCheck::Tag {
+                got_dtype: None,
+                got_len: 8,
+                got_tag: 3
+            }
+        );
+        for d in DType::ALL {
+            assert_eq!(dtype_from_code(dtype_code(d)), Some(d));
+        }
     }
 }

@@ -59,10 +59,11 @@
 //! assert!(crossed.iter().all(|r| r.is_err()));
 //! ```
 
+use crate::call::{check_p2p_header, p2p_header, P2pHeaderCheck};
 use crate::threads::{self, Options, RankError};
 use crate::{
-    Buffer, CollectiveKind, Communicator, CounterSnapshot, Counters, DType, Element, Error,
-    Pending, ReduceOp, Request, Result, Slice, SliceMut,
+    Buffer, CollectiveKind, Communicator, CounterSnapshot, Counters, Element, Error, Pending,
+    ReduceOp, Request, Result, Slice, SliceMut,
 };
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -226,13 +227,6 @@ impl Unbuffered {
     }
 }
 
-fn dtype_code(d: DType) -> i64 {
-    DType::ALL
-        .iter()
-        .position(|&x| x == d)
-        .map_or(-1, |i| i as i64)
-}
-
 impl Communicator for Unbuffered {
     fn rank(&self) -> usize {
         self.inner.rank()
@@ -249,7 +243,8 @@ impl Communicator for Unbuffered {
         self.check_peer(OP, dst)?;
         let _one = self.begin_p2p();
         let (dtype, len) = (buf.dtype(), buf.len());
-        let header = [dtype_code(dtype), len as i64, i64::from(tag), 0];
+        // NCCL's header (`call::p2p_header`), as i64 words: the inner backend's dtype.
+        let header = p2p_header(dtype, len, tag).map(|w| w as i64);
         self.inner.send(i64::slice(&header), dst, DATA)?;
         self.overhead.record(CollectiveKind::Send, HEADER_BYTES, 0);
         let mut answer = [0i64];
@@ -278,17 +273,14 @@ impl Communicator for Unbuffered {
         let mut header = [0i64; 4];
         self.inner.recv(i64::slice_mut(&mut header), src, DATA)?;
         self.overhead.record(CollectiveKind::Recv, 0, HEADER_BYTES);
-        let got_dtype = usize::try_from(header[0])
-            .ok()
-            .and_then(|i| DType::ALL.get(i).copied());
-        let (got_len, got_tag) = (header[1] as usize, header[2] as u32);
-        let agrees = got_dtype == Some(dtype) && got_len == len && got_tag == tag;
+        let check = check_p2p_header(&header.map(|w| w as u64), dtype, len, tag);
+        let agrees = check == P2pHeaderCheck::Agrees;
         self.inner
             .send(i64::slice(&[i64::from(agrees)]), src, ANSWER)?;
         self.overhead.record(CollectiveKind::Send, ANSWER_BYTES, 0);
-        match got_dtype {
-            _ if agrees => self.inner.recv(buf, src, DATA),
-            Some(got_dtype) if got_tag == tag => Err(Error::MessageMismatch {
+        match check {
+            P2pHeaderCheck::Agrees => self.inner.recv(buf, src, DATA),
+            P2pHeaderCheck::Message { got_dtype, got_len } => Err(Error::MessageMismatch {
                 op: OP,
                 src,
                 tag,
@@ -297,7 +289,11 @@ impl Communicator for Unbuffered {
                 want_len: len,
                 want_dtype: dtype,
             }),
-            _ => Err(Error::CollectiveMismatch {
+            P2pHeaderCheck::Tag {
+                got_dtype,
+                got_len,
+                got_tag,
+            } => Err(Error::CollectiveMismatch {
                 op: OP,
                 backend: self.backend(),
                 size: self.size(),

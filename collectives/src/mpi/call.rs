@@ -79,7 +79,7 @@ impl Call {
 
     /// This rank's header (`me` of `n`); `invalid` says its own arguments were bad.
     pub(crate) fn header(&self, dtype: Option<DType>, invalid: bool, me: usize) -> Header {
-        let dtype_code = dtype.map_or(0, dtype_code);
+        let dtype_code = dtype.map_or(0, crate::call::dtype_code);
         let (root, counts_hash) = match self {
             Call::Broadcast { root, .. } => (*root as u64 + 1, 0),
             Call::AllGatherV { counts, .. } | Call::ReduceScatterV { counts, .. } => {
@@ -118,23 +118,6 @@ impl Call {
             self.agreed_rows_word(),
         ]
     }
-}
-
-/// A dtype as a number (1..=6) on the wire.
-pub(crate) fn dtype_code(dtype: DType) -> u64 {
-    match dtype {
-        DType::F32 => 1,
-        DType::F64 => 2,
-        DType::BF16 => 3,
-        DType::F16 => 4,
-        DType::I32 => 5,
-        DType::I64 => 6,
-    }
-}
-
-/// The inverse of [`dtype_code`].
-pub(crate) fn dtype_from_code(code: u64) -> Option<DType> {
-    DType::ALL.into_iter().find(|&d| dtype_code(d) == code)
 }
 
 /// FNV-1a over the counts and their number (stable across processes, unlike std's hasher).

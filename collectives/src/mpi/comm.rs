@@ -1502,7 +1502,7 @@ impl MpiCore {
         })?;
         let _alive = alive("send")?;
         let mut message = vec![0u64; words];
-        message[0] = call::dtype_code(buf.dtype());
+        message[0] = crate::call::dtype_code(buf.dtype());
         message[1] = buf.len() as u64;
         // SAFETY: `message` has room for `bytes.len()` bytes after its head; the two do
         // not overlap.
@@ -1646,7 +1646,10 @@ impl MpiCore {
                 "MPI_Mrecv",
             )
         };
-        let got_dtype = whole.first().copied().and_then(call::dtype_from_code);
+        let got_dtype = whole
+            .first()
+            .copied()
+            .and_then(crate::call::dtype_from_code);
         let got_len = whole.get(1).map(|&l| l as usize);
         let (Some(got_dtype), Some(got_len)) = (got_dtype, got_len) else {
             panic!("recv: a {words}-word message from rank {src} without a valid head");

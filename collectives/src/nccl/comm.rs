@@ -3,7 +3,7 @@
 
 use super::launch::Departures;
 use super::{Options, MULTI_RANK_GPU_ENV};
-use crate::call::Call;
+use crate::call::{check_p2p_header, p2p_header, Call, P2pHeaderCheck};
 use crate::mismatch::{described_call, split_described};
 use crate::mpi::call::{self as wire, Header, Verdict, HEADER_WORDS};
 use crate::{
@@ -976,7 +976,7 @@ impl Worker {
         const OP: &str = "send";
         self.raw(slot)?;
         self.check_departed(slot, OP, Some(dst))?;
-        let header = [wire::dtype_code(dtype), len as u64, u64::from(tag), 0];
+        let header = p2p_header(dtype, len, tag);
         self.p2p_words(slot, OP, dst, &header, true)?;
         let answer = self.p2p_words(slot, OP, dst, &[0], false)?;
         if answer.first() != Some(&1) {
@@ -1010,15 +1010,14 @@ impl Worker {
         self.raw(slot)?;
         self.check_departed(slot, OP, Some(src))?;
         let header = self.p2p_words(slot, OP, src, &[0; 4], false)?;
-        let got_dtype = header.first().and_then(|&c| wire::dtype_from_code(c));
-        let got_len = header.get(1).copied().unwrap_or(0) as usize;
-        let got_tag = header.get(2).copied().unwrap_or(0);
-        let agrees = got_dtype == Some(dtype) && got_len == len && got_tag == u64::from(tag);
+        let check = check_p2p_header(&header, dtype, len, tag);
+        let agrees = check == P2pHeaderCheck::Agrees;
         self.p2p_words(slot, OP, src, &[u64::from(agrees)], true)?;
         let world_src = self.slot(slot)?.members[src];
-        if !agrees {
-            return Err(match got_dtype {
-                Some(got_dtype) if got_tag == u64::from(tag) => Error::MessageMismatch {
+        match check {
+            P2pHeaderCheck::Agrees => {}
+            P2pHeaderCheck::Message { got_dtype, got_len } => {
+                return Err(Error::MessageMismatch {
                     op: OP,
                     src: world_src,
                     tag,
@@ -1026,8 +1025,10 @@ impl Worker {
                     got_dtype,
                     want_len: len,
                     want_dtype: dtype,
-                },
-                _ => Error::CollectiveMismatch {
+                })
+            }
+            P2pHeaderCheck::Tag { got_tag, .. } => {
+                return Err(Error::CollectiveMismatch {
                     op: OP,
                     backend: BACKEND,
                     size: self.slot(slot)?.size,
@@ -1037,8 +1038,8 @@ impl Worker {
                          delivers messages between two ranks in order: tags are checked, \
                          not matched)"
                     ),
-                },
-            });
+                })
+            }
         }
         self.enqueue(slot, OP, &data)?;
         self.finish(slot, OP, Some(src))
