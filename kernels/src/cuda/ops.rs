@@ -145,7 +145,7 @@ impl Acc {
 pub(crate) struct Kernel {
     pub(crate) function: cudarc::driver::CudaFunction,
     name: String,
-    params: Vec<Param>,
+    params: &'static [Param],
 }
 
 impl Kernel {
@@ -153,7 +153,7 @@ impl Kernel {
     /// and buffer element types, read-only buffers where it reads and writable where it
     /// writes. A mismatch would be undefined behaviour on the GPU.
     pub(crate) fn check(&self, op: &'static str, pushed: &[Param]) -> Result<()> {
-        if pushed == self.params.as_slice() {
+        if pushed == self.params {
             return Ok(());
         }
         Err(Error::Cuda {
@@ -249,7 +249,7 @@ pub(crate) fn func(
     dtype: DType,
 ) -> Result<Kernel> {
     let name = entry(root, dtype);
-    let params = module.params(root, dtype).ok_or_else(|| Error::Cuda {
+    let params = module.entry_params(&name).ok_or_else(|| Error::Cuda {
         op: "cuda::ops::func",
         detail: format!(
             "module `{}` declares no kernel `{name}` with parameters of known types",

@@ -237,6 +237,39 @@ impl KernelModule {
     }
 }
 
+impl KernelModule {
+    /// [`params`](Self::params) of the entry `name` (`root_dtype`), resolved once per
+    /// process for every entry of every module: each launch looks its kernel's list up here
+    /// rather than resolving the source's type names again.
+    pub(crate) fn entry_params(&self, name: &str) -> Option<&'static [Param]> {
+        use std::collections::HashMap;
+        use std::sync::OnceLock;
+        type Resolved = HashMap<&'static str, HashMap<String, Vec<Param>>>;
+        static RESOLVED: OnceLock<Resolved> = OnceLock::new();
+        RESOLVED
+            .get_or_init(|| {
+                MODULES
+                    .iter()
+                    .map(|m| {
+                        let entries = m
+                            .roots
+                            .iter()
+                            .flat_map(|&(root, dtypes)| {
+                                dtypes.list().iter().filter_map(move |&d| {
+                                    Some((entry(root, d), m.params(root, d)?))
+                                })
+                            })
+                            .collect();
+                        (m.name, entries)
+                    })
+                    .collect()
+            })
+            .get(self.name)?
+            .get(name)
+            .map(Vec::as_slice)
+    }
+}
+
 use Dtypes::{All, Compute, Float};
 
 /// `elementwise.cu`: `add`, `mul`, `scale` (all six dtypes; integers wrap), `sub`, the bias
@@ -461,6 +494,8 @@ mod tests {
                         "{}: {root}_{d}: {p:?}",
                         m.name
                     );
+                    // What launches look up is the same list, resolved once.
+                    assert_eq!(m.entry_params(&entry(root, d)), p.as_deref());
                 }
                 let other = DType::ALL.into_iter().find(|d| !dts.list().contains(d));
                 if let Some(d) = other {
