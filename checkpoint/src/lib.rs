@@ -179,29 +179,41 @@ pub fn agree<T>(world: &Arc<dyn Communicator>, op: &'static str, local: Result<T
         Ok(_) => Vec::new(),
         Err(e) => format!("{e}").into_bytes(),
     };
-    let lens: Vec<i64> = transfer::all_gather_values(&**world, &[msg.len() as i64])?;
-    if lens.iter().all(|&l| l == 0) {
+    let messages = all_gather_bytes(world, &msg)?;
+    if messages.iter().all(Vec::is_empty) {
         return local;
     }
-    let words: Vec<usize> = lens.iter().map(|&l| (l as usize).div_ceil(8)).collect();
-    let send = pack(&msg);
-    let mut recv = vec![0i64; words.iter().sum()];
-    transfer::all_gatherv_values(&**world, &send, &mut recv, &words)?;
     let local = local?;
-    let mut detail = Vec::new();
-    let mut at = 0;
-    for (r, (&l, &w)) in lens.iter().zip(&words).enumerate() {
-        if l > 0 {
-            let bytes = unpack(&recv[at..at + w], l as usize);
-            detail.push(format!("rank {r}: {}", String::from_utf8_lossy(&bytes)));
-        }
-        at += w;
-    }
+    let detail: Vec<String> = messages
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| !m.is_empty())
+        .map(|(r, m)| format!("rank {r}: {}", String::from_utf8_lossy(m)))
+        .collect();
     drop(local);
     Err(Error::OtherRanks {
         op,
         detail: detail.join("; "),
     })
+}
+
+/// Collective over `world`: every rank's `bytes`, in rank order (lengths first, then the
+/// bytes packed into words; no second collective when every rank's bytes are empty).
+fn all_gather_bytes(world: &Arc<dyn Communicator>, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+    let lens: Vec<i64> = transfer::all_gather_values(&**world, &[bytes.len() as i64])?;
+    if lens.iter().all(|&l| l == 0) {
+        return Ok(vec![Vec::new(); lens.len()]);
+    }
+    let words: Vec<usize> = lens.iter().map(|&l| (l as usize).div_ceil(8)).collect();
+    let mut recv = vec![0i64; words.iter().sum()];
+    transfer::all_gatherv_values(&**world, &pack(bytes), &mut recv, &words)?;
+    let mut out = Vec::with_capacity(lens.len());
+    let mut at = 0;
+    for (&l, &w) in lens.iter().zip(&words) {
+        out.push(unpack(&recv[at..at + w], l as usize));
+        at += w;
+    }
+    Ok(out)
 }
 
 fn pack(bytes: &[u8]) -> Vec<i64> {
@@ -423,16 +435,7 @@ pub fn save_with(
 
     // Gather every rank's record (JSON) on every rank; rank 0 writes the index.
     let text = serde_json::to_vec(&record).expect("JSON values serialize");
-    let lens: Vec<i64> = transfer::all_gather_values(&**world, &[text.len() as i64])?;
-    let words: Vec<usize> = lens.iter().map(|&l| (l as usize).div_ceil(8)).collect();
-    let mut recv = vec![0i64; words.iter().sum()];
-    transfer::all_gatherv_values(&**world, &pack(&text), &mut recv, &words)?;
-    let mut records = Vec::new();
-    let mut at = 0;
-    for (&l, &w) in lens.iter().zip(&words) {
-        records.push(unpack(&recv[at..at + w], l as usize));
-        at += w;
-    }
+    let records = all_gather_bytes(world, &text)?;
     let index_path = dir.join(INDEX_FILE);
     let merged = merge_records(
         &records,
