@@ -19,8 +19,9 @@
 //! ([`CpLayout`]): the data loader permutes ids and targets into it.
 
 use crate::data::{DataMode, Ddp};
-use crate::linear::{ColumnParallelLinear, ParamInit, RowParallelLinear};
-use crate::optim::{join_name, Module, ParamVisitor};
+use crate::init::ParamInit;
+use crate::linear::{ColumnParallelLinear, RowParallelLinear};
+use crate::params::{join_name, Module, ParamVisitor};
 use crate::seq::{axis_size, SeqMode, Stream};
 use dtensor_core::{ContextAttention, CpLayout, CpStrategy, DeviceMesh, Error, Result, Tape, Var};
 use dtensor_kernels::ops::CausalAttention;

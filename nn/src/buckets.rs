@@ -15,8 +15,8 @@
 //! elementwise in rank order, so the result is bitwise that of one all-reduce per
 //! parameter.
 
-use crate::data::{DataMode, ParamKind, Weight};
-use crate::optim::{GradAccumulator, Module, ParamVisitor};
+use crate::data::{DataMode, ParamKind};
+use crate::params::{GradAccumulator, Module, ParamVisitor, Weight};
 use dtensor_core::{AnyDTensor, FusedAllReduce, Result};
 use dtensor_kernels::DType;
 use dtensor_placement::AxisKind;

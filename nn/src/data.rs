@@ -68,7 +68,7 @@
 //!
 //! With [`Precision::prefetch`] the GPT starts each block's gathers (asynchronous
 //! collectives, [`DTensor::start_all_gather`]) one block ahead, so they move while the
-//! previous block computes; [`Weight::on`] then only waits for them, recording the same
+//! previous block computes; [`Weight::on`](crate::Weight::on) then only waits for them, recording the same
 //! adjoint ([`Var::all_gather_prefetched`]). The training is bitwise the same.
 //!
 //! ## Reduction over `Dp` × `Cp`
@@ -97,30 +97,14 @@
 //! per-axis reduction for its composability with the data modes; a flattened group is the
 //! step to take if a profile on real interconnects shows the `Cp` all-reduce to matter.
 
-use crate::optim::{Optimizer, Param, ReducedPlacement, TpParam};
-use crate::seq::{ParamLayout, SeqMode};
-use dtensor_core::{DTensor, Gradients, PendingAllGather, Result, Tape, Var};
+use crate::seq::{DpLayout, ParamLayout, ReducedPlacement, SeqMode, TpParam};
+use dtensor_core::{DTensor, PendingAllGather, Result, Var};
 use dtensor_kernels::DType;
 use dtensor_placement::{
     layout, Cp, Dp, Ep, Invariant, Layout, Linear, Partial, PlacementType, Replicate, Shard, Tp,
 };
 use std::marker::PhantomData;
-use std::sync::{Arc, Mutex};
 
-/// A stored parameter's layout (master, compute copy, reduced gradient): placement `P`
-/// over `Dp`, `Invariant` over `Ep` and `Cp`, `T` over `Tp`.
-///
-/// `Ep` and `Cp` shard the tokens as `Dp` does, but no data mode shards a parameter over
-/// them: the stored value is the same on their ranks (`Invariant`) and becomes `Replicate`
-/// for compute by [`to_replicate`](Var::to_replicate) (Megatron's `f`), whose adjoint
-/// all-reduces the gradient there. A gradient of a stored parameter therefore arrives
-/// reduced over `Ep` and `Cp` and is `DpLayout<_, _>` again: one all-reduce per axis
-/// (size-1 axes cost nothing), recorded by the tape like any other.
-///
-/// `E` is the placement over `Ep` ([`ParamKind::Ep`]): `Invariant` for every dense
-/// parameter (the default), `Shard<0>` for MoE expert weights `[experts, out, in]`, each
-/// `Ep` rank holding its own experts whole ([`ExpertW`]).
-pub type DpLayout<P, T, E = Invariant> = layout![Dp: P, Ep: E, Cp: Invariant, Tp: T];
 /// A parameter whole over `Dp` (gathered, or never sharded) but still `Invariant` over
 /// `Cp` (and `E` over `Ep`): one step before [`ComputeLayout`].
 pub type DpWhole<T, E = Invariant> = DpLayout<Replicate, T, E>;
@@ -580,237 +564,6 @@ impl DataMode for Fsdp {
     type Master<K: ParamKind> = K::DpShard;
     const NAME: &'static str = "fsdp";
     const REDUCE_EACH_BACKWARD: bool = true;
-}
-
-/// A layer's parameter under data mode `D`: the master ([`Param`], with the optimizer's
-/// state) laid out [`MasterLayout<D, K>`], and the compute copy laid out
-/// [`WorkLayout<D, K>`] when it is not the master itself (another dtype, or ZeRO's
-/// replicated copy of a sharded master).
-pub struct Weight<D: DataMode, K: ParamKind> {
-    master: Param<MasterLayout<D, K>>,
-    work: Option<DTensor<WorkLayout<D, K>>>,
-    precision: Precision,
-    /// A gather [`prefetch`](Self::prefetch) started, shared with clones (a recomputed
-    /// block runs a clone).
-    prefetched: Arc<Mutex<Option<Prefetch<D, K>>>>,
-}
-
-/// A started gather of a weight's stored copy.
-type Prefetch<D, K> =
-    PendingAllGather<WorkLayout<D, K>, DpWhole<<K as ParamKind>::Tp, <K as ParamKind>::Ep>>;
-
-/// The same parameter (same key, shared tensors, nothing copied): what a recomputed
-/// region captures to run its layer again in the backward.
-impl<D: DataMode, K: ParamKind> Clone for Weight<D, K> {
-    fn clone(&self) -> Self {
-        Weight {
-            master: self.master.clone(),
-            work: self.work.clone(),
-            precision: self.precision,
-            prefetched: self.prefetched.clone(),
-        }
-    }
-}
-
-impl<D: DataMode, K: ParamKind> Weight<D, K> {
-    /// A parameter whose master value is `master`. Collective for ZeRO (it all-gathers the
-    /// compute copy).
-    pub fn new(master: DTensor<MasterLayout<D, K>>, precision: Precision) -> Result<Self> {
-        let work = <D::Master<K> as DpMaster<D::Work<K>>>::refresh(&master, &precision)?;
-        Ok(Weight {
-            master: Param::new(master),
-            work,
-            precision,
-            prefetched: Arc::default(),
-        })
-    }
-
-    /// The master: the value the optimizer updates, with its state.
-    pub fn master(&self) -> &Param<MasterLayout<D, K>> {
-        &self.master
-    }
-
-    /// The master's value.
-    pub fn value(&self) -> &DTensor<MasterLayout<D, K>> {
-        self.master.value()
-    }
-
-    /// The compute and reduction dtypes and FSDP flags this parameter was made with.
-    pub fn precision(&self) -> &Precision {
-        &self.precision
-    }
-
-    /// The compute copy as stored, bound on `tape` (a leaf whose gradient `step` reads
-    /// back), not yet gathered: under FSDP it is `Shard` over `Dp` and no compute op takes
-    /// it with the tokens.
-    pub fn stored<'t>(&self, tape: &'t Tape) -> Result<Var<'t, WorkLayout<D, K>>> {
-        Ok(tape.param(self.master.key(), self.bound()?))
-    }
-
-    fn bound(&self) -> Result<DTensor<WorkLayout<D, K>>> {
-        <D::Master<K> as DpMaster<D::Work<K>>>::bound(
-            self.master.value(),
-            self.work.as_ref(),
-            &self.precision,
-        )
-    }
-
-    /// The whole parameter for compute, on `tape`: the stored copy, all-gathered over
-    /// `Dp` under FSDP (its adjoint reduce-scatters the gradient).
-    pub fn on<'t>(&self, tape: &'t Tape) -> Result<Var<'t, ComputeOf<K>>> {
-        gather_or_finish::<D, K>(&self.stored(tape)?, &self.prefetched, self.compute_dtype())
-    }
-
-    /// Starts gathering the stored copy over `Dp` now (FSDP; nothing otherwise), so that
-    /// the next [`on`](Self::on) or [`apply`](Self::apply) only waits for it: called for
-    /// the next block while this one computes.
-    pub fn prefetch(&self) -> Result<()> {
-        if !<D::Work<K> as DpGather>::SHARDED {
-            return Ok(());
-        }
-        let pending = <D::Work<K> as DpGather>::start_gather(&self.bound()?)?;
-        *lock(&self.prefetched) = pending;
-        Ok(())
-    }
-
-    /// `f(x, whole parameter)`. Under FSDP with `reshard_after_forward` the gathered
-    /// parameter is not kept: `f` runs as a recomputed region whose backward gathers
-    /// again (and recomputes `f`, one product for a linear layer).
-    pub fn apply<'t, Lx: Layout, Out: Layout>(
-        &self,
-        tape: &'t Tape,
-        x: &Var<'t, Lx>,
-        f: impl for<'s> Fn(&Var<'s, Lx>, &Var<'s, ComputeOf<K>>) -> Result<Var<'s, Out>> + 'static,
-    ) -> Result<Var<'t, Out>> {
-        if <D::Work<K> as DpGather>::SHARDED && self.precision.reshard_after_forward {
-            let c = self.compute_dtype();
-            // The forward may finish a prefetched gather; the backward's recomputation
-            // finds none and gathers again.
-            let cell = self.prefetched.clone();
-            x.checkpoint_with(&self.stored(tape)?, move |_, x, s| {
-                f(x, &gather_or_finish::<D, K>(s, &cell, c)?)
-            })
-        } else {
-            f(x, &self.on(tape)?)
-        }
-    }
-
-    /// The master's local piece.
-    pub fn local(&self) -> &dtensor_kernels::Tensor {
-        self.master.local()
-    }
-
-    /// The raw gradient backward produced for the stored copy (summed over its uses,
-    /// zeros if unused), before any reduction: `Partial` over `Dp` for a replicated copy,
-    /// already reduce-scattered for an FSDP shard.
-    #[allow(clippy::type_complexity)]
-    pub fn grad(
-        &self,
-        grads: &mut Gradients,
-    ) -> Result<DTensor<<WorkLayout<D, K> as Layout>::Grad>> {
-        grads.of_key(self.master.key(), &self.bound()?)
-    }
-
-    /// Whether this parameter's gradient is all-reduced over `Dp` (DDP, or a column bias
-    /// in any mode): what [`DdpBuckets`](crate::DdpBuckets) may fuse.
-    pub fn is_all_reduced(&self) -> bool {
-        <D::Master<K> as DpMaster<D::Work<K>>>::ALL_REDUCE
-    }
-
-    /// The dtype compute runs in.
-    pub fn compute_dtype(&self) -> DType {
-        self.precision.compute_of(self.master.local().dtype())
-    }
-
-    /// A raw gradient ([`grad`](Self::grad), or a sum of them over microbatches) reduced
-    /// over `Dp` to the master's placement (all-reduce, reduce-scatter, or nothing under
-    /// FSDP), in the master's dtype. Collective over `Dp`.
-    #[allow(clippy::type_complexity)]
-    pub fn dp_reduce(
-        &self,
-        raw: DTensor<<WorkLayout<D, K> as Layout>::Grad>,
-    ) -> Result<DTensor<DpLayout<DpReducedOf<D, K>, <K::Tp as PlacementType>::Grad, K::Ep>>> {
-        <D::Master<K> as DpMaster<D::Work<K>>>::reduce(
-            raw,
-            self.master.local().dtype(),
-            &self.precision,
-        )
-    }
-
-    /// [`grad`](Self::grad) then [`dp_reduce`](Self::dp_reduce).
-    #[allow(clippy::type_complexity)]
-    pub fn dp_reduced_grad(
-        &self,
-        grads: &mut Gradients,
-    ) -> Result<DTensor<DpLayout<DpReducedOf<D, K>, <K::Tp as PlacementType>::Grad, K::Ep>>> {
-        self.dp_reduce(self.grad(grads)?)
-    }
-
-    /// [`dp_reduced_grad`](Self::dp_reduced_grad), then reduced over `Tp` where the
-    /// parameter is `Replicate` there (sequence-parallel norm weights): what the optimizer
-    /// takes.
-    pub fn reduced_grad(&self, grads: &mut Gradients) -> Result<DTensor<ReducedLayout<D, K>>> {
-        <K::Tp as TpParam>::reduce_over_tp(self.dp_reduced_grad(grads)?)
-    }
-
-    /// Updates the master from its reduced gradient and rebuilds the compute copy (for
-    /// ZeRO an all-gather over `Dp` of the updated shard).
-    pub fn update<O: Optimizer>(
-        &mut self,
-        opt: &O,
-        g: &DTensor<ReducedLayout<D, K>>,
-    ) -> Result<()> {
-        // Drop the compute copy first: it may share the master's buffer, which the
-        // in-place update would otherwise copy. A gather still pending holds the old value.
-        self.work = None;
-        *lock(&self.prefetched) = None;
-        opt.update(&mut self.master, g)?;
-        self.work =
-            <D::Master<K> as DpMaster<D::Work<K>>>::refresh(self.master.value(), &self.precision)?;
-        Ok(())
-    }
-
-    /// Replaces the master's value and optimizer state (a checkpoint's) and rebuilds the
-    /// compute copy (for ZeRO an all-gather over `Dp`: collective there).
-    pub fn restore(
-        &mut self,
-        value: DTensor<MasterLayout<D, K>>,
-        state: Vec<dtensor_kernels::Tensor>,
-    ) -> Result<()> {
-        self.master.restore(value, state)?;
-        self.work = None;
-        *lock(&self.prefetched) = None;
-        self.work =
-            <D::Master<K> as DpMaster<D::Work<K>>>::refresh(self.master.value(), &self.precision)?;
-        Ok(())
-    }
-
-    /// Bytes of parameter values this rank holds (master, and the compute copy when it is
-    /// another tensor).
-    pub fn held_bytes(&self) -> usize {
-        self.master.local().size_in_bytes()
-            + self
-                .work
-                .as_ref()
-                .map_or(0, |w| w.as_local().size_in_bytes())
-    }
-}
-
-/// The stored copy made whole: a prefetched gather finished, or a gather now.
-fn gather_or_finish<'t, D: DataMode, K: ParamKind>(
-    stored: &Var<'t, WorkLayout<D, K>>,
-    cell: &Mutex<Option<Prefetch<D, K>>>,
-    compute: DType,
-) -> Result<Var<'t, ComputeOf<K>>> {
-    match lock(cell).take() {
-        Some(p) => <D::Work<K> as DpGather>::gather_prefetched(stored, p, compute),
-        None => <D::Work<K> as DpGather>::gather(stored, compute),
-    }
-}
-
-/// The lock, even if a panicking rank poisoned it (the value is an `Option` either way).
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The `Dp` placement of a reduced gradient of kind `K` under mode `D`.

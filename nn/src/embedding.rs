@@ -7,10 +7,9 @@
 //! gives per-token losses `Invariant` over `Tp`, reducing only `[tokens]`-sized statistics
 //! (the row max, the sum of exponentials, the target's logit), never the logits.
 
-use crate::data::{ColW, DataMode, Ddp, MasterLayout, Weight};
-use crate::init::Init;
-use crate::linear::ParamInit;
-use crate::optim::{join_name, Module, ParamVisitor};
+use crate::data::{ColW, DataMode, Ddp, MasterLayout};
+use crate::init::{Init, ParamInit};
+use crate::params::{join_name, Module, ParamVisitor, Weight};
 use crate::seq::{ColOut, Ids, Loss, SeqMode, Stream, TokenInvariant};
 use dtensor_core::{DTensor, DeviceMesh, Result, Tape, Var};
 use dtensor_placement::{Cp, Dp, Ep, LinearLayout, SumLayout, SumOut};

@@ -5,6 +5,7 @@
 //! So a rank computes only its own slice, nothing is communicated, and a parameter built
 //! at `tp = k` equals the matching slice of the one built at `tp = 1` with the same seed.
 
+use crate::data::Precision;
 use dtensor_core::{DTensor, DeviceMesh, Result};
 use dtensor_kernels::{DType, Tensor};
 use dtensor_placement::Layout;
@@ -76,5 +77,55 @@ impl Init {
         DTensor::from_global_fn(global_shape, dtype, mesh, |i| {
             self.value(seed, id, i as u64)
         })
+    }
+}
+
+/// Where a layer's parameters come from: a seed, the id of the layer's first parameter
+/// (each parameter takes the next id), and the weights' standard deviation.
+#[derive(Clone, Copy, Debug)]
+pub struct ParamInit {
+    /// The model's seed: every element is a function of it, the parameter id and the
+    /// element's global index.
+    pub seed: u64,
+    /// The id of the layer's first parameter.
+    pub id: u64,
+    /// Weights' standard deviation (drawn `Normal(0, std)`).
+    pub std: f64,
+    /// Biases' standard deviation (0: zeros, as Megatron initialises them).
+    pub bias_std: f64,
+    /// The masters' dtype.
+    pub dtype: DType,
+    /// Compute and reduction dtypes, FSDP's reshard flag.
+    pub precision: Precision,
+}
+
+impl ParamInit {
+    /// Weights `Normal(0, std)` and zero biases in `dtype`, ids from `id`, the default
+    /// [`Precision`] (compute and reduce in the masters' dtype).
+    pub fn new(seed: u64, id: u64, std: f64, dtype: DType) -> Self {
+        ParamInit {
+            seed,
+            id,
+            std,
+            bias_std: 0.0,
+            dtype,
+            precision: Precision::default(),
+        }
+    }
+    /// The same init with these dtypes and flags for the parameters.
+    pub fn with_precision(self, precision: Precision) -> Self {
+        ParamInit { precision, ..self }
+    }
+    /// The same init for the parameter ids starting at `id`.
+    pub fn with_id(self, id: u64) -> Self {
+        ParamInit { id, ..self }
+    }
+    /// The same init with biases drawn `Normal(0, bias_std)`.
+    pub fn with_bias_std(self, bias_std: f64) -> Self {
+        ParamInit { bias_std, ..self }
+    }
+    /// The bias init.
+    pub fn bias(&self) -> Init {
+        Init::Normal { std: self.bias_std }
     }
 }

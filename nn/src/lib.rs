@@ -62,48 +62,49 @@
 #![warn(missing_docs)]
 
 pub mod attention;
-pub mod block;
 pub mod buckets;
 pub mod data;
 pub mod embedding;
 pub mod init;
 pub mod linear;
 pub mod mlp;
+pub mod model;
 pub mod moe;
 pub mod norm;
 pub mod optim;
+pub mod params;
 pub mod pipeline;
 pub mod seq;
 
 pub use attention::{
     from_stream_order, to_stream_order, AttentionConfig, ContextParallel, ParallelAttention,
 };
-pub use block::{BlockMlp, Gpt, GptConfig, StepReport, TransformerBlock};
 pub use buckets::{DdpBuckets, DEFAULT_BUCKET_BYTES};
 pub use data::{
-    to_compute, ColB, ColW, ComputeLayout, ComputeOf, DataMode, Ddp, DpGather, DpLayout, DpMaster,
+    to_compute, ColB, ColW, ComputeLayout, ComputeOf, DataMode, Ddp, DpGather, DpMaster,
     DpReducedOf, DpShardPlacement, DpWhole, EpParam, ExpertW, Fsdp, MasterLayout, ParamKind,
-    Precision, ReducedLayout, RowW, StreamP, Weight, WorkLayout, Zero1, Zero2,
+    Precision, ReducedLayout, RowW, StreamP, WorkLayout, Zero1, Zero2,
 };
 pub use dtensor_core;
 pub use embedding::{
     loss_total, loss_value, mean_loss, vocab_parallel_cross_entropy, VocabParallelEmbedding,
 };
-pub use init::Init;
-pub use linear::{ColumnParallelLinear, ParamInit, RowParallelLinear};
+pub use init::{Init, ParamInit};
+pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use mlp::{Activation, ParallelMlp};
+pub use model::{BlockMlp, Gpt, GptConfig, SliceInput, SliceOutput, StepReport, TransformerBlock};
 pub use moe::{MoeConfig, MoeMlp};
 pub use norm::{Norm, NormKind};
-pub use optim::{
-    clip_coefficient, dp_average, join_name, named_params, reduce_grad, step, step_accumulated,
-    AdamW, GradAccumulator, GradNorm, Module, NamedParam, Optimizer, Param, ParamVisitor,
-    ReducedGrad, ReducedPlacement, Sgd, StateVisitor, TpParam,
+pub use optim::{clip_coefficient, step, step_accumulated, AdamW, GradNorm, Optimizer, Sgd};
+pub use params::{
+    dp_average, join_name, named_params, reduce_grad, GradAccumulator, Module, NamedParam, Param,
+    ParamVisitor, StateVisitor, Weight,
 };
 pub use pipeline::{
     Action, Costs, GptStage, Pipeline, PipelineReport, Schedule, ScheduleKind, Timeline,
 };
 pub use seq::{
-    axis_coord, axis_size, model_mesh, ColOut, ColWeight, DpPartial, DpReduced, Full, Grad, Ids,
-    Loss, NoSp, ParamLayout, RowPartial, RowWeight, SeqMode, Sp, Stream, StreamParam,
-    TokenInvariant, MODEL_AXES,
+    axis_coord, axis_size, model_mesh, ColOut, ColWeight, DpLayout, DpPartial, DpReduced, Full,
+    Grad, Ids, Loss, NoSp, ParamLayout, PerMode, ReducedGrad, ReducedPlacement, RowPartial,
+    RowWeight, SeqMode, Sp, Stream, StreamParam, TokenInvariant, TpParam, MODEL_AXES,
 };

@@ -3,8 +3,9 @@
 //! `all_gather`) and one exit (`all_reduce` / `reduce_scatter`) per call, as Megatron.
 
 use crate::data::{DataMode, Ddp};
-use crate::linear::{ColumnParallelLinear, ParamInit, RowParallelLinear};
-use crate::optim::{join_name, Module, ParamVisitor};
+use crate::init::ParamInit;
+use crate::linear::{ColumnParallelLinear, RowParallelLinear};
+use crate::params::{join_name, Module, ParamVisitor};
 use crate::seq::{SeqMode, Stream};
 use dtensor_core::{DeviceMesh, Result, Tape, Var};
 use std::sync::Arc;

@@ -47,15 +47,15 @@
 //! MoE MLP cannot be recomputed nor cut into pipeline stages (both are an `Err` at
 //! construction).
 
-use crate::data::{DataMode, Ddp, ExpertW, MasterLayout, StreamP, Weight};
-use crate::init::Init;
-use crate::linear::ParamInit;
+use crate::data::{DataMode, Ddp, ExpertW, MasterLayout, StreamP};
+use crate::init::{Init, ParamInit};
 use crate::mlp::Activation;
-use crate::optim::{join_name, Module, ParamVisitor, StateVisitor};
-use crate::seq::{axis_size, Loss, NoSp, SeqMode, Sp, Stream};
+use crate::params::{join_name, Module, ParamVisitor, StateVisitor, Weight};
+use crate::seq::{axis_size, Loss, NoSp, PerMode, SeqMode, Sp, Stream};
 use dtensor_core::moe::{aux_loss_global, combine, dispatch, route};
 use dtensor_core::{DeviceMesh, Error, Result, RouterConfig, Routing, RoutingStats, Tape, Var};
 use dtensor_placement::{AxisKind, Tp};
+use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
 /// How a GPT's MoE MLPs route and balance.
@@ -242,7 +242,7 @@ impl<M: SeqMode, D: DataMode> MoeMlp<M, D> {
         tape: &'t Tape,
         x: &Var<'t, Stream<M>>,
     ) -> Result<(Var<'t, Stream<M>>, Var<'t, Loss>)> {
-        M::moe_forward(self, tape, x)
+        M::per_mode::<Forward<D>>((self, tape, x))
     }
 
     /// The router's configuration for the next forward (with the current selection bias).
@@ -327,8 +327,22 @@ macro_rules! moe_forward_body {
     }};
 }
 
+/// [`MoeMlp::forward`], its body per sequence mode.
+struct Forward<D>(PhantomData<D>);
+
+impl<D: DataMode> PerMode for Forward<D> {
+    type In<'a, 't: 'a, M: SeqMode> = (&'a MoeMlp<M, D>, &'t Tape, &'a Var<'t, Stream<M>>);
+    type Out<'t, M: SeqMode> = (Var<'t, Stream<M>>, Var<'t, Loss>);
+    fn no_sp<'a, 't: 'a>((mlp, tape, x): Self::In<'a, 't, NoSp>) -> Result<Self::Out<'t, NoSp>> {
+        forward_nosp(mlp, tape, x)
+    }
+    fn sp<'a, 't: 'a>((mlp, tape, x): Self::In<'a, 't, Sp>) -> Result<Self::Out<'t, Sp>> {
+        forward_sp(mlp, tape, x)
+    }
+}
+
 /// [`MoeMlp::forward`] without sequence parallelism.
-pub(crate) fn forward_nosp<'t, D: DataMode>(
+fn forward_nosp<'t, D: DataMode>(
     mlp: &MoeMlp<NoSp, D>,
     tape: &'t Tape,
     x: &Var<'t, Stream<NoSp>>,
@@ -338,7 +352,7 @@ pub(crate) fn forward_nosp<'t, D: DataMode>(
 
 /// [`MoeMlp::forward`] with sequence parallelism: the auxiliary loss's terms are also
 /// `Partial` over `Tp` (each `Tp` rank routed its own tokens) and are all-reduced there.
-pub(crate) fn forward_sp<'t, D: DataMode>(
+fn forward_sp<'t, D: DataMode>(
     mlp: &MoeMlp<Sp, D>,
     tape: &'t Tape,
     x: &Var<'t, Stream<Sp>>,

@@ -9,10 +9,9 @@
 //! The norm rule (`NormRule`) derives both pairings; an `Invariant` weight on an SP stream
 //! does not compile.
 
-use crate::data::{DataMode, Ddp, MasterLayout, StreamP, Weight};
-use crate::init::Init;
-use crate::linear::ParamInit;
-use crate::optim::{join_name, Module, ParamVisitor};
+use crate::data::{DataMode, Ddp, MasterLayout, StreamP};
+use crate::init::{Init, ParamInit};
+use crate::params::{join_name, Module, ParamVisitor, Weight};
 use crate::seq::{SeqMode, Stream};
 use dtensor_core::{DeviceMesh, Result, Tape, Var};
 use std::sync::Arc;

@@ -1,5 +1,4 @@
-//! Parameters, gradient reduction over data parallelism, optimizers and global
-//! gradient-norm clipping.
+//! Optimizers, global gradient-norm clipping, and the optimizer step over a module.
 //!
 //! An optimizer's [`update`](Optimizer::update) takes a parameter laid out as `L` and a
 //! gradient laid out as `G` only if `G: ReducedGrad<L>`: on every mesh axis the gradient is
@@ -9,406 +8,27 @@
 //!
 //! | parameter axis | raw gradient (dual) | reduce with | reduced |
 //! |---|---|---|---|
-//! | `Replicate` over `Dp` (DDP) | `Partial` | `all_reduce` over `Dp` ([`reduce_grad`]) | `Invariant` |
+//! | `Replicate` over `Dp` (DDP) | `Partial` | `all_reduce` over `Dp` ([`reduce_grad`](crate::reduce_grad)) | `Invariant` |
 //! | `Shard<F>` over `Dp`, compute copy `Replicate` (ZeRO) | `Partial` | `reduce_scatter` over `Dp` | `Shard<F>` |
 //! | `Shard<F>` over `Dp`, gathered for use (FSDP) | `Shard<F>` (the gather's adjoint reduce-scattered it) | nothing | `Shard<F>` |
 //! | `Shard<D>` over `Tp` | `Shard<D>` | nothing | `Shard<D>` |
 //! | `Invariant` over `Tp` (no SP) | `Invariant` | nothing | `Invariant` |
-//! | `Replicate` over `Tp` (SP) | `Partial` | [`TpParam::reduce_over_tp`] (`all_reduce` over `Tp`) | `Invariant` |
+//! | `Replicate` over `Tp` (SP) | `Partial` | [`TpParam::reduce_over_tp`](crate::TpParam::reduce_over_tp) (`all_reduce` over `Tp`) | `Invariant` |
 //!
-//! Every parameter of the layers is a [`Weight`]: its master laid out as the data mode
-//! says, computed with as [`ParamLayout<T>`](crate::ParamLayout) (`Replicate` over `Dp`, `T`
-//! over `Tp`), enumerable through [`Module::visit_params`] (name, layout, value). [`step`]
-//! is one optimizer step over a module: reduce every gradient, clip by the global norm,
-//! update; [`GradAccumulator`] and [`step_accumulated`] do the same over microbatches.
+//! Every parameter of the layers is a [`Weight`] (in [`params`](crate::params), the floor
+//! below this one): its master laid out as the data mode says, computed with as
+//! [`ParamLayout<T>`](crate::ParamLayout) (`Replicate` over `Dp`, `T` over `Tp`),
+//! enumerable through [`Module::visit_params`] (name, layout, value). [`step`] is one
+//! optimizer step over a module: reduce every gradient, clip by the global norm, update;
+//! [`GradAccumulator`] and [`step_accumulated`] do the same over microbatches.
 
-use crate::data::{DataMode, DpLayout, EpParam, ParamKind, ReducedLayout, Weight};
-use crate::seq::{axis_size, DpPartial, DpReduced};
+use crate::data::{DataMode, MasterLayout, ParamKind, ReducedLayout};
+use crate::params::{GradAccumulator, Module, Param, ParamVisitor, Weight};
+use crate::seq::ReducedGrad;
 use dtensor_collectives::ReduceOp;
-use dtensor_core::{AnyDTensor, DTensor, DeviceMesh, Error, Gradients, Result, Tape, Var};
+use dtensor_core::{DTensor, Error, Gradients, Result};
 use dtensor_kernels::{DType, Tensor};
-use dtensor_placement::{
-    AxisKind, Dp, Invariant, Layout, Linear, MeshAxis, On, Placement, PlacementType, Replicate,
-    Shard, Tp,
-};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-
-/// A gradient placement (`Self`) that is reduced to a parameter placement `P` on one axis.
-#[diagnostic::on_unimplemented(
-    message = "a `{Self}` gradient is not reduced to the parameter's `{P}` placement",
-    label = "this gradient axis still needs its reduction",
-    note = "a `Partial` gradient holds pending sums: average it over Dp (dp_average) and, for sequence-parallel norm weights and biases, reduce it over Tp (SeqMode::reduce_param_grad) before the optimizer step"
-)]
-pub trait ReducedPlacement<P>: PlacementType {}
-impl<const D: usize> ReducedPlacement<Shard<D>> for Shard<D> {}
-// Spelled out per whole placement (not `impl<P: IsWhole>`), so a gradient reduced to the
-// wrong placement reports this trait's message, not `IsWhole`'s.
-impl ReducedPlacement<Replicate> for Invariant {}
-impl ReducedPlacement<Invariant> for Invariant {}
-
-/// A gradient layout (`Self`) reduced to the placement of a parameter laid out as `P` on
-/// every axis: what [`Optimizer::update`] accepts.
-#[diagnostic::on_unimplemented(
-    message = "the optimizer step needs a gradient reduced to the parameter's placement, got `{Self}` for a parameter laid out as `{P}`",
-    label = "unreduced gradient",
-    note = "a `Partial` gradient axis holds pending sums: average it over Dp (dp_average) and, for sequence-parallel norm weights and biases, reduce it over Tp (SeqMode::reduce_param_grad) first"
-)]
-pub trait ReducedGrad<P: Layout>: Layout {}
-impl ReducedGrad<()> for () {}
-impl<X: MeshAxis, P, Q, R, S> ReducedGrad<(On<X, P>, R)> for (On<X, Q>, S)
-where
-    P: PlacementType,
-    Q: ReducedPlacement<P>,
-    R: Layout,
-    S: ReducedGrad<R>,
-{
-}
-
-/// A trainable tensor: its value and the optimizer's per-element state (Adam's moments).
-pub struct Param<L: Layout> {
-    value: DTensor<L>,
-    state: Vec<Tensor>,
-    key: u64,
-}
-
-/// The same parameter: same key and shared tensors (copied only if one side is written).
-impl<L: Layout> Clone for Param<L> {
-    fn clone(&self) -> Self {
-        Param {
-            value: self.value.clone(),
-            state: self.state.clone(),
-            key: self.key,
-        }
-    }
-}
-
-/// Unique per parameter (the tape binds a parameter's leaves to it).
-static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
-
-impl<L: Layout> Param<L> {
-    /// A parameter holding `value`, with no optimizer state yet (an optimizer that keeps
-    /// some, as [`AdamW`] does its moments, creates it at its first update) and a key of
-    /// its own.
-    pub fn new(value: DTensor<L>) -> Self {
-        Param {
-            value,
-            state: Vec::new(),
-            key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
-        }
-    }
-    /// The parameter's current value, laid out `L`.
-    pub fn value(&self) -> &DTensor<L> {
-        &self.value
-    }
-    /// The local piece of the value.
-    pub fn local(&self) -> &Tensor {
-        self.value.as_local()
-    }
-    /// The parameter on `tape`: a leaf whose gradient [`grad`](Self::grad) reads back.
-    pub fn on<'t>(&self, tape: &'t Tape) -> Var<'t, L> {
-        tape.param(self.key, self.value.clone())
-    }
-    /// The key the tape binds this parameter's leaves to.
-    pub fn key(&self) -> u64 {
-        self.key
-    }
-    /// The optimizer's per-element state (AdamW's two moments; empty before the first
-    /// update).
-    pub fn state(&self) -> &[Tensor] {
-        &self.state
-    }
-    /// The gradient backward produced for this parameter (summed over its uses on the
-    /// tape; zeros if unused), laid out as the dual.
-    pub fn grad(&self, grads: &mut Gradients) -> Result<DTensor<L::Grad>> {
-        grads.of_key(self.key, &self.value)
-    }
-    /// Replaces the optimizer's state (a checkpoint's AdamW moments): each tensor must have
-    /// the local shape of the value and live where it does (host or the same GPU; AdamW
-    /// would otherwise start the moments again from zero). An empty `state` clears it.
-    pub fn set_state(&mut self, state: Vec<Tensor>) -> Result<()> {
-        if let Some(t) = state.iter().find(|t| t.shape() != self.local().shape()) {
-            return Err(Error::ShapeMismatch {
-                op: "Param::set_state",
-                detail: format!(
-                    "state of local shape {:?} for a value of local shape {:?}",
-                    t.shape(),
-                    self.local().shape()
-                ),
-            });
-        }
-        if let Some(t) = state.iter().find(|t| t.device() != self.local().device()) {
-            let place = |t: &Tensor| {
-                t.device()
-                    .map_or("host".to_string(), |d| format!("cuda:{}", d.ordinal()))
-            };
-            return Err(dtensor_kernels::Error::DeviceMismatch {
-                op: "Param::set_state",
-                lhs: place(self.local()),
-                rhs: place(t),
-            }
-            .into());
-        }
-        self.state = state;
-        Ok(())
-    }
-    /// Replaces the value (same layout and global shape) and the optimizer's state,
-    /// keeping the key: what restoring a checkpoint does.
-    pub fn restore(&mut self, value: DTensor<L>, state: Vec<Tensor>) -> Result<()> {
-        if value.global_shape() != self.value.global_shape() {
-            return Err(Error::ShapeMismatch {
-                op: "Param::restore",
-                detail: format!(
-                    "value of global shape {:?} for a parameter of {:?}",
-                    value.global_shape(),
-                    self.value.global_shape()
-                ),
-            });
-        }
-        let old = std::mem::replace(&mut self.value, value);
-        if let Err(e) = self.set_state(state) {
-            self.value = old;
-            return Err(e);
-        }
-        Ok(())
-    }
-    /// Replaces the local piece (same shape): the optimizers' write path.
-    fn set_local(&mut self, local: Tensor) -> Result<()> {
-        self.value.update_local(|_| Ok(local))
-    }
-}
-
-/// A parameter's placement over `Tp`, and how its gradient is reduced there: nothing for a
-/// `Shard<D>` or `Invariant` weight, an all-reduce for a `Replicate` one (a sequence-parallel
-/// norm weight or row bias, each `Tp` rank having seen other tokens).
-pub trait TpParam: PlacementType<Grad: Linear> + Linear {
-    /// The gradient's placement over `Tp` once reduced there.
-    type Reduced: ReducedPlacement<Self> + Linear;
-    /// Collective over `Tp` where needed (whatever the gradient's placement `Q` over `Dp`:
-    /// `Invariant` after DDP's all-reduce, `Shard` after ZeRO's or FSDP's reduce-scatter).
-    fn reduce_over_tp<Q: PlacementType, E: EpParam>(
-        g: DTensor<DpLayout<Q, Self::Grad, E>>,
-    ) -> Result<DTensor<DpLayout<Q, Self::Reduced, E>>>;
-}
-
-impl<const D: usize> TpParam for Shard<D> {
-    type Reduced = Shard<D>;
-    fn reduce_over_tp<Q: PlacementType, E: EpParam>(
-        g: DTensor<DpLayout<Q, Shard<D>, E>>,
-    ) -> Result<DTensor<DpLayout<Q, Shard<D>, E>>> {
-        Ok(g)
-    }
-}
-
-impl TpParam for Invariant {
-    type Reduced = Invariant;
-    fn reduce_over_tp<Q: PlacementType, E: EpParam>(
-        g: DTensor<DpLayout<Q, Invariant, E>>,
-    ) -> Result<DTensor<DpLayout<Q, Invariant, E>>> {
-        Ok(g)
-    }
-}
-
-impl TpParam for Replicate {
-    type Reduced = Invariant;
-    fn reduce_over_tp<Q: PlacementType, E: EpParam>(
-        g: DTensor<DpLayout<Q, dtensor_placement::Partial, E>>,
-    ) -> Result<DTensor<DpLayout<Q, Invariant, E>>> {
-        g.all_reduce(Tp)
-    }
-}
-
-/// A parameter gradient reduced to its parameter's placement: summed over `Dp` (the DDP
-/// all-reduce: the loss is `Partial` over `Dp`, each rank's term already divided by the
-/// *global* token count, so the sum is the gradient of the mean), then reduced over `Tp`
-/// where the parameter is `Replicate` there.
-pub fn reduce_grad<T: TpParam>(
-    g: DTensor<DpPartial<T::Grad>>,
-) -> Result<DTensor<DpReduced<T::Reduced>>> {
-    T::reduce_over_tp(g.all_reduce(Dp)?)
-}
-
-/// Visits parameters one by one with their names (see [`Module::visit_params`]).
-pub trait ParamVisitor {
-    /// Called once per parameter with its dotted name (`blocks.0.attn.qkv.weight`) and
-    /// the parameter, which the visitor may read or update in place. An `Err` stops the
-    /// walk and is returned by [`Module::visit_params`].
-    fn visit<D: DataMode, K: ParamKind>(&mut self, name: &str, w: &mut Weight<D, K>) -> Result<()>;
-}
-
-/// Visits a module's non-parameter state ([`Module::visit_state`]).
-pub trait StateVisitor {
-    /// `value`: one piece of layer state, the same on every rank of `mesh` (replicated),
-    /// that training changes and a resumed run needs; the visitor may read or replace its
-    /// elements (keeping its length).
-    fn visit(&mut self, name: &str, mesh: &Arc<DeviceMesh>, value: &mut [f64]) -> Result<()>;
-}
-
-/// Something with parameters: a layer or a model.
-pub trait Module {
-    /// Calls `v` on every parameter, in a fixed order, names prefixed with `prefix`.
-    fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()>;
-
-    /// Calls `v` on every piece of state that is not a parameter but that training updates
-    /// (an MoE layer's expert selection bias), in a fixed order, names prefixed with
-    /// `prefix`; checkpoints save and load it with the parameters. None by default.
-    fn visit_state<V: StateVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
-        let _ = (prefix, v);
-        Ok(())
-    }
-}
-
-/// `prefix.name`, or `name` at the top.
-pub fn join_name(prefix: &str, name: &str) -> String {
-    if prefix.is_empty() {
-        name.to_string()
-    } else {
-        format!("{prefix}.{name}")
-    }
-}
-
-/// One described parameter: name, the master's placements (`[Dp, Tp]`) and the whole
-/// value.
-#[derive(Clone, Debug)]
-pub struct NamedParam {
-    /// The dotted name ([`join_name`] of the module path).
-    pub name: String,
-    /// The master's placements, one per mesh axis in layout order.
-    pub placements: Vec<Placement>,
-    /// The whole (global) value, gathered on every rank.
-    pub value: Tensor,
-}
-
-/// Collective: every parameter of `m` as a whole tensor, with its name and layout.
-pub fn named_params(m: &mut impl Module) -> Result<Vec<NamedParam>> {
-    struct Collect(Vec<NamedParam>);
-    impl ParamVisitor for Collect {
-        fn visit<D: DataMode, K: ParamKind>(
-            &mut self,
-            name: &str,
-            w: &mut Weight<D, K>,
-        ) -> Result<()> {
-            self.0.push(NamedParam {
-                name: name.to_string(),
-                placements: w.value().placements().to_vec(),
-                value: w.value().full_tensor()?,
-            });
-            Ok(())
-        }
-    }
-    let mut c = Collect(Vec::new());
-    m.visit_params("", &mut c)?;
-    Ok(c.0)
-}
-
-/// Parameter gradients summed over the microbatches of one step, each in the form its
-/// data mode keeps between backwards: ZeRO-2 and FSDP reduce over `Dp` after every
-/// backward and keep only their shard; DDP and ZeRO-1 keep the raw, unreduced gradient
-/// (summed in the master's dtype) and reduce it once, at the step.
-#[derive(Default)]
-pub struct GradAccumulator {
-    sums: std::collections::HashMap<u64, AnyDTensor>,
-    /// Gradients already reduced over `Dp` by [`DdpBuckets`](crate::DdpBuckets).
-    dp_reduced: std::collections::HashMap<u64, AnyDTensor>,
-    /// Parameters a bucket took in this backward (the plain `add` skips them).
-    bucketed: std::collections::HashSet<u64>,
-    backwards: usize,
-}
-
-impl GradAccumulator {
-    /// An empty accumulator: no gradients, no backwards added.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Backwards added so far.
-    pub fn backwards(&self) -> usize {
-        self.backwards
-    }
-
-    /// Collective over `Dp` for the modes that reduce after every backward: takes every
-    /// parameter's gradient of one backward out of `grads` into the sums.
-    pub fn add(&mut self, m: &mut impl Module, grads: &mut Gradients) -> Result<()> {
-        struct Add<'a> {
-            acc: &'a mut GradAccumulator,
-            grads: &'a mut Gradients,
-        }
-        impl ParamVisitor for Add<'_> {
-            fn visit<D: DataMode, K: ParamKind>(
-                &mut self,
-                _: &str,
-                w: &mut Weight<D, K>,
-            ) -> Result<()> {
-                if self.acc.bucketed.contains(&w.master().key()) {
-                    return Ok(());
-                }
-                let g = if D::REDUCE_EACH_BACKWARD {
-                    w.dp_reduced_grad(self.grads)?.into_any()
-                } else {
-                    w.grad(self.grads)?.to_dtype(w.local().dtype())?.into_any()
-                };
-                self.acc.sum_into(w.master().key(), g)
-            }
-        }
-        m.visit_params("", &mut Add { acc: self, grads })?;
-        self.bucketed.clear();
-        self.backwards += 1;
-        Ok(())
-    }
-
-    /// The raw sum accumulated for `key` so far, taken out (a bucket adds it to the last
-    /// backward's gradient before reducing).
-    pub(crate) fn take_raw(&mut self, key: u64) -> Option<AnyDTensor> {
-        self.sums.remove(&key)
-    }
-
-    /// A bucket took `key`'s gradient in this backward.
-    pub(crate) fn mark_bucketed(&mut self, key: u64) {
-        self.bucketed.insert(key);
-    }
-
-    /// A bucket's reduced gradient for `key`.
-    pub(crate) fn put_dp_reduced(&mut self, key: u64, g: AnyDTensor) {
-        self.dp_reduced.insert(key, g);
-    }
-
-    fn sum_into(&mut self, key: u64, g: AnyDTensor) -> Result<()> {
-        match self.sums.remove(&key) {
-            None => {
-                self.sums.insert(key, g);
-            }
-            Some(old) => {
-                self.sums.insert(key, old.add(&g)?);
-            }
-        }
-        Ok(())
-    }
-
-    /// The sum for `w`, reduced to its master's placement over `Dp` and `Tp`.
-    fn reduced<D: DataMode, K: ParamKind>(
-        &mut self,
-        w: &Weight<D, K>,
-    ) -> Result<DTensor<ReducedLayout<D, K>>> {
-        if let Some(any) = self.dp_reduced.remove(&w.master().key()) {
-            return <K::Tp as TpParam>::reduce_over_tp(DTensor::try_from_any(any)?);
-        }
-        let any = self
-            .sums
-            .remove(&w.master().key())
-            .ok_or_else(|| Error::InvalidUse {
-                op: "optim::step",
-                detail: "no gradient was accumulated for a parameter (no backward added, or \
-                         another module's accumulator)"
-                    .into(),
-            })?;
-        let dp = if D::REDUCE_EACH_BACKWARD {
-            DTensor::try_from_any(any)?
-        } else {
-            w.dp_reduce(DTensor::try_from_any(any)?)?
-        };
-        <K::Tp as TpParam>::reduce_over_tp(dp)
-    }
-}
+use dtensor_placement::{Layout, Placement};
 
 /// Collective: one optimizer step over every parameter of `m` from one backward's
 /// gradients: [`step_accumulated`] of a [`GradAccumulator`] holding just them.
@@ -437,53 +57,56 @@ pub fn step_accumulated<O: Optimizer>(
     max_norm: f64,
 ) -> Result<f64> {
     let _span = dtensor_collectives::trace::span("optimizer step", "optimizer");
+    // Every gradient is reduced before any update, because clipping needs the global norm;
+    // each weight keeps its own reduced gradient in between.
     struct Reduce<'g> {
         acc: &'g mut GradAccumulator,
         norm: GradNorm,
-        reduced: Vec<AnyDTensor>,
         mesh: Option<std::sync::Arc<dtensor_core::DeviceMesh>>,
     }
     impl ParamVisitor for Reduce<'_> {
         fn visit<D: DataMode, K: ParamKind>(
             &mut self,
-            _: &str,
+            name: &str,
             w: &mut Weight<D, K>,
         ) -> Result<()> {
-            let g = self.acc.reduced(w)?;
+            let g = self.acc.take_reduced(name, w)?;
             self.norm.add(&g)?;
             self.mesh.get_or_insert_with(|| g.device_mesh().clone());
-            self.reduced.push(g.into_any());
+            w.set_step_grad(g);
             Ok(())
         }
     }
+    /// `opt: None` drops the gradients without updating (a skipped step).
     struct Update<'o, O> {
-        opt: &'o O,
+        opt: Option<&'o O>,
         scale: f64,
-        reduced: std::vec::IntoIter<AnyDTensor>,
     }
     impl<O: Optimizer> ParamVisitor for Update<'_, O> {
         fn visit<D: DataMode, K: ParamKind>(
             &mut self,
-            _: &str,
+            name: &str,
             w: &mut Weight<D, K>,
         ) -> Result<()> {
-            let any = self.reduced.next().ok_or_else(|| Error::ShapeMismatch {
+            let g = w.take_step_grad();
+            let Some(opt) = self.opt else {
+                return Ok(());
+            };
+            let g = g.ok_or_else(|| Error::InvalidUse {
                 op: "optim::step",
-                detail: "the module visited more parameters in its second pass".into(),
+                detail: format!("parameter {name} was not visited when the gradients were reduced"),
             })?;
-            let g = DTensor::<ReducedLayout<D, K>>::try_from_any(any)?;
             let g = if self.scale < 1.0 {
                 g.scale(self.scale)?
             } else {
                 g
             };
-            w.update(self.opt, &g)
+            opt.update_weight(w, &g)
         }
     }
     let mut r = Reduce {
         acc: &mut acc,
         norm: GradNorm::new(),
-        reduced: Vec::new(),
         mesh: None,
     };
     m.visit_params("", &mut r)?;
@@ -494,27 +117,25 @@ pub fn step_accumulated<O: Optimizer>(
     if !norm.is_finite() {
         // An inf or NaN anywhere: skip the update (as Megatron-LM does) so the parameters
         // and optimizer state stay as they were; the caller sees it in the norm.
+        m.visit_params(
+            "",
+            &mut Update::<O> {
+                opt: None,
+                scale: 1.0,
+            },
+        )?;
         return Ok(norm);
     }
     let scale = clip_coefficient(norm, max_norm);
     opt.begin_step();
-    let mut u = Update {
-        opt,
-        scale,
-        reduced: r.reduced.into_iter(),
-    };
-    m.visit_params("", &mut u)?;
+    m.visit_params(
+        "",
+        &mut Update {
+            opt: Some(&*opt),
+            scale,
+        },
+    )?;
     Ok(norm)
-}
-
-/// Averages a gradient over `Dp`: `Partial` terms scaled by `1/dp`, then all-reduced (for a
-/// loss that is each rank's *own* mean; [`reduce_grad`] sums, for the typed [`Loss`](crate::Loss)).
-pub fn dp_average<T: PlacementType + Linear>(
-    g: DTensor<DpPartial<T>>,
-) -> Result<DTensor<DpReduced<T>>> {
-    let dp = axis_size(g.device_mesh(), AxisKind::Dp);
-    let g = if dp > 1 { g.scale(1.0 / dp as f64)? } else { g };
-    g.all_reduce(Dp)
 }
 
 /// Something that updates a parameter from its reduced gradient.
@@ -526,6 +147,16 @@ pub trait Optimizer {
     where
         L: Layout,
         G: Layout + ReducedGrad<L>;
+
+    /// Updates `w`'s master from its reduced gradient and rebuilds the compute copy (for
+    /// ZeRO an all-gather over `Dp` of the updated shard).
+    fn update_weight<D: DataMode, K: ParamKind>(
+        &self,
+        w: &mut Weight<D, K>,
+        g: &DTensor<ReducedLayout<D, K>>,
+    ) -> Result<()> {
+        w.update_master(|p: &mut Param<MasterLayout<D, K>>| self.update(p, g))
+    }
 }
 
 fn check_grad<L: Layout, G: Layout>(op: &'static str, p: &Param<L>, g: &DTensor<G>) -> Result<()> {
@@ -657,27 +288,28 @@ impl Optimizer for AdamW {
             _ => DType::F64,
         };
         let place = p.local().device().cloned();
-        if p.state.len() != 2
-            || p.state[0].dtype() != state_dtype
-            || p.state[0].device() != place.as_ref()
+        let (value, state) = p.value_and_state_mut();
+        if state.len() != 2
+            || state[0].dtype() != state_dtype
+            || state[0].device() != place.as_ref()
         {
-            let shape = p.local().shape().to_vec();
-            p.state = vec![
+            let shape = value.local_shape().to_vec();
+            *state = vec![
                 Tensor::zeros_on(place.as_ref(), &shape, state_dtype)?,
                 Tensor::zeros_on(place.as_ref(), &shape, state_dtype)?,
             ];
         }
-        let [m, v] = &mut p.state[..] else {
+        let [m, v] = &mut state[..] else {
             unreachable!("two moments set above")
         };
         if place.is_some() {
-            return adamw_device(&mut p.value, g.as_local(), m, v, &h);
+            return adamw_device(value, g.as_local(), m, v, &h);
         }
-        match p.value.as_local().dtype() {
+        match value.as_local().dtype() {
             DType::F32 => {
                 let (m, v) = (m.as_mut_slice::<f32>()?, v.as_mut_slice::<f32>()?);
                 let g = g.as_local().as_slice::<f32>()?;
-                p.value.update_local_in_place(|w| {
+                value.update_local_in_place(|w| {
                     adamw_step(w.as_mut_slice::<f32>()?, g, m, v, &h);
                     Ok(())
                 })
@@ -685,7 +317,7 @@ impl Optimizer for AdamW {
             DType::F64 => {
                 let (m, v) = (m.as_mut_slice::<f64>()?, v.as_mut_slice::<f64>()?);
                 let g = g.as_local().as_slice::<f64>()?;
-                p.value.update_local_in_place(|w| {
+                value.update_local_in_place(|w| {
                     adamw_step(w.as_mut_slice::<f64>()?, g, m, v, &h);
                     Ok(())
                 })
@@ -694,10 +326,10 @@ impl Optimizer for AdamW {
                 // 16-bit values: step in f64, round once.
                 let (m, v) = (m.as_mut_slice::<f64>()?, v.as_mut_slice::<f64>()?);
                 let g = g.as_local().to_f64_vec();
-                let mut w = p.value.as_local().to_f64_vec();
+                let mut w = value.as_local().to_f64_vec();
                 adamw_step(&mut w, &g, m, v, &h);
-                let t = Tensor::from_f64_vec(w, p.value.local_shape(), dtype)?;
-                p.value.update_local(|_| Ok(t))
+                let t = Tensor::from_f64_vec(w, value.local_shape(), dtype)?;
+                value.update_local(|_| Ok(t))
             }
         }
     }

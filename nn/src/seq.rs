@@ -24,13 +24,11 @@
 //! (`all_reduce`, Megatron's `g`, or a `reduce_scatter` of the sequence); the tape records
 //! their typed adjoints.
 
-use crate::data::{DataMode, DpLayout};
-use crate::moe::MoeMlp;
-use crate::optim::TpParam;
-use dtensor_core::{HopPlacement, Result, Tape, Var};
+use dtensor_core::{DTensor, HopPlacement, Result, Var};
 use dtensor_placement::{
     layout, AddPlacement, AddRowRule, AxisKind, Cp, Dp, Ep, Invariant, IsWhole, Layout, Linear,
-    Mesh, NormRule, ParallelConfig, Partial, PlacementType, Pointwise, Replicate, Shard, Tp,
+    Mesh, MeshAxis, NormRule, On, ParallelConfig, Partial, PlacementType, Pointwise, Replicate,
+    Shard, Tp,
 };
 
 /// The gradient layout of `L` (the dual placement on every axis).
@@ -44,6 +42,20 @@ pub type Full = layout![Dp: Shard<0>, Ep: Shard<0>, Cp: Shard<0>, Tp: Replicate]
 pub type ColOut = layout![Dp: Shard<0>, Ep: Shard<0>, Cp: Shard<0>, Tp: Shard<1>];
 /// A row layer's product before its reduction over `Tp`.
 pub type RowPartial = layout![Dp: Shard<0>, Ep: Shard<0>, Cp: Shard<0>, Tp: Partial];
+/// A stored parameter's layout (master, compute copy, reduced gradient): placement `P`
+/// over `Dp`, `Invariant` over `Ep` and `Cp`, `T` over `Tp`.
+///
+/// `Ep` and `Cp` shard the tokens as `Dp` does, but no data mode shards a parameter over
+/// them: the stored value is the same on their ranks (`Invariant`) and becomes `Replicate`
+/// for compute by [`to_replicate`](Var::to_replicate) (Megatron's `f`), whose adjoint
+/// all-reduces the gradient there. A gradient of a stored parameter therefore arrives
+/// reduced over `Ep` and `Cp` and is `DpLayout<_, _>` again: one all-reduce per axis
+/// (size-1 axes cost nothing), recorded by the tape like any other.
+///
+/// `E` is the placement over `Ep` ([`ParamKind::Ep`](crate::ParamKind::Ep)): `Invariant` for every dense
+/// parameter (the default), `Shard<0>` for MoE expert weights `[experts, out, in]`, each
+/// `Ep` rank holding its own experts whole ([`ExpertW`](crate::ExpertW)).
+pub type DpLayout<P, T, E = Invariant> = layout![Dp: P, Ep: E, Cp: Invariant, Tp: T];
 /// A column-parallel weight `[out, in]` (and its bias `[out]`) as stored under DDP:
 /// output features over `Tp`.
 pub type ColWeight = DpLayout<Replicate, Shard<0>>;
@@ -95,15 +107,24 @@ pub trait SeqMode: Clone + Send + Sync + Sized + 'static {
     /// Out of it: `all_reduce` (no SP) or `reduce_scatter` of the tokens (SP).
     fn exit<'t>(y: &Var<'t, RowPartial>) -> Result<Var<'t, Stream<Self>>>;
 
-    /// [`MoeMlp::forward`](crate::MoeMlp::forward) in this mode (whose concrete layouts
-    /// meet the MoE ops' rules): the output and the raw auxiliary loss.
-    #[doc(hidden)]
-    #[allow(clippy::type_complexity)]
-    fn moe_forward<'t, D: DataMode>(
-        mlp: &MoeMlp<Self, D>,
-        tape: &'t Tape,
-        x: &Var<'t, Stream<Self>>,
-    ) -> Result<(Var<'t, Stream<Self>>, Var<'t, Loss>)>;
+    /// Runs `O`'s body for this mode: code whose ops have rules for each concrete mode's
+    /// layouts but not for a generic `M` (the MoE forward) is written per mode and
+    /// called through here, so generic layer code needs no extra bounds.
+    fn per_mode<'a, 't: 'a, O: PerMode>(input: O::In<'a, 't, Self>) -> Result<O::Out<'t, Self>>;
+}
+
+/// A computation written once per sequence mode and chosen by [`SeqMode::per_mode`]: its
+/// input and output are families over the mode, and each body sees concrete layouts.
+pub trait PerMode {
+    /// What the computation borrows under mode `M` (for `'a`, recording on a tape that
+    /// lives for `'t`).
+    type In<'a, 't: 'a, M: SeqMode>;
+    /// What it returns under mode `M`.
+    type Out<'t, M: SeqMode>;
+    /// The body without sequence parallelism.
+    fn no_sp<'a, 't: 'a>(input: Self::In<'a, 't, NoSp>) -> Result<Self::Out<'t, NoSp>>;
+    /// The body with sequence parallelism.
+    fn sp<'a, 't: 'a>(input: Self::In<'a, 't, Sp>) -> Result<Self::Out<'t, Sp>>;
 }
 
 /// Plain tensor parallelism: the stream is `Invariant` over `Tp`.
@@ -127,12 +148,8 @@ impl SeqMode for NoSp {
         y.all_reduce(Tp)
     }
 
-    fn moe_forward<'t, D: DataMode>(
-        mlp: &MoeMlp<Self, D>,
-        tape: &'t Tape,
-        x: &Var<'t, Stream<Self>>,
-    ) -> Result<(Var<'t, Stream<Self>>, Var<'t, Loss>)> {
-        crate::moe::forward_nosp(mlp, tape, x)
+    fn per_mode<'a, 't: 'a, O: PerMode>(input: O::In<'a, 't, Self>) -> Result<O::Out<'t, Self>> {
+        O::no_sp(input)
     }
 }
 
@@ -149,12 +166,8 @@ impl SeqMode for Sp {
         y.reduce_scatter::<_, _, 0>(Tp)
     }
 
-    fn moe_forward<'t, D: DataMode>(
-        mlp: &MoeMlp<Self, D>,
-        tape: &'t Tape,
-        x: &Var<'t, Stream<Self>>,
-    ) -> Result<(Var<'t, Stream<Self>>, Var<'t, Loss>)> {
-        crate::moe::forward_sp(mlp, tape, x)
+    fn per_mode<'a, 't: 'a, O: PerMode>(input: O::In<'a, 't, Self>) -> Result<O::Out<'t, Self>> {
+        O::sp(input)
     }
 }
 
@@ -183,4 +196,75 @@ pub fn axis_size(mesh: &dtensor_core::DeviceMesh, kind: dtensor_placement::AxisK
 /// This rank's coordinate on the mesh axis `kind` (0 when the mesh lacks it).
 pub fn axis_coord(mesh: &dtensor_core::DeviceMesh, kind: dtensor_placement::AxisKind) -> usize {
     mesh.mesh().index_of(kind).map_or(0, |i| mesh.coords()[i])
+}
+
+/// A gradient placement (`Self`) that is reduced to a parameter placement `P` on one axis.
+#[diagnostic::on_unimplemented(
+    message = "a `{Self}` gradient is not reduced to the parameter's `{P}` placement",
+    label = "this gradient axis still needs its reduction",
+    note = "a `Partial` gradient holds pending sums: average it over Dp (dp_average) and, for sequence-parallel norm weights and biases, reduce it over Tp (SeqMode::reduce_param_grad) before the optimizer step"
+)]
+pub trait ReducedPlacement<P>: PlacementType {}
+impl<const D: usize> ReducedPlacement<Shard<D>> for Shard<D> {}
+// Spelled out per whole placement (not `impl<P: IsWhole>`), so a gradient reduced to the
+// wrong placement reports this trait's message, not `IsWhole`'s.
+impl ReducedPlacement<Replicate> for Invariant {}
+impl ReducedPlacement<Invariant> for Invariant {}
+
+/// A gradient layout (`Self`) reduced to the placement of a parameter laid out as `P` on
+/// every axis: what [`Optimizer::update`](crate::Optimizer::update) accepts.
+#[diagnostic::on_unimplemented(
+    message = "the optimizer step needs a gradient reduced to the parameter's placement, got `{Self}` for a parameter laid out as `{P}`",
+    label = "unreduced gradient",
+    note = "a `Partial` gradient axis holds pending sums: average it over Dp (dp_average) and, for sequence-parallel norm weights and biases, reduce it over Tp (SeqMode::reduce_param_grad) first"
+)]
+pub trait ReducedGrad<P: Layout>: Layout {}
+impl ReducedGrad<()> for () {}
+impl<X: MeshAxis, P, Q, R, S> ReducedGrad<(On<X, P>, R)> for (On<X, Q>, S)
+where
+    P: PlacementType,
+    Q: ReducedPlacement<P>,
+    R: Layout,
+    S: ReducedGrad<R>,
+{
+}
+
+/// A parameter's placement over `Tp`, and how its gradient is reduced there: nothing for a
+/// `Shard<D>` or `Invariant` weight, an all-reduce for a `Replicate` one (a sequence-parallel
+/// norm weight or row bias, each `Tp` rank having seen other tokens).
+pub trait TpParam: PlacementType<Grad: Linear> + Linear {
+    /// The gradient's placement over `Tp` once reduced there.
+    type Reduced: ReducedPlacement<Self> + Linear;
+    /// Collective over `Tp` where needed (whatever the gradient's placement `Q` over `Dp`:
+    /// `Invariant` after DDP's all-reduce, `Shard` after ZeRO's or FSDP's reduce-scatter).
+    fn reduce_over_tp<Q: PlacementType, E: PlacementType>(
+        g: DTensor<DpLayout<Q, Self::Grad, E>>,
+    ) -> Result<DTensor<DpLayout<Q, Self::Reduced, E>>>;
+}
+
+impl<const D: usize> TpParam for Shard<D> {
+    type Reduced = Shard<D>;
+    fn reduce_over_tp<Q: PlacementType, E: PlacementType>(
+        g: DTensor<DpLayout<Q, Shard<D>, E>>,
+    ) -> Result<DTensor<DpLayout<Q, Shard<D>, E>>> {
+        Ok(g)
+    }
+}
+
+impl TpParam for Invariant {
+    type Reduced = Invariant;
+    fn reduce_over_tp<Q: PlacementType, E: PlacementType>(
+        g: DTensor<DpLayout<Q, Invariant, E>>,
+    ) -> Result<DTensor<DpLayout<Q, Invariant, E>>> {
+        Ok(g)
+    }
+}
+
+impl TpParam for Replicate {
+    type Reduced = Invariant;
+    fn reduce_over_tp<Q: PlacementType, E: PlacementType>(
+        g: DTensor<DpLayout<Q, Partial, E>>,
+    ) -> Result<DTensor<DpLayout<Q, Invariant, E>>> {
+        g.all_reduce(Tp)
+    }
 }

@@ -166,4 +166,4 @@ pub use schedule::{
     gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1, Action, Costs, LiveCount, Schedule,
     ScheduleKind, Span, Timeline,
 };
-pub use stage::{GptStage, StageInput, StageOutput};
+pub use stage::GptStage;

@@ -13,14 +13,14 @@
 //! token count of the *global batch*, so the microbatches' losses add up to the batch
 //! mean whatever the microbatch count, and so do their gradients.
 
-use crate::block::GptConfig;
 use crate::buckets::DdpBuckets;
 use crate::data::{DataMode, Ddp};
-use crate::optim::{
-    step_accumulated, GradAccumulator, Module, Optimizer, ParamVisitor, StateVisitor,
-};
+use crate::embedding::loss_total;
+use crate::model::{GptConfig, SliceInput, SliceOutput};
+use crate::optim::{step_accumulated, Optimizer};
+use crate::params::{GradAccumulator, Module, ParamVisitor, StateVisitor};
 use crate::pipeline::schedule::{Action, Schedule};
-use crate::pipeline::stage::{GptStage, StageInput, StageOutput};
+use crate::pipeline::stage::GptStage;
 use crate::seq::{Grad, Ids, Loss, SeqMode, Stream};
 use dtensor_collectives::Communicator;
 use dtensor_core::{DTensor, DeviceMesh, Error, Result, StageHop, Tape, Var, WeightPass};
@@ -216,7 +216,7 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
 
         let tapes: Vec<Tape> = (0..m * v).map(|_| Tape::new()).collect();
         let mut inputs: Vec<Option<Var<'_, Stream<M>>>> = (0..m * v).map(|_| None).collect();
-        let mut outputs: Vec<Option<StageOutput<'_, M>>> = (0..m * v).map(|_| None).collect();
+        let mut outputs: Vec<Option<SliceOutput<'_, M>>> = (0..m * v).map(|_| None).collect();
         let mut out_grads: Vec<Option<DTensor<Grad<Stream<M>>>>> =
             (0..m * v).map(|_| None).collect();
         let mut in_grads: Vec<Option<DTensor<Grad<Stream<M>>>>> =
@@ -244,9 +244,9 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
                 Action::Forward { mb, stage } => {
                     let i = slot(mb, stage);
                     let input = if stage == 0 {
-                        StageInput::Ids(&ids[mb])
+                        SliceInput::Ids(&ids[mb])
                     } else {
-                        StageInput::Hidden(inputs[i].as_ref().ok_or_else(|| missing("input", a))?)
+                        SliceInput::Hidden(inputs[i].as_ref().ok_or_else(|| missing("input", a))?)
                     };
                     let out = self.chunks[stage / pp].forward(
                         &tapes[i],
@@ -254,14 +254,14 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
                         Some(&targets[mb]),
                         total_tokens,
                     )?;
-                    if let StageOutput::Loss(l) = &out {
+                    if let SliceOutput::Loss(l) = &out {
                         losses.push(l.value().clone());
                     }
                     outputs[i] = Some(out);
                     busy += t0.elapsed().as_secs_f64();
                 }
                 Action::SendActivation { mb, stage, peer } => match &outputs[slot(mb, stage)] {
-                    Some(StageOutput::Hidden(h)) => {
+                    Some(SliceOutput::Hidden(h)) => {
                         hop_for(mb)?.send(h.value(), peer, tag(false, mb, stage))?
                     }
                     _ => return Err(missing("activation to send", a)),
@@ -275,8 +275,8 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
                     let i = slot(mb, stage);
                     let x = inputs[i].take().ok_or_else(|| missing("input", a))?;
                     let (dx, pass) = match outputs[i].take() {
-                        Some(StageOutput::Loss(l)) => l.backward_input_from_loss(&x)?,
-                        Some(StageOutput::Hidden(h)) => h.backward_input(
+                        Some(SliceOutput::Loss(l)) => l.backward_input_from_loss(&x)?,
+                        Some(SliceOutput::Hidden(h)) => h.backward_input(
                             out_grads[i].take().ok_or_else(|| missing("gradient", a))?,
                             &x,
                         )?,
@@ -302,11 +302,11 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
                     };
                     let out = outputs[i].take().ok_or_else(|| missing("forward", a))?;
                     let mut grads = match (out, &mut bucket) {
-                        (StageOutput::Loss(l), None) => l.backward()?,
-                        (StageOutput::Loss(l), Some(b)) => {
+                        (SliceOutput::Loss(l), None) => l.backward()?,
+                        (SliceOutput::Loss(l), Some(b)) => {
                             l.backward_hooked(&mut |k, g| b.push(&mut acc, k, g))?
                         }
-                        (StageOutput::Hidden(h), b) => {
+                        (SliceOutput::Hidden(h), b) => {
                             let dy = out_grads[i].take().ok_or_else(|| missing("gradient", a))?;
                             match b {
                                 None => h.backward_with(dy)?,
@@ -355,7 +355,7 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
         let mut loss = [0.0f64];
         if let Some(first) = losses.pop() {
             let total = losses.iter().try_fold(first, |s, l| s.add(l))?;
-            loss[0] = crate::embedding::loss_total(total)?;
+            loss[0] = loss_total(total)?;
         }
         if let Some(pp) = &self.pp {
             dtensor_core::transfer::broadcast_values(&**pp, &mut loss, pp.size() - 1)?;

@@ -1,0 +1,97 @@
+//! The shape of a GPT: one value the model, its pipeline stages and the planner read.
+
+use crate::attention::{AttentionConfig, ContextParallel};
+use crate::data::Precision;
+use crate::mlp::Activation;
+use crate::moe::MoeConfig;
+use crate::norm::NormKind;
+use dtensor_core::{Error, Result};
+use dtensor_kernels::DType;
+
+/// The shape of a GPT.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GptConfig {
+    /// Vocabulary size: rows of the embedding table and columns of the logits.
+    pub vocab: usize,
+    /// Model width: features per token in the residual stream.
+    pub hidden: usize,
+    /// Attention heads (a multiple of the `Tp` size; they divide `hidden`).
+    pub heads: usize,
+    /// Transformer blocks.
+    pub layers: usize,
+    /// The dense MLP's inner width (`fc1`'s output features, sharded over `Tp`).
+    pub ffn: usize,
+    /// Tokens per sample (the context length; positions for RoPE).
+    pub seq_len: usize,
+    /// RMSNorm or LayerNorm, for the blocks' norms and the final one.
+    pub norm: NormKind,
+    /// The MLPs' non-linearity (GELU, or SwiGLU with a second up projection).
+    pub activation: Activation,
+    /// Biases in the linear layers.
+    pub bias: bool,
+    /// The norms' epsilon.
+    pub eps: f64,
+    /// The parameters' (master) dtype.
+    pub dtype: DType,
+    /// Seed of the deterministic initialisation (the same parameters at any parallel
+    /// layout).
+    pub seed: u64,
+    /// Compute and gradient-reduction dtypes (mixed precision), FSDP's reshard flag.
+    pub precision: Precision,
+    /// Activation recomputation: each block's forward runs again in the backward instead
+    /// of keeping its intermediates (only the block's input is kept).
+    pub recompute: bool,
+    /// How attention runs over `Cp` (ring or all-to-all, zigzag chunks); unused at `cp = 1`.
+    pub context: ContextParallel,
+    /// `Some`: every block's MLP is a mixture of experts ([`MoeMlp`](crate::MoeMlp)) over `Ep`, and the
+    /// training loss adds `aux_loss_coef ·` its auxiliary loss. `None`: dense MLPs.
+    pub moe: Option<MoeConfig>,
+}
+
+impl GptConfig {
+    /// A small byte-level model: 2 layers, hidden 64, 4 heads, sequence 64.
+    pub fn small(dtype: DType) -> Self {
+        GptConfig {
+            vocab: 256,
+            hidden: 64,
+            heads: 4,
+            layers: 2,
+            ffn: 256,
+            seq_len: 64,
+            norm: NormKind::Rms,
+            activation: Activation::Gelu,
+            bias: true,
+            eps: 1e-5,
+            dtype,
+            seed: 1234,
+            precision: Precision::default(),
+            recompute: false,
+            context: ContextParallel::default(),
+            moe: None,
+        }
+    }
+
+    /// The blocks' attention.
+    pub(crate) fn attention(&self) -> AttentionConfig {
+        AttentionConfig {
+            hidden: self.hidden,
+            heads: self.heads,
+            seq_len: self.seq_len,
+            rope_base: 10000.0,
+            context: self.context,
+        }
+    }
+
+    /// `Err` (from `op`) for the options no part of the model supports together.
+    pub(crate) fn check(&self, op: &'static str) -> Result<()> {
+        if self.moe.is_some() && self.recompute {
+            return Err(Error::InvalidUse {
+                op,
+                detail: "activation recomputation of MoE blocks is not supported (its \
+                         auxiliary loss and routing statistics would be recorded twice)"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+}

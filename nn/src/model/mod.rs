@@ -1,0 +1,22 @@
+//! The GPT model: its shape ([`GptConfig`]), the pre-norm [`TransformerBlock`], and the
+//! [`Gpt`] with its forward (embedding → blocks → final norm → head → loss) and training
+//! step.
+//!
+//! The model knows nothing of pipelines: a pipeline stage ([`GptStage`](crate::GptStage))
+//! holds a run of the model's layers, built by the model's own constructors, and runs the
+//! model's forward over them.
+//!
+//! | file | holds | imports |
+//! |---|---|---|
+//! | `config.rs` | [`GptConfig`] | the layers' configurations |
+//! | `block.rs` | [`TransformerBlock`], [`BlockMlp`] | `config.rs`, the layers |
+//! | `gpt.rs` | [`Gpt`], the forward over a run of layers, the layers' constructors | `block.rs`, `config.rs`, the layers, the optimizer step |
+
+mod block;
+mod config;
+mod gpt;
+
+pub use block::{BlockMlp, TransformerBlock};
+pub use config::GptConfig;
+pub(crate) use gpt::{build_block, build_embedding, build_head, GptSlice};
+pub use gpt::{Gpt, SliceInput, SliceOutput, StepReport};
