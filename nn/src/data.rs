@@ -11,6 +11,9 @@
 //! | [`Zero1`], [`Zero2`] | `Replicate` | `Shard<F>` | `reduce_scatter` → `Shard<F>`, then the updated shard is all-gathered | 2·(dp−1)/dp·P |
 //! | [`Fsdp`] | `Shard<F>`, all-gathered in the forward (`Shard → Replicate`) | `Shard<F>` | the gather's typed adjoint, a `reduce_scatter`: the gradient arrives `Shard<F>` | 3·(dp−1)/dp·P with reshard after forward (gather, re-gather in backward, reduce-scatter), 2·(dp−1)/dp·P without |
 //!
+//! This file holds the type-level rules; the parameter that follows them,
+//! [`Weight`](crate::Weight), lives one floor up in [`params`](crate::params).
+//!
 //! ZeRO-1 and ZeRO-2 differ in when they reduce ([`DataMode::REDUCE_EACH_BACKWARD`]): over
 //! the microbatches of a step ZeRO-1 accumulates the full gradient and reduce-scatters it
 //! once, ZeRO-2 reduce-scatters after every backward and keeps only its shard (as FSDP).

@@ -4,6 +4,9 @@
 //! index)` (a counter-based generator: splitmix64 of the three, Box-Muller for normals).
 //! So a rank computes only its own slice, nothing is communicated, and a parameter built
 //! at `tp = k` equals the matching slice of the one built at `tp = 1` with the same seed.
+//!
+//! [`ParamInit`] is what a layer's constructor takes: the seed, the id of its first
+//! parameter, the standard deviations and the masters' dtype and precision.
 
 use crate::data::Precision;
 use dtensor_core::{DTensor, DeviceMesh, Result};

@@ -9,7 +9,7 @@
 //! Layers compute with parameters laid out [`ParamLayout`] (`Replicate` over `Dp`), whose
 //! gradients arrive `Partial` over `Dp`. How a parameter is *held* over `Dp` is the data
 //! mode, a type parameter of every layer ([`data`]: [`Ddp`] by default, [`Zero1`], [`Zero2`],
-//! [`Fsdp`]; a layer's [`Weight`] holds the master and the compute copy). The optimizer
+//! [`Fsdp`]; a layer's [`Weight`], in [`params`], holds the master and the compute copy). The optimizer
 //! takes only gradients reduced to their master's placement ([`optim`]), so the DP
 //! all-reduce or reduce-scatter (and, under SP, the norm weights' reduction over `Tp`) is
 //! written, not forgotten. Every parameter is enumerable with its name and layout through
@@ -26,6 +26,20 @@
 //! | [`vocab_parallel_cross_entropy`] | [`ColOut`] logits → per-token loss | three `all_reduce`s of `[tokens]` (max, Σexp, target) |
 //! | [`MoeMlp`] | `S` → `S` (router, top-k dispatch to the experts' `Ep` ranks, grouped expert MLPs, combine) and its auxiliary loss | all-to-all-v over `Ep` in and out, statistics all-reduces |
 //! | [`TransformerBlock`], [`Gpt`] | pre-norm blocks with residuals; embedding → blocks → norm → LM head → loss | the layers' |
+//!
+//! ## Floors
+//!
+//! Each file imports only files on the floors below it (no circle):
+//!
+//! | floor | files | what they hold |
+//! |---|---|---|
+//! | 0 | [`seq`], [`pipeline`]'s `schedule.rs` | layouts, sequence modes, gradient-reduction rules; schedules as data |
+//! | 1 | [`data`] | data modes: how a parameter is held, gathered and reduced over `Dp` |
+//! | 2 | [`params`], [`init`] | [`Param`], [`Weight`], [`Module`] and its visitors, [`GradAccumulator`]; initialisation |
+//! | 3 | [`optim`], [`buckets`], [`linear`], [`norm`], [`embedding`] | optimizers and the step; DDP buckets; the first layers |
+//! | 4 | [`mlp`], [`attention`], then [`moe`] | layers built from layers |
+//! | 5 | [`model`] (`config.rs`, then `block.rs`, then `gpt.rs`) | the GPT: its shape, block, forward and training step |
+//! | 6 | [`pipeline`]'s `stage.rs`, then `runtime.rs` | a stage wraps a run of the model's layers; the runtime runs the schedule |
 //!
 //! Pipeline parallelism is [`pipeline`]: GPipe, 1F1B, interleaved 1F1B and ZB-H1 schedules
 //! as per-rank action lists, validated (complete, matched, deadlock-free, within their

@@ -77,7 +77,7 @@ pub fn step_accumulated<O: Optimizer>(
             Ok(())
         }
     }
-    /// `opt: None` drops the gradients without updating (a skipped step).
+    // `opt: None` drops the gradients without updating (a skipped step).
     struct Update<'o, O> {
         opt: Option<&'o O>,
         scale: f64,

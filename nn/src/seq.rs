@@ -19,6 +19,12 @@
 //! | per-token loss ([`TokenInvariant`]) | `[Dp: Shard<0>, Tp: Invariant]` | the same |
 //! | training loss ([`Loss`]), summed over tokens | `[Dp: Partial, Tp: Invariant]` | `[Dp: Replicate, Tp: Invariant]` (the seed: ones) |
 //!
+//! A stored parameter is laid out [`DpLayout`] (its placement over `Dp` is the data mode's).
+//! The optimizer takes a gradient only once it is reduced to its parameter's placement on
+//! every axis ([`ReducedPlacement`], [`ReducedGrad`]); [`TpParam`] says how a parameter's
+//! gradient is reduced over `Tp` (nothing, or the all-reduce a sequence-parallel norm
+//! weight needs).
+//!
 //! The column layers enter with [`SeqMode::enter`] (`to_replicate`, Megatron's `f`, or an
 //! `all_gather` of the sequence) and the row layers leave with [`SeqMode::exit`]
 //! (`all_reduce`, Megatron's `g`, or a `reduce_scatter` of the sequence); the tape records

@@ -60,6 +60,39 @@ impl<M: SeqMode> Tiny<M> {
     }
 }
 
+/// [`Tiny`] whose every third walk over its parameters — the update pass of [`step`], after
+/// the accumulation and reduction passes — visits them in the reverse order.
+struct Reversing<M: SeqMode> {
+    tiny: Tiny<M>,
+    walks: usize,
+}
+
+impl<M: SeqMode> Module for Reversing<M> {
+    fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
+        self.walks += 1;
+        if self.walks % 3 != 0 {
+            return self.tiny.visit_params(prefix, v);
+        }
+        self.tiny.mlp.visit_params(&join_name(prefix, "mlp"), v)?;
+        self.tiny.norm.visit_params(&join_name(prefix, "norm"), v)
+    }
+}
+
+impl<M: SeqMode> Reversing<M> {
+    /// [`Tiny::step`] through the reversing walks.
+    fn step(&mut self, x: &Tensor, target: &Tensor, opt: &mut AdamW) -> Result<f64> {
+        let mesh = self.tiny.norm.weight.value().device_mesh().clone();
+        let tape = Tape::new();
+        let h = self
+            .tiny
+            .norm
+            .forward(&tape, &tape.constant(piece(x, &mesh)?))?;
+        let y = self.tiny.mlp.forward(&tape, &h)?;
+        let mut grads = y.backward_with(piece(&target.scale(1.0 / T as f64), &mesh)?)?;
+        step(self, &mut grads, opt, 0.5)
+    }
+}
+
 fn train<M: SeqMode>(dp: usize, tp: usize, steps: usize) -> (Vec<Tensor>, Vec<f64>) {
     let x = randn(41, &[T, H]);
     let target = randn(42, &[T, H]);
@@ -90,6 +123,37 @@ fn adamw_steps_at_dp2_tp2_match_one_rank() {
         }
         for (a, b) in norms.iter().zip(&want_norms) {
             assert!((a - b).abs() <= 1e-10 * b, "grad norm {a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn step_updates_each_parameter_from_its_own_gradient_whatever_the_visiting_order() {
+    // The update pass finds every parameter's reduced gradient by the parameter, not by
+    // its position in the reduction pass: updating in the reverse order is bitwise the
+    // same training.
+    let x = randn(41, &[T, H]);
+    let target = randn(42, &[T, H]);
+    let out = on_mesh(2, 2, |mesh| {
+        let mut plain = Tiny::<Sp>::new(mesh)?;
+        let mut reversing = Reversing {
+            tiny: Tiny::<Sp>::new(mesh)?,
+            walks: 0,
+        };
+        let (mut a, mut b) = (AdamW::new(1e-2), AdamW::new(1e-2));
+        for _ in 0..3 {
+            let (n, m) = (
+                plain.step(&x, &target, &mut a)?,
+                reversing.step(&x, &target, &mut b)?,
+            );
+            assert_eq!(n.to_bits(), m.to_bits(), "grad norm {n} vs {m}");
+        }
+        Ok((plain.params()?, reversing.tiny.params()?))
+    });
+    for (want, got) in out {
+        assert_eq!(want.len(), got.len());
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert_eq!(w.to_f64_vec(), g.to_f64_vec(), "param {i}");
         }
     }
 }
