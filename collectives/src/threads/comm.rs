@@ -2,9 +2,9 @@
 //!
 //! The protocol is described in the `threads` module docs.
 
-use super::call::{self, Call, Post, Problem};
+use super::call::{self, Call, Problem};
 use super::group::{Group, Message};
-use super::view::{Buf, RawBuf, View};
+use super::view::{Buf, Post, RawBuf, View};
 use crate::args::{counts_sum, equal_blocks, is_multiple, same_dtype};
 use crate::progress::{busy_error, Progress};
 use crate::{
