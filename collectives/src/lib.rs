@@ -106,6 +106,7 @@ pub mod columns;
 pub mod conformance;
 mod counters;
 mod error;
+mod forward;
 mod mismatch;
 pub mod mpi;
 pub mod nccl;
@@ -118,6 +119,7 @@ pub mod unbuffered;
 pub use counters::{CollectiveKind, CounterSnapshot, Counters};
 pub use dtensor_kernels::{DType, Element, ReduceOp, Slice, SliceMut, StorageElement};
 pub use error::{Error, Result};
+pub use forward::Forward;
 pub use request::{Buffer, Pending, Request};
 #[cfg(feature = "cuda")]
 pub use request::{DeviceBuffer, DeviceRequest};
