@@ -1845,44 +1845,6 @@ impl Communicator for MpiComm {
         BACKEND
     }
 
-    fn all_gather_cols(
-        &self,
-        send: Slice<'_>,
-        recv: SliceMut<'_>,
-        rows: usize,
-        widths: &[usize],
-    ) -> Result<()> {
-        self.gated("all_gatherv", |c| {
-            c.all_gather_cols(send, recv, rows, widths)
-        })
-    }
-
-    fn reduce_scatter_cols(
-        &self,
-        send: Slice<'_>,
-        recv: SliceMut<'_>,
-        rows: usize,
-        widths: &[usize],
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.gated("reduce_scatterv", |c| {
-            c.reduce_scatter_cols(send, recv, rows, widths, op)
-        })
-    }
-
-    fn all_to_all_cols(
-        &self,
-        send: Slice<'_>,
-        rows: usize,
-        send_widths: &[usize],
-        recv: SliceMut<'_>,
-        recv_counts: &[usize],
-    ) -> Result<()> {
-        self.gated("all_to_allv", |c| {
-            c.all_to_all_cols(send, rows, send_widths, recv, recv_counts)
-        })
-    }
-
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {
         let core = self.gated("split", |c| c.split(color, key))?;
         Ok(Arc::new(MpiComm::of(core)))
@@ -1897,6 +1859,7 @@ fn tag_of(tag: u32, op: &'static str) -> Result<c_int> {
         detail: format!("tag {tag} is larger than MPI allows ({})", c_int::MAX),
     })
 }
+
 /// Prints `rank R failed: {message}` to stderr and ends the whole job with exit code
 /// `code` (`MPI_Abort`).
 pub(super) fn abort(rank: usize, message: &str, code: i32) -> ! {
