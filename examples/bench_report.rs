@@ -11,7 +11,7 @@
 //! `cargo run --release --example bench_report [-- --quick] [--sizes 1M,16M] [--no-gemm]`
 //!
 //! `scripts/bench-guard.sh` runs this and compares every line's ratio with a committed
-//! baseline (see `docs/architecture.md`, "Benchmarks").
+//! baseline (see the README, "Benchmarks").
 //!
 //! With `--backend mpi` (build with `--features mpi`) each process `mpirun` starts is one
 //! rank: `mpirun -np 2 target/release/examples/bench_report --backend mpi [--quick]`. The
