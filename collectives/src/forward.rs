@@ -18,13 +18,16 @@ macro_rules! forwarding {
     )*) => {
         /// A communicator that wraps another and overrides only the calls it changes.
         ///
-        /// A wrapper (the [`unbuffered`](crate::unbuffered) emulator, a fault injector in a
-        /// test, a host-to-device adapter) implements `Forward`: [`inner`](Forward::inner)
-        /// names the wrapped communicator, and the wrapper overrides the calls it changes.
+        /// A wrapper (the [`unbuffered`](crate::unbuffered) emulator, or a test's wrapper that
+        /// fails chosen calls) implements `Forward`: [`inner`](Forward::inner) names the wrapped
+        /// communicator, and the wrapper overrides the calls it changes.
         /// Every other [`Communicator`] call goes to the inner communicator unchanged,
         /// through the blanket `impl<W: Forward> Communicator for W`; a method added to
         /// [`Communicator`] is added once to the list this trait is written from, and every
-        /// wrapper forwards it.
+        /// wrapper forwards it. A call a wrapper does not override is the inner
+        /// communicator's, never the trait's default: an adapter whose other calls must run
+        /// the defaults over its own (the NCCL conformance suite's host-to-device staging)
+        /// implements [`Communicator`] itself.
         ///
         /// A `Forward` type has each method twice (as `Forward`'s and, through the blanket
         /// impl, as [`Communicator`]'s), so a call on the concrete type needs only one of the

@@ -24,8 +24,8 @@
 use super::Need;
 use crate::nccl::NcclComm;
 use crate::{
-    Buffer, Communicator, DeviceBuffer, DeviceRequest, Error, Pending, ReduceOp, Request, Result,
-    Slice, SliceMut,
+    Buffer, Communicator, CounterSnapshot, DeviceBuffer, DeviceRequest, Error, Pending, ReduceOp,
+    Request, Result, Slice, SliceMut,
 };
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use dtensor_kernels::cuda::{CudaBuffer, DeviceView, DeviceViewMut};
@@ -338,15 +338,17 @@ fn staging_error(op: &'static str, what: &str, e: impl std::fmt::Display) -> Err
     }
 }
 
-// Every call that moves data is staged; the rest (rank, size, barrier, counters, labels)
-// is the backend's own.
-impl crate::Forward for Staging {
-    fn inner(&self) -> &dyn Communicator {
-        &*self.comm
+// Not a `Forward`: the column-block calls it does not stage must run the trait's defaults
+// over its staged calls, where the backend's own host calls would refuse host buffers.
+impl Communicator for Staging {
+    fn rank(&self) -> usize {
+        self.comm.rank()
     }
-    /// `None`: the caller's buffers are host memory (the staging is this adapter's).
-    fn device(&self) -> Option<dtensor_kernels::cuda::Device> {
-        None
+    fn size(&self) -> usize {
+        self.comm.size()
+    }
+    fn backend(&self) -> &'static str {
+        self.comm.backend()
     }
 
     fn all_reduce(&self, buf: SliceMut<'_>, op: ReduceOp) -> Result<()> {
@@ -375,8 +377,7 @@ impl crate::Forward for Staging {
             } else {
                 Vec::new()
             };
-            Communicator::all_gatherv(
-                self,
+            self.all_gatherv(
                 <T as crate::Element>::slice(&send),
                 <T as crate::Element>::slice_mut(b),
                 counts,
@@ -395,8 +396,7 @@ impl crate::Forward for Staging {
         let (off, len) = self.own_block(counts);
         let result = dtensor_kernels::with_slice!(SliceMut, buf, |b: T| {
             let mut out: Vec<T> = vec![<T as crate::Element>::zero(); len];
-            Communicator::reduce_scatterv(
-                self,
+            self.reduce_scatterv(
                 <T as crate::Element>::slice(b),
                 <T as crate::Element>::slice_mut(&mut out),
                 counts,
@@ -449,9 +449,18 @@ impl crate::Forward for Staging {
     fn recv(&self, buf: SliceMut<'_>, src: usize, tag: u32) -> Result<()> {
         self.in_out("recv", buf, |d| self.comm.recv_device(d, src, tag))
     }
+    fn barrier(&self) -> Result<()> {
+        self.comm.barrier()
+    }
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {
         let sub = self.comm.split_nccl(color, key)?;
         Ok(Arc::new(Staging::new(Arc::new(sub))))
+    }
+    fn counters(&self) -> CounterSnapshot {
+        self.comm.counters()
+    }
+    fn set_label(&self, label: &'static str) {
+        self.comm.set_label(label);
     }
 
     // The asynchronous calls stage their buffers in at start and out at `wait`; in between
