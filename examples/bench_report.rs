@@ -8,7 +8,10 @@
 //! between warm buffers, measured in the same run; ratio = algbw / memcpy_GBps. Times are
 //! the median of several runs, each between two barriers.
 //!
-//! `cargo run --release --example bench_report [-- --quick]`
+//! `cargo run --release --example bench_report [-- --quick] [--sizes 1M,16M] [--no-gemm]`
+//!
+//! `scripts/bench-guard.sh` runs this and compares every line's ratio with a committed
+//! baseline (see the README, "Benchmarks").
 //!
 //! With `--backend mpi` (build with `--features mpi`) each process `mpirun` starts is one
 //! rank: `mpirun -np 2 target/release/examples/bench_report --backend mpi [--quick]`. The
@@ -46,9 +49,13 @@ use std::time::{Duration, Instant};
 use support::{bench_mesh, memcpy_gbps, parallel_memcpy_gbps, Op, RankCase, RankPool};
 
 const USAGE: &str = "\
-usage: bench_report [--quick] [--backend threads|mpi|nccl]
+usage: bench_report [--quick] [--sizes LIST] [--no-gemm] [--backend threads|mpi|nccl]
 
   --quick              fewer sizes and repetitions
+  --sizes <list>       the total sizes to measure, comma-separated bytes with an
+                       optional K, M or G suffix (binary), e.g. 1M,16M,128M (default
+                       1M,16M,128M; 1M,16M with --quick)
+  --no-gemm            leave out the gemm lines (threads backend)
   --backend <b>        threads (default): ranks are threads of this process, 2 and 4 ranks,
                        plus the gemm lines; mpi: each process started by
                        `mpirun -np N` is one rank and the cases with ranks=N run
@@ -92,12 +99,34 @@ fn median_secs(reps: usize, mut f: impl FnMut()) -> f64 {
     t[reps / 2]
 }
 
-fn sizes(quick: bool) -> &'static [usize] {
+/// The sizes measured when `--sizes` is not given.
+fn default_sizes(quick: bool) -> Vec<usize> {
     if quick {
-        &[1 << 20, 16 << 20]
+        vec![1 << 20, 16 << 20]
     } else {
-        &[1 << 20, 16 << 20, 128 << 20]
+        vec![1 << 20, 16 << 20, 128 << 20]
     }
+}
+
+/// `1M,16M,4096`: bytes, with an optional binary K / M / G suffix.
+fn parse_sizes(list: &str) -> Result<Vec<usize>, String> {
+    list.split(',')
+        .map(|item| {
+            let item = item.trim();
+            let (digits, shift) = match item.char_indices().last() {
+                Some((i, 'K' | 'k')) => (&item[..i], 10),
+                Some((i, 'M' | 'm')) => (&item[..i], 20),
+                Some((i, 'G' | 'g')) => (&item[..i], 30),
+                _ => (item, 0),
+            };
+            let n: usize = digits
+                .parse()
+                .map_err(|_| format!("--sizes: `{item}` is not a size like 4096, 64K or 16M"))?;
+            n.checked_mul(1 << shift)
+                .filter(|&b| b > 0)
+                .ok_or_else(|| format!("--sizes: `{item}` is zero or too large"))
+        })
+        .collect()
 }
 
 fn memcpy_reps(bytes: usize) -> usize {
@@ -174,8 +203,8 @@ fn gemm_lines(quick: bool) {
     }
 }
 
-fn threads_cases(quick: bool) {
-    for &bytes in sizes(quick) {
+fn threads_cases(sizes: &[usize]) {
+    for &bytes in sizes {
         let memcpy = memcpy_gbps(bytes, memcpy_reps(bytes));
         // The ceiling of ranks copying at once: on some machines two cores together copy
         // no faster than one, which bounds every collective's ratio below.
@@ -200,7 +229,7 @@ fn threads_cases(quick: bool) {
 }
 
 /// One MPI process's part: the same cases on the world as the 1-D mesh, rank 0 printing.
-fn mpi_cases(world: std::sync::Arc<dyn Communicator>, quick: bool) -> Result<(), Error> {
+fn mpi_cases(world: std::sync::Arc<dyn Communicator>, sizes: &[usize]) -> Result<(), Error> {
     let ranks = world.size();
     let rank = world.rank();
     if rank == 0 {
@@ -223,7 +252,7 @@ fn mpi_cases(world: std::sync::Arc<dyn Communicator>, quick: bool) -> Result<(),
         return Ok(());
     }
     let mesh = bench_mesh(world)?;
-    for &bytes in sizes(quick) {
+    for &bytes in sizes {
         // Every process measures its own memcpy (at the same time, as the ranks would
         // share the memory system); rank 0 reports its own.
         let memcpy = memcpy_gbps(bytes, memcpy_reps(bytes));
@@ -243,12 +272,26 @@ fn mpi_cases(world: std::sync::Arc<dyn Communicator>, quick: bool) -> Result<(),
     Ok(())
 }
 
-fn parse_args() -> Result<Option<(bool, Backend)>, String> {
+/// What the command line asks for.
+struct Args {
+    quick: bool,
+    sizes: Vec<usize>,
+    gemm: bool,
+    backend: Backend,
+}
+
+fn parse_args() -> Result<Option<Args>, String> {
     let (mut quick, mut backend) = (false, Backend::Threads);
+    let (mut sizes, mut gemm) = (None, true);
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         match flag.as_str() {
             "--quick" => quick = true,
+            "--no-gemm" => gemm = false,
+            "--sizes" => {
+                let list = it.next().ok_or("--sizes needs a list, e.g. 1M,16M")?;
+                sizes = Some(parse_sizes(&list)?);
+            }
             "--backend" => {
                 backend = match it.next().as_deref() {
                     Some("threads") => Backend::Threads,
@@ -264,11 +307,16 @@ fn parse_args() -> Result<Option<(bool, Backend)>, String> {
             other => return Err(format!("unknown flag `{other}` (see --help)")),
         }
     }
-    Ok(Some((quick, backend)))
+    Ok(Some(Args {
+        sizes: sizes.unwrap_or_else(|| default_sizes(quick)),
+        quick,
+        gemm,
+        backend,
+    }))
 }
 
 fn main() -> ExitCode {
-    let (quick, backend) = match parse_args() {
+    let args = match parse_args() {
         Ok(Some(a)) => a,
         Ok(None) => {
             println!("{USAGE}");
@@ -279,10 +327,13 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match backend {
+    let (quick, sizes) = (args.quick, &args.sizes[..]);
+    match args.backend {
         Backend::Threads => {
-            gemm_lines(quick);
-            threads_cases(quick);
+            if args.gemm {
+                gemm_lines(quick);
+            }
+            threads_cases(sizes);
         }
         Backend::Mpi => {
             if !cfg!(feature = "mpi") {
@@ -298,7 +349,7 @@ fn main() -> ExitCode {
                 );
                 return ExitCode::from(2);
             }
-            mpi_backend::run(|world| mpi_cases(world, quick));
+            mpi_backend::run(|world| mpi_cases(world, sizes));
         }
         Backend::Nccl => {
             if !cfg!(feature = "nccl") {
@@ -308,7 +359,7 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
             #[cfg(feature = "nccl")]
-            if let Err(e) = nccl_bench::cases(quick) {
+            if let Err(e) = nccl_bench::cases(sizes) {
                 eprintln!("error: --backend nccl: {e}");
                 return ExitCode::from(1);
             }
@@ -320,7 +371,7 @@ fn main() -> ExitCode {
 /// `--backend nccl`: the device collectives on thread ranks, one per GPU.
 #[cfg(feature = "nccl")]
 mod nccl_bench {
-    use super::{case_reps, memcpy_reps, report, sizes, Backend, Op, RANKS};
+    use super::{case_reps, memcpy_reps, report, Backend, Op, RANKS};
     use dtensor::collectives::nccl::{self, NcclComm, MULTI_RANK_GPU_ENV};
     use dtensor::kernels::cuda::{self, CudaTensor, Device, DeviceView, DeviceViewMut};
     use dtensor::prelude::{Communicator, DType, ReduceOp, Tensor};
@@ -449,9 +500,9 @@ mod nccl_bench {
 
     /// One rank's part of a world: every case, each run between two barriers; rank 0
     /// prints the lines.
-    fn rank_cases(comm: &NcclComm, quick: bool, memcpy: &[f64]) -> Result<(), BoxError> {
+    fn rank_cases(comm: &NcclComm, sizes: &[usize], memcpy: &[f64]) -> Result<(), BoxError> {
         let n = comm.size();
-        for (&bytes, &memcpy) in sizes(quick).iter().zip(memcpy) {
+        for (&bytes, &memcpy) in sizes.iter().zip(memcpy) {
             for dtype in [DType::F32, DType::BF16] {
                 for op in Op::ALL {
                     if op == Op::AllGatherSLast {
@@ -488,14 +539,14 @@ mod nccl_bench {
     }
 
     /// Every world size the GPUs allow, after the device copy bandwidth.
-    pub fn cases(quick: bool) -> Result<(), BoxError> {
+    pub fn cases(sizes: &[usize]) -> Result<(), BoxError> {
         nccl::require_library()?;
         let gpus = cuda::device_count()?;
         if gpus == 0 {
             return Err("no CUDA device found".into());
         }
         let dev = Device::new(0)?;
-        let memcpy: Vec<f64> = sizes(quick)
+        let memcpy: Vec<f64> = sizes
             .iter()
             .map(|&b| dtod_gbps(&dev, b, memcpy_reps(b)))
             .collect::<Result<_, _>>()?;
@@ -512,7 +563,7 @@ mod nccl_bench {
                 );
                 continue;
             }
-            let results = nccl::launch(n, |comm| rank_cases(&comm, quick, &memcpy));
+            let results = nccl::launch(n, |comm| rank_cases(&comm, sizes, &memcpy));
             for (r, res) in results.into_iter().enumerate() {
                 res.map_err(|e| format!("ranks={n}, rank {r}: {e}"))?;
             }

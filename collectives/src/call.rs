@@ -1,6 +1,14 @@
 //! The collective calls as the backends describe them to each other: what was called,
 //! with which lengths; the mismatch text; and the bytes each call moves (the table in
 //! `counters.rs`). Shared by every backend, so a call reads and counts alike on all.
+//!
+//! The words on the wire live here too, for every backend that sends them: the dtype
+//! codes, the rendezvous header of a point-to-point message ([`p2p_header`]), and
+//! `wire`, the header a rank announces a collective with and the verdict drawn from
+//! all of them (MPI's header round and NCCL's agreement).
+
+#[cfg(any(feature = "mpi", feature = "nccl", test))]
+pub(crate) mod wire;
 
 use crate::CollectiveKind;
 use dtensor_kernels::{chunk_sizes, DType, ReduceOp};

@@ -14,7 +14,8 @@
 //!
 //! [`unbuffered`] is no backend but a wrapper around one: NCCL's point-to-point semantics
 //! (rendezvous sends, no tags) over a host communicator, so host tests see what the GPU
-//! path would.
+//! path would. Such wrappers implement [`Forward`]: they write only the calls they
+//! change, and every other call goes to the wrapped communicator.
 //!
 //! Every backend passes one conformance suite, `conformance` (feature `conformance`, test
 //! code that this crate's tests and examples enable): the semantics below as a table of
@@ -106,6 +107,7 @@ pub mod columns;
 pub mod conformance;
 mod counters;
 mod error;
+mod forward;
 mod mismatch;
 pub mod mpi;
 pub mod nccl;
@@ -118,6 +120,7 @@ pub mod unbuffered;
 pub use counters::{CollectiveKind, CounterSnapshot, Counters};
 pub use dtensor_kernels::{DType, Element, ReduceOp, Slice, SliceMut, StorageElement};
 pub use error::{Error, Result};
+pub use forward::Forward;
 pub use request::{Buffer, Pending, Request};
 #[cfg(feature = "cuda")]
 pub use request::{DeviceBuffer, DeviceRequest};

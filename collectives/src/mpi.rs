@@ -141,8 +141,6 @@
 
 use std::time::Duration;
 
-#[cfg(any(feature = "mpi", feature = "nccl", test))]
-pub(crate) mod call;
 #[cfg(feature = "mpi")]
 mod comm;
 #[cfg(feature = "mpi")]

@@ -345,6 +345,44 @@ macro_rules! forward_to_core {
             })
         }
 
+        fn all_gather_cols(
+            &self,
+            send: Slice<'_>,
+            recv: SliceMut<'_>,
+            rows: usize,
+            widths: &[usize],
+        ) -> Result<()> {
+            self.gated("all_gatherv", |c| {
+                c.all_gather_cols(send, recv, rows, widths)
+            })
+        }
+
+        fn reduce_scatter_cols(
+            &self,
+            send: Slice<'_>,
+            recv: SliceMut<'_>,
+            rows: usize,
+            widths: &[usize],
+            op: ReduceOp,
+        ) -> Result<()> {
+            self.gated("reduce_scatterv", |c| {
+                c.reduce_scatter_cols(send, recv, rows, widths, op)
+            })
+        }
+
+        fn all_to_all_cols(
+            &self,
+            send: Slice<'_>,
+            rows: usize,
+            send_widths: &[usize],
+            recv: SliceMut<'_>,
+            recv_counts: &[usize],
+        ) -> Result<()> {
+            self.gated("all_to_allv", |c| {
+                c.all_to_all_cols(send, rows, send_widths, recv, recv_counts)
+            })
+        }
+
         fn all_to_all(&self, send: Slice<'_>, recv: SliceMut<'_>) -> Result<()> {
             self.gated("all_to_all", |c| c.all_to_all(send, recv))
         }

@@ -20,10 +20,10 @@
 //! | one call at a time per rank (the NCCL backend runs a rank's calls on one worker thread) | for `send`/`recv` only: they take a lock shared by the handle and every group split from it, so two threads of a rank never interleave their messages; collectives do not take it |
 //! | stream order: a rank's `send`/`recv` queue behind the asynchronous collectives it started before (its one worker and stream) | yes: a `send` or `recv` first waits for every request this rank started, on any of its groups, that has not completed (the request keeps its result for its own `wait`). Blocking collectives do not (they wait for the earlier requests of their own handle, as the inner backend does) |
 //! | reduction order (NCCL's ring and tree algorithms choose it) | no: collectives are the inner backend's, unchanged (rank order on the threads backend) |
-//! | device memory, streams, NCCL's own timeouts and errors | no: host buffers only (the `*_device` calls keep the trait's refusal) |
+//! | device memory, streams, NCCL's own timeouts and errors | no: host buffers only (the `*_device` calls go to the inner host backend, which refuses them) |
 //!
-//! Collectives, `barrier`, counters and labels delegate to the inner communicator, and
-//! `split` returns a wrapped child, so code that builds a mesh over an `Unbuffered` world
+//! Collectives, `barrier` and labels go to the inner communicator ([`Forward`](crate::Forward)),
+//! and `split` returns a wrapped child, so code that builds a mesh over an `Unbuffered` world
 //! runs every axis under these rules. [`counters`](Communicator::counters) leaves out the
 //! protocol's own messages (a header and an answer per message): a `send` counts once
 //! with its payload's bytes, as on NCCL.
@@ -227,15 +227,11 @@ impl Unbuffered {
     }
 }
 
-impl Communicator for Unbuffered {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn size(&self) -> usize {
-        self.inner.size()
-    }
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
+// Only the point-to-point calls, `split` (a wrapped child), the counters and the requests'
+// tracking change; every other call is the inner communicator's.
+impl crate::Forward for Unbuffered {
+    fn inner(&self) -> &dyn Communicator {
+        &*self.inner
     }
 
     fn send(&self, buf: Slice<'_>, dst: usize, tag: u32) -> Result<()> {
@@ -253,8 +249,8 @@ impl Communicator for Unbuffered {
         if answer[0] != 1 {
             return Err(Error::CollectiveMismatch {
                 op: OP,
-                backend: self.backend(),
-                size: self.size(),
+                backend: self.inner.backend(),
+                size: self.inner.size(),
                 detail: format!(
                     "rank {dst} refused this rank's message ({dtype} x {len}, tag {tag}): its \
                      recv expected another dtype, length or tag (unbuffered emulator: \
@@ -295,8 +291,8 @@ impl Communicator for Unbuffered {
                 got_tag,
             } => Err(Error::CollectiveMismatch {
                 op: OP,
-                backend: self.backend(),
-                size: self.size(),
+                backend: self.inner.backend(),
+                size: self.inner.size(),
                 detail: format!(
                     "the next message from rank {src} has tag {got_tag} ({} x {got_len}), but \
                      this recv asked for tag {tag} ({dtype} x {len}): NCCL has no tags, \
@@ -308,86 +304,6 @@ impl Communicator for Unbuffered {
         }
     }
 
-    fn all_reduce(&self, buf: SliceMut<'_>, op: ReduceOp) -> Result<()> {
-        self.inner.all_reduce(buf, op)
-    }
-    fn all_gather(&self, send: Slice<'_>, recv: SliceMut<'_>) -> Result<()> {
-        self.inner.all_gather(send, recv)
-    }
-    fn all_gatherv(&self, send: Slice<'_>, recv: SliceMut<'_>, counts: &[usize]) -> Result<()> {
-        self.inner.all_gatherv(send, recv, counts)
-    }
-    fn all_gatherv_in_place(&self, buf: SliceMut<'_>, counts: &[usize]) -> Result<()> {
-        self.inner.all_gatherv_in_place(buf, counts)
-    }
-    fn reduce_scatterv_in_place(
-        &self,
-        buf: SliceMut<'_>,
-        counts: &[usize],
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.inner.reduce_scatterv_in_place(buf, counts, op)
-    }
-    fn all_gather_cols(
-        &self,
-        send: Slice<'_>,
-        recv: SliceMut<'_>,
-        rows: usize,
-        widths: &[usize],
-    ) -> Result<()> {
-        self.inner.all_gather_cols(send, recv, rows, widths)
-    }
-    fn reduce_scatter_cols(
-        &self,
-        send: Slice<'_>,
-        recv: SliceMut<'_>,
-        rows: usize,
-        widths: &[usize],
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.inner.reduce_scatter_cols(send, recv, rows, widths, op)
-    }
-    fn all_to_all_cols(
-        &self,
-        send: Slice<'_>,
-        rows: usize,
-        send_widths: &[usize],
-        recv: SliceMut<'_>,
-        recv_counts: &[usize],
-    ) -> Result<()> {
-        self.inner
-            .all_to_all_cols(send, rows, send_widths, recv, recv_counts)
-    }
-    fn reduce_scatter(&self, send: Slice<'_>, recv: SliceMut<'_>, op: ReduceOp) -> Result<()> {
-        self.inner.reduce_scatter(send, recv, op)
-    }
-    fn reduce_scatterv(
-        &self,
-        send: Slice<'_>,
-        recv: SliceMut<'_>,
-        counts: &[usize],
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.inner.reduce_scatterv(send, recv, counts, op)
-    }
-    fn all_to_all(&self, send: Slice<'_>, recv: SliceMut<'_>) -> Result<()> {
-        self.inner.all_to_all(send, recv)
-    }
-    fn all_to_allv(
-        &self,
-        send: Slice<'_>,
-        send_counts: &[usize],
-        recv: SliceMut<'_>,
-        recv_counts: &[usize],
-    ) -> Result<()> {
-        self.inner.all_to_allv(send, send_counts, recv, recv_counts)
-    }
-    fn broadcast(&self, buf: SliceMut<'_>, root: usize) -> Result<()> {
-        self.inner.broadcast(buf, root)
-    }
-    fn barrier(&self) -> Result<()> {
-        self.inner.barrier()
-    }
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {
         let child = self.inner.split(color, key)?;
         Ok(Arc::new(Unbuffered::sharing(child, self.rank.clone())))
@@ -397,9 +313,6 @@ impl Communicator for Unbuffered {
         // inner snapshot taken second holds at least as much.
         let overhead = self.overhead.snapshot();
         self.inner.counters().since(&overhead)
-    }
-    fn set_label(&self, label: &'static str) {
-        self.inner.set_label(label);
     }
 
     fn start_all_reduce(&self, buf: Buffer, op: ReduceOp) -> Request {

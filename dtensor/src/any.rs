@@ -570,10 +570,9 @@ impl AnyDTensor {
                 reduce_op(p),
             );
         }
-        // Along the leading dim the blocks are contiguous: reduce in place, so this rank's
-        // block of its own buffer receives the result, then copy that block out. A view
-        // would save the copy (1/n of the buffer) but keep the whole buffer alive: n times
-        // the memory of a shard, which is what FSDP and ZeRO gradients must not hold.
+        // Along the leading dim the blocks are contiguous: reduced straight into a buffer
+        // of the shard's size, which holds nothing of `local` alive (FSDP and ZeRO
+        // gradients must not keep n times a shard's memory).
         let block = transfer::reduce_scatterv(&*comm, local, &counts, reduce_op(p))?;
         Ok(block.reshape(&out_shape)?)
     }

@@ -9,7 +9,7 @@
 //! |---|---|---|
 //! | [`all_reduce`], [`broadcast`], [`all_to_all`], [`all_to_allv`], [`send`], [`recv`] | the host call | its `*_device` twin |
 //! | [`all_gatherv`] | in place around the own piece when it already sits in a buffer of the full size (as before) | `all_gatherv_device` into a new buffer |
-//! | [`reduce_scatterv`] | in place, then the own block copied out | `reduce_scatterv_device` into a new buffer |
+//! | [`reduce_scatterv`] | `reduce_scatterv` into a new buffer of the block's size (pooled) | `reduce_scatterv_device` into a new buffer |
 //! | [`all_gather_cols`], [`reduce_scatter_cols`], [`all_to_all_cols`] | the backend's column call | the contiguous device call, the column blocks packed / unpacked by the device `pack` / `unpack` kernels |
 //! | [`start_all_gatherv`], [`start_all_reduce`] | the backend's asynchronous call | the backend's asynchronous device call (`start_*_device`: on NCCL, queued on its stream and completed by an event) |
 //! | [`shift`] (a ring hop) | odd ranks receive first, even ranks send first (as on the device, although host sends are buffered) | the same (NCCL sends wait for their receiver) |
@@ -194,9 +194,11 @@ pub fn all_gatherv(comm: &dyn Communicator, local: Tensor, counts: &[usize]) -> 
 /// Uneven reduce-scatter of flat blocks: `send` holds blocks of `counts[0], counts[1], …`;
 /// returns this rank's block reduced over the group, flat, where `send` is.
 ///
-/// On the host the reduction runs in place in `send`'s buffer and the block is copied out
-/// (a view would keep the whole buffer alive: n times a shard's memory, which FSDP and
-/// ZeRO gradients must not hold). On a device it lands in a new buffer.
+/// The result lands in a buffer of the block's size from the rank's pool, never in
+/// `send`'s: a view of `send` would keep the whole buffer alive (n times a shard's
+/// memory, which FSDP and ZeRO gradients must not hold), and reducing into `send` first
+/// costs a second pass, the copy of the block out. The reduction order is the backend's
+/// one (rank order on the host backends), as in place.
 pub fn reduce_scatterv(
     comm: &dyn Communicator,
     send: Tensor,
@@ -207,18 +209,15 @@ pub fn reduce_scatterv(
     if send.is_cuda() {
         return device::reduce_scatterv(comm, &send, counts, op);
     }
-    let me = comm.rank();
-    let mine = counts.get(me).copied().unwrap_or(0);
-    let mut send = send;
-    comm.reduce_scatterv_in_place(send.try_as_dyn_slice_mut()?, counts, op)?;
-    let offset: usize = counts[..me.min(counts.len())].iter().sum();
-    let total = send.numel();
-    let block = send.reshape(&[total])?.narrow(0, offset, mine)?;
-    Ok(if mine < total {
-        block.try_deep_clone()?
-    } else {
-        block
-    })
+    let mine = counts.get(comm.rank()).copied().unwrap_or(0);
+    let mut block = Tensor::try_for_overwrite(&[mine], send.dtype())?;
+    comm.reduce_scatterv(
+        send.try_as_dyn_slice()?,
+        block.try_as_dyn_slice_mut()?,
+        counts,
+        op,
+    )?;
+    Ok(block)
 }
 
 /// Column-block all-gather: `local` is a row-major `rows × widths[rank]` matrix; returns
@@ -550,4 +549,86 @@ fn all_gatherv_into(
         recv.try_as_dyn_slice_mut()?,
         counts,
     )?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dtensor_collectives::threads;
+    use dtensor_kernels::memory::live_bytes;
+    use dtensor_kernels::DType;
+
+    /// Rank `rank`'s elements: small integers, exact in every dtype, different per rank.
+    fn send_of(rank: usize, len: usize, dtype: DType) -> Tensor {
+        Tensor::from_fn(&[len], |i| ((rank * 31 + i * 7) % 97) as f64 - 48.0).to_dtype(dtype)
+    }
+
+    fn bits(t: &Tensor) -> Result<Vec<u64>> {
+        let wide = t.to_dtype(DType::F64);
+        Ok(wide
+            .as_slice::<f64>()?
+            .iter()
+            .map(|v| v.to_bits())
+            .collect())
+    }
+
+    /// Uneven and empty blocks, every dtype and reduce op: the block equals, bit for bit,
+    /// the one the backend's in-place reduce-scatter leaves in the buffer (the reduction
+    /// order is the same), and for sums the rank-order sum of the ranks' blocks.
+    #[test]
+    fn reduce_scatterv_uneven_every_dtype_and_op_matches_in_place_bitwise() {
+        for counts in [vec![4, 0, 3], vec![5, 5, 5], vec![0, 0, 7]] {
+            let total: usize = counts.iter().sum();
+            let results = threads::launch(counts.len(), |comm| -> Result<()> {
+                let me = comm.rank();
+                let off: usize = counts[..me].iter().sum();
+                for dtype in DType::ALL {
+                    for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+                        let mut in_place = send_of(me, total, dtype);
+                        comm.reduce_scatterv_in_place(
+                            in_place.try_as_dyn_slice_mut()?,
+                            &counts,
+                            op,
+                        )?;
+                        let want = in_place.narrow(0, off, counts[me])?;
+                        let got = reduce_scatterv(&*comm, send_of(me, total, dtype), &counts, op)?;
+                        assert_eq!(got.shape(), &[counts[me]], "{dtype} {op:?} {counts:?}");
+                        assert_eq!(bits(&got)?, bits(&want)?, "{dtype} {op:?} {counts:?}");
+                        if op == ReduceOp::Sum {
+                            let sum: Vec<u64> = (0..counts[me])
+                                .map(|i| {
+                                    let v = |r| ((r * 31 + (off + i) * 7) % 97) as f64 - 48.0;
+                                    (0..counts.len()).map(v).sum::<f64>().to_bits()
+                                })
+                                .collect();
+                            assert_eq!(bits(&got)?, sum, "{dtype} sum {counts:?}");
+                        }
+                    }
+                }
+                Ok(())
+            });
+            for r in results {
+                r.unwrap();
+            }
+        }
+    }
+
+    /// The result holds its block's bytes and nothing of the input, which is freed by the
+    /// time the call returns (a view of the input would keep all of it alive).
+    #[test]
+    fn reduce_scatterv_result_does_not_keep_the_input_alive() {
+        let counts = [1000, 600];
+        let results = threads::launch(2, |comm| -> Result<()> {
+            let before = live_bytes();
+            let send = send_of(comm.rank(), 1600, DType::F32);
+            let got = reduce_scatterv(&*comm, send, &counts, ReduceOp::Sum)?;
+            assert_eq!(live_bytes() - before, counts[comm.rank()] * 4);
+            drop(got);
+            assert_eq!(live_bytes(), before);
+            Ok(())
+        });
+        for r in results {
+            r.unwrap();
+        }
+    }
 }

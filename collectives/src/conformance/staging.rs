@@ -338,6 +338,8 @@ fn staging_error(op: &'static str, what: &str, e: impl std::fmt::Display) -> Err
     }
 }
 
+// Not a `Forward`: the column-block calls it does not stage must run the trait's defaults
+// over its staged calls, where the backend's own host calls would refuse host buffers.
 impl Communicator for Staging {
     fn rank(&self) -> usize {
         self.comm.rank()

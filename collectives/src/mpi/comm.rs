@@ -3,9 +3,9 @@
 //! calls (on the caller's thread) and its progress worker (the asynchronous `start_*`
 //! calls, on the worker's thread) share. The protocol is described in the `mpi` module docs.
 
-use super::call::{self, Call, Header, Verdict, HEADER_WORDS};
-use super::launch::abort;
 use crate::args::{counts_sum, equal_blocks, is_multiple, same_dtype};
+use crate::call::wire::{self, Header, Verdict, HEADER_WORDS};
+use crate::call::{Call, ROWS_DIFFER};
 use crate::columns;
 use crate::mismatch::{described_call, split_described};
 use crate::progress::{busy_error, Progress};
@@ -18,6 +18,7 @@ use mpi::ffi;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_int, c_void};
 use std::fmt;
+use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
@@ -373,7 +374,7 @@ impl MpiCore {
     }
 
     /// Agrees with every peer that they all called the same collective with agreeing
-    /// arguments (see `call.rs`): `Ok` means go on with the data phase; otherwise every
+    /// arguments (see `call/wire.rs`): `Ok` means go on with the data phase; otherwise every
     /// rank returns an error. Runs under the busy flag (the caller holds it).
     ///
     /// A rank that times out in the header exchange cannot take back the header it sent
@@ -405,7 +406,7 @@ impl MpiCore {
         let header = call.header(dtype, invalid.is_some(), self.rank);
         let headers = self.all_headers(header, op)?;
         self.check_withdrawn(op)?;
-        match call::check(&headers, self.rank) {
+        match wire::check(&headers, self.rank) {
             Verdict::Go => Ok(()),
             Verdict::Invalid => {
                 // The peers see a mismatch and exchange descriptions: take part.
@@ -424,7 +425,7 @@ impl MpiCore {
             }
             Verdict::Mismatch(what) => {
                 // Every rank has the same verdict, so all name their rows or none do.
-                let described = if what == call::ROWS_DIFFER {
+                let described = if what == ROWS_DIFFER {
                     call.describe_rows(dtype)
                 } else {
                     call.describe(dtype)
@@ -435,7 +436,7 @@ impl MpiCore {
                     op,
                     backend: BACKEND,
                     size: self.size,
-                    detail: call::mismatch_detail(&what, &described, &self.members),
+                    detail: wire::mismatch_detail(&what, &described, &self.members),
                 })
             }
         }
@@ -1844,44 +1845,6 @@ impl Communicator for MpiComm {
         BACKEND
     }
 
-    fn all_gather_cols(
-        &self,
-        send: Slice<'_>,
-        recv: SliceMut<'_>,
-        rows: usize,
-        widths: &[usize],
-    ) -> Result<()> {
-        self.gated("all_gatherv", |c| {
-            c.all_gather_cols(send, recv, rows, widths)
-        })
-    }
-
-    fn reduce_scatter_cols(
-        &self,
-        send: Slice<'_>,
-        recv: SliceMut<'_>,
-        rows: usize,
-        widths: &[usize],
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.gated("reduce_scatterv", |c| {
-            c.reduce_scatter_cols(send, recv, rows, widths, op)
-        })
-    }
-
-    fn all_to_all_cols(
-        &self,
-        send: Slice<'_>,
-        rows: usize,
-        send_widths: &[usize],
-        recv: SliceMut<'_>,
-        recv_counts: &[usize],
-    ) -> Result<()> {
-        self.gated("all_to_allv", |c| {
-            c.all_to_all_cols(send, rows, send_widths, recv, recv_counts)
-        })
-    }
-
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {
         let core = self.gated("split", |c| c.split(color, key))?;
         Ok(Arc::new(MpiComm::of(core)))
@@ -1895,4 +1858,18 @@ fn tag_of(tag: u32, op: &'static str) -> Result<c_int> {
         op,
         detail: format!("tag {tag} is larger than MPI allows ({})", c_int::MAX),
     })
+}
+
+/// Prints `rank R failed: {message}` to stderr and ends the whole job with exit code
+/// `code` (`MPI_Abort`).
+pub(super) fn abort(rank: usize, message: &str, code: i32) -> ! {
+    // One write of the whole line: ranks share the terminal (or mpirun's pipe), and a line
+    // written in pieces interleaves with a peer's (`rank rank 1 failed: …0 failed: …`).
+    let line = format!("rank {rank} failed: {message}\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    let _ = std::io::stderr().flush();
+    let _ = std::io::stdout().flush();
+    // SAFETY: MPI is initialized (an `Mpi` exists); MPI_Abort does not return.
+    unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, code) };
+    std::process::exit(code)
 }

@@ -1,13 +1,12 @@
 //! Starting and ending MPI: [`init`], [`Mpi`], and [`run`], which turns a failing rank into
 //! a message and an `MPI_Abort` of the whole job.
 
-use super::comm::{finalize_with, MpiComm, RawComm};
+use super::comm::{abort, finalize_with, MpiComm, RawComm};
 use super::{launched_by_mpirun, Options, LAUNCH_HINT};
 use crate::{Communicator, Error, Result};
 use mpi::environment::{Threading, Universe};
 use mpi::ffi;
 use std::fmt;
-use std::io::Write;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
@@ -132,18 +131,6 @@ impl Drop for Mpi {
             self.abort(&e.to_string(), 1);
         }
     }
-}
-
-pub(crate) fn abort(rank: usize, message: &str, code: i32) -> ! {
-    // One write of the whole line: ranks share the terminal (or mpirun's pipe), and a line
-    // written in pieces interleaves with a peer's (`rank rank 1 failed: …0 failed: …`).
-    let line = format!("rank {rank} failed: {message}\n");
-    let _ = std::io::stderr().lock().write_all(line.as_bytes());
-    let _ = std::io::stderr().flush();
-    let _ = std::io::stdout().flush();
-    // SAFETY: MPI is initialized (an `Mpi` exists); MPI_Abort does not return.
-    unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, code) };
-    std::process::exit(code)
 }
 
 /// Runs `f` on this rank's world communicator, SPMD style: every rank `mpirun` started runs

@@ -1,11 +1,10 @@
 //! [`NcclComm`], the handle a rank calls, and the worker thread that owns its raw
 //! `ncclComm_t`s and makes every NCCL call (see the module docs for why).
 
-use super::launch::Departures;
 use super::{Options, MULTI_RANK_GPU_ENV};
+use crate::call::wire::{self, Header, Verdict, HEADER_WORDS};
 use crate::call::{check_p2p_header, p2p_header, Call, P2pHeaderCheck};
 use crate::mismatch::{described_call, split_described};
-use crate::mpi::call::{self as wire, Header, Verdict, HEADER_WORDS};
 use crate::{
     CollectiveKind, Communicator, CounterSnapshot, Counters, DeviceBuffer, DeviceRequest, Error,
     Pending, ReduceOp, Request, Result, Slice, SliceMut,
@@ -1980,6 +1979,36 @@ impl Communicator for NcclComm {
         self.start_device(call, invalid, Some(send), recv, move |sa, ra| {
             reduce_scatterv_plan(sa.unwrap_or(0), ra, &counts, dtype, op)
         })
+    }
+}
+
+/// Which world ranks have left their closure, and why (shared by a launch's ranks).
+#[derive(Debug)]
+pub(super) struct Departures {
+    left: Mutex<Vec<Option<String>>>,
+}
+
+impl Departures {
+    /// No rank of a world of `world_size` has left yet.
+    pub(super) fn new(world_size: usize) -> Departures {
+        Departures {
+            left: Mutex::new(vec![None; world_size]),
+        }
+    }
+
+    /// Why world rank `rank` left, if it has.
+    pub(super) fn reason(&self, rank: usize) -> Option<String> {
+        let left = self.left.lock().unwrap_or_else(|p| p.into_inner());
+        left.get(rank).cloned().flatten()
+    }
+
+    pub(super) fn depart(&self, rank: usize, reason: String) {
+        let mut left = self.left.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(slot) = left.get_mut(rank) {
+            if slot.is_none() {
+                *slot = Some(reason);
+            }
+        }
     }
 }
 

@@ -1,12 +1,12 @@
 //! [`launch`]: thread ranks sharing one `ncclUniqueId`; the presence check for libnccl.
 
-use super::comm::{spawn, Init, BACKEND};
+use super::comm::{spawn, Departures, Init, BACKEND};
 use super::{NcclComm, Options};
 use crate::{Error, Result};
 use cudarc::nccl::sys;
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 
 /// Whether libnccl can be loaded (checked once per process, without calling anything
 /// that panics: cudarc's loader panics on a missing library).
@@ -84,29 +84,6 @@ pub fn require_library() -> Result<()> {
     })
 }
 
-/// Which world ranks have left their closure, and why (shared by a launch's ranks).
-#[derive(Debug)]
-pub(super) struct Departures {
-    left: Mutex<Vec<Option<String>>>,
-}
-
-impl Departures {
-    /// Why world rank `rank` left, if it has.
-    pub(super) fn reason(&self, rank: usize) -> Option<String> {
-        let left = self.left.lock().unwrap_or_else(|p| p.into_inner());
-        left.get(rank).cloned().flatten()
-    }
-
-    fn depart(&self, rank: usize, reason: String) {
-        let mut left = self.left.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(slot) = left.get_mut(rank) {
-            if slot.is_none() {
-                *slot = Some(reason);
-            }
-        }
-    }
-}
-
 /// Runs `f` on `world_size` thread ranks with the default [`Options`]; see
 /// [`launch_with`].
 pub fn launch<T, E, F>(world_size: usize, f: F) -> Vec<Result<T, E>>
@@ -169,9 +146,7 @@ where
             detail: format!("ncclGetUniqueId failed: {r:?}"),
         });
     }
-    let departures = Arc::new(Departures {
-        left: Mutex::new(vec![None; world_size]),
-    });
+    let departures = Arc::new(Departures::new(world_size));
     let (f, departures, options) = (&f, &departures, &options);
     std::thread::scope(|scope| {
         let handles: Vec<_> = (0..world_size)

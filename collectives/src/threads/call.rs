@@ -1,5 +1,5 @@
-//! What a rank posts before a collective (a [`Post`]), and the checks every rank runs on
-//! all posts once everyone has joined. All ranks see the same posts, so all reach the same
+//! The checks every rank runs on all posts (what a rank posts before a collective, a
+//! [`Post`]) once everyone has joined. All ranks see the same posts, so all reach the same
 //! verdict: either every rank moves data or every rank returns an error.
 //!
 //! # Invariant: `check` is panic-free and gives every rank the same verdict
@@ -15,35 +15,9 @@
 //! - indexes nothing it has not checked. Slices are reached with `get`, and a missing
 //!   entry is a mismatch, not a panic.
 
-use super::view::RawBuf;
+use super::view::Post;
 pub(super) use crate::call::Call;
 use crate::call::ROWS_DIFFER;
-use dtensor_kernels::DType;
-#[cfg(test)]
-use dtensor_kernels::ReduceOp;
-
-/// One rank's side of a collective, as its peers see it.
-#[derive(Clone, Debug)]
-pub(super) struct Post {
-    pub(super) call: Call,
-    /// `None` for the calls that move no data (barrier, split).
-    pub(super) dtype: Option<DType>,
-    /// Read-only for everyone (for in-place calls, the same memory as `recv`, or the
-    /// rank's own block of it).
-    pub(super) send: RawBuf,
-    /// Written only by its owner (for an in-place reduce-scatter, only its own block).
-    pub(super) recv: RawBuf,
-    /// The caller's own arguments were inconsistent: the reason. Posted anyway so that
-    /// every rank fails together instead of its peers waiting for it.
-    pub(super) invalid: Option<String>,
-}
-
-impl Post {
-    /// `all_reduce(f32 x 16, sum)`: what the rank called, for mismatch messages.
-    pub(super) fn describe(&self) -> String {
-        self.call.describe(self.dtype)
-    }
-}
 
 /// Why a joined collective cannot run.
 #[derive(Debug)]
@@ -145,6 +119,8 @@ pub(super) fn check(posts: &[Post], me: usize, members: &[usize]) -> Result<(), 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::threads::view::RawBuf;
+    use dtensor_kernels::{DType, ReduceOp};
 
     fn post(call: Call, dtype: DType) -> Post {
         Post {

@@ -2,9 +2,9 @@
 //!
 //! The protocol is described in the `threads` module docs.
 
-use super::call::{self, Call, Post, Problem};
+use super::call::{self, Call, Problem};
 use super::group::{Group, Message};
-use super::view::{Buf, RawBuf, View};
+use super::view::{Buf, Post, RawBuf, View};
 use crate::args::{counts_sum, equal_blocks, is_multiple, same_dtype};
 use crate::progress::{busy_error, Progress};
 use crate::{
@@ -634,44 +634,6 @@ impl Communicator for ThreadComm {
 
     fn backend(&self) -> &'static str {
         BACKEND
-    }
-
-    fn all_gather_cols(
-        &self,
-        send: Slice<'_>,
-        recv: SliceMut<'_>,
-        rows: usize,
-        widths: &[usize],
-    ) -> Result<()> {
-        self.gated("all_gatherv", |c| {
-            c.all_gather_cols(send, recv, rows, widths)
-        })
-    }
-
-    fn reduce_scatter_cols(
-        &self,
-        send: Slice<'_>,
-        recv: SliceMut<'_>,
-        rows: usize,
-        widths: &[usize],
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.gated("reduce_scatterv", |c| {
-            c.reduce_scatter_cols(send, recv, rows, widths, op)
-        })
-    }
-
-    fn all_to_all_cols(
-        &self,
-        send: Slice<'_>,
-        rows: usize,
-        send_widths: &[usize],
-        recv: SliceMut<'_>,
-        recv_counts: &[usize],
-    ) -> Result<()> {
-        self.gated("all_to_allv", |c| {
-            c.all_to_all_cols(send, rows, send_widths, recv, recv_counts)
-        })
     }
 
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {

@@ -34,7 +34,8 @@
 //!    them, and a view lives inside one data phase (`ThreadComm::data_phase`). The next
 //!    join replaces `Inner.joined`.
 
-use super::call::{Call, Post};
+use super::call::Call;
+use super::view::Post;
 use super::Options;
 use crate::Error;
 use std::collections::{BTreeMap, HashMap, VecDeque};

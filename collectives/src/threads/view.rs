@@ -16,9 +16,9 @@
 //! `unsafe` blocks in [`View::read`] and [`View::write_own`]. Every data phase goes through
 //! these two methods.
 
-use super::call::Post;
+use crate::call::Call;
 use dtensor_kernels::reduce::reduce_sources_with;
-use dtensor_kernels::{Element, ReduceOp, Slice, SliceMut};
+use dtensor_kernels::{DType, Element, ReduceOp, Slice, SliceMut};
 use smallvec::SmallVec;
 use std::marker::PhantomData;
 
@@ -88,6 +88,29 @@ impl RawBuf {
             len,
             elem: self.elem,
         }
+    }
+}
+
+/// One rank's side of a collective, as its peers see it.
+#[derive(Clone, Debug)]
+pub(super) struct Post {
+    pub(super) call: Call,
+    /// `None` for the calls that move no data (barrier, split).
+    pub(super) dtype: Option<DType>,
+    /// Read-only for everyone (for in-place calls, the same memory as `recv`, or the
+    /// rank's own block of it).
+    pub(super) send: RawBuf,
+    /// Written only by its owner (for an in-place reduce-scatter, only its own block).
+    pub(super) recv: RawBuf,
+    /// The caller's own arguments were inconsistent: the reason. Posted anyway so that
+    /// every rank fails together instead of its peers waiting for it.
+    pub(super) invalid: Option<String>,
+}
+
+impl Post {
+    /// `all_reduce(f32 x 16, sum)`: what the rank called, for mismatch messages.
+    pub(super) fn describe(&self) -> String {
+        self.call.describe(self.dtype)
     }
 }
 
@@ -320,7 +343,6 @@ impl<'a, T: Element> View<'a, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::call::Call;
 
     fn post(call: Call, send: RawBuf, recv: RawBuf) -> Post {
         Post {

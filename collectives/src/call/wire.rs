@@ -1,7 +1,9 @@
-//! What a rank announces before each collective (a fixed-size [`Header`]), and the
-//! verdict every rank draws from all headers. MPI itself does not notice mismatched
-//! calls (it hangs, truncates or corrupts), so this check is what turns them into
-//! [`Error::CollectiveMismatch`](crate::Error::CollectiveMismatch) on every rank.
+//! The wire format of the backends whose ranks agree by exchanging words (MPI's header
+//! round, NCCL's agreement all-gather): what a rank announces before each collective (a
+//! fixed-size [`Header`]), and the verdict every rank draws from all headers. Neither
+//! library notices mismatched calls (they hang, truncate or corrupt), so this check is
+//! what turns them into [`Error::CollectiveMismatch`](crate::Error::CollectiveMismatch)
+//! on every rank.
 //!
 //! The header is a fixed [`HEADER_WORDS`] × u64 whatever the group size: counts travel as
 //! hashes. Counts of all_gatherv / reduce_scatterv must be equal on every rank, so their
@@ -14,10 +16,10 @@
 //! exchange full descriptions (one more round, on the failure path only), so the message
 //! names who called what, as the threads backend's does.
 
-// Without the `mpi` feature this module is compiled only for its unit tests.
-#![cfg_attr(not(feature = "mpi"), allow(dead_code))]
+// Without the `mpi` and `nccl` features this module is compiled only for its unit tests.
+#![cfg_attr(not(any(feature = "mpi", feature = "nccl")), allow(dead_code))]
 
-pub(crate) use crate::call::{Call, ROWS_DIFFER};
+use super::{dtype_code, Call, ROWS_DIFFER};
 use dtensor_kernels::{DType, ReduceOp};
 
 /// Words in a [`Header`].
@@ -79,7 +81,7 @@ impl Call {
 
     /// This rank's header (`me` of `n`); `invalid` says its own arguments were bad.
     pub(crate) fn header(&self, dtype: Option<DType>, invalid: bool, me: usize) -> Header {
-        let dtype_code = dtype.map_or(0, crate::call::dtype_code);
+        let dtype_code = dtype.map_or(0, dtype_code);
         let (root, counts_hash) = match self {
             Call::Broadcast { root, .. } => (*root as u64 + 1, 0),
             Call::AllGatherV { counts, .. } | Call::ReduceScatterV { counts, .. } => {
