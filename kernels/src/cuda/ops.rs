@@ -42,7 +42,7 @@ use crate::ops::{
     acc_dtype, check_dst, check_row_param, rows_last, want_float, Accum, CausalAttention,
     CausalAttentionOutput, VocabShard,
 };
-use crate::tensor::check_pieces;
+use crate::shape::check_pieces;
 use crate::{DType, Error, Result, Shape, Tensor};
 use cudarc::driver::{LaunchArgs, LaunchConfig, PushKernelArg};
 
