@@ -111,7 +111,7 @@ pub(crate) fn replace(
             rhs: format!("cuda:{}", y.device().ordinal()),
         });
     }
-    crate::ops::check_dst(op, dst, y.shape(), y.dtype())?;
+    crate::spec::check_dst(op, dst, y.shape(), y.dtype())?;
     *dst = y;
     Ok(())
 }

@@ -21,6 +21,8 @@
 
 #[macro_use]
 mod dispatch;
+#[macro_use]
+pub(crate) mod spec;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 /// Stand-ins for the `cuda` module in a build without the feature: the same entry points,

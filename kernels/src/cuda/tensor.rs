@@ -177,16 +177,6 @@ fn len_of(op: &'static str, shape: &[usize]) -> Result<usize> {
     })
 }
 
-/// The argument checks of the CPU ops read a `CudaTensor` as they read a [`Tensor`].
-impl crate::ops::Layout for CudaTensor {
-    fn dtype(&self) -> DType {
-        CudaTensor::dtype(self)
-    }
-    fn shape(&self) -> &[usize] {
-        CudaTensor::shape(self)
-    }
-}
-
 impl CudaTensor {
     /// A tensor whose contents are not initialized: for kernels that write every element.
     pub(crate) fn uninit(dev: &Device, shape: &[usize], dtype: DType) -> Result<CudaTensor> {

@@ -6,51 +6,14 @@
 //! and the products follow the module conventions (f64 in f64, others rounded once).
 
 use super::{matmul, same_dtype, Layout, Transpose};
+use crate::spec::moe::*;
 use crate::{Error, Result, Tensor};
-
-pub(crate) fn rows_of<L: Layout + ?Sized>(op: &'static str, x: &L) -> Result<(usize, usize)> {
-    match *x.shape() {
-        [n, h] => Ok((n, h)),
-        _ => Err(Error::Invalid {
-            op,
-            detail: format!(
-                "expected a 2-D [rows, hidden] tensor, got shape {:?}",
-                x.shape()
-            ),
-        }),
-    }
-}
-
-/// `src`'s `(rows, hidden)` for a scatter-add of its rows to `rows` of an `n`-row output, or
-/// the error for arguments that cannot be scattered: the CPU op and its device twin check
-/// alike.
-pub(crate) fn check_scatter_add<L: Layout + ?Sized>(
-    op: &'static str,
-    src: &L,
-    rows: &[usize],
-    n: usize,
-) -> Result<(usize, usize)> {
-    let (m, h) = rows_of(op, src)?;
-    if m != rows.len() {
-        return Err(Error::Invalid {
-            op,
-            detail: format!("{m} source rows but {} destinations", rows.len()),
-        });
-    }
-    if let Some(&bad) = rows.iter().find(|&&r| r >= n) {
-        return Err(Error::Invalid {
-            op,
-            detail: format!("row {bad} out of range for {n} rows"),
-        });
-    }
-    Ok((m, h))
-}
 
 /// The adjoint of [`gather_rows`](super::gather_rows): `out[rows[i]] += src[i]`, `out` is `[n, h]` (rows no
 /// source row names stay zero).
 pub fn scatter_add_rows(src: &Tensor, rows: &[usize], n: usize) -> Result<Tensor> {
     const OP: &str = "ops::scatter_add_rows";
-    dispatch!(OP, [src] => crate::cuda::model_ops::scatter_add_rows(&src, rows, n));
+    dispatch!(OP, [src] => crate::cuda::ops::scatter_add_rows(&src, rows, n));
     let (_, h) = check_scatter_add(OP, src, rows, n)?;
     let v = src.to_f64_vec();
     let mut out = vec![0.0; n * h];
@@ -65,43 +28,6 @@ pub fn scatter_add_rows(src: &Tensor, rows: &[usize], n: usize) -> Result<Tensor
     Tensor::from_f64_vec(out, &[n, h], src.dtype())
 }
 
-pub(crate) fn check_grouped<L: Layout + ?Sized>(
-    op: &'static str,
-    x: &L,
-    w: &L,
-    groups: &[usize],
-) -> Result<(usize, usize, usize)> {
-    same_dtype(op, x, w)?;
-    let (rows, k) = rows_of(op, x)?;
-    let &[e, out, k2] = w.shape() else {
-        return Err(Error::Invalid {
-            op,
-            detail: format!(
-                "expert weights must be 3-D [experts, out, in], got shape {:?}",
-                w.shape()
-            ),
-        });
-    };
-    if k != k2 {
-        return Err(Error::ShapeMismatch {
-            op,
-            lhs: x.shape().into(),
-            rhs: w.shape().into(),
-        });
-    }
-    if groups.len() != e || groups.iter().sum::<usize>() != rows {
-        return Err(Error::Invalid {
-            op,
-            detail: format!(
-                "{} groups of {groups:?} rows (Σ {}) for {e} experts and {rows} rows",
-                groups.len(),
-                groups.iter().sum::<usize>()
-            ),
-        });
-    }
-    Ok((e, out, k))
-}
-
 /// Expert `g`'s weight `[out, in]` (a view).
 fn expert(w: &Tensor, g: usize, out: usize, k: usize) -> Result<Tensor> {
     w.narrow(0, g, 1)?.reshape(&[out, k])
@@ -112,7 +38,7 @@ fn expert(w: &Tensor, g: usize, out: usize, k: usize) -> Result<Tensor> {
 /// the rows of expert `e` (Σ = rows). Returns `[rows, out]`.
 pub fn grouped_matmul_t(x: &Tensor, w: &Tensor, groups: &[usize]) -> Result<Tensor> {
     const OP: &str = "ops::grouped_matmul_t";
-    dispatch!(OP, [x, w] => crate::cuda::model_ops::grouped_matmul_t(&x, &w, groups));
+    dispatch!(OP, [x, w] => crate::cuda::ops::grouped_matmul_t(&x, &w, groups));
     let (_, out, k) = check_grouped(OP, x, w, groups)?;
     let mut pieces = Vec::with_capacity(groups.len());
     let mut start = 0;
@@ -134,14 +60,6 @@ pub fn grouped_matmul_t(x: &Tensor, w: &Tensor, groups: &[usize]) -> Result<Tens
     Tensor::cat(&pieces, 0)
 }
 
-/// The gradients of [`grouped_matmul_t`].
-pub struct GroupedMatmulGrads {
-    /// `[rows, in]`: `dy[group e] · W[e]`.
-    pub dx: Tensor,
-    /// `[experts, out, in]`: `dy[group e]ᵀ · x[group e]` (zeros for an empty group).
-    pub dw: Tensor,
-}
-
 /// The backward of [`grouped_matmul_t`] from the output gradient `dy` (`[rows, out]`).
 pub fn grouped_matmul_t_backward(
     dy: &Tensor,
@@ -150,7 +68,7 @@ pub fn grouped_matmul_t_backward(
     groups: &[usize],
 ) -> Result<GroupedMatmulGrads> {
     const OP: &str = "ops::grouped_matmul_t_backward";
-    dispatch!(OP, [dy, x, w] => crate::cuda::model_ops::grouped_matmul_t_backward(&dy, &x, &w, groups)
+    dispatch!(OP, [dy, x, w] => crate::cuda::ops::grouped_matmul_t_backward(&dy, &x, &w, groups)
         .map(|g| GroupedMatmulGrads { dx: g.dx.into(), dw: g.dw.into() }));
     let (e, out, k) = check_grouped(OP, x, w, groups)?;
     same_dtype(OP, dy, x)?;
