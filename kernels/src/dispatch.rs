@@ -144,9 +144,11 @@ macro_rules! dispatch {
 #[cfg(not(feature = "cuda"))]
 macro_rules! dispatch {
     ($op:expr, [$($t:ident),+] => $body:expr) => {
+        let _ = $op;
         $(let _ = &$t;)+
     };
     ($op:expr, mut $d:ident, [$($t:ident),*] => $body:expr) => {
+        let _ = $op;
         let _ = &$d;
         $(let _ = &$t;)*
     };

@@ -23,6 +23,7 @@
 mod dispatch;
 #[macro_use]
 pub(crate) mod spec;
+mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 /// Stand-ins for the `cuda` module in a build without the feature: the same entry points,

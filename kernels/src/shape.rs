@@ -8,7 +8,7 @@ use smallvec::SmallVec;
 ///
 /// # Panics
 /// If the product of the non-zero extents overflows `usize` (see [`checked_numel`]). Never
-/// for the shape of a [`Tensor`], whose constructors reject such shapes.
+/// for the shape of a [`Tensor`](crate::Tensor), whose constructors reject such shapes.
 pub fn numel(shape: &[usize]) -> usize {
     checked_numel(shape)
         .unwrap_or_else(|| panic!("numel: shape {shape:?} has more elements than usize holds"))

@@ -72,10 +72,10 @@ impl CudaBuffer {
 /// launched with element counts derived from `shape`, which is what keeps them in bounds.
 ///
 /// The buffer is shared by reference count (`clone` copies nothing), as the buffer of a host
-/// [`Tensor`] is: a kernel that writes into a tensor whose buffer is shared first copies it
+/// [`Tensor`](crate::Tensor) is: a kernel that writes into a tensor whose buffer is shared first copies it
 /// on the device (copy on write), so values never change behind another tensor's back. A
-/// `CudaTensor` and a device [`Tensor`] convert into each other without a copy
-/// ([`Tensor::from`], [`Tensor::cuda_tensor`]).
+/// `CudaTensor` and a device [`Tensor`](crate::Tensor) convert into each other without a copy
+/// ([`Tensor::from`](crate::Tensor::from), [`Tensor::cuda_tensor`](crate::Tensor::cuda_tensor)).
 #[derive(Clone, Debug)]
 pub struct CudaTensor {
     pub(crate) shape: Shape,
@@ -84,7 +84,7 @@ pub struct CudaTensor {
 }
 
 /// The device half of [`crate::Storage`]: a shared device buffer and the GPU it is on.
-/// A device [`Tensor`] always starts at element 0 of its buffer (its offset is 0).
+/// A device [`Tensor`](crate::Tensor) always starts at element 0 of its buffer (its offset is 0).
 #[derive(Clone, Debug)]
 pub struct CudaStorage {
     buf: Arc<CudaBuffer>,
@@ -109,7 +109,7 @@ impl CudaStorage {
 }
 
 impl CudaTensor {
-    /// The tensor's storage, for a [`Tensor`] (O(1): shares the buffer).
+    /// The tensor's storage, for a [`Tensor`](crate::Tensor) (O(1): shares the buffer).
     pub(crate) fn into_parts(self) -> (Shape, CudaStorage) {
         (
             self.shape,

@@ -20,9 +20,9 @@
 //! stable sort, so each group keeps position order), each group is summed in the compute type,
 //! and the sum is written (or added, [`Accum::Add`]) once.
 
-use super::{check_dst, store, Accum, Float, Layout};
-use crate::spec::embedding::*;
-use crate::{DType, Error, Result, Shape, Tensor};
+use super::{check_dst, Accum};
+use crate::spec::embedding::{dy_hidden, table_dims, VocabShard};
+use crate::{Result, Tensor};
 
 fn gather(op: &'static str, table: &Tensor, ids: &Tensor, shard: VocabShard) -> Result<Tensor> {
     shard.check(op)?;
@@ -31,20 +31,7 @@ fn gather(op: &'static str, table: &Tensor, ids: &Tensor, shard: VocabShard) -> 
     if let Some(ids) = crate::dispatch::host_ids(op, table, ids)? {
         return crate::cuda::ops::embedding(&table.cuda_tensor()?, &ids, shard).map(Tensor::from);
     }
-    let ids_v = read_ids(op, ids, shard.vocab)?;
-    let mut out = Tensor::zeros_checked(op, &out_shape(ids, hidden), table.dtype())?;
-    dispatch_float!(op, table.dtype(), |T| {
-        let t = table.as_slice::<T>()?;
-        let o = out.as_mut_slice::<T>()?;
-        for (pos, &id) in ids_v.iter().enumerate() {
-            if let Some(r) = shard.local(id) {
-                o[pos * hidden..(pos + 1) * hidden]
-                    .copy_from_slice(&t[r * hidden..(r + 1) * hidden]);
-            }
-        }
-        Ok(())
-    })?;
-    Ok(out)
+    crate::cpu::embedding::gather(op, table, ids, shard, hidden)
 }
 
 fn scatter(
@@ -68,35 +55,7 @@ fn scatter(
             crate::cuda::ops::embedding_backward_into(d, &dy, &ids, shard, accum)
         });
     }
-    let ids_v = read_ids(op, ids, shard.vocab)?;
-    let mut hits: Vec<(usize, usize)> = ids_v
-        .iter()
-        .enumerate()
-        .filter_map(|(pos, &id)| shard.local(id).map(|r| (r, pos)))
-        .collect();
-    // Stable: positions stay in order within a row, so the sum order is fixed.
-    hits.sort_by_key(|&(r, _)| r);
-    dispatch_float!(op, dy.dtype(), |T| {
-        let g = dy.as_slice::<T>()?;
-        let d = dtable.as_mut_slice::<T>()?;
-        if accum == Accum::Replace {
-            d.fill(T::from_acc(Default::default()));
-        }
-        let mut acc = vec![<T as Float>::Acc::default(); hidden];
-        for group in hits.chunk_by(|a, b| a.0 == b.0) {
-            acc.fill(Default::default());
-            for &(_, pos) in group {
-                for (a, &v) in acc.iter_mut().zip(&g[pos * hidden..(pos + 1) * hidden]) {
-                    *a += v.to_acc();
-                }
-            }
-            let r = group[0].0;
-            for (d, &a) in d[r * hidden..(r + 1) * hidden].iter_mut().zip(&acc) {
-                store(d, a, accum);
-            }
-        }
-        Ok(())
-    })
+    crate::cpu::embedding::scatter(op, dtable, dy, ids, shard, accum, hidden)
 }
 
 /// Rows of `table` (`[vocab, hidden]`) at `ids` (any shape): `[..ids, hidden]`.

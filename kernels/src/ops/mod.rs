@@ -16,19 +16,19 @@
 //! Conventions, every op alike:
 //! - Float dtypes only (`f32`, `f64`, `bf16`, `f16`); every tensor argument of one call shares
 //!   the dtype. `bf16`/`f16` compute in `f32` and round **once** into the output; `f32`
-//!   computes in `f32`, `f64` in `f64` (see [`DType`] and the `Acc` column of each op).
+//!   computes in `f32`, `f64` in `f64` (see [`DType`](crate::DType) and the `Acc` column of each op).
 //! - Destination first: `foo_into(dst, inputs…)` writes a caller-owned buffer whose shape and
 //!   dtype must already be right; `foo(inputs…)` allocates. Backward `_into` variants take an
 //!   [`Accum`]: `Add` accumulates into an existing gradient, rounding once per element.
 //! - Backward functions take the output gradient first: `gelu_backward(dy, x)`.
-//! - Every shape or dtype mistake is an [`Error`] whose message starts with the op
+//! - Every shape or dtype mistake is an [`Error`](crate::Error) whose message starts with the op
 //!   (`"ops::matmul: …"`); nothing here panics on user input.
 //! - Single-threaded, fixed summation order: the same inputs give the same bits on every rank.
 //!   Only [`matmul_into`] takes a [`Parallelism`], and the convenience API passes `None`.
 //! - Where it runs: every op runs where its tensors are (feature `cuda`): all in host memory
 //!   runs the code here, all on one GPU runs the `cuda::ops` kernel (out-parameters included,
 //!   which must be on that GPU too; embedding ids may stay on the host), operands in different
-//!   places are an [`Error::DeviceMismatch`].
+//!   places are an [`Error::DeviceMismatch`](crate::Error::DeviceMismatch).
 //!
 //! ```
 //! use dtensor_kernels::ops::{self, Transpose};
@@ -41,9 +41,6 @@
 //! let row: f32 = p.as_slice::<f32>().unwrap()[..4].iter().sum();
 //! assert!((row - 1.0).abs() < 1e-6);
 //! ```
-
-use crate::{DType, Error, Result, StorageElement, Tensor};
-use half::{bf16, f16};
 
 pub mod activation;
 pub mod attention;
@@ -84,22 +81,10 @@ pub use softmax::{
     softmax_backward, softmax_backward_into, softmax_into,
 };
 
-pub(crate) use crate::spec::float::{exp_f32, AccFloat, Float};
 pub use crate::spec::{acc_dtype, Accum, Transpose};
-pub(crate) use crate::spec::{
-    check_dst, check_row_param, not_float, rows_last, same_dtype, same_layout, want_float, Layout,
-};
+pub(crate) use crate::spec::{check_dst, check_row_param, rows_last, same_dtype, same_layout};
 
 /// How gemm spreads one product over threads: `None` runs on the calling thread (the
 /// default here: ranks are the parallelism); `Rayon(n)` uses `n` threads of the global rayon
 /// pool (`0` = all of them), and only above gemm's size threshold.
 pub use gemm::Parallelism;
-
-/// Writes `v` into `d` according to `accum`, rounding once.
-#[inline(always)]
-pub(crate) fn store<T: Float>(d: &mut T, v: T::Acc, accum: Accum) {
-    *d = match accum {
-        Accum::Replace => T::from_acc(v),
-        Accum::Add => T::from_acc(d.to_acc() + v),
-    };
-}

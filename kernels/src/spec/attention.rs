@@ -4,7 +4,10 @@
 use super::float::AccFloat;
 use super::*;
 
-/// The shape parameters of [`causal_attention`] (the head count is read off `qkv`).
+pub(crate) const OP: &str = "ops::causal_attention";
+pub(crate) const OP_BACK: &str = "ops::causal_attention_backward";
+
+/// The shape parameters of [`causal_attention`](crate::ops::causal_attention) (the head count is read off `qkv`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CausalAttention {
     /// Tokens per sample: `qkv`'s rows are samples of this many tokens, one after another.
@@ -16,11 +19,11 @@ pub struct CausalAttention {
     /// Added to every token's position (its index within its sample). Since q and k share
     /// it here and RoPE scores depend only on position differences, it changes the result
     /// by rounding alone. Attending one chunk's queries to another chunk's keys (context
-    /// parallelism) takes separate q and k positions: [`attention_block`](fn@super::attention_block).
+    /// parallelism) takes separate q and k positions: [`attention_block`](fn@crate::ops::attention_block).
     pub pos_offset: usize,
 }
 
-/// What [`causal_attention`] returns: the output and the statistic its backward takes.
+/// What [`causal_attention`](crate::ops::causal_attention) returns: the output and the statistic its backward takes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CausalAttentionOutput {
     /// `[tokens, heads·head_dim]`, `qkv`'s dtype.

@@ -3,7 +3,14 @@
 
 use super::*;
 
-/// The shape parameters of one [`attention_block`] call.
+pub(crate) const OP: &str = "ops::attention_block";
+pub(crate) const OP_BACK: &str = "ops::attention_block_backward";
+pub(crate) const OP_MERGE: &str = "ops::merge_attention";
+pub(crate) const OP_PACK: &str = "ops::pack_kv";
+pub(crate) const OP_FUSE: &str = "ops::fuse_qkv_grad";
+pub(crate) const OP_ROWS: &str = "ops::gather_rows";
+
+/// The shape parameters of one [`attention_block`](fn@crate::ops::attention_block) call.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BlockAttention<'a> {
     /// The head dim `d` (even: RoPE rotates pairs).

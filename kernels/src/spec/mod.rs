@@ -8,9 +8,11 @@
 
 #[macro_use]
 pub(crate) mod float;
+pub(crate) mod activation;
 pub(crate) mod attention;
 pub(crate) mod attention_block;
 pub(crate) mod embedding;
+pub(crate) mod matmul;
 pub(crate) mod moe;
 pub(crate) mod norm;
 pub(crate) mod reduction;

@@ -77,7 +77,7 @@ pub(crate) fn check_grouped<L: Layout + ?Sized>(
     Ok((e, out, k))
 }
 
-/// The gradients of [`grouped_matmul_t`].
+/// The gradients of [`grouped_matmul_t`](crate::ops::grouped_matmul_t).
 pub struct GroupedMatmulGrads {
     /// `[rows, in]`: `dy[group e] · W[e]`.
     pub dx: Tensor,

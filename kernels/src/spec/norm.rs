@@ -2,7 +2,7 @@
 
 use super::*;
 
-/// What [`layer_norm`] returns: the output and the per-row statistics its backward takes.
+/// What [`layer_norm`](crate::ops::layer_norm) returns: the output and the per-row statistics its backward takes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerNormOutput {
     /// The normalized output, `x`'s shape and dtype.
@@ -13,7 +13,7 @@ pub struct LayerNormOutput {
     pub rstd: Tensor,
 }
 
-/// The gradients of [`layer_norm`].
+/// The gradients of [`layer_norm`](crate::ops::layer_norm).
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerNormGrads {
     /// The input gradient, `x`'s shape and dtype.
@@ -26,7 +26,7 @@ pub struct LayerNormGrads {
     pub dbias: Tensor,
 }
 
-/// What [`rms_norm`] returns: the output and the per-row statistic its backward takes.
+/// What [`rms_norm`](crate::ops::rms_norm) returns: the output and the per-row statistic its backward takes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RmsNormOutput {
     /// The normalized output, `x`'s shape and dtype.
@@ -35,7 +35,7 @@ pub struct RmsNormOutput {
     pub rstd: Tensor,
 }
 
-/// The gradients of [`rms_norm`].
+/// The gradients of [`rms_norm`](crate::ops::rms_norm).
 #[derive(Clone, Debug, PartialEq)]
 pub struct RmsNormGrads {
     /// The input gradient, `x`'s shape and dtype.

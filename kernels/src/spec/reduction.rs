@@ -60,7 +60,7 @@ pub(crate) fn restored<L: Layout + ?Sized>(
     Ok(s)
 }
 
-/// [`max_dim`]'s split of `shape` around `dim`: `Err` for an empty `dim` (no maximum).
+/// [`max_dim`](crate::ops::max_dim)'s split of `shape` around `dim`: `Err` for an empty `dim` (no maximum).
 pub(crate) fn max_split(
     op: &'static str,
     shape: &[usize],
@@ -116,7 +116,7 @@ pub(crate) fn check_index_range(op: &'static str, ix: &[i64], extent: usize) -> 
     Ok(())
 }
 
-/// What [`max_dim`] returns.
+/// What [`max_dim`](crate::ops::max_dim) returns.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MaxDim {
     /// The maxima, `x`'s dtype, shape without `dim`.

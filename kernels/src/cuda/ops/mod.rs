@@ -235,7 +235,6 @@ macro_rules! kernel_arg {
         $l.arg(&v);
     };
 }
-pub(crate) use {kernel_arg, launch_kernel};
 
 /// The kernel `root_dtype` of `module`, loaded on `dev`, with its declared parameters.
 pub(crate) fn func(

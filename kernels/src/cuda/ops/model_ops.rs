@@ -14,9 +14,8 @@
 //! `i64`; every launch size comes from the checked shapes.
 
 use super::{
-    arg, arg_mut, copy_blocks, func, gemm_ops, grid_for, kernel_arg, launch, launch_kernel,
-    per_row, rope_tables, same_device, same_layout, u, Acc, CudaAttentionOutput, Kernel,
-    SHARED_BUDGET,
+    arg, arg_mut, copy_blocks, func, gemm_ops, grid_for, launch, per_row, rope_tables, same_device,
+    same_layout, u, Acc, CudaAttentionOutput, Kernel, SHARED_BUDGET,
 };
 use crate::cuda::source::{self, Param, Scalar};
 use crate::cuda::{CudaBuffer, CudaTensor, Device};
