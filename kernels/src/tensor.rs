@@ -3,14 +3,11 @@
 //! handle itself (constructors, accessors, host and device moves) is one floor down, in
 //! `crate::storage`.
 
-#[cfg(feature = "cuda")]
-use crate::cuda;
-use crate::dtype::{DType, Element, Slice, SliceMut};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::shape::{check_pieces, checked_numel, checked_sum, chunk_sizes, numel};
-use crate::storage::tensor::{or_panic, typed_as};
-use crate::{with_slice, Tensor};
-use smallvec::SmallVec;
+use crate::shape::chunk_sizes;
+use crate::storage::tensor::or_panic;
+use crate::Tensor;
 
 impl Tensor {
     /// `values` (row-major, `shape`) rounded once into `dtype` (no copy for `F64`): what a
@@ -35,87 +32,18 @@ impl Tensor {
 
     /// [`Tensor::to_dtype`], or `Err` if a device kernel fails. Never panics.
     pub fn try_to_dtype(&self, dtype: DType) -> Result<Tensor> {
-        let x = self;
-        dispatch!("Tensor::to_dtype", [x] => cuda::ops::to_dtype(&x, dtype));
-        Ok(self.host_to_dtype(dtype))
-    }
-
-    fn host_to_dtype(&self, dtype: DType) -> Tensor {
-        let vals = self.to_f64_vec();
-        let mut out = Tensor::for_overwrite(&self.shape, dtype);
-        with_slice!(SliceMut, out.as_dyn_slice_mut(), |s: T| {
-            for (d, v) in s.iter_mut().zip(&vals) {
-                *d = <T as Element>::from_f64(*v);
-            }
-        });
-        out
-    }
-    fn check_dim(&self, op: &'static str, dim: usize) -> Result<()> {
-        if dim >= self.rank() {
-            return Err(Error::DimOutOfRange {
-                op,
-                dim,
-                shape: self.shape.clone(),
-            });
-        }
-        Ok(())
-    }
-
-    /// `(outer, extent, inner)`: the tensor seen as `[outer, shape[dim], inner]`.
-    fn split_at_dim(&self, dim: usize) -> (usize, usize, usize) {
-        let outer = numel(&self.shape[..dim]);
-        let inner = numel(&self.shape[dim + 1..]);
-        (outer, self.shape[dim], inner)
+        crate::ops::tensor::try_to_dtype(self, dtype)
     }
 
     /// Elements `start..start + len` along `dim`, copied into a new tensor.
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
-        self.check_dim("Tensor::narrow", dim)?;
-        // Checked: a wrapping `start + len` would pass and make a view outside this one.
-        if start
-            .checked_add(len)
-            .is_none_or(|end| end > self.shape[dim])
-        {
-            return Err(Error::Invalid {
-                op: "Tensor::narrow",
-                detail: format!(
-                    "range {start}..{start}+{len} exceeds extent {} of dim {dim} in shape {:?}",
-                    self.shape[dim], self.shape
-                ),
-            });
-        }
-        let x = self;
-        // A device tensor starts at its buffer's start, so every narrow of it copies.
-        dispatch!("Tensor::narrow", [x] => cuda::ops::narrow(&x, dim, start, len));
-        let (outer, extent, inner) = self.split_at_dim(dim);
-        let mut shape = self.shape.clone();
-        shape[dim] = len;
-        if outer == 1 {
-            // The range is contiguous: a view, no copy.
-            return Ok(Tensor {
-                shape,
-                storage: self.storage.clone(),
-                offset: self.offset + start * inner,
-            });
-        }
-        let mut out = Tensor::for_overwrite(&shape, self.dtype());
-        copy_blocks(
-            self.as_dyn_slice(),
-            out.as_dyn_slice_mut(),
-            outer,
-            len * inner,
-            extent * inner,
-            start * inner,
-            len * inner,
-            0,
-        );
-        Ok(out)
+        crate::ops::tensor::narrow(self, dim, start, len)
     }
 
     /// Splits `dim` into pieces of the given extents (which must add up to the extent),
     /// in one pass, returning one tensor per piece.
     pub fn split(&self, dim: usize, sizes: &[usize]) -> Result<Vec<Tensor>> {
-        self.check_pieces("Tensor::split", dim, sizes)?;
+        crate::spec::tensor::check_tensor_pieces(self, "Tensor::split", dim, sizes)?;
         let mut start = 0;
         sizes
             .iter()
@@ -130,7 +58,7 @@ impl Tensor {
     /// `torch.chunk` along `dim` into `parts` pieces, all of them returned (trailing ones
     /// short or empty): chunk `i` covers `[min(i·c, n), min((i+1)·c, n))` with `c = ⌈n/parts⌉`.
     pub fn chunk(&self, dim: usize, parts: usize) -> Result<Vec<Tensor>> {
-        self.check_dim("Tensor::chunk", dim)?;
+        crate::spec::tensor::check_dim(self, "Tensor::chunk", dim)?;
         if parts == 0 {
             return Err(Error::Invalid {
                 op: "Tensor::chunk",
@@ -144,176 +72,33 @@ impl Tensor {
     /// Concatenates tensors along `dim`. All must share dtype, every other extent and the
     /// place (host, or one GPU).
     pub fn cat(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
-        const OP: &str = "Tensor::cat";
-        let first = tensors.first().ok_or(Error::Invalid {
-            op: "Tensor::cat",
-            detail: "no tensors to concatenate".into(),
-        })?;
-        let refs: SmallVec<[&Tensor; 8]> = tensors.iter().collect();
-        if crate::dispatch::on_cuda(OP, &refs)? {
-            return Self::cat_cuda(tensors, dim);
-        }
-        first.check_dim("Tensor::cat", dim)?;
-        for t in tensors {
-            if t.dtype() != first.dtype() {
-                return Err(Error::DTypeMismatch {
-                    op: "Tensor::cat",
-                    lhs: first.dtype(),
-                    rhs: t.dtype(),
-                });
-            }
-            let same_rest = t.rank() == first.rank()
-                && (0..t.rank()).all(|d| d == dim || t.shape[d] == first.shape[d]);
-            if !same_rest {
-                return Err(Error::ShapeMismatch {
-                    op: "Tensor::cat",
-                    lhs: first.shape.clone(),
-                    rhs: t.shape.clone(),
-                });
-            }
-        }
-        let mut shape = first.shape.clone();
-        let extents: SmallVec<[usize; 8]> = tensors.iter().map(|t| t.shape[dim]).collect();
-        shape[dim] = checked_sum(&extents).ok_or_else(|| Error::Invalid {
-            op: "Tensor::cat",
-            detail: format!("extents {extents:?} of dim {dim} overflow usize when added"),
-        })?;
-        let mut out = Tensor::for_overwrite_checked("Tensor::cat", &shape, first.dtype())?;
-        let (outer, total, inner) = out.split_at_dim(dim);
-        let mut offset = 0;
-        for t in tensors {
-            let len = t.shape[dim];
-            copy_blocks(
-                t.as_dyn_slice(),
-                out.as_dyn_slice_mut(),
-                outer,
-                len * inner,
-                len * inner,
-                0,
-                total * inner,
-                offset * inner,
-            );
-            offset += len;
-        }
-        Ok(out)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cat_cuda(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
-        let cs = tensors
-            .iter()
-            .map(Tensor::cuda_tensor)
-            .collect::<Result<Vec<_>>>()?;
-        let refs: Vec<&cuda::CudaTensor> = cs.iter().collect();
-        cuda::ops::cat(&refs, dim).map(Tensor::from)
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    fn cat_cuda(tensors: &[Tensor], _dim: usize) -> Result<Tensor> {
-        unreachable!("{} host tensors reported as device tensors", tensors.len())
+        crate::ops::tensor::cat(tensors, dim)
     }
 
     /// Packs the pieces of `dim` (extents `sizes`) one after another into a flat buffer of the
     /// same element count, piece 0 first: the send layout of an all-to-all or
     /// reduce-scatter along `dim`. One pass over memory.
     pub fn pack(&self, dim: usize, sizes: &[usize]) -> Result<Tensor> {
-        self.check_pieces("Tensor::pack", dim, sizes)?;
-        let x = self;
-        dispatch!("Tensor::pack", [x] => cuda::ops::pack(&x, dim, sizes));
-        let (outer, extent, inner) = self.split_at_dim(dim);
-        let mut out = Tensor::for_overwrite(&[self.numel()], self.dtype());
-        let src = self.as_dyn_slice();
-        with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
-            let s: &[T] = typed_as(src);
-            piece_runs(outer, extent, inner, sizes, |t, p, run| {
-                d[p..p + run].copy_from_slice(&s[t..t + run])
-            });
-        });
-        Ok(out)
+        crate::ops::tensor::pack(self, dim, sizes)
     }
 
     /// The inverse of [`Tensor::pack`]: `flat` holds pieces one after another, piece `i` of
     /// shape `shape` with extent `sizes[i]` on `dim`; returns them concatenated along `dim`.
     /// One pass over memory.
     pub fn unpack(flat: &Tensor, shape: &[usize], dim: usize, sizes: &[usize]) -> Result<Tensor> {
-        if dim >= shape.len()
-            || checked_numel(shape) != Some(flat.numel())
-            || checked_sum(sizes) != Some(shape[dim])
-        {
-            return Err(Error::Invalid {
-                op: "Tensor::unpack",
-                detail: format!(
-                    "{} packed elements with piece sizes {sizes:?} do not fill shape {shape:?} on dim {dim}",
-                    flat.numel()
-                ),
-            });
-        }
-        dispatch!("Tensor::unpack", [flat] => cuda::ops::unpack(&flat, shape, dim, sizes));
-        let inner: usize = numel(&shape[dim + 1..]);
-        let outer: usize = numel(&shape[..dim]);
-        let extent = shape[dim];
-        let mut out = Tensor::for_overwrite(shape, flat.dtype());
-        let src = flat.as_dyn_slice();
-        with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
-            let s: &[T] = typed_as(src);
-            piece_runs(outer, extent, inner, sizes, |t, p, run| {
-                d[t..t + run].copy_from_slice(&s[p..p + run])
-            });
-        });
-        Ok(out)
-    }
-
-    fn check_pieces(&self, op: &'static str, dim: usize, sizes: &[usize]) -> Result<()> {
-        check_pieces(op, &self.shape, dim, sizes)
-    }
-
-    fn check_same(&self, op: &'static str, other: &Tensor) -> Result<()> {
-        if self.dtype() != other.dtype() {
-            return Err(Error::DTypeMismatch {
-                op,
-                lhs: self.dtype(),
-                rhs: other.dtype(),
-            });
-        }
-        if self.shape != other.shape {
-            return Err(Error::ShapeMismatch {
-                op,
-                lhs: self.shape.clone(),
-                rhs: other.shape.clone(),
-            });
-        }
-        Ok(())
+        crate::ops::tensor::unpack(flat, shape, dim, sizes)
     }
 
     /// Elementwise `self + other`.
     pub fn add(&self, other: &Tensor) -> Result<Tensor> {
-        self.check_same("Tensor::add", other)?;
-        let a = self;
-        dispatch!("Tensor::add", [a, other] => cuda::ops::add(&a, &other));
-        let mut out = self.clone();
-        out.add_assign(other)?;
-        Ok(out)
+        crate::ops::tensor::add(self, other)
     }
 
     /// Elementwise `self += other`. On a device the sum is a new buffer that replaces this
     /// tensor's (other tensors sharing the old one keep their values, as with copy on
     /// write).
     pub fn add_assign(&mut self, other: &Tensor) -> Result<()> {
-        self.check_same("Tensor::add", other)?;
-        let dst = self;
-        dispatch!("Tensor::add", mut dst, [other] => {
-            let sum = cuda::ops::add(dst, &other)?;
-            *dst = sum;
-            Ok(())
-        });
-        let src = other.as_dyn_slice();
-        with_slice!(SliceMut, dst.as_dyn_slice_mut(), |d: T| {
-            let s: &[T] = typed_as(src);
-            for (a, &b) in d.iter_mut().zip(s) {
-                *a = a.add(b);
-            }
-        });
-        Ok(())
+        crate::ops::tensor::add_assign(self, other)
     }
 
     /// Every element multiplied by `factor` (rounded once into the dtype).
@@ -327,16 +112,7 @@ impl Tensor {
 
     /// [`Tensor::scale`], or `Err` if a device kernel fails. Never panics.
     pub fn try_scale(&self, factor: f64) -> Result<Tensor> {
-        let x = self;
-        dispatch!("Tensor::scale", [x] => cuda::ops::scale(&x, factor));
-        let mut out = self.clone();
-        with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
-            let f = <T as Element>::from_f64(factor);
-            for a in d.iter_mut() {
-                *a = a.mul(f);
-            }
-        });
-        Ok(out)
+        crate::ops::tensor::try_scale(self, factor)
     }
 
     /// Every element mapped through `f` (evaluated in `f64`, rounded once into the dtype).
@@ -351,116 +127,24 @@ impl Tensor {
     /// [`Tensor::map`], or [`Error::NotOnCuda`] for a device tensor. Never panics (unless
     /// `f` does).
     pub fn try_map(&self, f: impl Fn(f64) -> f64) -> Result<Tensor> {
-        crate::dispatch::host_only("Tensor::map", &[self])?;
-        let mut out = self.clone();
-        with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
-            for a in d.iter_mut() {
-                *a = <T as Element>::from_f64(f(a.to_f64()));
-            }
-        });
-        Ok(out)
+        crate::ops::tensor::try_map(self, f)
     }
 
     /// Elementwise `self * other`.
     pub fn mul(&self, other: &Tensor) -> Result<Tensor> {
-        self.check_same("Tensor::mul", other)?;
-        let a = self;
-        dispatch!("Tensor::mul", [a, other] => cuda::ops::mul(&a, &other));
-        let mut out = self.clone();
-        let src = other.as_dyn_slice();
-        with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
-            let s: &[T] = typed_as(src);
-            for (a, &b) in d.iter_mut().zip(s) {
-                *a = a.mul(b);
-            }
-        });
-        Ok(out)
+        crate::ops::tensor::mul(self, other)
     }
 
     /// Writes `src` into `self` at offset `start` along `dim` (the other extents must match).
     pub fn write_at(&mut self, dim: usize, start: usize, src: &Tensor) -> Result<()> {
-        self.check_dim("Tensor::write_at", dim)?;
-        let fits = src.rank() == self.rank()
-            && src.dtype() == self.dtype()
-            && start
-                .checked_add(src.shape[dim])
-                .is_some_and(|end| end <= self.shape[dim])
-            && (0..self.rank()).all(|d| d == dim || src.shape[d] == self.shape[d]);
-        if !fits {
-            return Err(Error::ShapeMismatch {
-                op: "Tensor::write_at",
-                lhs: self.shape.clone(),
-                rhs: src.shape.clone(),
-            });
-        }
-        let dst = self;
-        dispatch!("Tensor::write_at", mut dst, [src] => cuda::ops::write_at(dst, dim, start, &src));
-        let (outer, extent, inner) = dst.split_at_dim(dim);
-        let len = src.shape[dim];
-        copy_blocks(
-            src.as_dyn_slice(),
-            dst.as_dyn_slice_mut(),
-            outer,
-            len * inner,
-            len * inner,
-            0,
-            extent * inner,
-            start * inner,
-        );
-        Ok(())
+        crate::ops::tensor::write_at(self, dim, start, src)
     }
-}
-
-/// The contiguous runs of the pieces of a dim (extents `sizes`) in a tensor seen as
-/// `[outer, extent, inner]`, piece by piece: `f(offset in the tensor, offset in the packed
-/// buffer, length)`. Pack copies tensor → buffer along these runs, unpack the reverse.
-fn piece_runs(
-    outer: usize,
-    extent: usize,
-    inner: usize,
-    sizes: &[usize],
-    mut f: impl FnMut(usize, usize, usize),
-) {
-    let (mut piece_base, mut start) = (0, 0);
-    for &len in sizes {
-        let run = len * inner;
-        for o in 0..outer {
-            f((o * extent + start) * inner, piece_base + o * run, run);
-        }
-        piece_base += outer * run;
-        start += len;
-    }
-}
-
-/// Copies `blocks` runs of `run` elements from `src` (stride `src_stride`, start
-/// `src_off`) to `dst` (stride `dst_stride`, start `dst_off`). Both must share a dtype.
-#[allow(clippy::too_many_arguments)]
-fn copy_blocks(
-    src: Slice<'_>,
-    dst: SliceMut<'_>,
-    blocks: usize,
-    run: usize,
-    src_stride: usize,
-    src_off: usize,
-    dst_stride: usize,
-    dst_off: usize,
-) {
-    if run == 0 {
-        return;
-    }
-    with_slice!(SliceMut, dst, |d: T| {
-        let s: &[T] = typed_as(src);
-        for b in 0..blocks {
-            let so = src_off + b * src_stride;
-            let d_o = dst_off + b * dst_stride;
-            d[d_o..d_o + run].copy_from_slice(&s[so..so + run]);
-        }
-    });
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::shape::{checked_numel, numel};
 
     fn iota(shape: &[usize]) -> Tensor {
         Tensor::from_fn(shape, |i| i as f32)

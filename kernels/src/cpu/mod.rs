@@ -13,6 +13,7 @@ pub(crate) mod moe;
 pub(crate) mod norm;
 pub(crate) mod reduction;
 pub(crate) mod softmax;
+pub(crate) mod tensor;
 
 pub(crate) use crate::spec::float::{exp_f32, AccFloat, Float};
 pub(crate) use crate::spec::{acc_dtype, check_dst, not_float, same_dtype, Accum, Transpose};

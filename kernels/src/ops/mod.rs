@@ -52,6 +52,7 @@ pub mod moe;
 pub mod norm;
 pub mod reduction;
 pub mod softmax;
+pub(crate) mod tensor;
 
 pub use crate::spec::attention::{CausalAttention, CausalAttentionOutput};
 pub use crate::spec::attention_block::BlockAttention;
