@@ -111,7 +111,7 @@ pub(crate) fn replace(
             rhs: format!("cuda:{}", y.device().ordinal()),
         });
     }
-    crate::ops::check_dst(op, dst, y.shape(), y.dtype())?;
+    crate::spec::check_dst(op, dst, y.shape(), y.dtype())?;
     *dst = y;
     Ok(())
 }
@@ -144,9 +144,11 @@ macro_rules! dispatch {
 #[cfg(not(feature = "cuda"))]
 macro_rules! dispatch {
     ($op:expr, [$($t:ident),+] => $body:expr) => {
+        let _ = $op;
         $(let _ = &$t;)+
     };
     ($op:expr, mut $d:ident, [$($t:ident),*] => $body:expr) => {
+        let _ = $op;
         let _ = &$d;
         $(let _ = &$t;)*
     };

@@ -21,6 +21,9 @@
 
 #[macro_use]
 mod dispatch;
+#[macro_use]
+pub(crate) mod spec;
+mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 /// Stand-ins for the `cuda` module in a build without the feature: the same entry points,
@@ -34,14 +37,15 @@ pub mod memory;
 pub mod ops;
 pub mod pool;
 pub mod reduce;
-pub mod tensor;
+mod shape;
+pub mod storage;
+mod tensor;
 
 pub use dtype::{words_as_mut, DType, Element, ReduceOp, Slice, SliceMut};
 pub use error::{Error, Result};
 pub use half;
-pub use tensor::{
-    checked_numel, chunk_sizes, numel, CpuBuffer, CpuStorage, Storage, StorageElement, Tensor,
-};
+pub use shape::{checked_numel, chunk_sizes, numel};
+pub use storage::{CpuBuffer, CpuStorage, Storage, StorageElement, Tensor};
 
 /// A tensor shape: extents, outermost first. Inline for up to 4 dims.
 pub type Shape = smallvec::SmallVec<[usize; 4]>;

@@ -36,7 +36,7 @@
 //! Buffers smaller than [`MIN_POOLED_BYTES`] are left to the system allocator.
 
 use crate::dtype::DType;
-use crate::tensor::CpuStorage;
+use crate::storage::cpu::CpuStorage;
 use std::cell::RefCell;
 use std::collections::VecDeque;
 
@@ -155,8 +155,10 @@ pub(crate) fn alloc_zeroed(dtype: DType, len: usize) -> CpuStorage {
     s
 }
 
-/// Keeps a dropped buffer for reuse on this thread (large ones only, bounded).
-pub(crate) fn recycle(s: CpuStorage) {
+/// Keeps a dropped buffer for reuse on this thread (large ones only, bounded): the cache
+/// stays within `room` bytes, the bound [`crate::memory`] sets (passed in, so that the pool
+/// sits below the accounting that reports on it).
+pub(crate) fn recycle(s: CpuStorage, room: usize) {
     let bytes = capacity_bytes(&s);
     if bytes < MIN_POOLED_BYTES {
         return;
@@ -167,7 +169,7 @@ pub(crate) fn recycle(s: CpuStorage) {
     let _ = POOL.try_with(|p| {
         let mut p = p.borrow_mut();
         p.tick();
-        let cap = crate::memory::pool_room().min(MAX_POOLED_BYTES);
+        let cap = room.min(MAX_POOLED_BYTES);
         if bytes > cap {
             return s.free_shrunk();
         }

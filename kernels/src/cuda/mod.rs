@@ -64,7 +64,6 @@
 //! [`CudaTensor`]) through the `*_device` methods of `dtensor-collectives`' `Communicator`,
 //! which only the NCCL backend implements; the thread and MPI backends keep host slices.
 
-pub mod model_ops;
 pub mod ops;
 pub mod source;
 mod tensor;

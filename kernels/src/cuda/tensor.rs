@@ -1,9 +1,9 @@
 //! Device tensors: a shape, a dtype and a contiguous row-major device buffer on one [`Device`].
 
 use super::{driver_err, Device};
-use crate::{checked_numel, DType, Error, Result, Shape, Tensor};
+use crate::shape::checked_numel;
+use crate::{DType, Error, Result, Shape};
 use cudarc::driver::CudaSlice;
-use half::{bf16, f16};
 use std::sync::Arc;
 
 /// A device buffer of one of the six element types. `bf16` and `f16` are held as their bits
@@ -72,19 +72,19 @@ impl CudaBuffer {
 /// launched with element counts derived from `shape`, which is what keeps them in bounds.
 ///
 /// The buffer is shared by reference count (`clone` copies nothing), as the buffer of a host
-/// [`Tensor`] is: a kernel that writes into a tensor whose buffer is shared first copies it
+/// [`Tensor`](crate::Tensor) is: a kernel that writes into a tensor whose buffer is shared first copies it
 /// on the device (copy on write), so values never change behind another tensor's back. A
-/// `CudaTensor` and a device [`Tensor`] convert into each other without a copy
-/// ([`Tensor::from`], [`Tensor::cuda_tensor`]).
+/// `CudaTensor` and a device [`Tensor`](crate::Tensor) convert into each other without a copy
+/// ([`Tensor::from`](crate::Tensor::from), [`Tensor::cuda_tensor`](crate::Tensor::cuda_tensor)).
 #[derive(Clone, Debug)]
 pub struct CudaTensor {
-    shape: Shape,
-    buf: Arc<CudaBuffer>,
-    dev: Device,
+    pub(crate) shape: Shape,
+    pub(crate) buf: Arc<CudaBuffer>,
+    pub(crate) dev: Device,
 }
 
 /// The device half of [`crate::Storage`]: a shared device buffer and the GPU it is on.
-/// A device [`Tensor`] always starts at element 0 of its buffer (its offset is 0).
+/// A device [`Tensor`](crate::Tensor) always starts at element 0 of its buffer (its offset is 0).
 #[derive(Clone, Debug)]
 pub struct CudaStorage {
     buf: Arc<CudaBuffer>,
@@ -109,7 +109,7 @@ impl CudaStorage {
 }
 
 impl CudaTensor {
-    /// The tensor's storage, for a [`Tensor`] (O(1): shares the buffer).
+    /// The tensor's storage, for a [`Tensor`](crate::Tensor) (O(1): shares the buffer).
     pub(crate) fn into_parts(self) -> (Shape, CudaStorage) {
         (
             self.shape,
@@ -177,16 +177,6 @@ fn len_of(op: &'static str, shape: &[usize]) -> Result<usize> {
     })
 }
 
-/// The argument checks of the CPU ops read a `CudaTensor` as they read a [`Tensor`].
-impl crate::ops::Layout for CudaTensor {
-    fn dtype(&self) -> DType {
-        CudaTensor::dtype(self)
-    }
-    fn shape(&self) -> &[usize] {
-        CudaTensor::shape(self)
-    }
-}
-
 impl CudaTensor {
     /// A tensor whose contents are not initialized: for kernels that write every element.
     pub(crate) fn uninit(dev: &Device, shape: &[usize], dtype: DType) -> Result<CudaTensor> {
@@ -232,66 +222,6 @@ impl CudaTensor {
             buf: Arc::new(buf),
             dev: dev.clone(),
         })
-    }
-
-    /// Copies a host tensor to the device (`Tensor::to_device`).
-    pub fn from_host(dev: &Device, t: &Tensor) -> Result<CudaTensor> {
-        const OP: &str = "Tensor::to_device";
-        let st = dev.stream();
-        macro_rules! up {
-            ($s:expr, $v:ident) => {{
-                let s = $s;
-                if s.is_empty() {
-                    st.alloc_zeros(1).map(CudaBuffer::$v)
-                } else {
-                    st.clone_htod(s).map(CudaBuffer::$v)
-                }
-            }};
-        }
-        let buf = match t.dtype() {
-            DType::F32 => up!(t.as_slice::<f32>()?, F32),
-            DType::F64 => up!(t.as_slice::<f64>()?, F64),
-            DType::BF16 => up!(bytemuck::cast_slice::<bf16, u16>(t.as_slice()?), BF16),
-            DType::F16 => up!(bytemuck::cast_slice::<f16, u16>(t.as_slice()?), F16),
-            DType::I32 => up!(t.as_slice::<i32>()?, I32),
-            DType::I64 => up!(t.as_slice::<i64>()?, I64),
-        }
-        .map_err(|e| driver_err(OP, e))?;
-        Ok(CudaTensor {
-            shape: t.shape().into(),
-            buf: Arc::new(buf),
-            dev: dev.clone(),
-        })
-    }
-
-    /// Copies the tensor back to the host (waits for the ops queued before it).
-    pub fn to_host(&self) -> Result<Tensor> {
-        const OP: &str = "CudaTensor::to_host";
-        let n = self.numel();
-        let st = self.dev.stream();
-        macro_rules! down {
-            ($s:expr) => {{
-                let mut v = st.clone_dtoh($s).map_err(|e| driver_err(OP, e))?;
-                v.truncate(n);
-                Tensor::from_vec(v, &self.shape)
-            }};
-        }
-        macro_rules! down16 {
-            ($s:expr, $t:ty) => {{
-                let mut v = st.clone_dtoh($s).map_err(|e| driver_err(OP, e))?;
-                v.truncate(n);
-                let v: Vec<$t> = v.into_iter().map(<$t>::from_bits).collect();
-                Tensor::from_vec(v, &self.shape)
-            }};
-        }
-        match &*self.buf {
-            CudaBuffer::F32(s) => down!(s),
-            CudaBuffer::F64(s) => down!(s),
-            CudaBuffer::BF16(s) => down16!(s, bf16),
-            CudaBuffer::F16(s) => down16!(s, f16),
-            CudaBuffer::I32(s) => down!(s),
-            CudaBuffer::I64(s) => down!(s),
-        }
     }
 
     /// The dimensions, outermost first (row-major).
@@ -347,13 +277,5 @@ impl CudaTensor {
             shape: shape.into(),
             ..self
         })
-    }
-}
-
-impl Tensor {
-    /// This host tensor copied into a new buffer on `dev` (what [`Tensor::to_device`] does
-    /// for a host tensor), as a [`CudaTensor`].
-    pub(crate) fn upload(&self, dev: &Device) -> Result<CudaTensor> {
-        CudaTensor::from_host(dev, self)
     }
 }

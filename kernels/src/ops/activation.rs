@@ -10,82 +10,16 @@
 //! rounded once. The sigmoid is `1/(1 + e^-x)` with a vectorizable exp clamped so it never
 //! overflows to NaN; GELU is evaluated as `x·σ(2u)`, which equals the tanh form exactly.
 
-use super::{check_dst, same_layout, store, AccFloat, Accum, Float};
+use super::{check_dst, same_layout, Accum};
+pub use crate::spec::activation::SwiGluGrads;
 use crate::{Result, Tensor};
 
-/// `√(2/π)`.
-const GELU_C: f64 = 0.797_884_560_802_865_4;
-const GELU_A: f64 = 0.044715;
-
-/// `σ(z) = 1/(1 + e^-z)` with the vectorizable exp, exactly 0 below `z = -80` (where it is
-/// under `2e-35`): the clamped f32 exp would leave a tiny non-zero `σ` there, which a huge
-/// `|x|` multiplying it would blow up. Never NaN.
-#[inline(always)]
-fn sigmoid<A: AccFloat>(z: A) -> A {
-    if z < A::lit(-80.0) {
-        return A::ZERO;
-    }
-    A::ONE / (A::ONE + (-z).exp_fast())
-}
-
-// GELU's tanh form, rewritten without tanh: `0.5·(1 + tanh(u)) = σ(2u)`, so
-// `gelu(x) = x·σ(2u)` with `u = c·(x + a·x³)`. One exp, no cancellation (the `1 +` is
-// inside σ), and it vectorizes; libm's `tanhf` (through `expm1f`) was half of an MLP's time.
-#[inline(always)]
-fn gelu_f<A: AccFloat>(x: A) -> A {
-    let u = A::lit(GELU_C) * (x + A::lit(GELU_A) * x * x * x);
-    x * sigmoid(u + u)
-}
-
-/// `gelu'(x) = σ(2u) + x·σ(2u)·(1 − σ(2u))·2u'`, `u' = c·(1 + 3a·x²)`.
-#[inline(always)]
-fn gelu_grad<A: AccFloat>(x: A) -> A {
-    let x2 = x * x;
-    let u = A::lit(GELU_C) * x * (A::ONE + A::lit(GELU_A) * x2);
-    let s = sigmoid(u + u);
-    let ds = s * (A::ONE - s);
-    if ds == A::ZERO {
-        // Saturated: the second term is 0, but `x2` may have overflowed to inf (0·inf = NaN).
-        return s;
-    }
-    s + x * ds * A::lit(2.0 * GELU_C) * (A::ONE + A::lit(3.0 * GELU_A) * x2)
-}
-
-fn silu_f<A: AccFloat>(x: A) -> A {
-    x * sigmoid(x)
-}
-
-fn silu_grad<A: AccFloat>(x: A) -> A {
-    let s = sigmoid(x);
-    if s == A::ZERO {
-        // x far below 0: σ underflowed, and x·(1−σ) would be −inf (0·inf = NaN).
-        return A::ZERO;
-    }
-    s * (A::ONE + x * (A::ONE - s))
-}
-
-fn map_into<T: Float>(dst: &mut [T], x: &[T], f: impl Fn(T::Acc) -> T::Acc) {
-    for (d, &v) in dst.iter_mut().zip(x) {
-        *d = T::from_acc(f(v.to_acc()));
-    }
-}
-
-fn grad_into<T: Float>(
-    dst: &mut [T],
-    dy: &[T],
-    x: &[T],
-    accum: Accum,
-    f: impl Fn(T::Acc) -> T::Acc,
-) {
-    for ((d, &g), &v) in dst.iter_mut().zip(dy).zip(x) {
-        store(d, g.to_acc() * f(v.to_acc()), accum);
-    }
-}
-
+/// The four front doors of a unary activation (forward, backward, each allocating or
+/// `_into`); the host halves are `crate::cpu::activation`'s.
 macro_rules! unary_activation {
     (
         $name:ident, $name_into:ident, $back:ident, $back_into:ident,
-        $f:ident, $grad:ident, $op:literal, $op_back:literal, $doc:literal
+        $op:literal, $op_back:literal, $doc:literal
     ) => {
         #[doc = concat!("`", $doc, "`, elementwise.")]
         pub fn $name(x: &Tensor) -> Result<Tensor> {
@@ -102,10 +36,7 @@ macro_rules! unary_activation {
                 let y = crate::cuda::ops::$name(&x)?;
                 crate::dispatch::replace($op, dst, y)
             });
-            dispatch_float!($op, x.dtype(), |T| {
-                map_into::<T>(dst.as_mut_slice()?, x.as_slice()?, $f);
-                Ok(())
-            })
+            crate::cpu::activation::$name_into($op, dst, x)
         }
 
         #[doc = concat!("The input gradient of [`", stringify!($name), "`] at `x`, given the output gradient `dy`.")]
@@ -121,10 +52,7 @@ macro_rules! unary_activation {
             same_layout($op_back, dy, x)?;
             check_dst($op_back, dx, x.shape(), x.dtype())?;
             dispatch!($op_back, mut dx, [dy, x] => crate::cuda::ops::$back_into(dx, &dy, &x, accum));
-            dispatch_float!($op_back, x.dtype(), |T| {
-                grad_into::<T>(dx.as_mut_slice()?, dy.as_slice()?, x.as_slice()?, accum, $grad);
-                Ok(())
-            })
+            crate::cpu::activation::$back_into($op_back, dx, dy, x, accum)
         }
     };
 }
@@ -134,8 +62,6 @@ unary_activation!(
     gelu_into,
     gelu_backward,
     gelu_backward_into,
-    gelu_f,
-    gelu_grad,
     "ops::gelu",
     "ops::gelu_backward",
     "0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))"
@@ -146,8 +72,6 @@ unary_activation!(
     silu_into,
     silu_backward,
     silu_backward_into,
-    silu_f,
-    silu_grad,
     "ops::silu",
     "ops::silu_backward",
     "x·σ(x)"
@@ -171,22 +95,7 @@ pub fn swiglu_into(dst: &mut Tensor, gate: &Tensor, up: &Tensor) -> Result<()> {
         let y = crate::cuda::ops::swiglu(&gate, &up)?;
         crate::dispatch::replace(OP, dst, y)
     });
-    dispatch_float!(OP, gate.dtype(), |T| {
-        let (g, u) = (gate.as_slice::<T>()?, up.as_slice::<T>()?);
-        for ((d, &g), &u) in dst.as_mut_slice::<T>()?.iter_mut().zip(g).zip(u) {
-            *d = T::from_acc(silu_f(g.to_acc()) * u.to_acc());
-        }
-        Ok(())
-    })
-}
-
-/// The gradients of [`swiglu`] with respect to `gate` and `up`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SwiGluGrads {
-    /// `dy·up·silu'(gate)`: the gradient of the gate input, `gate`'s shape and dtype.
-    pub d_gate: Tensor,
-    /// `dy·silu(gate)`: the gradient of the up input, `up`'s shape and dtype.
-    pub d_up: Tensor,
+    crate::cpu::activation::swiglu_into(dst, gate, up)
 }
 
 /// `d_gate = dy·up·silu'(gate)`, `d_up = dy·silu(gate)`.
@@ -217,21 +126,7 @@ pub fn swiglu_backward_into(
     if crate::dispatch::on_cuda(OP, &[&*d_gate, &*d_up, dy, gate, up])? {
         return swiglu_backward_cuda(d_gate, d_up, dy, gate, up, accum);
     }
-    dispatch_float!(OP, gate.dtype(), |T| {
-        let (g, u, dy) = (
-            gate.as_slice::<T>()?,
-            up.as_slice::<T>()?,
-            dy.as_slice::<T>()?,
-        );
-        let dg = d_gate.as_mut_slice::<T>()?;
-        let du = d_up.as_mut_slice::<T>()?;
-        for i in 0..g.len() {
-            let (gi, ui, dyi) = (g[i].to_acc(), u[i].to_acc(), dy[i].to_acc());
-            store(&mut dg[i], dyi * ui * silu_grad(gi), accum);
-            store(&mut du[i], dyi * silu_f(gi), accum);
-        }
-        Ok(())
-    })
+    crate::cpu::activation::swiglu_backward_into(d_gate, d_up, dy, gate, up, accum)
 }
 
 /// [`swiglu_backward_into`] on the device (every operand there, as the caller checked): both

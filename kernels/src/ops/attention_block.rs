@@ -12,7 +12,7 @@
 //! |---|---|---|
 //! | `qkv` (queries are read from it) | `[samples·nq, H·3·d]`, fused as [`causal_attention`](super::causal_attention)'s | `T` |
 //! | `kv` ([`pack_kv`]) | `[samples·nk, H·2·d]`, head `h`: k at `h·2d ..`, v at `h·2d + d ..` | `T` |
-//! | partial `out`, `lse` ([`attention_block`]) | `[samples·nq, H·d]`, `[samples·nq, H]` | compute ([`acc_dtype`]) |
+//! | partial `out`, `lse` ([`attention_block`]) | `[samples·nq, H·d]`, `[samples·nq, H]` | compute ([`acc_dtype`](super::acc_dtype)) |
 //! | `dq`, `dkv` accumulators ([`attention_block_backward`]) | as `out`, as `kv` | compute |
 //!
 //! RoPE rotates q by its row's position and k by its own; the mask keeps key `j` for query
@@ -25,163 +25,17 @@
 //!
 //! Single-threaded; `f32`/`bf16`/`f16` compute in `f32`, `f64` in `f64`.
 
-use super::attention::{forward_sample, ExpShifted, FwdScratch, Operands, Rope, SampleGrads};
-use super::{acc_dtype, check_dst, same_dtype, AccFloat, Float, Layout};
-use crate::{DType, Error, Result, Tensor};
-use num_traits::Float as _;
-
-const OP: &str = "ops::attention_block";
-const OP_BACK: &str = "ops::attention_block_backward";
-const OP_MERGE: &str = "ops::merge_attention";
-const OP_PACK: &str = "ops::pack_kv";
-const OP_FUSE: &str = "ops::fuse_qkv_grad";
-const OP_ROWS: &str = "ops::gather_rows";
-
-/// The shape parameters of one [`attention_block`] call.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct BlockAttention<'a> {
-    /// The head dim `d` (even: RoPE rotates pairs).
-    pub head_dim: usize,
-    /// RoPE's base.
-    pub rope_base: f64,
-    /// Each query row's position in its sample (RoPE angle and mask), strictly
-    /// increasing; the same for every sample of the block.
-    pub q_pos: &'a [usize],
-    /// Each key row's position in its sample, strictly increasing.
-    pub k_pos: &'a [usize],
-}
-
-impl BlockAttention<'_> {
-    /// Whether every key of the block lies after every query (nothing to compute).
-    pub fn fully_masked(&self) -> bool {
-        match (self.q_pos.last(), self.k_pos.first()) {
-            (Some(&q), Some(&k)) => k > q,
-            _ => true,
-        }
-    }
-}
-
-/// Validated sizes of one blockwise call.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Dims {
-    pub(crate) heads: usize,
-    pub(crate) d: usize,
-    pub(crate) batch: usize,
-    pub(crate) nq: usize,
-    pub(crate) nk: usize,
-}
-
-impl Dims {
-    fn qcols(&self) -> usize {
-        self.heads * 3 * self.d
-    }
-    pub(crate) fn kvcols(&self) -> usize {
-        self.heads * 2 * self.d
-    }
-}
-
-fn increasing(p: &[usize]) -> bool {
-    !p.is_empty() && p.windows(2).all(|w| w[0] < w[1])
-}
-
-pub(crate) fn check_block<L: Layout + ?Sized>(
-    op: &'static str,
-    qkv: &L,
-    kv: &L,
-    cfg: &BlockAttention,
-) -> Result<Dims> {
-    let bad = |detail: String| Err(Error::Invalid { op, detail });
-    if qkv.rank() != 2 || kv.rank() != 2 {
-        return bad(format!(
-            "qkv must be [tokens, heads·3·head_dim] and kv [tokens, heads·2·head_dim], got shapes {:?} and {:?}",
-            qkv.shape(),
-            kv.shape()
-        ));
-    }
-    if !qkv.dtype().is_float() {
-        return Err(super::not_float(op, qkv.dtype()));
-    }
-    same_dtype(op, qkv, kv)?;
-    let d = cfg.head_dim;
-    if d == 0 || d % 2 != 0 {
-        return bad(format!(
-            "head_dim {d} must be even and nonzero (RoPE rotates pairs)"
-        ));
-    }
-    if !(cfg.rope_base.is_finite() && cfg.rope_base > 0.0) {
-        return bad(format!(
-            "rope_base {} must be positive and finite",
-            cfg.rope_base
-        ));
-    }
-    if !increasing(cfg.q_pos) || !increasing(cfg.k_pos) {
-        return bad(format!(
-            "q and k positions must be non-empty and strictly increasing, got {} and {} positions",
-            cfg.q_pos.len(),
-            cfg.k_pos.len()
-        ));
-    }
-    let cols = qkv.shape()[1];
-    if cols % (3 * d) != 0 {
-        return bad(format!(
-            "{cols} qkv columns are not whole heads of 3·head_dim = {}",
-            3 * d
-        ));
-    }
-    let heads = cols / (3 * d);
-    if kv.shape()[1] != heads * 2 * d {
-        return bad(format!(
-            "kv has {} columns, want heads·2·head_dim = {} for qkv's {heads} heads",
-            kv.shape()[1],
-            heads * 2 * d
-        ));
-    }
-    let (nq, nk) = (cfg.q_pos.len(), cfg.k_pos.len());
-    let (rq, rk) = (qkv.shape()[0], kv.shape()[0]);
-    if rq % nq != 0 || rk % nk != 0 || rq / nq != rk / nk {
-        return bad(format!(
-            "{rq} query rows in samples of {nq} and {rk} key rows in samples of {nk} are not the same whole number of samples"
-        ));
-    }
-    Ok(Dims {
-        heads,
-        d,
-        batch: rq / nq,
-        nq,
-        nk,
-    })
-}
+use crate::spec::attention::CausalAttentionOutput;
+use crate::spec::attention_block::{
+    BlockAttention, OP, OP_BACK, OP_FUSE, OP_MERGE, OP_PACK, OP_ROWS,
+};
+use crate::{DType, Result, Tensor};
 
 /// The k and v columns of a fused `[tokens, H·3·d]` QKV, packed as `[tokens, H·2·d]` (what
 /// travels around a ring: two thirds of the fused tensor).
 pub fn pack_kv(qkv: &Tensor, head_dim: usize) -> Result<Tensor> {
-    dispatch!(OP_PACK, [qkv] => crate::cuda::model_ops::pack_kv(&qkv, head_dim));
-    let d = head_dim;
-    if qkv.rank() != 2 || d == 0 || qkv.shape()[1] % (3 * d) != 0 {
-        return Err(Error::Invalid {
-            op: OP_PACK,
-            detail: format!(
-                "qkv of shape {:?} is not [tokens, heads·3·{d}]",
-                qkv.shape()
-            ),
-        });
-    }
-    let (rows, cols) = (qkv.shape()[0], qkv.shape()[1]);
-    let heads = cols / (3 * d);
-    let mut kv = Tensor::for_overwrite(&[rows, heads * 2 * d], qkv.dtype());
-    dispatch_float!(OP_PACK, qkv.dtype(), |T| {
-        let src = qkv.as_slice::<T>()?;
-        let dst = kv.as_mut_slice::<T>()?;
-        for r in 0..rows {
-            for h in 0..heads {
-                let s = r * cols + h * 3 * d + d;
-                let o = (r * heads + h) * 2 * d;
-                dst[o..o + 2 * d].copy_from_slice(&src[s..s + 2 * d]);
-            }
-        }
-        Ok(())
-    })?;
-    Ok(kv)
+    dispatch!(OP_PACK, [qkv] => crate::cuda::ops::pack_kv(&qkv, head_dim));
+    crate::cpu::attention_block::pack_kv(qkv, head_dim)
 }
 
 /// Attention of `qkv`'s queries (at `cfg.q_pos`) to `kv`'s keys and values (at
@@ -191,204 +45,22 @@ pub fn attention_block(
     qkv: &Tensor,
     kv: &Tensor,
     cfg: &BlockAttention,
-) -> Result<super::CausalAttentionOutput> {
-    dispatch!(OP, [qkv, kv] => crate::cuda::model_ops::attention_block(&qkv, &kv, cfg));
-    let g = check_block(OP, qkv, kv, cfg)?;
-    let acc = acc_dtype(qkv.dtype());
-    let rows = g.batch * g.nq;
-    let mut out = Tensor::zeros(&[rows, g.heads * g.d], acc);
-    let mut lse = Tensor::zeros(&[rows, g.heads], acc).map(|_| f64::NEG_INFINITY);
-    if !cfg.fully_masked() {
-        dispatch_float!(OP, qkv.dtype(), |T| {
-            block_forward::<T>(
-                out.as_mut_slice()?,
-                lse.as_mut_slice()?,
-                qkv.as_slice()?,
-                kv.as_slice()?,
-                &g,
-                cfg,
-            );
-            Ok(())
-        })?;
-    }
-    Ok(super::CausalAttentionOutput { out, lse })
-}
-
-/// One sample's operands of one head, loaded from a block's tensors.
-struct Loaded<A> {
-    q: Vec<A>,
-    k: Vec<A>,
-    v: Vec<A>,
-    rq: Rope<A>,
-    rk: Rope<A>,
-    scale: A,
-}
-
-impl<A: AccFloat> Loaded<A> {
-    fn new(g: &Dims, cfg: &BlockAttention) -> Self {
-        Loaded {
-            q: vec![A::ZERO; g.nq * g.d],
-            k: vec![A::ZERO; g.nk * g.d],
-            v: vec![A::ZERO; g.nk * g.d],
-            rq: Rope::for_positions(cfg.q_pos.iter().copied(), g.d, cfg.rope_base),
-            rk: Rope::for_positions(cfg.k_pos.iter().copied(), g.d, cfg.rope_base),
-            scale: A::lit(1.0 / (g.d as f64).sqrt()),
-        }
-    }
-
-    /// Head `h` of sample `b`: q rotated and scaled, k rotated, v as is.
-    fn load<T: Float<Acc = A>>(&mut self, qkv: &[T], kv: &[T], g: &Dims, h: usize, b: usize) {
-        let d = g.d;
-        for i in 0..g.nq {
-            let row = (b * g.nq + i) * g.qcols() + h * 3 * d;
-            self.rq.rotate(
-                &mut self.q[i * d..(i + 1) * d],
-                &qkv[row..row + d],
-                i,
-                self.scale,
-            );
-        }
-        for j in 0..g.nk {
-            let row = (b * g.nk + j) * g.kvcols() + h * 2 * d;
-            let at = j * d..(j + 1) * d;
-            self.rk
-                .rotate(&mut self.k[at.clone()], &kv[row..row + d], j, A::ONE);
-            for (dst, x) in self.v[at].iter_mut().zip(&kv[row + d..row + 2 * d]) {
-                *dst = x.to_acc();
-            }
-        }
-    }
-
-    fn operands<'a>(&'a self, cfg: &'a BlockAttention, d: usize) -> Operands<'a, A> {
-        Operands {
-            q: &self.q,
-            k: &self.k,
-            v: &self.v,
-            q_pos: cfg.q_pos,
-            k_pos: cfg.k_pos,
-            d,
-        }
-    }
-}
-
-fn block_forward<T: Float<Acc: ExpShifted>>(
-    out: &mut [T::Acc],
-    lse: &mut [T::Acc],
-    qkv: &[T],
-    kv: &[T],
-    g: &Dims,
-    cfg: &BlockAttention,
-) {
-    let (d, nh) = (g.d, g.heads);
-    let mut x = Loaded::<T::Acc>::new(g, cfg);
-    let mut w = FwdScratch::new(d, g.nq.max(g.nk));
-    for h in 0..nh {
-        for b in 0..g.batch {
-            x.load(qkv, kv, g, h, b);
-            forward_sample(&x.operands(cfg, d), &mut w, |i, acc, l, m| {
-                let t = b * g.nq + i;
-                let dst = &mut out[t * nh * d + h * d..][..d];
-                if l > T::Acc::ZERO {
-                    for (o, &a) in dst.iter_mut().zip(acc) {
-                        *o = a / l;
-                    }
-                    lse[t * nh + h] = m + l.ln();
-                } else {
-                    dst.fill(T::Acc::ZERO);
-                    lse[t * nh + h] = T::Acc::neg_infinity();
-                }
-            });
-        }
-    }
-}
-
-/// `(rows, heads, out columns)` of a merge of `part` into `acc` (each `(out, lse)`), or the
-/// error for arguments that cannot be merged: the CPU op and its device twin check alike.
-pub(crate) fn check_merge<L: Layout + ?Sized>(
-    op: &'static str,
-    acc: (&L, &L),
-    part: (&L, &L),
-) -> Result<(usize, usize, usize)> {
-    let ((acc_out, acc_lse), (part_out, part_lse)) = (acc, part);
-    let (rows, heads) = match acc_lse.shape() {
-        &[r, h] => (r, h),
-        s => {
-            return Err(Error::Invalid {
-                op,
-                detail: format!("lse must be [tokens, heads], got {s:?}"),
-            })
-        }
-    };
-    let dt = acc_lse.dtype();
-    if !matches!(dt, DType::F32 | DType::F64) {
-        return Err(Error::Invalid {
-            op,
-            detail: format!("partial results are in a compute dtype (f32 or f64), got {dt}"),
-        });
-    }
-    check_dst(op, part_lse, &[rows, heads], dt)?;
-    let ocols = acc_out.shape().get(1).copied().unwrap_or(0);
-    if heads == 0 || ocols % heads != 0 {
-        return Err(Error::Invalid {
-            op,
-            detail: format!("out {:?} is not [tokens, heads·d]", acc_out.shape()),
-        });
-    }
-    check_dst(op, acc_out, &[rows, ocols], dt)?;
-    check_dst(op, part_out, &[rows, ocols], dt)?;
-    Ok((rows, heads, ocols))
+) -> Result<CausalAttentionOutput> {
+    dispatch!(OP, [qkv, kv] => crate::cuda::ops::attention_block(&qkv, &kv, cfg));
+    crate::cpu::attention_block::attention_block(qkv, kv, cfg)
 }
 
 /// Merges a partial attention result into a running one, row and head at a time:
 /// `lse = log(e^lse_a + e^lse_b)`, `out = e^(lse_a − lse)·out_a + e^(lse_b − lse)·out_b`
 /// (a side with `lse = −∞` contributes nothing). Both in the compute dtype, shaped alike.
 pub fn merge_attention(
-    acc: &mut super::CausalAttentionOutput,
-    part: &super::CausalAttentionOutput,
+    acc: &mut CausalAttentionOutput,
+    part: &CausalAttentionOutput,
 ) -> Result<()> {
     if crate::dispatch::on_cuda(OP_MERGE, &[&acc.out, &acc.lse, &part.out, &part.lse])? {
         return merge_attention_cuda(acc, part);
     }
-    let (_, heads, ocols) = check_merge(OP_MERGE, (&acc.out, &acc.lse), (&part.out, &part.lse))?;
-    let dt = acc.lse.dtype();
-    fn run<A: AccFloat>(oa: &mut [A], la: &mut [A], ob: &[A], lb: &[A], d: usize) {
-        for (i, (la, &lb)) in la.iter_mut().zip(lb).enumerate() {
-            let (a, b) = (&mut oa[i * d..(i + 1) * d], &ob[i * d..(i + 1) * d]);
-            if lb == A::neg_infinity() {
-                continue;
-            }
-            if *la == A::neg_infinity() {
-                a.copy_from_slice(b);
-                *la = lb;
-                continue;
-            }
-            let m = la.max(lb);
-            let l = m + ((*la - m).exp() + (lb - m).exp()).ln();
-            let (wa, wb) = ((*la - l).exp(), (lb - l).exp());
-            for (x, &y) in a.iter_mut().zip(b) {
-                *x = wa * *x + wb * y;
-            }
-            *la = l;
-        }
-    }
-    let d = ocols / heads;
-    match dt {
-        DType::F32 => run::<f32>(
-            acc.out.as_mut_slice()?,
-            acc.lse.as_mut_slice()?,
-            part.out.as_slice()?,
-            part.lse.as_slice()?,
-            d,
-        ),
-        _ => run::<f64>(
-            acc.out.as_mut_slice()?,
-            acc.lse.as_mut_slice()?,
-            part.out.as_slice()?,
-            part.lse.as_slice()?,
-            d,
-        ),
-    }
-    Ok(())
+    crate::cpu::attention_block::merge_attention(acc, part)
 }
 
 /// One (query block, key block) pair's share of the gradient: from the output gradient
@@ -411,188 +83,30 @@ pub fn attention_block_backward(
     if crate::dispatch::on_cuda(OP_BACK, &[dout, qkv, kv, out, lse, &*dq, &*dkv])? {
         return attention_block_backward_cuda([dout, qkv, kv, out, lse], cfg, dq, dkv);
     }
-    let g = check_block(OP_BACK, qkv, kv, cfg)?;
-    same_dtype(OP_BACK, dout, qkv)?;
-    same_dtype(OP_BACK, out, qkv)?;
-    let rq = g.batch * g.nq;
-    let acc = acc_dtype(qkv.dtype());
-    for t in [dout, out] {
-        if t.shape() != [rq, g.heads * g.d] {
-            return Err(Error::ShapeMismatch {
-                op: OP_BACK,
-                lhs: t.shape().into(),
-                rhs: [rq, g.heads * g.d].as_slice().into(),
-            });
-        }
-    }
-    check_dst(OP_BACK, lse, &[rq, g.heads], acc)?;
-    check_dst(OP_BACK, dq, &[rq, g.heads * g.d], acc)?;
-    check_dst(OP_BACK, dkv, &[g.batch * g.nk, g.kvcols()], acc)?;
-    if cfg.fully_masked() {
-        return Ok(());
-    }
-    dispatch_float!(OP_BACK, qkv.dtype(), |T| {
-        block_backward::<T>(
-            dq.as_mut_slice()?,
-            dkv.as_mut_slice()?,
-            dout.as_slice()?,
-            qkv.as_slice()?,
-            kv.as_slice()?,
-            out.as_slice()?,
-            lse.as_slice()?,
-            &g,
-            cfg,
-        );
-        Ok(())
-    })
-}
-
-#[allow(clippy::too_many_arguments)]
-fn block_backward<T: Float<Acc: ExpShifted>>(
-    dq_out: &mut [T::Acc],
-    dkv_out: &mut [T::Acc],
-    dout: &[T],
-    qkv: &[T],
-    kv: &[T],
-    out: &[T],
-    lse: &[T::Acc],
-    g: &Dims,
-    cfg: &BlockAttention,
-) {
-    let (d, nh, nq, nk) = (g.d, g.heads, g.nq, g.nk);
-    let mut x = Loaded::<T::Acc>::new(g, cfg);
-    let mut grads = SampleGrads::new(nq, nk, d);
-    for h in 0..nh {
-        for b in 0..g.batch {
-            x.load(qkv, kv, g, h, b);
-            grads.compute(&x.operands(cfg, d), dout, out, lse, nh, h, b);
-            let SampleGrads { dq, dk, dv, .. } = &grads;
-            for i in 0..nq {
-                let at = (b * nq + i) * nh * d + h * d;
-                // q was scaled by 1/√d after rotating: the chain rule scales dq by it too.
-                x.rq.unrotate_add(&mut dq_out[at..at + d], &dq[i * d..(i + 1) * d], i, x.scale);
-            }
-            for j in 0..nk {
-                let at = (b * nk + j) * g.kvcols() + h * 2 * d;
-                x.rk.unrotate_add(
-                    &mut dkv_out[at..at + d],
-                    &dk[j * d..(j + 1) * d],
-                    j,
-                    T::Acc::ONE,
-                );
-                for (o, &v) in dkv_out[at + d..at + 2 * d]
-                    .iter_mut()
-                    .zip(&dv[j * d..(j + 1) * d])
-                {
-                    *o += v;
-                }
-            }
-        }
-    }
-}
-
-/// `(rows, heads)` of a QKV gradient fused from `dq` and `dkv`, or the error for parts that
-/// are not `[tokens, H·d]` and `[tokens, H·2·d]` in `dtype`'s compute dtype: the CPU op and
-/// its device twin check alike.
-pub(crate) fn check_fuse_qkv_grad<L: Layout + ?Sized>(
-    op: &'static str,
-    dq: &L,
-    dkv: &L,
-    d: usize,
-    dtype: DType,
-) -> Result<(usize, usize)> {
-    let acc = acc_dtype(dtype);
-    let (rows, qc) = match *dq.shape() {
-        [r, c] if d > 0 && c % d == 0 => (r, c),
-        ref s => {
-            return Err(Error::Invalid {
-                op,
-                detail: format!("dq of shape {s:?} is not [tokens, heads·{d}]"),
-            })
-        }
-    };
-    let heads = qc / d;
-    check_dst(op, dq, &[rows, heads * d], acc)?;
-    check_dst(op, dkv, &[rows, heads * 2 * d], acc)?;
-    Ok((rows, heads))
+    crate::cpu::attention_block::attention_block_backward(dout, qkv, kv, out, lse, cfg, dq, dkv)
 }
 
 /// The fused `[tokens, H·3·d]` gradient of a QKV from its parts: `dq` (`[tokens, H·d]`)
 /// and `dkv` (`[tokens, H·2·d]`, packed as [`pack_kv`]), both in the compute dtype,
 /// rounded once into `dtype`.
 pub fn fuse_qkv_grad(dq: &Tensor, dkv: &Tensor, head_dim: usize, dtype: DType) -> Result<Tensor> {
-    dispatch!(OP_FUSE, [dq, dkv] => crate::cuda::model_ops::fuse_qkv_grad(&dq, &dkv, head_dim, dtype));
-    let d = head_dim;
-    let (rows, heads) = check_fuse_qkv_grad(OP_FUSE, dq, dkv, d, dtype)?;
-    let mut dqkv = Tensor::for_overwrite(&[rows, heads * 3 * d], dtype);
-    dispatch_float!(OP_FUSE, dtype, |T| {
-        let (q, kv) = (
-            dq.as_slice::<<T as Float>::Acc>()?,
-            dkv.as_slice::<<T as Float>::Acc>()?,
-        );
-        let dst = dqkv.as_mut_slice::<T>()?;
-        for r in 0..rows {
-            for h in 0..heads {
-                let o = (r * heads + h) * 3 * d;
-                let (qs, ks) = ((r * heads + h) * d, (r * heads + h) * 2 * d);
-                for (x, &v) in dst[o..o + d].iter_mut().zip(&q[qs..qs + d]) {
-                    *x = T::from_acc(v);
-                }
-                for (x, &v) in dst[o + d..o + 3 * d].iter_mut().zip(&kv[ks..ks + 2 * d]) {
-                    *x = T::from_acc(v);
-                }
-            }
-        }
-        Ok(())
-    })?;
-    Ok(dqkv)
+    dispatch!(OP_FUSE, [dq, dkv] => crate::cuda::ops::fuse_qkv_grad(&dq, &dkv, head_dim, dtype));
+    crate::cpu::attention_block::fuse_qkv_grad(dq, dkv, head_dim, dtype)
 }
 
 /// Rows of a 2-D tensor picked by index: row `i` of the result is row `src[i]` of `t`
 /// (any dtype, bit for bit). Context parallelism's token reorderings go through it.
 pub fn gather_rows(t: &Tensor, src: &[usize]) -> Result<Tensor> {
-    dispatch!(OP_ROWS, [t] => crate::cuda::model_ops::gather_rows(&t, src));
-    let (rows, cols) = match t.shape() {
-        &[r, c] => (r, c),
-        s => {
-            return Err(Error::Invalid {
-                op: OP_ROWS,
-                detail: format!("a 2-D tensor, got shape {s:?}"),
-            })
-        }
-    };
-    if let Some(&bad) = src.iter().find(|&&i| i >= rows) {
-        return Err(Error::Invalid {
-            op: OP_ROWS,
-            detail: format!("row {bad} of a tensor of {rows} rows"),
-        });
-    }
-    macro_rules! go {
-        ($T:ty) => {{
-            let s = t.as_slice::<$T>()?;
-            let mut v: Vec<$T> = Vec::with_capacity(src.len() * cols);
-            for &i in src {
-                v.extend_from_slice(&s[i * cols..(i + 1) * cols]);
-            }
-            Tensor::from_vec(v, &[src.len(), cols])
-        }};
-    }
-    match t.dtype() {
-        DType::F32 => go!(f32),
-        DType::F64 => go!(f64),
-        DType::BF16 => go!(half::bf16),
-        DType::F16 => go!(half::f16),
-        DType::I32 => go!(i32),
-        DType::I64 => go!(i64),
-    }
+    dispatch!(OP_ROWS, [t] => crate::cuda::ops::gather_rows(&t, src));
+    crate::cpu::attention_block::gather_rows(t, src)
 }
 
 /// [`merge_attention`] on the device (every tensor there, as the caller checked): `acc`'s
 /// tensors are moved out for the kernel and back, whatever it returns.
 #[cfg(feature = "cuda")]
 fn merge_attention_cuda(
-    acc: &mut super::CausalAttentionOutput,
-    part: &super::CausalAttentionOutput,
+    acc: &mut CausalAttentionOutput,
+    part: &CausalAttentionOutput,
 ) -> Result<()> {
     use crate::cuda::ops::CudaAttentionOutput;
     let p = CudaAttentionOutput {
@@ -603,17 +117,14 @@ fn merge_attention_cuda(
         out: crate::dispatch::take_cuda(&mut acc.out),
         lse: crate::dispatch::take_cuda(&mut acc.lse),
     };
-    let r = crate::cuda::model_ops::merge_attention(&mut a, &p);
+    let r = crate::cuda::ops::merge_attention(&mut a, &p);
     acc.out = a.out.into();
     acc.lse = a.lse.into();
     r
 }
 
 #[cfg(not(feature = "cuda"))]
-fn merge_attention_cuda(
-    _: &mut super::CausalAttentionOutput,
-    _: &super::CausalAttentionOutput,
-) -> Result<()> {
+fn merge_attention_cuda(_: &mut CausalAttentionOutput, _: &CausalAttentionOutput) -> Result<()> {
     unreachable!("no device tensor exists without the `cuda` feature")
 }
 
@@ -630,9 +141,7 @@ fn attention_block_backward_cuda(
     let (dout, qkv, kv, out, lse) = (dout?, qkv?, kv?, out?, lse?);
     crate::dispatch::with_cuda_mut(dq, |dq| {
         crate::dispatch::with_cuda_mut(dkv, |dkv| {
-            crate::cuda::model_ops::attention_block_backward(
-                &dout, &qkv, &kv, &out, &lse, cfg, dq, dkv,
-            )
+            crate::cuda::ops::attention_block_backward(&dout, &qkv, &kv, &out, &lse, cfg, dq, dkv)
         })
     })
 }

@@ -20,108 +20,9 @@
 //! stable sort, so each group keeps position order), each group is summed in the compute type,
 //! and the sum is written (or added, [`Accum::Add`]) once.
 
-use super::{check_dst, store, Accum, Float, Layout};
-use crate::{DType, Error, Result, Shape, Tensor};
-
-/// Which rows of the full embedding table one rank holds: rows `start..start + len` of a
-/// table with `vocab` rows (Megatron's `vocab_start_index` / `vocab_end_index`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct VocabShard {
-    /// The global id of this rank's first row.
-    pub start: usize,
-    /// The number of rows this rank holds (the local table's first extent; 0 is allowed).
-    pub len: usize,
-    /// The number of rows of the full table; every id must lie in `0..vocab`.
-    pub vocab: usize,
-}
-
-impl VocabShard {
-    /// The whole table: rows `0..vocab`.
-    pub fn full(vocab: usize) -> Self {
-        VocabShard {
-            start: 0,
-            len: vocab,
-            vocab,
-        }
-    }
-
-    pub(crate) fn check(&self, op: &'static str) -> Result<()> {
-        if self
-            .start
-            .checked_add(self.len)
-            .is_none_or(|end| end > self.vocab)
-        {
-            return Err(Error::Invalid {
-                op,
-                detail: format!(
-                    "vocab shard rows {}..{}+{} exceed vocab {}",
-                    self.start, self.start, self.len, self.vocab
-                ),
-            });
-        }
-        Ok(())
-    }
-
-    /// The local row of a valid global id, or `None` if another rank holds it.
-    #[inline]
-    pub(crate) fn local(&self, id: usize) -> Option<usize> {
-        id.checked_sub(self.start).filter(|&r| r < self.len)
-    }
-}
-
-/// The ids as `usize`, each checked against `0..vocab`.
-pub(crate) fn read_ids(op: &'static str, ids: &Tensor, vocab: usize) -> Result<Vec<usize>> {
-    let raw: Vec<i64> = match ids.dtype() {
-        DType::I64 => ids.as_slice::<i64>()?.to_vec(),
-        DType::I32 => ids.as_slice::<i32>()?.iter().map(|&i| i as i64).collect(),
-        other => {
-            return Err(Error::Invalid {
-                op,
-                detail: format!("ids must be i64 or i32, got {other}"),
-            })
-        }
-    };
-    raw.iter()
-        .enumerate()
-        .map(|(pos, &id)| {
-            usize::try_from(id)
-                .ok()
-                .filter(|&i| i < vocab)
-                .ok_or_else(|| Error::Invalid {
-                    op,
-                    detail: format!(
-                        "id {id} at flat position {pos} of ids {:?} is out of range for vocab {vocab}",
-                        ids.shape()
-                    ),
-                })
-        })
-        .collect()
-}
-
-/// `[rows, hidden]` of a 2-D table.
-pub(crate) fn table_dims<L: Layout + ?Sized>(
-    op: &'static str,
-    table: &L,
-    rows: usize,
-) -> Result<usize> {
-    match table.shape() {
-        &[r, h] if r == rows => Ok(h),
-        _ => Err(Error::Invalid {
-            op,
-            detail: format!(
-                "table must be [{rows}, hidden] (its rows of the vocab), got {:?}",
-                table.shape()
-            ),
-        }),
-    }
-}
-
-/// `ids.shape ++ [hidden]`.
-pub(crate) fn out_shape(ids: &Tensor, hidden: usize) -> Shape {
-    let mut s: Shape = ids.shape().into();
-    s.push(hidden);
-    s
-}
+use super::{check_dst, Accum};
+use crate::spec::embedding::{dy_hidden, table_dims, VocabShard};
+use crate::{Result, Tensor};
 
 fn gather(op: &'static str, table: &Tensor, ids: &Tensor, shard: VocabShard) -> Result<Tensor> {
     shard.check(op)?;
@@ -130,20 +31,7 @@ fn gather(op: &'static str, table: &Tensor, ids: &Tensor, shard: VocabShard) -> 
     if let Some(ids) = crate::dispatch::host_ids(op, table, ids)? {
         return crate::cuda::ops::embedding(&table.cuda_tensor()?, &ids, shard).map(Tensor::from);
     }
-    let ids_v = read_ids(op, ids, shard.vocab)?;
-    let mut out = Tensor::zeros_checked(op, &out_shape(ids, hidden), table.dtype())?;
-    dispatch_float!(op, table.dtype(), |T| {
-        let t = table.as_slice::<T>()?;
-        let o = out.as_mut_slice::<T>()?;
-        for (pos, &id) in ids_v.iter().enumerate() {
-            if let Some(r) = shard.local(id) {
-                o[pos * hidden..(pos + 1) * hidden]
-                    .copy_from_slice(&t[r * hidden..(r + 1) * hidden]);
-            }
-        }
-        Ok(())
-    })?;
-    Ok(out)
+    crate::cpu::embedding::gather(op, table, ids, shard, hidden)
 }
 
 fn scatter(
@@ -167,51 +55,7 @@ fn scatter(
             crate::cuda::ops::embedding_backward_into(d, &dy, &ids, shard, accum)
         });
     }
-    let ids_v = read_ids(op, ids, shard.vocab)?;
-    let mut hits: Vec<(usize, usize)> = ids_v
-        .iter()
-        .enumerate()
-        .filter_map(|(pos, &id)| shard.local(id).map(|r| (r, pos)))
-        .collect();
-    // Stable: positions stay in order within a row, so the sum order is fixed.
-    hits.sort_by_key(|&(r, _)| r);
-    dispatch_float!(op, dy.dtype(), |T| {
-        let g = dy.as_slice::<T>()?;
-        let d = dtable.as_mut_slice::<T>()?;
-        if accum == Accum::Replace {
-            d.fill(T::from_acc(Default::default()));
-        }
-        let mut acc = vec![<T as Float>::Acc::default(); hidden];
-        for group in hits.chunk_by(|a, b| a.0 == b.0) {
-            acc.fill(Default::default());
-            for &(_, pos) in group {
-                for (a, &v) in acc.iter_mut().zip(&g[pos * hidden..(pos + 1) * hidden]) {
-                    *a += v.to_acc();
-                }
-            }
-            let r = group[0].0;
-            for (d, &a) in d[r * hidden..(r + 1) * hidden].iter_mut().zip(&acc) {
-                store(d, a, accum);
-            }
-        }
-        Ok(())
-    })
-}
-
-/// `hidden`, after checking `dy` is `ids.shape ++ [hidden]`.
-pub(crate) fn dy_hidden<L: Layout + ?Sized>(
-    op: &'static str,
-    dy: &L,
-    ids: &Tensor,
-) -> Result<usize> {
-    match dy.shape().split_last() {
-        Some((&h, lead)) if lead == ids.shape() => Ok(h),
-        _ => Err(Error::ShapeMismatch {
-            op,
-            lhs: dy.shape().into(),
-            rhs: ids.shape().into(),
-        }),
-    }
+    crate::cpu::embedding::scatter(op, dtable, dy, ids, shard, accum, hidden)
 }
 
 /// Rows of `table` (`[vocab, hidden]`) at `ids` (any shape): `[..ids, hidden]`.

@@ -7,142 +7,15 @@
 //! | [`sum_dim`] | `Σ_e x[.., e, ..]`, in index order, in the compute type, rounded once | [`sum_dim_backward`]: `dy` broadcast along the restored dim |
 //! | [`max_dim`] | values and `i64` argmax (the first maximum; a NaN wins, as in PyTorch) | [`max_dim_backward`]: `dy` placed at the argmax, zeros elsewhere |
 
-use super::{Float, Layout};
-use crate::{DType, Error, Result, Shape, Tensor};
-
-/// `(outer, extent, inner)` of `x` around `dim`, and the shape with `dim` removed.
-fn split(op: &'static str, x: &Tensor, dim: usize) -> Result<(usize, usize, usize, Shape)> {
-    let (outer, extent, inner) = split_at(op, x.shape(), dim)?;
-    Ok((outer, extent, inner, removed(x.shape(), dim)))
-}
-
-/// `(outer, extent, inner)`: `shape` seen as `[outer, shape[dim], inner]`.
-pub(crate) fn split_at(
-    op: &'static str,
-    shape: &[usize],
-    dim: usize,
-) -> Result<(usize, usize, usize)> {
-    if dim >= shape.len() {
-        return Err(Error::DimOutOfRange {
-            op,
-            dim,
-            shape: shape.into(),
-        });
-    }
-    Ok((
-        shape[..dim].iter().product(),
-        shape[dim],
-        shape[dim + 1..].iter().product(),
-    ))
-}
-
-/// `shape` without `dim` (which must be in range).
-pub(crate) fn removed(shape: &[usize], dim: usize) -> Shape {
-    let mut s: Shape = shape.into();
-    s.remove(dim);
-    s
-}
-
-/// `dy.shape` with `extent` inserted at `dim` (the shape a reduction's input had).
-pub(crate) fn restored<L: Layout + ?Sized>(
-    op: &'static str,
-    dy: &L,
-    dim: usize,
-    extent: usize,
-) -> Result<Shape> {
-    if dim > dy.rank() {
-        return Err(Error::DimOutOfRange {
-            op,
-            dim,
-            shape: dy.shape().into(),
-        });
-    }
-    let mut s: Shape = dy.shape().into();
-    s.insert(dim, extent);
-    Ok(s)
-}
-
-/// [`max_dim`]'s split of `shape` around `dim`: `Err` for an empty `dim` (no maximum).
-pub(crate) fn max_split(
-    op: &'static str,
-    shape: &[usize],
-    dim: usize,
-) -> Result<(usize, usize, usize)> {
-    let (outer, extent, inner) = split_at(op, shape, dim)?;
-    if extent == 0 {
-        return Err(Error::Invalid {
-            op,
-            detail: format!("no maximum over empty dim {dim} of shape {shape:?}"),
-        });
-    }
-    Ok((outer, extent, inner))
-}
-
-/// [`max_dim_backward`]'s `indices`: `i64`, `dy`'s shape.
-pub(crate) fn check_indices<L: Layout + ?Sized>(
-    op: &'static str,
-    dy: &L,
-    indices: &L,
-) -> Result<()> {
-    if indices.dtype() != DType::I64 {
-        return Err(Error::DTypeMismatch {
-            op,
-            lhs: indices.dtype(),
-            rhs: DType::I64,
-        });
-    }
-    if indices.shape() != dy.shape() {
-        return Err(Error::ShapeMismatch {
-            op,
-            lhs: dy.shape().into(),
-            rhs: indices.shape().into(),
-        });
-    }
-    Ok(())
-}
-
-/// `Err` naming the first index of `ix` outside `0..extent`.
-pub(crate) fn check_index_range(op: &'static str, ix: &[i64], extent: usize) -> Result<()> {
-    if let Some((pos, &bad)) = ix
-        .iter()
-        .enumerate()
-        .find(|(_, &e)| usize::try_from(e).map_or(true, |e| e >= extent))
-    {
-        return Err(Error::Invalid {
-            op,
-            detail: format!(
-                "index {bad} at flat position {pos} is out of range for extent {extent}"
-            ),
-        });
-    }
-    Ok(())
-}
+use crate::spec::reduction::*;
+use crate::{Result, Tensor};
 
 /// The sum over `dim`, which is removed from the shape.
 pub fn sum_dim(x: &Tensor, dim: usize) -> Result<Tensor> {
     const OP: &str = "ops::sum_dim";
     let (outer, extent, inner, shape) = split(OP, x, dim)?;
     dispatch!(OP, [x] => crate::cuda::ops::sum_dim(&x, dim));
-    let mut out = Tensor::zeros(&shape, x.dtype());
-    dispatch_float!(OP, x.dtype(), |T| {
-        let xs = x.as_slice::<T>()?;
-        let o = out.as_mut_slice::<T>()?;
-        let mut acc = vec![<T as Float>::Acc::default(); inner];
-        for b in 0..outer {
-            acc.fill(Default::default());
-            for e in 0..extent {
-                let row = &xs[(b * extent + e) * inner..][..inner];
-                for (a, &v) in acc.iter_mut().zip(row) {
-                    *a += v.to_acc();
-                }
-            }
-            for (d, &a) in o[b * inner..][..inner].iter_mut().zip(&acc) {
-                *d = T::from_acc(a);
-            }
-        }
-        Ok(())
-    })?;
-    Ok(out)
+    crate::cpu::reduction::sum_dim(x, dim, outer, extent, inner, shape)
 }
 
 /// The input gradient of [`sum_dim`]: `dy` repeated `extent` times along a new dim `dim`.
@@ -150,30 +23,7 @@ pub fn sum_dim_backward(dy: &Tensor, dim: usize, extent: usize) -> Result<Tensor
     const OP: &str = "ops::sum_dim_backward";
     let shape = restored(OP, dy, dim, extent)?;
     dispatch!(OP, [dy] => crate::cuda::ops::sum_dim_backward(&dy, dim, extent));
-    let outer: usize = shape[..dim].iter().product();
-    let inner: usize = shape[dim + 1..].iter().product();
-    // `extent` comes from the caller: the restored shape may not fit.
-    let mut dx = Tensor::zeros_checked(OP, &shape, dy.dtype())?;
-    dispatch_float!(OP, dy.dtype(), |T| {
-        let g = dy.as_slice::<T>()?;
-        let d = dx.as_mut_slice::<T>()?;
-        for b in 0..outer {
-            for e in 0..extent {
-                d[(b * extent + e) * inner..][..inner].copy_from_slice(&g[b * inner..][..inner]);
-            }
-        }
-        Ok(())
-    })?;
-    Ok(dx)
-}
-
-/// What [`max_dim`] returns.
-#[derive(Clone, Debug, PartialEq)]
-pub struct MaxDim {
-    /// The maxima, `x`'s dtype, shape without `dim`.
-    pub values: Tensor,
-    /// Where along `dim` each maximum is (`i64`, same shape as `values`).
-    pub indices: Tensor,
+    crate::cpu::reduction::sum_dim_backward(dy, dim, extent, shape)
 }
 
 /// The maximum over `dim` (removed from the shape) and its index. Ties give the first index;
@@ -182,33 +32,7 @@ pub fn max_dim(x: &Tensor, dim: usize) -> Result<MaxDim> {
     const OP: &str = "ops::max_dim";
     let (outer, extent, inner) = max_split(OP, x.shape(), dim)?;
     dispatch!(OP, [x] => crate::cuda::ops::max_dim(&x, dim));
-    let shape = removed(x.shape(), dim);
-    let mut values = Tensor::zeros(&shape, x.dtype());
-    let mut indices = Tensor::zeros(&shape, DType::I64);
-    dispatch_float!(OP, x.dtype(), |T| {
-        let xs = x.as_slice::<T>()?;
-        let v = values.as_mut_slice::<T>()?;
-        let ix = indices.as_mut_slice::<i64>()?;
-        for b in 0..outer {
-            for i in 0..inner {
-                let at = |e: usize| xs[(b * extent + e) * inner + i].to_acc();
-                let (mut best, mut arg) = (at(0), 0);
-                for e in 1..extent {
-                    if best.is_nan() {
-                        break;
-                    }
-                    let c = at(e);
-                    if c > best || c.is_nan() {
-                        (best, arg) = (c, e);
-                    }
-                }
-                v[b * inner + i] = xs[(b * extent + arg) * inner + i];
-                ix[b * inner + i] = arg as i64;
-            }
-        }
-        Ok(())
-    })?;
-    Ok(MaxDim { values, indices })
+    crate::cpu::reduction::max_dim(x, dim, outer, extent, inner)
 }
 
 /// The input gradient of [`max_dim`]: `dy` at each argmax along a new dim `dim` of
@@ -223,22 +47,5 @@ pub fn max_dim_backward(
     let shape = restored(OP, dy, dim, extent)?;
     check_indices(OP, dy, indices)?;
     dispatch!(OP, [dy, indices] => crate::cuda::ops::max_dim_backward(&dy, &indices, dim, extent));
-    let outer: usize = shape[..dim].iter().product();
-    let inner: usize = shape[dim + 1..].iter().product();
-    let ix = indices.as_slice::<i64>()?;
-    check_index_range(OP, ix, extent)?;
-    // `extent` comes from the caller: the restored shape may not fit.
-    let mut dx = Tensor::zeros_checked(OP, &shape, dy.dtype())?;
-    dispatch_float!(OP, dy.dtype(), |T| {
-        let g = dy.as_slice::<T>()?;
-        let d = dx.as_mut_slice::<T>()?;
-        for b in 0..outer {
-            for i in 0..inner {
-                let e = ix[b * inner + i] as usize;
-                d[(b * extent + e) * inner + i] = g[b * inner + i];
-            }
-        }
-        Ok(())
-    })?;
-    Ok(dx)
+    crate::cpu::reduction::max_dim_backward(dy, indices, dim, extent, shape)
 }

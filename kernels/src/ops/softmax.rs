@@ -10,86 +10,9 @@
 //! gives NaN, as in PyTorch; a NaN anywhere in a row makes the row NaN. Rows are computed in
 //! the compute type and rounded once.
 
-use super::{check_dst, rows_last, same_layout, store, AccFloat, Accum, Float};
+use super::{check_dst, rows_last, same_layout, Accum};
+use crate::cpu::softmax::Kind;
 use crate::{Result, Tensor};
-use num_traits::Float as _;
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Softmax,
-    LogSoftmax,
-}
-
-fn forward_rows<T: Float>(dst: &mut [T], x: &[T], n: usize, kind: Kind) {
-    if n == 0 {
-        return;
-    }
-    let mut e = vec![T::Acc::default(); n];
-    for (d, x) in dst.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
-        let mut m = T::Acc::neg_infinity();
-        let mut nan = false;
-        for &v in x {
-            let v = v.to_acc();
-            nan |= v.is_nan();
-            if v > m {
-                m = v;
-            }
-        }
-        if nan {
-            m = T::Acc::nan();
-        }
-        let mut s = T::Acc::ZERO;
-        for (e, &v) in e.iter_mut().zip(x) {
-            *e = (v.to_acc() - m).exp();
-            s += *e;
-        }
-        match kind {
-            Kind::Softmax => {
-                for (d, &e) in d.iter_mut().zip(&e) {
-                    *d = T::from_acc(e / s);
-                }
-            }
-            Kind::LogSoftmax => {
-                let shift = m + s.ln();
-                for (d, &v) in d.iter_mut().zip(x) {
-                    *d = T::from_acc(v.to_acc() - shift);
-                }
-            }
-        }
-    }
-}
-
-fn backward_rows<T: Float>(dx: &mut [T], dy: &[T], y: &[T], n: usize, kind: Kind, accum: Accum) {
-    if n == 0 {
-        return;
-    }
-    let rows = dx
-        .chunks_exact_mut(n)
-        .zip(dy.chunks_exact(n))
-        .zip(y.chunks_exact(n));
-    for ((dx, dy), y) in rows {
-        match kind {
-            Kind::Softmax => {
-                let mut dot = T::Acc::ZERO;
-                for (&g, &p) in dy.iter().zip(y) {
-                    dot += g.to_acc() * p.to_acc();
-                }
-                for ((d, &g), &p) in dx.iter_mut().zip(dy).zip(y) {
-                    store(d, p.to_acc() * (g.to_acc() - dot), accum);
-                }
-            }
-            Kind::LogSoftmax => {
-                let mut sum = T::Acc::ZERO;
-                for &g in dy {
-                    sum += g.to_acc();
-                }
-                for ((d, &g), &l) in dx.iter_mut().zip(dy).zip(y) {
-                    store(d, g.to_acc() - l.to_acc().exp() * sum, accum);
-                }
-            }
-        }
-    }
-}
 
 fn forward_into(op: &'static str, dst: &mut Tensor, x: &Tensor, kind: Kind) -> Result<()> {
     let (_, n) = rows_last(op, x)?;
@@ -101,10 +24,7 @@ fn forward_into(op: &'static str, dst: &mut Tensor, x: &Tensor, kind: Kind) -> R
         };
         crate::dispatch::replace(op, dst, y)
     });
-    dispatch_float!(op, x.dtype(), |T| {
-        forward_rows::<T>(dst.as_mut_slice()?, x.as_slice()?, n, kind);
-        Ok(())
-    })
+    crate::cpu::softmax::forward_into(op, dst, x, kind, n)
 }
 
 fn backward_into(
@@ -122,17 +42,7 @@ fn backward_into(
         Kind::Softmax => crate::cuda::ops::softmax_backward_into(dx, &dy, &y, accum),
         Kind::LogSoftmax => crate::cuda::ops::log_softmax_backward_into(dx, &dy, &y, accum),
     });
-    dispatch_float!(op, y.dtype(), |T| {
-        backward_rows::<T>(
-            dx.as_mut_slice()?,
-            dy.as_slice()?,
-            y.as_slice()?,
-            n,
-            kind,
-            accum,
-        );
-        Ok(())
-    })
+    crate::cpu::softmax::backward_into(op, dx, dy, y, kind, accum, n)
 }
 
 /// Softmax along the last dim: `exp(x − max) / Σ exp(x − max)` per row.

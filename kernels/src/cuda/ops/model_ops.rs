@@ -13,18 +13,16 @@
 //! Host-side index lists (positions, rows, groups) are checked on the host and uploaded as
 //! `i64`; every launch size comes from the checked shapes.
 
-use super::ops::{
-    arg, arg_mut, copy_blocks, func, gemm_ops, grid_for, kernel_arg, launch, launch_kernel,
-    per_row, rope_tables, same_device, same_layout, u, Acc, CudaAttentionOutput, Kernel,
-    SHARED_BUDGET,
+use super::{
+    arg, arg_mut, copy_blocks, func, gemm_ops, grid_for, launch, per_row, rope_tables, same_device,
+    same_layout, u, Acc, CudaAttentionOutput, Kernel, SHARED_BUDGET,
 };
-use super::source::{self, Param, Scalar};
-use super::tensor::CudaBuffer;
-use super::{CudaTensor, Device};
-use crate::ops::attention_block::{check_block, check_fuse_qkv_grad, check_merge, Dims};
-use crate::ops::moe::{check_grouped, check_scatter_add};
-use crate::ops::Transpose;
-use crate::ops::{acc_dtype, check_dst, not_float, same_dtype, want_float, BlockAttention};
+use crate::cuda::source::{self, Param, Scalar};
+use crate::cuda::{CudaBuffer, CudaTensor, Device};
+use crate::spec::attention_block::BlockAttention;
+use crate::spec::attention_block::{check_block, check_fuse_qkv_grad, check_merge, Dims};
+use crate::spec::moe::{check_grouped, check_scatter_add};
+use crate::spec::{acc_dtype, check_dst, not_float, same_dtype, want_float, Transpose};
 use crate::{DType, Error, ReduceOp, Result, Tensor};
 use cudarc::driver::PushKernelArg;
 

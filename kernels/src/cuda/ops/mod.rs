@@ -22,7 +22,7 @@
 //! | `ops::scatter_add_rows` | [`scatter_add_rows`] | bitwise (deterministic, the CPU's order) |
 //! | `reduce::combine`, `reduce::reduce_into` (Sum, Avg, Max, Min) | [`combine`], [`reduce_into`] | bitwise (a Sum/Avg NaN's payload aside) |
 //!
-//! Those last six rows live in [`model_ops`](super::model_ops) and are re-exported here.
+//! Those last six rows live in the child module `model_ops` and are re-exported here.
 //! Not on the GPU yet: `Tensor::map` (a host closure) and the optimizer step.
 //!
 //! Element counts and row counts come from the checked shapes, never from buffer lengths, so
@@ -31,18 +31,14 @@
 //! read/write) with the parameters of the kernel's `extern "C"` definition
 //! ([`KernelModule::params`]) and answers an `Err` instead of launching on a mismatch. Ops queue on the device's stream and return at once.
 
-use super::source::{self, entry, KernelModule, Param, Scalar};
-use super::tensor::CudaBuffer;
-use super::{driver_err, CudaTensor, Device};
-use crate::ops::attention::{check_qkv, Dims, Rope};
-use crate::ops::embedding::{dy_hidden, out_shape, read_ids, table_dims};
-use crate::ops::norm::{check_stat, norm_rows};
-use crate::ops::reduction::{check_index_range, check_indices, max_split, removed, split_at};
-use crate::ops::{
-    acc_dtype, check_dst, check_row_param, rows_last, want_float, Accum, CausalAttention,
-    CausalAttentionOutput, VocabShard,
-};
-use crate::tensor::check_pieces;
+use crate::cuda::source::{self, entry, KernelModule, Param, Scalar};
+use crate::cuda::{driver_err, CudaBuffer, CudaTensor, Device};
+use crate::shape::check_pieces;
+use crate::spec::attention::{check_qkv, CausalAttention, CausalAttentionOutput, Dims, Rope};
+use crate::spec::embedding::{dy_hidden, out_shape, read_ids, table_dims, VocabShard};
+use crate::spec::norm::{check_stat, norm_rows};
+use crate::spec::reduction::{check_index_range, check_indices, max_split, removed, split_at};
+use crate::spec::{acc_dtype, check_dst, check_row_param, rows_last, want_float, Accum};
 use crate::{DType, Error, Result, Shape, Tensor};
 use cudarc::driver::{LaunchArgs, LaunchConfig, PushKernelArg};
 
@@ -79,14 +75,14 @@ pub(crate) fn per_row(op: &'static str, rows: usize, shared: u32) -> Result<Laun
 
 /// Pushes a buffer as a `const T*` / `T*` argument.
 pub(crate) fn arg<'a>(b: &mut LaunchArgs<'a>, t: &'a CudaTensor) {
-    super::tensor::with_buffer!(t.buffer(), |s| {
+    crate::cuda::tensor::with_buffer!(t.buffer(), |s| {
         b.arg(s);
     })
 }
 /// Copies the buffer first if another tensor shares it (copy on write), so the kernel
 /// writes only this tensor's elements.
 pub(crate) fn arg_mut<'a>(b: &mut LaunchArgs<'a>, t: &'a mut CudaTensor) -> Result<()> {
-    super::tensor::with_buffer!(t.buffer_mut()?, |s| {
+    crate::cuda::tensor::with_buffer!(t.buffer_mut()?, |s| {
         b.arg(s);
     });
     Ok(())
@@ -239,7 +235,6 @@ macro_rules! kernel_arg {
         $l.arg(&v);
     };
 }
-pub(crate) use {kernel_arg, launch_kernel};
 
 /// The kernel `root_dtype` of `module`, loaded on `dev`, with its declared parameters.
 pub(crate) fn func(
@@ -291,7 +286,7 @@ pub(crate) fn same_device(op: &'static str, ts: &[&CudaTensor]) -> Result<()> {
 /// `Err` unless `a` and `b` share a device, a dtype and a shape.
 pub(crate) fn same_layout(op: &'static str, a: &CudaTensor, b: &CudaTensor) -> Result<()> {
     same_device(op, &[a, b])?;
-    crate::ops::same_layout(op, a, b)
+    crate::spec::same_layout(op, a, b)
 }
 
 // ---- elementwise ---------------------------------------------------------------------
@@ -543,7 +538,7 @@ pub fn swiglu_backward_into(
 /// The CPU's restored shape, which must also fit (the CPU op's `zeros_checked` checks that
 /// later, with its own message).
 fn restored(op: &'static str, dy: &CudaTensor, dim: usize, extent: usize) -> Result<Shape> {
-    let s = crate::ops::reduction::restored(op, dy, dim, extent)?;
+    let s = crate::spec::reduction::restored(op, dy, dim, extent)?;
     if crate::checked_numel(&s).is_none() {
         return Err(Error::Invalid {
             op,
@@ -597,9 +592,9 @@ pub struct MaxDim {
 }
 
 /// The device [`MaxDim`] as the `Tensor` op returns it (no copy: device tensors).
-impl From<MaxDim> for crate::ops::MaxDim {
+impl From<MaxDim> for crate::spec::reduction::MaxDim {
     fn from(m: MaxDim) -> Self {
-        crate::ops::MaxDim {
+        crate::spec::reduction::MaxDim {
             values: m.values.into(),
             indices: m.indices.into(),
         }
@@ -763,8 +758,8 @@ impl NormOutput {
     ///
     /// # Panics
     /// If `mean` is `None`: [`layer_norm`] always sets it (an internal invariant).
-    pub fn into_layer(self) -> crate::ops::LayerNormOutput {
-        crate::ops::LayerNormOutput {
+    pub fn into_layer(self) -> crate::spec::norm::LayerNormOutput {
+        crate::spec::norm::LayerNormOutput {
             y: self.y.into(),
             mean: self.mean.expect("layer_norm sets mean").into(),
             rstd: self.rstd.into(),
@@ -772,8 +767,8 @@ impl NormOutput {
     }
 
     /// As `ops::rms_norm` returns it (device tensors, no copy).
-    pub fn into_rms(self) -> crate::ops::RmsNormOutput {
-        crate::ops::RmsNormOutput {
+    pub fn into_rms(self) -> crate::spec::norm::RmsNormOutput {
+        crate::spec::norm::RmsNormOutput {
             y: self.y.into(),
             rstd: self.rstd.into(),
         }
@@ -785,8 +780,8 @@ impl NormGrads {
     ///
     /// # Panics
     /// If `dbias` is `None`: [`layer_norm_backward`] always sets it (an internal invariant).
-    pub fn into_layer(self) -> crate::ops::LayerNormGrads {
-        crate::ops::LayerNormGrads {
+    pub fn into_layer(self) -> crate::spec::norm::LayerNormGrads {
+        crate::spec::norm::LayerNormGrads {
             dx: self.dx.into(),
             dweight: self.dweight.into(),
             dbias: self.dbias.expect("layer_norm_backward sets dbias").into(),
@@ -794,8 +789,8 @@ impl NormGrads {
     }
 
     /// As `ops::rms_norm_backward` returns them (device tensors, no copy).
-    pub fn into_rms(self) -> crate::ops::RmsNormGrads {
-        crate::ops::RmsNormGrads {
+    pub fn into_rms(self) -> crate::spec::norm::RmsNormGrads {
+        crate::spec::norm::RmsNormGrads {
             dx: self.dx.into(),
             dweight: self.dweight.into(),
         }
@@ -1119,7 +1114,7 @@ pub fn ce_loss(sum: &CudaTensor, target: &CudaTensor, dtype: DType) -> Result<Cu
     check_stat_f64(OP, sum, rows)?;
     check_stat_f64(OP, target, rows)?;
     if !dtype.is_float() {
-        return Err(crate::ops::not_float(OP, dtype));
+        return Err(crate::spec::not_float(OP, dtype));
     }
     let dev = sum.device();
     let mut loss = CudaTensor::uninit(dev, &[rows], dtype)?;
@@ -1533,7 +1528,7 @@ pub fn causal_attention_backward(
 // ---- matmul (cuBLAS) -----------------------------------------------------------------
 
 /// `ops::matmul`'s shapes: `[m,k]·[k,n]`, `[b,m,k]·[b,k,n]`, `[b,m,k]·[k,n]` (rhs shared),
-/// after each operand's [`Transpose`](crate::ops::Transpose) of its last two dims.
+/// after each operand's [`Transpose`](crate::spec::Transpose) of its last two dims.
 struct GemmPlan {
     batch: usize,
     m: usize,
@@ -1547,11 +1542,11 @@ struct GemmPlan {
 fn gemm_plan(
     op: &'static str,
     a: &CudaTensor,
-    ta: crate::ops::Transpose,
+    ta: crate::spec::Transpose,
     b: &CudaTensor,
-    tb: crate::ops::Transpose,
+    tb: crate::spec::Transpose,
 ) -> Result<GemmPlan> {
-    use crate::ops::Transpose;
+    use crate::spec::Transpose;
     let mismatch = || Error::ShapeMismatch {
         op,
         lhs: a.shape().into(),
@@ -1616,9 +1611,9 @@ fn gemm_plan(
 /// shared rhs). cuBLAS's summation order is its own: results agree with the CPU to rounding.
 pub fn matmul(
     a: &CudaTensor,
-    ta: crate::ops::Transpose,
+    ta: crate::spec::Transpose,
     b: &CudaTensor,
-    tb: crate::ops::Transpose,
+    tb: crate::spec::Transpose,
 ) -> Result<CudaTensor> {
     let plan = gemm_plan("cuda::ops::matmul", a, ta, b, tb)?;
     let mut dst = CudaTensor::uninit(a.device(), &plan.out, a.dtype())?;
@@ -1630,9 +1625,9 @@ pub fn matmul(
 pub fn matmul_into(
     dst: &mut CudaTensor,
     a: &CudaTensor,
-    ta: crate::ops::Transpose,
+    ta: crate::spec::Transpose,
     b: &CudaTensor,
-    tb: crate::ops::Transpose,
+    tb: crate::spec::Transpose,
     accum: Accum,
 ) -> Result<()> {
     const OP: &str = "cuda::ops::matmul";
@@ -1646,14 +1641,14 @@ pub fn matmul_into(
 /// op(B)[k, n]`, computed column-major as `C'[n, m] = op'(B)[n, k] · op'(A)[k, m]`:
 /// `((transa, lda), (transb, ldb))`, cuBLAS's first operand being `B`.
 pub(super) fn gemm_ops<I: Copy>(
-    ta: crate::ops::Transpose,
-    tb: crate::ops::Transpose,
+    ta: crate::spec::Transpose,
+    tb: crate::spec::Transpose,
     (m, n, k): (I, I, I),
 ) -> (
     (cudarc::cublas::sys::cublasOperation_t, I),
     (cudarc::cublas::sys::cublasOperation_t, I),
 ) {
-    use crate::ops::Transpose;
+    use crate::spec::Transpose;
     use cudarc::cublas::sys::cublasOperation_t as Op;
     let a = match tb {
         Transpose::No => (Op::CUBLAS_OP_N, n),
@@ -1669,9 +1664,9 @@ pub(super) fn gemm_ops<I: Copy>(
 fn matmul_planned(
     dst: &mut CudaTensor,
     a: &CudaTensor,
-    ta: crate::ops::Transpose,
+    ta: crate::spec::Transpose,
     b: &CudaTensor,
-    tb: crate::ops::Transpose,
+    tb: crate::spec::Transpose,
     accum: Accum,
     p: &GemmPlan,
 ) -> Result<()> {
@@ -1840,13 +1835,13 @@ fn matmul_planned(
         DType::F64 => run!(F64, 1.0f64, beta),
         DType::BF16 => run16!(BF16, CUDA_R_16BF),
         DType::F16 => run16!(F16, CUDA_R_16F),
-        other => Err(crate::ops::not_float(OP, other)),
+        other => Err(crate::spec::not_float(OP, other)),
     }
 }
 
 // The context-parallel attention pieces, the MoE kernels and the collectives' reductions.
-pub use super::model_ops::*;
+mod model_ops;
+pub use model_ops::*;
 
-#[path = "optim.rs"]
 mod optim;
 pub use optim::{adamw_state_dtype, adamw_step, AdamWStep};

@@ -1,0 +1,630 @@
+//! Host kernels of [`crate::ops::attention`](mod@crate::ops::attention): they run on host tensors whose
+//! arguments the front door has checked.
+
+use super::{acc_dtype, exp_f32, AccFloat, Float, Parallelism};
+use crate::spec::attention::*;
+use crate::{Result, Tensor};
+use num_traits::Float as _;
+
+/// Queries and keys per block. A 64×64 score block of `f32` is 16 KiB: it, a q block and a
+/// k/v block stay in L1/L2 at head dim 64, and the products are big enough for gemm's
+/// microkernels (32 and 128 measured no faster at the bench shapes). With equal, aligned query and key blocks every row of a processed block
+/// has at least one unmasked key (the first key block is always processed), so the online
+/// softmax's running max is finite from the first block on.
+pub(super) const BLOCK: usize = 64;
+
+/// Host kernel of [`crate::ops::causal_attention`]; the front door checked the arguments.
+pub(crate) fn causal_attention(
+    qkv: &Tensor,
+    cfg: &CausalAttention,
+    g: Dims,
+) -> Result<CausalAttentionOutput> {
+    let mut out = Tensor::for_overwrite(&[g.tokens, g.heads * g.d], qkv.dtype());
+    let mut lse = Tensor::for_overwrite(&[g.tokens, g.heads], acc_dtype(qkv.dtype()));
+    dispatch_float!(OP, qkv.dtype(), |T| {
+        forward::<T>(
+            out.as_mut_slice()?,
+            lse.as_mut_slice()?,
+            qkv.as_slice()?,
+            &g,
+            cfg,
+        );
+        Ok(())
+    })?;
+    Ok(CausalAttentionOutput { out, lse })
+}
+
+/// Host kernel of [`crate::ops::causal_attention_backward`]; the front door checked the arguments.
+pub(crate) fn causal_attention_backward(
+    dout: &Tensor,
+    qkv: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    cfg: &CausalAttention,
+    g: Dims,
+) -> Result<Tensor> {
+    let mut dqkv = Tensor::for_overwrite(qkv.shape(), qkv.dtype());
+    dispatch_float!(OP_BACK, qkv.dtype(), |T| {
+        backward::<T>(
+            dqkv.as_mut_slice()?,
+            dout.as_slice()?,
+            qkv.as_slice()?,
+            out.as_slice()?,
+            lse.as_slice()?,
+            &g,
+            cfg,
+        );
+        Ok(())
+    })?;
+    Ok(dqkv)
+}
+
+impl<A: AccFloat> Rope<A> {
+    /// `dst = mul · R(pos_i) · src`.
+    pub(super) fn rotate<T: Float<Acc = A>>(&self, dst: &mut [A], src: &[T], i: usize, mul: A) {
+        let (c, s) = self.at(i);
+        for p in 0..self.half {
+            let (a, b) = (src[2 * p].to_acc(), src[2 * p + 1].to_acc());
+            dst[2 * p] = (a * c[p] - b * s[p]) * mul;
+            dst[2 * p + 1] = (a * s[p] + b * c[p]) * mul;
+        }
+    }
+
+    /// `dst = round(mul · R(pos_i)ᵀ · src)`: the gradient through [`Rope::rotate`].
+    fn unrotate<T: Float<Acc = A>>(&self, dst: &mut [T], src: &[A], i: usize, mul: A) {
+        let (c, s) = self.at(i);
+        for p in 0..self.half {
+            let (a, b) = (src[2 * p], src[2 * p + 1]);
+            dst[2 * p] = T::from_acc((a * c[p] + b * s[p]) * mul);
+            dst[2 * p + 1] = T::from_acc((b * c[p] - a * s[p]) * mul);
+        }
+    }
+
+    /// `dst += mul · R(pos_i)ᵀ · src`, in the compute type (a block's gradient added into
+    /// a caller's accumulator).
+    pub(super) fn unrotate_add(&self, dst: &mut [A], src: &[A], i: usize, mul: A) {
+        let (c, s) = self.at(i);
+        for p in 0..self.half {
+            let (a, b) = (src[2 * p], src[2 * p + 1]);
+            dst[2 * p] += (a * c[p] + b * s[p]) * mul;
+            dst[2 * p + 1] += (b * c[p] - a * s[p]) * mul;
+        }
+    }
+
+    fn at(&self, i: usize) -> (&[A], &[A]) {
+        let r = i * self.half..(i + 1) * self.half;
+        (&self.cos[r.clone()], &self.sin[r])
+    }
+}
+
+/// One sample's q (rotated, times `1/√d`), k (rotated) and v of one head, `[s, d]` each in
+/// the compute type; reused across (head, sample) pairs.
+struct Qkv<A> {
+    q: Vec<A>,
+    k: Vec<A>,
+    v: Vec<A>,
+}
+
+impl<A: AccFloat> Qkv<A> {
+    fn new(g: &Dims) -> Self {
+        let n = g.s * g.d;
+        Qkv {
+            q: vec![A::ZERO; n],
+            k: vec![A::ZERO; n],
+            v: vec![A::ZERO; n],
+        }
+    }
+
+    /// The loaded sample as [`Operands`], every row at its position in `pos` (`0..s`).
+    fn operands<'a>(&'a self, pos: &'a [usize], d: usize) -> Operands<'a, A> {
+        Operands {
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            q_pos: pos,
+            k_pos: pos,
+            d,
+        }
+    }
+
+    /// Loads head `h` of sample `b`, applying RoPE once and folding the score scale into q.
+    fn load<T: Float<Acc = A>>(&mut self, qkv: &[T], g: &Dims, rope: &Rope<A>, h: usize, b: usize) {
+        let (s, d) = (g.s, g.d);
+        let scale = A::lit(1.0 / (d as f64).sqrt());
+        for i in 0..s {
+            let row = (b * s + i) * g.cols + h * 3 * d;
+            let src = &qkv[row..row + 3 * d];
+            let at = i * d..(i + 1) * d;
+            rope.rotate(&mut self.q[at.clone()], &src[..d], i, scale);
+            rope.rotate(&mut self.k[at.clone()], &src[d..2 * d], i, A::ONE);
+            for (dst, x) in self.v[at].iter_mut().zip(&src[2 * d..]) {
+                *dst = x.to_acc();
+            }
+        }
+    }
+}
+
+/// Rows `r0..r1` of a row-major `[_, d]` matrix, as a `[r1 − r0, d]` operand.
+fn rows<A>(x: &[A], r0: usize, r1: usize, d: usize) -> Mat<'_, A> {
+    Mat::new(&x[r0 * d..r1 * d], r1 - r0, d)
+}
+
+/// One (head, sample) pair's operands in the compute type, `[rows, d]` row-major each: q
+/// rotated and times `1/√d`, k rotated, v; with each row's position in the sample
+/// (strictly increasing, so the keys a query sees in a key block are a prefix of it). The
+/// full kernel passes one sample's q, k, v with positions `0..s`; the blockwise kernel
+/// ([`super::attention_block`]) a chunk of queries against another chunk's keys.
+pub(super) struct Operands<'a, A> {
+    pub q: &'a [A],
+    pub k: &'a [A],
+    pub v: &'a [A],
+    pub q_pos: &'a [usize],
+    pub k_pos: &'a [usize],
+    pub d: usize,
+}
+
+/// The blocks `(start, end)` of `BLOCK` rows (the last one shorter) that cover `0..n`.
+fn blocks(n: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..n)
+        .step_by(BLOCK)
+        .map(move |b0| (b0, (b0 + BLOCK).min(n)))
+}
+
+/// Keys `k0..k1` visible from a query at position `qp` (`k_pos` increasing): how many of
+/// them lead the block.
+fn live(k_pos: &[usize], k0: usize, k1: usize, qp: usize) -> usize {
+    k_pos[k0..k1].partition_point(|&p| p <= qp)
+}
+
+/// Scratch of [`forward_sample`]: one block's scores, then probabilities; the running max,
+/// sum and unnormalized output of one query block.
+pub(super) struct FwdScratch<A> {
+    sc: Vec<A>,
+    m: Vec<A>,
+    l: Vec<A>,
+    acc: Vec<A>,
+}
+
+impl<A: AccFloat> FwdScratch<A> {
+    pub(super) fn new(d: usize, rows: usize) -> Self {
+        let b = BLOCK.min(rows.max(1));
+        FwdScratch {
+            sc: vec![A::ZERO; b * b],
+            m: vec![A::ZERO; b],
+            l: vec![A::ZERO; b],
+            acc: vec![A::ZERO; b * d],
+        }
+    }
+}
+
+/// The online-softmax forward of one (head, sample) pair: for each query row `i`, calls
+/// `emit(i, acc, l, m)` with its unnormalized output `acc = Σ_j e^(s_ij − m) v_j`, the sum
+/// `l = Σ_j e^(s_ij − m)` and the running max `m` over the keys it sees (`l = 0`,
+/// `m = −∞` when it sees none). Key blocks wholly after a query block are skipped.
+pub(super) fn forward_sample<A: ExpShifted>(
+    x: &Operands<'_, A>,
+    w: &mut FwdScratch<A>,
+    mut emit: impl FnMut(usize, &[A], A, A),
+) {
+    let d = x.d;
+    let (nq, nk) = (x.q_pos.len(), x.k_pos.len());
+    let zero = A::ZERO;
+    for (q0, q1) in blocks(nq) {
+        let bq = q1 - q0;
+        let last = x.q_pos[q1 - 1];
+        w.m.fill(A::neg_infinity());
+        w.l.fill(zero);
+        w.acc.fill(zero);
+        for (k0, k1) in blocks(nk) {
+            // Key blocks past the query block's last row are masked for all its rows.
+            if x.k_pos[k0] > last {
+                break;
+            }
+            let bk = k1 - k0;
+            let sc = &mut w.sc[..bq * bk];
+            let kv = rows(x.k, k0, k1, d);
+            matmul(sc, bk, rows(x.q, q0, q1, d), kv.t(), false);
+            for r in 0..bq {
+                // Keys `k0 .. k0 + live` are visible from query `q0 + r`.
+                let live = live(x.k_pos, k0, k1, x.q_pos[q0 + r]);
+                let row = &mut sc[r * bk..(r + 1) * bk];
+                let mut mx = w.m[r];
+                for &v in &row[..live] {
+                    mx = mx.max(v);
+                }
+                let corr = (w.m[r] - mx).exp();
+                A::exp_shifted(&mut row[..live], mx);
+                let mut sum = zero;
+                for &p in &row[..live] {
+                    sum += p;
+                }
+                row[live..].fill(zero);
+                if live > 0 {
+                    w.l[r] = w.l[r] * corr + sum;
+                    w.m[r] = mx;
+                    for a in &mut w.acc[r * d..(r + 1) * d] {
+                        *a *= corr;
+                    }
+                }
+            }
+            matmul(
+                &mut w.acc[..bq * d],
+                d,
+                Mat::new(sc, bq, bk),
+                rows(x.v, k0, k1, d),
+                true,
+            );
+        }
+        for r in 0..bq {
+            emit(q0 + r, &w.acc[r * d..(r + 1) * d], w.l[r], w.m[r]);
+        }
+    }
+}
+
+/// Scratch of [`backward_sample`]: one block's P and dP (then dS).
+struct BwdScratch<A> {
+    p: Vec<A>,
+    dp: Vec<A>,
+}
+
+impl<A: AccFloat> BwdScratch<A> {
+    pub(super) fn new(rows: usize) -> Self {
+        let b = BLOCK.min(rows.max(1));
+        BwdScratch {
+            p: vec![A::ZERO; b * b],
+            dp: vec![A::ZERO; b * b],
+        }
+    }
+}
+
+/// One (head, sample) pair's backward buffers: its output gradient `go` (`[nq, d]`),
+/// `dd_i = dout_i·out_i` and `lse_i`, and the gradients `dq` (`[nq, d]`), `dk` and `dv`
+/// (`[nk, d]`) of the operands as [`Operands`] holds them.
+pub(super) struct SampleGrads<A> {
+    go: Vec<A>,
+    dd: Vec<A>,
+    ls: Vec<A>,
+    pub dq: Vec<A>,
+    pub dk: Vec<A>,
+    pub dv: Vec<A>,
+    w: BwdScratch<A>,
+}
+
+impl<A: ExpShifted> SampleGrads<A> {
+    pub(super) fn new(nq: usize, nk: usize, d: usize) -> Self {
+        let zero = A::ZERO;
+        SampleGrads {
+            go: vec![zero; nq * d],
+            dd: vec![zero; nq],
+            ls: vec![zero; nq],
+            dq: vec![zero; nq * d],
+            dk: vec![zero; nk * d],
+            dv: vec![zero; nk * d],
+            w: BwdScratch::new(nq.max(nk)),
+        }
+    }
+
+    /// The gradients of sample `b`, head `h` (of `heads`) of `x`, from `dout` and `out`
+    /// (`[batch·nq, heads·d]`) and `lse` (`[batch·nq, heads]`): `dq`, `dk`, `dv` hold them
+    /// afterwards.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn compute<T: Float<Acc = A>>(
+        &mut self,
+        x: &Operands<'_, A>,
+        dout: &[T],
+        out: &[T],
+        lse: &[A],
+        heads: usize,
+        h: usize,
+        b: usize,
+    ) {
+        let (d, nq) = (x.d, x.q_pos.len());
+        let zero = A::ZERO;
+        for i in 0..nq {
+            let t = b * nq + i;
+            let at = t * heads * d + h * d;
+            let mut dot = zero;
+            for e in 0..d {
+                let gv = dout[at + e].to_acc();
+                self.go[i * d + e] = gv;
+                dot += gv * out[at + e].to_acc();
+            }
+            self.dd[i] = dot;
+            self.ls[i] = lse[t * heads + h];
+        }
+        self.dq.fill(zero);
+        self.dk.fill(zero);
+        self.dv.fill(zero);
+        backward_sample(
+            x,
+            &self.go,
+            &self.dd,
+            &self.ls,
+            &mut self.dq,
+            &mut self.dk,
+            &mut self.dv,
+            &mut self.w,
+        );
+    }
+}
+
+/// The backward of one (head, sample) pair, given the output gradient `go` (`[nq, d]`),
+/// `dd_i = dout_i·out_i` and the final `lse_i` of each query row: adds into `dq` (`[nq,
+/// d]`), `dk` and `dv` (`[nk, d]`) the gradients with respect to the operands as
+/// [`Operands`] holds them (q rotated and scaled, k rotated). `P` is recomputed from `lse`,
+/// so with the lse of the *whole* attention (all key blocks merged) this is one key
+/// block's exact share of the gradient.
+#[allow(clippy::too_many_arguments)]
+fn backward_sample<A: ExpShifted>(
+    x: &Operands<'_, A>,
+    go: &[A],
+    dd: &[A],
+    ls: &[A],
+    dq: &mut [A],
+    dk: &mut [A],
+    dv: &mut [A],
+    w: &mut BwdScratch<A>,
+) {
+    let d = x.d;
+    let (nq, nk) = (x.q_pos.len(), x.k_pos.len());
+    let zero = A::ZERO;
+    for (k0, k1) in blocks(nk) {
+        let bk = k1 - k0;
+        let (kv, vv) = (rows(x.k, k0, k1, d), rows(x.v, k0, k1, d));
+        for (q0, q1) in blocks(nq) {
+            // Query blocks before the key block see none of its keys.
+            if x.k_pos[k0] > x.q_pos[q1 - 1] {
+                continue;
+            }
+            let bq = q1 - q0;
+            let (p, dp) = (&mut w.p[..bq * bk], &mut w.dp[..bq * bk]);
+            let qv = rows(x.q, q0, q1, d);
+            let gv = rows(go, q0, q1, d);
+            matmul(p, bk, qv, kv.t(), false);
+            for r in 0..bq {
+                let i = q0 + r;
+                let live = live(x.k_pos, k0, k1, x.q_pos[i]);
+                let row = &mut p[r * bk..(r + 1) * bk];
+                A::exp_shifted(&mut row[..live], ls[i]);
+                row[live..].fill(zero);
+            }
+            matmul(
+                &mut dv[k0 * d..k1 * d],
+                d,
+                Mat::new(p, bq, bk).t(),
+                gv,
+                true,
+            );
+            matmul(dp, bk, gv, vv.t(), false);
+            for r in 0..bq {
+                let di = dd[q0 + r];
+                let rp = &p[r * bk..(r + 1) * bk];
+                for (ds, &pv) in dp[r * bk..(r + 1) * bk].iter_mut().zip(rp) {
+                    *ds = pv * (*ds - di);
+                }
+            }
+            let ds = Mat::new(dp, bq, bk);
+            matmul(&mut dq[q0 * d..q1 * d], d, ds, kv, true);
+            matmul(&mut dk[k0 * d..k1 * d], d, ds.t(), qv, true);
+        }
+    }
+}
+
+fn forward<T: Float<Acc: ExpShifted>>(
+    out: &mut [T],
+    lse: &mut [T::Acc],
+    qkv: &[T],
+    g: &Dims,
+    cfg: &CausalAttention,
+) {
+    let (s, d, nh) = (g.s, g.d, g.heads);
+    let rope = Rope::<T::Acc>::new(cfg);
+    let mut x = Qkv::new(g);
+    // Masking compares positions within the sample (the offset shifts q and k alike).
+    let pos: Vec<usize> = (0..s).collect();
+    let mut w = FwdScratch::new(d, s);
+    for h in 0..nh {
+        for b in 0..g.batch {
+            x.load(qkv, g, &rope, h, b);
+            let ops = x.operands(&pos, d);
+            forward_sample(&ops, &mut w, |i, acc, l, m| {
+                let t = b * s + i;
+                let dst = &mut out[t * nh * d + h * d..][..d];
+                for (o, &a) in dst.iter_mut().zip(acc) {
+                    *o = T::from_acc(a / l);
+                }
+                lse[t * nh + h] = m + l.ln();
+            });
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward<T: Float<Acc: ExpShifted>>(
+    dqkv: &mut [T],
+    dout: &[T],
+    qkv: &[T],
+    out: &[T],
+    lse: &[T::Acc],
+    g: &Dims,
+    cfg: &CausalAttention,
+) {
+    let (s, d, nh) = (g.s, g.d, g.heads);
+    let rope = Rope::<T::Acc>::new(cfg);
+    let scale = T::Acc::lit(1.0 / (d as f64).sqrt());
+    let mut x = Qkv::new(g);
+    let pos: Vec<usize> = (0..s).collect();
+    let mut grads = SampleGrads::new(s, s, d);
+    for h in 0..nh {
+        for b in 0..g.batch {
+            x.load(qkv, g, &rope, h, b);
+            let ops = x.operands(&pos, d);
+            grads.compute(&ops, dout, out, lse, nh, h, b);
+            let SampleGrads { dq, dk, dv, .. } = &grads;
+            for i in 0..s {
+                let row = (b * s + i) * g.cols + h * 3 * d;
+                let dst = &mut dqkv[row..row + 3 * d];
+                let at = i * d..(i + 1) * d;
+                // q was scaled by 1/√d after rotating: the chain rule scales dq by it too.
+                rope.unrotate(&mut dst[..d], &dq[at.clone()], i, scale);
+                rope.unrotate(&mut dst[d..2 * d], &dk[at.clone()], i, T::Acc::ONE);
+                for (o, &v) in dst[2 * d..].iter_mut().zip(&dv[at]) {
+                    *o = T::from_acc(v);
+                }
+            }
+        }
+    }
+}
+
+/// `x ← exp(x − shift)` over a row of scores, in the compute type.
+pub(super) trait ExpShifted: AccFloat {
+    fn exp_shifted(xs: &mut [Self], shift: Self);
+}
+
+impl ExpShifted for f64 {
+    fn exp_shifted(xs: &mut [f64], shift: f64) {
+        for x in xs {
+            *x = (*x - shift).exp();
+        }
+    }
+}
+
+impl ExpShifted for f32 {
+    fn exp_shifted(xs: &mut [f32], shift: f32) {
+        // Branch-free, so this loop vectorizes; summing is left to the caller (an ordered
+        // f32 sum would keep the compiler from vectorizing it).
+        for x in xs {
+            *x = exp_f32(*x - shift);
+        }
+    }
+}
+
+/// A read-only `[rows, cols]` operand whose element `(r, c)` is `data[r·rs + c·cs]`.
+#[derive(Clone, Copy)]
+pub(super) struct Mat<'a, A> {
+    data: &'a [A],
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+}
+
+impl<'a, A> Mat<'a, A> {
+    /// Row-major `[rows, cols]` over `data`.
+    fn new(data: &'a [A], rows: usize, cols: usize) -> Self {
+        Mat {
+            data,
+            rows,
+            cols,
+            rs: cols,
+            cs: 1,
+        }
+    }
+
+    /// The transpose (a stride swap).
+    fn t(self) -> Self {
+        Mat {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+
+    /// Panics unless every element the strides address lies in `data`.
+    fn check(&self) {
+        if self.rows > 0 && self.cols > 0 {
+            let last = (self.rows - 1) * self.rs + (self.cols - 1) * self.cs;
+            assert!(last < self.data.len(), "operand out of bounds");
+        }
+    }
+}
+
+/// `dst = a·b` (`add = false`) or `dst += a·b`, `dst` row-major `[a.rows, b.cols]` with row
+/// stride `ld`, through `gemm` on the calling thread.
+pub(super) fn matmul<A: AccFloat>(
+    dst: &mut [A],
+    ld: usize,
+    a: Mat<'_, A>,
+    b: Mat<'_, A>,
+    add: bool,
+) {
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    assert_eq!(k, b.rows, "inner dims");
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        n <= ld && (m - 1) * ld + n <= dst.len(),
+        "dst out of bounds"
+    );
+    if k == 0 {
+        if !add {
+            for r in 0..m {
+                dst[r * ld..r * ld + n].fill(A::ZERO);
+            }
+        }
+        return;
+    }
+    a.check();
+    b.check();
+    // SAFETY: the asserts above keep every element gemm addresses through these strides
+    // (all non-negative) inside `dst`, `a.data` and `b.data`; `dst` is a unique borrow, so
+    // it cannot alias the operands. gemm computes `dst = alpha·dst + 1·a·b` and reads `dst`
+    // only when `add`. The `gemm` crate's entry point is raw-pointer based, hence `unsafe`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            ld as isize,
+            add,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            A::ONE,
+            A::ONE,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::spec::float::exp_f32;
+
+    #[test]
+    fn exp_f32_is_within_two_ulp() {
+        // Every 97th f32 in [-87.3, 88), negative and positive: relative error against f64
+        // (under Miri, which interprets every operation, a few hundred of them).
+        let step = if cfg!(miri) { 9_700_019 } else { 97 };
+        let neg = (0x8000_0000..=(-87.3f32).to_bits()).step_by(step);
+        let pos = (0..88.0f32.to_bits()).step_by(step);
+        let worst = neg
+            .chain(pos)
+            .map(f32::from_bits)
+            .map(|x| {
+                let want = (x as f64).exp();
+                ((exp_f32(x) as f64 - want) / want).abs()
+            })
+            .fold(0.0f64, f64::max);
+        eprintln!("exp_f32: worst relative error {worst:e}");
+        assert!(
+            worst < 2.0 * f32::EPSILON as f64,
+            "worst relative error {worst:e}"
+        );
+        assert_eq!(exp_f32(0.0), 1.0);
+        assert!(exp_f32(f32::NAN).is_nan());
+        assert!(exp_f32(-1000.0) < 1.2e-38 && exp_f32(-1000.0) >= 0.0);
+        assert!(exp_f32(f32::NEG_INFINITY) < 1.2e-38);
+    }
+}

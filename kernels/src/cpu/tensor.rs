@@ -1,0 +1,263 @@
+//! The host kernels of [`Tensor`]'s own methods: copies along a dim, elementwise
+//! arithmetic and dtype conversion, on host tensors the front door has checked.
+
+use crate::dtype::{DType, Element, Slice, SliceMut};
+use crate::error::{Error, Result};
+use crate::shape::{checked_sum, numel};
+use crate::spec::tensor::check_dim;
+use crate::storage::tensor::typed_as;
+use crate::{with_slice, Tensor};
+use smallvec::SmallVec;
+
+/// The host half of [`Tensor::try_to_dtype`].
+pub(crate) fn try_to_dtype(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    Ok(host_to_dtype(x, dtype))
+}
+
+pub(crate) fn host_to_dtype(x: &Tensor, dtype: DType) -> Tensor {
+    let vals = x.to_f64_vec();
+    let mut out = Tensor::for_overwrite(&x.shape, dtype);
+    with_slice!(SliceMut, out.as_dyn_slice_mut(), |s: T| {
+        for (d, v) in s.iter_mut().zip(&vals) {
+            *d = <T as Element>::from_f64(*v);
+        }
+    });
+    out
+}
+
+/// `(outer, extent, inner)`: the tensor seen as `[outer, shape[dim], inner]`.
+pub(crate) fn split_at_dim(x: &Tensor, dim: usize) -> (usize, usize, usize) {
+    let outer = numel(&x.shape[..dim]);
+    let inner = numel(&x.shape[dim + 1..]);
+    (outer, x.shape[dim], inner)
+}
+
+/// The host half of [`Tensor::narrow`].
+pub(crate) fn narrow(x: &Tensor, dim: usize, start: usize, len: usize) -> Result<Tensor> {
+    let (outer, extent, inner) = split_at_dim(x, dim);
+    let mut shape = x.shape.clone();
+    shape[dim] = len;
+    if outer == 1 {
+        // The range is contiguous: a view, no copy.
+        return Ok(Tensor {
+            shape,
+            storage: x.storage.clone(),
+            offset: x.offset + start * inner,
+        });
+    }
+    let mut out = Tensor::for_overwrite(&shape, x.dtype());
+    copy_blocks(
+        x.as_dyn_slice(),
+        out.as_dyn_slice_mut(),
+        outer,
+        len * inner,
+        extent * inner,
+        start * inner,
+        len * inner,
+        0,
+    );
+    Ok(out)
+}
+
+/// The host half of [`Tensor::cat`].
+pub(crate) fn cat(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
+    // The front door refused an empty list.
+    let first = &tensors[0];
+    check_dim(first, "Tensor::cat", dim)?;
+    for t in tensors {
+        if t.dtype() != first.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: "Tensor::cat",
+                lhs: first.dtype(),
+                rhs: t.dtype(),
+            });
+        }
+        let same_rest = t.rank() == first.rank()
+            && (0..t.rank()).all(|d| d == dim || t.shape[d] == first.shape[d]);
+        if !same_rest {
+            return Err(Error::ShapeMismatch {
+                op: "Tensor::cat",
+                lhs: first.shape.clone(),
+                rhs: t.shape.clone(),
+            });
+        }
+    }
+    let mut shape = first.shape.clone();
+    let extents: SmallVec<[usize; 8]> = tensors.iter().map(|t| t.shape[dim]).collect();
+    shape[dim] = checked_sum(&extents).ok_or_else(|| Error::Invalid {
+        op: "Tensor::cat",
+        detail: format!("extents {extents:?} of dim {dim} overflow usize when added"),
+    })?;
+    let mut out = Tensor::for_overwrite_checked("Tensor::cat", &shape, first.dtype())?;
+    let (outer, total, inner) = split_at_dim(&out, dim);
+    let mut offset = 0;
+    for t in tensors {
+        let len = t.shape[dim];
+        copy_blocks(
+            t.as_dyn_slice(),
+            out.as_dyn_slice_mut(),
+            outer,
+            len * inner,
+            len * inner,
+            0,
+            total * inner,
+            offset * inner,
+        );
+        offset += len;
+    }
+    Ok(out)
+}
+
+/// The host half of [`Tensor::pack`].
+pub(crate) fn pack(x: &Tensor, dim: usize, sizes: &[usize]) -> Result<Tensor> {
+    let (outer, extent, inner) = split_at_dim(x, dim);
+    let mut out = Tensor::for_overwrite(&[x.numel()], x.dtype());
+    let src = x.as_dyn_slice();
+    with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
+        let s: &[T] = typed_as(src);
+        piece_runs(outer, extent, inner, sizes, |t, p, run| {
+            d[p..p + run].copy_from_slice(&s[t..t + run])
+        });
+    });
+    Ok(out)
+}
+
+/// The host half of [`Tensor::unpack`].
+pub(crate) fn unpack(
+    flat: &Tensor,
+    shape: &[usize],
+    dim: usize,
+    sizes: &[usize],
+) -> Result<Tensor> {
+    let inner: usize = numel(&shape[dim + 1..]);
+    let outer: usize = numel(&shape[..dim]);
+    let extent = shape[dim];
+    let mut out = Tensor::for_overwrite(shape, flat.dtype());
+    let src = flat.as_dyn_slice();
+    with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
+        let s: &[T] = typed_as(src);
+        piece_runs(outer, extent, inner, sizes, |t, p, run| {
+            d[t..t + run].copy_from_slice(&s[p..p + run])
+        });
+    });
+    Ok(out)
+}
+
+/// The host half of [`Tensor::add`].
+pub(crate) fn add(a: &Tensor, other: &Tensor) -> Result<Tensor> {
+    let mut out = a.clone();
+    add_assign(&mut out, other)?;
+    Ok(out)
+}
+
+/// The host half of [`Tensor::add_assign`].
+pub(crate) fn add_assign(dst: &mut Tensor, other: &Tensor) -> Result<()> {
+    let src = other.as_dyn_slice();
+    with_slice!(SliceMut, dst.as_dyn_slice_mut(), |d: T| {
+        let s: &[T] = typed_as(src);
+        for (a, &b) in d.iter_mut().zip(s) {
+            *a = a.add(b);
+        }
+    });
+    Ok(())
+}
+
+/// The host half of [`Tensor::try_scale`].
+pub(crate) fn try_scale(x: &Tensor, factor: f64) -> Result<Tensor> {
+    let mut out = x.clone();
+    with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
+        let f = <T as Element>::from_f64(factor);
+        for a in d.iter_mut() {
+            *a = a.mul(f);
+        }
+    });
+    Ok(out)
+}
+
+/// The host half of [`Tensor::try_map`].
+pub(crate) fn try_map(x: &Tensor, f: impl Fn(f64) -> f64) -> Result<Tensor> {
+    let mut out = x.clone();
+    with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
+        for a in d.iter_mut() {
+            *a = <T as Element>::from_f64(f(a.to_f64()));
+        }
+    });
+    Ok(out)
+}
+
+/// The host half of [`Tensor::mul`].
+pub(crate) fn mul(a: &Tensor, other: &Tensor) -> Result<Tensor> {
+    let mut out = a.clone();
+    let src = other.as_dyn_slice();
+    with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
+        let s: &[T] = typed_as(src);
+        for (a, &b) in d.iter_mut().zip(s) {
+            *a = a.mul(b);
+        }
+    });
+    Ok(out)
+}
+
+/// The host half of [`Tensor::write_at`].
+pub(crate) fn write_at(dst: &mut Tensor, dim: usize, start: usize, src: &Tensor) -> Result<()> {
+    let (outer, extent, inner) = split_at_dim(dst, dim);
+    let len = src.shape[dim];
+    copy_blocks(
+        src.as_dyn_slice(),
+        dst.as_dyn_slice_mut(),
+        outer,
+        len * inner,
+        len * inner,
+        0,
+        extent * inner,
+        start * inner,
+    );
+    Ok(())
+}
+
+/// The contiguous runs of the pieces of a dim (extents `sizes`) in a tensor seen as
+/// `[outer, extent, inner]`, piece by piece: `f(offset in the tensor, offset in the packed
+/// buffer, length)`. Pack copies tensor → buffer along these runs, unpack the reverse.
+fn piece_runs(
+    outer: usize,
+    extent: usize,
+    inner: usize,
+    sizes: &[usize],
+    mut f: impl FnMut(usize, usize, usize),
+) {
+    let (mut piece_base, mut start) = (0, 0);
+    for &len in sizes {
+        let run = len * inner;
+        for o in 0..outer {
+            f((o * extent + start) * inner, piece_base + o * run, run);
+        }
+        piece_base += outer * run;
+        start += len;
+    }
+}
+
+/// Copies `blocks` runs of `run` elements from `src` (stride `src_stride`, start
+/// `src_off`) to `dst` (stride `dst_stride`, start `dst_off`). Both must share a dtype.
+#[allow(clippy::too_many_arguments)]
+fn copy_blocks(
+    src: Slice<'_>,
+    dst: SliceMut<'_>,
+    blocks: usize,
+    run: usize,
+    src_stride: usize,
+    src_off: usize,
+    dst_stride: usize,
+    dst_off: usize,
+) {
+    if run == 0 {
+        return;
+    }
+    with_slice!(SliceMut, dst, |d: T| {
+        let s: &[T] = typed_as(src);
+        for b in 0..blocks {
+            let so = src_off + b * src_stride;
+            let d_o = dst_off + b * dst_stride;
+            d[d_o..d_o + run].copy_from_slice(&s[so..so + run]);
+        }
+    });
+}

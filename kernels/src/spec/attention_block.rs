@@ -1,0 +1,189 @@
+//! Attention of a query block against another block's keys (context parallelism): its
+//! configuration and the checks of its operands, its merge and its gradient fusion.
+
+use super::*;
+
+pub(crate) const OP: &str = "ops::attention_block";
+pub(crate) const OP_BACK: &str = "ops::attention_block_backward";
+pub(crate) const OP_MERGE: &str = "ops::merge_attention";
+pub(crate) const OP_PACK: &str = "ops::pack_kv";
+pub(crate) const OP_FUSE: &str = "ops::fuse_qkv_grad";
+pub(crate) const OP_ROWS: &str = "ops::gather_rows";
+
+/// The shape parameters of one [`attention_block`](fn@crate::ops::attention_block) call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BlockAttention<'a> {
+    /// The head dim `d` (even: RoPE rotates pairs).
+    pub head_dim: usize,
+    /// RoPE's base.
+    pub rope_base: f64,
+    /// Each query row's position in its sample (RoPE angle and mask), strictly
+    /// increasing; the same for every sample of the block.
+    pub q_pos: &'a [usize],
+    /// Each key row's position in its sample, strictly increasing.
+    pub k_pos: &'a [usize],
+}
+
+impl BlockAttention<'_> {
+    /// Whether every key of the block lies after every query (nothing to compute).
+    pub fn fully_masked(&self) -> bool {
+        match (self.q_pos.last(), self.k_pos.first()) {
+            (Some(&q), Some(&k)) => k > q,
+            _ => true,
+        }
+    }
+}
+
+/// Validated sizes of one blockwise call.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Dims {
+    pub(crate) heads: usize,
+    pub(crate) d: usize,
+    pub(crate) batch: usize,
+    pub(crate) nq: usize,
+    pub(crate) nk: usize,
+}
+
+impl Dims {
+    pub(crate) fn qcols(&self) -> usize {
+        self.heads * 3 * self.d
+    }
+    pub(crate) fn kvcols(&self) -> usize {
+        self.heads * 2 * self.d
+    }
+}
+
+pub(crate) fn increasing(p: &[usize]) -> bool {
+    !p.is_empty() && p.windows(2).all(|w| w[0] < w[1])
+}
+
+pub(crate) fn check_block<L: Layout + ?Sized>(
+    op: &'static str,
+    qkv: &L,
+    kv: &L,
+    cfg: &BlockAttention,
+) -> Result<Dims> {
+    let bad = |detail: String| Err(Error::Invalid { op, detail });
+    if qkv.rank() != 2 || kv.rank() != 2 {
+        return bad(format!(
+            "qkv must be [tokens, heads·3·head_dim] and kv [tokens, heads·2·head_dim], got shapes {:?} and {:?}",
+            qkv.shape(),
+            kv.shape()
+        ));
+    }
+    if !qkv.dtype().is_float() {
+        return Err(super::not_float(op, qkv.dtype()));
+    }
+    same_dtype(op, qkv, kv)?;
+    let d = cfg.head_dim;
+    if d == 0 || d % 2 != 0 {
+        return bad(format!(
+            "head_dim {d} must be even and nonzero (RoPE rotates pairs)"
+        ));
+    }
+    if !(cfg.rope_base.is_finite() && cfg.rope_base > 0.0) {
+        return bad(format!(
+            "rope_base {} must be positive and finite",
+            cfg.rope_base
+        ));
+    }
+    if !increasing(cfg.q_pos) || !increasing(cfg.k_pos) {
+        return bad(format!(
+            "q and k positions must be non-empty and strictly increasing, got {} and {} positions",
+            cfg.q_pos.len(),
+            cfg.k_pos.len()
+        ));
+    }
+    let cols = qkv.shape()[1];
+    if cols % (3 * d) != 0 {
+        return bad(format!(
+            "{cols} qkv columns are not whole heads of 3·head_dim = {}",
+            3 * d
+        ));
+    }
+    let heads = cols / (3 * d);
+    if kv.shape()[1] != heads * 2 * d {
+        return bad(format!(
+            "kv has {} columns, want heads·2·head_dim = {} for qkv's {heads} heads",
+            kv.shape()[1],
+            heads * 2 * d
+        ));
+    }
+    let (nq, nk) = (cfg.q_pos.len(), cfg.k_pos.len());
+    let (rq, rk) = (qkv.shape()[0], kv.shape()[0]);
+    if rq % nq != 0 || rk % nk != 0 || rq / nq != rk / nk {
+        return bad(format!(
+            "{rq} query rows in samples of {nq} and {rk} key rows in samples of {nk} are not the same whole number of samples"
+        ));
+    }
+    Ok(Dims {
+        heads,
+        d,
+        batch: rq / nq,
+        nq,
+        nk,
+    })
+}
+
+/// `(rows, heads, out columns)` of a merge of `part` into `acc` (each `(out, lse)`), or the
+/// error for arguments that cannot be merged: the CPU op and its device twin check alike.
+pub(crate) fn check_merge<L: Layout + ?Sized>(
+    op: &'static str,
+    acc: (&L, &L),
+    part: (&L, &L),
+) -> Result<(usize, usize, usize)> {
+    let ((acc_out, acc_lse), (part_out, part_lse)) = (acc, part);
+    let (rows, heads) = match acc_lse.shape() {
+        &[r, h] => (r, h),
+        s => {
+            return Err(Error::Invalid {
+                op,
+                detail: format!("lse must be [tokens, heads], got {s:?}"),
+            })
+        }
+    };
+    let dt = acc_lse.dtype();
+    if !matches!(dt, DType::F32 | DType::F64) {
+        return Err(Error::Invalid {
+            op,
+            detail: format!("partial results are in a compute dtype (f32 or f64), got {dt}"),
+        });
+    }
+    check_dst(op, part_lse, &[rows, heads], dt)?;
+    let ocols = acc_out.shape().get(1).copied().unwrap_or(0);
+    if heads == 0 || ocols % heads != 0 {
+        return Err(Error::Invalid {
+            op,
+            detail: format!("out {:?} is not [tokens, heads·d]", acc_out.shape()),
+        });
+    }
+    check_dst(op, acc_out, &[rows, ocols], dt)?;
+    check_dst(op, part_out, &[rows, ocols], dt)?;
+    Ok((rows, heads, ocols))
+}
+
+/// `(rows, heads)` of a QKV gradient fused from `dq` and `dkv`, or the error for parts that
+/// are not `[tokens, H·d]` and `[tokens, H·2·d]` in `dtype`'s compute dtype: the CPU op and
+/// its device twin check alike.
+pub(crate) fn check_fuse_qkv_grad<L: Layout + ?Sized>(
+    op: &'static str,
+    dq: &L,
+    dkv: &L,
+    d: usize,
+    dtype: DType,
+) -> Result<(usize, usize)> {
+    let acc = acc_dtype(dtype);
+    let (rows, qc) = match *dq.shape() {
+        [r, c] if d > 0 && c % d == 0 => (r, c),
+        ref s => {
+            return Err(Error::Invalid {
+                op,
+                detail: format!("dq of shape {s:?} is not [tokens, heads·{d}]"),
+            })
+        }
+    };
+    let heads = qc / d;
+    check_dst(op, dq, &[rows, heads * d], acc)?;
+    check_dst(op, dkv, &[rows, heads * 2 * d], acc)?;
+    Ok((rows, heads))
+}
