@@ -71,8 +71,9 @@
 //!
 //! With [`Precision::prefetch`] the GPT starts each block's gathers (asynchronous
 //! collectives, [`DTensor::start_all_gather`]) one block ahead, so they move while the
-//! previous block computes; [`Weight::on`](crate::Weight::on) then only waits for them, recording the same
-//! adjoint ([`Var::all_gather_prefetched`]). The training is bitwise the same.
+//! previous block computes; [`Weight::on`](crate::Weight::on) then only waits for them,
+//! recording the same adjoint ([`Var::all_gather_prefetched`]). The training is bitwise
+//! the same.
 //!
 //! ## Reduction over `Dp` × `Cp`
 //!

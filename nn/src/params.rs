@@ -54,8 +54,8 @@ static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
 
 impl<L: Layout> Param<L> {
     /// A parameter holding `value`, with no optimizer state yet (an optimizer that keeps
-    /// some, as [`AdamW`](crate::AdamW) does its moments, creates it at its first update) and a key of
-    /// its own.
+    /// some, as [`AdamW`](crate::AdamW) does its moments, creates it at its first update)
+    /// and a key of its own.
     pub fn new(value: DTensor<L>) -> Self {
         Param {
             value,
