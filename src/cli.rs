@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 /// sets one switch over it. [`CompositionArgs::composition`] resolves them into one value.
 #[derive(clap::Args, Clone, Debug, Default, PartialEq)]
 pub struct CompositionArgs {
-    /// The composition: degrees pp=<n>,dp=<n>,ep=<n>,cp=<n>,tp=<n> (any subset), and
+    /// The composition: degrees pp=N,dp=N,ep=N,cp=N,tp=N (any subset), and
     /// optionally any switch below in spec form (sp, zero1, fsdp, m=4, interleaved, v=2, a2a,
     /// bf16, ...). ep shards the tokens like dp outside the experts and the experts inside
     /// MoE blocks (the batch must divide by dp·ep)
