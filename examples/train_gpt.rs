@@ -46,9 +46,9 @@ use dtensor::kernels::memory;
 use dtensor::nn::pipeline::{self, check_pipeline, microbatches, Pipeline};
 use dtensor::nn::{
     to_stream_order, AdamW, ContextParallel, DataMode, Ddp, Fsdp, GptConfig, Ids, MoeConfig, NoSp,
-    Precision, Schedule, SeqMode, Sp, Zero1, Zero2,
+    Schedule, SeqMode, Sp, Zero1, Zero2,
 };
-use dtensor::placement::{DataKind, MasterDType, ScheduleKind};
+use dtensor::placement::{DataKind, ScheduleKind};
 use dtensor::prelude::*;
 use dtensor_checkpoint as ckpt;
 use metrics::StepMetrics;
@@ -194,10 +194,7 @@ enum Place {
 impl Args {
     /// The element type of the masters (and of everything without --bf16).
     fn dtype(&self) -> DType {
-        match self.comp.dtype {
-            MasterDType::F32 => DType::F32,
-            MasterDType::F64 => DType::F64,
-        }
+        dtensor::nn::compose::master_dtype(&self.comp)
     }
 
     /// Attention over cp: strategy and chunking.
@@ -335,16 +332,6 @@ fn resolve(mut a: Args) -> Result<Args, String> {
 }
 
 fn model_config(a: &Args) -> GptConfig {
-    let precision = if a.comp.bf16 {
-        let reduce = if a.comp.reduce_bf16 {
-            DType::BF16
-        } else {
-            DType::F32
-        };
-        Precision::mixed(DType::BF16, reduce)
-    } else {
-        Precision::default()
-    };
     GptConfig {
         hidden: a.hidden,
         heads: a.heads,
@@ -352,11 +339,6 @@ fn model_config(a: &Args) -> GptConfig {
         ffn: 4 * a.hidden,
         seq_len: a.seq,
         seed: a.seed,
-        precision: precision
-            .resharded(a.comp.data == DataKind::Fsdp && a.comp.reshard)
-            .prefetched(a.comp.data == DataKind::Fsdp && a.comp.overlap),
-        recompute: a.comp.recompute,
-        context: a.context(),
         moe: a.moe.then_some(MoeConfig {
             capacity_factor: a.capacity,
             aux_loss_coef: a.aux_loss,
@@ -365,6 +347,7 @@ fn model_config(a: &Args) -> GptConfig {
         }),
         ..GptConfig::small(a.dtype())
     }
+    .composed(&a.comp)
 }
 
 /// One step's routing over every MoE block (and microbatch): tokens per expert, the

@@ -64,6 +64,7 @@
 pub mod attention;
 pub mod block;
 pub mod buckets;
+pub mod compose;
 pub mod data;
 pub mod embedding;
 pub mod init;
