@@ -39,13 +39,16 @@
 #[path = "support/metrics.rs"]
 mod metrics;
 
+use clap::{Parser, ValueEnum};
+use dtensor::cli::{check_output_path, CompositionArgs, OutputKind};
 use dtensor::collectives::{mpi as mpi_backend, trace, Counters};
 use dtensor::kernels::memory;
 use dtensor::nn::pipeline::{self, check_pipeline, microbatches, Pipeline};
 use dtensor::nn::{
     to_stream_order, AdamW, ContextParallel, DataMode, Ddp, Fsdp, GptConfig, Ids, MoeConfig, NoSp,
-    Precision, Schedule, SeqMode, Sp, Zero1, Zero2,
+    Schedule, SeqMode, Sp, Zero1, Zero2,
 };
+use dtensor::placement::{DataKind, ScheduleKind};
 use dtensor::prelude::*;
 use dtensor_checkpoint as ckpt;
 use metrics::StepMetrics;
@@ -55,323 +58,170 @@ use std::time::Instant;
 
 const TEXT: &str = include_str!("../data/tiny_corpus.txt");
 
-const USAGE: &str = "\
-usage: train_gpt [flags]
-
-  --mesh <spec>     mesh as pp=<n>,dp=<n>,ep=<n>,cp=<n>,tp=<n> (default dp=2,tp=2; any
-                    subset); `sp` may be added to the spec. ep shards the tokens like dp
-                    outside the experts and the experts inside --moe blocks (the batch must
-                    divide by dp·ep)
-  --cp-impl <s>     context parallelism (cp > 1): attention by `ring` (default: K/V passed
-                    round the cp ring, any head count) or `a2a` (all-to-all, Ulysses: the
-                    heads per tp rank must divide by cp)
-  --no-zigzag       cp > 1: rank c holds chunk c of cp (default: chunks c and 2·cp−1−c of
-                    2·cp, which balances the causal work)
-  --sp              sequence parallelism: the residual stream is sharded over tp (needs tp > 1)
-  --fsdp            FSDP (ZeRO-3): parameters sharded over dp, gathered for use
-  --zero <1|2>      ZeRO-1 / ZeRO-2: optimizer state (and gradients) sharded over dp
-  --no-reshard      FSDP: keep gathered parameters until the backward (default: gather again)
-  --overlap         overlap communication with compute: DDP gradients all-reduced in
-                    buckets during the backward, FSDP's gathers prefetched one layer ahead
-                    (off by default: on thread ranks that fill every core it costs more
-                    than it hides)
-  --bucket-mb <x>   with --overlap: DDP bucket size in MiB (default 25)
-  --trace <file>    write a timeline (Chrome trace-event JSON: open it in Perfetto or
-                    chrome://tracing): one row per rank, forward and backward of each
-                    layer, every collective with its axis, bytes and wait time, the
-                    optimizer step, pipeline actions
-  --schedule <s>    pipeline schedule: gpipe, 1f1b (default), interleaved, zb (ZB-H1)
-  --microbatches <m> microbatches per step (default pp; must divide the batch per dp rank)
-  --virtual <v>     interleaved: model chunks per pp rank (default 2)
-  --recompute       activation recomputation: each block's forward runs again in backward
-  --moe             a mixture-of-experts MLP in every block (experts sharded over ep;
-                    pp = 1, no --recompute)
-  --experts <n>     with --moe: experts per block (default 4; must divide by ep)
-  --top-k <k>       with --moe: experts per token, 1 or 2 (default 2)
-  --capacity <f>    with --moe: capacity factor (default: dropless). --check needs a
-                    dropless run (the one-rank reference drops other tokens)
-  --aux-loss <c>    with --moe: Switch load-balancing loss coefficient (default 0.01)
-  --expert-bias <g> with --moe: aux-loss-free balancing (DeepSeek-V3): after each step
-                    every expert's selection bias moves by g·sign(mean load − load)
-  --bf16            mixed precision: bf16 parameters and activations in compute, f32 masters
-                    and optimizer state, gradients reduced in f32 (see --reduce-dtype)
-  --reduce-dtype <t> with --bf16: f32 (default) or bf16 gradient reduction
-  --steps <n>       training steps (default 50): the total, also when resuming
-  --save-every <n>  save a checkpoint after every n-th step (needs --save-dir)
-  --save-dir <dir>  checkpoint directory: one safetensors file per rank and index.json,
-                    replaced atomically by each save (dtensor-checkpoint)
-  --resume <dir>    load parameters, AdamW state, step count, data position and MoE
-                    expert biases from a checkpoint (any mesh or data mode) and continue
-                    to --steps (after a lost rank: restart under a fresh mpirun)
-  --batch <n>       global batch in sequences (default 8; must divide by dp·ep)
-  --seq <n>         tokens per sequence (default 64)
-  --layers <n>      transformer blocks (default 2)
-  --hidden <n>      hidden size (default 64)
-  --heads <n>       attention heads (default 4; must divide by tp)
-  --lr <x>          AdamW learning rate (default 3e-3; finite and > 0)
-  --clip <x>        global gradient-norm clip (default 1.0; finite and > 0)
-  --skip-nonfinite  a step whose gradient norm is inf or NaN skips its update and is counted
-                    (as Megatron-LM does); default: such a step, or a non-finite loss, stops
-                    the run with an error naming the step and exit code 1
-  --seed <n>        parameter seed (default 1234)
-  --dtype <t>       f32 or f64 (default f32)
-  --log-every <n>   print every n steps (default 10; first and last always)
-  --check           also run one rank on the same global batch and seed; print
-                    max_abs_loss_diff=<x> and exit 1 if above the dtype's tolerance
-                    (f64: 1e-9, f32: 2e-3); with --backend mpi, rank 0 runs that
-                    reference on a thread after the MPI run
-  --backend <b>     threads (default): ranks are threads of this process; mpi: each
-                    process started by `mpirun -np <pp·dp·ep·cp·tp>` is one rank (needs a build
-                    with `--features mpi`)
-  --device <d>      cpu (default) or cuda: thread ranks over the NCCL backend, rank r on
-                    GPU r mod the GPU count (one rank per GPU; sharing a GPU needs NCCL ≥ 2.30
-                    and NCCL_MULTI_RANK_GPU_ENABLE=1), every tensor in device memory. Needs a
-                    build with `--features cuda,nccl`, the CUDA driver, libnccl, and NVRTC
-                    and cuBLAS on LD_LIBRARY_PATH. With --backend mpi (build with
-                    `--features mpi,cuda,nccl`) each process is one rank over NCCL, on GPU
-                    (its node-local rank) mod the GPU count; every process checks the driver,
-                    NVRTC and libnccl first and all exit 1 if any lacks one. Checkpoints
-                    (--save-dir, --resume) copy the shards each rank writes to the host
-                    once, and loaded pieces go to the device. --moe routes on the host (the
-                    router logits come down, the gates go up). Ops without a device path
-                    yet stop with an error naming the op. pp > 1 runs every schedule (its
-                    hops were checked deadlock-free under NCCL's rendezvous, tagless
-                    send/recv on the host emulator, tests/rendezvous.rs). With
-                    --check the reference runs on the CPU and the tolerance is 1e-2 for f32
-                    (cuBLAS sums the GEMMs in another order), 1e-6 for f64
-  --print-loss-bits also print every step's loss as the exact bits of the f64 value,
-                    `step <n>  loss_bits=0x<16 hex digits>`, to compare runs bitwise
-  --metrics <file>  rank 0 writes one JSON object per line per step at the end: step,
-                    loss, grad_norm, tokens_per_s, bytes_sent (object: mesh axis -> bytes
-                    sent that step, summed over ranks), peak_tensor_bytes (array, by rank)
-  --plot <file.png> rank 0 draws loss and tokens/s against step as a PNG (text in a font
-                    shipped with the examples; `plot_metrics` draws a --metrics file)
-  --plan            after the receipt, the planner's bytes per axis and peak tensor memory
-                    per rank beside the measured ones (`dtensor plan`, docs/planner.md)
-  --help            this text";
-
-#[derive(Clone, Debug)]
+/// Trains a small byte-level GPT on thread ranks (or MPI processes, or GPUs) with pipeline,
+/// data, expert, context, tensor and sequence parallelism; with --check, proves it computes
+/// what one device would.
+#[derive(Parser, Clone, Debug)]
+#[command(name = "train_gpt")]
 struct Args {
-    config: ParallelConfig,
-    steps: usize,
-    batch: usize,
-    seq: usize,
-    layers: usize,
-    hidden: usize,
-    heads: usize,
-    lr: f64,
-    clip: f64,
-    seed: u64,
-    dtype: DType,
-    log_every: usize,
-    check: bool,
-    backend: Backend,
-    device: Place,
-    print_loss_bits: bool,
-    data: DataKind,
-    reshard: bool,
-    schedule: String,
-    microbatches: Option<usize>,
-    virtual_stages: usize,
-    recompute: bool,
-    bf16: bool,
-    reduce_bf16: bool,
-    overlap: bool,
+    #[command(flatten)]
+    flags: CompositionArgs,
+    /// The run's composition: `flags` resolved by [`resolve`], not a flag itself.
+    #[arg(skip)]
+    comp: Composition,
+    /// With --overlap: DDP bucket size in MiB
+    #[arg(long, value_name = "X", default_value_t = 25.0)]
     bucket_mb: f64,
+    /// Write a timeline (Chrome trace-event JSON: open it in Perfetto or chrome://tracing):
+    /// one row per rank, forward and backward of each layer, every collective with its axis,
+    /// bytes and wait time, the optimizer step, pipeline actions
+    #[arg(long, value_name = "FILE")]
     trace: Option<String>,
-    metrics: Option<String>,
-    plot: Option<String>,
-    /// Attention over cp: strategy and chunking.
-    context: ContextParallel,
-    /// Skip (and count) steps with a non-finite gradient norm instead of stopping.
-    skip_nonfinite: bool,
+    /// A mixture-of-experts MLP in every block (experts sharded over ep; pp = 1, no
+    /// --recompute)
+    #[arg(long)]
     moe: bool,
-    /// Print the planner's figures beside the receipt.
-    plan: bool,
+    /// With --moe: experts per block (must divide by ep)
+    #[arg(long, value_name = "N", default_value_t = 4)]
     experts: usize,
+    /// With --moe: experts per token, 1 or 2
+    #[arg(long, value_name = "K", default_value_t = 2)]
     top_k: usize,
+    /// With --moe: capacity factor (default: dropless). --check needs a dropless run (the
+    /// one-rank reference drops other tokens)
+    #[arg(long, value_name = "F")]
     capacity: Option<f64>,
+    /// With --moe: Switch load-balancing loss coefficient
+    #[arg(long, value_name = "C", default_value_t = 0.01)]
     aux_loss: f64,
+    /// With --moe: aux-loss-free balancing (DeepSeek-V3): after each step every expert's
+    /// selection bias moves by g·sign(mean load − load)
+    #[arg(long, value_name = "G")]
     expert_bias: Option<f64>,
+    /// Training steps: the total, also when resuming
+    #[arg(long, value_name = "N", default_value_t = 50)]
+    steps: usize,
+    /// Save a checkpoint after every n-th step (needs --save-dir)
+    #[arg(long, value_name = "N", default_value_t = 0)]
     save_every: usize,
+    /// Checkpoint directory: one safetensors file per rank and index.json, replaced
+    /// atomically by each save (dtensor-checkpoint)
+    #[arg(long, value_name = "DIR")]
     save_dir: Option<String>,
+    /// Load parameters, AdamW state, step count, data position and MoE expert biases from a
+    /// checkpoint (any mesh or data mode) and continue to --steps (after a lost rank:
+    /// restart under a fresh mpirun)
+    #[arg(long, value_name = "DIR")]
     resume: Option<String>,
+    /// Global batch in sequences (must divide by dp·ep)
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    batch: usize,
+    /// Tokens per sequence
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    seq: usize,
+    /// Transformer blocks
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    layers: usize,
+    /// Hidden size
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    hidden: usize,
+    /// Attention heads (must divide by tp)
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    heads: usize,
+    /// AdamW learning rate (finite and > 0)
+    #[arg(long, value_name = "X", default_value_t = 3e-3)]
+    lr: f64,
+    /// Global gradient-norm clip (finite and > 0)
+    #[arg(long, value_name = "X", default_value_t = 1.0)]
+    clip: f64,
+    /// A step whose gradient norm is inf or NaN skips its update and is counted (as
+    /// Megatron-LM does); default: such a step, or a non-finite loss, stops the run with an
+    /// error naming the step and exit code 1
+    #[arg(long)]
+    skip_nonfinite: bool,
+    /// Parameter seed
+    #[arg(long, value_name = "N", default_value_t = 1234)]
+    seed: u64,
+    /// Print every n steps (first and last always)
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    log_every: usize,
+    /// Also run one rank on the same global batch and seed; print max_abs_loss_diff=<x> and
+    /// exit 1 if above the dtype's tolerance (f64: 1e-9, f32: 2e-3); with --backend mpi,
+    /// rank 0 runs that reference on a thread after the MPI run
+    #[arg(long)]
+    check: bool,
+    /// threads: ranks are threads of this process; mpi: each process started by `mpirun -np
+    /// <pp·dp·ep·cp·tp>` is one rank (needs a build with `--features mpi`)
+    #[arg(long, value_enum, value_name = "B", default_value_t = Backend::Threads)]
+    backend: Backend,
+    /// cpu, or cuda: thread ranks over the NCCL backend, rank r on GPU r mod the GPU count
+    /// (one rank per GPU; sharing a GPU needs NCCL ≥ 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1),
+    /// every tensor in device memory; docs/gpus.md says what it needs and runs
+    #[arg(long, value_enum, value_name = "D", default_value_t = Place::Cpu)]
+    device: Place,
+    /// Also print every step's loss as the exact bits of the f64 value, `step <n>
+    /// loss_bits=0x<16 hex digits>`, to compare runs bitwise
+    #[arg(long)]
+    print_loss_bits: bool,
+    /// Rank 0 writes one JSON object per line per step at the end: step, loss, grad_norm,
+    /// tokens_per_s, bytes_sent (object: mesh axis -> bytes sent that step, summed over
+    /// ranks), peak_tensor_bytes (array, by rank)
+    #[arg(long, value_name = "FILE")]
+    metrics: Option<String>,
+    /// Rank 0 draws loss and tokens/s against step as a PNG (text in a font shipped with the
+    /// examples; `plot_metrics` draws a --metrics file)
+    #[arg(long, value_name = "FILE.png")]
+    plot: Option<String>,
+    /// After the receipt, the planner's bytes per axis and peak tensor memory per rank beside
+    /// the measured ones (`dtensor plan`, docs/planner.md)
+    #[arg(long)]
+    plan: bool,
 }
 
-/// How parameters are held over dp.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum DataKind {
-    Ddp,
-    Zero1,
-    Zero2,
-    Fsdp,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Backend {
     Threads,
     Mpi,
 }
 
 /// Where the ranks' tensors live (`--device`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Place {
     Cpu,
     Cuda,
 }
 
-fn parse_args() -> Result<Option<Args>, String> {
-    let mut a = Args {
-        config: ParallelConfig::parse("dp=2,tp=2").unwrap(),
-        steps: 50,
-        batch: 8,
-        seq: 64,
-        layers: 2,
-        hidden: 64,
-        heads: 4,
-        lr: 3e-3,
-        clip: 1.0,
-        seed: 1234,
-        dtype: DType::F32,
-        log_every: 10,
-        check: false,
-        backend: Backend::Threads,
-        device: Place::Cpu,
-        print_loss_bits: false,
-        data: DataKind::Ddp,
-        reshard: true,
-        schedule: "1f1b".into(),
-        microbatches: None,
-        virtual_stages: 2,
-        recompute: false,
-        bf16: false,
-        reduce_bf16: false,
-        overlap: false,
-        bucket_mb: 25.0,
-        trace: None,
-        metrics: None,
-        plot: None,
-        context: ContextParallel::default(),
-        skip_nonfinite: false,
-        moe: false,
-        plan: false,
-        experts: 4,
-        top_k: 2,
-        capacity: None,
-        aux_loss: 0.01,
-        expert_bias: None,
-        save_every: 0,
-        save_dir: None,
-        resume: None,
-    };
-    let mut sp = false;
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .ok_or(format!("{flag} needs a value (see --help)"))
-        };
-        fn num<T: std::str::FromStr>(flag: &str, v: String) -> Result<T, String> {
-            v.parse()
-                .map_err(|_| format!("{flag}: `{v}` is not a valid number"))
-        }
-        match flag.as_str() {
-            "--mesh" => {
-                a.config = ParallelConfig::parse(&value()?).map_err(|e| format!("--mesh: {e}"))?
-            }
-            "--sp" => sp = true,
-            "--cp-impl" => {
-                a.context.strategy = match value()?.as_str() {
-                    "ring" => CpStrategy::Ring,
-                    "a2a" => CpStrategy::AllToAll,
-                    other => return Err(format!("--cp-impl: `{other}` is not ring or a2a")),
-                }
-            }
-            "--no-zigzag" => a.context.zigzag = false,
-            "--skip-nonfinite" => a.skip_nonfinite = true,
-            "--steps" => a.steps = num(&flag, value()?)?,
-            "--batch" => a.batch = num(&flag, value()?)?,
-            "--seq" => a.seq = num(&flag, value()?)?,
-            "--layers" => a.layers = num(&flag, value()?)?,
-            "--hidden" => a.hidden = num(&flag, value()?)?,
-            "--heads" => a.heads = num(&flag, value()?)?,
-            "--lr" => a.lr = num(&flag, value()?)?,
-            "--clip" => a.clip = num(&flag, value()?)?,
-            "--seed" => a.seed = num(&flag, value()?)?,
-            "--log-every" => a.log_every = num::<usize>(&flag, value()?)?.max(1),
-            "--dtype" => {
-                a.dtype = match value()?.as_str() {
-                    "f32" => DType::F32,
-                    "f64" => DType::F64,
-                    other => return Err(format!("--dtype: `{other}` is not f32 or f64")),
-                }
-            }
-            "--check" => a.check = true,
-            "--backend" => {
-                a.backend = match value()?.as_str() {
-                    "threads" => Backend::Threads,
-                    "mpi" => Backend::Mpi,
-                    other => return Err(format!("--backend: `{other}` is not threads or mpi")),
-                }
-            }
-            "--device" => {
-                a.device = match value()?.as_str() {
-                    "cpu" => Place::Cpu,
-                    "cuda" => Place::Cuda,
-                    other => return Err(format!("--device: `{other}` is not cpu or cuda")),
-                }
-            }
-            "--print-loss-bits" => a.print_loss_bits = true,
-            "--fsdp" => a.data = DataKind::Fsdp,
-            "--zero" => {
-                a.data = match value()?.as_str() {
-                    "1" => DataKind::Zero1,
-                    "2" => DataKind::Zero2,
-                    "3" => DataKind::Fsdp,
-                    other => return Err(format!("--zero: `{other}` is not 1, 2 or 3")),
-                }
-            }
-            "--no-reshard" => a.reshard = false,
-            "--overlap" => a.overlap = true,
-            "--trace" => a.trace = Some(value()?),
-            "--bucket-mb" => a.bucket_mb = num(&flag, value()?)?,
-            "--schedule" => a.schedule = value()?,
-            "--microbatches" => a.microbatches = Some(num(&flag, value()?)?),
-            "--virtual" => a.virtual_stages = num(&flag, value()?)?,
-            "--recompute" => a.recompute = true,
-            "--bf16" => a.bf16 = true,
-            "--reduce-dtype" => {
-                a.reduce_bf16 = match value()?.as_str() {
-                    "f32" => false,
-                    "bf16" => true,
-                    other => return Err(format!("--reduce-dtype: `{other}` is not f32 or bf16")),
-                }
-            }
-            "--moe" => a.moe = true,
-            "--plan" => a.plan = true,
-            "--experts" => a.experts = num(&flag, value()?)?,
-            "--top-k" => a.top_k = num(&flag, value()?)?,
-            "--capacity" => a.capacity = Some(num(&flag, value()?)?),
-            "--aux-loss" => a.aux_loss = num(&flag, value()?)?,
-            "--expert-bias" => a.expert_bias = Some(num(&flag, value()?)?),
-            "--metrics" => a.metrics = Some(value()?),
-            "--save-every" => a.save_every = num(&flag, value()?)?,
-            "--save-dir" => a.save_dir = Some(value()?),
-            "--resume" => a.resume = Some(value()?),
-            "--plot" => a.plot = Some(value()?),
-            "--help" | "-h" => return Ok(None),
-            other => return Err(format!("unknown flag `{other}` (see --help)")),
+impl Args {
+    /// The element type of the masters (and of everything without --bf16).
+    fn dtype(&self) -> DType {
+        dtensor::nn::compose::master_dtype(&self.comp)
+    }
+
+    /// Attention over cp: strategy and chunking.
+    fn context(&self) -> ContextParallel {
+        ContextParallel {
+            strategy: self.comp.cp_strategy,
+            zigzag: self.comp.zigzag,
         }
     }
-    a.config.sp |= sp;
+}
+
+/// The default composition (`--mesh` left out).
+const DEFAULT_MESH: &str = "dp=2,tp=2";
+
+/// Resolves the composition flags and checks what no run can train with, each refused
+/// with the flag and its rule, before any rank starts; then that every output path can be
+/// written.
+fn resolve(mut a: Args) -> Result<Args, String> {
+    a.comp = a.flags.composition(DEFAULT_MESH)?;
+    a.log_every = a.log_every.max(1);
     if a.save_every > 0 && a.save_dir.is_none() {
         return Err("--save-every needs --save-dir".into());
     }
     if a.resume.is_some() && a.check {
         return Err("--check compares a whole run from step 0: leave out --resume".into());
     }
-    let c = &a.config;
-    // Values no run can train with, each refused with the flag and its rule.
+    let c = &a.comp.degrees;
     for (flag, v) in [
         ("--batch", a.batch),
         ("--seq", a.seq),
@@ -389,31 +239,31 @@ fn parse_args() -> Result<Option<Args>, String> {
             return Err(format!("{flag} {v}: must be a finite number > 0"));
         }
     }
-    let chunks = if a.context.zigzag { 2 * c.cp } else { c.cp };
+    let zigzag = a.comp.zigzag;
+    let chunks = if zigzag { 2 * c.cp } else { c.cp };
     if c.cp > 1 && a.seq % chunks != 0 {
         return Err(format!(
             "--seq {} does not cut into {chunks} equal chunks for cp={}{}",
             a.seq,
             c.cp,
-            if a.context.zigzag {
+            if zigzag {
                 " (zigzag: 2·cp chunks; --no-zigzag: cp)"
             } else {
                 ""
             }
         ));
     }
-    if c.cp > 1 && a.context.strategy == CpStrategy::AllToAll && (a.heads / c.tp.max(1)) % c.cp != 0
-    {
+    if c.cp > 1 && a.comp.cp_strategy == CpStrategy::AllToAll && (a.heads / c.tp) % c.cp != 0 {
         return Err(format!(
             "--cp-impl a2a: {} heads per tp rank (--heads {} / tp={}) are not divisible by cp={}",
-            a.heads / c.tp.max(1),
+            a.heads / c.tp,
             a.heads,
             c.tp,
             c.cp
         ));
     }
     if a.moe {
-        if c.pp > 1 || a.recompute {
+        if c.pp > 1 || a.comp.recompute {
             return Err("--moe runs with pp = 1 and without --recompute".into());
         }
         MoeConfig::new(a.experts, a.top_k)
@@ -425,19 +275,13 @@ fn parse_args() -> Result<Option<Args>, String> {
                     .into(),
             );
         }
-        if a.check && a.microbatches.is_some_and(|m| m > 1) {
+        if a.check && a.comp.microbatches > 1 {
             return Err(
                 "--moe --check: the auxiliary loss is per microbatch; run one microbatch".into(),
             );
         }
     }
-    if a.bf16 && a.dtype == DType::F64 {
-        return Err("--bf16 keeps f32 masters: leave --dtype at f32".into());
-    }
-    if c.sp && c.tp < 2 {
-        return Err("--sp needs tensor parallelism (tp > 1)".into());
-    }
-    if a.heads == 0 || a.heads % c.tp != 0 {
+    if a.heads % c.tp != 0 {
         return Err(format!(
             "--heads {} is not divisible by tp={}",
             a.heads, c.tp
@@ -449,7 +293,7 @@ fn parse_args() -> Result<Option<Args>, String> {
             a.hidden, a.heads
         ));
     }
-    if a.batch == 0 || a.batch % (c.dp * c.ep) != 0 {
+    if a.batch % (c.dp * c.ep) != 0 {
         return Err(format!(
             "--batch {} is not divisible by dp·ep={}",
             a.batch,
@@ -466,24 +310,28 @@ fn parse_args() -> Result<Option<Args>, String> {
             c.dp * c.ep
         ));
     }
-    check_pipeline(&model_config(&a), &s).map_err(|e| format!("--schedule {}: {e}", a.schedule))?;
-    if a.seq == 0 || a.seq + 1 >= TEXT.len() || a.steps == 0 {
-        return Err("--seq and --steps must be positive (and seq shorter than the text)".into());
+    check_pipeline(&model_config(&a), &s)
+        .map_err(|e| format!("--schedule {}: {e}", a.comp.schedule.token()))?;
+    if a.seq + 1 >= TEXT.len() {
+        return Err("--seq must be shorter than the text".into());
     }
-    Ok(Some(a))
+    // Output paths: a run that could not write its results fails now, not after training.
+    for (flag, path) in [
+        ("--trace", &a.trace),
+        ("--metrics", &a.metrics),
+        ("--plot", &a.plot),
+    ] {
+        if let Some(p) = path {
+            check_output_path(flag, p.as_ref(), OutputKind::File)?;
+        }
+    }
+    if let Some(dir) = &a.save_dir {
+        check_output_path("--save-dir", dir.as_ref(), OutputKind::Dir)?;
+    }
+    Ok(a)
 }
 
 fn model_config(a: &Args) -> GptConfig {
-    let precision = if a.bf16 {
-        let reduce = if a.reduce_bf16 {
-            DType::BF16
-        } else {
-            DType::F32
-        };
-        Precision::mixed(DType::BF16, reduce)
-    } else {
-        Precision::default()
-    };
     GptConfig {
         hidden: a.hidden,
         heads: a.heads,
@@ -491,19 +339,15 @@ fn model_config(a: &Args) -> GptConfig {
         ffn: 4 * a.hidden,
         seq_len: a.seq,
         seed: a.seed,
-        precision: precision
-            .resharded(a.data == DataKind::Fsdp && a.reshard)
-            .prefetched(a.data == DataKind::Fsdp && a.overlap),
-        recompute: a.recompute,
-        context: a.context,
         moe: a.moe.then_some(MoeConfig {
             capacity_factor: a.capacity,
             aux_loss_coef: a.aux_loss,
             bias_rate: a.expert_bias,
             ..MoeConfig::new(a.experts, a.top_k)
         }),
-        ..GptConfig::small(a.dtype)
+        ..GptConfig::small(a.dtype())
     }
+    .composed(&a.comp)
 }
 
 /// One step's routing over every MoE block (and microbatch): tokens per expert, the
@@ -540,20 +384,8 @@ impl std::fmt::Display for RoutingStep {
 
 /// The pipeline schedule the flags ask for (every rank builds the same).
 fn schedule(a: &Args) -> Result<Schedule, String> {
-    let pp = a.config.pp;
-    let m = a.microbatches.unwrap_or(pp);
-    let s = match a.schedule.as_str() {
-        "gpipe" => pipeline::gpipe(pp, m),
-        "1f1b" => pipeline::one_f_one_b(pp, m),
-        "interleaved" => pipeline::interleaved_1f1b(pp, a.virtual_stages, m),
-        "zb" | "zb-h1" | "zbh1" => pipeline::zero_bubble_h1(pp, m),
-        other => {
-            return Err(format!(
-                "--schedule: `{other}` is not gpipe, 1f1b, interleaved or zb"
-            ))
-        }
-    };
-    s.map_err(|e| format!("--schedule {}: {e}", a.schedule))
+    pipeline::for_composition(&a.comp)
+        .map_err(|e| format!("--schedule {}: {e}", a.comp.schedule.token()))
 }
 
 /// The global batch of step `step`: `batch` windows of the text (inputs, next-byte targets).
@@ -662,6 +494,7 @@ fn train_rank<M: SeqMode, D: DataMode>(
     let m = sched.microbatches;
     let mut model = Pipeline::<M, D>::new(model_config(a), sched, &dm)?;
     model.ddp_bucket_bytes = a
+        .comp
         .overlap
         .then_some(((a.bucket_mb * (1u64 << 20) as f64) as usize).max(1));
     let sm = model.stage_mesh().clone();
@@ -720,7 +553,10 @@ fn train_rank<M: SeqMode, D: DataMode>(
             microbatches(t, m, a.seq)?
                 .iter()
                 .map(|mb| {
-                    DTensor::<Ids>::from_global(&to_stream_order(mb, a.seq, &a.context, &sm)?, &sm)
+                    DTensor::<Ids>::from_global(
+                        &to_stream_order(mb, a.seq, &a.context(), &sm)?,
+                        &sm,
+                    )
                 })
                 .collect()
         };
@@ -850,14 +686,14 @@ trait WithModes {
 /// Calls `f` with the modes of `a` (one monomorphization per pair).
 fn with_modes<F: WithModes>(a: &Args, f: F) -> F::Out {
     fn pick_d<M: SeqMode, F: WithModes>(a: &Args, f: F) -> F::Out {
-        match a.data {
+        match a.comp.data {
             DataKind::Ddp => f.run::<M, Ddp>(a),
             DataKind::Zero1 => f.run::<M, Zero1>(a),
             DataKind::Zero2 => f.run::<M, Zero2>(a),
             DataKind::Fsdp => f.run::<M, Fsdp>(a),
         }
     }
-    if a.config.sp {
+    if a.comp.degrees.sp {
         pick_d::<Sp, F>(a, f)
     } else {
         pick_d::<NoSp, F>(a, f)
@@ -869,7 +705,7 @@ struct OnThreads;
 impl WithModes for OnThreads {
     type Out = Result<RankOut, String>;
     fn run<M: SeqMode, D: DataMode>(self, a: &Args) -> Self::Out {
-        train::<M, D>(a, a.config, true)
+        train::<M, D>(a, a.comp.degrees, true)
     }
 }
 
@@ -1047,7 +883,7 @@ fn counters_from_numbers(v: &[i64]) -> CounterSnapshot {
 /// or with `--device cuda` on an NCCL communicator made over it). Rank 0 prints the header
 /// and the log, and gets every rank's counters summed.
 fn train_mpi<M: SeqMode, D: DataMode>(a: &Args) -> Result<MpiOut, String> {
-    let c = a.config;
+    let c = a.comp.degrees;
     let mesh = model_mesh(c)?;
     Ok(mpi_backend::run(|world| -> Result<MpiOut, Error> {
         let (rank, size) = (world.rank(), world.size());
@@ -1111,7 +947,10 @@ fn train_mpi<M: SeqMode, D: DataMode>(a: &Args) -> Result<MpiOut, String> {
                     parts.push(String::from_utf8_lossy(&bytes).into_owned());
                     at += n;
                 }
-                write_trace(path, &trace::wrap(&parts));
+                write_trace(path, &trace::wrap(&parts)).map_err(|detail| Error::InvalidUse {
+                    op: "train_gpt",
+                    detail,
+                })?;
             }
         }
         // Sum the counters (counted before this all-reduce, on the axis communicators).
@@ -1155,7 +994,7 @@ fn train_mpi<M: SeqMode, D: DataMode>(a: &Args) -> Result<MpiOut, String> {
 fn header(a: &Args, ranks: &str) -> String {
     format!(
         "train_gpt: {} layers, hidden {}, {} heads, byte vocab 256, seq {}, global batch {} ({} tokens), {}, on {} {ranks} ranks, device {}",
-        a.layers, a.hidden, a.heads, a.seq, a.batch, a.batch * a.seq, a.dtype, a.config.world_size(),
+        a.layers, a.hidden, a.heads, a.seq, a.batch, a.batch * a.seq, a.dtype(), a.comp.degrees.world_size(),
         match (a.device, a.backend) {
             (Place::Cpu, _) => "cpu",
             (Place::Cuda, Backend::Threads) => "cuda (NCCL; rank r on GPU r mod the GPU count)",
@@ -1170,33 +1009,31 @@ fn mpi_preflight(a: &Args) -> Result<(), String> {
     if !cfg!(feature = "mpi") {
         return Err("--backend mpi: this train_gpt was built without the `mpi` feature; rebuild with `cargo build --release --example train_gpt --features mpi` (needs OpenMPI and libclang)".into());
     }
-    let n = a.config.world_size();
+    let n = a.comp.degrees.world_size();
     if n > 1 && !mpi_backend::launched_by_mpirun() {
         return Err(format!(
             "--backend mpi: mesh {} needs {n} ranks but this process was not started by mpirun (a world of 1 rank). {} Here: `mpirun -np {n} <train_gpt> --backend mpi …`",
-            a.config,
+            a.comp.degrees,
             mpi_backend::LAUNCH_HINT
         ));
     }
     Ok(())
 }
 
-/// Ok(None): this process has nothing more to do (an MPI rank other than 0).
 /// Writes a trace document and says where.
-fn write_trace(path: &str, json: &str) {
-    match std::fs::write(path, json) {
-        Ok(()) => println!(
-            "trace: {path} ({} bytes; open it in https://ui.perfetto.dev or chrome://tracing)",
-            json.len()
-        ),
-        Err(e) => eprintln!("error: --trace {path}: {e}"),
-    }
+fn write_trace(path: &str, json: &str) -> Result<(), String> {
+    std::fs::write(path, json).map_err(|e| format!("--trace {path}: {e}"))?;
+    println!(
+        "trace: {path} ({} bytes; open it in https://ui.perfetto.dev or chrome://tracing)",
+        json.len()
+    );
+    Ok(())
 }
 
 /// `--plan`: the planner's figures for this run beside the receipt's (bytes per axis over
 /// the `steps` run, and the largest per-rank peak of the last step).
 fn print_plan(a: &Args, out: &RankOut, steps: u64) -> Result<(), String> {
-    use dtensor::planner::{self, human, Axis, Composition, DataKind as D, Model};
+    use dtensor::planner::{self, human, Axis, Model};
     let model = Model {
         name: "train_gpt".into(),
         vocab: 256,
@@ -1214,39 +1051,7 @@ fn print_plan(a: &Args, out: &RankOut, steps: u64) -> Result<(), String> {
             top_k: a.top_k,
         }),
     };
-    let sched = schedule(a)?;
-    let c = &a.config;
-    let comp = Composition {
-        pp: c.pp,
-        dp: c.dp,
-        ep: c.ep,
-        cp: c.cp,
-        tp: c.tp,
-        sp: c.sp,
-        data: match a.data {
-            DataKind::Ddp => D::Ddp,
-            DataKind::Zero1 => D::Zero1,
-            DataKind::Zero2 => D::Zero2,
-            DataKind::Fsdp => D::Fsdp,
-        },
-        reshard: a.reshard,
-        recompute: a.recompute,
-        microbatches: sched.microbatches,
-        schedule: match sched.kind {
-            dtensor::nn::ScheduleKind::GPipe => planner::ScheduleKind::Gpipe,
-            dtensor::nn::ScheduleKind::OneFOneB => planner::ScheduleKind::OneFOneB,
-            dtensor::nn::ScheduleKind::Interleaved1F1B => planner::ScheduleKind::Interleaved,
-            _ => planner::ScheduleKind::ZeroBubble,
-        },
-        virtual_stages: sched.virtual_stages_per_rank,
-        cp_impl: match a.context.strategy {
-            CpStrategy::Ring => planner::CpImpl::Ring,
-            CpStrategy::AllToAll => planner::CpImpl::AllToAll,
-        },
-        bf16: a.bf16,
-        reduce_bf16: a.reduce_bf16,
-        master_bytes: a.dtype.size_in_bytes() as u64,
-    };
+    let comp = a.comp;
     let p = planner::plan(&model, &comp)?;
     println!("plan ({comp}; `dtensor plan`, docs/planner.md), over {steps} steps:");
     for (axis, s) in &out.counters {
@@ -1289,8 +1094,11 @@ fn print_plan(a: &Args, out: &RankOut, steps: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// Trains, prints the receipt and writes the outputs; `Ok(Some(passed))` with `--check`'s
+/// verdict (true without it), `Ok(None)`: this process has nothing more to do (an MPI rank
+/// other than 0).
 fn run(a: &Args) -> Result<Option<bool>, String> {
-    let c = &a.config;
+    let c = &a.comp.degrees;
     if a.trace.is_some() {
         trace::enable();
     }
@@ -1300,7 +1108,7 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
             println!("{}", header(a, "thread"));
             let out = with_modes(a, OnThreads)?;
             if let Some(path) = &a.trace {
-                write_trace(path, &trace::chrome_json(&trace::take()));
+                write_trace(path, &trace::chrome_json(&trace::take()))?;
             }
             out
         }
@@ -1324,7 +1132,7 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
     println!(
         "  composition: pp={} ({:?}, {} microbatches{}) × dp={} ({}) × tp={} ({}), vocab-parallel embedding and loss{}{}{}",
         c.pp,
-        sched.kind,
+        sched.kind.expect("a generated schedule"),
         sched.microbatches,
         if sched.virtual_stages_per_rank > 1 {
             format!(", {} chunks per rank", sched.virtual_stages_per_rank)
@@ -1332,11 +1140,11 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
             String::new()
         },
         c.dp,
-        match a.data {
+        match a.comp.data {
             DataKind::Ddp => "DDP all-reduce of the gradients",
             DataKind::Zero1 => "ZeRO-1: reduce-scatter once per step, sharded optimizer state, all-gather of the updated parameters",
             DataKind::Zero2 => "ZeRO-2: reduce-scatter after every backward, sharded gradients and optimizer state",
-            DataKind::Fsdp if a.reshard => "FSDP: parameters sharded, gathered in forward and again in backward, gradients reduce-scattered",
+            DataKind::Fsdp if a.comp.reshard => "FSDP: parameters sharded, gathered in forward and again in backward, gradients reduce-scattered",
             DataKind::Fsdp => "FSDP: parameters sharded, gathered once and kept until backward, gradients reduce-scattered",
         },
         c.tp,
@@ -1345,29 +1153,29 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
         } else {
             "Megatron TP: to_replicate / all_reduce"
         },
-        if a.recompute { ", blocks recomputed in backward" } else { "" },
-        if !a.overlap {
+        if a.comp.recompute { ", blocks recomputed in backward" } else { "" },
+        if !a.comp.overlap {
             ""
-        } else if a.data == DataKind::Fsdp {
+        } else if a.comp.data == DataKind::Fsdp {
             ", FSDP gathers prefetched one layer ahead"
-        } else if matches!(a.data, DataKind::Ddp) {
+        } else if matches!(a.comp.data, DataKind::Ddp) {
             ", DDP gradients all-reduced in buckets during the backward"
         } else {
             ""
         },
-        if a.bf16 {
-            if a.reduce_bf16 { ", bf16 compute, f32 masters, bf16 gradient reduction" } else { ", bf16 compute, f32 masters, f32 gradient reduction" }
+        if a.comp.bf16 {
+            if a.comp.reduce_bf16 { ", bf16 compute, f32 masters, bf16 gradient reduction" } else { ", bf16 compute, f32 masters, f32 gradient reduction" }
         } else { "" },
     );
     if c.cp > 1 {
         println!(
             "  context parallel: cp={} ({}, {} chunks): the sequence Shard<0> over cp everywhere, parameter gradients all-reduced over cp (adjoint of to_replicate)",
             c.cp,
-            match a.context.strategy {
+            match a.comp.cp_strategy {
                 CpStrategy::Ring => "ring attention: K/V blocks passed round the cp ring",
                 CpStrategy::AllToAll => "all-to-all attention: sequence-sharded to head-sharded and back",
             },
-            if a.context.zigzag { "zigzag" } else { "contiguous" },
+            if a.comp.zigzag { "zigzag" } else { "contiguous" },
         );
     }
     if c.pp > 1 {
@@ -1436,14 +1244,18 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
         return Ok(Some(true));
     }
     // One rank, plain: no pipeline, DDP, the whole batch as one microbatch.
-    let one = ParallelConfig::parse("dp=1,tp=1").unwrap();
+    let one = ParallelConfig::default();
     let plain = Args {
-        config: one,
+        comp: Composition {
+            degrees: one,
+            data: DataKind::Ddp,
+            schedule: ScheduleKind::GPipe,
+            microbatches: 1,
+            virtual_stages: 1,
+            recompute: false,
+            ..a.comp
+        },
         device: Place::Cpu,
-        data: DataKind::Ddp,
-        schedule: "gpipe".into(),
-        microbatches: Some(1),
-        recompute: false,
         ..a.clone()
     };
     let reference = train::<NoSp, Ddp>(&plain, one, false)?;
@@ -1455,10 +1267,10 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
         .fold(0.0, f64::max);
     // On a GPU, cuBLAS sums each GEMM in its own order (split-K, tensor-core tiles): the
     // rounding of every product differs from the CPU's, and 50 steps of AdamW carry it on.
-    let tol = match (a.dtype, a.device) {
+    let tol = match (a.dtype(), a.device) {
         (DType::F64, Place::Cpu) => 1e-9,
         (DType::F64, Place::Cuda) => 1e-6,
-        _ if a.bf16 => 5e-2,
+        _ if a.comp.bf16 => 5e-2,
         (_, Place::Cpu) => 2e-3,
         (_, Place::Cuda) => 1e-2,
     };
@@ -1467,12 +1279,9 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
 }
 
 fn main() -> ExitCode {
-    let args = match parse_args() {
-        Ok(Some(a)) => a,
-        Ok(None) => {
-            println!("{USAGE}");
-            return ExitCode::SUCCESS;
-        }
+    // Clap exits 2 on a bad flag or value, naming it; the checks across flags do the same.
+    let args = match resolve(Args::parse()) {
+        Ok(a) => a,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);

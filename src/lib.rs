@@ -62,6 +62,8 @@
 
 #![warn(missing_docs)]
 
+pub mod cli;
+
 pub use dtensor_collectives as collectives;
 pub use dtensor_core as core;
 pub use dtensor_kernels as kernels;
@@ -85,9 +87,9 @@ pub mod prelude {
     };
     pub use dtensor_kernels::{DType, Tensor};
     pub use dtensor_placement::{
-        layout, mesh_axis, Avg, AxisKind, AxisRole, Cp, Dp, Ep, Invariant, Layout, Max, Mesh,
-        MeshAxis, Min, ParallelConfig, Partial, PartialOp, Placement, Pp, Ragged, Replicate, Shard,
-        Sum, Tp,
+        layout, mesh_axis, Avg, AxisKind, AxisRole, Composition, Cp, Dp, Ep, Invariant, Layout,
+        Max, Mesh, MeshAxis, Min, ParallelConfig, Partial, PartialOp, Placement, Pp, Ragged,
+        Replicate, Shard, Sum, Tp,
     };
 }
 

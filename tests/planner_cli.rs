@@ -1,4 +1,4 @@
-//! `dtensor plan`, the facade's binary: one composition, a search, a refusal, a bad flag.
+//! `dtensor plan`, the facade's binary: one composition, a search, a refusal, bad flags and values.
 use std::process::Command;
 
 fn plan(args: &[&str]) -> (i32, String, String) {
@@ -45,4 +45,34 @@ fn usage_errors() {
     let (code, _, err) = plan(&["--model", "gpt-small", "--mesh", "dp=2", "--devices", "4"]);
     assert_eq!(code, 2);
     assert!(err.contains("2 ranks"), "{err}");
+}
+
+#[test]
+fn composition_flags_set_switches_over_the_mesh() {
+    let (code, out, err) = plan(&[
+        "--model",
+        "gpt-small",
+        "--mesh",
+        "pp=2,dp=2",
+        "--zero",
+        "1",
+        "--schedule",
+        "zb",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("composition pp=2,dp=2,zero1,m=2,zb on 4 ranks"),
+        "{out}"
+    );
+    // nn's ZB-H1 bubble, (p − 1)/(3m + p − 1) at p = m = 2.
+    assert!(out.contains("pipeline bubble: 0.143"), "{out}");
+}
+
+#[test]
+fn a_bad_value_exits_2_naming_the_flag() {
+    for (flag, value) in [("--schedule", "2f2b"), ("--zero", "4"), ("--top", "many")] {
+        let (code, _, err) = plan(&["--model", "gpt-small", "--mesh", "dp=2", flag, value]);
+        assert_eq!(code, 2, "{flag} {value}: {err}");
+        assert!(err.contains(flag), "{flag} {value}: {err}");
+    }
 }

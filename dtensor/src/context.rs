@@ -118,16 +118,8 @@ const TAG_KV_BACK: u32 = 30_002;
 const TAG_DKV: u32 = 30_003;
 
 /// How context-parallel attention moves data over the `Cp` axis (see the
-/// [module docs](self)).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
-pub enum CpStrategy {
-    /// K/V blocks around the ring, partial results merged by log-sum-exp.
-    #[default]
-    Ring,
-    /// All-to-all to head shards, local full-sequence attention, all-to-all back
-    /// (Ulysses).
-    AllToAll,
-}
+/// [module docs](self)); defined in dtensor-placement, where a run's `Composition` names it.
+pub use dtensor_placement::CpStrategy;
 
 /// The parameters of [`DTensor::context_attention`].
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -77,6 +77,7 @@
 
 pub mod attention;
 pub mod buckets;
+pub mod compose;
 pub mod data;
 pub mod embedding;
 pub mod init;

@@ -4,6 +4,7 @@
 use crate::axis::{AxisKind, AxisRole};
 use crate::error::{Error, Result};
 use crate::mesh::Mesh;
+use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
 
@@ -13,7 +14,8 @@ use std::str::FromStr;
 /// (Megatron-Core folds `ep` into its data-parallel degree instead: its `dp=4, ep=2` is
 /// our `dp=2, ep=2`). `sp` (sequence parallelism) shards activations along the sequence
 /// over the TP group.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct ParallelConfig {
     /// Data-parallel degree: ranks holding replicas of the dense parameters (ZeRO/FSDP
     /// shard them over this axis). At least 1.

@@ -3,7 +3,8 @@
 //! Where a distributed tensor lives: the device [`Mesh`] (named axes, rank layout), the
 //! axis markers (built-in [`Dp`], [`Tp`], [`Cp`], [`Ep`], [`Pp`], and user-declared ones
 //! from [`mesh_axis!`], each with a name and an [`AxisRole`]),
-//! [`ParallelConfig`] (`dp=2,tp=2,sp`), the placements of one axis as types
+//! [`ParallelConfig`] (`dp=2,tp=2,sp`) inside the [`Composition`] of a run
+//! (`dp=2,tp=2,sp,zero1,m=4`), the placements of one axis as types
 //! ([`Shard<D>`], [`Replicate`], [`Invariant`], [`Partial<Op>`]) and at run time
 //! ([`Placement`]), layouts (one placement per axis, [`layout!`]), and the layout
 //! arithmetic that says which slice of the global tensor each rank holds.
@@ -23,6 +24,7 @@
 
 pub mod arith;
 pub mod axis;
+pub mod composition;
 pub mod config;
 pub mod error;
 pub mod layout;
@@ -32,6 +34,7 @@ pub mod rules;
 
 pub use arith::{check_placements, chunk_range, global_offset, local_ranges, local_shape};
 pub use axis::{roles, AxisDef, AxisKind, AxisRole, Cp, Dp, Ep, MeshAxis, Pp, Tp};
+pub use composition::{Composition, CpStrategy, DataKind, MasterDType, ScheduleKind};
 pub use config::ParallelConfig;
 pub use error::{Error, Result};
 pub use layout::{

@@ -22,7 +22,7 @@
 //! Compositions whose per-rank memory ([`crate::Memory::total`]) exceeds the device's are
 //! refused with the excess.
 
-use crate::{plan, Axis, Composition, CpImpl, DataKind, Model, Plan, ScheduleKind};
+use crate::{plan, Axis, Composition, DataKind, Model, ParallelConfig, Plan};
 
 /// The machine: devices per node, per-rank bandwidth inside and across nodes (GB/s),
 /// sustained compute (TFLOP/s), memory per device (GiB).
@@ -69,14 +69,8 @@ pub struct Ranked {
 
 /// Whether `axis`'s groups fit inside a node.
 pub fn intra_node(c: &Composition, axis: Axis, node_size: usize) -> bool {
-    let order = [Axis::Pp, Axis::Dp, Axis::Ep, Axis::Cp, Axis::Tp];
-    let deg = |a: Axis| match a {
-        Axis::Pp => c.pp,
-        Axis::Dp => c.dp,
-        Axis::Ep => c.ep,
-        Axis::Cp => c.cp,
-        Axis::Tp => c.tp,
-    };
+    let order = Axis::ALL;
+    let deg = |a: Axis| crate::degree(c, a);
     let i = order.iter().position(|&a| a == axis).unwrap();
     let stride: usize = order[i + 1..].iter().map(|&a| deg(a)).product();
     stride * deg(axis) <= node_size
@@ -161,20 +155,20 @@ pub fn rank(model: &Model, devices: usize, net: &Interconnect) -> Vec<Ranked> {
                             // and bubble); if none fits, the most (least memory).
                             let mut chosen: Option<Ranked> = None;
                             for &m in &ms {
-                                let c = Composition {
+                                let degrees = ParallelConfig {
                                     pp,
                                     dp,
                                     ep,
                                     cp,
                                     tp,
                                     sp: tp > 1,
+                                };
+                                let c = Composition {
                                     data,
                                     recompute,
                                     microbatches: m,
-                                    schedule: ScheduleKind::OneFOneB,
-                                    cp_impl: CpImpl::Ring,
                                     bf16: true,
-                                    ..Composition::default()
+                                    ..Composition::of(degrees)
                                 };
                                 if let Ok(p) = plan(model, &c) {
                                     let r = estimate(&p, net);

@@ -209,12 +209,4 @@ impl Model {
         })?;
         Model::from_json(&text)
     }
-
-    /// All parameters (elements), as the GPT holds them.
-    pub fn parameters(&self) -> u64 {
-        crate::params::param_list(self, 1, 1, false)
-            .iter()
-            .map(|p| p.global)
-            .sum()
-    }
 }

@@ -3,6 +3,15 @@
 
 use crate::model::{Activation, Model};
 
+// Here rather than in model.rs: the count is the sum of `param_list`, and the model file
+// stays a description that imports nothing of the planner.
+impl Model {
+    /// All parameters (elements), as the GPT holds them.
+    pub fn parameters(&self) -> u64 {
+        param_list(self, 1, 1, false).iter().map(|p| p.global).sum()
+    }
+}
+
 /// A parameter's kind (`dtensor_nn::data::ParamKind`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {

@@ -10,8 +10,8 @@ use dtensor_nn::{
     to_stream_order, AdamW, ContextParallel, DataMode, Ddp, Fsdp, GptConfig, Ids, NoSp, Precision,
     SeqMode, Sp, Zero1, Zero2,
 };
-use dtensor_placement::{AxisKind, ParallelConfig};
-use dtensor_planner::{plan, Axis, Composition, CpImpl, DataKind, Model, ScheduleKind};
+use dtensor_placement::AxisKind;
+use dtensor_planner::{plan, Axis, Composition, DataKind, Model};
 
 const TEXT: &[u8] = include_bytes!("../../data/tiny_corpus.txt");
 
@@ -50,11 +50,8 @@ fn gpt_config(model: &Model, c: &Composition) -> GptConfig {
         precision: precision.resharded(c.data == DataKind::Fsdp && c.reshard),
         recompute: c.recompute,
         context: ContextParallel {
-            strategy: match c.cp_impl {
-                CpImpl::Ring => dtensor_core::CpStrategy::Ring,
-                CpImpl::AllToAll => dtensor_core::CpStrategy::AllToAll,
-            },
-            zigzag: true,
+            strategy: c.cp_strategy,
+            zigzag: c.zigzag,
         },
         moe: model
             .moe
@@ -79,26 +76,11 @@ fn batch(model: &Model, step: usize) -> (Tensor, Tensor) {
 }
 
 fn run<M: SeqMode, D: DataMode>(model: &Model, c: &Composition, steps: usize) -> Measured {
-    let config = ParallelConfig {
-        dp: c.dp,
-        tp: c.tp,
-        pp: c.pp,
-        cp: c.cp,
-        ep: c.ep,
-        sp: c.sp,
-    };
-    let mesh = dtensor_nn::model_mesh(&config).unwrap();
+    let mesh = dtensor_nn::model_mesh(&c.degrees).unwrap();
     let cfg = gpt_config(model, c);
     let results = threads::launch(mesh.world_size(), |world| -> Result<_, Error> {
         let dm = DeviceMesh::new(world, mesh.clone())?;
-        let sched = match c.schedule {
-            ScheduleKind::Gpipe => pipeline::gpipe(c.pp, c.microbatches),
-            ScheduleKind::OneFOneB => pipeline::one_f_one_b(c.pp, c.microbatches),
-            ScheduleKind::Interleaved => {
-                pipeline::interleaved_1f1b(c.pp, c.virtual_stages, c.microbatches)
-            }
-            ScheduleKind::ZeroBubble => pipeline::zero_bubble_h1(c.pp, c.microbatches),
-        }?;
+        let sched = pipeline::for_composition(c)?;
         let mut model_ = Pipeline::<M, D>::new(cfg, sched, &dm)?;
         let sm = model_.stage_mesh().clone();
         let mut opt = AdamW::new(1e-3);
@@ -154,7 +136,7 @@ fn measure(model: &Model, c: &Composition) -> Measured {
             DataKind::Fsdp => run::<M, Fsdp>(model, c, 2),
         }
     }
-    if c.sp {
+    if c.degrees.sp {
         d::<Sp>(model, c)
     } else {
         d::<NoSp>(model, c)

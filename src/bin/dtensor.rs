@@ -4,87 +4,105 @@
 //!
 //! `cargo run --release --bin dtensor -- plan --model 7b --devices 64 --memory-gib 131`
 //! `cargo run --release --bin dtensor -- plan --model gpt-small --devices 4 --mesh dp=2,tp=2,sp`
+use clap::{Parser, Subcommand};
+use dtensor::cli::CompositionArgs;
 use dtensor::planner::{self, human, Composition, Interconnect, Model};
 use std::process::ExitCode;
 
-const USAGE: &str = "\
-usage: dtensor plan --model <preset|file.json> --devices <n> [flags]
-  --model <m>        a preset (gpt-small, 7b, 70b, moe-8x7b) or a JSON model file
-  --devices <n>      ranks (with --mesh: must equal the mesh's world size)
-  --mesh <spec>      one composition: pp=,dp=,ep=,cp=,tp= and flags sp, zero1, zero2, fsdp,
-                     no-reshard, recompute, m=<microbatches>, gpipe|1f1b|interleaved|zb,
-                     v=<chunks>, ring|a2a, bf16, reduce-bf16 (default: search and rank)
-  --memory-gib <g>   memory per device (default 131, an H200); compositions over it are
-                     refused, saying by how much
-  --batch <n>        override the model's global batch (sequences per step)
-  --seq <n>          override the model's sequence length
-  --node-size <n>    devices per node (default 8)
-  --intra-gbps <x>   per-rank bandwidth inside a node, GB/s (default 900)
-  --inter-gbps <x>   per-rank bandwidth across nodes, GB/s (default 50)
-  --tflops <x>       sustained TFLOP/s per device (default 400)
-  --top <k>          compositions to print when searching (default 5)";
+/// Distributed tensors: tools.
+#[derive(Parser)]
+#[command(name = "dtensor")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Per-rank memory, bytes per mesh axis and the pipeline bubble of one composition
+    /// (--mesh), or the best compositions for --devices (docs/planner.md)
+    Plan(PlanArgs),
+}
+
+#[derive(clap::Args)]
+struct PlanArgs {
+    /// A preset (gpt-small, 7b, 70b, moe-8x7b) or a JSON model file
+    #[arg(long, value_name = "M")]
+    model: String,
+    /// Ranks (with --mesh: must equal the mesh's world size)
+    #[arg(long, value_name = "N")]
+    devices: Option<usize>,
+    /// One composition (`--mesh` and the flags over it); without --mesh: search and rank
+    #[command(flatten)]
+    run: CompositionArgs,
+    /// Memory per device, GiB (an H200's by default); compositions over it are refused,
+    /// saying by how much
+    #[arg(long, value_name = "G", default_value_t = Interconnect::default().memory_gib)]
+    memory_gib: f64,
+    /// Override the model's global batch (sequences per step)
+    #[arg(long, value_name = "N")]
+    batch: Option<usize>,
+    /// Override the model's sequence length
+    #[arg(long, value_name = "N")]
+    seq: Option<usize>,
+    /// Devices per node
+    #[arg(long, value_name = "N", default_value_t = Interconnect::default().node_size)]
+    node_size: usize,
+    /// Per-rank bandwidth inside a node, GB/s
+    #[arg(long, value_name = "X", default_value_t = Interconnect::default().intra_gbps)]
+    intra_gbps: f64,
+    /// Per-rank bandwidth across nodes, GB/s
+    #[arg(long, value_name = "X", default_value_t = Interconnect::default().inter_gbps)]
+    inter_gbps: f64,
+    /// Sustained TFLOP/s per device
+    #[arg(long, value_name = "X", default_value_t = Interconnect::default().tflops)]
+    tflops: f64,
+    /// Compositions to print when searching
+    #[arg(long, value_name = "K", default_value_t = 5)]
+    top: usize,
+}
 
 struct Args {
     model: String,
     devices: usize,
-    mesh: Option<String>,
+    composition: Option<Composition>,
     batch: Option<usize>,
     seq: Option<usize>,
     net: Interconnect,
     top: usize,
 }
 
-fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
-    match it.next().as_deref() {
-        Some("plan") => {}
-        Some("--help") | Some("-h") | None => return Err(USAGE.into()),
-        Some(other) => return Err(format!("unknown command `{other}`\n{USAGE}")),
-    }
-    let mut a = Args {
-        model: String::new(),
-        devices: 0,
-        mesh: None,
-        batch: None,
-        seq: None,
-        net: Interconnect::default(),
-        top: 5,
+/// The checks across flags (clap has checked each value).
+fn resolve(p: PlanArgs) -> Result<Args, String> {
+    let composition = match p.run.mesh {
+        Some(_) => Some(p.run.composition("dp=1")?),
+        None if p.run != CompositionArgs::default() => {
+            return Err("the composition flags set switches over --mesh: give --mesh".into())
+        }
+        None => None,
     };
-    while let Some(flag) = it.next() {
-        if flag == "--help" || flag == "-h" {
-            return Err(USAGE.into());
-        }
-        let v = it
-            .next()
-            .ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
-        fn num<T: std::str::FromStr>(flag: &str, v: &str) -> Result<T, String> {
-            v.parse()
-                .map_err(|_| format!("{flag}: `{v}` is not a valid number"))
-        }
-        match flag.as_str() {
-            "--model" => a.model = v,
-            "--devices" => a.devices = num(&flag, &v)?,
-            "--mesh" => a.mesh = Some(v),
-            "--memory-gib" => a.net.memory_gib = num(&flag, &v)?,
-            "--batch" => a.batch = Some(num(&flag, &v)?),
-            "--seq" => a.seq = Some(num(&flag, &v)?),
-            "--node-size" => a.net.node_size = num(&flag, &v)?,
-            "--intra-gbps" => a.net.intra_gbps = num(&flag, &v)?,
-            "--inter-gbps" => a.net.inter_gbps = num(&flag, &v)?,
-            "--tflops" => a.net.tflops = num(&flag, &v)?,
-            "--top" => a.top = num(&flag, &v)?,
-            _ => return Err(format!("unknown flag `{flag}`\n{USAGE}")),
-        }
+    let devices = p.devices.unwrap_or(0);
+    if devices == 0 && composition.is_none() {
+        return Err("--devices is required (at least 1) without --mesh".into());
     }
-    if a.model.is_empty() {
-        return Err(format!("--model is required\n{USAGE}"));
-    }
-    if a.devices == 0 && a.mesh.is_none() {
-        return Err(format!("--devices is required\n{USAGE}"));
-    }
-    if a.net.node_size == 0 || a.net.intra_gbps <= 0.0 || a.net.inter_gbps <= 0.0 {
+    if p.node_size == 0 || p.intra_gbps <= 0.0 || p.inter_gbps <= 0.0 {
         return Err("--node-size, --intra-gbps and --inter-gbps must be positive".into());
     }
-    Ok(a)
+    Ok(Args {
+        model: p.model,
+        devices,
+        composition,
+        batch: p.batch,
+        seq: p.seq,
+        net: Interconnect {
+            memory_gib: p.memory_gib,
+            node_size: p.node_size,
+            intra_gbps: p.intra_gbps,
+            inter_gbps: p.inter_gbps,
+            tflops: p.tflops,
+        },
+        top: p.top,
+    })
 }
 
 fn secs(s: f64) -> String {
@@ -135,11 +153,10 @@ fn run(a: &Args) -> Result<bool, String> {
     if let Some(s) = a.seq {
         model.seq_len = s;
     }
-    if let Some(spec) = &a.mesh {
-        let c: Composition = spec.parse()?;
+    if let Some(c) = a.composition {
         if a.devices != 0 && a.devices != c.world() {
             return Err(format!(
-                "--mesh {spec} has {} ranks, --devices says {}",
+                "--mesh {c} has {} ranks, --devices says {}",
                 c.world(),
                 a.devices
             ));
@@ -181,10 +198,12 @@ fn run(a: &Args) -> Result<bool, String> {
 }
 
 fn main() -> ExitCode {
-    let a = match parse(std::env::args().skip(1)) {
+    // Clap exits 2 on a bad flag or value, naming it; the checks across flags do the same.
+    let Command::Plan(plan) = Cli::parse().command;
+    let a = match resolve(plan) {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("{e}");
+            eprintln!("dtensor plan: {e}");
             return ExitCode::from(2);
         }
     };

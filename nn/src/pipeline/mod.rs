@@ -163,7 +163,7 @@ pub(crate) mod stage;
 
 pub use runtime::{check_pipeline, microbatches, Pipeline, PipelineReport};
 pub use schedule::{
-    gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1, Action, Costs, LiveCount, Schedule,
-    ScheduleKind, Span, Timeline,
+    bubble_fraction, for_composition, gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1, Action,
+    Costs, LiveCount, Schedule, ScheduleKind, Span, Timeline,
 };
 pub use stage::GptStage;

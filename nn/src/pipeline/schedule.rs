@@ -3,6 +3,7 @@
 //! accounting, bubble formulas and their sources).
 
 use dtensor_core::{Error, Result};
+pub use dtensor_placement::ScheduleKind;
 use std::collections::HashMap;
 use std::fmt;
 
@@ -183,35 +184,6 @@ impl fmt::Display for Action {
     }
 }
 
-/// Which generator made a schedule. Validation needs it for the memory bound (each kind
-/// promises a different one) and [`Schedule::analytic_bubble`] for the formula; a
-/// hand-written schedule is `Custom` and gets the structural checks only.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ScheduleKind {
-    /// All forwards, then all backwards ([`gpipe`]).
-    GPipe,
-    /// One forward, one backward ([`one_f_one_b`]).
-    OneFOneB,
-    /// Megatron's interleaved 1F1B over `v` chunks per rank ([`interleaved_1f1b`]).
-    Interleaved1F1B,
-    /// Zero-bubble ZB-H1, backward split into `B` and `W` ([`zero_bubble_h1`]).
-    ZeroBubbleH1,
-    /// Written by hand: no memory bound, no analytic bubble.
-    Custom,
-}
-
-impl fmt::Display for ScheduleKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ScheduleKind::GPipe => "GPipe",
-            ScheduleKind::OneFOneB => "1F1B",
-            ScheduleKind::Interleaved1F1B => "interleaved 1F1B",
-            ScheduleKind::ZeroBubbleH1 => "ZB-H1",
-            ScheduleKind::Custom => "custom",
-        })
-    }
-}
-
 /// Microbatches whose activations a rank holds at once, in units of one microbatch on one
 /// virtual stage (on an interleaved schedule a unit is one chunk, `1/v` of the rank's
 /// layers). Activation memory is what limits `m` in practice, which is why every generator
@@ -274,8 +246,9 @@ pub struct Schedule {
     pub virtual_stages_per_rank: usize,
     /// Microbatches per step, `m`.
     pub microbatches: usize,
-    /// The generator, for the memory bound and the analytic bubble.
-    pub kind: ScheduleKind,
+    /// The generator, for the memory bound and the analytic bubble; `None` for a schedule
+    /// written by hand, which gets the structural checks only.
+    pub kind: Option<ScheduleKind>,
     /// `actions[r]`: rank `r`'s program, run in order.
     pub actions: Vec<Vec<Action>>,
 }
@@ -471,7 +444,53 @@ struct Seen {
     recv_grad: Option<usize>,
 }
 
+/// The schedule a run's [`Composition`](dtensor_placement::Composition) asks for: its
+/// generator for `pp`, its microbatches and (interleaved) its virtual stages. Every rank
+/// builds the same.
+pub fn for_composition(c: &dtensor_placement::Composition) -> Result<Schedule> {
+    let (pp, m) = (c.degrees.pp, c.microbatches);
+    match c.schedule {
+        ScheduleKind::GPipe => gpipe(pp, m),
+        ScheduleKind::OneFOneB => one_f_one_b(pp, m),
+        ScheduleKind::Interleaved1F1B => interleaved_1f1b(pp, c.virtual_stages, m),
+        ScheduleKind::ZeroBubbleH1 => zero_bubble_h1(pp, m),
+    }
+}
+
+/// The bubble fraction (idle / (ranks × makespan)) of a generated schedule of `kind` with
+/// `pp` ranks, `m` microbatches and `v` chunks per rank (`v` counts only for the interleaved
+/// schedule), with uniform costs across stages and free communication; the formulas and
+/// their sources are [`Schedule::analytic_bubble`]'s:
+///
+/// | kind | bubble | [`Schedule::simulate`] gives it exactly at |
+/// |---|---|---|
+/// | GPipe, 1F1B | `(p − 1)/(m + p − 1)` | any `F : B : W` |
+/// | interleaved | `(p − 1)/(v·m + p − 1)` | `F = B + W` (`m` a multiple of `p`) |
+/// | ZB-H1 | `(p − 1)/(3m + p − 1)`, `m ≥ p` | `F = B = W` |
+///
+/// ZB-H1 is not a third of 1F1B's fraction (`(p − 1)/(m + p − 1)/3`): its *idle time* is a
+/// third of 1F1B's, `(p − 1)(F + B − W)` against `(p − 1)(F + B + W)`, while the busy time
+/// stays `3m` per rank, so the fraction is `(p − 1)/(3m + p − 1)`; at `p = m = 4`, 0.200,
+/// not 0.143. `None` for ZB-H1 with `m < p` (no formula: the pipeline never fills) and
+/// for a zero size.
+pub fn bubble_fraction(kind: ScheduleKind, pp: usize, m: usize, v: usize) -> Option<f64> {
+    if pp == 0 || m == 0 || v == 0 {
+        return None;
+    }
+    let (p, m_f, v_f) = (pp as f64, m as f64, v as f64);
+    match kind {
+        ScheduleKind::GPipe | ScheduleKind::OneFOneB => Some((p - 1.0) / (m_f + p - 1.0)),
+        ScheduleKind::Interleaved1F1B => Some((p - 1.0) / (v_f * m_f + p - 1.0)),
+        ScheduleKind::ZeroBubbleH1 => (m >= pp).then(|| (p - 1.0) / (3.0 * m_f + p - 1.0)),
+    }
+}
+
 impl Schedule {
+    /// The generator's name (`1F1B`, `ZB-H1`, …), `custom` for a schedule written by hand.
+    pub fn kind_name(&self) -> String {
+        self.kind.map_or_else(|| "custom".into(), |k| k.to_string())
+    }
+
     /// Virtual stages in the pipeline: `pp × v`.
     pub fn num_stages(&self) -> usize {
         self.pp.saturating_mul(self.virtual_stages_per_rank)
@@ -574,7 +593,7 @@ impl Schedule {
             activations: n,
             in_flight: n,
         };
-        match self.kind {
+        match self.kind? {
             ScheduleKind::GPipe => Some(both(m)),
             ScheduleKind::OneFOneB => Some(both((p - r).min(m))),
             ScheduleKind::Interleaved1F1B => Some(both(
@@ -588,7 +607,6 @@ impl Schedule {
                 activations: (p - r).min(m),
                 in_flight: p.min(m),
             }),
-            ScheduleKind::Custom => None,
         }
     }
 
@@ -629,24 +647,16 @@ impl Schedule {
     ///   at `T_F = T_B = T_W` ([`Costs::uniform`]); per rank the work is `3m`. `None` for
     ///   `m < p`, where the paper gives no formula (the simulated bubble is then larger
     ///   than this expression, still below 1F1B's);
-    /// * `Custom`: `None`.
+    /// * a schedule written by hand (`kind` is `None`): `None`.
+    ///
+    /// The formulas are [`bubble_fraction`]'s.
     pub fn analytic_bubble(&self) -> Option<f64> {
-        if self.pp == 0 || self.microbatches == 0 || self.virtual_stages_per_rank == 0 {
-            return None;
-        }
-        let (p, v, m) = (
-            self.pp as f64,
-            self.virtual_stages_per_rank as f64,
-            self.microbatches as f64,
-        );
-        match self.kind {
-            ScheduleKind::GPipe | ScheduleKind::OneFOneB => Some((p - 1.0) / (m + p - 1.0)),
-            ScheduleKind::Interleaved1F1B => Some((p - 1.0) / (v * m + p - 1.0)),
-            ScheduleKind::ZeroBubbleH1 => {
-                (self.microbatches >= self.pp).then(|| (p - 1.0) / (3.0 * m + p - 1.0))
-            }
-            ScheduleKind::Custom => None,
-        }
+        bubble_fraction(
+            self.kind?,
+            self.pp,
+            self.microbatches,
+            self.virtual_stages_per_rank,
+        )
     }
 
     /// The other end of a transfer: the peer and the action it must be at. `None` for
@@ -1110,7 +1120,7 @@ impl Schedule {
                         format!(
                             "{got} {what} exceed the {} bound of {max} on rank {rank} (see \
                              Schedule::memory_bound)",
-                            self.kind
+                            self.kind_name()
                         ),
                     ));
                 }
@@ -1131,7 +1141,10 @@ impl fmt::Display for Schedule {
         writeln!(
             f,
             "{} schedule: pp = {}, v = {}, m = {}",
-            self.kind, self.pp, self.virtual_stages_per_rank, self.microbatches
+            self.kind_name(),
+            self.pp,
+            self.virtual_stages_per_rank,
+            self.microbatches
         )?;
         for (rank, list) in self.actions.iter().enumerate() {
             write!(f, "rank {rank}:")?;
@@ -1343,7 +1356,7 @@ fn place_transfers(
         pp,
         virtual_stages_per_rank: v,
         microbatches: m,
-        kind,
+        kind: Some(kind),
         actions: Vec::new(),
     };
     let n = schedule.num_stages();
@@ -1531,11 +1544,11 @@ mod tests {
         for s in all_generated() {
             let (p, v, m) = (s.pp, s.virtual_stages_per_rank, s.microbatches);
             s.validate()
-                .unwrap_or_else(|e| panic!("{} pp={p} v={v} m={m}: {e}\n{s}", s.kind));
+                .unwrap_or_else(|e| panic!("{} pp={p} v={v} m={m}: {e}\n{s}", s.kind_name()));
             let peaks = s.peak_live();
             for (r, peak) in peaks.iter().enumerate() {
                 let bound = s.memory_bound(r).unwrap();
-                let expect = match s.kind {
+                let expect = match s.kind.unwrap() {
                     // ZB-H1's in-flight count reaches p only once r W's are pending.
                     ScheduleKind::ZeroBubbleH1 => LiveCount {
                         in_flight: peak.in_flight,
@@ -1543,10 +1556,15 @@ mod tests {
                     },
                     _ => bound,
                 };
-                assert_eq!(*peak, expect, "{} pp={p} v={v} m={m} rank {r}", s.kind);
+                assert_eq!(
+                    *peak,
+                    expect,
+                    "{} pp={p} v={v} m={m} rank {r}",
+                    s.kind_name()
+                );
                 assert!(peak.in_flight <= bound.in_flight);
             }
-            if s.kind == ScheduleKind::ZeroBubbleH1 && m >= 2 * p {
+            if s.kind == Some(ScheduleKind::ZeroBubbleH1) && m >= 2 * p {
                 assert!(peaks.iter().all(|l| l.in_flight == p), "pp={p} m={m}");
             }
         }
@@ -1661,7 +1679,7 @@ mod tests {
             pp: 2,
             virtual_stages_per_rank: huge,
             microbatches: huge,
-            kind: ScheduleKind::Interleaved1F1B,
+            kind: Some(ScheduleKind::Interleaved1F1B),
             actions: vec![vec![Action::Forward { mb: 0, stage: 0 }], vec![]],
         };
         assert_mentions(
@@ -1973,7 +1991,7 @@ mod tests {
     fn exceeding_the_kinds_memory_bound_is_rejected() {
         // GPipe's order labelled 1F1B holds m = 8 microbatches on rank 0, not p = 4.
         let mut s = gpipe(4, 8).unwrap();
-        s.kind = ScheduleKind::OneFOneB;
+        s.kind = Some(ScheduleKind::OneFOneB);
         let f = position(&s.actions[0], Action::Forward { mb: 4, stage: 0 });
         assert_mentions(
             &msg(s.validate()),
@@ -1983,7 +2001,7 @@ mod tests {
             ],
         );
         // The same actions as Custom carry no bound.
-        s.kind = ScheduleKind::Custom;
+        s.kind = None;
         s.validate().unwrap();
         assert_eq!(s.memory_bound(0), None);
         assert_eq!(s.analytic_bubble(), None);
@@ -2004,7 +2022,7 @@ mod tests {
                         assert!(
                             bubble_is(&t, p - 1, m + p - 1),
                             "{} p={p} m={m} {costs:?}: {} vs {}",
-                            s.kind,
+                            s.kind_name(),
                             t.bubble_fraction(),
                             s.analytic_bubble().unwrap()
                         );
