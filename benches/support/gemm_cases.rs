@@ -5,9 +5,11 @@
 use dtensor::kernels::ops::{matmul_into, Accum, Parallelism, Transpose};
 use dtensor::prelude::{DType, Tensor};
 
-/// `(name, m, n, k, transpose a, transpose b)`: tokens × hidden 1024 MLP and projection
-/// shapes, forward and the weight-gradient form (`dW = dyᵀ·x`).
-pub const CASES: [(&str, usize, usize, usize, bool, bool); 4] = [
+/// `(name, m, n, k, transpose a, transpose b)`: a square 1024³ product (the figure usually
+/// quoted for a CPU's matmul rate), then tokens × hidden 1024 MLP and projection shapes,
+/// forward and the weight-gradient form (`dW = dyᵀ·x`).
+pub const CASES: [(&str, usize, usize, usize, bool, bool); 5] = [
+    ("square 1024x1024x1024", 1024, 1024, 1024, false, false),
     ("qkv_fwd 2048x3072x1024", 2048, 3072, 1024, false, true),
     ("mlp_up_fwd 2048x4096x1024", 2048, 4096, 1024, false, true),
     ("mlp_down_fwd 2048x1024x4096", 2048, 1024, 4096, false, true),
