@@ -40,7 +40,7 @@
 mod metrics;
 
 use clap::{Parser, ValueEnum};
-use dtensor::cli::{check_output_path, CompositionArgs, OutputKind};
+use dtensor::cli::{check_output_path, launcher_rank, CompositionArgs, OutputKind};
 use dtensor::collectives::{mpi as mpi_backend, trace, Counters};
 use dtensor::kernels::memory;
 use dtensor::nn::pipeline::{self, check_pipeline, microbatches, Pipeline};
@@ -62,7 +62,11 @@ const TEXT: &str = include_str!("../data/tiny_corpus.txt");
 /// data, expert, context, tensor and sequence parallelism; with --check, proves it computes
 /// what one device would.
 #[derive(Parser, Clone, Debug)]
-#[command(name = "train_gpt")]
+#[command(
+    name = "train_gpt",
+    args_override_self = true,
+    allow_negative_numbers = true
+)]
 struct Args {
     #[command(flatten)]
     flags: CompositionArgs,
@@ -241,7 +245,7 @@ fn resolve(mut a: Args) -> Result<Args, String> {
     }
     let zigzag = a.comp.zigzag;
     let chunks = if zigzag { 2 * c.cp } else { c.cp };
-    if c.cp > 1 && a.seq % chunks != 0 {
+    if c.cp > 1 && !a.seq.is_multiple_of(chunks) {
         return Err(format!(
             "--seq {} does not cut into {chunks} equal chunks for cp={}{}",
             a.seq,
@@ -253,7 +257,10 @@ fn resolve(mut a: Args) -> Result<Args, String> {
             }
         ));
     }
-    if c.cp > 1 && a.comp.cp_strategy == CpStrategy::AllToAll && (a.heads / c.tp) % c.cp != 0 {
+    if c.cp > 1
+        && a.comp.cp_strategy == CpStrategy::AllToAll
+        && !(a.heads / c.tp).is_multiple_of(c.cp)
+    {
         return Err(format!(
             "--cp-impl a2a: {} heads per tp rank (--heads {} / tp={}) are not divisible by cp={}",
             a.heads / c.tp,
@@ -281,19 +288,19 @@ fn resolve(mut a: Args) -> Result<Args, String> {
             );
         }
     }
-    if a.heads % c.tp != 0 {
+    if !a.heads.is_multiple_of(c.tp) {
         return Err(format!(
             "--heads {} is not divisible by tp={}",
             a.heads, c.tp
         ));
     }
-    if a.hidden % a.heads != 0 || (a.hidden / a.heads) % 2 != 0 {
+    if !a.hidden.is_multiple_of(a.heads) || !(a.hidden / a.heads).is_multiple_of(2) {
         return Err(format!(
             "--hidden {} must split into {} heads of an even dimension",
             a.hidden, a.heads
         ));
     }
-    if a.batch % (c.dp * c.ep) != 0 {
+    if !a.batch.is_multiple_of(c.dp * c.ep) {
         return Err(format!(
             "--batch {} is not divisible by dp·ep={}",
             a.batch,
@@ -303,7 +310,7 @@ fn resolve(mut a: Args) -> Result<Args, String> {
     // The schedule and the model's cut are checked here, before any rank starts.
     let s = schedule(&a)?;
     let m = s.microbatches;
-    if a.batch % m != 0 || (a.batch / m) % (c.dp * c.ep) != 0 {
+    if !a.batch.is_multiple_of(m) || !(a.batch / m).is_multiple_of(c.dp * c.ep) {
         return Err(format!(
             "--microbatches {m}: {} sequences do not cut into {m} microbatches of a multiple of dp·ep={} sequences",
             a.batch,
@@ -316,13 +323,18 @@ fn resolve(mut a: Args) -> Result<Args, String> {
         return Err("--seq must be shorter than the text".into());
     }
     // Output paths: a run that could not write its results fails now, not after training.
-    for (flag, path) in [
-        ("--trace", &a.trace),
-        ("--metrics", &a.metrics),
-        ("--plot", &a.plot),
-    ] {
-        if let Some(p) = path {
-            check_output_path(flag, p.as_ref(), OutputKind::File)?;
+    // The trace, metrics and plot are written by rank 0 alone, so under an MPI launcher only
+    // rank 0 checks them (a path on the launch node need not exist on the others); every
+    // rank writes its own checkpoint file into --save-dir, so every rank checks that.
+    if a.backend != Backend::Mpi || launcher_rank().unwrap_or(0) == 0 {
+        for (flag, path) in [
+            ("--trace", &a.trace),
+            ("--metrics", &a.metrics),
+            ("--plot", &a.plot),
+        ] {
+            if let Some(p) = path {
+                check_output_path(flag, p.as_ref(), OutputKind::File)?;
+            }
         }
     }
     if let Some(dir) = &a.save_dir {
@@ -596,7 +608,11 @@ fn train_rank<M: SeqMode, D: DataMode>(
         });
         losses.push(r.loss);
         if a.save_every > 0 && (step + 1) % a.save_every == 0 {
-            let dir = std::path::Path::new(a.save_dir.as_deref().expect("checked by parse_args"));
+            let dir = std::path::Path::new(
+                a.save_dir
+                    .as_deref()
+                    .expect("--save-every needs --save-dir: checked by resolve"),
+            );
             let extra = [
                 ("data.step", step + 1),
                 ("data.batch", a.batch),
@@ -1102,13 +1118,16 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
     if a.trace.is_some() {
         trace::enable();
     }
+    // A trace that cannot be written fails the run, but only after the receipt, the other
+    // outputs and the check: a finished run's results are not thrown away for it.
+    let mut trace_err = None;
     let out = match a.backend {
         Backend::Threads => {
             device_preflight(a)?;
             println!("{}", header(a, "thread"));
             let out = with_modes(a, OnThreads)?;
             if let Some(path) = &a.trace {
-                write_trace(path, &trace::chrome_json(&trace::take()))?;
+                trace_err = write_trace(path, &trace::chrome_json(&trace::take())).err();
             }
             out
         }
@@ -1206,7 +1225,7 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
         let first = a.steps - out.losses.len();
         for (i, r) in out.routing.iter().enumerate() {
             let step = first + i;
-            if a.steps <= 10 || step % a.log_every == 0 || step + 1 == a.steps {
+            if a.steps <= 10 || step.is_multiple_of(a.log_every) || step + 1 == a.steps {
                 println!("  moe step {step}: {r}");
             }
         }
@@ -1241,7 +1260,7 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
         println!("  plot: loss and tokens/s against step drawn to {path}");
     }
     if !a.check {
-        return Ok(Some(true));
+        return trace_err.map_or(Ok(Some(true)), Err);
     }
     // One rank, plain: no pipeline, DDP, the whole batch as one microbatch.
     let one = ParallelConfig::default();
@@ -1275,7 +1294,7 @@ fn run(a: &Args) -> Result<Option<bool>, String> {
         (_, Place::Cuda) => 1e-2,
     };
     println!("max_abs_loss_diff={diff:e} (tolerance {tol:e}, one rank vs {c})");
-    Ok(Some(diff <= tol))
+    trace_err.map_or(Ok(Some(diff <= tol)), Err)
 }
 
 fn main() -> ExitCode {

@@ -244,15 +244,42 @@ pub fn check_output_path(flag: &str, path: &Path, kind: OutputKind) -> Result<()
     }
 }
 
-/// Creates and removes a uniquely named file in `dir`.
+/// Creates and removes a uniquely named file in `dir`. The name carries the process id, the
+/// clock and a counter; processes on different machines sharing `dir` (MPI ranks with the
+/// same pid on two nodes) may still pick one name, so a name that exists is retried.
 fn probe(dir: &Path) -> std::io::Result<()> {
-    let name = format!(".dtensor-probe-{}", std::process::id());
-    let p = dir.join(name);
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&p)?;
-    std::fs::remove_file(&p)
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut last = None;
+    for _ in 0..16 {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let name = format!(
+            ".dtensor-probe-{}-{nanos:x}-{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        );
+        let p = dir.join(name);
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&p)
+        {
+            Ok(_) => return std::fs::remove_file(&p),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.expect("the loop ran"))
+}
+
+/// This process's rank when an MPI launcher started it (OpenMPI, MPICH/PMI or PMIx set one of
+/// these in every process it starts), before MPI itself is initialised; `None` otherwise.
+pub fn launcher_rank() -> Option<usize> {
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse().ok())
 }
 
 #[cfg(test)]

@@ -37,7 +37,7 @@ pub(crate) fn is_multiple(long: (&str, usize), short: (&str, usize), n: usize) -
 /// For an all-to-all of equal blocks: `send` splits into one block per rank and `recv` is as
 /// long as `send`, else the reason.
 pub(crate) fn equal_blocks(send: usize, recv: usize, n: usize) -> Option<String> {
-    if send % n != 0 {
+    if !send.is_multiple_of(n) {
         Some(format!(
             "send has {send} elements, not a multiple of the group size {n}"
         ))

@@ -2192,7 +2192,7 @@ fn async_mixed_with_blocking_blocking_call_waits_for_earlier_requests(
     let (r, n) = (comm.rank(), comm.size());
     // The same sequence on every rank, each rank choosing which calls are blocking:
     // all_reduce, all_gather, reduce_scatter, barrier, all_reduce.
-    let blocking = |i: usize| (i + r) % 2 == 0;
+    let blocking = |i: usize| (i + r).is_multiple_of(2);
     let mut pending: Vec<(usize, Request<Vec<f32>>)> = Vec::new();
     let mut results: Vec<Vec<f32>> = vec![Vec::new(); 5];
     for (i, slot) in results.iter_mut().enumerate() {

@@ -18,9 +18,9 @@ macro_rules! forwarding {
     )*) => {
         /// A communicator that wraps another and overrides only the calls it changes.
         ///
-        /// A wrapper (the [`unbuffered`](crate::unbuffered) emulator, or a test's wrapper that
-        /// fails chosen calls) implements `Forward`: [`inner`](Forward::inner) names the wrapped
-        /// communicator, and the wrapper overrides the calls it changes.
+        /// A wrapper (the [`unbuffered`](crate::unbuffered) emulator, for one) implements
+        /// `Forward`: [`inner`](Forward::inner) names the wrapped communicator, and the
+        /// wrapper overrides the calls it changes.
         /// Every other [`Communicator`] call goes to the inner communicator unchanged,
         /// through the blanket `impl<W: Forward> Communicator for W`; a method added to
         /// [`Communicator`] is added once to the list this trait is written from, and every

@@ -215,7 +215,7 @@ impl<L: Layout> DTensor<L> {
         let a = self.as_any();
         check_dim(OP, a, D)?;
         let n = a.global_shape()[D];
-        if inner == 0 || n % inner != 0 {
+        if inner == 0 || !n.is_multiple_of(inner) {
             return Err(shape_err(
                 OP,
                 format!(
@@ -713,7 +713,7 @@ fn shard_parts(a: &AnyDTensor, d: usize) -> usize {
 /// that shards `d`, so `torch.chunk` of the reshaped dim gives the same rows.
 fn even_over_shards(op: &'static str, a: &AnyDTensor, d: usize, extent: usize) -> Result<()> {
     let parts = shard_parts(a, d);
-    if extent % parts != 0 {
+    if !extent.is_multiple_of(parts) {
         return Err(shape_err(
             op,
             format!("dim {d} of {}: {extent} rows do not split evenly over {parts} ranks, so the reshaped shards would hold other rows", describe(a)),

@@ -146,7 +146,7 @@ impl CpLayout {
     /// `Err` unless `seq_len` cuts into `2·cp` (zigzag) or `cp` equal chunks.
     pub fn new(seq_len: usize, cp: usize, zigzag: bool) -> Result<CpLayout> {
         let chunks = if zigzag { 2 * cp } else { cp };
-        if cp == 0 || seq_len == 0 || seq_len % chunks != 0 {
+        if cp == 0 || seq_len == 0 || !seq_len.is_multiple_of(chunks) {
             return Err(Error::ShapeMismatch {
                 op: "CpLayout::new",
                 detail: format!(
@@ -204,7 +204,10 @@ impl CpLayout {
     /// the natural index of the token at CP-order index `i`. `Err` unless the tokens are
     /// `blocks` equal blocks of whole samples.
     pub fn permutation(&self, tokens: usize, blocks: usize) -> Result<Vec<usize>> {
-        if blocks == 0 || tokens % blocks != 0 || (tokens / blocks) % self.seq_len != 0 {
+        if blocks == 0
+            || !tokens.is_multiple_of(blocks)
+            || !(tokens / blocks).is_multiple_of(self.seq_len)
+        {
             return Err(Error::ShapeMismatch {
                 op: "CpLayout::permutation",
                 detail: format!(
@@ -366,7 +369,7 @@ fn geometry(a: &AnyDTensor, axis: AxisKind, cfg: &ContextAttention) -> Result<Ge
     }
     let d = cfg.attn.head_dim;
     let (rows, cols) = (a.local_shape()[0], a.local_shape()[1]);
-    if d == 0 || d % 2 != 0 || cols % (3 * d) != 0 {
+    if d == 0 || !d.is_multiple_of(2) || cols % (3 * d) != 0 {
         return Err(bad(format!(
             "this rank's {cols} columns are not whole heads of 3·{d} (head_dim even and nonzero): {}",
             describe(a)
@@ -387,7 +390,7 @@ fn geometry(a: &AnyDTensor, axis: AxisKind, cfg: &ContextAttention) -> Result<Ge
         )));
     }
     let heads = cols / (3 * d);
-    if cfg.strategy == CpStrategy::AllToAll && heads % cp != 0 {
+    if cfg.strategy == CpStrategy::AllToAll && !heads.is_multiple_of(cp) {
         return Err(bad(format!(
             "the all-to-all strategy splits this rank's {heads} heads over cp = {cp} ranks of {axis}: they do not divide (use CpStrategy::Ring, or fewer tensor-parallel ranks); {}",
             describe(a)

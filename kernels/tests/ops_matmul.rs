@@ -470,3 +470,17 @@ fn matmul_dtype_mismatch_and_integers_err_naming_op() {
     );
     assert!(e.to_string().contains("i32"), "{e}");
 }
+
+/// `scripts/no-avx512.sh` runs this file under QEMU on CPU models without AVX-512, to show
+/// that gemm's run-time kernel choice (its `x86-v4` feature) falls back on them. This test
+/// proves the emulated CPU really lacks AVX-512 (else the other tests' passing there would
+/// prove nothing); on a real machine it has nothing to check, hence ignored.
+#[test]
+#[ignore = "run by scripts/no-avx512.sh on an emulated CPU without AVX-512"]
+#[cfg(target_arch = "x86_64")]
+fn matmul_cpu_without_avx512_is_what_the_emulator_reports() {
+    assert!(
+        !std::arch::is_x86_feature_detected!("avx512f"),
+        "this CPU reports AVX-512: run it under `qemu-x86_64 -cpu Haswell` (scripts/no-avx512.sh)"
+    );
+}

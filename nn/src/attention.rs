@@ -83,13 +83,16 @@ impl AttentionConfig {
             op: "ParallelAttention",
             detail,
         };
-        if self.heads == 0 || self.hidden % self.heads != 0 || self.head_dim() % 2 != 0 {
+        if self.heads == 0
+            || !self.hidden.is_multiple_of(self.heads)
+            || !self.head_dim().is_multiple_of(2)
+        {
             return Err(bad(format!(
                 "hidden {} must split into {} heads of an even dimension",
                 self.hidden, self.heads
             )));
         }
-        if self.heads % tp != 0 {
+        if !self.heads.is_multiple_of(tp) {
             return Err(bad(format!(
                 "{} heads are not divisible by tp={tp}",
                 self.heads

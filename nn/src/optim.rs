@@ -475,7 +475,7 @@ fn sum_of_squares(t: &Tensor) -> Result<f64> {
         let n = t.numel();
         let cols = [1024, 256, 64, 16, 4, 1]
             .into_iter()
-            .find(|c| n % c == 0)
+            .find(|c| n.is_multiple_of(*c))
             .unwrap_or(1);
         let sq = t.mul(t)?.reshape(&[n / cols, cols])?;
         let s = dtensor_kernels::ops::sum_rows(&sq)?;

@@ -70,7 +70,7 @@ struct Reversing<M: SeqMode> {
 impl<M: SeqMode> Module for Reversing<M> {
     fn visit_params<V: ParamVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
         self.walks += 1;
-        if self.walks % 3 != 0 {
+        if !self.walks.is_multiple_of(3) {
             return self.tiny.visit_params(prefix, v);
         }
         self.tiny.mlp.visit_params(&join_name(prefix, "mlp"), v)?;

@@ -155,12 +155,18 @@ impl MasterDType {
 /// One way to run a model: the degrees and every switch that changes bytes, memory or the
 /// schedule. Plain data: a builder or the planner reads it, nothing here runs.
 ///
-/// Invariants kept by [`FromStr`] and checked by [`Composition::validate`]: the degrees are
-/// valid (`ParallelConfig::validate`), `microbatches ≥ 1`, `virtual_stages ≥ 1` and equal
-/// to 1 unless the schedule is interleaved, `reduce_bf16` only with `bf16`, `bf16` only
-/// with f32 masters.
+/// Invariants kept by [`FromStr`] and by deserialization, and checked by
+/// [`Composition::validate`]: the degrees are valid (`ParallelConfig::validate`),
+/// `microbatches ≥ 1`, `virtual_stages ≥ 1` and equal to 1 unless the schedule is
+/// interleaved, `reduce_bf16` only with `bf16`, `bf16` only with f32 masters.
+///
+/// Serialized with serde, every field is optional and takes [`Composition::default`]'s
+/// value (so `microbatches` defaults to 1 there, where the spec string defaults it to
+/// `pp`); a composition that breaks an invariant is refused with `validate`'s message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+// `remote = "Self"`: the derives become inherent functions, which the trait impls below
+// wrap so that deserializing also validates.
+#[serde(remote = "Self", default, deny_unknown_fields)]
 pub struct Composition {
     /// The degrees of the mesh axes and sequence parallelism.
     pub degrees: ParallelConfig,
@@ -194,6 +200,25 @@ pub struct Composition {
     pub bf16: bool,
     /// With `bf16`: reduce gradients in bf16 (default: in f32).
     pub reduce_bf16: bool,
+}
+
+impl Serialize for Composition {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        Composition::serialize(self, serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Composition {
+    fn deserialize<D: serde::Deserializer<'de>>(
+        deserializer: D,
+    ) -> std::result::Result<Self, D::Error> {
+        let c = Composition::deserialize(deserializer)?;
+        c.validate().map_err(serde::de::Error::custom)?;
+        Ok(c)
+    }
 }
 
 impl Default for Composition {
@@ -442,6 +467,22 @@ impl fmt::Display for Composition {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn composition_json_breaking_an_invariant_is_refused() {
+        for bad in [
+            r#"{"microbatches": 0}"#,
+            r#"{"degrees": {"dp": 0}}"#,
+            r#"{"virtual_stages": 2}"#,
+            r#"{"reduce_bf16": true}"#,
+        ] {
+            let err = serde_json::from_str::<Composition>(bad).expect_err(bad);
+            assert!(err.to_string().contains("parallel config"), "{bad}: {err}");
+        }
+        let ok: Composition =
+            serde_json::from_str(r#"{"degrees": {"pp": 2}, "microbatches": 2}"#).unwrap();
+        assert_eq!(ok.microbatches, 2);
+    }
+
     use super::*;
 
     #[test]

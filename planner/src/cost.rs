@@ -122,7 +122,7 @@ pub fn estimate(p: &Plan, net: &Interconnect) -> Ranked {
 }
 
 fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
 /// Every composition of `devices` ranks the model admits (SP on whenever `tp > 1`, bf16

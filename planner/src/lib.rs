@@ -228,25 +228,25 @@ pub fn plan(model: &Model, c: &Composition) -> Result<Plan, String> {
 
 fn validate(m: &Model, c: &Composition) -> Result<(), String> {
     let data_ranks = c.degrees.dp * c.degrees.ep;
-    if m.global_batch % (data_ranks * c.microbatches) != 0 {
+    if !m.global_batch.is_multiple_of(data_ranks * c.microbatches) {
         return Err(format!(
             "the batch {} does not divide into {} microbatches over dp·ep = {data_ranks}",
             m.global_batch, c.microbatches
         ));
     }
-    if m.heads % c.degrees.tp != 0 {
+    if !m.heads.is_multiple_of(c.degrees.tp) {
         return Err(format!(
             "{} heads do not divide by tp={}",
             m.heads, c.degrees.tp
         ));
     }
-    if m.vocab % c.degrees.tp != 0 || m.ffn % c.degrees.tp != 0 {
+    if !m.vocab.is_multiple_of(c.degrees.tp) || !m.ffn.is_multiple_of(c.degrees.tp) {
         return Err(format!(
             "vocab {} and ffn {} must divide by tp={}",
             m.vocab, m.ffn, c.degrees.tp
         ));
     }
-    if m.layers % c.stages() != 0 {
+    if !m.layers.is_multiple_of(c.stages()) {
         return Err(format!(
             "{} layers do not divide into {} stages",
             m.layers,
@@ -260,14 +260,16 @@ fn validate(m: &Model, c: &Composition) -> Result<(), String> {
         ));
     }
     if c.degrees.cp > 1 {
-        if m.seq_len % (2 * c.degrees.cp) != 0 {
+        if !m.seq_len.is_multiple_of(2 * c.degrees.cp) {
             return Err(format!(
                 "seq {} does not divide into 2·cp = {} chunks",
                 m.seq_len,
                 2 * c.degrees.cp
             ));
         }
-        if c.cp_strategy == CpStrategy::AllToAll && (m.heads / c.degrees.tp) % c.degrees.cp != 0 {
+        if c.cp_strategy == CpStrategy::AllToAll
+            && !(m.heads / c.degrees.tp).is_multiple_of(c.degrees.cp)
+        {
             return Err(format!(
                 "all-to-all CP needs the heads per tp rank ({}) to divide by cp={}",
                 m.heads / c.degrees.tp,
@@ -289,10 +291,9 @@ fn validate(m: &Model, c: &Composition) -> Result<(), String> {
         return Err("sp needs tp > 1".into());
     }
     if c.degrees.sp
-        && (m.seq_len * m.global_batch
+        && !(m.seq_len * m.global_batch
             / (c.degrees.dp * c.degrees.ep * c.degrees.cp * c.microbatches))
-            % c.degrees.tp
-            != 0
+            .is_multiple_of(c.degrees.tp)
     {
         return Err("sp: the tokens per rank do not divide by tp".into());
     }

@@ -190,7 +190,7 @@ impl Model {
             bias: obj.get("bias").and_then(|b| b.as_bool()).unwrap_or(true),
             moe,
         };
-        if model.hidden % model.heads != 0 {
+        if !model.hidden.is_multiple_of(model.heads) {
             return Err("model file: `hidden` must divide by `heads`".into());
         }
         Ok(model)

@@ -21,6 +21,7 @@ struct Cli {
 enum Command {
     /// Per-rank memory, bytes per mesh axis and the pipeline bubble of one composition
     /// (--mesh), or the best compositions for --devices (docs/planner.md)
+    #[command(args_override_self = true, allow_negative_numbers = true)]
     Plan(PlanArgs),
 }
 

@@ -11,7 +11,7 @@ use num_traits::Float as _;
 /// Host kernel of [`crate::ops::pack_kv`]; the front door checked the arguments.
 pub(crate) fn pack_kv(qkv: &Tensor, head_dim: usize) -> Result<Tensor> {
     let d = head_dim;
-    if qkv.rank() != 2 || d == 0 || qkv.shape()[1] % (3 * d) != 0 {
+    if qkv.rank() != 2 || d == 0 || !qkv.shape()[1].is_multiple_of(3 * d) {
         return Err(Error::Invalid {
             op: OP_PACK,
             detail: format!(

@@ -76,7 +76,7 @@ pub(crate) fn check_block<L: Layout + ?Sized>(
     }
     same_dtype(op, qkv, kv)?;
     let d = cfg.head_dim;
-    if d == 0 || d % 2 != 0 {
+    if d == 0 || !d.is_multiple_of(2) {
         return bad(format!(
             "head_dim {d} must be even and nonzero (RoPE rotates pairs)"
         ));
@@ -95,7 +95,7 @@ pub(crate) fn check_block<L: Layout + ?Sized>(
         ));
     }
     let cols = qkv.shape()[1];
-    if cols % (3 * d) != 0 {
+    if !cols.is_multiple_of(3 * d) {
         return bad(format!(
             "{cols} qkv columns are not whole heads of 3·head_dim = {}",
             3 * d

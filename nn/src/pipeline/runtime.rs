@@ -58,7 +58,7 @@ impl PipelineReport {
 /// stages and that the schedule validates (its error names the first offending action).
 pub fn check_pipeline(config: &GptConfig, schedule: &Schedule) -> Result<()> {
     let stages = schedule.num_stages();
-    if stages == 0 || config.layers % stages != 0 || config.layers == 0 {
+    if stages == 0 || !config.layers.is_multiple_of(stages) || config.layers == 0 {
         return Err(Error::InvalidSchedule {
             detail: format!(
                 "{} layers do not divide into {stages} stages (pp={} × {} chunk(s) per rank)",
@@ -74,7 +74,7 @@ pub fn check_pipeline(config: &GptConfig, schedule: &Schedule) -> Result<()> {
 pub fn microbatches(global: &Tensor, m: usize, seq_len: usize) -> Result<Vec<Tensor>> {
     let rows = global.shape().first().copied().unwrap_or(0);
     let samples = rows / seq_len.max(1);
-    if m == 0 || seq_len == 0 || rows % seq_len != 0 || samples % m != 0 {
+    if m == 0 || seq_len == 0 || rows % seq_len != 0 || !samples.is_multiple_of(m) {
         return Err(Error::ShapeMismatch {
             op: "pipeline::microbatches",
             detail: format!(

@@ -1243,7 +1243,7 @@ pub fn one_f_one_b(pp: usize, m: usize) -> Result<Schedule> {
 /// Fails if `pp`, `v` or `m` is 0, or `v ≥ 2` and `m % pp != 0`.
 pub fn interleaved_1f1b(pp: usize, v: usize, m: usize) -> Result<Schedule> {
     check_args("interleaved_1f1b", pp, v, m)?;
-    if v > 1 && m % pp != 0 {
+    if v > 1 && !m.is_multiple_of(pp) {
         let (lower, upper) = (m / pp * pp, (m / pp + 1) * pp);
         let hint = if lower == 0 {
             format!("m = {upper}")

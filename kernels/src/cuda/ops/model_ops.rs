@@ -222,7 +222,7 @@ pub fn merge_attention(acc: &mut CudaAttentionOutput, part: &CudaAttentionOutput
 pub fn pack_kv(qkv: &CudaTensor, head_dim: usize) -> Result<CudaTensor> {
     const OP: &str = "cuda::ops::pack_kv";
     let d = head_dim;
-    if qkv.rank() != 2 || d == 0 || qkv.shape()[1] % (3 * d) != 0 {
+    if qkv.rank() != 2 || d == 0 || !qkv.shape()[1].is_multiple_of(3 * d) {
         return Err(Error::Invalid {
             op: OP,
             detail: format!(
