@@ -40,7 +40,7 @@
 mod metrics;
 
 use clap::{Parser, ValueEnum};
-use dtensor::cli::{check_output_path, launcher_rank, CompositionArgs, OutputKind};
+use dtensor::cli::{check_output_path, CompositionArgs, OutputKind};
 use dtensor::collectives::{mpi as mpi_backend, trace, Counters};
 use dtensor::kernels::memory;
 use dtensor::nn::pipeline::{self, check_pipeline, microbatches, Pipeline};
@@ -326,7 +326,7 @@ fn resolve(mut a: Args) -> Result<Args, String> {
     // The trace, metrics and plot are written by rank 0 alone, so under an MPI launcher only
     // rank 0 checks them (a path on the launch node need not exist on the others); every
     // rank writes its own checkpoint file into --save-dir, so every rank checks that.
-    if a.backend != Backend::Mpi || launcher_rank().unwrap_or(0) == 0 {
+    if a.backend != Backend::Mpi || mpi_backend::launcher_rank().unwrap_or(0) == 0 {
         for (flag, path) in [
             ("--trace", &a.trace),
             ("--metrics", &a.metrics),

@@ -274,14 +274,6 @@ fn probe(dir: &Path) -> std::io::Result<()> {
     Err(last.expect("the loop ran"))
 }
 
-/// This process's rank when an MPI launcher started it (OpenMPI, MPICH/PMI or PMIx set one of
-/// these in every process it starts), before MPI itself is initialised; `None` otherwise.
-pub fn launcher_rank() -> Option<usize> {
-    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok()?.parse().ok())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

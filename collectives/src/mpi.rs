@@ -22,6 +22,7 @@
 //! | [`run`]`(|comm| … )` | init, run the closure on the world, finalize; a rank whose closure errors or panics prints `rank R failed: …` and aborts the whole job (exit code 1) |
 //! | [`init`] / [`init_with`] | init only; [`Mpi::world`] gives the world communicator, [`Mpi::finalize`] ends |
 //! | [`launched_by_mpirun`] | whether `mpirun` started this process; [`LAUNCH_HINT`] says how to |
+//! | [`launcher_rank`] | this process's world rank as the launcher set it, before MPI starts |
 //!
 //! Started without `mpirun`, MPI runs the process as a world of one rank (a "singleton"):
 //! accepted, and [`run`] prints a note with [`LAUNCH_HINT`]. A program that needs several
@@ -178,6 +179,15 @@ pub fn launched_by_mpirun() -> bool {
         .iter()
         .any(|v| std::env::var_os(v).is_some())
     })
+}
+
+/// This process's world rank as an MPI launcher set it in the environment (OpenMPI's
+/// `OMPI_COMM_WORLD_RANK`, PMI's `PMI_RANK`, PMIx's `PMIX_RANK`), readable before MPI is
+/// initialised; `None` without a launcher. Works without the `mpi` feature.
+pub fn launcher_rank() -> Option<usize> {
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse().ok())
 }
 
 /// How an MPI world behaves.

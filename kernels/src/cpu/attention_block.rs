@@ -8,20 +8,11 @@ use crate::spec::attention_block::*;
 use crate::{DType, Error, Result, Tensor};
 use num_traits::Float as _;
 
-/// Host kernel of [`crate::ops::pack_kv`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::pack_kv`] (the checks are the spec's, shared with the device).
 pub(crate) fn pack_kv(qkv: &Tensor, head_dim: usize) -> Result<Tensor> {
     let d = head_dim;
-    if qkv.rank() != 2 || d == 0 || !qkv.shape()[1].is_multiple_of(3 * d) {
-        return Err(Error::Invalid {
-            op: OP_PACK,
-            detail: format!(
-                "qkv of shape {:?} is not [tokens, heads·3·{d}]",
-                qkv.shape()
-            ),
-        });
-    }
-    let (rows, cols) = (qkv.shape()[0], qkv.shape()[1]);
-    let heads = cols / (3 * d);
+    let (rows, heads) = check_pack_kv(OP_PACK, qkv, d)?;
+    let cols = heads * 3 * d;
     let mut kv = Tensor::for_overwrite(&[rows, heads * 2 * d], qkv.dtype());
     dispatch_float!(OP_PACK, qkv.dtype(), |T| {
         let src = qkv.as_slice::<T>()?;

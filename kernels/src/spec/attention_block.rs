@@ -162,6 +162,26 @@ pub(crate) fn check_merge<L: Layout + ?Sized>(
     Ok((rows, heads, ocols))
 }
 
+/// `(rows, heads)` of a fused `[tokens, H·3·d]` QKV whose k and v columns `pack_kv` copies
+/// out, or the error for a QKV that is not whole heads of `3·d`: the CPU op and its device
+/// twin check alike.
+pub(crate) fn check_pack_kv<L: Layout + ?Sized>(
+    op: &'static str,
+    qkv: &L,
+    d: usize,
+) -> Result<(usize, usize)> {
+    if qkv.rank() != 2 || d == 0 || !qkv.shape()[1].is_multiple_of(3 * d) {
+        return Err(Error::Invalid {
+            op,
+            detail: format!(
+                "qkv of shape {:?} is not [tokens, heads·3·{d}]",
+                qkv.shape()
+            ),
+        });
+    }
+    Ok((qkv.shape()[0], qkv.shape()[1] / (3 * d)))
+}
+
 /// `(rows, heads)` of a QKV gradient fused from `dq` and `dkv`, or the error for parts that
 /// are not `[tokens, H·d]` and `[tokens, H·2·d]` in `dtype`'s compute dtype: the CPU op and
 /// its device twin check alike.

@@ -20,7 +20,9 @@ use super::{
 use crate::cuda::source::{self, Param, Scalar};
 use crate::cuda::{CudaBuffer, CudaTensor, Device};
 use crate::spec::attention_block::BlockAttention;
-use crate::spec::attention_block::{check_block, check_fuse_qkv_grad, check_merge, Dims};
+use crate::spec::attention_block::{
+    check_block, check_fuse_qkv_grad, check_merge, check_pack_kv, Dims,
+};
 use crate::spec::moe::{check_grouped, check_scatter_add};
 use crate::spec::{acc_dtype, check_dst, not_float, same_dtype, want_float, Transpose};
 use crate::{DType, Error, ReduceOp, Result, Tensor};
@@ -222,18 +224,8 @@ pub fn merge_attention(acc: &mut CudaAttentionOutput, part: &CudaAttentionOutput
 pub fn pack_kv(qkv: &CudaTensor, head_dim: usize) -> Result<CudaTensor> {
     const OP: &str = "cuda::ops::pack_kv";
     let d = head_dim;
-    if qkv.rank() != 2 || d == 0 || !qkv.shape()[1].is_multiple_of(3 * d) {
-        return Err(Error::Invalid {
-            op: OP,
-            detail: format!(
-                "qkv of shape {:?} is not [tokens, heads·3·{d}]",
-                qkv.shape()
-            ),
-        });
-    }
+    let (rows, heads) = check_pack_kv(OP, qkv, d)?;
     want_float(OP, qkv)?;
-    let (rows, cols) = (qkv.shape()[0], qkv.shape()[1]);
-    let heads = cols / (3 * d);
     let mut kv = CudaTensor::uninit(qkv.device(), &[rows, heads * 2 * d], qkv.dtype())?;
     // Rows of heads are runs of 3·d: copy the last 2·d of each.
     copy_blocks(OP, qkv, &mut kv, rows * heads, 2 * d, 3 * d, d, 2 * d, 0)?;
