@@ -101,6 +101,7 @@
 use crate::any::AnyDTensor;
 use crate::compute::output;
 use crate::error::{Error, Result};
+use crate::tape::{grad_of, Var};
 use crate::transfer;
 use crate::typed::DTensor;
 use dtensor_collectives::Communicator;
@@ -649,5 +650,28 @@ impl<L: Layout> DTensor<L> {
     {
         let _ = axis;
         Ok(forward(self, X::KIND, cfg)?.0)
+    }
+}
+
+impl<'t, L: Layout> Var<'t, L> {
+    /// [`DTensor::context_attention`]: one node for the forward and the backward over
+    /// the `Cp` axis (ring or all-to-all, see [`context`](crate::context)). It saves this rank's
+    /// QKV (the input), output and lse; its backward communicates, so it runs on every
+    /// rank even when no gradient reached it.
+    pub fn context_attention<X: MeshAxis, I>(
+        &self,
+        axis: X,
+        cfg: &ContextAttention,
+    ) -> Result<Var<'t, L>>
+    where
+        L: ContextAttentionLayout<X, I>,
+    {
+        let _ = axis;
+        let (y, saved) = forward(self.value(), X::KIND, cfg)?;
+        let xv = self.value().as_any().clone();
+        Ok(self.unary(y, true, move |dy| {
+            let dx = backward(dy.as_local(), &xv, &saved)?;
+            grad_of("Var::context_attention", dx, &xv)
+        }))
     }
 }

@@ -26,11 +26,10 @@ use crate::any::AnyDTensor;
 use crate::device_mesh::DeviceMesh;
 use crate::error::{Error, Result};
 use crate::plan::{Plan, StepKind};
-use dtensor_kernels::{DType, Tensor};
+use dtensor_kernels::Tensor;
 use dtensor_placement::{
-    AddLayout, Invariant, IsInvariant, IsPartial, IsReplicate, IsShard, IsWhole, Layout,
-    LinearLayout, MeshAxis, Partial, Placement, PointwiseLayout, RedistributeLayout, Replicate,
-    Select, Shard, Sum,
+    Invariant, IsInvariant, IsPartial, IsReplicate, IsShard, IsWhole, Layout, MeshAxis, Partial,
+    Placement, RedistributeLayout, Replicate, Select, Shard, Sum,
 };
 use std::fmt;
 use std::marker::PhantomData;
@@ -503,68 +502,6 @@ impl<L: Layout> DTensor<L> {
         let plan = self.plan::<M>()?;
         let out = plan.run(self)?;
         Ok((out, Adjoint::new(plan.plan)))
-    }
-
-    // ---- elementwise ops with placement rules ----
-
-    /// Elementwise sum. The layouts must match axis by axis (`Partial` adds only to a
-    /// `Partial` of the same linear reduction), else it does not compile.
-    pub fn add<M>(&self, other: &DTensor<M>) -> Result<DTensor<L>>
-    where
-        M: Layout + AddLayout<L>,
-    {
-        Ok(DTensor::wrap(self.inner.add(&other.inner)?))
-    }
-
-    /// The same tensor with its elements converted to `dtype` (rounded once; a view of the
-    /// same elements when the dtype already is `dtype`). Mixed precision casts f32 master
-    /// weights to bf16 for compute this way. On a `Partial` axis each term is rounded, so
-    /// the pending sum is the sum of rounded terms.
-    pub fn to_dtype(&self, dtype: DType) -> Result<DTensor<L>> {
-        if self.as_local().dtype() == dtype {
-            return Ok(self.clone());
-        }
-        let local = self.as_local().to_dtype(dtype);
-        let any = AnyDTensor::from_local_for(
-            "DTensor::to_dtype",
-            local,
-            self.global_shape(),
-            &L::placements(),
-            self.device_mesh(),
-        )?;
-        Ok(DTensor::wrap(any))
-    }
-
-    /// Every element times `factor` (linear: allowed on sum/avg `Partial` axes).
-    pub fn scale(&self, factor: f64) -> Result<DTensor<L>>
-    where
-        L: LinearLayout,
-    {
-        Ok(DTensor::wrap(self.inner.scale(factor)?))
-    }
-
-    /// A non-linear elementwise function; no axis may be `Partial`.
-    pub fn map(&self, f: impl Fn(f64) -> f64) -> Result<DTensor<L>>
-    where
-        L: PointwiseLayout,
-    {
-        Ok(DTensor::wrap(self.inner.map(f)?))
-    }
-
-    /// GELU (tanh approximation); no axis may be `Partial`.
-    pub fn gelu(&self) -> Result<DTensor<L>>
-    where
-        L: PointwiseLayout,
-    {
-        let local = dtensor_kernels::ops::gelu(self.as_local())?;
-        let any = AnyDTensor::from_local_for(
-            "DTensor::gelu",
-            local,
-            self.global_shape(),
-            self.placements(),
-            self.device_mesh(),
-        )?;
-        Ok(DTensor::wrap(any))
     }
 }
 
