@@ -42,6 +42,7 @@ pub mod moe;
 pub mod plan;
 pub mod tape;
 pub mod transfer;
+pub mod transitions;
 pub mod typed;
 
 pub use any::AnyDTensor;

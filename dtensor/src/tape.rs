@@ -42,12 +42,9 @@ use crate::any::AnyDTensor;
 use crate::compute::output;
 use crate::device_mesh::DeviceMesh;
 use crate::error::Result;
-use crate::typed::{Adjoint, DTensor, PendingAllGather};
+use crate::typed::DTensor;
 use dtensor_kernels::{DType, Tensor};
-use dtensor_placement::{
-    Invariant, IsInvariant, IsPartial, IsReplicate, IsShard, IsWhole, Layout, LossLayout, MeshAxis,
-    Partial, Replicate, Select, Shard, Sum,
-};
+use dtensor_placement::{Layout, LossLayout};
 use smallvec::SmallVec;
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -932,106 +929,5 @@ impl<'t, L: Layout> Var<'t, L> {
             store.accumulate::<M>(b_id, g.take(&b)?)?;
             Tape::accumulate_params(&mut g, &params, store)
         }))
-    }
-
-    // ---- named transitions: each records its typed adjoint, which always runs ----
-
-    /// [`all_gather`](Self::all_gather) whose forward was started earlier from this value
-    /// ([`DTensor::start_all_gather`], FSDP's prefetch): waits for it and records the same
-    /// adjoint, a reduce-scatter. `Err` if the gather started from another value (another
-    /// shape, dtype or placement).
-    pub fn all_gather_prefetched<Out: Layout>(
-        &self,
-        pending: PendingAllGather<L, Out>,
-    ) -> Result<Var<'t, Out>> {
-        let (src, me) = (pending.source(), self.value.as_any());
-        if src.global_shape() != me.global_shape()
-            || src.local_shape() != me.local_shape()
-            || src.dtype() != me.dtype()
-        {
-            return Err(crate::Error::InvalidUse {
-                op: "Var::all_gather_prefetched",
-                detail: format!(
-                    "the gather started from a {:?} {} tensor, this value is {:?} {}",
-                    src.global_shape(),
-                    src.dtype(),
-                    me.global_shape(),
-                    me.dtype()
-                ),
-            });
-        }
-        self.transition(|_| pending.wait_vjp())
-    }
-
-    fn transition<Out: Layout>(
-        &self,
-        step: impl FnOnce(DTensor<L>) -> Result<(DTensor<Out>, Adjoint<Out, L>)>,
-    ) -> Result<Var<'t, Out>> {
-        let (y, adj) = step(self.value.clone())?;
-        Ok(self.unary(y, true, move |dy| adj.backward(dy)))
-    }
-}
-
-macro_rules! var_transition {
-    ($(#[$doc:meta])* $name:ident / $vjp:ident $(<const $D:ident: usize>)? where P: $bound:path => $to:ty) => {
-        $(#[$doc])*
-        #[allow(clippy::type_complexity)]
-        pub fn $name<X: MeshAxis, I $(, const $D: usize)?>(
-            &self,
-            axis: X,
-        ) -> Result<Var<'t, <L as Select<X, I>>::With<$to>>>
-        where
-            L: Select<X, I>,
-            <L as Select<X, I>>::P: $bound,
-        {
-            self.transition(|v| v.$vjp $(::<X, I, $D>)? (axis))
-        }
-    };
-}
-
-impl<'t, L: Layout> Var<'t, L> {
-    var_transition! {
-        /// [`DTensor::all_gather`]; backward: reduce-scatter.
-        all_gather / all_gather_vjp where P: IsShard => Replicate
-    }
-    var_transition! {
-        /// [`DTensor::all_gather_invariant`]; backward: local chunk.
-        all_gather_invariant / all_gather_invariant_vjp where P: IsShard => Invariant
-    }
-    var_transition! {
-        /// [`DTensor::reduce_scatter`]; backward: all-gather.
-        reduce_scatter / reduce_scatter_vjp <const D: usize> where P: IsPartial => Shard<D>
-    }
-    var_transition! {
-        /// [`DTensor::all_reduce`] (Megatron's `g`); backward: none.
-        all_reduce / all_reduce_vjp where P: IsPartial => Invariant
-    }
-    var_transition! {
-        /// [`DTensor::all_to_all`]; backward: all-to-all back.
-        all_to_all / all_to_all_vjp <const B: usize> where P: IsShard => Shard<B>
-    }
-    var_transition! {
-        /// [`DTensor::chunk`]; backward: all-gather (from `Invariant`) or zero padding.
-        chunk / chunk_vjp <const D: usize> where P: IsWhole => Shard<D>
-    }
-    var_transition! {
-        /// [`DTensor::to_replicate`] (Megatron's `f`); backward: all-reduce.
-        to_replicate / to_replicate_vjp where P: IsInvariant => Replicate
-    }
-    var_transition! {
-        /// [`DTensor::to_invariant`].
-        to_invariant / to_invariant_vjp where P: IsReplicate => Invariant
-    }
-    var_transition! {
-        /// [`DTensor::replicate_to_partial`].
-        replicate_to_partial / replicate_to_partial_vjp where P: IsReplicate => Partial<Sum>
-    }
-    var_transition! {
-        /// [`DTensor::invariant_to_partial`].
-        invariant_to_partial / invariant_to_partial_vjp where P: IsInvariant => Partial<Sum>
-    }
-    var_transition! {
-        /// [`DTensor::pad_to_partial`].
-        pad_to_partial / pad_to_partial_vjp where P: IsShard => Partial<Sum>
     }
 }

@@ -1,23 +1,10 @@
 //! `DTensor<L>`: a distributed tensor whose layout `L` (one placement per mesh axis) is part
 //! of its type. Every placement change is a named, consuming method whose bounds say which
-//! placement it takes; the result's type says which placement it gives.
+//! placement it takes; the result's type says which placement it gives: the one-axis moves
+//! and their table are in [`transitions`](crate::transitions), the compute ops in
+//! [`compute`](crate::compute).
 //!
-//! | method (one axis `X`) | from → to | collective | backward (adjoint) |
-//! |---|---|---|---|
-//! | [`to_replicate`](DTensor::to_replicate) (Megatron `f`) | `Invariant` → `Replicate` | none | all-reduce `Partial` → `Invariant` |
-//! | [`all_reduce`](DTensor::all_reduce) (Megatron `g`) | `Partial` → `Invariant` | all-reduce | none (`Invariant` → `Replicate`) |
-//! | [`all_gather`](DTensor::all_gather) | `Shard<D>` → `Replicate` | all-gather | reduce-scatter `Partial` → `Shard<D>` |
-//! | [`all_gather_invariant`](DTensor::all_gather_invariant) | `Shard<D>` → `Invariant` | all-gather | local chunk |
-//! | [`reduce_scatter`](DTensor::reduce_scatter) | `Partial` → `Shard<D>` | reduce-scatter | all-gather |
-//! | [`all_to_all`](DTensor::all_to_all) | `Shard<A>` → `Shard<B>` | all-to-all | all-to-all back |
-//! | [`chunk`](DTensor::chunk) | `Invariant` → `Shard<D>` | none (local slice) | all-gather `Shard<D>` → `Invariant` |
-//! | [`chunk`](DTensor::chunk) | `Replicate` → `Shard<D>` | none (local slice) | none: `Shard<D>` → `Partial` by zero-padding |
-//! | [`pad_to_partial`](DTensor::pad_to_partial) | `Shard<D>` → `Partial` | none (zero padding) | local chunk |
-//! | [`replicate_to_partial`](DTensor::replicate_to_partial) | `Replicate` → `Partial` | none (rank 0 keeps, others zero: exact) | the same conversion |
-//! | [`to_invariant`](DTensor::to_invariant) | `Replicate` → `Invariant` | none | `Invariant` → `Partial` (rank 0 keeps) |
-//! | [`invariant_to_partial`](DTensor::invariant_to_partial) | `Invariant` → `Partial` | none (rank 0 keeps) | `Replicate` → `Invariant` |
-//!
-//! Each method has a `_vjp` twin returning the result and its [`Adjoint`], whose
+//! Each move has a `_vjp` twin returning the result and its [`Adjoint`], whose
 //! `backward` only accepts a gradient laid out as the dual of the result and returns one
 //! laid out as the dual of the input. Multi-axis moves are a [`TypedPlan`]: printable and
 //! assertable before it runs.
@@ -25,11 +12,10 @@
 use crate::any::AnyDTensor;
 use crate::device_mesh::DeviceMesh;
 use crate::error::{Error, Result};
-use crate::plan::{Plan, StepKind};
+use crate::plan::Plan;
 use dtensor_kernels::Tensor;
 use dtensor_placement::{
-    Invariant, IsInvariant, IsPartial, IsReplicate, IsShard, IsWhole, Layout, MeshAxis, Partial,
-    Placement, RedistributeLayout, Replicate, Select, Shard, Sum,
+    IsShard, Layout, MeshAxis, Placement, RedistributeLayout, Replicate, Select,
 };
 use std::fmt;
 use std::marker::PhantomData;
@@ -68,7 +54,7 @@ impl<L: Layout> fmt::Debug for DTensor<L> {
 pub trait SameLayout<L> {}
 impl<L> SameLayout<L> for L {}
 
-fn check_layout<L: Layout>(op: &'static str, t: &AnyDTensor) -> Result<()> {
+pub(crate) fn check_layout<L: Layout>(op: &'static str, t: &AnyDTensor) -> Result<()> {
     let want = L::entries();
     let axes = t.device_mesh().mesh().axis_kinds();
     let got_axes_ok = want.len() == axes.len() && want.iter().zip(&axes).all(|((a, _), b)| a == b);
@@ -277,33 +263,6 @@ impl<L: Layout> DTensor<L> {
     pub fn full_tensor(&self) -> Result<Tensor> {
         self.inner.full_tensor()
     }
-
-    fn step<X: MeshAxis, Out: Layout>(
-        self,
-        op: &'static str,
-        kind: StepKind,
-    ) -> Result<DTensor<Out>> {
-        Ok(self.step_vjp::<X, Out>(op, kind)?.0)
-    }
-
-    fn step_vjp<X: MeshAxis, Out: Layout>(
-        self,
-        op: &'static str,
-        kind: StepKind,
-    ) -> Result<(DTensor<Out>, Adjoint<Out, L>)> {
-        let axis = self.device_mesh().mesh().index_of(X::KIND).ok_or_else(|| {
-            dtensor_placement::Error::AxisNotInMesh {
-                op,
-                axis: X::KIND,
-                mesh: self.device_mesh().mesh().to_string(),
-            }
-        })?;
-        let from = self.placements().to_vec();
-        let out = self.inner.apply(axis, kind)?;
-        let plan = out.record_step(&from, axis, kind)?;
-        debug_assert!(check_layout::<Out>(op, &out).is_ok());
-        Ok((DTensor::wrap(out), Adjoint::new(plan)))
-    }
 }
 
 impl<L: Layout> DTensor<L> {
@@ -372,108 +331,7 @@ fn check_mesh_axes<L: Layout>(op: &'static str, mesh: &DeviceMesh) -> Result<()>
     Ok(())
 }
 
-/// Generates a named transition and its `_vjp` twin.
-macro_rules! transition {
-    (
-        $(#[$doc:meta])*
-        fn $name:ident / $vjp:ident $(<const $D:ident: usize>)? ($axis:ident)
-        where P: $bound:path => $to:ty, $kind:expr
-    ) => {
-        $(#[$doc])*
-        pub fn $name<X: MeshAxis, I $(, const $D: usize)?>(
-            self,
-            $axis: X,
-        ) -> Result<DTensor<<L as Select<X, I>>::With<$to>>>
-        where
-            L: Select<X, I>,
-            <L as Select<X, I>>::P: $bound,
-        {
-            let _ = $axis;
-            self.step::<X, _>(stringify!($name), $kind)
-        }
-
-        #[doc = concat!("[`", stringify!($name), "`](Self::", stringify!($name), ") and its adjoint.")]
-        #[allow(clippy::type_complexity)]
-        pub fn $vjp<X: MeshAxis, I $(, const $D: usize)?>(
-            self,
-            $axis: X,
-        ) -> Result<(
-            DTensor<<L as Select<X, I>>::With<$to>>,
-            Adjoint<<L as Select<X, I>>::With<$to>, L>,
-        )>
-        where
-            L: Select<X, I>,
-            <L as Select<X, I>>::P: $bound,
-        {
-            let _ = $axis;
-            self.step_vjp::<X, _>(stringify!($name), $kind)
-        }
-    };
-}
-
 impl<L: Layout> DTensor<L> {
-    transition! {
-        /// `Shard<D>` → `Replicate` on axis `X`: all-gather. Backward: reduce-scatter.
-        fn all_gather / all_gather_vjp (axis) where P: IsShard => Replicate,
-        StepKind::AllGather { dim: <<L as Select<X, I>>::P as IsShard>::DIM }
-    }
-    transition! {
-        /// `Shard<D>` → `Invariant` on axis `X`: all-gather. Backward: local chunk.
-        fn all_gather_invariant / all_gather_invariant_vjp (axis) where P: IsShard => Invariant,
-        StepKind::AllGatherInvariant { dim: <<L as Select<X, I>>::P as IsShard>::DIM }
-    }
-    transition! {
-        /// `Partial` → `Shard<D>` on axis `X`: reduce-scatter along dim `D`. Backward: all-gather.
-        fn reduce_scatter / reduce_scatter_vjp <const D: usize> (axis) where P: IsPartial => Shard<D>,
-        StepKind::ReduceScatter { dim: D }
-    }
-    transition! {
-        /// `Partial` → `Invariant` on axis `X`: all-reduce (Megatron's `g`). Backward: none
-        /// (`Invariant` → `Replicate`).
-        fn all_reduce / all_reduce_vjp (axis) where P: IsPartial => Invariant,
-        StepKind::AllReduce
-    }
-    transition! {
-        /// `Shard<A>` → `Shard<B>` on axis `X`: all-to-all. Backward: all-to-all back.
-        fn all_to_all / all_to_all_vjp <const B: usize> (axis) where P: IsShard => Shard<B>,
-        StepKind::AllToAll { from: <<L as Select<X, I>>::P as IsShard>::DIM, to: B }
-    }
-    transition! {
-        /// `Replicate` or `Invariant` → `Shard<D>` on axis `X`: local slice, no collective.
-        /// Backward: from `Invariant`, all-gather; from `Replicate`, zero padding to `Partial`.
-        fn chunk / chunk_vjp <const D: usize> (axis) where P: IsWhole => Shard<D>,
-        StepKind::Chunk { dim: D }
-    }
-    transition! {
-        /// `Shard<D>` → `Partial<Sum>` on axis `X`: zero padding, no collective. Backward: chunk.
-        fn pad_to_partial / pad_to_partial_vjp (axis) where P: IsShard => Partial<Sum>,
-        StepKind::PadToPartial { dim: <<L as Select<X, I>>::P as IsShard>::DIM }
-    }
-    transition! {
-        /// `Invariant` → `Replicate` on axis `X` (Megatron's `f`): no collective. Backward:
-        /// all-reduce of the `Partial` gradient.
-        fn to_replicate / to_replicate_vjp (axis) where P: IsInvariant => Replicate,
-        StepKind::ToReplicate
-    }
-    transition! {
-        /// `Replicate` → `Invariant` on axis `X`: no collective. Backward: `Invariant` →
-        /// `Partial` (coordinate 0 keeps the gradient, the others zero).
-        fn to_invariant / to_invariant_vjp (axis) where P: IsReplicate => Invariant,
-        StepKind::ToInvariant
-    }
-    transition! {
-        /// `Replicate` → `Partial<Sum>` on axis `X`: coordinate 0 keeps the value, the others
-        /// hold zeros (exact for every dtype). Backward: the same conversion.
-        fn replicate_to_partial / replicate_to_partial_vjp (axis) where P: IsReplicate => Partial<Sum>,
-        StepKind::ToPartial { op: dtensor_placement::PartialOp::Sum }
-    }
-    transition! {
-        /// `Invariant` → `Partial<Sum>` on axis `X`: coordinate 0 keeps the value. Backward:
-        /// `Replicate` → `Invariant`.
-        fn invariant_to_partial / invariant_to_partial_vjp (axis) where P: IsInvariant => Partial<Sum>,
-        StepKind::ToPartial { op: dtensor_placement::PartialOp::Sum }
-    }
-
     /// The plan taking this tensor to layout `M` (any number of axes), without running it.
     pub fn plan<M: Layout>(&self) -> Result<TypedPlan<L, M>>
     where
@@ -536,7 +394,7 @@ pub struct Adjoint<Out: Layout, In: Layout> {
 }
 
 impl<Out: Layout, In: Layout> Adjoint<Out, In> {
-    fn new(plan: Plan) -> Self {
+    pub(crate) fn new(plan: Plan) -> Self {
         Adjoint {
             plan,
             _layouts: PhantomData,
