@@ -64,7 +64,7 @@
 //! [`CudaTensor`]) through the `*_device` methods of `dtensor-collectives`' `Communicator`,
 //! which only the NCCL backend implements; the thread and MPI backends keep host slices.
 
-pub mod ops;
+pub(crate) mod launch;
 pub mod source;
 mod tensor;
 mod view;

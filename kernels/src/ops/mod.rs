@@ -45,11 +45,14 @@
 pub mod activation;
 pub mod attention;
 pub mod attention_block;
+pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
 pub mod matmul;
 pub mod moe;
 pub mod norm;
+pub mod optim;
+pub mod reduce;
 pub mod reduction;
 pub mod softmax;
 pub(crate) mod tensor;
@@ -68,6 +71,7 @@ pub use attention::{causal_attention, causal_attention_backward};
 pub use attention_block::{
     attention_block, attention_block_backward, fuse_qkv_grad, gather_rows, merge_attention, pack_kv,
 };
+pub use cross_entropy::{ce_grad, ce_loss, ce_row_max, ce_sum_target};
 pub use elementwise::{add_row, add_row_assign, mul_row, sub, sum_rows, sum_rows_into};
 pub use embedding::{
     embedding, embedding_backward, embedding_backward_into, embedding_masked,
@@ -76,6 +80,8 @@ pub use embedding::{
 pub use matmul::{matmul, matmul_into, matmul_into_with, MatmulScratch};
 pub use moe::{grouped_matmul_t, grouped_matmul_t_backward, scatter_add_rows};
 pub use norm::{layer_norm, layer_norm_backward, rms_norm, rms_norm_backward};
+pub use optim::{adamw_state_dtype, adamw_step, AdamWStep};
+pub use reduce::{combine, reduce_into};
 pub use reduction::{max_dim, max_dim_backward, sum_dim, sum_dim_backward};
 pub use softmax::{
     log_softmax, log_softmax_backward, log_softmax_backward_into, log_softmax_into, softmax,
@@ -84,6 +90,16 @@ pub use softmax::{
 
 pub use crate::spec::{acc_dtype, Accum, Transpose};
 pub(crate) use crate::spec::{check_dst, check_row_param, rows_last, same_dtype, same_layout};
+
+/// The `int accumulate` flag of the device kernels' `_backward`/`_into` entries: 0
+/// replaces the destination, 1 adds to it (the host kernels' [`Accum`]).
+#[cfg(feature = "cuda")]
+pub(crate) fn accum_flag(a: Accum) -> i32 {
+    match a {
+        Accum::Replace => 0,
+        Accum::Add => 1,
+    }
+}
 
 /// How gemm spreads one product over threads: `None` runs on the calling thread (the
 /// default here: ranks are the parallelism); `Rayon(n)` uses `n` threads of the global rayon
