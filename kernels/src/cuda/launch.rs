@@ -275,11 +275,10 @@ pub(crate) fn copy_blocks(
 pub(crate) const SHARED_BUDGET: usize = 48 * 1024 - 4096;
 
 /// `root(a[i], b[i])` for every element into a new tensor of `a`'s shape and dtype, one
-/// thread per element: the elementwise binary ops (`Tensor::add`, `mul`, `ops::sub`), whose
-/// front doors checked that `a` and `b` are laid out alike.
+/// thread per element (`elementwise.cu`): the elementwise binary ops (`Tensor::add`, `mul`,
+/// `ops::sub`), whose front doors checked that `a` and `b` are laid out alike.
 pub(crate) fn binary(
     op: &'static str,
-    module: &'static KernelModule,
     root: &str,
     a: &CudaTensor,
     b: &CudaTensor,
@@ -288,7 +287,7 @@ pub(crate) fn binary(
     let mut out = CudaTensor::uninit(dev, a.shape(), a.dtype())?;
     let n = a.numel();
     if n > 0 {
-        let f = func(dev, module, root, a.dtype())?;
+        let f = func(dev, &source::ELEMENTWISE, root, a.dtype())?;
         launch_kernel!(op, dev, f, grid_for(n); src a, src b, dst &mut out, u64 n)?;
     }
     Ok(out)

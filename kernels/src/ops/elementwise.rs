@@ -88,7 +88,7 @@ mod device {
         b: &CudaTensor,
     ) -> Result<CudaTensor> {
         want_float(op, a)?;
-        crate::cuda::launch::binary(op, &source::ELEMENTWISE, root, a, b)
+        crate::cuda::launch::binary(op, root, a, b)
     }
 
     /// `root(x[r, j], w[j])` for every row `r` of `x` (`[rows, n]`).

@@ -157,15 +157,8 @@ mod device {
     use crate::spec::reduction::split_at;
     use crate::{DType, Error, Result, Shape};
 
-    /// `root(a, b)` elementwise, any dtype (`Tensor::add`, `mul`).
-    pub(super) fn binary(
-        op: &'static str,
-        root: &str,
-        a: &CudaTensor,
-        b: &CudaTensor,
-    ) -> Result<CudaTensor> {
-        crate::cuda::launch::binary(op, &source::ELEMENTWISE, root, a, b)
-    }
+    /// `Tensor::add` and `mul`: any dtype.
+    pub(super) use crate::cuda::launch::binary;
 
     /// Every element times `factor` rounded into the dtype (the host's `T::from_f64`).
     pub(super) fn scale(a: &CudaTensor, factor: f64) -> Result<CudaTensor> {
@@ -195,28 +188,47 @@ mod device {
         Ok(out)
     }
 
-    /// The pieces of `dim` (extents `sizes`) one after another, flat.
-    pub(super) fn pack(t: &CudaTensor, dim: usize, sizes: &[usize]) -> Result<CudaTensor> {
-        const OP: &str = "Tensor::pack";
-        let (outer, extent, inner) = split_at(OP, t.shape(), dim)?;
-        let mut out = CudaTensor::uninit(t.device(), &[t.numel()], t.dtype())?;
+    /// Which way [`move_pieces`] copies.
+    #[derive(Clone, Copy)]
+    enum Pieces {
+        /// From their places along the dim into the flat buffer, one after another.
+        Pack,
+        /// From the flat buffer back to their places.
+        Unpack,
+    }
+
+    /// Copies the pieces (extents `sizes`) of the middle dim of a `[outer, extent, inner]`
+    /// tensor to or from a flat buffer that holds them one after another, each piece's
+    /// `outer` runs together.
+    fn move_pieces(
+        op: &'static str,
+        src: &CudaTensor,
+        dst: &mut CudaTensor,
+        (outer, extent, inner): (usize, usize, usize),
+        sizes: &[usize],
+        way: Pieces,
+    ) -> Result<()> {
         let (mut base, mut start) = (0, 0);
         for &len in sizes {
             let run = len * inner;
-            copy_blocks(
-                OP,
-                t,
-                &mut out,
-                outer,
-                run,
-                extent * inner,
-                start * inner,
-                run,
-                base,
-            )?;
+            let (placed, flat) = ((extent * inner, start * inner), (run, base));
+            let ((ss, so), (ds, d0)) = match way {
+                Pieces::Pack => (placed, flat),
+                Pieces::Unpack => (flat, placed),
+            };
+            copy_blocks(op, src, dst, outer, run, ss, so, ds, d0)?;
             base += outer * run;
             start += len;
         }
+        Ok(())
+    }
+
+    /// The pieces of `dim` (extents `sizes`) one after another, flat.
+    pub(super) fn pack(t: &CudaTensor, dim: usize, sizes: &[usize]) -> Result<CudaTensor> {
+        const OP: &str = "Tensor::pack";
+        let split = split_at(OP, t.shape(), dim)?;
+        let mut out = CudaTensor::uninit(t.device(), &[t.numel()], t.dtype())?;
+        move_pieces(OP, t, &mut out, split, sizes, Pieces::Pack)?;
         Ok(out)
     }
 
@@ -228,25 +240,9 @@ mod device {
         sizes: &[usize],
     ) -> Result<CudaTensor> {
         const OP: &str = "Tensor::unpack";
-        let (outer, extent, inner) = split_at(OP, shape, dim)?;
+        let split = split_at(OP, shape, dim)?;
         let mut out = CudaTensor::uninit(flat.device(), shape, flat.dtype())?;
-        let (mut base, mut start) = (0, 0);
-        for &len in sizes {
-            let run = len * inner;
-            copy_blocks(
-                OP,
-                flat,
-                &mut out,
-                outer,
-                run,
-                run,
-                base,
-                extent * inner,
-                start * inner,
-            )?;
-            base += outer * run;
-            start += len;
-        }
+        move_pieces(OP, flat, &mut out, split, sizes, Pieces::Unpack)?;
         Ok(out)
     }
 
