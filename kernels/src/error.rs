@@ -96,7 +96,7 @@ pub enum Error {
     /// load, synchronization), an NVRTC call other than the compile itself, or cuBLAS.
     #[error("{op}: CUDA error: {detail}")]
     Cuda {
-        /// The op whose call failed, e.g. `"cuda::ops::matmul"`.
+        /// The op whose call failed, e.g. `"ops::matmul"`.
         op: &'static str,
         /// The library's error, as text (with the kernel and module name for a failed
         /// kernel lookup).
@@ -106,7 +106,7 @@ pub enum Error {
     /// memory or cuBLAS's `i32` dimensions allow, or an op not ported to the GPU.
     #[error("not on cuda: {op}{detail}")]
     NotOnCuda {
-        /// The op asked for, e.g. `"cuda::ops::causal_attention"`.
+        /// The op asked for, e.g. `"ops::causal_attention"`.
         op: &'static str,
         /// Empty, or `": "` followed by why this case has no kernel (it is appended to
         /// `op` in the message).

@@ -1,15 +1,14 @@
-//! The model's remaining CUDA kernels (`cuda::model_ops`) against the CPU ops they mirror:
-//! the context-parallel attention pieces, the MoE kernels and the collectives' reductions,
-//! in every dtype each supports, over uneven and empty sizes, and their argument errors
-//! (the CPU's message, with the op named `cuda::…`).
+//! The model's remaining ops on device tensors against the same ops on the host: the
+//! context-parallel attention pieces, the MoE kernels and the collectives' reductions, in
+//! every dtype each supports, over uneven and empty sizes, and their argument errors (the
+//! host's message).
 //!
 //! These need a GPU (constructing a `CudaTensor` needs one, error cases included): they are
 //! ignored by default and run on the GPU machine with `--include-ignored`. Each checks for a
 //! driver and a device first and returns with a `SKIPPED` message when there is none.
 #![cfg(feature = "cuda")]
 
-use dtensor_kernels::cuda::ops::{self as g, CudaAttentionOutput};
-use dtensor_kernels::cuda::{CudaTensor, Device};
+use dtensor_kernels::cuda::Device;
 use dtensor_kernels::ops::{self, BlockAttention, CausalAttentionOutput};
 use dtensor_kernels::{reduce, DType, Element, Error, ReduceOp, Tensor};
 
@@ -34,7 +33,7 @@ fn rand(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
     Tensor::from_f64_vec(v, shape, dtype).unwrap()
 }
 
-/// The GPU op's error is the CPU op's, with the op named `cuda::…`.
+/// The op refuses device arguments with the message it gives for the same host arguments.
 #[track_caller]
 fn assert_same_error<T, U>(what: &str, gpu: Result<T, Error>, cpu: Result<U, Error>) {
     let Err(ce) = cpu else {
@@ -45,7 +44,7 @@ fn assert_same_error<T, U>(what: &str, gpu: Result<T, Error>, cpu: Result<U, Err
     };
     assert_eq!(
         ge.to_string(),
-        format!("cuda::{ce}"),
+        ce.to_string(),
         "{what}: the GPU and CPU errors differ"
     );
 }
@@ -91,13 +90,10 @@ fn gpu_attention_block_matches_cpu() {
             let kv = rand(&[batch * kp.len(), heads * 2 * d], dt, seed + 1);
             let (gq, gk) = (up(&qkv, &dev), up(&kv, &dev));
             let cpu = ops::attention_block(&qkv, &kv, &cfg).unwrap();
-            let gpu = g::attention_block(&gq, &gk, &cfg)
-                .unwrap()
-                .to_host()
-                .unwrap();
+            let gpu = ops::attention_block(&gq, &gk, &cfg).unwrap();
             // out and lse are in the compute dtype, from the same rounded inputs.
-            assert_close(&format!("{what}: out"), &gpu.out, &cpu.out, 16.0);
-            assert_close(&format!("{what}: lse"), &gpu.lse, &cpu.lse, 16.0);
+            assert_close(&format!("{what}: out"), &down(&gpu.out), &cpu.out, 16.0);
+            assert_close(&format!("{what}: lse"), &down(&gpu.lse), &cpu.lse, 16.0);
 
             // The backward from this block's own result as the "final" one, adding into
             // accumulators that already hold something.
@@ -110,7 +106,7 @@ fn gpu_attention_block_matches_cpu() {
                 &dout, &qkv, &kv, &out, &cpu.lse, &cfg, &mut dq, &mut dkv,
             )
             .unwrap();
-            g::attention_block_backward(
+            ops::attention_block_backward(
                 &up(&dout, &dev),
                 &gq,
                 &gk,
@@ -138,13 +134,13 @@ fn gpu_attention_block_matches_cpu() {
         let bad_kv = rand(&[4, 12], dt, 3);
         assert_same_error(
             "kv columns",
-            g::attention_block(&up(&qkv, &dev), &up(&bad_kv, &dev), &cfg),
+            ops::attention_block(&up(&qkv, &dev), &up(&bad_kv, &dev), &cfg),
             ops::attention_block(&qkv, &bad_kv, &cfg),
         );
         let odd = BlockAttention { head_dim: 3, ..cfg };
         assert_same_error(
             "odd head_dim",
-            g::attention_block(&up(&qkv, &dev), &up(&kv, &dev), &odd),
+            ops::attention_block(&up(&qkv, &dev), &up(&kv, &dev), &odd),
             ops::attention_block(&qkv, &kv, &odd),
         );
         let unsorted = [2usize, 1, 3];
@@ -154,13 +150,13 @@ fn gpu_attention_block_matches_cpu() {
         };
         assert_same_error(
             "positions",
-            g::attention_block(&up(&qkv, &dev), &up(&kv, &dev), &bad_pos),
+            ops::attention_block(&up(&qkv, &dev), &up(&kv, &dev), &bad_pos),
             ops::attention_block(&qkv, &kv, &bad_pos),
         );
         let uneven = rand(&[5, 24], dt, 4);
         assert_same_error(
             "samples",
-            g::attention_block(&up(&uneven, &dev), &up(&kv, &dev), &cfg),
+            ops::attention_block(&up(&uneven, &dev), &up(&kv, &dev), &cfg),
             ops::attention_block(&uneven, &kv, &cfg),
         );
         let c = ops::attention_block(&qkv, &kv, &cfg).unwrap();
@@ -170,7 +166,7 @@ fn gpu_attention_block_matches_cpu() {
         let (mut gdq, mut gdkv) = (up(&dq, &dev), up(&dkv, &dev));
         assert_same_error(
             "dout shape",
-            g::attention_block_backward(
+            ops::attention_block_backward(
                 &up(&short, &dev),
                 &up(&qkv, &dev),
                 &up(&kv, &dev),
@@ -187,7 +183,7 @@ fn gpu_attention_block_matches_cpu() {
         let dout = rand(&[6, 8], dt, 6);
         assert_same_error(
             "dq shape",
-            g::attention_block_backward(
+            ops::attention_block_backward(
                 &up(&dout, &dev),
                 &up(&qkv, &dev),
                 &up(&kv, &dev),
@@ -217,7 +213,7 @@ fn gpu_attention_block_matches_cpu() {
             q_pos: &many[..1],
             k_pos: &many,
         };
-        let e = g::attention_block(
+        let e = ops::attention_block(
             &up(&Tensor::zeros(&[1, 6], dt), &dev),
             &up(&Tensor::zeros(&[20_000, 4], dt), &dev),
             &long,
@@ -240,8 +236,8 @@ fn partial(dt: DType, qp: &[usize], kp: &[usize], seed: u64) -> CausalAttentionO
     ops::attention_block(&qkv, &kv, &cfg).unwrap()
 }
 
-fn up_out(o: &CausalAttentionOutput, dev: &Device) -> CudaAttentionOutput {
-    CudaAttentionOutput {
+fn up_out(o: &CausalAttentionOutput, dev: &Device) -> CausalAttentionOutput {
+    CausalAttentionOutput {
         out: up(&o.out, dev),
         lse: up(&o.lse, dev),
     }
@@ -271,11 +267,10 @@ fn gpu_merge_attention_matches_cpu() {
             let mut acc = partial(dt, &qp, a, seed);
             let part = partial(dt, &qp, b, seed + 500);
             let mut gacc = up_out(&acc, &dev);
-            g::merge_attention(&mut gacc, &up_out(&part, &dev)).unwrap();
+            ops::merge_attention(&mut gacc, &up_out(&part, &dev)).unwrap();
             ops::merge_attention(&mut acc, &part).unwrap();
-            let got = gacc.to_host().unwrap();
-            assert_close(&format!("merge {c} out"), &got.out, &acc.out, 4.0);
-            assert_close(&format!("merge {c} lse"), &got.lse, &acc.lse, 4.0);
+            assert_close(&format!("merge {c} out"), &down(&gacc.out), &acc.out, 4.0);
+            assert_close(&format!("merge {c} lse"), &down(&gacc.lse), &acc.lse, 4.0);
         }
         // Empty rows: nothing to do, no error.
         let empty = CausalAttentionOutput {
@@ -283,7 +278,7 @@ fn gpu_merge_attention_matches_cpu() {
             lse: Tensor::zeros(&[0, 2], dt),
         };
         let mut ge = up_out(&empty, &dev);
-        g::merge_attention(&mut ge, &up_out(&empty, &dev)).unwrap();
+        ops::merge_attention(&mut ge, &up_out(&empty, &dev)).unwrap();
     }
     // Errors: a storage dtype, mismatched shapes.
     let mut a = partial(DType::F32, &qp, &early, 1);
@@ -297,7 +292,7 @@ fn gpu_merge_attention_matches_cpu() {
     };
     assert_same_error(
         "bf16 partials",
-        g::merge_attention(&mut up_out(&bf, &dev), &up_out(&bf, &dev)),
+        ops::merge_attention(&mut up_out(&bf, &dev), &up_out(&bf, &dev)),
         ops::merge_attention(&mut bf2, &bf),
     );
     let short = CausalAttentionOutput {
@@ -306,7 +301,7 @@ fn gpu_merge_attention_matches_cpu() {
     };
     assert_same_error(
         "rows",
-        g::merge_attention(&mut up_out(&a, &dev), &up_out(&short, &dev)),
+        ops::merge_attention(&mut up_out(&a, &dev), &up_out(&short, &dev)),
         ops::merge_attention(&mut a, &short),
     );
 }
@@ -322,41 +317,41 @@ fn gpu_pack_kv_fuse_qkv_grad_gather_rows_match_cpu_bitwise() {
             let qkv = rand(&[rows, heads * 3 * d], dt, seed);
             assert_bitwise(
                 "pack_kv",
-                &down(&g::pack_kv(&up(&qkv, &dev), d).unwrap()),
+                &down(&ops::pack_kv(&up(&qkv, &dev), d).unwrap()),
                 &ops::pack_kv(&qkv, d).unwrap(),
             );
             let dq = rand(&[rows, heads * d], acc, seed + 1);
             let dkv = rand(&[rows, heads * 2 * d], acc, seed + 2);
             assert_bitwise(
                 "fuse_qkv_grad",
-                &down(&g::fuse_qkv_grad(&up(&dq, &dev), &up(&dkv, &dev), d, dt).unwrap()),
+                &down(&ops::fuse_qkv_grad(&up(&dq, &dev), &up(&dkv, &dev), d, dt).unwrap()),
                 &ops::fuse_qkv_grad(&dq, &dkv, d, dt).unwrap(),
             );
         }
         let qkv = rand(&[4, 24], dt, 7);
         assert_same_error(
             "pack_kv head_dim",
-            g::pack_kv(&up(&qkv, &dev), 5),
+            ops::pack_kv(&up(&qkv, &dev), 5),
             ops::pack_kv(&qkv, 5),
         );
         let dq = rand(&[4, 8], acc, 8);
         let dkv = rand(&[4, 12], acc, 9);
         assert_same_error(
             "fuse_qkv_grad dkv",
-            g::fuse_qkv_grad(&up(&dq, &dev), &up(&dkv, &dev), 4, dt),
+            ops::fuse_qkv_grad(&up(&dq, &dev), &up(&dkv, &dev), 4, dt),
             ops::fuse_qkv_grad(&dq, &dkv, 4, dt),
         );
     }
     let ints = rand(&[2, 12], DType::I32, 1);
     assert_same_error(
         "pack_kv of i32",
-        g::pack_kv(&up(&ints, &dev), 4),
+        ops::pack_kv(&up(&ints, &dev), 4),
         ops::pack_kv(&ints, 4),
     );
     let (dq, dkv) = (rand(&[2, 4], DType::F32, 2), rand(&[2, 8], DType::F32, 3));
     assert_same_error(
         "fuse_qkv_grad into i64",
-        g::fuse_qkv_grad(&up(&dq, &dev), &up(&dkv, &dev), 4, DType::I64),
+        ops::fuse_qkv_grad(&up(&dq, &dev), &up(&dkv, &dev), 4, DType::I64),
         ops::fuse_qkv_grad(&dq, &dkv, 4, DType::I64),
     );
     for (k, dt) in ALL.into_iter().enumerate() {
@@ -365,25 +360,25 @@ fn gpu_pack_kv_fuse_qkv_grad_gather_rows_match_cpu_bitwise() {
         for src in [&[5usize, 0, 0, 3][..], &[], &[2, 2, 2, 2, 2, 2, 2, 1]] {
             assert_bitwise(
                 &format!("gather_rows {src:?}"),
-                &down(&g::gather_rows(&gt, src).unwrap()),
+                &down(&ops::gather_rows(&gt, src).unwrap()),
                 &ops::gather_rows(&t, src).unwrap(),
             );
         }
         let narrow = rand(&[3, 0], dt, 1);
         assert_bitwise(
             "gather_rows of no columns",
-            &down(&g::gather_rows(&up(&narrow, &dev), &[1, 2]).unwrap()),
+            &down(&ops::gather_rows(&up(&narrow, &dev), &[1, 2]).unwrap()),
             &ops::gather_rows(&narrow, &[1, 2]).unwrap(),
         );
         assert_same_error(
             "gather_rows out of range",
-            g::gather_rows(&gt, &[1, 6]),
+            ops::gather_rows(&gt, &[1, 6]),
             ops::gather_rows(&t, &[1, 6]),
         );
         let flat = rand(&[6], dt, 2);
         assert_same_error(
             "gather_rows of 1-D",
-            g::gather_rows(&up(&flat, &dev), &[0]),
+            ops::gather_rows(&up(&flat, &dev), &[0]),
             ops::gather_rows(&flat, &[0]),
         );
     }
@@ -414,12 +409,12 @@ fn gpu_grouped_matmul_matches_cpu() {
             let what = format!("grouped_matmul_t {groups:?} out {out} in {inp} ({dt})");
             assert_close(
                 &what,
-                &down(&g::grouped_matmul_t(&gx, &gw, groups).unwrap()),
+                &down(&ops::grouped_matmul_t(&gx, &gw, groups).unwrap()),
                 &ops::grouped_matmul_t(&x, &w, groups).unwrap(),
                 8.0,
             );
             let cg = ops::grouped_matmul_t_backward(&dy, &x, &w, groups).unwrap();
-            let gg = g::grouped_matmul_t_backward(&up(&dy, &dev), &gx, &gw, groups).unwrap();
+            let gg = ops::grouped_matmul_t_backward(&up(&dy, &dev), &gx, &gw, groups).unwrap();
             assert_close(&format!("{what}: dx"), &down(&gg.dx), &cg.dx, 8.0);
             assert_close(&format!("{what}: dw"), &down(&gg.dw), &cg.dw, 8.0);
         }
@@ -428,25 +423,25 @@ fn gpu_grouped_matmul_matches_cpu() {
         let (gx, gw) = (up(&x, &dev), up(&w, &dev));
         assert_same_error(
             "groups",
-            g::grouped_matmul_t(&gx, &gw, &[2, 2]),
+            ops::grouped_matmul_t(&gx, &gw, &[2, 2]),
             ops::grouped_matmul_t(&x, &w, &[2, 2]),
         );
         let w2 = rand(&[2, 4, 2], dt, 3);
         assert_same_error(
             "in features",
-            g::grouped_matmul_t(&gx, &up(&w2, &dev), &[2, 3]),
+            ops::grouped_matmul_t(&gx, &up(&w2, &dev), &[2, 3]),
             ops::grouped_matmul_t(&x, &w2, &[2, 3]),
         );
         let dy = rand(&[5, 3], dt, 4);
         assert_same_error(
             "dy shape",
-            g::grouped_matmul_t_backward(&up(&dy, &dev), &gx, &gw, &[2, 3]),
+            ops::grouped_matmul_t_backward(&up(&dy, &dev), &gx, &gw, &[2, 3]),
             ops::grouped_matmul_t_backward(&dy, &x, &w, &[2, 3]),
         );
     }
     let x = rand(&[2, 3], DType::I32, 1);
     let w = rand(&[1, 2, 3], DType::I32, 2);
-    assert!(g::grouped_matmul_t(&up(&x, &dev), &up(&w, &dev), &[2]).is_err());
+    assert!(ops::grouped_matmul_t(&up(&x, &dev), &up(&w, &dev), &[2]).is_err());
     assert!(ops::grouped_matmul_t(&x, &w, &[2]).is_err());
 }
 
@@ -468,7 +463,7 @@ fn gpu_scatter_add_rows_matches_cpu_bitwise() {
             let src = rand(&[rows.len(), h], dt, 700 + 10 * k as u64 + c as u64);
             let gs = up(&src, &dev);
             let cpu = ops::scatter_add_rows(&src, rows, n).unwrap();
-            let gpu = down(&g::scatter_add_rows(&gs, rows, n).unwrap());
+            let gpu = down(&ops::scatter_add_rows(&gs, rows, n).unwrap());
             let what = format!("scatter_add_rows {rows:?} into {n} ({dt})");
             if dt == DType::F16 {
                 // The f64 sums round into f16 as Tensor::to_dtype does: through f32 with
@@ -478,19 +473,19 @@ fn gpu_scatter_add_rows_matches_cpu_bitwise() {
                 assert_bitwise(&what, &gpu, &cpu);
             }
             // Deterministic: the same bits on every run.
-            let again = down(&g::scatter_add_rows(&gs, rows, n).unwrap());
+            let again = down(&ops::scatter_add_rows(&gs, rows, n).unwrap());
             assert_bitwise(&format!("{what}, run twice"), &again, &gpu);
         }
         let src = rand(&[3, 2], dt, 1);
         let gs = up(&src, &dev);
         assert_same_error(
             "destination out of range",
-            g::scatter_add_rows(&gs, &[0, 4, 1], 4),
+            ops::scatter_add_rows(&gs, &[0, 4, 1], 4),
             ops::scatter_add_rows(&src, &[0, 4, 1], 4),
         );
         assert_same_error(
             "destination count",
-            g::scatter_add_rows(&gs, &[0, 1], 4),
+            ops::scatter_add_rows(&gs, &[0, 1], 4),
             ops::scatter_add_rows(&src, &[0, 1], 4),
         );
     }
@@ -546,22 +541,22 @@ fn gpu_reductions_match_cpu_bitwise() {
                     Tensor::from_f64_vec(v, &[n], dt).unwrap()
                 })
                 .collect();
-            let gsrcs: Vec<CudaTensor> = srcs.iter().map(|t| up(t, &dev)).collect();
-            let refs: Vec<&CudaTensor> = gsrcs.iter().collect();
+            let gsrcs: Vec<Tensor> = srcs.iter().map(|t| up(t, &dev)).collect();
+            let refs: Vec<&Tensor> = gsrcs.iter().collect();
             for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
                 let what = format!("{op:?} of {n} {dt}");
                 // Max/Min move bits (NaN payloads included); a Sum/Avg NaN is computed.
                 let arith = matches!(op, ReduceOp::Sum | ReduceOp::Avg);
                 let (want, want_pair) = cpu_reduce(&srcs, op);
-                let mut dst = CudaTensor::zeros(&dev, &[n], dt).unwrap();
-                g::reduce_into(&mut dst, &refs, op).unwrap();
+                let mut dst = Tensor::zeros_on(Some(&dev), &[n], dt).unwrap();
+                ops::reduce_into(&mut dst, &refs, op).unwrap();
                 assert_bits(&format!("reduce_into {what}"), &down(&dst), &want, arith);
                 let mut acc = up(&srcs[0], &dev);
-                g::combine(&mut acc, &gsrcs[1], op).unwrap();
+                ops::combine(&mut acc, &gsrcs[1], op).unwrap();
                 assert_bits(&format!("combine {what}"), &down(&acc), &want_pair, arith);
                 // One source: a copy (Avg divides by one).
-                let mut one = CudaTensor::zeros(&dev, &[n], dt).unwrap();
-                g::reduce_into(&mut one, &refs[..1], op).unwrap();
+                let mut one = Tensor::zeros_on(Some(&dev), &[n], dt).unwrap();
+                ops::reduce_into(&mut one, &refs[..1], op).unwrap();
                 let what = format!("reduce_into of one, {what}");
                 assert_bits(&what, &down(&one), &srcs[0], op == ReduceOp::Avg);
             }
@@ -569,18 +564,18 @@ fn gpu_reductions_match_cpu_bitwise() {
         let a = up(&rand(&[4], dt, 1), &dev);
         let mut b = up(&rand(&[5], dt, 2), &dev);
         assert!(
-            g::combine(&mut b, &a, ReduceOp::Max).is_err(),
+            ops::combine(&mut b, &a, ReduceOp::Max).is_err(),
             "length mismatch"
         );
         assert!(
-            g::reduce_into(&mut b, &[&a], ReduceOp::Sum).is_err(),
+            ops::reduce_into(&mut b, &[&a], ReduceOp::Sum).is_err(),
             "length mismatch"
         );
     }
     let a = up(&rand(&[4], DType::F32, 1), &dev);
     let mut b = up(&rand(&[4], DType::F64, 2), &dev);
     assert!(
-        g::combine(&mut b, &a, ReduceOp::Sum).is_err(),
+        ops::combine(&mut b, &a, ReduceOp::Sum).is_err(),
         "dtype mismatch"
     );
 }

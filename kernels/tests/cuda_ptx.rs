@@ -35,7 +35,7 @@ fn may_spill(kernel: &str) -> bool {
 
 /// Static shared memory a kernel launched with dynamic shared memory may declare: those
 /// launches (the `attn_` kernels) take up to `SHARED_BUDGET` = 48 KiB − 4096 bytes
-/// (`kernels/src/cuda/ops.rs`), and a block may use 48 KiB in all without the opt-in
+/// (`kernels/src/cuda/launch.rs`), and a block may use 48 KiB in all without the opt-in
 /// attribute, so their block reductions' arrays must fit in 4096 bytes or the longest
 /// sequences fail at launch. (The other kernels take no dynamic shared memory.)
 const STATIC_SMEM_MAX: u32 = 4096;

@@ -335,8 +335,9 @@ impl Optimizer for AdamW {
     }
 }
 
-/// AdamW on a parameter in device memory: the device kernel (`cuda::ops::adamw_step`, the
-/// formula and order of [`adamw_step`]), in place on the parameter and its moments.
+/// AdamW on a parameter in device memory: the front door's device kernel
+/// (`dtensor_kernels::ops::adamw_step`, the formula and order of [`adamw_step`]), in place
+/// on the parameter and its moments.
 #[cfg(feature = "cuda")]
 fn adamw_device<L: Layout>(
     w: &mut DTensor<L>,
@@ -345,7 +346,7 @@ fn adamw_device<L: Layout>(
     v: &mut Tensor,
     h: &AdamHyper,
 ) -> Result<()> {
-    use dtensor_kernels::cuda::{ops, CudaTensor};
+    use dtensor_kernels::ops;
     let step = ops::AdamWStep {
         lr: h.lr,
         beta1: h.beta1,
@@ -355,30 +356,7 @@ fn adamw_device<L: Layout>(
         c1: h.c1,
         c2: h.c2,
     };
-    // Moved out of their tensors and back, so the kernel writes the only reference to each
-    // buffer (no copy on write).
-    let take = |t: &mut Tensor| -> Result<CudaTensor> {
-        let dtype = t.dtype();
-        std::mem::replace(t, Tensor::zeros(&[0], dtype))
-            .try_into_cuda()
-            .map_err(|_| {
-                dtensor_kernels::Error::NotOnDevice {
-                    op: "AdamW::update",
-                }
-                .into()
-            })
-    };
-    let g = g.cuda_tensor()?;
-    let (mut mc, mut vc) = (take(m)?, take(v)?);
-    let r = w.update_local_in_place(|wl| {
-        let mut wc = take(wl)?;
-        let r = ops::adamw_step(&mut wc, &g, &mut mc, &mut vc, &step);
-        *wl = Tensor::from(wc);
-        Ok(r?)
-    });
-    *m = Tensor::from(mc);
-    *v = Tensor::from(vc);
-    r
+    w.update_local_in_place(|wl| Ok(ops::adamw_step(wl, g, m, v, &step)?))
 }
 
 /// Without the `cuda` feature no tensor is in device memory.

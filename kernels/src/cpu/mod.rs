@@ -6,11 +6,13 @@
 pub(crate) mod activation;
 pub(crate) mod attention;
 pub(crate) mod attention_block;
+pub(crate) mod cross_entropy;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;
 pub(crate) mod matmul;
 pub(crate) mod moe;
 pub(crate) mod norm;
+pub(crate) mod optim;
 pub(crate) mod reduction;
 pub(crate) mod softmax;
 pub(crate) mod tensor;

@@ -1,6 +1,8 @@
 //! CUDA (feature `cuda`): a [`Device`] handle per GPU, kernels in CUDA C compiled by NVRTC at
 //! run time, and device tensors: a [`Tensor`](crate::Tensor) whose storage is
-//! `Storage::Cuda`, or the [`CudaTensor`] the kernels of [`ops`] take (the same buffer).
+//! `Storage::Cuda`, or the [`CudaTensor`] the kernels take (the same buffer). The ops
+//! themselves are the front door's ([`crate::ops`]): each op's file launches its own
+//! kernels, through the launch helpers of `cuda/launch.rs`.
 //!
 //! Nothing CUDA is linked: cudarc loads `libcuda.so.1`, `libnvrtc.so.13` (or `.12`) and
 //! `libcublas` with `dlopen` on first use, so a build with the feature compiles and runs on a
@@ -27,12 +29,12 @@
 //! use dtensor_kernels::{cuda, Tensor};
 //! let dev = cuda::Device::new(0)?; // Err, not a panic, without a driver or GPU
 //! let x = Tensor::from_fn(&[2, 3], |i| i as f32).to_device(&dev)?;
-//! // The ops dispatch on where their operands are: these run on `dev`.
+//! // The ops dispatch on where their operands are: this runs on `dev`.
 //! let y = dtensor_kernels::ops::gelu(&x)?;
 //! assert_eq!(y.device(), Some(&dev));
-//! // The kernels themselves take `CudaTensor`s (the same buffer, no copy).
-//! let z = cuda::ops::gelu(&x.cuda_tensor()?)?.to_host()?;
-//! assert_eq!(z, y.to_host()?);
+//! // The same buffer as a `CudaTensor` (no copy), e.g. for a device collective.
+//! let c = y.cuda_tensor()?;
+//! assert_eq!(c.to_host()?, y.to_host()?);
 //! # Ok(()) }
 //! ```
 
@@ -51,8 +53,8 @@
 //! element 0 of its buffer, so it converts to and from a [`CudaTensor`] in O(1)
 //! (`Tensor::cuda_tensor`, `Tensor::try_into_cuda`, `Tensor::from`). Every op of
 //! [`crate::ops`] and every computing `Tensor` method matches on where its operands are
-//! (`kernels/src/dispatch.rs`): all on the host runs the CPU code, all on one device calls
-//! [`ops`] here, operands in different places are [`Error::DeviceMismatch`], and an op
+//! (`kernels/src/dispatch.rs`): all on the host runs the CPU code, all on one device runs the
+//! op's device launch, operands in different places are [`Error::DeviceMismatch`], and an op
 //! without a kernel answers [`Error::NotOnCuda`]. Host accessors (`as_slice`,
 //! `as_mut_slice`, `try_as_dyn_slice`, `to_storage`) answer [`Error::NotOnHost`], so code that
 //! reads elements directly fails with an error instead of copying silently;
@@ -64,6 +66,9 @@
 //! [`CudaTensor`]) through the `*_device` methods of `dtensor-collectives`' `Communicator`,
 //! which only the NCCL backend implements; the thread and MPI backends keep host slices.
 
+pub(crate) mod launch;
+/// Transitional: the cross-entropy pieces on `CudaTensor`s that `dtensor` still calls;
+/// everything else runs through the front door ([`crate::ops`]).
 pub mod ops;
 pub mod source;
 mod tensor;

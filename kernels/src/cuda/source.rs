@@ -448,7 +448,7 @@ pub static REDUCE_EXT: KernelModule = KernelModule {
     roots: &[("reduce_combine", All), ("reduce_avg_div", All)],
 };
 
-/// `optim.cu`: the AdamW step (`cuda::ops::adamw_step`), in place on the parameter and its
+/// `optim.cu`: the AdamW step (`ops::adamw_step`), in place on the parameter and its
 /// two moments; the host step's formula and order of operations (nn's `AdamW`).
 pub static OPTIM: KernelModule = KernelModule {
     name: "optim",
@@ -479,7 +479,7 @@ mod tests {
 
     #[test]
     fn block_size_matches_the_kernels() {
-        let define = format!("#define ROW_THREADS {}", crate::cuda::ops::THREADS);
+        let define = format!("#define ROW_THREADS {}", crate::cuda::launch::THREADS);
         assert!(COMMON.contains(&define), "common.cuh must say `{define}`");
     }
 

@@ -23,7 +23,7 @@ macro_rules! unary_activation {
     ) => {
         #[doc = concat!("`", $doc, "`, elementwise.")]
         pub fn $name(x: &Tensor) -> Result<Tensor> {
-            dispatch!($op, [x] => crate::cuda::ops::$name(&x));
+            dispatch!($op, [x] => device::unary($op, stringify!($name), &x));
             let mut dst = Tensor::zeros(x.shape(), x.dtype());
             $name_into(&mut dst, x)?;
             Ok(dst)
@@ -33,7 +33,7 @@ macro_rules! unary_activation {
         pub fn $name_into(dst: &mut Tensor, x: &Tensor) -> Result<()> {
             check_dst($op, dst, x.shape(), x.dtype())?;
             dispatch!($op, mut dst, [x] => {
-                let y = crate::cuda::ops::$name(&x)?;
+                let y = device::unary($op, stringify!($name), &x)?;
                 crate::dispatch::replace($op, dst, y)
             });
             crate::cpu::activation::$name_into($op, dst, x)
@@ -41,7 +41,12 @@ macro_rules! unary_activation {
 
         #[doc = concat!("The input gradient of [`", stringify!($name), "`] at `x`, given the output gradient `dy`.")]
         pub fn $back(dy: &Tensor, x: &Tensor) -> Result<Tensor> {
-            dispatch!($op_back, [dy, x] => crate::cuda::ops::$back(&dy, &x));
+            dispatch!($op_back, [dy, x] => {
+                same_layout($op_back, &dy, &x)?;
+                let mut dx = crate::cuda::CudaTensor::uninit(x.device(), x.shape(), x.dtype())?;
+                device::unary_back($op_back, stringify!($back), &mut dx, &dy, &x, Accum::Replace)
+                    .map(|()| dx)
+            });
             let mut dst = Tensor::zeros(x.shape(), x.dtype());
             $back_into(&mut dst, dy, x, Accum::Replace)?;
             Ok(dst)
@@ -51,7 +56,8 @@ macro_rules! unary_activation {
         pub fn $back_into(dx: &mut Tensor, dy: &Tensor, x: &Tensor, accum: Accum) -> Result<()> {
             same_layout($op_back, dy, x)?;
             check_dst($op_back, dx, x.shape(), x.dtype())?;
-            dispatch!($op_back, mut dx, [dy, x] => crate::cuda::ops::$back_into(dx, &dy, &x, accum));
+            dispatch!($op_back, mut dx, [dy, x] =>
+                device::unary_back($op_back, stringify!($back), dx, &dy, &x, accum));
             crate::cpu::activation::$back_into($op_back, dx, dy, x, accum)
         }
     };
@@ -80,7 +86,11 @@ unary_activation!(
 /// `silu(gate)·up`, elementwise (the gated MLP of LLaMA-style models; `gate` and `up` are the
 /// two halves of the first projection).
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    dispatch!("ops::swiglu", [gate, up] => crate::cuda::ops::swiglu(&gate, &up));
+    const OP: &str = "ops::swiglu";
+    dispatch!(OP, [gate, up] => {
+        same_layout(OP, &gate, &up)?;
+        device::swiglu(&gate, &up)
+    });
     let mut dst = Tensor::zeros(gate.shape(), gate.dtype());
     swiglu_into(&mut dst, gate, up)?;
     Ok(dst)
@@ -92,7 +102,7 @@ pub fn swiglu_into(dst: &mut Tensor, gate: &Tensor, up: &Tensor) -> Result<()> {
     same_layout(OP, gate, up)?;
     check_dst(OP, dst, gate.shape(), gate.dtype())?;
     dispatch!(OP, mut dst, [gate, up] => {
-        let y = crate::cuda::ops::swiglu(&gate, &up)?;
+        let y = device::swiglu(&gate, &up)?;
         crate::dispatch::replace(OP, dst, y)
     });
     crate::cpu::activation::swiglu_into(dst, gate, up)
@@ -143,7 +153,7 @@ fn swiglu_backward_cuda(
     let (dy, gate, up) = (dy.cuda_tensor()?, gate.cuda_tensor()?, up.cuda_tensor()?);
     crate::dispatch::with_cuda_mut(d_gate, |dg| {
         crate::dispatch::with_cuda_mut(d_up, |du| {
-            crate::cuda::ops::swiglu_backward_into(dg, du, &dy, &gate, &up, accum)
+            device::swiglu_backward_into(dg, du, &dy, &gate, &up, accum)
         })
     })
 }
@@ -158,4 +168,80 @@ fn swiglu_backward_cuda(
     _: Accum,
 ) -> Result<()> {
     unreachable!("no device tensor exists without the `cuda` feature")
+}
+
+/// The device launches (`cuda/kernels/activation.cu`), one thread per element, on operands
+/// the front door has checked; float dtypes only, as the host kernels.
+#[cfg(feature = "cuda")]
+mod device {
+    use crate::cuda::launch::{func, grid_for, launch_kernel};
+    use crate::cuda::{source, CudaTensor};
+    use crate::ops::accum_flag;
+    use crate::spec::{want_float, Accum};
+    use crate::Result;
+
+    /// `root(x)` into a new tensor.
+    pub(super) fn unary(op: &'static str, root: &str, x: &CudaTensor) -> Result<CudaTensor> {
+        want_float(op, x)?;
+        let dev = x.device();
+        let mut out = CudaTensor::uninit(dev, x.shape(), x.dtype())?;
+        let n = x.numel();
+        if n > 0 {
+            let f = func(dev, &source::ACTIVATION, root, x.dtype())?;
+            launch_kernel!(op, dev, f, grid_for(n); src x, dst &mut out, u64 n)?;
+        }
+        Ok(out)
+    }
+
+    /// `dx (=|+=) root(dy, x)`.
+    pub(super) fn unary_back(
+        op: &'static str,
+        root: &str,
+        dx: &mut CudaTensor,
+        dy: &CudaTensor,
+        x: &CudaTensor,
+        accum: Accum,
+    ) -> Result<()> {
+        want_float(op, x)?;
+        let n = x.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let dev = x.device().clone();
+        let f = func(&dev, &source::ACTIVATION, root, x.dtype())?;
+        launch_kernel!(op, dev, f, grid_for(n); dst dx, src dy, src x, u64 n, int accum_flag(accum))
+    }
+
+    pub(super) fn swiglu(gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
+        const OP: &str = "ops::swiglu";
+        want_float(OP, gate)?;
+        let dev = gate.device();
+        let mut out = CudaTensor::uninit(dev, gate.shape(), gate.dtype())?;
+        let n = gate.numel();
+        if n > 0 {
+            let f = func(dev, &source::ACTIVATION, "swiglu", gate.dtype())?;
+            launch_kernel!(OP, dev, f, grid_for(n); src gate, src up, dst &mut out, u64 n)?;
+        }
+        Ok(out)
+    }
+
+    pub(super) fn swiglu_backward_into(
+        d_gate: &mut CudaTensor,
+        d_up: &mut CudaTensor,
+        dy: &CudaTensor,
+        gate: &CudaTensor,
+        up: &CudaTensor,
+        accum: Accum,
+    ) -> Result<()> {
+        const OP: &str = "ops::swiglu_backward";
+        want_float(OP, gate)?;
+        let n = gate.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let dev = gate.device().clone();
+        let f = func(&dev, &source::ACTIVATION, "swiglu_backward", gate.dtype())?;
+        launch_kernel!(OP, dev, f, grid_for(n);
+            dst d_gate, dst d_up, src dy, src gate, src up, u64 n, int accum_flag(accum))
+    }
 }

@@ -50,7 +50,7 @@ use crate::{Error, Result, Tensor};
 /// ```
 pub fn causal_attention(qkv: &Tensor, cfg: &CausalAttention) -> Result<CausalAttentionOutput> {
     let g = check_qkv(OP, qkv, cfg)?;
-    dispatch!(OP, [qkv] => crate::cuda::ops::causal_attention(&qkv, cfg));
+    dispatch!(OP, [qkv] => device::causal_attention(&qkv, cfg, &g));
     crate::cpu::attention::causal_attention(qkv, cfg, g)
 }
 
@@ -78,6 +78,149 @@ pub fn causal_attention_backward(
     }
     check_dst(OP_BACK, lse, &[g.tokens, g.heads], acc_dtype(qkv.dtype()))?;
     dispatch!(OP_BACK, [dout, qkv, out, lse] =>
-        crate::cuda::ops::causal_attention_backward(&dout, &qkv, &out, &lse, cfg));
+        device::causal_attention_backward(&dout, &qkv, &out, &lse, cfg, &g));
     crate::cpu::attention::causal_attention_backward(dout, qkv, out, lse, cfg, g)
+}
+
+/// The device launches (`cuda/kernels/attention.cu`): q, k and v loaded once into the
+/// compute type (RoPE applied, q scaled), then one block per (head, sample, query row), the
+/// keys' scores in shared memory, which bounds `seq_len` (an [`Error::NotOnCuda`] above it).
+#[cfg(feature = "cuda")]
+pub(crate) mod device {
+    use crate::cuda::launch::{func, grid_for, launch_kernel, per_row, Acc, SHARED_BUDGET};
+    use crate::cuda::{source, CudaTensor, Device};
+    use crate::spec::acc_dtype;
+    use crate::spec::attention::*;
+    use crate::{DType, Error, Result, Tensor};
+
+    /// `Err` unless the backward's dk/dv kernel, which keeps two values per query of the
+    /// sample, fits `seq_len` in shared memory (the forward needs half of that).
+    fn fits(op: &'static str, qkv: &CudaTensor, g: &Dims) -> Result<()> {
+        let s = g.s;
+        let acc = acc_dtype(qkv.dtype()).size_in_bytes();
+        if 2 * s * acc > SHARED_BUDGET {
+            return Err(Error::NotOnCuda {
+                op,
+                detail: format!(
+                    ": seq_len {s} needs {} bytes of shared memory per block, over the {SHARED_BUDGET} this kernel uses (seq_len ≤ {} for {})",
+                    2 * s * acc,
+                    SHARED_BUDGET / (2 * acc),
+                    qkv.dtype()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// RoPE's cos/sin tables `[positions, d/2]`: the host's (`Rope::for_positions`, in f64),
+    /// rounded once into the compute type and uploaded.
+    pub(crate) fn rope_tables(
+        positions: impl ExactSizeIterator<Item = usize>,
+        d: usize,
+        base: f64,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<(CudaTensor, CudaTensor)> {
+        let shape = [positions.len(), d / 2];
+        let (cos, sin) = Rope::<f64>::for_positions(positions, d, base).into_tables();
+        let ad = acc_dtype(dtype);
+        let to = |v: Vec<f64>| -> Result<CudaTensor> {
+            let t = Tensor::from_vec(v, &shape)?;
+            let t = if ad == DType::F64 { t } else { t.to_dtype(ad) };
+            t.upload(dev)
+        };
+        Ok((to(cos)?, to(sin)?))
+    }
+
+    /// The tables for `cfg`'s rows, at positions `pos_offset + i`.
+    fn rope_for(
+        cfg: &CausalAttention,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<(CudaTensor, CudaTensor)> {
+        let positions = (0..cfg.seq_len).map(|i| cfg.pos_offset + i);
+        rope_tables(positions, cfg.head_dim, cfg.rope_base, dtype, dev)
+    }
+
+    /// q (rotated, scaled by 1/√d), k (rotated), v, each `[H, B, s, d]` in the compute type.
+    fn load(
+        op: &'static str,
+        qkv: &CudaTensor,
+        g: &Dims,
+        cs: &CudaTensor,
+        sn: &CudaTensor,
+    ) -> Result<[CudaTensor; 3]> {
+        let dev = qkv.device();
+        let ad = acc_dtype(qkv.dtype());
+        let shape = [g.heads, g.batch, g.s, g.d];
+        let mut q = CudaTensor::uninit(dev, &shape, ad)?;
+        let mut k = CudaTensor::uninit(dev, &shape, ad)?;
+        let mut v = CudaTensor::uninit(dev, &shape, ad)?;
+        let scale = Acc::lit(qkv.dtype(), 1.0 / (g.d as f64).sqrt());
+        let f = func(dev, &source::ATTENTION, "attn_load", qkv.dtype())?;
+        launch_kernel!(op, dev, f, grid_for(g.heads * g.batch * g.s * g.d / 2);
+            src qkv, src cs, src sn, dst &mut q, dst &mut k, dst &mut v, u64 g.batch,
+            u64 g.heads, u64 g.s, u64 g.d, acc scale)?;
+        Ok([q, k, v])
+    }
+
+    pub(super) fn causal_attention(
+        qkv: &CudaTensor,
+        cfg: &CausalAttention,
+        g: &Dims,
+    ) -> Result<CausalAttentionOutput> {
+        fits(OP, qkv, g)?;
+        let dev = qkv.device();
+        let ad = acc_dtype(qkv.dtype());
+        let mut out = CudaTensor::uninit(dev, &[g.tokens, g.heads * g.d], qkv.dtype())?;
+        let mut lse = CudaTensor::uninit(dev, &[g.tokens, g.heads], ad)?;
+        if g.tokens * g.heads > 0 {
+            let (cs, sn) = rope_for(cfg, qkv.dtype(), dev)?;
+            let [q, k, v] = load(OP, qkv, g, &cs, &sn)?;
+            let smem = (g.s * ad.size_in_bytes()) as u32;
+            let f = func(dev, &source::ATTENTION, "attn_forward", qkv.dtype())?;
+            launch_kernel!(OP, dev, f, per_row(OP, g.heads * g.batch * g.s, smem)?;
+                src &q, src &k, src &v, dst &mut out, dst &mut lse, u64 g.batch, u64 g.heads,
+                u64 g.s, u64 g.d)?;
+        }
+        Ok(CausalAttentionOutput {
+            out: out.into(),
+            lse: lse.into(),
+        })
+    }
+
+    /// dq (with the row sums `D_i` it computes) one block per query row, then dk/dv one
+    /// block per key row, on the same stream.
+    pub(super) fn causal_attention_backward(
+        dout: &CudaTensor,
+        qkv: &CudaTensor,
+        out: &CudaTensor,
+        lse: &CudaTensor,
+        cfg: &CausalAttention,
+        g: &Dims,
+    ) -> Result<Tensor> {
+        fits(OP_BACK, qkv, g)?;
+        let ad = acc_dtype(qkv.dtype());
+        let dev = qkv.device();
+        let mut dqkv = CudaTensor::uninit(dev, qkv.shape(), qkv.dtype())?;
+        if g.tokens * g.heads == 0 {
+            return Ok(dqkv.into());
+        }
+        let (cs, sn) = rope_for(cfg, qkv.dtype(), dev)?;
+        let [q, k, v] = load(OP_BACK, qkv, g, &cs, &sn)?;
+        let mut dsum = CudaTensor::uninit(dev, &[g.heads, g.batch, g.s], ad)?;
+        let rows = g.heads * g.batch * g.s;
+        let scale = Acc::lit(qkv.dtype(), 1.0 / (g.d as f64).sqrt());
+        let smem = (g.s * ad.size_in_bytes()) as u32;
+        let f = func(dev, &source::ATTENTION, "attn_backward_dq", qkv.dtype())?;
+        launch_kernel!(OP_BACK, dev, f, per_row(OP_BACK, rows, smem)?;
+            src &q, src &k, src &v, src dout, src out, src lse, dst &mut dsum, dst &mut dqkv,
+            src &cs, src &sn, u64 g.batch, u64 g.heads, u64 g.s, u64 g.d, acc scale)?;
+        let smem = (2 * g.s * ad.size_in_bytes()) as u32;
+        let f = func(dev, &source::ATTENTION, "attn_backward_dkv", qkv.dtype())?;
+        launch_kernel!(OP_BACK, dev, f, per_row(OP_BACK, rows, smem)?;
+            src &q, src &k, src &v, src dout, src lse, src &dsum, dst &mut dqkv, src &cs,
+            src &sn, u64 g.batch, u64 g.heads, u64 g.s, u64 g.d)?;
+        Ok(dqkv.into())
+    }
 }

@@ -34,7 +34,7 @@ use crate::{DType, Result, Tensor};
 /// The k and v columns of a fused `[tokens, H·3·d]` QKV, packed as `[tokens, H·2·d]` (what
 /// travels around a ring: two thirds of the fused tensor).
 pub fn pack_kv(qkv: &Tensor, head_dim: usize) -> Result<Tensor> {
-    dispatch!(OP_PACK, [qkv] => crate::cuda::ops::pack_kv(&qkv, head_dim));
+    dispatch!(OP_PACK, [qkv] => device::pack_kv(&qkv, head_dim));
     crate::cpu::attention_block::pack_kv(qkv, head_dim)
 }
 
@@ -46,7 +46,7 @@ pub fn attention_block(
     kv: &Tensor,
     cfg: &BlockAttention,
 ) -> Result<CausalAttentionOutput> {
-    dispatch!(OP, [qkv, kv] => crate::cuda::ops::attention_block(&qkv, &kv, cfg));
+    dispatch!(OP, [qkv, kv] => device::attention_block(&qkv, &kv, cfg));
     crate::cpu::attention_block::attention_block(qkv, kv, cfg)
 }
 
@@ -90,14 +90,14 @@ pub fn attention_block_backward(
 /// and `dkv` (`[tokens, H·2·d]`, packed as [`pack_kv`]), both in the compute dtype,
 /// rounded once into `dtype`.
 pub fn fuse_qkv_grad(dq: &Tensor, dkv: &Tensor, head_dim: usize, dtype: DType) -> Result<Tensor> {
-    dispatch!(OP_FUSE, [dq, dkv] => crate::cuda::ops::fuse_qkv_grad(&dq, &dkv, head_dim, dtype));
+    dispatch!(OP_FUSE, [dq, dkv] => device::fuse_qkv_grad(&dq, &dkv, head_dim, dtype));
     crate::cpu::attention_block::fuse_qkv_grad(dq, dkv, head_dim, dtype)
 }
 
 /// Rows of a 2-D tensor picked by index: row `i` of the result is row `src[i]` of `t`
 /// (any dtype, bit for bit). Context parallelism's token reorderings go through it.
 pub fn gather_rows(t: &Tensor, src: &[usize]) -> Result<Tensor> {
-    dispatch!(OP_ROWS, [t] => crate::cuda::ops::gather_rows(&t, src));
+    dispatch!(OP_ROWS, [t] => device::gather_rows(&t, src));
     crate::cpu::attention_block::gather_rows(t, src)
 }
 
@@ -108,18 +108,12 @@ fn merge_attention_cuda(
     acc: &mut CausalAttentionOutput,
     part: &CausalAttentionOutput,
 ) -> Result<()> {
-    use crate::cuda::ops::CudaAttentionOutput;
-    let p = CudaAttentionOutput {
-        out: part.out.cuda_tensor()?,
-        lse: part.lse.cuda_tensor()?,
-    };
-    let mut a = CudaAttentionOutput {
-        out: crate::dispatch::take_cuda(&mut acc.out),
-        lse: crate::dispatch::take_cuda(&mut acc.lse),
-    };
-    let r = crate::cuda::ops::merge_attention(&mut a, &p);
-    acc.out = a.out.into();
-    acc.lse = a.lse.into();
+    let (part_out, part_lse) = (part.out.cuda_tensor()?, part.lse.cuda_tensor()?);
+    let mut out = crate::dispatch::take_cuda(&mut acc.out);
+    let mut lse = crate::dispatch::take_cuda(&mut acc.lse);
+    let r = device::merge_attention(&mut out, &mut lse, &part_out, &part_lse);
+    acc.out = out.into();
+    acc.lse = lse.into();
     r
 }
 
@@ -141,7 +135,7 @@ fn attention_block_backward_cuda(
     let (dout, qkv, kv, out, lse) = (dout?, qkv?, kv?, out?, lse?);
     crate::dispatch::with_cuda_mut(dq, |dq| {
         crate::dispatch::with_cuda_mut(dkv, |dkv| {
-            crate::cuda::ops::attention_block_backward(&dout, &qkv, &kv, &out, &lse, cfg, dq, dkv)
+            device::attention_block_backward(&dout, &qkv, &kv, &out, &lse, cfg, dq, dkv)
         })
     })
 }
@@ -154,4 +148,298 @@ fn attention_block_backward_cuda(
     _: &mut Tensor,
 ) -> Result<()> {
     unreachable!("no device tensor exists without the `cuda` feature")
+}
+
+/// The device launches (`cuda/kernels/attention_block.cu`). The host kernels check their
+/// arguments themselves, so these run the same `spec` checks (same messages); position and
+/// row lists are checked on the host and uploaded as `i64`, and every launch size comes from
+/// the checked shapes.
+#[cfg(feature = "cuda")]
+mod device {
+    use crate::cuda::launch::{
+        copy_blocks, func, grid_for, launch_kernel, per_row, Acc, SHARED_BUDGET,
+    };
+    use crate::cuda::{source, CudaTensor, Device};
+    use crate::ops::attention::device::rope_tables;
+    use crate::spec::attention::CausalAttentionOutput;
+    use crate::spec::attention_block::{
+        check_block, check_fuse_qkv_grad, check_merge, check_pack_kv, BlockAttention, Dims,
+    };
+    use crate::spec::{acc_dtype, check_dst, not_float, same_dtype, want_float};
+    use crate::{DType, Error, Result, Tensor};
+
+    fn output(out: CudaTensor, lse: CudaTensor) -> CausalAttentionOutput {
+        CausalAttentionOutput {
+            out: out.into(),
+            lse: lse.into(),
+        }
+    }
+
+    /// Positions as an `i64` device vector (what the kernels compare).
+    fn positions(op: &'static str, p: &[usize], dev: &Device) -> Result<CudaTensor> {
+        let v = p
+            .iter()
+            .map(|&x| {
+                i64::try_from(x).map_err(|_| Error::NotOnCuda {
+                    op,
+                    detail: format!(": position {x} exceeds the kernels' i64 positions"),
+                })
+            })
+            .collect::<Result<Vec<i64>>>()?;
+        Tensor::from_vec(v, &[p.len()])?.upload(dev)
+    }
+
+    /// `Err` ([`Error::NotOnCuda`]) unless `values` compute-type values fit the shared memory of
+    /// one block (`what` names the block length that sets it).
+    fn shared_bound(op: &'static str, values: usize, what: &str, dtype: DType) -> Result<u32> {
+        let acc = acc_dtype(dtype).size_in_bytes();
+        let bytes = values.saturating_mul(acc);
+        if bytes > SHARED_BUDGET {
+            return Err(Error::NotOnCuda {
+                op,
+                detail: format!(
+                    ": {what} need {bytes} bytes of shared memory per block, over the {SHARED_BUDGET} this kernel uses ({} values of {dtype}'s compute type at most)",
+                    SHARED_BUDGET / acc
+                ),
+            });
+        }
+        Ok(bytes as u32)
+    }
+
+    /// One block call's loaded operands: q `[H, B, nq, d]` (rotated, times `1/√d`), k (rotated)
+    /// and v `[H, B, nk, d]` in the compute type, the positions, and the RoPE tables.
+    struct BlockOperands {
+        q: CudaTensor,
+        k: CudaTensor,
+        v: CudaTensor,
+        qpos: CudaTensor,
+        kpos: CudaTensor,
+        cq: CudaTensor,
+        sq: CudaTensor,
+        ck: CudaTensor,
+        sk: CudaTensor,
+    }
+
+    fn block_load(
+        op: &'static str,
+        qkv: &CudaTensor,
+        kv: &CudaTensor,
+        g: &Dims,
+        cfg: &BlockAttention,
+    ) -> Result<BlockOperands> {
+        let (dev, dt) = (qkv.device(), qkv.dtype());
+        let ad = acc_dtype(dt);
+        let (cq, sq) = rope_tables(cfg.q_pos.iter().copied(), g.d, cfg.rope_base, dt, dev)?;
+        let (ck, sk) = rope_tables(cfg.k_pos.iter().copied(), g.d, cfg.rope_base, dt, dev)?;
+        let mut q = CudaTensor::uninit(dev, &[g.heads, g.batch, g.nq, g.d], ad)?;
+        let mut k = CudaTensor::uninit(dev, &[g.heads, g.batch, g.nk, g.d], ad)?;
+        let mut v = CudaTensor::uninit(dev, &[g.heads, g.batch, g.nk, g.d], ad)?;
+        let scale = Acc::lit(dt, 1.0 / (g.d as f64).sqrt());
+        let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_load_q", dt)?;
+        launch_kernel!(op, dev, f, grid_for(g.heads * g.batch * g.nq * g.d / 2);
+            src qkv, src &cq, src &sq, dst &mut q, u64 g.batch, u64 g.heads, u64 g.nq, u64 g.d,
+            acc scale)?;
+        let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_load_kv", dt)?;
+        launch_kernel!(op, dev, f, grid_for(g.heads * g.batch * g.nk * g.d / 2);
+            src kv, src &ck, src &sk, dst &mut k, dst &mut v, u64 g.batch, u64 g.heads, u64 g.nk,
+            u64 g.d)?;
+        Ok(BlockOperands {
+            q,
+            k,
+            v,
+            qpos: positions(op, cfg.q_pos, dev)?,
+            kpos: positions(op, cfg.k_pos, dev)?,
+            cq,
+            sq,
+            ck,
+            sk,
+        })
+    }
+
+    /// The normalized partial output `[rows, H·d]` and its
+    /// lse `[rows, H]`, both in the compute dtype (a query that sees no key of the block gets
+    /// `out = 0`, `lse = −∞`). The key block's length is bounded by shared memory (an
+    /// [`Error::NotOnCuda`] above it).
+    pub(super) fn attention_block(
+        qkv: &CudaTensor,
+        kv: &CudaTensor,
+        cfg: &BlockAttention,
+    ) -> Result<CausalAttentionOutput> {
+        const OP: &str = "ops::attention_block";
+        let g = check_block(OP, qkv, kv, cfg)?;
+        let (dev, dt) = (qkv.device(), qkv.dtype());
+        let ad = acc_dtype(dt);
+        let rows = g.batch * g.nq;
+        let mut out = CudaTensor::uninit(dev, &[rows, g.heads * g.d], ad)?;
+        let mut lse = CudaTensor::uninit(dev, &[rows, g.heads], ad)?;
+        if rows * g.heads == 0 {
+            return Ok(output(out, lse));
+        }
+        if cfg.fully_masked() {
+            let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_masked", dt)?;
+            launch_kernel!(OP, dev, f, grid_for(rows * g.heads * g.d);
+                dst &mut out, dst &mut lse, u64 rows, u64 g.heads, u64 g.d)?;
+            return Ok(output(out, lse));
+        }
+        let smem = shared_bound(OP, g.nk, &format!("{} keys per sample", g.nk), dt)?;
+        let x = block_load(OP, qkv, kv, &g, cfg)?;
+        let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_forward", dt)?;
+        launch_kernel!(OP, dev, f, per_row(OP, g.heads * rows, smem)?;
+            src &x.q, src &x.k, src &x.v, src &x.qpos, src &x.kpos, dst &mut out, dst &mut lse,
+            u64 g.batch, u64 g.heads, u64 g.nq, u64 g.nk, u64 g.d)?;
+        Ok(output(out, lse))
+    }
+
+    /// Adds this (query block, key block) pair's
+    /// share of the gradient into `dq` (`[rows_q, H·d]`) and `dkv` (`[rows_k, H·2·d]`), both in
+    /// the compute dtype, from `dout` and the *final* `out` (qkv's dtype) and `lse` (compute
+    /// dtype). Bounded by shared memory like [`attention_block`] (keys, and twice the queries).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_block_backward(
+        dout: &CudaTensor,
+        qkv: &CudaTensor,
+        kv: &CudaTensor,
+        out: &CudaTensor,
+        lse: &CudaTensor,
+        cfg: &BlockAttention,
+        dq: &mut CudaTensor,
+        dkv: &mut CudaTensor,
+    ) -> Result<()> {
+        const OP: &str = "ops::attention_block_backward";
+        let g = check_block(OP, qkv, kv, cfg)?;
+        same_dtype(OP, dout, qkv)?;
+        same_dtype(OP, out, qkv)?;
+        let rq = g.batch * g.nq;
+        let (dt, ad) = (qkv.dtype(), acc_dtype(qkv.dtype()));
+        for t in [dout, out] {
+            if t.shape() != [rq, g.heads * g.d] {
+                return Err(Error::ShapeMismatch {
+                    op: OP,
+                    lhs: t.shape().into(),
+                    rhs: [rq, g.heads * g.d].as_slice().into(),
+                });
+            }
+        }
+        check_dst(OP, lse, &[rq, g.heads], ad)?;
+        check_dst(OP, dq, &[rq, g.heads * g.d], ad)?;
+        check_dst(OP, dkv, &[g.batch * g.nk, g.kvcols()], ad)?;
+        if cfg.fully_masked() || rq * g.heads == 0 {
+            return Ok(());
+        }
+        let what = format!("{} keys and 2 × {} queries per sample", g.nk, g.nq);
+        let smem = shared_bound(OP, g.nk.max(2 * g.nq), &what, dt)?;
+        let dev = qkv.device();
+        let x = block_load(OP, qkv, kv, &g, cfg)?;
+        let mut dsum = CudaTensor::uninit(dev, &[g.heads, g.batch, g.nq], ad)?;
+        let scale = Acc::lit(dt, 1.0 / (g.d as f64).sqrt());
+        let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_backward_dq", dt)?;
+        launch_kernel!(OP, dev, f, per_row(OP, g.heads * rq, smem)?;
+            src &x.q, src &x.k, src &x.v, src dout, src out, src lse, src &x.qpos, src &x.kpos,
+            dst &mut dsum, dst dq, src &x.cq, src &x.sq, u64 g.batch, u64 g.heads, u64 g.nq,
+            u64 g.nk, u64 g.d, acc scale)?;
+        // Same stream: runs after the dq kernel has written every D_i into dsum.
+        let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_backward_dkv", dt)?;
+        launch_kernel!(OP, dev, f, per_row(OP, g.heads * g.batch * g.nk, smem)?;
+            src &x.q, src &x.k, src &x.v, src dout, src lse, src &dsum, src &x.qpos, src &x.kpos,
+            dst dkv, src &x.ck, src &x.sk, u64 g.batch, u64 g.heads, u64 g.nq, u64 g.nk, u64 g.d)
+    }
+
+    /// Merges `part` into `acc` by their lse, row and head at a time (a side with `lse = −∞`
+    /// contributes nothing). Compute dtypes (f32, f64) only.
+    pub(super) fn merge_attention(
+        acc_out: &mut CudaTensor,
+        acc_lse: &mut CudaTensor,
+        part_out: &CudaTensor,
+        part_lse: &CudaTensor,
+    ) -> Result<()> {
+        const OP: &str = "ops::merge_attention";
+        let (rows, heads, ocols) = check_merge(OP, (&*acc_out, &*acc_lse), (part_out, part_lse))?;
+        let n = rows * heads;
+        if n == 0 {
+            return Ok(());
+        }
+        let d = ocols / heads;
+        let dev = acc_lse.device().clone();
+        let f = func(
+            &dev,
+            &source::ATTENTION_BLOCK,
+            "merge_attention",
+            acc_lse.dtype(),
+        )?;
+        launch_kernel!(OP, dev, f, grid_for(n);
+            dst acc_out, dst acc_lse, src part_out, src part_lse, u64 n, u64 d)
+    }
+
+    /// The k and v columns of a fused `[tokens, H·3·d]` QKV as
+    /// `[tokens, H·2·d]` (a strided copy, bitwise).
+    pub(super) fn pack_kv(qkv: &CudaTensor, head_dim: usize) -> Result<CudaTensor> {
+        const OP: &str = "ops::pack_kv";
+        let d = head_dim;
+        let (rows, heads) = check_pack_kv(OP, qkv, d)?;
+        want_float(OP, qkv)?;
+        let mut kv = CudaTensor::uninit(qkv.device(), &[rows, heads * 2 * d], qkv.dtype())?;
+        // Rows of heads are runs of 3·d: copy the last 2·d of each.
+        copy_blocks(OP, qkv, &mut kv, rows * heads, 2 * d, 3 * d, d, 2 * d, 0)?;
+        Ok(kv)
+    }
+
+    /// The fused `[tokens, H·3·d]` gradient in `dtype` from
+    /// `dq` and `dkv` in the compute dtype, rounded once (bitwise the CPU's).
+    pub(super) fn fuse_qkv_grad(
+        dq: &CudaTensor,
+        dkv: &CudaTensor,
+        head_dim: usize,
+        dtype: DType,
+    ) -> Result<CudaTensor> {
+        const OP: &str = "ops::fuse_qkv_grad";
+        let d = head_dim;
+        let (rows, heads) = check_fuse_qkv_grad(OP, dq, dkv, d, dtype)?;
+        if !dtype.is_float() {
+            return Err(not_float(OP, dtype));
+        }
+        let dev = dq.device();
+        let mut out = CudaTensor::uninit(dev, &[rows, heads * 3 * d], dtype)?;
+        let n = rows * heads * 3 * d;
+        if n == 0 {
+            return Ok(out);
+        }
+        let f = func(dev, &source::ATTENTION_BLOCK, "fuse_qkv_grad", dtype)?;
+        launch_kernel!(OP, dev, f, grid_for(n);
+            src dq, src dkv, dst &mut out, u64 rows, u64 heads, u64 d)?;
+        Ok(out)
+    }
+
+    /// Row `i` of the result is row `src[i]` of `t` (any
+    /// dtype, bitwise). The indices are checked on the host.
+    pub(super) fn gather_rows(t: &CudaTensor, src: &[usize]) -> Result<CudaTensor> {
+        const OP: &str = "ops::gather_rows";
+        let (rows, cols) = match t.shape() {
+            &[r, c] => (r, c),
+            s => {
+                return Err(Error::Invalid {
+                    op: OP,
+                    detail: format!("a 2-D tensor, got shape {s:?}"),
+                })
+            }
+        };
+        if let Some(&bad) = src.iter().find(|&&i| i >= rows) {
+            return Err(Error::Invalid {
+                op: OP,
+                detail: format!("row {bad} of a tensor of {rows} rows"),
+            });
+        }
+        let dev = t.device();
+        let mut out = CudaTensor::uninit(dev, &[src.len(), cols], t.dtype())?;
+        let n = src.len();
+        if n * cols == 0 {
+            return Ok(out);
+        }
+        // Each index is below `rows`, a dim of a tensor that exists: it fits i64.
+        let idx: Vec<i64> = src.iter().map(|&i| i as i64).collect();
+        let idx = Tensor::from_vec(idx, &[n])?.upload(dev)?;
+        let f = func(dev, &source::ATTENTION_BLOCK, "gather_rows", t.dtype())?;
+        launch_kernel!(OP, dev, f, grid_for(n * cols);
+            src t, src &idx, dst &mut out, u64 n, u64 cols)?;
+        Ok(out)
+    }
 }

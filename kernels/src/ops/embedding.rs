@@ -29,7 +29,7 @@ fn gather(op: &'static str, table: &Tensor, ids: &Tensor, shard: VocabShard) -> 
     let hidden = table_dims(op, table, shard.len)?;
     #[cfg(feature = "cuda")]
     if let Some(ids) = crate::dispatch::host_ids(op, table, ids)? {
-        return crate::cuda::ops::embedding(&table.cuda_tensor()?, &ids, shard).map(Tensor::from);
+        return device::gather(op, &table.cuda_tensor()?, &ids, shard, hidden).map(Tensor::from);
     }
     crate::cpu::embedding::gather(op, table, ids, shard, hidden)
 }
@@ -52,7 +52,7 @@ fn scatter(
         let ids = crate::dispatch::host_ids(op, dy, ids)?.expect("dy is on a device");
         let dy = dy.cuda_tensor()?;
         return crate::dispatch::with_cuda_mut(dtable, |d| {
-            crate::cuda::ops::embedding_backward_into(d, &dy, &ids, shard, accum)
+            device::scatter(op, d, &dy, &ids, shard, accum, hidden)
         });
     }
     crate::cpu::embedding::scatter(op, dtable, dy, ids, shard, accum, hidden)
@@ -132,4 +132,91 @@ fn embedding_masked_backward_op(
     };
     scatter(op, &mut dtable, dy, ids, shard, Accum::Replace)?;
     Ok(dtable)
+}
+
+/// The device launches (`cuda/kernels/embedding.cu`), on operands the front door has
+/// checked. The ids stay on the host, where they are checked against the vocab (as the host
+/// kernels check them) and turned into what the kernels read.
+#[cfg(feature = "cuda")]
+mod device {
+    use crate::cuda::launch::{func, grid_for, launch_kernel, per_row};
+    use crate::cuda::{source, CudaTensor};
+    use crate::ops::accum_flag;
+    use crate::spec::embedding::{out_shape, read_ids, VocabShard};
+    use crate::spec::{want_float, Accum};
+    use crate::{DType, Result, Tensor};
+
+    /// Rows of `table` (`[shard.len, hidden]`) for the ids in the shard, zeros for the
+    /// others; the ids (i64 or i32) are copied to the device as they are.
+    pub(super) fn gather(
+        op: &'static str,
+        table: &CudaTensor,
+        ids: &Tensor,
+        shard: VocabShard,
+        hidden: usize,
+    ) -> Result<CudaTensor> {
+        want_float(op, table)?;
+        read_ids(op, ids, shard.vocab)?;
+        let dev = table.device();
+        let mut out = CudaTensor::uninit(dev, &out_shape(ids, hidden), table.dtype())?;
+        let tokens = ids.numel();
+        if tokens * hidden == 0 {
+            return Ok(out);
+        }
+        let ids_dev = CudaTensor::from_host(dev, ids)?;
+        let root = if ids.dtype() == DType::I64 {
+            "embedding_i64"
+        } else {
+            "embedding_i32"
+        };
+        let f = func(dev, &source::EMBEDDING, root, table.dtype())?;
+        launch_kernel!(op, dev, f, grid_for(tokens * hidden);
+            src table, src &ids_dev, dst &mut out, u64 tokens, u64 hidden, u64 shard.start,
+            u64 shard.len)?;
+        Ok(out)
+    }
+
+    /// `dtable[r] (=|+=) Σ dy[p]` over the positions `p` whose id is row `r` of the shard,
+    /// summed in position order (deterministic, the host's order; no atomics): one block per
+    /// table row, reading its positions from a CSR built here.
+    pub(super) fn scatter(
+        op: &'static str,
+        dtable: &mut CudaTensor,
+        dy: &CudaTensor,
+        ids: &Tensor,
+        shard: VocabShard,
+        accum: Accum,
+        hidden: usize,
+    ) -> Result<()> {
+        want_float(op, dy)?;
+        let ids_v = read_ids(op, ids, shard.vocab)?;
+        if shard.len * hidden == 0 {
+            return Ok(());
+        }
+        // CSR of the hits: positions grouped by local row, in position order within a row.
+        let mut starts = vec![0i64; shard.len + 1];
+        for &id in &ids_v {
+            if let Some(r) = shard.local(id) {
+                starts[r + 1] += 1;
+            }
+        }
+        for r in 0..shard.len {
+            starts[r + 1] += starts[r];
+        }
+        let mut fill: Vec<i64> = starts[..shard.len].to_vec();
+        let mut positions = vec![0i64; (starts[shard.len] as usize).max(1)];
+        for (pos, &id) in ids_v.iter().enumerate() {
+            if let Some(r) = shard.local(id) {
+                positions[fill[r] as usize] = pos as i64;
+                fill[r] += 1;
+            }
+        }
+        let dev = dy.device().clone();
+        let starts_dev = Tensor::from_vec(starts, &[shard.len + 1])?.upload(&dev)?;
+        let n_pos = positions.len();
+        let pos_dev = Tensor::from_vec(positions, &[n_pos])?.upload(&dev)?;
+        let f = func(&dev, &source::EMBEDDING, "embedding_backward", dy.dtype())?;
+        launch_kernel!(op, dev, f, per_row(op, shard.len, 0)?;
+            dst dtable, src dy, src &starts_dev, src &pos_dev, u64 hidden, int accum_flag(accum))
+    }
 }

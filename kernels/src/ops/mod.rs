@@ -12,6 +12,9 @@
 //! | [`moe`] | [`gather_rows`], [`grouped_matmul_t`] (per-expert `x·W[e]ᵀ` over row groups) | [`scatter_add_rows`], [`grouped_matmul_t_backward`] |
 //! | [`attention`](mod@attention) | [`causal_attention`] (fused QKV, RoPE, causal, flash-style) | [`causal_attention_backward`] |
 //! | [`attention_block`](mod@attention_block) | [`attention_block()`] (a query block against another block's keys, true positions), [`merge_attention`] | [`attention_block_backward`] |
+//! | [`cross_entropy`](mod@cross_entropy) | [`ce_row_max`], [`ce_sum_target`], [`ce_loss`] (vocab-parallel, in f64) | [`ce_grad`] |
+//! | [`reduce`](mod@reduce) | [`combine`], [`reduce_into`] (the collectives' reductions on whole tensors) | |
+//! | [`optim`] | [`adamw_step`] (in place on the parameter and its moments) | |
 //!
 //! Conventions, every op alike:
 //! - Float dtypes only (`f32`, `f64`, `bf16`, `f16`); every tensor argument of one call shares
@@ -26,9 +29,35 @@
 //! - Single-threaded, fixed summation order: the same inputs give the same bits on every rank.
 //!   Only [`matmul_into`] takes a [`Parallelism`], and the convenience API passes `None`.
 //! - Where it runs: every op runs where its tensors are (feature `cuda`): all in host memory
-//!   runs the code here, all on one GPU runs the `cuda::ops` kernel (out-parameters included,
-//!   which must be on that GPU too; embedding ids may stay on the host), operands in different
-//!   places are an [`Error::DeviceMismatch`](crate::Error::DeviceMismatch).
+//!   runs the host kernel, all on one GPU the device kernel (out-parameters included, which
+//!   must be on that GPU too; embedding and cross-entropy ids may stay on the host), operands
+//!   in different places are an [`Error::DeviceMismatch`](crate::Error::DeviceMismatch).
+//!
+//! # One file per family: the checks, the host call, the device launch
+//!
+//! Each file here is an op family's front door, and the only file that knows both devices.
+//! A public function runs the `spec` checks once, for both devices (shapes, dtypes, the
+//! sizes the kernels need: rows, row length, …), then `dispatch!`es: on a GPU to the launch
+//! in the file's `#[cfg(feature = "cuda")] mod device`, else to the host kernel in
+//! `crate::cpu`. A launch takes what the checks computed and does not check again; it
+//! allocates the outputs, copies host-side index lists to the device, and launches the
+//! `extern "C"` kernels of `cuda/kernels/*.cu` (named in `cuda/source.rs`) through
+//! `launch_kernel!` (`cuda/launch.rs`), which compares the pushed arguments with the
+//! kernel's parameters before launching. What only a device needs is checked there: shared
+//! memory and cuBLAS's `i32` bounds ([`Error::NotOnCuda`](crate::Error::NotOnCuda)). Where
+//! a host kernel checks its own arguments (the MoE and context-parallel pieces, `Tensor::cat`),
+//! its launch runs the same `spec` checks, so both devices answer the same message.
+//!
+//! How the device results agree with the host's:
+//!
+//! | ops | agreement |
+//! |---|---|
+//! | `Tensor::add`, `mul`, `scale`, `to_dtype`, `pack`, `unpack`, `narrow`, `cat`, `write_at`; [`sub`], [`add_row`], [`mul_row`], [`sum_rows_into`]; [`sum_dim`], [`max_dim`] and backward; [`embedding()`] and backward (a deterministic scatter-add); [`pack_kv`], [`fuse_qkv_grad`], [`gather_rows`], [`scatter_add_rows`]; [`combine`], [`reduce_into`] | bitwise (into f16: ≤ 1 ulp on CPUs without F16C; a Sum/Avg NaN's payload aside) |
+//! | [`gelu`], [`silu`], [`swiglu`] and backward | bitwise for f32/bf16/f16; f64 to CUDA's `exp` |
+//! | [`softmax()`], [`log_softmax`], [`layer_norm`], [`rms_norm`] and backward; the cross-entropy pieces | to rounding (tree-ordered row sums, CUDA's `exp`/`log`); the norms' weight and bias gradients in the host's order |
+//! | [`causal_attention`], [`attention_block()`] and backward, [`merge_attention`] | to rounding; sequence and block lengths bounded by shared memory |
+//! | [`matmul()`], [`matmul_into`], [`grouped_matmul_t`] and backward | to rounding (cuBLAS's order) |
+//! | [`adamw_step`] | the host's formula in its order of operations (no fused multiply-add) |
 //!
 //! ```
 //! use dtensor_kernels::ops::{self, Transpose};
@@ -45,11 +74,14 @@
 pub mod activation;
 pub mod attention;
 pub mod attention_block;
+pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
 pub mod matmul;
 pub mod moe;
 pub mod norm;
+pub mod optim;
+pub mod reduce;
 pub mod reduction;
 pub mod softmax;
 pub(crate) mod tensor;
@@ -68,6 +100,7 @@ pub use attention::{causal_attention, causal_attention_backward};
 pub use attention_block::{
     attention_block, attention_block_backward, fuse_qkv_grad, gather_rows, merge_attention, pack_kv,
 };
+pub use cross_entropy::{ce_grad, ce_loss, ce_row_max, ce_sum_target};
 pub use elementwise::{add_row, add_row_assign, mul_row, sub, sum_rows, sum_rows_into};
 pub use embedding::{
     embedding, embedding_backward, embedding_backward_into, embedding_masked,
@@ -76,6 +109,8 @@ pub use embedding::{
 pub use matmul::{matmul, matmul_into, matmul_into_with, MatmulScratch};
 pub use moe::{grouped_matmul_t, grouped_matmul_t_backward, scatter_add_rows};
 pub use norm::{layer_norm, layer_norm_backward, rms_norm, rms_norm_backward};
+pub use optim::{adamw_state_dtype, adamw_step, AdamWStep};
+pub use reduce::{combine, reduce_into};
 pub use reduction::{max_dim, max_dim_backward, sum_dim, sum_dim_backward};
 pub use softmax::{
     log_softmax, log_softmax_backward, log_softmax_backward_into, log_softmax_into, softmax,
@@ -84,6 +119,16 @@ pub use softmax::{
 
 pub use crate::spec::{acc_dtype, Accum, Transpose};
 pub(crate) use crate::spec::{check_dst, check_row_param, rows_last, same_dtype, same_layout};
+
+/// The `int accumulate` flag of the device kernels' `_backward`/`_into` entries: 0
+/// replaces the destination, 1 adds to it (the host kernels' [`Accum`]).
+#[cfg(feature = "cuda")]
+pub(crate) fn accum_flag(a: Accum) -> i32 {
+    match a {
+        Accum::Replace => 0,
+        Accum::Add => 1,
+    }
+}
 
 /// How gemm spreads one product over threads: `None` runs on the calling thread (the
 /// default here: ranks are the parallelism); `Rayon(n)` uses `n` threads of the global rayon

@@ -14,7 +14,7 @@ use crate::{Result, Tensor};
 pub fn sum_dim(x: &Tensor, dim: usize) -> Result<Tensor> {
     const OP: &str = "ops::sum_dim";
     let (outer, extent, inner, shape) = split(OP, x, dim)?;
-    dispatch!(OP, [x] => crate::cuda::ops::sum_dim(&x, dim));
+    dispatch!(OP, [x] => device::sum_dim(&x, outer, extent, inner, &shape));
     crate::cpu::reduction::sum_dim(x, dim, outer, extent, inner, shape)
 }
 
@@ -22,7 +22,7 @@ pub fn sum_dim(x: &Tensor, dim: usize) -> Result<Tensor> {
 pub fn sum_dim_backward(dy: &Tensor, dim: usize, extent: usize) -> Result<Tensor> {
     const OP: &str = "ops::sum_dim_backward";
     let shape = restored(OP, dy, dim, extent)?;
-    dispatch!(OP, [dy] => crate::cuda::ops::sum_dim_backward(&dy, dim, extent));
+    dispatch!(OP, [dy] => device::sum_dim_backward(&dy, dim, extent, &shape));
     crate::cpu::reduction::sum_dim_backward(dy, dim, extent, shape)
 }
 
@@ -31,7 +31,7 @@ pub fn sum_dim_backward(dy: &Tensor, dim: usize, extent: usize) -> Result<Tensor
 pub fn max_dim(x: &Tensor, dim: usize) -> Result<MaxDim> {
     const OP: &str = "ops::max_dim";
     let (outer, extent, inner) = max_split(OP, x.shape(), dim)?;
-    dispatch!(OP, [x] => crate::cuda::ops::max_dim(&x, dim));
+    dispatch!(OP, [x] => device::max_dim(&x, dim, outer, extent, inner));
     crate::cpu::reduction::max_dim(x, dim, outer, extent, inner)
 }
 
@@ -46,6 +46,119 @@ pub fn max_dim_backward(
     const OP: &str = "ops::max_dim_backward";
     let shape = restored(OP, dy, dim, extent)?;
     check_indices(OP, dy, indices)?;
-    dispatch!(OP, [dy, indices] => crate::cuda::ops::max_dim_backward(&dy, &indices, dim, extent));
+    dispatch!(OP, [dy, indices] => device::max_dim_backward(&dy, &indices, dim, extent, &shape));
     crate::cpu::reduction::max_dim_backward(dy, indices, dim, extent, shape)
+}
+
+/// The device launches (`cuda/kernels/reduction.cu`), one thread per output element, on
+/// operands the front door has checked; float dtypes only, as the host kernels.
+#[cfg(feature = "cuda")]
+mod device {
+    use crate::cuda::launch::{func, grid_for, launch_kernel};
+    use crate::cuda::{source, CudaTensor};
+    use crate::spec::reduction::*;
+    use crate::spec::want_float;
+    use crate::{DType, Error, Result};
+
+    pub(super) fn sum_dim(
+        x: &CudaTensor,
+        outer: usize,
+        extent: usize,
+        inner: usize,
+        shape: &[usize],
+    ) -> Result<CudaTensor> {
+        const OP: &str = "ops::sum_dim";
+        want_float(OP, x)?;
+        let dev = x.device();
+        let mut out = CudaTensor::uninit(dev, shape, x.dtype())?;
+        if outer * inner > 0 {
+            let f = func(dev, &source::REDUCTION, "sum_dim", x.dtype())?;
+            launch_kernel!(OP, dev, f, grid_for(outer * inner);
+                src x, dst &mut out, u64 outer, u64 extent, u64 inner)?;
+        }
+        Ok(out)
+    }
+
+    /// `Err` if the restored `shape` overflows (the host op's allocation checks that, with
+    /// its own message).
+    fn fits(op: &'static str, shape: &[usize]) -> Result<()> {
+        if crate::checked_numel(shape).is_none() {
+            return Err(Error::Invalid {
+                op,
+                detail: format!("restored shape {shape:?} overflows"),
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn sum_dim_backward(
+        dy: &CudaTensor,
+        dim: usize,
+        extent: usize,
+        shape: &[usize],
+    ) -> Result<CudaTensor> {
+        const OP: &str = "ops::sum_dim_backward";
+        want_float(OP, dy)?;
+        fits(OP, shape)?;
+        let (outer, _, inner) = split_at(OP, shape, dim)?;
+        let dev = dy.device();
+        let mut dx = CudaTensor::uninit(dev, shape, dy.dtype())?;
+        let n = outer * extent * inner;
+        if n > 0 {
+            let f = func(dev, &source::REDUCTION, "sum_dim_backward", dy.dtype())?;
+            launch_kernel!(OP, dev, f, grid_for(n);
+                src dy, dst &mut dx, u64 outer, u64 extent, u64 inner)?;
+        }
+        Ok(dx)
+    }
+
+    pub(super) fn max_dim(
+        x: &CudaTensor,
+        dim: usize,
+        outer: usize,
+        extent: usize,
+        inner: usize,
+    ) -> Result<MaxDim> {
+        const OP: &str = "ops::max_dim";
+        want_float(OP, x)?;
+        let dev = x.device();
+        let shape = removed(x.shape(), dim);
+        let mut values = CudaTensor::uninit(dev, &shape, x.dtype())?;
+        let mut indices = CudaTensor::uninit(dev, &shape, DType::I64)?;
+        if outer * inner > 0 {
+            let f = func(dev, &source::REDUCTION, "max_dim", x.dtype())?;
+            launch_kernel!(OP, dev, f, grid_for(outer * inner);
+                src x, dst &mut values, dst &mut indices, u64 outer, u64 extent, u64 inner)?;
+        }
+        Ok(MaxDim {
+            values: values.into(),
+            indices: indices.into(),
+        })
+    }
+
+    /// The indices are checked on the host (copied back) before the launch, as the host
+    /// kernel checks them.
+    pub(super) fn max_dim_backward(
+        dy: &CudaTensor,
+        indices: &CudaTensor,
+        dim: usize,
+        extent: usize,
+        shape: &[usize],
+    ) -> Result<CudaTensor> {
+        const OP: &str = "ops::max_dim_backward";
+        want_float(OP, dy)?;
+        fits(OP, shape)?;
+        let host = indices.to_host()?;
+        check_index_range(OP, host.as_slice::<i64>()?, extent)?;
+        let (outer, _, inner) = split_at(OP, shape, dim)?;
+        let dev = dy.device();
+        let mut dx = CudaTensor::uninit(dev, shape, dy.dtype())?;
+        let n = outer * extent * inner;
+        if n > 0 {
+            let f = func(dev, &source::REDUCTION, "max_dim_backward", dy.dtype())?;
+            launch_kernel!(OP, dev, f, grid_for(n);
+                src dy, src indices, dst &mut dx, u64 outer, u64 extent, u64 inner)?;
+        }
+        Ok(dx)
+    }
 }

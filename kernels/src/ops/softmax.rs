@@ -15,15 +15,9 @@ use crate::cpu::softmax::Kind;
 use crate::{Result, Tensor};
 
 fn forward_into(op: &'static str, dst: &mut Tensor, x: &Tensor, kind: Kind) -> Result<()> {
-    let (_, n) = rows_last(op, x)?;
+    let (rows, n) = rows_last(op, x)?;
     check_dst(op, dst, x.shape(), x.dtype())?;
-    dispatch!(op, mut dst, [x] => {
-        let y = match kind {
-            Kind::Softmax => crate::cuda::ops::softmax(&x)?,
-            Kind::LogSoftmax => crate::cuda::ops::log_softmax(&x)?,
-        };
-        crate::dispatch::replace(op, dst, y)
-    });
+    dispatch!(op, mut dst, [x] => device::forward_into(op, kind, dst, &x, rows, n));
     crate::cpu::softmax::forward_into(op, dst, x, kind, n)
 }
 
@@ -35,19 +29,20 @@ fn backward_into(
     kind: Kind,
     accum: Accum,
 ) -> Result<()> {
-    let (_, n) = rows_last(op, y)?;
+    let (rows, n) = rows_last(op, y)?;
     same_layout(op, dy, y)?;
     check_dst(op, dx, y.shape(), y.dtype())?;
-    dispatch!(op, mut dx, [dy, y] => match kind {
-        Kind::Softmax => crate::cuda::ops::softmax_backward_into(dx, &dy, &y, accum),
-        Kind::LogSoftmax => crate::cuda::ops::log_softmax_backward_into(dx, &dy, &y, accum),
-    });
+    dispatch!(op, mut dx, [dy, y] => device::backward(op, kind, dx, &dy, &y, accum, rows, n));
     crate::cpu::softmax::backward_into(op, dx, dy, y, kind, accum, n)
 }
 
 /// Softmax along the last dim: `exp(x − max) / Σ exp(x − max)` per row.
 pub fn softmax(x: &Tensor) -> Result<Tensor> {
-    dispatch!("ops::softmax", [x] => crate::cuda::ops::softmax(&x));
+    const OP: &str = "ops::softmax";
+    dispatch!(OP, [x] => {
+        let (rows, n) = rows_last(OP, &x)?;
+        device::forward(OP, Kind::Softmax, &x, rows, n)
+    });
     let mut dst = Tensor::zeros(x.shape(), x.dtype());
     softmax_into(&mut dst, x)?;
     Ok(dst)
@@ -74,7 +69,11 @@ pub fn softmax_backward_into(dx: &mut Tensor, dy: &Tensor, y: &Tensor, accum: Ac
 
 /// Log-softmax along the last dim: `x − max − ln Σ exp(x − max)` per row.
 pub fn log_softmax(x: &Tensor) -> Result<Tensor> {
-    dispatch!("ops::log_softmax", [x] => crate::cuda::ops::log_softmax(&x));
+    const OP: &str = "ops::log_softmax";
+    dispatch!(OP, [x] => {
+        let (rows, n) = rows_last(OP, &x)?;
+        device::forward(OP, Kind::LogSoftmax, &x, rows, n)
+    });
     let mut dst = Tensor::zeros(x.shape(), x.dtype());
     log_softmax_into(&mut dst, x)?;
     Ok(dst)
@@ -108,4 +107,76 @@ pub fn log_softmax_backward_into(
         Kind::LogSoftmax,
         accum,
     )
+}
+
+/// The device launches (`cuda/kernels/softmax.cu`): one block per row of `n`, on operands
+/// the front door has checked; float dtypes only, as the host kernels.
+#[cfg(feature = "cuda")]
+mod device {
+    use crate::cpu::softmax::Kind;
+    use crate::cuda::launch::{func, launch_kernel, per_row};
+    use crate::cuda::{source, CudaTensor};
+    use crate::ops::accum_flag;
+    use crate::spec::{want_float, Accum};
+    use crate::Result;
+
+    pub(super) fn forward(
+        op: &'static str,
+        kind: Kind,
+        x: &CudaTensor,
+        rows: usize,
+        n: usize,
+    ) -> Result<CudaTensor> {
+        want_float(op, x)?;
+        let dev = x.device();
+        let mut y = CudaTensor::uninit(dev, x.shape(), x.dtype())?;
+        if rows * n > 0 {
+            let root = match kind {
+                Kind::Softmax => "softmax",
+                Kind::LogSoftmax => "log_softmax",
+            };
+            let f = func(dev, &source::SOFTMAX, root, x.dtype())?;
+            launch_kernel!(op, dev, f, per_row(op, rows, 0)?; src x, dst &mut y, u64 n)?;
+        }
+        Ok(y)
+    }
+
+    /// `dx (=|+=)` the backward from the forward output `y`.
+    /// [`forward`] computed out of place, its result replacing `dst`'s buffer.
+    pub(super) fn forward_into(
+        op: &'static str,
+        kind: Kind,
+        dst: &mut CudaTensor,
+        x: &CudaTensor,
+        rows: usize,
+        n: usize,
+    ) -> Result<()> {
+        let y = forward(op, kind, x, rows, n)?;
+        crate::dispatch::replace(op, dst, y)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn backward(
+        op: &'static str,
+        kind: Kind,
+        dx: &mut CudaTensor,
+        dy: &CudaTensor,
+        y: &CudaTensor,
+        accum: Accum,
+        rows: usize,
+        n: usize,
+    ) -> Result<()> {
+        want_float(op, y)?;
+        if rows * n == 0 {
+            return Ok(());
+        }
+        let root = match kind {
+            Kind::Softmax => "softmax_backward",
+            Kind::LogSoftmax => "log_softmax_backward",
+        };
+        let dev = y.device().clone();
+        let f = func(&dev, &source::SOFTMAX, root, y.dtype())?;
+        launch_kernel!(op, dev, f, per_row(op, rows, 0)?;
+            dst dx, src dy, src y, u64 n, int accum_flag(accum))
+    }
 }

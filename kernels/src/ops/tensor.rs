@@ -2,8 +2,6 @@
 //! elementwise arithmetic, dtype conversion): each checks its arguments, runs the device
 //! kernel when the tensors are on a GPU, else the host kernel of `crate::cpu::tensor`.
 
-#[cfg(feature = "cuda")]
-use crate::cuda;
 use crate::error::{Error, Result};
 use crate::shape::{checked_numel, checked_sum};
 use crate::spec::tensor::{check_dim, check_same, check_tensor_pieces};
@@ -12,7 +10,7 @@ use smallvec::SmallVec;
 
 /// [`Tensor::try_to_dtype`]: its checks, then the device kernel or the host one.
 pub(crate) fn try_to_dtype(x: &Tensor, dtype: DType) -> Result<Tensor> {
-    dispatch!("Tensor::to_dtype", [x] => cuda::ops::to_dtype(&x, dtype));
+    dispatch!("Tensor::to_dtype", [x] => device::to_dtype(&x, dtype));
     crate::cpu::tensor::try_to_dtype(x, dtype)
 }
 
@@ -30,7 +28,7 @@ pub(crate) fn narrow(x: &Tensor, dim: usize, start: usize, len: usize) -> Result
         });
     }
     // A device tensor starts at its buffer's start, so every narrow of it copies.
-    dispatch!("Tensor::narrow", [x] => cuda::ops::narrow(&x, dim, start, len));
+    dispatch!("Tensor::narrow", [x] => device::narrow(&x, dim, start, len));
     crate::cpu::tensor::narrow(x, dim, start, len)
 }
 
@@ -51,7 +49,7 @@ pub(crate) fn cat(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
 /// [`Tensor::pack`]: its checks, then the device kernel or the host one.
 pub(crate) fn pack(x: &Tensor, dim: usize, sizes: &[usize]) -> Result<Tensor> {
     check_tensor_pieces(x, "Tensor::pack", dim, sizes)?;
-    dispatch!("Tensor::pack", [x] => cuda::ops::pack(&x, dim, sizes));
+    dispatch!("Tensor::pack", [x] => device::pack(&x, dim, sizes));
     crate::cpu::tensor::pack(x, dim, sizes)
 }
 
@@ -74,14 +72,14 @@ pub(crate) fn unpack(
             ),
         });
     }
-    dispatch!("Tensor::unpack", [flat] => cuda::ops::unpack(&flat, shape, dim, sizes));
+    dispatch!("Tensor::unpack", [flat] => device::unpack(&flat, shape, dim, sizes));
     crate::cpu::tensor::unpack(flat, shape, dim, sizes)
 }
 
 /// [`Tensor::add`]: its checks, then the device kernel or the host one.
 pub(crate) fn add(a: &Tensor, other: &Tensor) -> Result<Tensor> {
     check_same(a, "Tensor::add", other)?;
-    dispatch!("Tensor::add", [a, other] => cuda::ops::add(&a, &other));
+    dispatch!("Tensor::add", [a, other] => device::binary("Tensor::add", "add", &a, &other));
     crate::cpu::tensor::add(a, other)
 }
 
@@ -89,7 +87,7 @@ pub(crate) fn add(a: &Tensor, other: &Tensor) -> Result<Tensor> {
 pub(crate) fn add_assign(dst: &mut Tensor, other: &Tensor) -> Result<()> {
     check_same(dst, "Tensor::add", other)?;
     dispatch!("Tensor::add", mut dst, [other] => {
-        let sum = cuda::ops::add(dst, &other)?;
+        let sum = device::binary("Tensor::add", "add", dst, &other)?;
         *dst = sum;
         Ok(())
     });
@@ -98,7 +96,7 @@ pub(crate) fn add_assign(dst: &mut Tensor, other: &Tensor) -> Result<()> {
 
 /// [`Tensor::try_scale`]: its checks, then the device kernel or the host one.
 pub(crate) fn try_scale(x: &Tensor, factor: f64) -> Result<Tensor> {
-    dispatch!("Tensor::scale", [x] => cuda::ops::scale(&x, factor));
+    dispatch!("Tensor::scale", [x] => device::scale(&x, factor));
     crate::cpu::tensor::try_scale(x, factor)
 }
 
@@ -111,7 +109,7 @@ pub(crate) fn try_map(x: &Tensor, f: impl Fn(f64) -> f64) -> Result<Tensor> {
 /// [`Tensor::mul`]: its checks, then the device kernel or the host one.
 pub(crate) fn mul(a: &Tensor, other: &Tensor) -> Result<Tensor> {
     check_same(a, "Tensor::mul", other)?;
-    dispatch!("Tensor::mul", [a, other] => cuda::ops::mul(&a, &other));
+    dispatch!("Tensor::mul", [a, other] => device::binary("Tensor::mul", "mul", &a, &other));
     crate::cpu::tensor::mul(a, other)
 }
 
@@ -131,7 +129,7 @@ pub(crate) fn write_at(dst: &mut Tensor, dim: usize, start: usize, src: &Tensor)
             rhs: src.shape.clone(),
         });
     }
-    dispatch!("Tensor::write_at", mut dst, [src] => cuda::ops::write_at(dst, dim, start, &src));
+    dispatch!("Tensor::write_at", mut dst, [src] => device::write_at(dst, dim, start, &src));
     crate::cpu::tensor::write_at(dst, dim, start, src)
 }
 
@@ -141,11 +139,207 @@ fn cat_cuda(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
         .iter()
         .map(Tensor::cuda_tensor)
         .collect::<Result<Vec<_>>>()?;
-    let refs: Vec<&cuda::CudaTensor> = cs.iter().collect();
-    cuda::ops::cat(&refs, dim).map(Tensor::from)
+    device::cat(&cs, dim).map(Tensor::from)
 }
 
 #[cfg(not(feature = "cuda"))]
 fn cat_cuda(tensors: &[Tensor], _dim: usize) -> Result<Tensor> {
     unreachable!("{} host tensors reported as device tensors", tensors.len())
+}
+
+/// The device launches (`cuda/kernels/elementwise.cu`, and `copy.cu`'s strided copy for the
+/// data movement), on operands the front door has checked (`cat` checks its pieces here, as
+/// its host kernel does).
+#[cfg(feature = "cuda")]
+mod device {
+    use crate::cuda::launch::{copy_blocks, func, grid_for, launch_kernel, Acc};
+    use crate::cuda::{source, CudaTensor};
+    use crate::spec::reduction::split_at;
+    use crate::{DType, Error, Result, Shape};
+
+    /// `Tensor::add` and `mul`: any dtype.
+    pub(super) use crate::cuda::launch::binary;
+
+    /// Every element times `factor` rounded into the dtype (the host's `T::from_f64`).
+    pub(super) fn scale(a: &CudaTensor, factor: f64) -> Result<CudaTensor> {
+        const OP: &str = "Tensor::scale";
+        let dev = a.device();
+        let mut out = CudaTensor::uninit(dev, a.shape(), a.dtype())?;
+        let n = a.numel();
+        if n > 0 {
+            let f = func(dev, &source::ELEMENTWISE, "scale", a.dtype())?;
+            launch_kernel!(OP, dev, f, grid_for(n);
+                src a, dst &mut out, acc Acc::rounded(a.dtype(), factor), u64 n)?;
+        }
+        Ok(out)
+    }
+
+    /// A copy converted to `dtype` (through f64, rounded once, as on the host).
+    pub(super) fn to_dtype(a: &CudaTensor, dtype: DType) -> Result<CudaTensor> {
+        const OP: &str = "Tensor::to_dtype";
+        let dev = a.device();
+        let mut out = CudaTensor::uninit(dev, a.shape(), dtype)?;
+        let n = a.numel();
+        if n > 0 {
+            let root = format!("cast_{}", a.dtype());
+            let f = func(dev, &source::ELEMENTWISE, &root, dtype)?;
+            launch_kernel!(OP, dev, f, grid_for(n); src a, dst &mut out, u64 n)?;
+        }
+        Ok(out)
+    }
+
+    /// Which way [`move_pieces`] copies.
+    #[derive(Clone, Copy)]
+    enum Pieces {
+        /// From their places along the dim into the flat buffer, one after another.
+        Pack,
+        /// From the flat buffer back to their places.
+        Unpack,
+    }
+
+    /// Copies the pieces (extents `sizes`) of the middle dim of a `[outer, extent, inner]`
+    /// tensor to or from a flat buffer that holds them one after another, each piece's
+    /// `outer` runs together.
+    fn move_pieces(
+        op: &'static str,
+        src: &CudaTensor,
+        dst: &mut CudaTensor,
+        (outer, extent, inner): (usize, usize, usize),
+        sizes: &[usize],
+        way: Pieces,
+    ) -> Result<()> {
+        let (mut base, mut start) = (0, 0);
+        for &len in sizes {
+            let run = len * inner;
+            let (placed, flat) = ((extent * inner, start * inner), (run, base));
+            let ((ss, so), (ds, d0)) = match way {
+                Pieces::Pack => (placed, flat),
+                Pieces::Unpack => (flat, placed),
+            };
+            copy_blocks(op, src, dst, outer, run, ss, so, ds, d0)?;
+            base += outer * run;
+            start += len;
+        }
+        Ok(())
+    }
+
+    /// The pieces of `dim` (extents `sizes`) one after another, flat.
+    pub(super) fn pack(t: &CudaTensor, dim: usize, sizes: &[usize]) -> Result<CudaTensor> {
+        const OP: &str = "Tensor::pack";
+        let split = split_at(OP, t.shape(), dim)?;
+        let mut out = CudaTensor::uninit(t.device(), &[t.numel()], t.dtype())?;
+        move_pieces(OP, t, &mut out, split, sizes, Pieces::Pack)?;
+        Ok(out)
+    }
+
+    /// The inverse of [`pack`].
+    pub(super) fn unpack(
+        flat: &CudaTensor,
+        shape: &[usize],
+        dim: usize,
+        sizes: &[usize],
+    ) -> Result<CudaTensor> {
+        const OP: &str = "Tensor::unpack";
+        let split = split_at(OP, shape, dim)?;
+        let mut out = CudaTensor::uninit(flat.device(), shape, flat.dtype())?;
+        move_pieces(OP, flat, &mut out, split, sizes, Pieces::Unpack)?;
+        Ok(out)
+    }
+
+    /// A copy of `start..start + len` along `dim`.
+    pub(super) fn narrow(
+        t: &CudaTensor,
+        dim: usize,
+        start: usize,
+        len: usize,
+    ) -> Result<CudaTensor> {
+        const OP: &str = "Tensor::narrow";
+        let (outer, extent, inner) = split_at(OP, t.shape(), dim)?;
+        let mut shape: Shape = t.shape().into();
+        shape[dim] = len;
+        let mut out = CudaTensor::uninit(t.device(), &shape, t.dtype())?;
+        let run = len * inner;
+        copy_blocks(
+            OP,
+            t,
+            &mut out,
+            outer,
+            run,
+            extent * inner,
+            start * inner,
+            run,
+            0,
+        )?;
+        Ok(out)
+    }
+
+    /// `src` copied into `dst` from `start` along `dim`. A `dst` buffer shared with another
+    /// tensor is copied first (copy on write).
+    pub(super) fn write_at(
+        dst: &mut CudaTensor,
+        dim: usize,
+        start: usize,
+        src: &CudaTensor,
+    ) -> Result<()> {
+        const OP: &str = "Tensor::write_at";
+        let (outer, extent, inner) = split_at(OP, dst.shape(), dim)?;
+        let run = src.shape()[dim] * inner;
+        copy_blocks(
+            OP,
+            src,
+            dst,
+            outer,
+            run,
+            run,
+            0,
+            extent * inner,
+            start * inner,
+        )
+    }
+
+    /// The tensors one after another along `dim`.
+    pub(super) fn cat(ts: &[CudaTensor], dim: usize) -> Result<CudaTensor> {
+        const OP: &str = "Tensor::cat";
+        let Some(first) = ts.first() else {
+            return Err(Error::Invalid {
+                op: OP,
+                detail: "nothing to concatenate".into(),
+            });
+        };
+        let (outer, _, inner) = split_at(OP, first.shape(), dim)?;
+        let mut total = 0usize;
+        for t in ts {
+            let fits = t.rank() == first.rank()
+                && t.dtype() == first.dtype()
+                && (0..t.rank()).all(|d| d == dim || t.shape()[d] == first.shape()[d]);
+            if !fits {
+                return Err(Error::ShapeMismatch {
+                    op: OP,
+                    lhs: first.shape().into(),
+                    rhs: t.shape().into(),
+                });
+            }
+            total += t.shape()[dim];
+        }
+        let mut shape: Shape = first.shape().into();
+        shape[dim] = total;
+        let mut out = CudaTensor::uninit(first.device(), &shape, first.dtype())?;
+        let mut at = 0;
+        for t in ts {
+            let run = t.shape()[dim] * inner;
+            copy_blocks(
+                OP,
+                t,
+                &mut out,
+                outer,
+                run,
+                run,
+                0,
+                total * inner,
+                at * inner,
+            )?;
+            at += t.shape()[dim];
+        }
+        Ok(out)
+    }
 }

@@ -11,10 +11,12 @@ pub(crate) mod float;
 pub(crate) mod activation;
 pub(crate) mod attention;
 pub(crate) mod attention_block;
+pub(crate) mod cross_entropy;
 pub(crate) mod embedding;
 pub(crate) mod matmul;
 pub(crate) mod moe;
 pub(crate) mod norm;
+pub(crate) mod optim;
 pub(crate) mod reduction;
 pub(crate) mod tensor;
 

@@ -45,13 +45,17 @@ pub struct RmsNormGrads {
     pub dweight: Tensor,
 }
 
-/// Checks `x` and the `[n]` parameters; returns `n`.
-pub(crate) fn check_input(op: &'static str, x: &Tensor, params: &[&Tensor]) -> Result<usize> {
-    let (_, n) = norm_rows(op, x)?;
+/// Checks `x` and the `[n]` parameters; returns `x` as `(rows, n)` over its last dim.
+pub(crate) fn check_input(
+    op: &'static str,
+    x: &Tensor,
+    params: &[&Tensor],
+) -> Result<(usize, usize)> {
+    let (rows, n) = norm_rows(op, x)?;
     for p in params {
         check_row_param(op, x, *p, n)?;
     }
-    Ok(n)
+    Ok((rows, n))
 }
 
 /// Checks `x` (float, rank ≥ 1, a nonempty last dim); returns it as `(rows, n)` over its

@@ -2,7 +2,7 @@
 //! moving tensors to and from it, and comparing its results with the CPU's bit for bit or
 //! within a tolerance per dtype.
 
-use dtensor_kernels::cuda::{self, CudaTensor, Device};
+use dtensor_kernels::cuda::{self, Device};
 use dtensor_kernels::{DType, Tensor};
 
 /// The device, or `None` (with the reason on stderr) on a machine without one. With
@@ -46,11 +46,14 @@ pub fn rand_vec(n: usize, seed: u64, lo: f64, hi: f64) -> Vec<f64> {
         .collect()
 }
 
-pub fn up(t: &Tensor, dev: &Device) -> CudaTensor {
-    t.to_device(dev).unwrap().cuda_tensor().unwrap()
+/// A copy of `t` on `dev`.
+pub fn up(t: &Tensor, dev: &Device) -> Tensor {
+    t.to_device(dev).unwrap()
 }
 
-pub fn down(t: &CudaTensor) -> Tensor {
+/// A copy of the device tensor `t` in host memory.
+pub fn down(t: &Tensor) -> Tensor {
+    assert!(t.is_cuda(), "a device result was expected");
     t.to_host().unwrap()
 }
 

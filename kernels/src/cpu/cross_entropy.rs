@@ -1,0 +1,87 @@
+//! Host kernels of [`crate::ops::cross_entropy`](mod@crate::ops::cross_entropy): the pieces
+//! of a vocab-parallel cross-entropy in f64, on host tensors whose arguments the front door
+//! has checked. Each is the arithmetic of the distributed cross-entropy's host path (in
+//! `dtensor`), operation for operation and in its order, so a caller that switches to them
+//! gets the same bits.
+
+use crate::{DType, Result, Tensor};
+
+/// Each row's maximum of `logits` (`[rows, cols]`), folded from `−∞` in column order: f64
+/// `[rows]` (`−∞` for no column).
+pub(crate) fn row_max(logits: &Tensor, rows: usize, cols: usize) -> Result<Tensor> {
+    let l = logits.to_f64_vec();
+    let max: Vec<f64> = (0..rows)
+        .map(|r| {
+            l[r * cols..(r + 1) * cols]
+                .iter()
+                .fold(f64::NEG_INFINITY, |m, &x| m.max(x))
+        })
+        .collect();
+    Tensor::from_vec(max, &[rows])
+}
+
+/// Per row, `Σ_c exp(l − max)` summed in column order from 0, and the target's `l − max`
+/// (0 where the target column is not among this piece's `col_start..col_start + cols`):
+/// both f64 `[rows]`.
+pub(crate) fn sum_target(
+    logits: &Tensor,
+    max: &Tensor,
+    ids: &[usize],
+    col_start: usize,
+    (rows, cols): (usize, usize),
+) -> Result<(Tensor, Tensor)> {
+    let l = logits.to_f64_vec();
+    let max = max.as_slice::<f64>()?;
+    let here = col_start..col_start + cols;
+    let mut sum = vec![0.0; rows];
+    let mut target = vec![0.0; rows];
+    for r in 0..rows {
+        for c in 0..cols {
+            sum[r] += (l[r * cols + c] - max[r]).exp();
+        }
+        if here.contains(&ids[r]) {
+            target[r] = l[r * cols + ids[r] - col_start] - max[r];
+        }
+    }
+    Ok((
+        Tensor::from_vec(sum, &[rows])?,
+        Tensor::from_vec(target, &[rows])?,
+    ))
+}
+
+/// `ln(sum) − target` per row, rounded once into `dtype`.
+pub(crate) fn loss(sum: &Tensor, target: &Tensor, dtype: DType) -> Result<Tensor> {
+    let (sum, target) = (sum.as_slice::<f64>()?, target.as_slice::<f64>()?);
+    let loss: Vec<f64> = sum.iter().zip(target).map(|(s, t)| s.ln() - t).collect();
+    Tensor::from_f64_vec(loss, &[sum.len()], dtype)
+}
+
+/// The logits' gradient `(exp(l − max) / sum − [c is the target])·dy[row]`, in f64 and in
+/// that order, rounded once into the logits' dtype.
+pub(crate) fn grad(
+    logits: &Tensor,
+    max: &Tensor,
+    sum: &Tensor,
+    ids: &[usize],
+    dy: &Tensor,
+    col_start: usize,
+    (rows, cols): (usize, usize),
+) -> Result<Tensor> {
+    let l = logits.to_f64_vec();
+    let (max, sum) = (max.as_slice::<f64>()?, sum.as_slice::<f64>()?);
+    let d = dy.to_f64_vec();
+    let here = col_start..col_start + cols;
+    let mut g = vec![0.0; rows * cols];
+    for r in 0..rows {
+        let row = &mut g[r * cols..(r + 1) * cols];
+        for (c, p) in row.iter_mut().enumerate() {
+            *p = (l[r * cols + c] - max[r]).exp();
+            *p /= sum[r];
+        }
+        if here.contains(&ids[r]) {
+            row[ids[r] - col_start] -= 1.0;
+        }
+        row.iter_mut().for_each(|v| *v *= d[r]);
+    }
+    Tensor::from_f64_vec(g, &[rows, cols], logits.dtype())
+}

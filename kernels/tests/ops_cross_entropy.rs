@@ -1,0 +1,323 @@
+//! The cross-entropy pieces (`ce_row_max`, `ce_sum_target`, `ce_loss`, `ce_grad`) against a
+//! plain f64 reference (log-sum-exp over the whole vocab, `softmax − onehot`), on one rank
+//! and with the vocab split into uneven pieces combined as the all-reduces would (Max, then
+//! Sum), and against finite differences of the loss. The argument errors name the op.
+
+mod common;
+
+use common::*;
+use dtensor_kernels::ops;
+use dtensor_kernels::{DType, Tensor};
+
+const ROWS: usize = 5;
+const VOCAB: usize = 13;
+
+/// Targets in `0..VOCAB`, hitting the first and last column and every piece of `PIECES`.
+fn targets() -> Vec<i64> {
+    vec![0, 12, 4, 7, 9]
+}
+
+/// Uneven column pieces `(start, len)` of the vocab, one of them empty.
+const PIECES: [(usize, usize); 4] = [(0, 5), (5, 0), (5, 3), (8, 5)];
+
+/// Computed in f64 and rounded once into `dtype`: half an ulp of the stored type (an f16
+/// gradient may be subnormal, where an ulp is 2^-24), and f64 noise.
+fn rounded_once(dtype: DType) -> Tol {
+    let t = tol(dtype);
+    match dtype {
+        DType::F64 => Tol {
+            rtol: 1e-13,
+            atol: 1e-13,
+        },
+        DType::F16 => Tol {
+            rtol: t.rtol,
+            atol: 2f64.powi(-25),
+        },
+        _ => Tol {
+            rtol: t.rtol,
+            atol: 1e-13,
+        },
+    }
+}
+
+/// `(loss, dlogits)` of `logits` (`[ROWS, VOCAB]`, f64) for `ids` and the loss gradient
+/// `dy`: `ln Σ exp(l) − l[t]` and `(softmax − onehot(t))·dy`, max-subtracted.
+fn reference(l: &[f64], ids: &[i64], dy: &[f64]) -> (Vec<f64>, Vec<f64>) {
+    let mut loss = vec![0.0; ROWS];
+    let mut grad = vec![0.0; ROWS * VOCAB];
+    for r in 0..ROWS {
+        let row = &l[r * VOCAB..(r + 1) * VOCAB];
+        let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let s: f64 = row.iter().map(|x| (x - m).exp()).sum();
+        let t = ids[r] as usize;
+        loss[r] = m + s.ln() - row[t];
+        for c in 0..VOCAB {
+            let onehot = if c == t { 1.0 } else { 0.0 };
+            grad[r * VOCAB + c] = ((row[c] - m).exp() / s - onehot) * dy[r];
+        }
+    }
+    (loss, grad)
+}
+
+/// The four pieces over `pieces` of the logits' columns, the reductions done by hand:
+/// `(loss, dlogits)` with the pieces' gradients joined along the columns.
+fn by_pieces(
+    logits: &Tensor,
+    ids: &Tensor,
+    dy: &Tensor,
+    pieces: &[(usize, usize)],
+) -> (Tensor, Tensor) {
+    let parts: Vec<Tensor> = pieces
+        .iter()
+        .map(|&(c0, n)| logits.narrow(1, c0, n).unwrap())
+        .collect();
+    let mut max = vec![f64::NEG_INFINITY; ROWS];
+    for p in &parts {
+        let m = ops::ce_row_max(p).unwrap();
+        for (a, b) in max.iter_mut().zip(m.as_slice::<f64>().unwrap()) {
+            *a = a.max(*b);
+        }
+    }
+    let max = Tensor::from_vec(max, &[ROWS]).unwrap();
+    let (mut sum, mut target) = (vec![0.0; ROWS], vec![0.0; ROWS]);
+    for (p, &(c0, _)) in parts.iter().zip(pieces) {
+        let (s, t) = ops::ce_sum_target(p, &max, ids, c0, VOCAB).unwrap();
+        for r in 0..ROWS {
+            sum[r] += s.as_slice::<f64>().unwrap()[r];
+            target[r] += t.as_slice::<f64>().unwrap()[r];
+        }
+    }
+    let sum = Tensor::from_vec(sum, &[ROWS]).unwrap();
+    let target = Tensor::from_vec(target, &[ROWS]).unwrap();
+    let loss = ops::ce_loss(&sum, &target, logits.dtype()).unwrap();
+    let grads: Vec<Tensor> = parts
+        .iter()
+        .zip(pieces)
+        .map(|(p, &(c0, _))| ops::ce_grad(p, &max, &sum, ids, dy, c0, VOCAB).unwrap())
+        .collect();
+    (loss, Tensor::cat(&grads, 1).unwrap())
+}
+
+#[test]
+fn cross_entropy_one_rank_matches_reference() {
+    for dtype in ALL {
+        let (logits, l) = input(&[ROWS, VOCAB], 1, 4.0, dtype);
+        let (dy, d) = input(&[ROWS], 2, 1.0, dtype);
+        let ids = Tensor::from_vec(targets(), &[ROWS]).unwrap();
+        let (loss, grad) = by_pieces(&logits, &ids, &dy, &[(0, VOCAB)]);
+        let (want_loss, want_grad) = reference(&l, &targets(), &d);
+        assert_eq!((loss.dtype(), grad.dtype()), (dtype, dtype));
+        assert_eq!(grad.shape(), &[ROWS, VOCAB]);
+        let t = rounded_once(dtype);
+        assert_close("ce_loss", &loss, &want_loss, t);
+        assert_close("ce_grad", &grad, &want_grad, t);
+    }
+}
+
+#[test]
+fn cross_entropy_vocab_pieces_match_one_rank() {
+    for dtype in ALL {
+        let (logits, l) = input(&[ROWS, VOCAB], 3, 4.0, dtype);
+        let (dy, d) = input(&[ROWS], 4, 1.0, dtype);
+        let ids = Tensor::from_vec(
+            targets().iter().map(|&i| i as i32).collect::<Vec<_>>(),
+            &[ROWS],
+        )
+        .unwrap();
+        let (loss, grad) = by_pieces(&logits, &ids, &dy, &PIECES);
+        let (want_loss, want_grad) = reference(&l, &targets(), &d);
+        // The sum of exponentials is added in another grouping: a few f64 ulps apart, far
+        // below the rounding into the stored type.
+        let t = rounded_once(dtype);
+        assert_close("ce_loss over pieces", &loss, &want_loss, t);
+        assert_close("ce_grad over pieces", &grad, &want_grad, t);
+    }
+}
+
+#[test]
+fn cross_entropy_row_max_is_exact_and_empty_pieces_are_neutral() {
+    let (logits, l) = input(&[ROWS, VOCAB], 5, 4.0, DType::F32);
+    let m = ops::ce_row_max(&logits).unwrap();
+    assert_eq!(m.dtype(), DType::F64);
+    for r in 0..ROWS {
+        let want = l[r * VOCAB..(r + 1) * VOCAB]
+            .iter()
+            .cloned()
+            .fold(f64::NEG_INFINITY, f64::max);
+        assert_eq!(m.as_slice::<f64>().unwrap()[r], want);
+    }
+    // No column: max −∞ (the identity of Max), sum and target 0 (that of Sum).
+    let none = logits.narrow(1, 4, 0).unwrap();
+    let m0 = ops::ce_row_max(&none).unwrap();
+    assert!(m0
+        .as_slice::<f64>()
+        .unwrap()
+        .iter()
+        .all(|&v| v == f64::NEG_INFINITY));
+    let ids = Tensor::from_vec(targets(), &[ROWS]).unwrap();
+    let (s, t) = ops::ce_sum_target(&none, &m, &ids, 4, VOCAB).unwrap();
+    assert!(s.as_slice::<f64>().unwrap().iter().all(|&v| v == 0.0));
+    assert!(t.as_slice::<f64>().unwrap().iter().all(|&v| v == 0.0));
+}
+
+#[test]
+fn cross_entropy_grad_matches_finite_differences() {
+    let (logits, l) = input(&[ROWS, VOCAB], 6, 2.0, DType::F64);
+    let (dy, d) = input(&[ROWS], 7, 1.0, DType::F64);
+    let ids = Tensor::from_vec(targets(), &[ROWS]).unwrap();
+    let (_, grad) = by_pieces(&logits, &ids, &dy, &PIECES);
+    let numeric = fd_grad(&l, |x| {
+        let (loss, _) = reference(x, &targets(), &d);
+        dot(&loss, &d)
+    });
+    assert_fd("ce_grad", &grad, &numeric);
+}
+
+#[test]
+fn cross_entropy_bad_arguments_name_the_op() {
+    let (logits, _) = input(&[ROWS, VOCAB], 8, 1.0, DType::F32);
+    let ids = Tensor::from_vec(targets(), &[ROWS]).unwrap();
+    let max = ops::ce_row_max(&logits).unwrap();
+    let flat = logits.clone().reshape(&[ROWS * VOCAB]).unwrap();
+    assert_names_op(ops::ce_row_max(&flat), "ops::ce_row_max");
+    let ints = Tensor::from_vec(vec![1i32; 4], &[2, 2]).unwrap();
+    assert_names_op(ops::ce_row_max(&ints), "ops::ce_row_max");
+    // The max must be f64 [rows]; the targets one per row, inside the vocab, integers.
+    let max32 = max.to_dtype(DType::F32);
+    assert_names_op(
+        ops::ce_sum_target(&logits, &max32, &ids, 0, VOCAB),
+        "ops::ce_sum_target",
+    );
+    let few = Tensor::from_vec(vec![1i64; ROWS - 1], &[ROWS - 1]).unwrap();
+    assert_names_op(
+        ops::ce_sum_target(&logits, &max, &few, 0, VOCAB),
+        "ops::ce_sum_target",
+    );
+    let outside = Tensor::from_vec(vec![VOCAB as i64; ROWS], &[ROWS]).unwrap();
+    assert_names_op(
+        ops::ce_sum_target(&logits, &max, &outside, 0, VOCAB),
+        "ops::ce_sum_target",
+    );
+    let float_ids = Tensor::from_vec(vec![1.0f32; ROWS], &[ROWS]).unwrap();
+    assert_names_op(
+        ops::ce_grad(&logits, &max, &max, &float_ids, &max32, 0, VOCAB),
+        "ops::ce_grad",
+    );
+    // dy must be [rows] of the logits' dtype.
+    assert_names_op(
+        ops::ce_grad(&logits, &max, &max, &ids, &max, 0, VOCAB),
+        "ops::ce_grad",
+    );
+    let (s, t) = ops::ce_sum_target(&logits, &max, &ids, 0, VOCAB).unwrap();
+    assert_names_op(ops::ce_loss(&s, &t, DType::I64), "ops::ce_loss");
+    let short = Tensor::from_vec(vec![0.0f64; ROWS - 1], &[ROWS - 1]).unwrap();
+    assert_names_op(ops::ce_loss(&s, &short, DType::F32), "ops::ce_loss");
+}
+
+/// The distributed cross-entropy's host arithmetic, written out as `dtensor` runs it on the
+/// piece `c0..c0 + cols` of each row, with the reductions (`reduce(v, is_max)`) in between:
+/// `(loss, dlogits of the piece)`.
+fn host_path(
+    l: &[f64],
+    cols: usize,
+    c0: usize,
+    ids: &[usize],
+    d: &[f64],
+    reduce: &dyn Fn(&mut Vec<f64>, bool),
+    dtype: DType,
+) -> (Tensor, Tensor) {
+    let rows = ids.len();
+    let mut max: Vec<f64> = (0..rows)
+        .map(|r| {
+            l[r * cols..(r + 1) * cols]
+                .iter()
+                .fold(f64::NEG_INFINITY, |m, &x| m.max(x))
+        })
+        .collect();
+    reduce(&mut max, true);
+    let mut probs = vec![0.0; rows * cols];
+    let mut sum = vec![0.0; rows];
+    let mut target = vec![0.0; rows];
+    let mut target_col = vec![None; rows];
+    let here = c0..c0 + cols;
+    for r in 0..rows {
+        for c in 0..cols {
+            let e = (l[r * cols + c] - max[r]).exp();
+            probs[r * cols + c] = e;
+            sum[r] += e;
+        }
+        if here.contains(&ids[r]) {
+            let c = ids[r] - c0;
+            target_col[r] = Some(c);
+            target[r] = l[r * cols + c] - max[r];
+        }
+    }
+    reduce(&mut sum, false);
+    reduce(&mut target, false);
+    for r in 0..rows {
+        probs[r * cols..(r + 1) * cols]
+            .iter_mut()
+            .for_each(|p| *p /= sum[r]);
+    }
+    let loss: Vec<f64> = (0..rows).map(|r| sum[r].ln() - target[r]).collect();
+    let mut g = probs;
+    for r in 0..rows {
+        if let Some(c) = target_col[r] {
+            g[r * cols + c] -= 1.0;
+        }
+        g[r * cols..(r + 1) * cols]
+            .iter_mut()
+            .for_each(|v| *v *= d[r]);
+    }
+    (
+        Tensor::from_f64_vec(loss, &[rows], dtype).unwrap(),
+        Tensor::from_f64_vec(g, &[rows, cols], dtype).unwrap(),
+    )
+}
+
+fn bits(t: &Tensor) -> Vec<u64> {
+    t.to_f64_vec().iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn cross_entropy_pieces_repeat_the_distributed_host_arithmetic_bitwise() {
+    let ids_u: Vec<usize> = targets().iter().map(|&i| i as usize).collect();
+    let ids = Tensor::from_vec(targets(), &[ROWS]).unwrap();
+    for dtype in ALL {
+        let (logits, _) = input(&[ROWS, VOCAB], 9, 5.0, dtype);
+        let (dy, d) = input(&[ROWS], 10, 1.0, dtype);
+        // The piece 5..13 of the vocab, with "all-reduces" that add fixed terms from the
+        // other piece, so the reduced values differ from the local ones.
+        let (c0, cols) = (5, 8);
+        let piece = logits.narrow(1, c0, cols).unwrap();
+        let other_max = 0.75;
+        let other_sum = 0.5;
+        let reduce = |v: &mut Vec<f64>, is_max: bool| {
+            for x in v.iter_mut() {
+                *x = if is_max {
+                    x.max(other_max)
+                } else {
+                    *x + other_sum
+                };
+            }
+        };
+        let (want_loss, want_grad) =
+            host_path(&piece.to_f64_vec(), cols, c0, &ids_u, &d, &reduce, dtype);
+
+        let mut max = ops::ce_row_max(&piece).unwrap().to_f64_vec();
+        reduce(&mut max, true);
+        let max = Tensor::from_vec(max, &[ROWS]).unwrap();
+        let (s, t) = ops::ce_sum_target(&piece, &max, &ids, c0, VOCAB).unwrap();
+        let (mut s, mut t) = (s.to_f64_vec(), t.to_f64_vec());
+        reduce(&mut s, false);
+        reduce(&mut t, false);
+        let (s, t) = (
+            Tensor::from_vec(s, &[ROWS]).unwrap(),
+            Tensor::from_vec(t, &[ROWS]).unwrap(),
+        );
+        let loss = ops::ce_loss(&s, &t, dtype).unwrap();
+        let grad = ops::ce_grad(&piece, &max, &s, &ids, &dy, c0, VOCAB).unwrap();
+        assert_eq!(bits(&loss), bits(&want_loss), "{dtype}: loss");
+        assert_eq!(bits(&grad), bits(&want_grad), "{dtype}: grad");
+    }
+}
