@@ -69,7 +69,6 @@
 pub(crate) mod launch;
 /// Transitional: the cross-entropy pieces on `CudaTensor`s that `dtensor` still calls;
 /// everything else runs through the front door ([`crate::ops`]).
-pub mod ops;
 pub mod source;
 mod tensor;
 mod view;
