@@ -25,6 +25,7 @@ mod dispatch;
 pub(crate) mod spec;
 mod cpu;
 #[cfg(feature = "cuda")]
+#[macro_use]
 pub mod cuda;
 /// Stand-ins for the `cuda` module in a build without the feature: the same entry points,
 /// each returning [`Error::CudaNotCompiled`], so every caller compiles on a CPU-only build.

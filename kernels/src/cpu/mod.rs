@@ -12,6 +12,7 @@ pub(crate) mod matmul;
 pub(crate) mod moe;
 pub(crate) mod norm;
 pub(crate) mod reduction;
+pub(crate) mod rope;
 pub(crate) mod softmax;
 pub(crate) mod tensor;
 

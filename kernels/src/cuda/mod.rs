@@ -64,6 +64,8 @@
 //! [`CudaTensor`]) through the `*_device` methods of `dtensor-collectives`' `Communicator`,
 //! which only the NCCL backend implements; the thread and MPI backends keep host slices.
 
+// `launch_kernel!` is used by the front doors' device launches too (`ops/rope.rs`).
+#[macro_use]
 pub mod ops;
 pub mod source;
 mod tensor;

@@ -16,6 +16,7 @@ pub(crate) mod matmul;
 pub(crate) mod moe;
 pub(crate) mod norm;
 pub(crate) mod reduction;
+pub(crate) mod rope;
 pub(crate) mod tensor;
 
 use crate::{DType, Error, Result, Tensor};
