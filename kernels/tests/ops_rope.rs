@@ -208,6 +208,21 @@ fn inv_freq_follows_the_formulas() {
 }
 
 #[test]
+fn tables_of_repeated_positions_are_each_position_s_own_row() {
+    for cfg in configs() {
+        let positions = [3, 977, 3, 0, 977, 3];
+        let (cos, sin) = cfg.tables(&positions);
+        let half = cfg.rotary_dim / 2;
+        assert_eq!(cos.len(), positions.len() * half);
+        for (t, &p) in positions.iter().enumerate() {
+            let (c1, s1) = cfg.tables(&[p]);
+            assert_eq!(cos[t * half..(t + 1) * half], c1, "{cfg:?}: row {t}");
+            assert_eq!(sin[t * half..(t + 1) * half], s1, "{cfg:?}: row {t}");
+        }
+    }
+}
+
+#[test]
 fn rope_every_style_and_scaling_matches_the_reference() {
     for cfg in configs() {
         for dtype in ALL {

@@ -303,10 +303,20 @@ impl Rope {
     /// their compute type.
     pub fn tables(&self, positions: &[usize]) -> (Vec<f64>, Vec<f64>) {
         let inv = self.inv_freq();
-        let a = self.attention_scaling();
-        let n = positions.len() * inv.len();
+        let (a, half) = (self.attention_scaling(), inv.len());
+        let n = positions.len() * half;
         let (mut cos, mut sin) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        for &p in positions {
+        // A batch repeats its positions once per sample: each distinct one is computed once
+        // (the sines and cosines are most of the op's host time) and its row copied.
+        let mut first = std::collections::HashMap::with_capacity(positions.len().min(1 << 16));
+        for (t, &p) in positions.iter().enumerate() {
+            if let Some(&row) = first.get(&p) {
+                let at = row * half..(row + 1) * half;
+                cos.extend_from_within(at.clone());
+                sin.extend_from_within(at);
+                continue;
+            }
+            first.insert(p, t);
             for f in &inv {
                 let (s, c) = (p as f64 * f).sin_cos();
                 cos.push(a * c);
