@@ -26,12 +26,12 @@ impl Rotation {
     }
 }
 
-/// Which columns of a head RoPE rotates together.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+/// Which columns of a head RoPE rotates together. No default: weights trained under one
+/// convention are silently wrong under the other, so a configuration names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RopeStyle {
     /// Pair `i` is `(x[2i], x[2i+1])`: GPT-J, Meta's original Llama release, and the
     /// attention kernel of [`causal_attention`](fn@crate::ops::causal_attention).
-    #[default]
     Interleaved,
     /// Pair `i` is `(x[i], x[i + r/2])`, `r` the rotary dim ("rotate_half"): the Hugging
     /// Face layout of Llama, Mistral, Qwen and Mixtral checkpoints.
@@ -326,7 +326,7 @@ impl Rope {
         (cos, sin)
     }
 
-    /// The column of head `h`'s pair `i`: `(first, second)`.
+    /// The columns of pair `i` within a head: `(first, second)`.
     #[inline(always)]
     pub(crate) fn pair(&self, i: usize) -> (usize, usize) {
         match self.style {
