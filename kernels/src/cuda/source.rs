@@ -451,7 +451,7 @@ pub static REDUCE_EXT: KernelModule = KernelModule {
 /// `rope.cu`: rotary position embedding (`ops::rope`), both pair conventions and a rotary
 /// dim below the head dim, forward and backward in one kernel (the sign of the sines), with
 /// the CPU's expressions and its host-built `f64` tables rounded once, so results match the
-/// CPU bit for bit.
+/// CPU bit for bit (checked on a GPU by `cuda_gpu.rs`).
 pub static ROPE: KernelModule = KernelModule {
     name: "rope",
     source: include_str!("kernels/rope.cu"),

@@ -36,7 +36,7 @@
 //! once into `x`'s dtype. transformers computes the frequencies and angles in `f32` (even
 //! for an `f64` model), so its numbers agree with these to about `1e-6` relative, not to
 //! the last bit. The device kernel uses the same tables and expressions (no fused
-//! multiply-add): host and device agree bit for bit.
+//! multiply-add), so host and device agree bit for bit (`cuda_gpu.rs` checks it on a GPU).
 //!
 //! **Backward.** RoPE is linear in `x` and orthogonal per pair (up to `a`): the gradient is
 //! the transposed rotation, [`rope_backward`] (`R(φ)ᵀ = R(−φ)`, the sines negated), with
