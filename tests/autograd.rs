@@ -1077,6 +1077,107 @@ fn every_attention_layout_has_its_gradient() {
     );
 }
 
+const DP2: Axes = &[(AxisKind::Dp, 2)];
+
+/// RoPE configurations a gradient check covers: interleaved pairs over the whole head;
+/// half-split pairs over part of it (the tail passes through) with YaRN frequencies (the
+/// attention factor scales cos and sin).
+fn rope_configs() -> [ops::Rope; 2] {
+    use ops::{Rope, RopeScaling, RopeStyle};
+    [
+        Rope::new(4, 50.0, RopeStyle::Interleaved),
+        Rope {
+            rotary_dim: 2,
+            scaling: RopeScaling::yarn(4.0, 2),
+            ..Rope::new(4, 50.0, RopeStyle::HalfSplit)
+        },
+    ]
+}
+
+#[test]
+fn every_rope_rule_has_its_gradient() {
+    use dtensor_core::RopePositions;
+    // 8 tokens (one sample, positions from 3), 2 heads of dim 4: on a mesh a rank holds
+    // some tokens or one head, and the rows' positions come from their global index.
+    let x = small(&[8, 8]);
+    let positions = RopePositions::Sequential {
+        seq_len: 8,
+        offset: 3,
+    };
+    let global: Vec<usize> = (3..11).collect();
+    for cfg in rope_configs() {
+        let r = |x: &Tensor| ops::rope(x, &global, &cfg).unwrap();
+        check1!(MESH1, "rope", &x, |_, _, x| x.rope(&cfg, &positions), r;
+            [Tp: S0], [Tp: S1], [Tp: R], [Tp: I], [Tp: P], [Tp: PAvg],
+        );
+        check1!([DP2], "rope", &x, |_, _, x| x.rope(&cfg, &positions), r; [Dp: S0], [Dp: S1], [Dp: R], [Dp: P]);
+        check1!(MESH2, "rope", &x, |_, _, x| x.rope(&cfg, &positions), r;
+            [Dp: S0, Tp: S1], [Dp: S0, Tp: S0], [Dp: S1, Tp: S0], [Dp: R, Tp: S1],
+            [Dp: P, Tp: S1], [Dp: S0, Tp: P], [Dp: I, Tp: PAvg], [Dp: S0, Tp: R],
+        );
+    }
+    // Packed documents: positions restart, given per global row.
+    let docs = RopePositions::documents(&[3, 1, 4]);
+    let ids = [0, 1, 2, 0, 0, 1, 2, 3];
+    let cfg = rope_configs()[1];
+    let r = |x: &Tensor| ops::rope(x, &ids, &cfg).unwrap();
+    check1!(MESH2, "rope (documents)", &x, |_, _, x| x.rope(&cfg, &docs), r;
+        [Dp: S0, Tp: S1], [Dp: S0, Tp: S0],
+    );
+}
+
+/// The check above fails on a wrong backward: RoPE recorded with its forward rotation as
+/// the "gradient" (the sign of the sines flipped) is caught on one rank and on a mesh.
+#[test]
+fn rope_gradient_check_catches_a_wrong_backward() {
+    let x = small(&[8, 8]);
+    let global: Vec<usize> = (0..8).map(|g| 1 + g % 4).collect();
+    for cfg in rope_configs() {
+        let r = |x: &Tensor| ops::rope(x, &global, &cfg).unwrap();
+        // Right: the transposed rotation passes; wrong: the forward rotation again.
+        let one: Axes = &[(AxisKind::Dp, 1), (AxisKind::Tp, 1)];
+        for (wrong, axes) in [(false, one), (false, DP2TP2), (true, one), (true, DP2TP2)] {
+            let check = || {
+                grad_check::<layout![Dp: Shard<0>, Tp: Shard<1>], _>(
+                    "rope with a perturbed backward",
+                    axes,
+                    &x,
+                    |_, _, x: Var<'_, layout![Dp: Shard<0>, Tp: Shard<1>]>| {
+                        let shape = x.value().global_shape().to_vec();
+                        let rows = dtensor_placement::local_ranges(
+                            x.value().device_mesh().mesh(),
+                            x.value().placements(),
+                            x.value().device_mesh().coords(),
+                            &shape,
+                        )?[0]
+                            .clone();
+                        let pos: Vec<usize> = global[rows].to_vec();
+                        let back = pos.clone();
+                        x.custom::<layout![Dp: Shard<0>, Tp: Shard<1>]>(
+                            "rope (test)",
+                            &shape,
+                            |x| Ok(ops::rope(x, &pos, &cfg)?),
+                            move |dy, _| {
+                                Ok(if wrong {
+                                    ops::rope(dy, &back, &cfg)?
+                                } else {
+                                    ops::rope_backward(dy, &back, &cfg)?
+                                })
+                            },
+                        )
+                    },
+                    r,
+                )
+            };
+            let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(check)).is_err();
+            assert_eq!(
+                failed, wrong,
+                "{cfg:?} on {axes:?}: wrong backward = {wrong}"
+            );
+        }
+    }
+}
+
 #[test]
 fn every_named_transition_has_its_adjoint() {
     // From `Partial<Sum>` only: reduce_scatter / all_reduce of an avg (max, min) partial

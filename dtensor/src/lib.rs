@@ -40,12 +40,14 @@ pub mod fused;
 pub mod hop;
 pub mod moe;
 pub mod plan;
+
 pub mod tape;
 pub mod transfer;
 pub mod transitions;
 pub mod typed;
 
 pub use any::AnyDTensor;
+pub use compute::rope::RopePositions;
 pub use context::{ContextAttention, CpLayout, CpStrategy};
 pub use device_mesh::DeviceMesh;
 pub use error::{Error, Result};

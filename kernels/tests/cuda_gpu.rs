@@ -984,3 +984,42 @@ fn gpu_tensor_host_accessors_refuse_device_tensors() {
     assert!(back.shares_storage_with(&t));
     assert!(t.try_into_buffer().is_err(), "host buffers only");
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_rope_matches_cpu_bitwise() {
+    use ops::{Rope, RopeScaling, RopeStyle};
+    let Some(dev) = gpu() else { return };
+    let positions = [7, 0, 1, 2, 4093, 64];
+    for style in [RopeStyle::Interleaved, RopeStyle::HalfSplit] {
+        for (rotary_dim, scaling) in [(16, RopeScaling::None), (10, RopeScaling::yarn(4.0, 32))] {
+            let cfg = Rope {
+                rotary_dim,
+                scaling,
+                ..Rope::new(16, 10_000.0, style)
+            };
+            for (k, dt) in FLOATS.into_iter().enumerate() {
+                let x = rand(&[positions.len(), 3 * 16], dt, 300 + k as u64);
+                let xd = Tensor::from(up(&x, &dev));
+                // The same host tables and expressions, no fused multiply-add: same bits.
+                for (what, gpu, cpu) in [
+                    (
+                        "rope",
+                        ops::rope(&xd, &positions, &cfg),
+                        ops::rope(&x, &positions, &cfg),
+                    ),
+                    (
+                        "rope_backward",
+                        ops::rope_backward(&xd, &positions, &cfg),
+                        ops::rope_backward(&x, &positions, &cfg),
+                    ),
+                ] {
+                    let gpu = gpu.unwrap();
+                    assert!(gpu.is_cuda(), "{what} ran on the device");
+                    let what = format!("{what} {style:?} r={rotary_dim} {dt}");
+                    assert_bitwise(&what, &gpu.to_host().unwrap(), &cpu.unwrap());
+                }
+            }
+        }
+    }
+}

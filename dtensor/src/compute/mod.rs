@@ -18,6 +18,7 @@
 //! | [`cross_entropy`](DTensor::cross_entropy) | vocab-sharded logits give an `Invariant` loss | 3 all-reduces of `[tokens]` per vocab-sharded axis |
 //! | [`causal_attention`](DTensor::causal_attention) | samples or heads split, no `Partial`; not `Shard<0>` on a `Cp`-role axis | none |
 //! | [`context_attention`](DTensor::context_attention) ([`context`](crate::context)) | `Shard<0>` on its `Cp` axis, the attention rule elsewhere | ring send/recv or two all-to-alls over `Cp` |
+//! | [`rope`](DTensor::rope) ([`rope`](mod@rope)) | rows split (positions from the global row: sequential, CP order, explicit), heads split, whole, or `Partial`; no `Ragged` | none |
 //! | [`t`](DTensor::t) | `Shard<0>` ↔ `Shard<1>` | none |
 //! | [`split_dim`](DTensor::split_dim), [`merge_dims`](DTensor::merge_dims) | `Shard<e>` moves with the dims (even shards of a reshaped dim) | none |
 //!
@@ -41,6 +42,8 @@ mod norm;
 mod reduction;
 mod shape;
 mod softmax;
+// Public: its module docs say where a row's position comes from.
+pub mod rope;
 
 use crate::any::AnyDTensor;
 use crate::error::{Error, Result};

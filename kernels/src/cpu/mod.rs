@@ -14,6 +14,7 @@ pub(crate) mod moe;
 pub(crate) mod norm;
 pub(crate) mod optim;
 pub(crate) mod reduction;
+pub(crate) mod rope;
 pub(crate) mod softmax;
 pub(crate) mod tensor;
 

@@ -67,8 +67,6 @@
 //! which only the NCCL backend implements; the thread and MPI backends keep host slices.
 
 pub(crate) mod launch;
-/// Transitional: the cross-entropy pieces on `CudaTensor`s that `dtensor` still calls;
-/// everything else runs through the front door ([`crate::ops`]).
 pub mod source;
 mod tensor;
 mod view;

@@ -448,6 +448,16 @@ pub static REDUCE_EXT: KernelModule = KernelModule {
     roots: &[("reduce_combine", All), ("reduce_avg_div", All)],
 };
 
+/// `rope.cu`: rotary position embedding (`ops::rope`), both pair conventions and a rotary
+/// dim below the head dim, forward and backward in one kernel (the sign of the sines), with
+/// the CPU's expressions and its host-built `f64` tables rounded once, so results match the
+/// CPU bit for bit (checked on a GPU by `cuda_gpu.rs`).
+pub static ROPE: KernelModule = KernelModule {
+    name: "rope",
+    source: include_str!("kernels/rope.cu"),
+    roots: &[("rope", Float)],
+};
+
 /// `optim.cu`: the AdamW step (`ops::adamw_step`), in place on the parameter and its
 /// two moments; the host step's formula and order of operations (nn's `AdamW`).
 pub static OPTIM: KernelModule = KernelModule {
@@ -457,7 +467,7 @@ pub static OPTIM: KernelModule = KernelModule {
 };
 
 /// Every kernel module.
-pub static MODULES: [&KernelModule; 13] = [
+pub static MODULES: [&KernelModule; 14] = [
     &ELEMENTWISE,
     &ACTIVATION,
     &REDUCTION,
@@ -471,6 +481,7 @@ pub static MODULES: [&KernelModule; 13] = [
     &MOE,
     &REDUCE_EXT,
     &OPTIM,
+    &ROPE,
 ];
 
 #[cfg(test)]
@@ -602,7 +613,8 @@ mod tests {
             4,
             "adamw_step for the four float dtypes"
         );
-        assert_eq!(n, 200 + 36 + 18 + 4, "entries of all modules");
+        assert_eq!(ROPE.entries().len(), 4, "rope for the four float dtypes");
+        assert_eq!(n, 200 + 36 + 18 + 4 + 4, "entries of all modules");
         all.sort();
         all.dedup();
         assert_eq!(all.len(), n, "duplicate kernel entry names");

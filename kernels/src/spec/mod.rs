@@ -18,6 +18,7 @@ pub(crate) mod moe;
 pub(crate) mod norm;
 pub(crate) mod optim;
 pub(crate) mod reduction;
+pub(crate) mod rope;
 pub(crate) mod tensor;
 
 use crate::{DType, Error, Result, Tensor};
