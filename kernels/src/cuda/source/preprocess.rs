@@ -271,7 +271,7 @@ fn expand(input: Vec<Tok>, macros: &HashMap<String, Macro>) -> Result<Vec<Tok>, 
         let args = arguments(&t.text, &mut todo)?;
         let mut hide = (*t.hide).clone();
         hide.push(t.text.clone());
-        let body = substitute(&t.text, mac, args, &Rc::new(hide))?;
+        let body = substitute(&t.text, mac, args, &Rc::new(hide), macros)?;
         todo.extend(body.into_iter().rev());
     }
     Ok(out)
@@ -299,13 +299,14 @@ fn arguments(name: &str, todo: &mut Vec<Tok>) -> Result<Vec<Vec<Tok>>, String> {
     }
 }
 
-/// The body of `mac` with its parameters replaced by `args` and `##` / `#` applied, each
-/// token hidden from `hide`.
+/// The body of `mac` with its parameters replaced by `args` (expanded first, unless pasted)
+/// and `##` / `#` applied, each token hidden from `hide`.
 fn substitute(
     name: &str,
     mac: &Macro,
     mut args: Vec<Vec<Tok>>,
     hide: &Rc<Vec<String>>,
+    macros: &HashMap<String, Macro>,
 ) -> Result<Vec<Tok>, String> {
     // `F()` passes one empty argument, which is no argument for a macro without parameters.
     if mac.params.is_empty() && args.len() == 1 && args[0].is_empty() {
@@ -329,26 +330,29 @@ fn substitute(
             args.len()
         ));
     }
-    let arg = |text: &str| -> Option<&Vec<Tok>> {
+    let param = |text: &str| -> Option<usize> {
         if mac.variadic && text == "__VA_ARGS__" {
-            return args.last();
+            return Some(args.len() - 1);
         }
-        mac.params.iter().position(|p| p == text).map(|k| &args[k])
+        mac.params.iter().position(|p| p == text)
     };
+    let body = &mac.body;
     let mut out: Vec<Tok> = Vec::new();
     // Whether the last piece placed was empty (an empty argument: `##` then pastes nothing).
     let mut last_empty = false;
     let mut paste = false;
-    let mut body = mac.body.iter().peekable();
-    while let Some(b) = body.next() {
+    let mut j = 0;
+    while j < body.len() {
+        let b = &body[j];
+        j += 1;
         if b.text == "##" {
             paste = true;
             continue;
         }
-        let piece: Vec<Tok> =
-            if b.text == "#" && body.peek().is_some_and(|n| arg(&n.text).is_some()) {
-                let a = arg(&body.next().expect("peeked").text).expect("a parameter");
-                let words: Vec<&str> = a.iter().map(|t| t.text.as_str()).collect();
+        let piece: Vec<Tok> = match (b.text.as_str(), body.get(j).and_then(|n| param(&n.text))) {
+            ("#", Some(k)) => {
+                j += 1;
+                let words: Vec<&str> = args[k].iter().map(|t| t.text.as_str()).collect();
                 vec![Tok {
                     text: format!(
                         "\"{}\"",
@@ -356,9 +360,15 @@ fn substitute(
                     ),
                     hide: hide.clone(),
                 }]
-            } else {
-                arg(&b.text).cloned().unwrap_or_else(|| vec![b.clone()])
-            };
+            }
+            _ => match param(&b.text) {
+                // As C does: an argument is macro-expanded before it replaces its parameter,
+                // except where `##` pastes it.
+                Some(k) if paste || body.get(j).is_some_and(|n| n.text == "##") => args[k].clone(),
+                Some(k) => expand(args[k].clone(), macros)?,
+                None => vec![b.clone()],
+            },
+        };
         let mut piece = piece.into_iter().map(|t| Tok {
             text: t.text,
             hide: hide.clone(),
@@ -422,6 +432,20 @@ extern "C" __global__ void plain(int n) {}
                 "plain"
             ]
         );
+    }
+
+    #[test]
+    fn arguments_expand_before_substitution_unless_pasted() {
+        let src = r#"
+#define ID(X) X
+#define E(N) extern "C" __global__ void N(int x) {}
+E(ID(ID(j_f32)))
+#define P(N) extern "C" __global__ void p_##N(int x) {}
+#define F32 f64
+P(F32)
+"#;
+        // `F32` is pasted unexpanded (and object-like macros are not expanded anyway).
+        assert_eq!(names(src), ["j_f32", "p_F32"]);
     }
 
     #[test]
