@@ -34,6 +34,10 @@
 
 use dtensor::collectives::threads::{self, RankError};
 use dtensor::collectives::{Buffer, Request, Slice, SliceMut};
+#[cfg(feature = "cuda")]
+use dtensor::collectives::{DeviceBuffer, DeviceRequest};
+#[cfg(feature = "cuda")]
+use dtensor::kernels::cuda::{DeviceView, DeviceViewMut};
 use dtensor::nn::*;
 use dtensor::placement::ParallelConfig;
 use dtensor::prelude::*;
@@ -222,7 +226,11 @@ impl FaultComm {
         }
     }
 
-    fn start(&self, op: &'static str, f: impl FnOnce(&dyn Communicator) -> Request) -> Request {
+    fn start<B: Send + 'static>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&dyn Communicator) -> Request<B, B>,
+    ) -> Request<B, B> {
         match self.enter(op, true) {
             Ok(()) => f(&*self.inner),
             Err(e) => Request::ready(op, Err(e)),
@@ -241,151 +249,105 @@ fn is_injected(e: &CommError) -> bool {
     matches!(e, CommError::InvalidArgument { detail, .. } if detail == INJECTED)
 }
 
-impl Communicator for FaultComm {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn size(&self) -> usize {
-        self.inner.size()
-    }
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-    fn all_reduce(&self, buf: SliceMut<'_>, op: ReduceOp) -> CommResult<()> {
-        self.enter("all_reduce", false)?;
-        self.inner.all_reduce(buf, op)
-    }
-    fn all_gather(&self, send: Slice<'_>, recv: SliceMut<'_>) -> CommResult<()> {
-        self.enter("all_gather", false)?;
-        self.inner.all_gather(send, recv)
-    }
-    fn all_gatherv(&self, send: Slice<'_>, recv: SliceMut<'_>, counts: &[usize]) -> CommResult<()> {
-        self.enter("all_gatherv", false)?;
-        self.inner.all_gatherv(send, recv, counts)
-    }
-    fn all_gatherv_in_place(&self, buf: SliceMut<'_>, counts: &[usize]) -> CommResult<()> {
-        self.enter("all_gatherv_in_place", false)?;
-        self.inner.all_gatherv_in_place(buf, counts)
-    }
-    fn reduce_scatterv_in_place(
-        &self,
-        buf: SliceMut<'_>,
-        counts: &[usize],
-        op: ReduceOp,
-    ) -> CommResult<()> {
-        self.enter("reduce_scatterv_in_place", false)?;
-        self.inner.reduce_scatterv_in_place(buf, counts, op)
-    }
-    fn all_gather_cols(
-        &self,
-        send: Slice<'_>,
-        recv: SliceMut<'_>,
-        rows: usize,
-        widths: &[usize],
-    ) -> CommResult<()> {
-        self.enter("all_gather_cols", false)?;
-        self.inner.all_gather_cols(send, recv, rows, widths)
-    }
-    fn reduce_scatter_cols(
-        &self,
-        send: Slice<'_>,
-        recv: SliceMut<'_>,
-        rows: usize,
-        widths: &[usize],
-        op: ReduceOp,
-    ) -> CommResult<()> {
-        self.enter("reduce_scatter_cols", false)?;
-        self.inner.reduce_scatter_cols(send, recv, rows, widths, op)
-    }
-    fn all_to_all_cols(
-        &self,
-        send: Slice<'_>,
-        rows: usize,
-        send_widths: &[usize],
-        recv: SliceMut<'_>,
-        recv_counts: &[usize],
-    ) -> CommResult<()> {
-        self.enter("all_to_all_cols", false)?;
-        self.inner
-            .all_to_all_cols(send, rows, send_widths, recv, recv_counts)
-    }
-    fn reduce_scatter(&self, send: Slice<'_>, recv: SliceMut<'_>, op: ReduceOp) -> CommResult<()> {
-        self.enter("reduce_scatter", false)?;
-        self.inner.reduce_scatter(send, recv, op)
-    }
-    fn reduce_scatterv(
-        &self,
-        send: Slice<'_>,
-        recv: SliceMut<'_>,
-        counts: &[usize],
-        op: ReduceOp,
-    ) -> CommResult<()> {
-        self.enter("reduce_scatterv", false)?;
-        self.inner.reduce_scatterv(send, recv, counts, op)
-    }
-    fn all_to_all(&self, send: Slice<'_>, recv: SliceMut<'_>) -> CommResult<()> {
-        self.enter("all_to_all", false)?;
-        self.inner.all_to_all(send, recv)
-    }
-    fn all_to_allv(
-        &self,
-        send: Slice<'_>,
-        send_counts: &[usize],
-        recv: SliceMut<'_>,
-        recv_counts: &[usize],
-    ) -> CommResult<()> {
-        self.enter("all_to_allv", false)?;
-        self.inner.all_to_allv(send, send_counts, recv, recv_counts)
-    }
-    fn broadcast(&self, buf: SliceMut<'_>, root: usize) -> CommResult<()> {
-        self.enter("broadcast", false)?;
-        self.inner.broadcast(buf, root)
-    }
-    fn send(&self, buf: Slice<'_>, dst: usize, tag: u32) -> CommResult<()> {
-        self.enter("send", false)?;
-        self.inner.send(buf, dst, tag)
-    }
-    fn recv(&self, buf: SliceMut<'_>, src: usize, tag: u32) -> CommResult<()> {
-        self.enter("recv", false)?;
-        self.inner.recv(buf, src, tag)
-    }
-    fn barrier(&self) -> CommResult<()> {
-        self.enter("barrier", false)?;
-        self.inner.barrier()
+/// Blocking calls that count, and may fire the fault before reaching the inner communicator.
+macro_rules! counted {
+    ($($(#[$cfg:meta])? fn $name:ident($($arg:ident: $ty:ty),*);)*) => {$(
+        $(#[$cfg])?
+        fn $name(&self, $($arg: $ty),*) -> CommResult<()> {
+            self.enter(stringify!($name), false)?;
+            self.inner.$name($($arg),*)
+        }
+    )*};
+}
+
+/// Asynchronous starts that count as the collective `op` (their fault shows at the wait).
+macro_rules! started {
+    ($($(#[$cfg:meta])? fn $name:ident($($arg:ident: $ty:ty),*) -> $req:ty = $op:literal;)*) => {$(
+        $(#[$cfg])?
+        fn $name(&self, $($arg: $ty),*) -> $req {
+            self.start($op, |c| c.$name($($arg),*))
+        }
+    )*};
+}
+
+/// Every call that moves data or agrees on something counts; the rest (`rank`, `counters`,
+/// …) are the inner communicator's.
+impl dtensor::collectives::Forward for FaultComm {
+    fn inner(&self) -> &dyn Communicator {
+        &*self.inner
     }
     fn split(&self, color: usize, key: usize) -> CommResult<Arc<dyn Communicator>> {
         self.enter("split", false)?;
         let child = self.inner.split(color, key)?;
         Ok(FaultComm::wrap(child, self.state.clone()))
     }
-    fn counters(&self) -> CounterSnapshot {
-        self.inner.counters()
+    counted! {
+        fn all_reduce(buf: SliceMut<'_>, op: ReduceOp);
+        fn all_gather(send: Slice<'_>, recv: SliceMut<'_>);
+        fn all_gatherv(send: Slice<'_>, recv: SliceMut<'_>, counts: &[usize]);
+        fn all_gatherv_in_place(buf: SliceMut<'_>, counts: &[usize]);
+        fn reduce_scatterv_in_place(buf: SliceMut<'_>, counts: &[usize], op: ReduceOp);
+        fn all_gather_cols(send: Slice<'_>, recv: SliceMut<'_>, rows: usize, widths: &[usize]);
+        fn reduce_scatter_cols(send: Slice<'_>, recv: SliceMut<'_>, rows: usize,
+            widths: &[usize], op: ReduceOp);
+        fn all_to_all_cols(send: Slice<'_>, rows: usize, send_widths: &[usize],
+            recv: SliceMut<'_>, recv_counts: &[usize]);
+        fn reduce_scatter(send: Slice<'_>, recv: SliceMut<'_>, op: ReduceOp);
+        fn reduce_scatterv(send: Slice<'_>, recv: SliceMut<'_>, counts: &[usize], op: ReduceOp);
+        fn all_to_all(send: Slice<'_>, recv: SliceMut<'_>);
+        fn all_to_allv(send: Slice<'_>, send_counts: &[usize], recv: SliceMut<'_>,
+            recv_counts: &[usize]);
+        fn broadcast(buf: SliceMut<'_>, root: usize);
+        fn send(buf: Slice<'_>, dst: usize, tag: u32);
+        fn recv(buf: SliceMut<'_>, src: usize, tag: u32);
+        fn barrier();
+        #[cfg(feature = "cuda")]
+        fn all_reduce_device(buf: DeviceViewMut<'_>, op: ReduceOp);
+        #[cfg(feature = "cuda")]
+        fn all_gather_device(send: DeviceView<'_>, recv: DeviceViewMut<'_>);
+        #[cfg(feature = "cuda")]
+        fn all_gatherv_device(send: DeviceView<'_>, recv: DeviceViewMut<'_>, counts: &[usize]);
+        #[cfg(feature = "cuda")]
+        fn reduce_scatter_device(send: DeviceView<'_>, recv: DeviceViewMut<'_>, op: ReduceOp);
+        #[cfg(feature = "cuda")]
+        fn reduce_scatterv_device(send: DeviceView<'_>, recv: DeviceViewMut<'_>,
+            counts: &[usize], op: ReduceOp);
+        #[cfg(feature = "cuda")]
+        fn all_to_all_device(send: DeviceView<'_>, recv: DeviceViewMut<'_>);
+        #[cfg(feature = "cuda")]
+        fn all_to_allv_device(send: DeviceView<'_>, send_counts: &[usize],
+            recv: DeviceViewMut<'_>, recv_counts: &[usize]);
+        #[cfg(feature = "cuda")]
+        fn broadcast_device(buf: DeviceViewMut<'_>, root: usize);
+        #[cfg(feature = "cuda")]
+        fn send_device(buf: DeviceView<'_>, dst: usize, tag: u32);
+        #[cfg(feature = "cuda")]
+        fn recv_device(buf: DeviceViewMut<'_>, src: usize, tag: u32);
     }
-    fn set_label(&self, label: &'static str) {
-        self.inner.set_label(label)
-    }
-    fn start_all_reduce(&self, buf: Buffer, op: ReduceOp) -> Request {
-        self.start("all_reduce", |c| c.start_all_reduce(buf, op))
-    }
-    fn start_all_gather(&self, send: Buffer, recv: Buffer) -> Request {
-        self.start("all_gather", |c| c.start_all_gather(send, recv))
-    }
-    fn start_all_gatherv(&self, send: Buffer, recv: Buffer, counts: &[usize]) -> Request {
-        self.start("all_gatherv", |c| c.start_all_gatherv(send, recv, counts))
-    }
-    fn start_reduce_scatter(&self, send: Buffer, recv: Buffer, op: ReduceOp) -> Request {
-        self.start("reduce_scatter", |c| c.start_reduce_scatter(send, recv, op))
-    }
-    fn start_reduce_scatterv(
-        &self,
-        send: Buffer,
-        recv: Buffer,
-        counts: &[usize],
-        op: ReduceOp,
-    ) -> Request {
-        self.start("reduce_scatterv", |c| {
-            c.start_reduce_scatterv(send, recv, counts, op)
-        })
+    started! {
+        fn start_all_reduce(buf: Buffer, op: ReduceOp) -> Request = "all_reduce";
+        fn start_all_gather(send: Buffer, recv: Buffer) -> Request = "all_gather";
+        fn start_all_gatherv(send: Buffer, recv: Buffer, counts: &[usize]) -> Request
+            = "all_gatherv";
+        fn start_reduce_scatter(send: Buffer, recv: Buffer, op: ReduceOp) -> Request
+            = "reduce_scatter";
+        fn start_reduce_scatterv(send: Buffer, recv: Buffer, counts: &[usize], op: ReduceOp)
+            -> Request = "reduce_scatterv";
+        #[cfg(feature = "cuda")]
+        fn start_all_reduce_device(buf: DeviceBuffer, op: ReduceOp) -> DeviceRequest
+            = "all_reduce";
+        #[cfg(feature = "cuda")]
+        fn start_all_gather_device(send: DeviceBuffer, recv: DeviceBuffer) -> DeviceRequest
+            = "all_gather";
+        #[cfg(feature = "cuda")]
+        fn start_all_gatherv_device(send: DeviceBuffer, recv: DeviceBuffer, counts: &[usize])
+            -> DeviceRequest = "all_gatherv";
+        #[cfg(feature = "cuda")]
+        fn start_reduce_scatter_device(send: DeviceBuffer, recv: DeviceBuffer, op: ReduceOp)
+            -> DeviceRequest = "reduce_scatter";
+        #[cfg(feature = "cuda")]
+        fn start_reduce_scatterv_device(send: DeviceBuffer, recv: DeviceBuffer,
+            counts: &[usize], op: ReduceOp) -> DeviceRequest = "reduce_scatterv";
     }
 }
 

@@ -1,8 +1,10 @@
 //! The no-GPU check of the CUDA kernels (feature `cuda`), run in CI: every kernel module is
-//! compiled by NVRTC to PTX for `compute_90`, every entry of the kernel table must be in it
-//! with the parameters the launches push (`KernelModule::params`: count, order, and each one's
-//! PTX type, so an `int` for a `u64` or a `double` for a `float` fails here), and `ptxas` assembles it for `sm_90` (the H100/H200), reporting registers and spills per
-//! kernel. Plus the error paths without a driver.
+//! compiled by NVRTC to PTX for `compute_90`; its entries must be exactly the kernel table read
+//! from its `.cu` source (`KernelModule::roots`), each with the parameters the launches push
+//! (`KernelModule::params`: count, order, and each one's PTX type, so an `int` for a `u64` or
+//! a `double` for a `float` fails here); and `ptxas` assembles it for `sm_90` (the
+//! H100/H200), reporting registers and spills per kernel. Plus the error paths without a
+//! driver.
 //!
 //! Needs NVRTC on the loader path and `PTXAS` (see `scripts/cuda-tools.sh`). Without them the
 //! test prints `SKIPPED: <reason>`; with `CUDA_TOOLS_REQUIRED=1` (CI) it fails instead.
@@ -101,6 +103,14 @@ fn parse_ptxas(log: &str) -> Vec<(String, u32, u32, u32)> {
     out
 }
 
+/// The names of every `.entry name(` of `ptx`.
+fn ptx_entries(ptx: &str) -> Vec<String> {
+    ptx.split(".entry ")
+        .skip(1)
+        .filter_map(|rest| Some(rest[..rest.find('(')?].trim().to_string()))
+        .collect()
+}
+
 /// The parameter types (`.u64`, `.u32`, `.f32`, `.f64`, …) of `.entry name(…)` in `ptx`.
 fn ptx_params<'a>(ptx: &'a str, name: &str) -> Vec<&'a str> {
     let head = format!(".entry {name}(");
@@ -140,19 +150,22 @@ fn kernels_compile_to_ptx_and_assemble_for_sm90() {
         let ptx = cuda::compile(m, Target::Ptx("compute_90")).unwrap_or_else(|e| panic!("{e}"));
         let text = String::from_utf8(ptx.to_vec()).unwrap();
         assert!(text.contains(".target sm_90"), "{}: not sm_90 PTX", m.name);
-        let want = m.entries();
-        for e in &want {
-            assert!(
-                text.contains(&format!(".entry {e}(")),
-                "module {}: kernel {e} missing from the PTX",
-                m.name
-            );
-        }
-        for &(root, dts) in m.roots {
-            for &d in dts.list() {
-                let e = format!("{root}_{d}");
+        // The table read from the source is exactly what the compiled code exports.
+        let want = m.entries().unwrap_or_else(|e| panic!("{e}"));
+        let mut table = want.clone();
+        table.sort();
+        let mut exported = ptx_entries(&text);
+        exported.sort();
+        assert_eq!(
+            table, exported,
+            "module {}: the kernel table read from {0}.cu (left) differs from the PTX's entries (right)",
+            m.name
+        );
+        for r in m.roots().unwrap_or_else(|e| panic!("{e}")) {
+            for &d in &r.dtypes {
+                let e = source::entry(&r.name, d);
                 let want: Vec<&str> = m
-                    .params(root, d)
+                    .params(&r.name, d)
                     .unwrap_or_else(|| panic!("{e}: no parameters read from {}.cu", m.name))
                     .into_iter()
                     .map(|p| p.ptx())
@@ -160,19 +173,12 @@ fn kernels_compile_to_ptx_and_assemble_for_sm90() {
                 let got = ptx_params(&text, &e);
                 if got != want {
                     bad.push(format!(
-                        "{e}: the PTX takes {got:?}, the launches push (source.rs) {want:?}"
+                        "{e}: the PTX takes {got:?}, the launches push (read from the .cu) {want:?}"
                     ));
                 }
             }
         }
-        let found = text.matches(".entry ").count();
-        assert_eq!(
-            found,
-            want.len(),
-            "module {}: PTX has entries the table lacks",
-            m.name
-        );
-        entries += found;
+        entries += exported.len();
         let compile = t0.elapsed();
         let Some(ptxas) = &ptxas else { continue };
         let f = dir.join(format!("{}.ptx", m.name));
@@ -250,11 +256,10 @@ fn compile_error_carries_the_nvrtc_log() {
     if !cuda::nvrtc_present() {
         return skip("libnvrtc not found");
     }
-    static BROKEN: source::KernelModule = source::KernelModule {
-        name: "broken",
-        source: "extern \"C\" __global__ void broken_f32(float* x) { x[0] = undefined_name; }",
-        roots: &[],
-    };
+    static BROKEN: source::KernelModule = source::KernelModule::new(
+        "broken",
+        "extern \"C\" __global__ void broken_f32(float* x) { x[0] = undefined_name; }",
+    );
     let e = cuda::compile(&BROKEN, Target::Ptx("compute_90")).unwrap_err();
     let msg = e.to_string();
     assert!(

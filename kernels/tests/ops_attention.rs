@@ -510,3 +510,36 @@ fn backward_rejects_bad_arguments() {
         BWD,
     );
 }
+
+#[test]
+fn overflowing_positions_and_head_dims_are_errors_not_panics() {
+    let good = CausalAttention {
+        seq_len: 4,
+        head_dim: 4,
+        rope_base: 10000.0,
+        pos_offset: 0,
+    };
+    let qkv = Tensor::zeros(&[8, 24], DType::F32);
+    // The last token's position, pos_offset + 3, does not fit a usize.
+    let far = CausalAttention {
+        pos_offset: usize::MAX - 2,
+        ..good
+    };
+    let e = assert_names_op(ops::causal_attention(&qkv, &far), FWD);
+    assert!(e.to_string().contains("pos_offset"), "{e}");
+    let (out, lse) = (
+        Tensor::zeros(&[8, 8], DType::F32),
+        Tensor::zeros(&[8, 2], DType::F32),
+    );
+    assert_names_op(
+        ops::causal_attention_backward(&out, &qkv, &out, &lse, &far),
+        BWD,
+    );
+    // 3·head_dim does not fit a usize.
+    let wide = CausalAttention {
+        head_dim: usize::MAX - 1,
+        ..good
+    };
+    let e = assert_names_op(ops::causal_attention(&qkv, &wide), FWD);
+    assert!(e.to_string().contains("head_dim"), "{e}");
+}

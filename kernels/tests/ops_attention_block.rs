@@ -226,3 +226,29 @@ fn bad_blocks_are_errors_naming_the_op() {
         "ops::attention_block",
     );
 }
+
+#[test]
+fn overflowing_head_dims_are_errors_not_panics() {
+    let (qkv, _) = input(&[4, 6], 5, 1.0, DType::F64);
+    let kv = ops::pack_kv(&qkv, 2).unwrap();
+    // 3·head_dim does not fit a usize.
+    let huge = usize::MAX - 1;
+    assert_names_op(ops::pack_kv(&qkv, huge), "ops::pack_kv");
+    let cfg = BlockAttention {
+        head_dim: huge,
+        rope_base: 100.0,
+        q_pos: &[0, 1],
+        k_pos: &[0, 1],
+    };
+    assert_names_op(
+        ops::attention_block(&qkv, &kv, &cfg),
+        "ops::attention_block",
+    );
+    // An empty dq of so many heads that dkv's H·2·d columns, and the fused H·3·d, do not fit.
+    let dq = Tensor::zeros(&[0, usize::MAX - 1], DType::F32);
+    let dkv = Tensor::zeros(&[0, 2], DType::F32);
+    assert_names_op(
+        ops::fuse_qkv_grad(&dq, &dkv, 1, DType::F32),
+        "ops::fuse_qkv_grad",
+    );
+}

@@ -502,13 +502,14 @@ pub(super) struct Init {
 fn preload_kernels(device: &Device) -> Result<()> {
     const OP: &str = "nccl::launch";
     let _ = device.blas();
+    let failed = |err| Error::Library {
+        op: OP,
+        backend: BACKEND,
+        detail: format!("preloading the kernels of a GPU shared by several ranks: {err}"),
+    };
     for m in dtensor_kernels::cuda::source::MODULES {
-        for e in m.entries() {
-            device.function(m, &e).map_err(|err| Error::Library {
-                op: OP,
-                backend: BACKEND,
-                detail: format!("preloading the kernels of a GPU shared by several ranks: {err}"),
-            })?;
+        for e in m.entries().map_err(failed)? {
+            device.function(m, &e).map_err(failed)?;
         }
     }
     Ok(())

@@ -1,5 +1,6 @@
-//! Host kernels of [`crate::ops::activation`](mod@crate::ops::activation): they run on host tensors whose
-//! arguments the front door has checked.
+//! Host kernels of [`crate::ops::activation`](mod@crate::ops::activation), on host tensors. Each says
+//! what it relies on and which check ensures it: the front door's, before the call, or the
+//! kernel's own call of the `spec` check it shares with the device launch.
 
 use super::{store, AccFloat, Accum, Float};
 use crate::{Result, Tensor};
@@ -71,8 +72,11 @@ fn grad_into<T: Float>(
     }
 }
 
-/// The host halves of a unary activation `$f` and its gradient `$grad`: `$name_into` and
-/// `$back_into` of the front door, after their checks.
+/// The host halves of a unary activation `$f` and its gradient `$grad`, called by the
+/// front door's `$name_into` and `$back_into` (`ops::unary_activation!`). `$name_into` relies
+/// on `dst` having `x`'s shape and dtype (`spec::check_dst`); `$back_into` on `dy` having
+/// `x`'s shape and dtype (`spec::same_layout`) and `dx` too (`spec::check_dst`). A dtype
+/// that is not float is an `Err` here.
 macro_rules! host_activation {
     ($name_into:ident, $back_into:ident, $f:ident, $grad:ident) => {
         pub(crate) fn $name_into(op: &'static str, dst: &mut Tensor, x: &Tensor) -> Result<()> {
@@ -106,7 +110,8 @@ macro_rules! host_activation {
 host_activation!(gelu_into, gelu_backward_into, gelu_f, gelu_grad);
 host_activation!(silu_into, silu_backward_into, silu_f, silu_grad);
 
-/// Host kernel of [`crate::ops::swiglu_into`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::swiglu_into`]: relies on `up` having `gate`'s shape and dtype
+/// (`spec::same_layout`) and `dst` too (`spec::check_dst`), as the front door checks.
 pub(crate) fn swiglu_into(dst: &mut Tensor, gate: &Tensor, up: &Tensor) -> Result<()> {
     const OP: &str = "ops::swiglu";
     dispatch_float!(OP, gate.dtype(), |T| {
@@ -118,7 +123,9 @@ pub(crate) fn swiglu_into(dst: &mut Tensor, gate: &Tensor, up: &Tensor) -> Resul
     })
 }
 
-/// Host kernel of [`crate::ops::swiglu_backward_into`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::swiglu_backward_into`]: relies on `up` and `dy` having
+/// `gate`'s shape and dtype (`spec::same_layout`) and `d_gate`, `d_up` too
+/// (`spec::check_dst`), as the front door checks.
 pub(crate) fn swiglu_backward_into(
     d_gate: &mut Tensor,
     d_up: &mut Tensor,

@@ -1,5 +1,6 @@
-//! Host kernels of [`crate::ops::attention`](mod@crate::ops::attention): they run on host tensors whose
-//! arguments the front door has checked.
+//! Host kernels of [`crate::ops::attention`](mod@crate::ops::attention), on host tensors. Each says
+//! what it relies on and which check ensures it: the front door's, before the call, or the
+//! kernel's own call of the `spec` check it shares with the device launch.
 
 use super::{acc_dtype, exp_f32, AccFloat, Float, Parallelism};
 use crate::spec::attention::*;
@@ -13,7 +14,9 @@ use num_traits::Float as _;
 /// softmax's running max is finite from the first block on.
 pub(super) const BLOCK: usize = 64;
 
-/// Host kernel of [`crate::ops::causal_attention`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::causal_attention`]: relies on `g` being
+/// `spec::attention::check_qkv`'s sizes of this `qkv` and `cfg` (float `[batch·s, H·3·d]`,
+/// `d` even, every position `pos_offset + i` a `usize`), which the front door computes.
 pub(crate) fn causal_attention(
     qkv: &Tensor,
     cfg: &CausalAttention,
@@ -34,7 +37,10 @@ pub(crate) fn causal_attention(
     Ok(CausalAttentionOutput { out, lse })
 }
 
-/// Host kernel of [`crate::ops::causal_attention_backward`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::causal_attention_backward`]: relies on `g` as
+/// [`causal_attention`] does, on `dout` and `out` being `[tokens, H·d]` of `qkv`'s dtype and
+/// `lse` `[tokens, H]` of its compute dtype (`spec::same_dtype`, `spec::check_dst`), as the
+/// front door checks.
 pub(crate) fn causal_attention_backward(
     dout: &Tensor,
     qkv: &Tensor,

@@ -1,5 +1,6 @@
-//! Host kernels of [`crate::ops::attention_block`](mod@crate::ops::attention_block): they run on host tensors whose
-//! arguments the front door has checked.
+//! Host kernels of [`crate::ops::attention_block`](mod@crate::ops::attention_block), on host tensors. Each says
+//! what it relies on and which check ensures it: the front door's, before the call, or the
+//! kernel's own call of the `spec` check it shares with the device launch.
 
 use super::attention::{forward_sample, ExpShifted, FwdScratch, Operands, SampleGrads};
 use super::{acc_dtype, check_dst, same_dtype, AccFloat, Float};
@@ -29,7 +30,9 @@ pub(crate) fn pack_kv(qkv: &Tensor, head_dim: usize) -> Result<Tensor> {
     Ok(kv)
 }
 
-/// Host kernel of [`crate::ops::attention_block`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::attention_block`](fn@crate::ops::attention_block): checks `qkv`, `kv` and `cfg` itself
+/// (`spec::attention_block::check_block`, shared with the device launch); relies on nothing
+/// else.
 pub(crate) fn attention_block(
     qkv: &Tensor,
     kv: &Tensor,
@@ -144,7 +147,9 @@ fn block_forward<T: Float<Acc: ExpShifted>>(
     }
 }
 
-/// Host kernel of [`crate::ops::merge_attention`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::merge_attention`]: checks both sides itself
+/// (`spec::attention_block::check_merge`: `[rows, H]` lse and `[rows, H·d]` out, f32 or f64
+/// alike); relies on nothing else.
 pub(crate) fn merge_attention(
     acc: &mut CausalAttentionOutput,
     part: &CausalAttentionOutput,
@@ -191,7 +196,9 @@ pub(crate) fn merge_attention(
     Ok(())
 }
 
-/// Host kernel of [`crate::ops::attention_block_backward`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::attention_block_backward`]: checks every operand itself
+/// (`spec::attention_block::check_block`, then `dout`, `out`, `lse`, `dq`, `dkv` against its
+/// sizes); relies on nothing else.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_block_backward(
     dout: &Tensor,
@@ -283,7 +290,9 @@ fn block_backward<T: Float<Acc: ExpShifted>>(
     }
 }
 
-/// Host kernel of [`crate::ops::fuse_qkv_grad`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::fuse_qkv_grad`]: checks `dq` and `dkv` itself
+/// (`spec::attention_block::check_fuse_qkv_grad`, which also keeps `H·3·d` within a `usize`);
+/// a `dtype` that is not float is an `Err` here.
 pub(crate) fn fuse_qkv_grad(
     dq: &Tensor,
     dkv: &Tensor,
@@ -316,7 +325,8 @@ pub(crate) fn fuse_qkv_grad(
     Ok(dqkv)
 }
 
-/// Host kernel of [`crate::ops::gather_rows`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::gather_rows`]: checks itself that `t` is 2-D and every
+/// index of `src` a row of it; relies on nothing else.
 pub(crate) fn gather_rows(t: &Tensor, src: &[usize]) -> Result<Tensor> {
     let (rows, cols) = match t.shape() {
         &[r, c] => (r, c),

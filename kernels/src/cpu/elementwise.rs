@@ -1,10 +1,12 @@
-//! Host kernels of [`crate::ops::elementwise`](mod@crate::ops::elementwise): they run on host tensors whose
-//! arguments the front door has checked.
+//! Host kernels of [`crate::ops::elementwise`](mod@crate::ops::elementwise), on host tensors. Each says
+//! what it relies on and which check ensures it: the front door's, before the call, or the
+//! kernel's own call of the `spec` check it shares with the device launch.
 
 use super::{store, Accum, Float};
 use crate::{Result, Tensor};
 
-/// Host kernel of [`crate::ops::sub`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::sub`]: relies on `b` having `a`'s dtype and shape, as
+/// `spec::same_layout` in the front door ensures (a dtype that is not float is an `Err` here).
 pub(crate) fn sub(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     const OP: &str = "ops::sub";
     let mut out = a.clone();
@@ -18,7 +20,9 @@ pub(crate) fn sub(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     Ok(out)
 }
 
-/// Host kernel of [`crate::ops::mul_row`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::mul_row`]: relies on `n` being `x`'s last dim
+/// (`spec::rows_last`) and `w` being `[n]` of `x`'s dtype (`spec::check_row_param`), as the
+/// front door ensures.
 pub(crate) fn mul_row(x: &Tensor, w: &Tensor, n: usize) -> Result<Tensor> {
     const OP: &str = "ops::mul_row";
     let mut out = x.clone();
@@ -36,7 +40,9 @@ pub(crate) fn mul_row(x: &Tensor, w: &Tensor, n: usize) -> Result<Tensor> {
     Ok(out)
 }
 
-/// The host half of `add_row_assign_op` (the front door checked the arguments).
+/// The host half of `ops::add_row_assign_op` (and so of `add_row` and `add_row_assign`):
+/// relies on `n` being `x`'s last dim (`spec::rows_last`) and `bias` being `[n]` of `x`'s
+/// dtype (`spec::check_row_param`), as that function ensures.
 pub(crate) fn add_row_assign_op(
     op: &'static str,
     x: &mut Tensor,
@@ -56,14 +62,17 @@ pub(crate) fn add_row_assign_op(
     })
 }
 
-/// Host kernel of [`crate::ops::sum_rows`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::sum_rows`]: relies on `n` being `x`'s last dim, as
+/// `spec::rows_last` in the front door ensures.
 pub(crate) fn sum_rows(x: &Tensor, n: usize) -> Result<Tensor> {
     let mut dst = Tensor::zeros(&[n], x.dtype());
     sum_rows_into(&mut dst, x, Accum::Replace, n)?;
     Ok(dst)
 }
 
-/// Host kernel of [`crate::ops::sum_rows_into`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::sum_rows_into`]: relies on `n` being `x`'s last dim
+/// (`spec::rows_last`) and `dst` being `[n]` of `x`'s dtype (`spec::check_dst`), as the front
+/// door ensures.
 pub(crate) fn sum_rows_into(dst: &mut Tensor, x: &Tensor, accum: Accum, n: usize) -> Result<()> {
     const OP: &str = "ops::sum_rows";
     dispatch_float!(OP, x.dtype(), |T| {

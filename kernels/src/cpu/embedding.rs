@@ -1,11 +1,15 @@
-//! Host kernels of [`crate::ops::embedding`](mod@crate::ops::embedding): they run on host tensors whose
-//! arguments the front door has checked.
+//! Host kernels of [`crate::ops::embedding`](mod@crate::ops::embedding), on host tensors. Each says
+//! what it relies on and which check ensures it: the front door's, before the call, or the
+//! kernel's own call of the `spec` check it shares with the device launch.
 
 use super::{store, Accum, Float};
 use crate::spec::embedding::*;
 use crate::{Result, Tensor};
 
-/// The host half of `gather` (the front door checked the arguments).
+/// The host half of `ops::embedding` / `embedding_masked`: relies on `shard` being valid
+/// (`VocabShard::check`) and `table` being `[shard.len, hidden]`
+/// (`spec::embedding::table_dims`), as the front door's `gather` ensures; reads the ids and
+/// checks them against `shard.vocab` itself (`spec::embedding::read_ids`).
 pub(crate) fn gather(
     op: &'static str,
     table: &Tensor,
@@ -29,7 +33,10 @@ pub(crate) fn gather(
     Ok(out)
 }
 
-/// The host half of `scatter` (the front door checked the arguments).
+/// The host half of the `ops::embedding_*backward*` ops: relies on `shard` being valid
+/// (`VocabShard::check`), `dy` being `ids.shape ++ [hidden]` (`spec::embedding::dy_hidden`)
+/// and `dtable` `[shard.len, hidden]` of `dy`'s dtype (`spec::check_dst`), as the front
+/// door's `scatter` ensures; reads and checks the ids itself (`spec::embedding::read_ids`).
 pub(crate) fn scatter(
     op: &'static str,
     dtable: &mut Tensor,

@@ -1,5 +1,6 @@
-//! Host kernels of [`crate::ops::matmul`](mod@crate::ops::matmul): they run on host tensors whose
-//! arguments the front door has checked.
+//! Host kernels of [`crate::ops::matmul`](mod@crate::ops::matmul), on host tensors. Each says
+//! what it relies on and which check ensures it: the front door's, before the call, or the
+//! kernel's own call of the `spec` check it shares with the device launch.
 
 use super::{Accum, Parallelism, Transpose};
 use crate::spec::matmul::Plan;
@@ -18,7 +19,7 @@ pub struct MatmulScratch {
     dst: Vec<f32>,
 }
 
-/// `op(a)·op(b)` of host tensors into a new tensor, checked as [`crate::ops::matmul`] checks
+/// `op(a)·op(b)` of host tensors into a new tensor, checked as [`crate::ops::matmul`](fn@crate::ops::matmul) checks
 /// it: what the front door runs for host operands, for host kernels built on products.
 pub(crate) fn matmul(a: &Tensor, ta: Transpose, b: &Tensor, tb: Transpose) -> Result<Tensor> {
     let plan = Plan::new(a, ta, b, tb)?;
@@ -36,7 +37,10 @@ pub(crate) fn matmul(a: &Tensor, ta: Transpose, b: &Tensor, tb: Transpose) -> Re
     Ok(dst)
 }
 
-/// Host kernel of [`crate::ops::matmul_into_with`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::matmul_into_with`]: relies on `plan` being
+/// `spec::matmul::Plan::new` of these operands (one float dtype, agreeing shapes, block sizes
+/// that fit a `usize`) and `dst` having `plan.out_shape` and `a`'s dtype (`spec::check_dst`),
+/// as the front door ensures; gemm's slices are asserted against the plan before the call.
 pub(crate) fn matmul_into_with(
     dst: &mut Tensor,
     a: &Tensor,

@@ -1,7 +1,8 @@
 //! The host kernels: each op's arithmetic on host tensors, in the fixed order that keeps
 //! replicas bitwise identical. Called only by the front door ([`crate::ops`]), after it has
 //! checked the arguments (with the [`crate::spec`] checks) and found the tensors in host
-//! memory. Imports the spec and storage floors only.
+//! memory; a few kernels run their `spec` check themselves. Each kernel's doc names what it
+//! relies on and the check that ensures it. Imports the spec and storage floors only.
 
 pub(crate) mod activation;
 pub(crate) mod attention;

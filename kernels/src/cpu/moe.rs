@@ -1,12 +1,15 @@
-//! Host kernels of [`crate::ops::moe`](mod@crate::ops::moe): they run on host tensors whose
-//! arguments the front door has checked.
+//! Host kernels of [`crate::ops::moe`](mod@crate::ops::moe), on host tensors. Each says
+//! what it relies on and which check ensures it: the front door's, before the call, or the
+//! kernel's own call of the `spec` check it shares with the device launch.
 
 use super::matmul::matmul;
 use super::{same_dtype, Transpose};
 use crate::spec::moe::*;
 use crate::{Error, Result, Tensor};
 
-/// Host kernel of [`crate::ops::scatter_add_rows`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::scatter_add_rows`]: checks itself
+/// (`spec::moe::check_scatter_add`: `src` 2-D with one row per destination, every destination
+/// below `n`, `[n, h]` within a `usize`); relies on nothing else.
 pub(crate) fn scatter_add_rows(src: &Tensor, rows: &[usize], n: usize) -> Result<Tensor> {
     const OP: &str = "ops::scatter_add_rows";
     let (_, h) = check_scatter_add(OP, src, rows, n)?;
@@ -28,7 +31,9 @@ fn expert(w: &Tensor, g: usize, out: usize, k: usize) -> Result<Tensor> {
     w.narrow(0, g, 1)?.reshape(&[out, k])
 }
 
-/// Host kernel of [`crate::ops::grouped_matmul_t`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::grouped_matmul_t`]: checks itself (`spec::moe::check_grouped`:
+/// one dtype, `[rows, in]` and `[experts, out, in]`, one group per expert summing to `rows`);
+/// relies on nothing else.
 pub(crate) fn grouped_matmul_t(x: &Tensor, w: &Tensor, groups: &[usize]) -> Result<Tensor> {
     const OP: &str = "ops::grouped_matmul_t";
     let (_, out, k) = check_grouped(OP, x, w, groups)?;
@@ -52,7 +57,8 @@ pub(crate) fn grouped_matmul_t(x: &Tensor, w: &Tensor, groups: &[usize]) -> Resu
     Tensor::cat(&pieces, 0)
 }
 
-/// Host kernel of [`crate::ops::grouped_matmul_t_backward`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::grouped_matmul_t_backward`]: checks itself, as
+/// [`grouped_matmul_t`] and `dy` `[rows, out]` of `x`'s dtype; relies on nothing else.
 pub(crate) fn grouped_matmul_t_backward(
     dy: &Tensor,
     x: &Tensor,

@@ -1,5 +1,6 @@
-//! Host kernels of [`crate::ops::norm`](mod@crate::ops::norm): they run on host tensors whose
-//! arguments the front door has checked.
+//! Host kernels of [`crate::ops::norm`](mod@crate::ops::norm), on host tensors. Each says
+//! what it relies on and which check ensures it: the front door's, before the call, or the
+//! kernel's own call of the `spec` check it shares with the device launch.
 
 use super::{acc_dtype, AccFloat, Float};
 use crate::spec::norm::*;
@@ -111,7 +112,9 @@ fn narrow_into<T: Float>(dst: &mut [T], src: &[T::Acc]) {
     }
 }
 
-/// Host kernel of [`crate::ops::layer_norm`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::layer_norm`]: relies on `x` being float of rank ≥ 1 with a
+/// nonempty last dim `n`, and `weight`, `bias` `[n]` of its dtype, as
+/// `spec::norm::check_input` in the front door ensures.
 pub(crate) fn layer_norm(
     x: &Tensor,
     weight: &Tensor,
@@ -141,7 +144,10 @@ pub(crate) fn layer_norm(
     Ok(LayerNormOutput { y, mean, rstd })
 }
 
-/// Host kernel of [`crate::ops::layer_norm_backward`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::layer_norm_backward`]: relies on `x`, `weight` and `n` as
+/// [`layer_norm`] does (`spec::norm::check_input`), `dy` having `x`'s shape and dtype
+/// (`spec::same_layout`), and `mean`, `rstd` having `x`'s leading shape and compute dtype
+/// (`spec::norm::check_stat`), as the front door ensures.
 pub(crate) fn layer_norm_backward(
     dy: &Tensor,
     x: &Tensor,
@@ -176,7 +182,9 @@ pub(crate) fn layer_norm_backward(
     Ok(LayerNormGrads { dx, dweight, dbias })
 }
 
-/// Host kernel of [`crate::ops::rms_norm`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::rms_norm`]: relies on `x` being float of rank ≥ 1 with a
+/// nonempty last dim `n`, and `weight` `[n]` of its dtype, as `spec::norm::check_input` in
+/// the front door ensures.
 pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, n: usize) -> Result<RmsNormOutput> {
     const OP: &str = "ops::rms_norm";
     let lead = &x.shape()[..x.rank() - 1];
@@ -199,7 +207,10 @@ pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, n: usize) -> Resul
     Ok(RmsNormOutput { y, rstd })
 }
 
-/// Host kernel of [`crate::ops::rms_norm_backward`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::rms_norm_backward`]: relies on `x`, `weight` and `n` as
+/// [`rms_norm`] does (`spec::norm::check_input`), `dy` having `x`'s shape and dtype
+/// (`spec::same_layout`), and `rstd` having `x`'s leading shape and compute dtype
+/// (`spec::norm::check_stat`), as the front door ensures.
 pub(crate) fn rms_norm_backward(
     dy: &Tensor,
     x: &Tensor,

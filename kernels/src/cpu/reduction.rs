@@ -1,11 +1,14 @@
-//! Host kernels of [`crate::ops::reduction`](mod@crate::ops::reduction): they run on host tensors whose
-//! arguments the front door has checked.
+//! Host kernels of [`crate::ops::reduction`](mod@crate::ops::reduction), on host tensors. Each says
+//! what it relies on and which check ensures it: the front door's, before the call, or the
+//! kernel's own call of the `spec` check it shares with the device launch.
 
 use super::Float;
 use crate::spec::reduction::*;
 use crate::{DType, Result, Shape, Tensor};
 
-/// Host kernel of [`crate::ops::sum_dim`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::sum_dim`]: relies on `(outer, extent, inner, shape)` being
+/// `spec::reduction::split` of `x` at `dim` (in range), as the front door computes them (a
+/// dtype that is not float is an `Err` here).
 pub(crate) fn sum_dim(
     x: &Tensor,
     _dim: usize,
@@ -37,7 +40,9 @@ pub(crate) fn sum_dim(
     Ok(out)
 }
 
-/// Host kernel of [`crate::ops::sum_dim_backward`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::sum_dim_backward`]: relies on `shape` being `dy`'s with
+/// `extent` inserted at `dim ≤ rank` (`spec::reduction::restored` in the front door); checks
+/// here that so many elements can be allocated.
 pub(crate) fn sum_dim_backward(
     dy: &Tensor,
     dim: usize,
@@ -62,7 +67,9 @@ pub(crate) fn sum_dim_backward(
     Ok(dx)
 }
 
-/// Host kernel of [`crate::ops::max_dim`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::max_dim`]: relies on `(outer, extent, inner)` being
+/// `spec::reduction::max_split` of `x` at `dim` (in range, `extent ≥ 1`), as the front door
+/// computes them.
 pub(crate) fn max_dim(
     x: &Tensor,
     dim: usize,
@@ -100,7 +107,10 @@ pub(crate) fn max_dim(
     Ok(MaxDim { values, indices })
 }
 
-/// Host kernel of [`crate::ops::max_dim_backward`]; the front door checked the arguments.
+/// Host kernel of [`crate::ops::max_dim_backward`]: relies on `shape` being `dy`'s with
+/// `extent` inserted at `dim` (`spec::reduction::restored`) and `indices` being `i64` of
+/// `dy`'s shape (`spec::reduction::check_indices`), as the front door ensures; checks each
+/// index against `extent` here (`spec::reduction::check_index_range`).
 pub(crate) fn max_dim_backward(
     dy: &Tensor,
     indices: &Tensor,

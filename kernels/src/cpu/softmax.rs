@@ -1,5 +1,6 @@
-//! Host kernels of [`crate::ops::softmax`](mod@crate::ops::softmax): they run on host tensors whose
-//! arguments the front door has checked.
+//! Host kernels of [`crate::ops::softmax`](mod@crate::ops::softmax), on host tensors. Each says
+//! what it relies on and which check ensures it: the front door's, before the call, or the
+//! kernel's own call of the `spec` check it shares with the device launch.
 
 use super::{store, AccFloat, Accum, Float};
 use crate::{Result, Tensor};
@@ -82,7 +83,9 @@ fn backward_rows<T: Float>(dx: &mut [T], dy: &[T], y: &[T], n: usize, kind: Kind
     }
 }
 
-/// The host half of `forward_into` (the front door checked the arguments).
+/// The host half of `ops::softmax` / `log_softmax` and their `_into`: relies on `n` being
+/// `x`'s last dim (`spec::rows_last`) and `dst` having `x`'s shape and dtype
+/// (`spec::check_dst`), as the front door's `forward_into` ensures.
 pub(crate) fn forward_into(
     op: &'static str,
     dst: &mut Tensor,
@@ -96,7 +99,9 @@ pub(crate) fn forward_into(
     })
 }
 
-/// The host half of `backward_into` (the front door checked the arguments).
+/// The host half of the softmax backward ops: relies on `n` being `y`'s last dim
+/// (`spec::rows_last`), `dy` having `y`'s shape and dtype (`spec::same_layout`) and `dx` too
+/// (`spec::check_dst`), as the front door's `backward_into` ensures.
 pub(crate) fn backward_into(
     op: &'static str,
     dx: &mut Tensor,

@@ -1,5 +1,6 @@
 //! The host kernels of [`Tensor`]'s own methods: copies along a dim, elementwise
-//! arithmetic and dtype conversion, on host tensors the front door has checked.
+//! arithmetic and dtype conversion, on host tensors. Each says what it relies on and which
+//! check of the front door (`crate::ops::tensor`) ensures it.
 
 use crate::dtype::{DType, Element, Slice, SliceMut};
 use crate::error::{Error, Result};
@@ -9,7 +10,7 @@ use crate::storage::tensor::typed_as;
 use crate::{with_slice, Tensor};
 use smallvec::SmallVec;
 
-/// The host half of [`Tensor::try_to_dtype`].
+/// The host half of [`Tensor::try_to_dtype`]: any dtype to any, nothing to rely on.
 pub(crate) fn try_to_dtype(x: &Tensor, dtype: DType) -> Result<Tensor> {
     Ok(host_to_dtype(x, dtype))
 }
@@ -32,7 +33,9 @@ pub(crate) fn split_at_dim(x: &Tensor, dim: usize) -> (usize, usize, usize) {
     (outer, x.shape[dim], inner)
 }
 
-/// The host half of [`Tensor::narrow`].
+/// The host half of [`Tensor::narrow`]: relies on `dim` being a dim of `x`
+/// (`spec::tensor::check_dim`) and `start + len` (no overflow) within its extent, as the
+/// front door checks.
 pub(crate) fn narrow(x: &Tensor, dim: usize, start: usize, len: usize) -> Result<Tensor> {
     let (outer, extent, inner) = split_at_dim(x, dim);
     let mut shape = x.shape.clone();
@@ -59,7 +62,8 @@ pub(crate) fn narrow(x: &Tensor, dim: usize, start: usize, len: usize) -> Result
     Ok(out)
 }
 
-/// The host half of [`Tensor::cat`].
+/// The host half of [`Tensor::cat`]: relies on `tensors` being nonempty, as the front door
+/// checks; checks `dim`, the dtypes and the other dims itself.
 pub(crate) fn cat(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
     // The front door refused an empty list.
     let first = &tensors[0];
@@ -108,7 +112,8 @@ pub(crate) fn cat(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
     Ok(out)
 }
 
-/// The host half of [`Tensor::pack`].
+/// The host half of [`Tensor::pack`]: relies on `dim` being a dim of `x` and `sizes` adding
+/// up to its extent, as `spec::tensor::check_tensor_pieces` in the front door ensures.
 pub(crate) fn pack(x: &Tensor, dim: usize, sizes: &[usize]) -> Result<Tensor> {
     let (outer, extent, inner) = split_at_dim(x, dim);
     let mut out = Tensor::for_overwrite(&[x.numel()], x.dtype());
@@ -122,7 +127,9 @@ pub(crate) fn pack(x: &Tensor, dim: usize, sizes: &[usize]) -> Result<Tensor> {
     Ok(out)
 }
 
-/// The host half of [`Tensor::unpack`].
+/// The host half of [`Tensor::unpack`]: relies on `dim` being a dim of `shape`, `shape`
+/// holding exactly `flat`'s elements and `sizes` adding up to `shape[dim]`, as the front door
+/// checks.
 pub(crate) fn unpack(
     flat: &Tensor,
     shape: &[usize],
@@ -143,14 +150,16 @@ pub(crate) fn unpack(
     Ok(out)
 }
 
-/// The host half of [`Tensor::add`].
+/// The host half of [`Tensor::add`]: relies on `other` having `a`'s dtype and shape
+/// (`spec::tensor::check_same` in the front door).
 pub(crate) fn add(a: &Tensor, other: &Tensor) -> Result<Tensor> {
     let mut out = a.clone();
     add_assign(&mut out, other)?;
     Ok(out)
 }
 
-/// The host half of [`Tensor::add_assign`].
+/// The host half of [`Tensor::add_assign`]: relies on `other` having `dst`'s dtype and shape
+/// (`spec::tensor::check_same` in the front door).
 pub(crate) fn add_assign(dst: &mut Tensor, other: &Tensor) -> Result<()> {
     let src = other.as_dyn_slice();
     with_slice!(SliceMut, dst.as_dyn_slice_mut(), |d: T| {
@@ -162,7 +171,7 @@ pub(crate) fn add_assign(dst: &mut Tensor, other: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// The host half of [`Tensor::try_scale`].
+/// The host half of [`Tensor::try_scale`]: any tensor, nothing to rely on.
 pub(crate) fn try_scale(x: &Tensor, factor: f64) -> Result<Tensor> {
     let mut out = x.clone();
     with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
@@ -174,7 +183,7 @@ pub(crate) fn try_scale(x: &Tensor, factor: f64) -> Result<Tensor> {
     Ok(out)
 }
 
-/// The host half of [`Tensor::try_map`].
+/// The host half of [`Tensor::try_map`]: any tensor, nothing to rely on.
 pub(crate) fn try_map(x: &Tensor, f: impl Fn(f64) -> f64) -> Result<Tensor> {
     let mut out = x.clone();
     with_slice!(SliceMut, out.as_dyn_slice_mut(), |d: T| {
@@ -185,7 +194,8 @@ pub(crate) fn try_map(x: &Tensor, f: impl Fn(f64) -> f64) -> Result<Tensor> {
     Ok(out)
 }
 
-/// The host half of [`Tensor::mul`].
+/// The host half of [`Tensor::mul`]: relies on `other` having `a`'s dtype and shape
+/// (`spec::tensor::check_same` in the front door).
 pub(crate) fn mul(a: &Tensor, other: &Tensor) -> Result<Tensor> {
     let mut out = a.clone();
     let src = other.as_dyn_slice();
@@ -198,7 +208,9 @@ pub(crate) fn mul(a: &Tensor, other: &Tensor) -> Result<Tensor> {
     Ok(out)
 }
 
-/// The host half of [`Tensor::write_at`].
+/// The host half of [`Tensor::write_at`]: relies on `dim` being a dim of `dst`, `src` having
+/// `dst`'s rank, dtype and other dims, and `start + src.shape[dim]` (no overflow) within
+/// `dst`'s extent, as the front door checks.
 pub(crate) fn write_at(dst: &mut Tensor, dim: usize, start: usize, src: &Tensor) -> Result<()> {
     let (outer, extent, inner) = split_at_dim(dst, dim);
     let len = src.shape[dim];

@@ -1,66 +1,167 @@
-//! The CUDA C sources of the kernels and the table of their entry points.
+//! The CUDA C sources of the kernels and the table of their entry points, read from the
+//! sources themselves.
 //!
-//! Each module is `common.cuh` followed by one `.cu` file, compiled by NVRTC as one program.
-//! Entry points are named `<root>_<dtype>` (`gelu_bf16`, `copy_blocks_i64`); the casts are
-//! `cast_<from>_<to>`. [`KernelModule::entries`] lists every one, so a test can assert that the
-//! compiled code has them all and a launch can never name a kernel that does not exist.
+//! Each module is `common.cuh` followed by one `.cu` file, compiled by NVRTC as one program,
+//! and declared here once, by name (`module!("norm")`). Entry points are named
+//! `<root>_<dtype>` (`gelu_bf16`, `copy_blocks_i64`; the casts `cast_<from>_<to>`, root
+//! `cast_<from>`) and defined by instantiation macros (`FLOATS(NORM_ENTRIES)`,
+//! `ALL_TYPES(COPY_ENTRIES)`, `MERGE_ENTRIES(f32, float)`): [`KernelModule::roots`] expands
+//! them as the preprocessor does, so a kernel added to a `.cu` file is in the table with no
+//! edit here. A source the reader does not understand is an `Err`, never a missing kernel, and
+//! the no-GPU test `cuda_ptx` checks the table against what the compiled PTX exports.
 
-use crate::DType;
+use crate::{DType, Error, Result};
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
+mod preprocess;
 
 /// Prepended to every module: the 16-bit types, compute-type traits, block reductions.
 pub const COMMON: &str = include_str!("kernels/common.cuh");
 
-/// Which dtypes a kernel root is instantiated for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Dtypes {
-    /// `f32`, `f64`, `bf16`, `f16`.
-    Float,
-    /// The float types and `i32`, `i64`.
-    All,
-    /// The compute types `f32`, `f64` (kernels on partial results kept in them).
-    Compute,
+/// One kernel root of a module and the dtypes it is instantiated for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Root {
+    /// The entry name without its dtype suffix (`gelu`, `cast_bf16`).
+    pub name: String,
+    /// The dtypes it has an entry for, in the order of [`DType::ALL`].
+    pub dtypes: Vec<DType>,
 }
 
-impl Dtypes {
-    /// The dtypes, in the order of the `FLOATS` / `ALL_TYPES` macros of `common.cuh`.
-    pub fn list(self) -> &'static [DType] {
-        match self {
-            Dtypes::Float => &DType::FLOATS,
-            Dtypes::All => &DType::ALL,
-            Dtypes::Compute => &[DType::F32, DType::F64],
-        }
-    }
-}
-
-/// One NVRTC program: a `.cu` source and the kernel roots it defines.
+/// One NVRTC program: a `.cu` source, and the table of its kernels read from it on first use.
 #[derive(Debug)]
 pub struct KernelModule {
     /// The module's name (the `.cu` file's stem).
     pub name: &'static str,
     /// The `.cu` source (without [`COMMON`]).
     pub source: &'static str,
-    /// Kernel roots and the dtypes each is instantiated for.
-    pub roots: &'static [(&'static str, Dtypes)],
+    table: OnceLock<std::result::Result<Table, String>>,
+}
+
+/// What a module's source defines: its roots, and each entry's parameters.
+#[derive(Debug)]
+struct Table {
+    roots: Vec<Root>,
+    params: HashMap<String, Vec<Param>>,
+}
+
+/// `pub static X: KernelModule = module!("x");` declares the module of `kernels/x.cu`.
+macro_rules! module {
+    ($name:literal) => {
+        KernelModule::new($name, include_str!(concat!("kernels/", $name, ".cu")))
+    };
 }
 
 impl KernelModule {
+    /// The module `name` with the `.cu` text `source` (its table is read on first use).
+    pub const fn new(name: &'static str, source: &'static str) -> Self {
+        KernelModule {
+            name,
+            source,
+            table: OnceLock::new(),
+        }
+    }
+
     /// The full program text NVRTC compiles.
     pub fn program(&self) -> String {
         format!("{COMMON}\n// ---- {}.cu\n{}", self.name, self.source)
     }
 
-    /// Every `extern "C"` entry point of the module.
-    pub fn entries(&self) -> Vec<String> {
-        self.roots
+    /// The table, read from the source once per process; `Err` says what the reader could
+    /// not understand.
+    fn table(&self) -> std::result::Result<&Table, &str> {
+        self.table
+            .get_or_init(|| read_table(&self.program(), self.source))
+            .as_ref()
+            .map_err(String::as_str)
+    }
+
+    /// Every kernel root of the module and its dtypes, in the order the source defines them:
+    /// what the instantiation macros expand to, as NVRTC sees it. `Err` when the source
+    /// holds a kernel the reader cannot place: a `__global__` not written
+    /// `extern "C" __global__ void name(…)`, a name not ending in a dtype, an entry macro
+    /// never instantiated, a conditional directive or a malformed macro call.
+    pub fn roots(&self) -> Result<&[Root]> {
+        self.table()
+            .map(|t| t.roots.as_slice())
+            .map_err(|e| Error::Invalid {
+                op: "cuda::source::KernelModule::roots",
+                detail: format!("kernel module `{}`: {e}", self.name),
+            })
+    }
+
+    /// Every `extern "C"` entry point of the module (`Err` as [`roots`](Self::roots)).
+    pub fn entries(&self) -> Result<Vec<String>> {
+        Ok(self
+            .roots()?
             .iter()
-            .flat_map(|&(root, dt)| dt.list().iter().map(move |d| format!("{root}_{d}")))
-            .collect()
+            .flat_map(|r| r.dtypes.iter().map(|&d| entry(&r.name, d)))
+            .collect())
     }
 }
 
 /// `root_dtype`, the entry name of a kernel for one dtype.
 pub fn entry(root: &str, dtype: DType) -> String {
     format!("{root}_{dtype}")
+}
+
+/// The dtype named `name` (`"bf16"`), as entry names spell it.
+fn dtype_named(name: &str) -> Option<DType> {
+    DType::ALL.into_iter().find(|d| d.to_string() == name)
+}
+
+/// The table of the module whose full program is `program` and whose own `.cu` text is
+/// `source`.
+fn read_table(program: &str, source: &str) -> std::result::Result<Table, String> {
+    let mut roots: Vec<Root> = Vec::new();
+    for name in preprocess::global_functions(program)? {
+        let (root, dtype) = name
+            .rsplit_once('_')
+            .and_then(|(root, d)| Some((root, dtype_named(d)?)))
+            .ok_or_else(|| {
+                format!("kernel `{name}` is not named `<root>_<dtype>`, so no launch can find it")
+            })?;
+        match roots.iter_mut().find(|r| r.name == root) {
+            Some(r) if r.dtypes.contains(&dtype) => {
+                return Err(format!("kernel `{name}` is defined twice"))
+            }
+            Some(r) => r.dtypes.push(dtype),
+            None => roots.push(Root {
+                name: root.to_string(),
+                dtypes: vec![dtype],
+            }),
+        }
+    }
+    for r in &mut roots {
+        r.dtypes
+            .sort_by_key(|d| DType::ALL.iter().position(|a| a == d));
+    }
+    let definitions = parse_entries(source);
+    // A definition no macro call expands is a kernel the author meant to have.
+    for (defined, _) in &definitions {
+        let instantiated = roots.iter().any(|r| {
+            r.dtypes.iter().any(|&d| {
+                let name = entry(&r.name, d);
+                name == *defined
+                    || name
+                        .strip_prefix(defined.as_str())
+                        .and_then(|rest| rest.strip_prefix('_'))
+                        .is_some_and(|rest| rest.split('_').all(|d| dtype_named(d).is_some()))
+            })
+        });
+        if !instantiated {
+            return Err(format!(
+                "kernel `{defined}` is defined but no macro call instantiates it \
+                 (e.g. `FLOATS(ITS_ENTRIES_MACRO)`)"
+            ));
+        }
+    }
+    let params = roots
+        .iter()
+        .flat_map(|r| r.dtypes.iter().map(move |&d| (r, d)))
+        .filter_map(|(r, d)| Some((entry(&r.name, d), resolve(&definitions, &r.name, d)?)))
+        .collect();
+    Ok(Table { roots, params })
 }
 
 /// A scalar kernel parameter's C type.
@@ -156,255 +257,131 @@ fn parse_entries(source: &str) -> Vec<(String, Vec<CParam>)> {
     out
 }
 
-/// The parsed definitions of every module, by module name (parsed once per process).
-fn definitions(module: &KernelModule) -> Option<&'static [(String, Vec<CParam>)]> {
-    use std::collections::HashMap;
-    use std::sync::OnceLock;
-    type Defs = HashMap<&'static str, Vec<(String, Vec<CParam>)>>;
-    static DEFS: OnceLock<Defs> = OnceLock::new();
-    DEFS.get_or_init(|| {
-        MODULES
-            .iter()
-            .map(|m| (m.name, parse_entries(m.source)))
-            .collect()
-    })
-    .get(module.name)
-    .map(Vec::as_slice)
+/// The parameters of the entry `root_dtype`, from its definition among `definitions` with
+/// the macro's type names resolved for `dtype` (`T`, `Tr<T>::A`, the casts' `S`/`D`,
+/// `AdamS<T>::S`, …). `None` when no definition is that root's or a type is not one the
+/// launches know.
+fn resolve(definitions: &[(String, Vec<CParam>)], root: &str, dtype: DType) -> Option<Vec<Param>> {
+    // A root is its definition's name (`gelu` of `gelu_##N`), or that name and a first dtype
+    // (`cast_bf16` of `cast_##SN##_##DN`), which the definition's `S` stands for.
+    let exact = definitions
+        .iter()
+        .find(|(defined, _)| defined == root || *defined == entry(root, dtype))
+        .map(|(_, params)| (params, None));
+    let (params, from) = exact.or_else(|| {
+        definitions.iter().find_map(|(defined, params)| {
+            let from = root.strip_prefix(defined.as_str())?.strip_prefix('_')?;
+            Some((params, Some(dtype_named(from)?)))
+        })
+    })?;
+    let elem = |ty: &str| -> Option<DType> {
+        Some(match ty {
+            "T" => dtype,
+            "Tr<T>::A" | "A" => compute(dtype),
+            "AdamS<T>::S" if dtype == DType::F32 => DType::F32,
+            "AdamS<T>::S" => DType::F64,
+            "S" => from?,
+            "D" if from.is_some() => dtype,
+            "i64" => DType::I64,
+            "int" => DType::I32,
+            "float" => DType::F32,
+            "double" => DType::F64,
+            _ => return None,
+        })
+    };
+    params
+        .iter()
+        .map(|p| {
+            if p.pointer {
+                let e = elem(&p.ty)?;
+                return Some(if p.constant {
+                    Param::Src(e)
+                } else {
+                    Param::Dst(e)
+                });
+            }
+            let s = match p.ty.as_str() {
+                "u64" => Scalar::U64,
+                other => match elem(other)? {
+                    DType::I32 => Scalar::I32,
+                    DType::I64 => Scalar::I64,
+                    DType::F32 => Scalar::F32,
+                    DType::F64 => Scalar::F64,
+                    DType::BF16 | DType::F16 => return None,
+                },
+            };
+            Some(Param::Scalar(s))
+        })
+        .collect()
 }
 
 impl KernelModule {
     /// The parameters of the entry `root_dtype`, read from its `extern "C"` definition in the
     /// `.cu` source with the macro's type names resolved for `dtype` (`T`, `Tr<T>::A`, the
     /// casts' `S`/`D`, `AdamS<T>::S`, …). `None` when the module defines no such root for
-    /// that dtype or a type is not one the launches know.
+    /// that dtype, a type is not one the launches know, or the source cannot be read
+    /// ([`roots`](Self::roots) says why).
     ///
     /// Every launch compares what it pushes with this list before launching (a mismatch is
     /// an `Err`, not undefined behaviour on the GPU), and the no-GPU test `cuda_ptx` checks
     /// the list against the parameters of the compiled PTX.
     pub fn params(&self, root: &str, dtype: DType) -> Option<Vec<Param>> {
-        if !self
-            .roots
-            .iter()
-            .any(|&(r, dts)| r == root && dts.list().contains(&dtype))
-        {
-            return None;
-        }
-        // `cast_<from>` roots share the one `cast_##SN##_##DN` definition.
-        let (defined, from) = match root.strip_prefix("cast_") {
-            Some(f) => ("cast", DType::ALL.into_iter().find(|d| d.to_string() == f)),
-            None => (root, None),
-        };
-        let (_, params) = definitions(self)?.iter().find(|(r, _)| r == defined)?;
-        let elem = |ty: &str| -> Option<DType> {
-            Some(match ty {
-                "T" => dtype,
-                "Tr<T>::A" | "A" => compute(dtype),
-                "AdamS<T>::S" if dtype == DType::F32 => DType::F32,
-                "AdamS<T>::S" => DType::F64,
-                "S" => from?,
-                "D" if from.is_some() => dtype,
-                "i64" => DType::I64,
-                "int" => DType::I32,
-                "float" => DType::F32,
-                "double" => DType::F64,
-                _ => return None,
-            })
-        };
-        params
-            .iter()
-            .map(|p| {
-                if p.pointer {
-                    let e = elem(&p.ty)?;
-                    return Some(if p.constant {
-                        Param::Src(e)
-                    } else {
-                        Param::Dst(e)
-                    });
-                }
-                let s = match p.ty.as_str() {
-                    "u64" => Scalar::U64,
-                    other => match elem(other)? {
-                        DType::I32 => Scalar::I32,
-                        DType::I64 => Scalar::I64,
-                        DType::F32 => Scalar::F32,
-                        DType::F64 => Scalar::F64,
-                        DType::BF16 | DType::F16 => return None,
-                    },
-                };
-                Some(Param::Scalar(s))
-            })
-            .collect()
+        self.table().ok()?.params.get(&entry(root, dtype)).cloned()
     }
-}
 
-impl KernelModule {
     /// [`params`](Self::params) of the entry `name` (`root_dtype`), resolved once per
-    /// process for every entry of every module: each launch looks its kernel's list up here
-    /// rather than resolving the source's type names again.
-    pub(crate) fn entry_params(&self, name: &str) -> Option<&'static [Param]> {
-        use std::collections::HashMap;
-        use std::sync::OnceLock;
-        type Resolved = HashMap<&'static str, HashMap<String, Vec<Param>>>;
-        static RESOLVED: OnceLock<Resolved> = OnceLock::new();
-        RESOLVED
-            .get_or_init(|| {
-                MODULES
-                    .iter()
-                    .map(|m| {
-                        let entries = m
-                            .roots
-                            .iter()
-                            .flat_map(|&(root, dtypes)| {
-                                dtypes.list().iter().filter_map(move |&d| {
-                                    Some((entry(root, d), m.params(root, d)?))
-                                })
-                            })
-                            .collect();
-                        (m.name, entries)
-                    })
-                    .collect()
-            })
-            .get(self.name)?
-            .get(name)
-            .map(Vec::as_slice)
+    /// process with the rest of the module's table: each launch looks its kernel's list up
+    /// here rather than resolving the source's type names again.
+    pub(crate) fn entry_params(&'static self, name: &str) -> Option<&'static [Param]> {
+        self.table().ok()?.params.get(name).map(Vec::as_slice)
     }
 }
-
-use Dtypes::{All, Compute, Float};
 
 /// `elementwise.cu`: `add`, `mul`, `scale` (all six dtypes; integers wrap), `sub`, the bias
 /// row ops `add_row` / `mul_row` and the column sums `sum_rows` (floats), and the dtype casts
 /// `cast_<from>_<to>` between all six dtypes (`Tensor::to_dtype`): one grid-stride thread
 /// per element (per column for `sum_rows`), rounding once as the CPU does.
-pub static ELEMENTWISE: KernelModule = KernelModule {
-    name: "elementwise",
-    source: include_str!("kernels/elementwise.cu"),
-    roots: &[
-        ("add", All),
-        ("mul", All),
-        ("scale", All),
-        ("sub", Float),
-        ("add_row", Float),
-        ("mul_row", Float),
-        ("sum_rows", Float),
-        ("cast_f32", All),
-        ("cast_f64", All),
-        ("cast_bf16", All),
-        ("cast_f16", All),
-        ("cast_i32", All),
-        ("cast_i64", All),
-    ],
-};
+pub static ELEMENTWISE: KernelModule = module!("elementwise");
 
 /// `activation.cu`: GELU (tanh form), SiLU and SwiGLU and their backward, float dtypes,
 /// with the CPU's formulas and its f32 `exp`, so f32/bf16/f16 match the CPU bit for bit.
-pub static ACTIVATION: KernelModule = KernelModule {
-    name: "activation",
-    source: include_str!("kernels/activation.cu"),
-    roots: &[
-        ("gelu", Float),
-        ("gelu_backward", Float),
-        ("silu", Float),
-        ("silu_backward", Float),
-        ("swiglu", Float),
-        ("swiglu_backward", Float),
-    ],
-};
+pub static ACTIVATION: KernelModule = module!("activation");
 
 /// `reduction.cu`: `sum_dim` and `max_dim` (value and `i64` argmax) along one dim of a tensor
 /// seen as `[outer, extent, inner]`, and their backward; one thread per output element,
 /// reducing in index order as the CPU does.
-pub static REDUCTION: KernelModule = KernelModule {
-    name: "reduction",
-    source: include_str!("kernels/reduction.cu"),
-    roots: &[
-        ("sum_dim", Float),
-        ("sum_dim_backward", Float),
-        ("max_dim", Float),
-        ("max_dim_backward", Float),
-    ],
-};
+pub static REDUCTION: KernelModule = module!("reduction");
 
 /// `softmax.cu`: softmax and log-softmax along the last dim and their backward from the
 /// forward output; one block of `ROW_THREADS` per row, with fixed-order block reductions
 /// (deterministic, equal to the CPU to rounding).
-pub static SOFTMAX: KernelModule = KernelModule {
-    name: "softmax",
-    source: include_str!("kernels/softmax.cu"),
-    roots: &[
-        ("softmax", Float),
-        ("log_softmax", Float),
-        ("softmax_backward", Float),
-        ("log_softmax_backward", Float),
-    ],
-};
+pub static SOFTMAX: KernelModule = module!("softmax");
 
 /// `norm.cu`: LayerNorm and RMSNorm over the last dim: the forward (writing the per-row
 /// `mean` / `rstd` in the compute type), `dx` (one block per row), and `dweight` / `dbias`
 /// (one thread per column, rows summed in the CPU's order).
-pub static NORM: KernelModule = KernelModule {
-    name: "norm",
-    source: include_str!("kernels/norm.cu"),
-    roots: &[
-        ("layer_norm", Float),
-        ("rms_norm", Float),
-        ("layer_norm_backward_dx", Float),
-        ("rms_norm_backward_dx", Float),
-        ("layer_norm_backward_dw", Float),
-        ("rms_norm_backward_dw", Float),
-    ],
-};
+pub static NORM: KernelModule = module!("norm");
 
 /// `embedding.cu`: the gather of table rows by `i64` or `i32` ids (ids outside the shard
 /// give zeros) and its backward, a deterministic scatter-add over host-sorted positions (one
 /// block per table row, no float atomics).
-pub static EMBEDDING: KernelModule = KernelModule {
-    name: "embedding",
-    source: include_str!("kernels/embedding.cu"),
-    roots: &[
-        ("embedding_i64", Float),
-        ("embedding_i32", Float),
-        ("embedding_backward", Float),
-    ],
-};
+pub static EMBEDDING: KernelModule = module!("embedding");
 
 /// `cross_entropy.cu`: the per-rank pieces of the vocab-parallel cross-entropy, in `f64`:
 /// row maxima (`ce_row_max`), the sums of `exp(l - max)` and the target logit
 /// (`ce_sum_target`), the loss (`ce_loss`) and the logits' gradient (`ce_grad`), with the
 /// all-reduces over the vocab axis done by the caller between them.
-pub static CROSS_ENTROPY: KernelModule = KernelModule {
-    name: "cross_entropy",
-    source: include_str!("kernels/cross_entropy.cu"),
-    roots: &[
-        ("ce_row_max", Float),
-        ("ce_sum_target", Float),
-        ("ce_loss", Float),
-        ("ce_grad", Float),
-    ],
-};
+pub static CROSS_ENTROPY: KernelModule = module!("cross_entropy");
 
 /// `copy.cu`: `copy_blocks`, a strided copy of equal runs of elements (all six dtypes,
 /// bitwise), the data movement of `pack`, `unpack`, `narrow` and `cat`.
-pub static COPY: KernelModule = KernelModule {
-    name: "copy",
-    source: include_str!("kernels/copy.cu"),
-    roots: &[("copy_blocks", All)],
-};
+pub static COPY: KernelModule = module!("copy");
 
 /// `attention.cu`: causal self-attention with RoPE on a fused QKV: `attn_load` (splits,
 /// rotates and scales q/k/v into the compute type), `attn_forward` (output and per-row
 /// log-sum-exp) and the backward `attn_backward_dq` / `attn_backward_dkv`. One block per
 /// (head, sample, row), with the row's scores in dynamic shared memory.
-pub static ATTENTION: KernelModule = KernelModule {
-    name: "attention",
-    source: include_str!("kernels/attention.cu"),
-    roots: &[
-        ("attn_load", Float),
-        ("attn_forward", Float),
-        ("attn_backward_dq", Float),
-        ("attn_backward_dkv", Float),
-    ],
-};
+pub static ATTENTION: KernelModule = module!("attention");
 
 /// `attention_block.cu`: the context-parallel (ring) attention pieces: blockwise attention of
 /// a query block to a key/value block at given positions (`attn_block_load_q` /
@@ -414,57 +391,27 @@ pub static ATTENTION: KernelModule = KernelModule {
 /// accumulators), `merge_attention` (compute types), `fuse_qkv_grad` and the bitwise row gather
 /// `gather_rows` (all six dtypes). Same structure as `attention.cu`: one block per (head,
 /// sample, row), scores in dynamic shared memory.
-pub static ATTENTION_BLOCK: KernelModule = KernelModule {
-    name: "attention_block",
-    source: include_str!("kernels/attention_block.cu"),
-    roots: &[
-        ("attn_block_load_q", Float),
-        ("attn_block_load_kv", Float),
-        ("attn_block_masked", Float),
-        ("attn_block_forward", Float),
-        ("attn_block_backward_dq", Float),
-        ("attn_block_backward_dkv", Float),
-        ("fuse_qkv_grad", Float),
-        ("merge_attention", Compute),
-        ("gather_rows", All),
-    ],
-};
+pub static ATTENTION_BLOCK: KernelModule = module!("attention_block");
 
 /// `moe.cu`: `scatter_add_rows` (all six dtypes), a deterministic scatter-add over
 /// host-sorted sources summed in f64 in the CPU's order (bitwise the CPU's result). The
 /// grouped products are cuBLAS calls.
-pub static MOE: KernelModule = KernelModule {
-    name: "moe",
-    source: include_str!("kernels/moe.cu"),
-    roots: &[("scatter_add_rows", All)],
-};
+pub static MOE: KernelModule = module!("moe");
 
 /// `reduce_ext.cu`: the collectives' element-wise reductions on device buffers,
 /// `reduce_combine` (Sum/Avg, Max, Min: one `int` op code) and `reduce_avg_div` (Avg's final
 /// division), all six dtypes, bitwise the CPU's `reduce::combine` / `div_count`.
-pub static REDUCE_EXT: KernelModule = KernelModule {
-    name: "reduce_ext",
-    source: include_str!("kernels/reduce_ext.cu"),
-    roots: &[("reduce_combine", All), ("reduce_avg_div", All)],
-};
+pub static REDUCE_EXT: KernelModule = module!("reduce_ext");
 
 /// `rope.cu`: rotary position embedding (`ops::rope`), both pair conventions and a rotary
 /// dim below the head dim, forward and backward in one kernel (the sign of the sines), with
 /// the CPU's expressions and its host-built `f64` tables rounded once, so results match the
 /// CPU bit for bit (checked on a GPU by `cuda_gpu.rs`).
-pub static ROPE: KernelModule = KernelModule {
-    name: "rope",
-    source: include_str!("kernels/rope.cu"),
-    roots: &[("rope", Float)],
-};
+pub static ROPE: KernelModule = module!("rope");
 
 /// `optim.cu`: the AdamW step (`ops::adamw_step`), in place on the parameter and its
 /// two moments; the host step's formula and order of operations (nn's `AdamW`).
-pub static OPTIM: KernelModule = KernelModule {
-    name: "optim",
-    source: include_str!("kernels/optim.cu"),
-    roots: &[("adamw", Float)],
-};
+pub static OPTIM: KernelModule = module!("optim");
 
 /// Every kernel module.
 pub static MODULES: [&KernelModule; 14] = [
@@ -497,20 +444,26 @@ mod tests {
     #[test]
     fn every_entry_has_its_parameters_read_from_the_source() {
         for m in MODULES {
-            for &(root, dts) in m.roots {
-                for &d in dts.list() {
-                    let p = m.params(root, d);
+            for r in m.roots().unwrap() {
+                for &d in &r.dtypes {
+                    let p = m.params(&r.name, d);
                     assert!(
                         p.as_ref().is_some_and(|p| !p.is_empty()),
-                        "{}: {root}_{d}: {p:?}",
-                        m.name
+                        "{}: {}_{d}: {p:?}",
+                        m.name,
+                        r.name
                     );
-                    // What launches look up is the same list, resolved once.
-                    assert_eq!(m.entry_params(&entry(root, d)), p.as_deref());
+                    // What launches look up is the same list.
+                    assert_eq!(m.entry_params(&entry(&r.name, d)), p.as_deref());
                 }
-                let other = DType::ALL.into_iter().find(|d| !dts.list().contains(d));
+                let other = DType::ALL.into_iter().find(|d| !r.dtypes.contains(d));
                 if let Some(d) = other {
-                    assert_eq!(m.params(root, d), None, "{root}_{d} is not instantiated");
+                    assert_eq!(
+                        m.params(&r.name, d),
+                        None,
+                        "{}_{d} is not instantiated",
+                        r.name
+                    );
                 }
             }
         }
@@ -599,32 +552,167 @@ mod tests {
 
     #[test]
     fn entries_are_unique_and_named_by_dtype() {
-        let mut all: Vec<String> = MODULES.iter().flat_map(|m| m.entries()).collect();
+        let entries = |m: &KernelModule| m.entries().unwrap();
+        let mut all: Vec<String> = MODULES.iter().flat_map(|m| entries(m)).collect();
         let n = all.len();
-        assert_eq!(ELEMENTWISE.entries().len(), 3 * 6 + 4 * 4 + 6 * 6);
-        assert!(ELEMENTWISE.entries().contains(&"cast_bf16_i64".to_string()));
-        assert_eq!(ATTENTION_BLOCK.entries().len(), 7 * 4 + 2 + 6);
-        assert!(ATTENTION_BLOCK
-            .entries()
-            .contains(&"merge_attention_f64".to_string()));
-        assert_eq!(MOE.entries().len() + REDUCE_EXT.entries().len(), 3 * 6);
-        assert_eq!(
-            OPTIM.entries().len(),
-            4,
-            "adamw_step for the four float dtypes"
+        assert!(entries(&ELEMENTWISE).contains(&"cast_bf16_i64".to_string()));
+        assert!(entries(&ATTENTION_BLOCK).contains(&"merge_attention_f64".to_string()));
+        assert!(
+            n >= 200 + 36 + 18 + 4,
+            "{n} entries in all: fewer than ever"
         );
-        assert_eq!(ROPE.entries().len(), 4, "rope for the four float dtypes");
-        assert_eq!(n, 200 + 36 + 18 + 4 + 4, "entries of all modules");
+        assert!(entries(&ROPE).contains(&"rope_bf16".to_string()));
         all.sort();
         all.dedup();
         assert_eq!(all.len(), n, "duplicate kernel entry names");
-        for m in MODULES {
-            for e in m.entries() {
-                // Every entry is defined by a macro of its .cu file: the root must appear there.
-                let root = e.rsplit_once('_').unwrap().0;
-                let root = root.strip_prefix("cast_").map_or(root, |_| "cast");
-                assert!(m.source.contains(root), "{e}: root not in {}.cu", m.name);
-            }
+    }
+
+    type RootsAndDtypes = &'static [(&'static str, &'static [DType])];
+
+    /// The table as it was written by hand in this file before it was read from the
+    /// sources: `(module, root, dtypes)` for every root, in source order. Kernels added since
+    /// are in the sources only (`cuda_ptx` checks those against the compiled code).
+    #[rustfmt::skip]
+    const HAND_WRITTEN: &[(&str, RootsAndDtypes)] = {
+        use DType::{F32, F64};
+        const FLOAT: &[DType] = &DType::FLOATS;
+        const ALL: &[DType] = &DType::ALL;
+        const COMPUTE: &[DType] = &[F32, F64];
+        &[
+            ("elementwise", &[
+                ("add", ALL), ("mul", ALL), ("scale", ALL), ("sub", FLOAT),
+                ("add_row", FLOAT), ("mul_row", FLOAT), ("sum_rows", FLOAT),
+                ("cast_f32", ALL), ("cast_f64", ALL), ("cast_bf16", ALL),
+                ("cast_f16", ALL), ("cast_i32", ALL), ("cast_i64", ALL),
+            ]),
+            ("activation", &[
+                ("gelu", FLOAT), ("gelu_backward", FLOAT), ("silu", FLOAT),
+                ("silu_backward", FLOAT), ("swiglu", FLOAT), ("swiglu_backward", FLOAT),
+            ]),
+            ("reduction", &[
+                ("sum_dim", FLOAT), ("sum_dim_backward", FLOAT), ("max_dim", FLOAT),
+                ("max_dim_backward", FLOAT),
+            ]),
+            ("softmax", &[
+                ("softmax", FLOAT), ("log_softmax", FLOAT), ("softmax_backward", FLOAT),
+                ("log_softmax_backward", FLOAT),
+            ]),
+            ("norm", &[
+                ("layer_norm", FLOAT), ("rms_norm", FLOAT), ("layer_norm_backward_dx", FLOAT),
+                ("rms_norm_backward_dx", FLOAT), ("layer_norm_backward_dw", FLOAT),
+                ("rms_norm_backward_dw", FLOAT),
+            ]),
+            ("embedding", &[
+                ("embedding_i64", FLOAT), ("embedding_i32", FLOAT),
+                ("embedding_backward", FLOAT),
+            ]),
+            ("cross_entropy", &[
+                ("ce_row_max", FLOAT), ("ce_sum_target", FLOAT), ("ce_loss", FLOAT),
+                ("ce_grad", FLOAT),
+            ]),
+            ("copy", &[("copy_blocks", ALL)]),
+            ("attention", &[
+                ("attn_load", FLOAT), ("attn_forward", FLOAT), ("attn_backward_dq", FLOAT),
+                ("attn_backward_dkv", FLOAT),
+            ]),
+            ("attention_block", &[
+                ("attn_block_load_q", FLOAT), ("attn_block_load_kv", FLOAT),
+                ("attn_block_masked", FLOAT), ("attn_block_forward", FLOAT),
+                ("attn_block_backward_dq", FLOAT), ("attn_block_backward_dkv", FLOAT),
+                ("fuse_qkv_grad", FLOAT), ("merge_attention", COMPUTE), ("gather_rows", ALL),
+            ]),
+            ("moe", &[("scatter_add_rows", ALL)]),
+            ("reduce_ext", &[("reduce_combine", ALL), ("reduce_avg_div", ALL)]),
+            ("optim", &[("adamw", FLOAT)]),
+        ]
+    };
+
+    #[test]
+    fn roots_read_from_the_sources_equal_the_hand_written_table() {
+        let names: Vec<&str> = MODULES.iter().map(|m| m.name).collect();
+        let expected: Vec<&str> = HAND_WRITTEN.iter().map(|&(m, _)| m).collect();
+        assert_eq!(names, expected);
+        for (m, &(_, roots)) in MODULES.iter().zip(HAND_WRITTEN) {
+            let expected: Vec<Root> = roots
+                .iter()
+                .map(|&(name, dtypes)| Root {
+                    name: name.into(),
+                    dtypes: dtypes.to_vec(),
+                })
+                .collect();
+            let read: Vec<Root> = m
+                .roots()
+                .unwrap()
+                .iter()
+                .filter(|r| roots.iter().any(|&(name, _)| name == r.name))
+                .cloned()
+                .collect();
+            assert_eq!(read, expected, "module {}", m.name);
         }
+    }
+
+    #[test]
+    fn every_cu_file_is_a_module() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/cuda/kernels");
+        let mut files: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|e| {
+                let name = e.unwrap().file_name().into_string().unwrap();
+                Some(name.strip_suffix(".cu")?.to_string())
+            })
+            .collect();
+        files.sort();
+        let mut names: Vec<&str> = MODULES.iter().map(|m| m.name).collect();
+        names.sort();
+        assert_eq!(
+            files, names,
+            "declare every .cu file with `module!` and list it in MODULES"
+        );
+    }
+
+    #[test]
+    fn a_kernel_the_reader_cannot_place_is_an_error() {
+        let err = |source: &'static str| {
+            let m = Box::leak(Box::new(KernelModule::new("bad", source)));
+            let e = m.roots().unwrap_err().to_string();
+            assert_eq!(m.entries().unwrap_err().to_string(), e);
+            assert_eq!(m.params("k", DType::F32), None);
+            assert!(e.contains("kernel module `bad`"), "{e}");
+            e
+        };
+        // Defined, never instantiated: the author forgot `FLOATS(K_ENTRIES)`.
+        let e = err("#define K_ENTRIES(N, T) extern \"C\" __global__ void k_##N(T* x) {}\n");
+        assert!(
+            e.contains("`k` is defined but no macro call instantiates it"),
+            "{e}"
+        );
+        let e = err("extern \"C\" __global__ void k_f8(float* x) {}");
+        assert!(e.contains("`k_f8` is not named `<root>_<dtype>`"), "{e}");
+        let e = err("#if 1\nextern \"C\" __global__ void k_f32(float* x) {}\n#endif");
+        assert!(e.contains("`#if`"), "{e}");
+        let e = err("__global__ void k_f32(float* x) {}");
+        assert!(e.contains("extern"), "{e}");
+        let e = err(
+            "#define K(N, T) extern \"C\" __global__ void k_##N(T* x) {}\nK(f32) K(f32, float)",
+        );
+        assert!(e.contains("takes 2 arguments, given 1"), "{e}");
+        let e = err("#define K(N, T) extern \"C\" __global__ void k_##N(T* x) {}\nK(f32, float) K(f32, float)");
+        assert!(e.contains("`k_f32` is defined twice"), "{e}");
+        // Instantiated from the source, one root per macro, for the dtypes the macro is called with.
+        let m = Box::leak(Box::new(KernelModule::new(
+            "good",
+            "#define K(N, T) extern \"C\" __global__ void k_##N(T* x, u64 n) {}\nK(f64, double) K(i32, int) K(f32, float)",
+        )));
+        assert_eq!(
+            m.roots().unwrap(),
+            [Root {
+                name: "k".into(),
+                dtypes: vec![DType::F32, DType::F64, DType::I32]
+            }]
+        );
+        assert_eq!(
+            m.params("k", DType::I32).unwrap(),
+            [Param::Dst(DType::I32), Param::Scalar(Scalar::U64)]
+        );
     }
 }

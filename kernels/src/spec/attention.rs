@@ -71,10 +71,18 @@ pub(crate) fn check_qkv<L: Layout + ?Sized>(
             "{tokens} tokens are not whole samples of seq_len {s}"
         ));
     }
-    if cols % (3 * d) != 0 {
+    if cfg.pos_offset.checked_add(s - 1).is_none() {
         return bad(format!(
-            "{cols} qkv columns are not whole heads of 3·head_dim = {} (q, k, v per head)",
-            3 * d
+            "pos_offset {} + seq_len {s} overflows usize: the last tokens have no position",
+            cfg.pos_offset
+        ));
+    }
+    let Some(head_cols) = d.checked_mul(3) else {
+        return bad(format!("3·head_dim overflows usize (head_dim {d})"));
+    };
+    if cols % head_cols != 0 {
+        return bad(format!(
+            "{cols} qkv columns are not whole heads of 3·head_dim = {head_cols} (q, k, v per head)"
         ));
     }
     if !(cfg.rope_base.is_finite() && cfg.rope_base > 0.0) {
@@ -85,7 +93,7 @@ pub(crate) fn check_qkv<L: Layout + ?Sized>(
     }
     Ok(Dims {
         tokens,
-        heads: cols / (3 * d),
+        heads: cols / head_cols,
         batch: tokens / s,
         s,
         d,

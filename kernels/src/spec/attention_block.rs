@@ -95,13 +95,15 @@ pub(crate) fn check_block<L: Layout + ?Sized>(
         ));
     }
     let cols = qkv.shape()[1];
-    if !cols.is_multiple_of(3 * d) {
+    let Some(head_cols) = d.checked_mul(3) else {
+        return bad(format!("3·head_dim overflows usize (head_dim {d})"));
+    };
+    if !cols.is_multiple_of(head_cols) {
         return bad(format!(
-            "{cols} qkv columns are not whole heads of 3·head_dim = {}",
-            3 * d
+            "{cols} qkv columns are not whole heads of 3·head_dim = {head_cols}"
         ));
     }
-    let heads = cols / (3 * d);
+    let heads = cols / head_cols;
     if kv.shape()[1] != heads * 2 * d {
         return bad(format!(
             "kv has {} columns, want heads·2·head_dim = {} for qkv's {heads} heads",
@@ -170,16 +172,17 @@ pub(crate) fn check_pack_kv<L: Layout + ?Sized>(
     qkv: &L,
     d: usize,
 ) -> Result<(usize, usize)> {
-    if qkv.rank() != 2 || d == 0 || !qkv.shape()[1].is_multiple_of(3 * d) {
-        return Err(Error::Invalid {
+    let head_cols = d.checked_mul(3).filter(|&c| c > 0);
+    match (qkv.shape(), head_cols) {
+        (&[rows, cols], Some(c)) if cols.is_multiple_of(c) => Ok((rows, cols / c)),
+        _ => Err(Error::Invalid {
             op,
             detail: format!(
                 "qkv of shape {:?} is not [tokens, heads·3·{d}]",
                 qkv.shape()
             ),
-        });
+        }),
     }
-    Ok((qkv.shape()[0], qkv.shape()[1] / (3 * d)))
 }
 
 /// `(rows, heads)` of a QKV gradient fused from `dq` and `dkv`, or the error for parts that
@@ -203,6 +206,16 @@ pub(crate) fn check_fuse_qkv_grad<L: Layout + ?Sized>(
         }
     };
     let heads = qc / d;
+    // The fused result has H·3·d columns; dkv's H·2·d are fewer.
+    if qc.checked_mul(3).is_none() {
+        return Err(Error::Invalid {
+            op,
+            detail: format!(
+                "dq of shape {:?} has {heads} heads of {d}: their fused H·3·d columns overflow usize",
+                dq.shape()
+            ),
+        });
+    }
     check_dst(op, dq, &[rows, heads * d], acc)?;
     check_dst(op, dkv, &[rows, heads * 2 * d], acc)?;
     Ok((rows, heads))

@@ -37,6 +37,7 @@ pub(crate) fn check_scatter_add<L: Layout + ?Sized>(
             detail: format!("row {bad} out of range for {n} rows"),
         });
     }
+    crate::storage::tensor::checked_len(op, &[n, h], src.dtype())?;
     Ok((m, h))
 }
 
@@ -64,13 +65,14 @@ pub(crate) fn check_grouped<L: Layout + ?Sized>(
             rhs: w.shape().into(),
         });
     }
-    if groups.len() != e || groups.iter().sum::<usize>() != rows {
+    let total = crate::shape::checked_sum(groups);
+    if groups.len() != e || total != Some(rows) {
+        let total = total.map_or("overflows usize".into(), |t| t.to_string());
         return Err(Error::Invalid {
             op,
             detail: format!(
-                "{} groups of {groups:?} rows (Σ {}) for {e} experts and {rows} rows",
+                "{} groups of {groups:?} rows (Σ {total}) for {e} experts and {rows} rows",
                 groups.len(),
-                groups.iter().sum::<usize>()
             ),
         });
     }
