@@ -1000,7 +1000,7 @@ fn gpu_rope_matches_cpu_bitwise() {
             };
             for (k, dt) in FLOATS.into_iter().enumerate() {
                 let x = rand(&[positions.len(), 3 * 16], dt, 300 + k as u64);
-                let xd = Tensor::from(up(&x, &dev));
+                let xd = up(&x, &dev);
                 // The same host tables and expressions, no fused multiply-add: same bits.
                 for (what, gpu, cpu) in [
                     (
