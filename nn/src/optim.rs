@@ -27,7 +27,7 @@ use crate::params::{GradAccumulator, Module, Param, ParamVisitor, Weight};
 use crate::seq::ReducedGrad;
 use dtensor_collectives::ReduceOp;
 use dtensor_core::{DTensor, Error, Gradients, Result};
-use dtensor_kernels::{DType, Tensor};
+use dtensor_kernels::{ops, Tensor};
 use dtensor_placement::{Layout, Placement};
 
 /// Collective: one optimizer step over every parameter of `m` from one backward's
@@ -272,7 +272,7 @@ impl Optimizer for AdamW {
         } else {
             0.0
         };
-        let h = AdamHyper {
+        let h = ops::AdamWStep {
             lr: self.lr,
             beta1: self.beta1,
             beta2: self.beta2,
@@ -283,10 +283,7 @@ impl Optimizer for AdamW {
         };
         // The moments live in the parameter's dtype for f32 and f64 (as PyTorch keeps them),
         // in f64 for the 16-bit dtypes.
-        let state_dtype = match p.local().dtype() {
-            DType::F32 => DType::F32,
-            _ => DType::F64,
-        };
+        let state_dtype = ops::adamw_state_dtype(p.local().dtype());
         let place = p.local().device().cloned();
         let (value, state) = p.value_and_state_mut();
         if state.len() != 2
@@ -302,97 +299,10 @@ impl Optimizer for AdamW {
         let [m, v] = &mut state[..] else {
             unreachable!("two moments set above")
         };
-        if place.is_some() {
-            return adamw_device(value, g.as_local(), m, v, &h);
-        }
-        match value.as_local().dtype() {
-            DType::F32 => {
-                let (m, v) = (m.as_mut_slice::<f32>()?, v.as_mut_slice::<f32>()?);
-                let g = g.as_local().as_slice::<f32>()?;
-                value.update_local_in_place(|w| {
-                    adamw_step(w.as_mut_slice::<f32>()?, g, m, v, &h);
-                    Ok(())
-                })
-            }
-            DType::F64 => {
-                let (m, v) = (m.as_mut_slice::<f64>()?, v.as_mut_slice::<f64>()?);
-                let g = g.as_local().as_slice::<f64>()?;
-                value.update_local_in_place(|w| {
-                    adamw_step(w.as_mut_slice::<f64>()?, g, m, v, &h);
-                    Ok(())
-                })
-            }
-            dtype => {
-                // 16-bit values: step in f64, round once.
-                let (m, v) = (m.as_mut_slice::<f64>()?, v.as_mut_slice::<f64>()?);
-                let g = g.as_local().to_f64_vec();
-                let mut w = value.as_local().to_f64_vec();
-                adamw_step(&mut w, &g, m, v, &h);
-                let t = Tensor::from_f64_vec(w, value.local_shape(), dtype)?;
-                value.update_local(|_| Ok(t))
-            }
-        }
-    }
-}
-
-/// AdamW on a parameter in device memory: the front door's device kernel
-/// (`dtensor_kernels::ops::adamw_step`, the formula and order of [`adamw_step`]), in place
-/// on the parameter and its moments.
-#[cfg(feature = "cuda")]
-fn adamw_device<L: Layout>(
-    w: &mut DTensor<L>,
-    g: &Tensor,
-    m: &mut Tensor,
-    v: &mut Tensor,
-    h: &AdamHyper,
-) -> Result<()> {
-    use dtensor_kernels::ops;
-    let step = ops::AdamWStep {
-        lr: h.lr,
-        beta1: h.beta1,
-        beta2: h.beta2,
-        eps: h.eps,
-        decay: h.decay,
-        c1: h.c1,
-        c2: h.c2,
-    };
-    w.update_local_in_place(|wl| Ok(ops::adamw_step(wl, g, m, v, &step)?))
-}
-
-/// Without the `cuda` feature no tensor is in device memory.
-#[cfg(not(feature = "cuda"))]
-fn adamw_device<L: Layout>(
-    _w: &mut DTensor<L>,
-    _g: &Tensor,
-    _m: &mut Tensor,
-    _v: &mut Tensor,
-    _h: &AdamHyper,
-) -> Result<()> {
-    unreachable!("a parameter in device memory in a build without `cuda`")
-}
-
-/// One AdamW step's constants (`c1`, `c2`: the bias corrections).
-struct AdamHyper {
-    lr: f64,
-    beta1: f64,
-    beta2: f64,
-    eps: f64,
-    decay: f64,
-    c1: f64,
-    c2: f64,
-}
-
-/// `m ← β1·m + (1−β1)·g`, `v ← β2·v + (1−β2)·g²`,
-/// `w ← w − lr·((m/c1)/(√(v/c2) + eps) + decay·w)`, in place, in `T`'s arithmetic.
-fn adamw_step<T: num_traits::Float>(w: &mut [T], g: &[T], m: &mut [T], v: &mut [T], h: &AdamHyper) {
-    let c = |x: f64| T::from(x).unwrap_or_else(T::nan);
-    let (b1, b2, one) = (c(h.beta1), c(h.beta2), T::one());
-    let (c1, c2, eps, lr, decay) = (c(h.c1), c(h.c2), c(h.eps), c(h.lr), c(h.decay));
-    for i in 0..w.len() {
-        m[i] = b1 * m[i] + (one - b1) * g[i];
-        v[i] = b2 * v[i] + (one - b2) * g[i] * g[i];
-        let upd = (m[i] / c1) / ((v[i] / c2).sqrt() + eps);
-        w[i] = w[i] - lr * (upd + decay * w[i]);
+        // The kernels' AdamW, where the parameter is: f32 arithmetic for f32, f64 for f64 and
+        // for 16-bit parameters (rounded into them once); the device kernel keeps the host's
+        // order of operations.
+        value.update_local_in_place(|w| Ok(ops::adamw_step(w, g.as_local(), m, v, &h)?))
     }
 }
 

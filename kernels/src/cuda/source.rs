@@ -410,7 +410,7 @@ pub static REDUCE_EXT: KernelModule = module!("reduce_ext");
 pub static ROPE: KernelModule = module!("rope");
 
 /// `optim.cu`: the AdamW step (`ops::adamw_step`), in place on the parameter and its
-/// two moments; the host step's formula and order of operations (nn's `AdamW`).
+/// two moments; the host kernel's formula and order of operations (`cpu/optim.rs`), which nn's `AdamW` runs on both devices.
 pub static OPTIM: KernelModule = module!("optim");
 
 /// Every kernel module.
@@ -624,6 +624,7 @@ mod tests {
             ("moe", &[("scatter_add_rows", ALL)]),
             ("reduce_ext", &[("reduce_combine", ALL), ("reduce_avg_div", ALL)]),
             ("optim", &[("adamw", FLOAT)]),
+            ("rope", &[("rope", FLOAT)]),
         ]
     };
 
