@@ -1,6 +1,7 @@
 //! Host kernel of [`crate::ops::adamw_step`]: AdamW on host tensors whose arguments the
-//! front door has checked, in the order of operations the device kernel (`optim.cu`) repeats; nn's `AdamW` steps through it (f32 arithmetic for f32; f64 for f64,
-//! and for 16-bit parameters, rounded into them once).
+//! front door has checked (f32 arithmetic for f32; f64 for f64, and for 16-bit parameters,
+//! rounded into them once), in the order of operations the device kernel (`optim.cu`)
+//! repeats. nn's `AdamW` steps through the front door.
 
 use crate::spec::optim::AdamWStep;
 use crate::{DType, Result, Tensor};

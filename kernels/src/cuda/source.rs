@@ -410,7 +410,8 @@ pub static REDUCE_EXT: KernelModule = module!("reduce_ext");
 pub static ROPE: KernelModule = module!("rope");
 
 /// `optim.cu`: the AdamW step (`ops::adamw_step`), in place on the parameter and its
-/// two moments; the host kernel's formula and order of operations (`cpu/optim.rs`), which nn's `AdamW` runs on both devices.
+/// two moments; the host kernel's formula and order of operations (`cpu/optim.rs`). nn's
+/// `AdamW` runs the step through the front door on both devices.
 pub static OPTIM: KernelModule = module!("optim");
 
 /// Every kernel module.
