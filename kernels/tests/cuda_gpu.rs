@@ -11,7 +11,7 @@
 #![cfg(feature = "cuda")]
 
 use dtensor_kernels::cuda::Device;
-use dtensor_kernels::ops::{self, Accum, CausalAttention, VocabShard};
+use dtensor_kernels::ops::{self, Accum, CausalAttention, CrossEntropyTargets, VocabShard};
 use dtensor_kernels::{DType, Tensor};
 
 mod common;
@@ -358,13 +358,21 @@ fn gpu_cross_entropy_pieces_match_an_f64_reference() {
     let (rows, vocab) = (6, 300);
     for (k, dt) in FLOATS.into_iter().enumerate() {
         let logits = rand(&[rows, vocab], dt, 220 + k as u64).scale(2.0);
-        let ids_v: Vec<i64> = (0..rows as i64).map(|r| (r * 47) % vocab as i64).collect();
+        // Rows 1 and 4 ignored (loss 0, gradient row 0).
+        let ignored = |r: usize| r % 3 == 1;
+        let ids_v: Vec<i64> = (0..rows)
+            .map(|r| match ignored(r) {
+                true => ops::IGNORE_INDEX,
+                false => (r as i64 * 47) % vocab as i64,
+            })
+            .collect();
         let ids = Tensor::from_vec(ids_v.clone(), &[rows]).unwrap();
+        let targets = CrossEntropyTargets::new(&ids, vocab).ignoring(ops::IGNORE_INDEX);
         let dy = rand(&[rows], dt, 230 + k as u64);
         // The reference: DTensor::cross_entropy's f64 arithmetic on one rank.
         let l = logits.to_f64_vec();
         let (mut loss, mut grad) = (vec![0.0; rows], vec![0.0; rows * vocab]);
-        for r in 0..rows {
+        for r in (0..rows).filter(|&r| !ignored(r)) {
             let row = &l[r * vocab..(r + 1) * vocab];
             let m = row.iter().fold(f64::NEG_INFINITY, |a, &x| a.max(x));
             let s: f64 = row.iter().map(|x| (x - m).exp()).sum();
@@ -390,7 +398,7 @@ fn gpu_cross_entropy_pieces_match_an_f64_reference() {
         let gm = up(&Tensor::from_vec(m, &[rows]).unwrap(), &dev);
         let (mut s, mut t) = (vec![0.0; rows], vec![0.0; rows]);
         for (p, &(c0, _)) in parts.iter().zip(&halves) {
-            let (ps, pt) = ops::ce_sum_target(p, &gm, &ids, c0, vocab).unwrap();
+            let (ps, pt) = ops::ce_sum_target(p, &gm, &targets, c0).unwrap();
             for r in 0..rows {
                 s[r] += down(&ps).to_f64_vec()[r];
                 t[r] += down(&pt).to_f64_vec()[r];
@@ -400,19 +408,25 @@ fn gpu_cross_entropy_pieces_match_an_f64_reference() {
             up(&Tensor::from_vec(s, &[rows]).unwrap(), &dev),
             up(&Tensor::from_vec(t, &[rows]).unwrap(), &dev),
         );
-        assert_close(
-            "ce_loss",
-            &down(&ops::ce_loss(&gs, &gt, dt).unwrap()),
-            &loss,
-            4.0,
-        );
+        let got_loss = down(&ops::ce_loss(&gs, &gt, dt).unwrap());
+        assert_close("ce_loss", &got_loss, &loss, 4.0);
         let gdy = up(&dy, &dev);
         let pieces: Vec<Tensor> = parts
             .iter()
             .zip(&halves)
-            .map(|(p, &(c0, _))| down(&ops::ce_grad(p, &gm, &gs, &ids, &gdy, c0, vocab).unwrap()))
+            .map(|(p, &(c0, _))| down(&ops::ce_grad(p, &gm, &gs, &targets, &gdy, c0).unwrap()))
             .collect();
-        assert_close("ce_grad", &Tensor::cat(&pieces, 1).unwrap(), &grad, 4.0);
+        let got_grad = Tensor::cat(&pieces, 1).unwrap();
+        assert_close("ce_grad", &got_grad, &grad, 4.0);
+        let (lv, gv) = (got_loss.to_f64_vec(), got_grad.to_f64_vec());
+        for r in (0..rows).filter(|&r| ignored(r)) {
+            assert_eq!(lv[r].to_bits(), 0, "{dt}: loss of ignored row {r}");
+            let row = &gv[r * vocab..(r + 1) * vocab];
+            assert!(
+                row.iter().all(|g| g.to_bits() == 0),
+                "{dt}: grad of ignored row {r}"
+            );
+        }
     }
 }
 

@@ -2,11 +2,13 @@
 //! plain f64 reference (log-sum-exp over the whole vocab, `softmax − onehot`), on one rank
 //! and with the vocab split into uneven pieces combined as the all-reduces would (Max, then
 //! Sum), and against finite differences of the loss. The argument errors name the op.
+//! Rows whose target is the ignore index score 0 and get a zero gradient row; the other rows
+//! keep their bits.
 
 mod common;
 
 use common::*;
-use dtensor_kernels::ops;
+use dtensor_kernels::ops::{self, CrossEntropyTargets, IGNORE_INDEX};
 use dtensor_kernels::{DType, Tensor};
 
 const ROWS: usize = 5;
@@ -40,12 +42,22 @@ fn rounded_once(dtype: DType) -> Tol {
     }
 }
 
+/// Rows 1 and 3 ignored (−100), the others as [`targets`]: the ignored rows are uneven
+/// across the vocab pieces (rows 0, 2, 4 hit pieces 0, 0 and 3).
+fn masked_targets() -> Vec<i64> {
+    vec![0, IGNORE_INDEX, 4, IGNORE_INDEX, 9]
+}
+
 /// `(loss, dlogits)` of `logits` (`[ROWS, VOCAB]`, f64) for `ids` and the loss gradient
-/// `dy`: `ln Σ exp(l) − l[t]` and `(softmax − onehot(t))·dy`, max-subtracted.
+/// `dy`: `ln Σ exp(l) − l[t]` and `(softmax − onehot(t))·dy`, max-subtracted; 0 and a zero
+/// row where the id is [`IGNORE_INDEX`].
 fn reference(l: &[f64], ids: &[i64], dy: &[f64]) -> (Vec<f64>, Vec<f64>) {
     let mut loss = vec![0.0; ROWS];
     let mut grad = vec![0.0; ROWS * VOCAB];
     for r in 0..ROWS {
+        if ids[r] == IGNORE_INDEX {
+            continue;
+        }
         let row = &l[r * VOCAB..(r + 1) * VOCAB];
         let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let s: f64 = row.iter().map(|x| (x - m).exp()).sum();
@@ -67,6 +79,16 @@ fn by_pieces(
     dy: &Tensor,
     pieces: &[(usize, usize)],
 ) -> (Tensor, Tensor) {
+    by_pieces_with(logits, &CrossEntropyTargets::new(ids, VOCAB), dy, pieces)
+}
+
+/// [`by_pieces`] for any targets (an ignore index among them).
+fn by_pieces_with(
+    logits: &Tensor,
+    targets: &CrossEntropyTargets,
+    dy: &Tensor,
+    pieces: &[(usize, usize)],
+) -> (Tensor, Tensor) {
     let parts: Vec<Tensor> = pieces
         .iter()
         .map(|&(c0, n)| logits.narrow(1, c0, n).unwrap())
@@ -81,7 +103,7 @@ fn by_pieces(
     let max = Tensor::from_vec(max, &[ROWS]).unwrap();
     let (mut sum, mut target) = (vec![0.0; ROWS], vec![0.0; ROWS]);
     for (p, &(c0, _)) in parts.iter().zip(pieces) {
-        let (s, t) = ops::ce_sum_target(p, &max, ids, c0, VOCAB).unwrap();
+        let (s, t) = ops::ce_sum_target(p, &max, targets, c0).unwrap();
         for r in 0..ROWS {
             sum[r] += s.as_slice::<f64>().unwrap()[r];
             target[r] += t.as_slice::<f64>().unwrap()[r];
@@ -93,7 +115,7 @@ fn by_pieces(
     let grads: Vec<Tensor> = parts
         .iter()
         .zip(pieces)
-        .map(|(p, &(c0, _))| ops::ce_grad(p, &max, &sum, ids, dy, c0, VOCAB).unwrap())
+        .map(|(p, &(c0, _))| ops::ce_grad(p, &max, &sum, targets, dy, c0).unwrap())
         .collect();
     (loss, Tensor::cat(&grads, 1).unwrap())
 }
@@ -155,7 +177,7 @@ fn cross_entropy_row_max_is_exact_and_empty_pieces_are_neutral() {
         .iter()
         .all(|&v| v == f64::NEG_INFINITY));
     let ids = Tensor::from_vec(targets(), &[ROWS]).unwrap();
-    let (s, t) = ops::ce_sum_target(&none, &m, &ids, 4, VOCAB).unwrap();
+    let (s, t) = ops::ce_sum_target(&none, &m, &CrossEntropyTargets::new(&ids, VOCAB), 4).unwrap();
     assert!(s.as_slice::<f64>().unwrap().iter().all(|&v| v == 0.0));
     assert!(t.as_slice::<f64>().unwrap().iter().all(|&v| v == 0.0));
 }
@@ -184,31 +206,32 @@ fn cross_entropy_bad_arguments_name_the_op() {
     assert_names_op(ops::ce_row_max(&ints), "ops::ce_row_max");
     // The max must be f64 [rows]; the targets one per row, inside the vocab, integers.
     let max32 = max.to_dtype(DType::F32);
+    let all = |ids| CrossEntropyTargets::new(ids, VOCAB);
     assert_names_op(
-        ops::ce_sum_target(&logits, &max32, &ids, 0, VOCAB),
+        ops::ce_sum_target(&logits, &max32, &all(&ids), 0),
         "ops::ce_sum_target",
     );
     let few = Tensor::from_vec(vec![1i64; ROWS - 1], &[ROWS - 1]).unwrap();
     assert_names_op(
-        ops::ce_sum_target(&logits, &max, &few, 0, VOCAB),
+        ops::ce_sum_target(&logits, &max, &all(&few), 0),
         "ops::ce_sum_target",
     );
     let outside = Tensor::from_vec(vec![VOCAB as i64; ROWS], &[ROWS]).unwrap();
     assert_names_op(
-        ops::ce_sum_target(&logits, &max, &outside, 0, VOCAB),
+        ops::ce_sum_target(&logits, &max, &all(&outside), 0),
         "ops::ce_sum_target",
     );
     let float_ids = Tensor::from_vec(vec![1.0f32; ROWS], &[ROWS]).unwrap();
     assert_names_op(
-        ops::ce_grad(&logits, &max, &max, &float_ids, &max32, 0, VOCAB),
+        ops::ce_grad(&logits, &max, &max, &all(&float_ids), &max32, 0),
         "ops::ce_grad",
     );
     // dy must be [rows] of the logits' dtype.
     assert_names_op(
-        ops::ce_grad(&logits, &max, &max, &ids, &max, 0, VOCAB),
+        ops::ce_grad(&logits, &max, &max, &all(&ids), &max, 0),
         "ops::ce_grad",
     );
-    let (s, t) = ops::ce_sum_target(&logits, &max, &ids, 0, VOCAB).unwrap();
+    let (s, t) = ops::ce_sum_target(&logits, &max, &all(&ids), 0).unwrap();
     assert_names_op(ops::ce_loss(&s, &t, DType::I64), "ops::ce_loss");
     let short = Tensor::from_vec(vec![0.0f64; ROWS - 1], &[ROWS - 1]).unwrap();
     assert_names_op(ops::ce_loss(&s, &short, DType::F32), "ops::ce_loss");
@@ -307,7 +330,8 @@ fn cross_entropy_pieces_repeat_the_distributed_host_arithmetic_bitwise() {
         let mut max = ops::ce_row_max(&piece).unwrap().to_f64_vec();
         reduce(&mut max, true);
         let max = Tensor::from_vec(max, &[ROWS]).unwrap();
-        let (s, t) = ops::ce_sum_target(&piece, &max, &ids, c0, VOCAB).unwrap();
+        let targets = CrossEntropyTargets::new(&ids, VOCAB);
+        let (s, t) = ops::ce_sum_target(&piece, &max, &targets, c0).unwrap();
         let (mut s, mut t) = (s.to_f64_vec(), t.to_f64_vec());
         reduce(&mut s, false);
         reduce(&mut t, false);
@@ -316,8 +340,152 @@ fn cross_entropy_pieces_repeat_the_distributed_host_arithmetic_bitwise() {
             Tensor::from_vec(t, &[ROWS]).unwrap(),
         );
         let loss = ops::ce_loss(&s, &t, dtype).unwrap();
-        let grad = ops::ce_grad(&piece, &max, &s, &ids, &dy, c0, VOCAB).unwrap();
+        let grad = ops::ce_grad(&piece, &max, &s, &targets, &dy, c0).unwrap();
         assert_eq!(bits(&loss), bits(&want_loss), "{dtype}: loss");
         assert_eq!(bits(&grad), bits(&want_grad), "{dtype}: grad");
+    }
+}
+
+#[test]
+fn cross_entropy_ignored_rows_score_zero_over_pieces() {
+    let ids = Tensor::from_vec(masked_targets(), &[ROWS]).unwrap();
+    let targets = CrossEntropyTargets::new(&ids, VOCAB).ignoring(IGNORE_INDEX);
+    for dtype in ALL {
+        let (logits, l) = input(&[ROWS, VOCAB], 11, 4.0, dtype);
+        let (dy, d) = input(&[ROWS], 12, 1.0, dtype);
+        let (want_loss, want_grad) = reference(&l, &masked_targets(), &d);
+        for pieces in [&[(0, VOCAB)][..], &PIECES] {
+            let (loss, grad) = by_pieces_with(&logits, &targets, &dy, pieces);
+            let t = rounded_once(dtype);
+            assert_close("ce_loss ignoring", &loss, &want_loss, t);
+            assert_close("ce_grad ignoring", &grad, &want_grad, t);
+            // Exactly zero, not merely small: loss and every gradient of rows 1 and 3.
+            let (lv, gv) = (loss.to_f64_vec(), grad.to_f64_vec());
+            for r in [1, 3] {
+                assert_eq!(lv[r].to_bits(), 0, "{dtype}: loss of ignored row {r}");
+                assert!(gv[r * VOCAB..(r + 1) * VOCAB]
+                    .iter()
+                    .all(|&g| g.to_bits() == 0));
+            }
+        }
+    }
+}
+
+#[test]
+fn cross_entropy_ignore_index_keeps_the_scored_rows_bits() {
+    // The same scored rows with and without ignored neighbours, and with an ignore index
+    // that no row uses: the scored rows' loss and gradient bits do not move.
+    let plain = Tensor::from_vec(targets(), &[ROWS]).unwrap();
+    let masked = Tensor::from_vec(masked_targets(), &[ROWS]).unwrap();
+    for dtype in ALL {
+        let (logits, _) = input(&[ROWS, VOCAB], 13, 5.0, dtype);
+        let (dy, _) = input(&[ROWS], 14, 1.0, dtype);
+        let (loss0, grad0) = by_pieces(&logits, &plain, &dy, &PIECES);
+        let unused = CrossEntropyTargets::new(&plain, VOCAB).ignoring(IGNORE_INDEX);
+        let (loss1, grad1) = by_pieces_with(&logits, &unused, &dy, &PIECES);
+        assert_eq!(bits(&loss0), bits(&loss1), "{dtype}: unused ignore index");
+        assert_eq!(bits(&grad0), bits(&grad1), "{dtype}: unused ignore index");
+        let used = CrossEntropyTargets::new(&masked, VOCAB).ignoring(IGNORE_INDEX);
+        let (loss2, grad2) = by_pieces_with(&logits, &used, &dy, &PIECES);
+        let (b0, b2) = (bits(&loss0), bits(&loss2));
+        let (g0, g2) = (bits(&grad0), bits(&grad2));
+        for r in [0, 2, 4] {
+            assert_eq!(b0[r], b2[r], "{dtype}: loss of scored row {r}");
+            let row = r * VOCAB..(r + 1) * VOCAB;
+            assert_eq!(g0[row.clone()], g2[row], "{dtype}: grad of scored row {r}");
+        }
+    }
+}
+
+#[test]
+fn cross_entropy_ignoring_grad_matches_finite_differences() {
+    let ids = Tensor::from_vec(masked_targets(), &[ROWS]).unwrap();
+    let targets = CrossEntropyTargets::new(&ids, VOCAB).ignoring(IGNORE_INDEX);
+    let (logits, l) = input(&[ROWS, VOCAB], 15, 2.0, DType::F64);
+    let (dy, d) = input(&[ROWS], 16, 1.0, DType::F64);
+    let (_, grad) = by_pieces_with(&logits, &targets, &dy, &PIECES);
+    let numeric = fd_grad(&l, |x| {
+        let (loss, _) = reference(x, &masked_targets(), &d);
+        dot(&loss, &d)
+    });
+    assert_fd("ce_grad ignoring", &grad, &numeric);
+}
+
+#[test]
+fn cross_entropy_all_ignored_gives_zero_loss_and_grad() {
+    let ids = Tensor::from_vec(vec![IGNORE_INDEX; ROWS], &[ROWS]).unwrap();
+    let targets = CrossEntropyTargets::new(&ids, VOCAB).ignoring(IGNORE_INDEX);
+    let (logits, _) = input(&[ROWS, VOCAB], 17, 4.0, DType::F32);
+    let (dy, _) = input(&[ROWS], 18, 1.0, DType::F32);
+    let (loss, grad) = by_pieces_with(&logits, &targets, &dy, &PIECES);
+    assert!(loss.to_f64_vec().iter().all(|&v| v.to_bits() == 0));
+    assert!(grad.to_f64_vec().iter().all(|&v| v.to_bits() == 0));
+}
+
+#[test]
+fn cross_entropy_ignore_index_inside_the_vocab_ignores_that_class() {
+    // PyTorch's rule: the ignore index wins over a class of the same id (a pad token 0).
+    let ids = Tensor::from_vec(targets(), &[ROWS]).unwrap();
+    let targets = CrossEntropyTargets::new(&ids, VOCAB).ignoring(0);
+    let (logits, l) = input(&[ROWS, VOCAB], 19, 4.0, DType::F64);
+    let (dy, d) = input(&[ROWS], 20, 1.0, DType::F64);
+    let (loss, grad) = by_pieces_with(&logits, &targets, &dy, &PIECES);
+    let as_ignored: Vec<i64> = targets_with_row0(IGNORE_INDEX);
+    let (want_loss, want_grad) = reference(&l, &as_ignored, &d);
+    assert_close(
+        "ce_loss ignoring class 0",
+        &loss,
+        &want_loss,
+        rounded_once(DType::F64),
+    );
+    assert_close(
+        "ce_grad ignoring class 0",
+        &grad,
+        &want_grad,
+        rounded_once(DType::F64),
+    );
+}
+
+fn targets_with_row0(id: i64) -> Vec<i64> {
+    let mut t = targets();
+    t[0] = id;
+    t
+}
+
+#[test]
+fn cross_entropy_out_of_range_targets_name_the_op_and_the_id() {
+    let (logits, _) = input(&[ROWS, VOCAB], 21, 1.0, DType::F32);
+    let max = ops::ce_row_max(&logits).unwrap();
+    let (dy, _) = input(&[ROWS], 22, 1.0, DType::F32);
+    // −100 without an ignore index, −1 and VOCAB with one: each an Err naming op and id.
+    for (bad, ignore) in [
+        (IGNORE_INDEX, None),
+        (-1, Some(IGNORE_INDEX)),
+        (VOCAB as i64, Some(IGNORE_INDEX)),
+    ] {
+        let ids = Tensor::from_vec(targets_with_row0(bad), &[ROWS]).unwrap();
+        let targets = CrossEntropyTargets {
+            ids: &ids,
+            vocab: VOCAB,
+            ignore_index: ignore,
+        };
+        for (op, err) in [
+            (
+                "ops::ce_sum_target",
+                ops::ce_sum_target(&logits, &max, &targets, 0)
+                    .map(|_| ())
+                    .unwrap_err(),
+            ),
+            (
+                "ops::ce_grad",
+                ops::ce_grad(&logits, &max, &max, &targets, &dy, 0)
+                    .map(|_| ())
+                    .unwrap_err(),
+            ),
+        ] {
+            let msg = err.to_string();
+            assert!(msg.contains(op), "{msg}");
+            assert!(msg.contains(&format!("target {bad} ")), "{msg}");
+        }
     }
 }

@@ -22,11 +22,11 @@ pub(crate) fn row_max(logits: &Tensor, rows: usize, cols: usize) -> Result<Tenso
 
 /// Per row, `Σ_c exp(l − max)` summed in column order from 0, and the target's `l − max`
 /// (0 where the target column is not among this piece's `col_start..col_start + cols`):
-/// both f64 `[rows]`.
+/// both f64 `[rows]`. An ignored row (`None`) leaves both at 0.
 pub(crate) fn sum_target(
     logits: &Tensor,
     max: &Tensor,
-    ids: &[usize],
+    ids: &[Option<usize>],
     col_start: usize,
     (rows, cols): (usize, usize),
 ) -> Result<(Tensor, Tensor)> {
@@ -36,11 +36,12 @@ pub(crate) fn sum_target(
     let mut sum = vec![0.0; rows];
     let mut target = vec![0.0; rows];
     for r in 0..rows {
+        let Some(id) = ids[r] else { continue };
         for c in 0..cols {
             sum[r] += (l[r * cols + c] - max[r]).exp();
         }
-        if here.contains(&ids[r]) {
-            target[r] = l[r * cols + ids[r] - col_start] - max[r];
+        if here.contains(&id) {
+            target[r] = l[r * cols + id - col_start] - max[r];
         }
     }
     Ok((
@@ -49,20 +50,24 @@ pub(crate) fn sum_target(
     ))
 }
 
-/// `ln(sum) − target` per row, rounded once into `dtype`.
+/// `ln(sum) − target` per row, rounded once into `dtype`; 0 for an ignored row (sum 0).
 pub(crate) fn loss(sum: &Tensor, target: &Tensor, dtype: DType) -> Result<Tensor> {
     let (sum, target) = (sum.as_slice::<f64>()?, target.as_slice::<f64>()?);
-    let loss: Vec<f64> = sum.iter().zip(target).map(|(s, t)| s.ln() - t).collect();
+    let loss: Vec<f64> = sum
+        .iter()
+        .zip(target)
+        .map(|(&s, t)| if s == 0.0 { 0.0 } else { s.ln() - t })
+        .collect();
     Tensor::from_f64_vec(loss, &[sum.len()], dtype)
 }
 
 /// The logits' gradient `(exp(l − max) / sum − [c is the target])·dy[row]`, in f64 and in
-/// that order, rounded once into the logits' dtype.
+/// that order, rounded once into the logits' dtype; 0 on an ignored row (`None`).
 pub(crate) fn grad(
     logits: &Tensor,
     max: &Tensor,
     sum: &Tensor,
-    ids: &[usize],
+    ids: &[Option<usize>],
     dy: &Tensor,
     col_start: usize,
     (rows, cols): (usize, usize),
@@ -73,13 +78,14 @@ pub(crate) fn grad(
     let here = col_start..col_start + cols;
     let mut g = vec![0.0; rows * cols];
     for r in 0..rows {
+        let Some(id) = ids[r] else { continue };
         let row = &mut g[r * cols..(r + 1) * cols];
         for (c, p) in row.iter_mut().enumerate() {
             *p = (l[r * cols + c] - max[r]).exp();
             *p /= sum[r];
         }
-        if here.contains(&ids[r]) {
-            row[ids[r] - col_start] -= 1.0;
+        if here.contains(&id) {
+            row[id - col_start] -= 1.0;
         }
         row.iter_mut().for_each(|v| *v *= d[r]);
     }

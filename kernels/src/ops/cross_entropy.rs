@@ -9,15 +9,64 @@
 //! | backward | [`ce_grad`] | `dlogits = (exp(l − max)/sum − onehot(t))·dloss`, this rank's columns | |
 //!
 //! `logits` is `[rows, cols]`, the local columns `col_start..col_start + cols` of a
-//! `vocab`-column whole; the targets are i64 or i32, one per row, each `< vocab` (an `Err`
-//! otherwise), and may stay in host memory when the logits are on a device. Everything is
-//! computed in f64 (rounded once into the logits' dtype where it leaves as such); the host
-//! kernels fold and sum in column order, the device kernels in a fixed tree order of their
-//! own, so host and device agree to rounding.
+//! `vocab`-column whole. The targets ([`CrossEntropyTargets`]) are i64 or i32, one per row,
+//! and may stay in host memory when the logits are on a device; each is a class in
+//! `0..vocab` or equals the ignore index, if one is given (anything else is an `Err` naming
+//! the op and the id). Everything is computed in f64 (rounded once into the logits' dtype
+//! where it leaves as such); the host kernels fold and sum in column order, the device
+//! kernels in a fixed tree order of their own, so host and device agree to rounding.
+//!
+//! **Ignored rows** (a target equal to the ignore index, e.g. [`IGNORE_INDEX`], the −100
+//! that Hugging Face's causal-LM labels put on padding and masked prompt tokens) score
+//! nothing: step 2 leaves their `sum` and `target` at 0 on every rank (so also after the
+//! all-reduces), step 3 gives loss 0 for a reduced `sum` of 0, and the backward gives a zero
+//! gradient row. A scored row's reduced `sum` is at least 1 (its max column adds
+//! `exp(0) = 1`), so the two never mix; scored rows get the same bits as without an ignore
+//! index. A mean over the scored tokens divides by their count, not by `rows`: that count
+//! is the caller's (summed over the ranks that split the tokens).
 
 use crate::spec::cross_entropy::{check_stat, logits_dims, target_ids};
 use crate::spec::{check_dst, not_float};
 use crate::{DType, Result, Tensor};
+
+/// The ignore index of PyTorch's `cross_entropy` and of Hugging Face's labels: padding and
+/// masked prompt tokens carry it, and score nothing.
+pub const IGNORE_INDEX: i64 = -100;
+
+/// The targets of a cross-entropy: one id per row (`ids`, i64 or i32, `[rows]`, on the host
+/// or the logits' device), the `vocab` they index, and the id that marks a row to ignore.
+#[derive(Clone, Copy, Debug)]
+pub struct CrossEntropyTargets<'a> {
+    /// One class id per row.
+    pub ids: &'a Tensor,
+    /// The whole vocab (all ranks' columns): a class id lies in `0..vocab`.
+    pub vocab: usize,
+    /// Rows whose id equals it are ignored (loss 0, gradient 0); `None` ignores nothing.
+    pub ignore_index: Option<i64>,
+}
+
+impl<'a> CrossEntropyTargets<'a> {
+    /// Every row scored: each id must lie in `0..vocab`.
+    pub fn new(ids: &'a Tensor, vocab: usize) -> Self {
+        CrossEntropyTargets {
+            ids,
+            vocab,
+            ignore_index: None,
+        }
+    }
+
+    /// Rows whose id is `ignore_index` are ignored (e.g. [`IGNORE_INDEX`]).
+    pub fn ignoring(self, ignore_index: i64) -> Self {
+        CrossEntropyTargets {
+            ignore_index: Some(ignore_index),
+            ..self
+        }
+    }
+
+    fn check(&self, op: &'static str, rows: usize) -> Result<Vec<Option<usize>>> {
+        target_ids(op, self.ids, rows, self.vocab, self.ignore_index)
+    }
+}
 
 /// Step 1: each row's maximum of this rank's `logits` (`[rows, cols]`), f64 `[rows]` (`−∞`
 /// for no column). All-reduce it (Max) over the axes that split the vocab before step 2.
@@ -29,32 +78,35 @@ pub fn ce_row_max(logits: &Tensor) -> Result<Tensor> {
 }
 
 /// Step 2: per row, `Σ_c exp(l − max)` and the target's `l − max` (0 where the target's
-/// column is not among this rank's), both f64 `[rows]`, from the reduced `max`. All-reduce
-/// both (Sum) before step 3 and the backward. `col_start` is the first vocab column of the
-/// local logits, `vocab` the whole vocab.
+/// column is not among this rank's), both f64 `[rows]`, from the reduced `max`; both 0 on
+/// an ignored row. All-reduce both (Sum) before step 3 and the backward. `col_start` is the
+/// first vocab column of the local logits.
 pub fn ce_sum_target(
     logits: &Tensor,
     max: &Tensor,
-    ids: &Tensor,
+    targets: &CrossEntropyTargets,
     col_start: usize,
-    vocab: usize,
 ) -> Result<(Tensor, Tensor)> {
     const OP: &str = "ops::ce_sum_target";
     let (rows, cols) = logits_dims(OP, logits)?;
     check_stat(OP, max, rows)?;
     #[cfg(feature = "cuda")]
-    if let Some(ids) = crate::dispatch::host_ids(OP, logits, ids)? {
+    if let Some(ids) = crate::dispatch::host_ids(OP, logits, targets.ids)? {
         crate::dispatch::on_cuda(OP, &[logits, max])?;
-        let ids = target_ids(OP, &ids, rows, vocab)?;
+        let ids = CrossEntropyTargets {
+            ids: &ids,
+            ..*targets
+        }
+        .check(OP, rows)?;
         return device::sum_target(&logits.cuda_tensor()?, &max.cuda_tensor()?, &ids, col_start);
     }
     crate::dispatch::on_cuda(OP, &[logits, max])?;
-    let ids = target_ids(OP, ids, rows, vocab)?;
+    let ids = targets.check(OP, rows)?;
     crate::cpu::cross_entropy::sum_target(logits, max, &ids, col_start, (rows, cols))
 }
 
 /// Step 3: `ln(sum) − target` per row from the reduced f64 `sum` and `target`, rounded once
-/// into `dtype` (the logits' float dtype).
+/// into `dtype` (the logits' float dtype); 0 where `sum` is 0 (an ignored row).
 pub fn ce_loss(sum: &Tensor, target: &Tensor, dtype: DType) -> Result<Tensor> {
     const OP: &str = "ops::ce_loss";
     let rows = sum.numel();
@@ -69,15 +121,14 @@ pub fn ce_loss(sum: &Tensor, target: &Tensor, dtype: DType) -> Result<Tensor> {
 
 /// The backward: the gradient of this rank's logits, `(exp(l − max)/sum − onehot(t))·dy[row]`,
 /// from the reduced `max` and `sum` (f64 `[rows]`) and the loss's gradient `dy` (`[rows]`, the
-/// logits' dtype); the logits' shape and dtype.
+/// logits' dtype); the logits' shape and dtype, with zero rows where the target is ignored.
 pub fn ce_grad(
     logits: &Tensor,
     max: &Tensor,
     sum: &Tensor,
-    ids: &Tensor,
+    targets: &CrossEntropyTargets,
     dy: &Tensor,
     col_start: usize,
-    vocab: usize,
 ) -> Result<Tensor> {
     const OP: &str = "ops::ce_grad";
     let (rows, cols) = logits_dims(OP, logits)?;
@@ -85,28 +136,32 @@ pub fn ce_grad(
     check_stat(OP, sum, rows)?;
     check_dst(OP, dy, &[rows], logits.dtype())?;
     #[cfg(feature = "cuda")]
-    if let Some(ids) = crate::dispatch::host_ids(OP, logits, ids)? {
+    if let Some(ids) = crate::dispatch::host_ids(OP, logits, targets.ids)? {
         crate::dispatch::on_cuda(OP, &[logits, max, sum, dy])?;
-        let ids = target_ids(OP, &ids, rows, vocab)?;
+        let ids = CrossEntropyTargets {
+            ids: &ids,
+            ..*targets
+        }
+        .check(OP, rows)?;
         let [logits, max, sum, dy] = [logits, max, sum, dy].map(Tensor::cuda_tensor);
         return device::grad(&logits?, &max?, &sum?, &ids, &dy?, col_start);
     }
     crate::dispatch::on_cuda(OP, &[logits, max, sum, dy])?;
-    let ids = target_ids(OP, ids, rows, vocab)?;
+    let ids = targets.check(OP, rows)?;
     crate::cpu::cross_entropy::grad(logits, max, sum, &ids, dy, col_start, (rows, cols))
 }
 
 /// The device launches (`cuda/kernels/cross_entropy.cu`): one block per row, on operands
-/// the front door has checked; the targets are uploaded as i64.
+/// the front door has checked; the targets are uploaded as i64, −1 marking an ignored row.
 #[cfg(feature = "cuda")]
 mod device {
     use crate::cuda::launch::{func, grid_for, launch_kernel, per_row};
     use crate::cuda::{source, CudaTensor, Device};
     use crate::{DType, Result, Tensor};
 
-    fn upload_ids(ids: &[usize], dev: &Device) -> Result<CudaTensor> {
-        // Each id is below the vocab, a dim of a tensor that exists: it fits i64.
-        let v: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
+    fn upload_ids(ids: &[Option<usize>], dev: &Device) -> Result<CudaTensor> {
+        // Each class is below the vocab, a dim of a tensor that exists: it fits i64.
+        let v: Vec<i64> = ids.iter().map(|i| i.map_or(-1, |c| c as i64)).collect();
         Tensor::from_vec(v, &[ids.len()])?.upload(dev)
     }
 
@@ -127,7 +182,7 @@ mod device {
     pub(super) fn sum_target(
         logits: &CudaTensor,
         max: &CudaTensor,
-        ids: &[usize],
+        ids: &[Option<usize>],
         col_start: usize,
     ) -> Result<(Tensor, Tensor)> {
         const OP: &str = "ops::ce_sum_target";
@@ -162,7 +217,7 @@ mod device {
         logits: &CudaTensor,
         max: &CudaTensor,
         sum: &CudaTensor,
-        ids: &[usize],
+        ids: &[Option<usize>],
         dy: &CudaTensor,
         col_start: usize,
     ) -> Result<Tensor> {

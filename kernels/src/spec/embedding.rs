@@ -50,18 +50,21 @@ impl VocabShard {
     }
 }
 
+/// The ids (i64 or i32, in host memory) as i64, unchecked.
+pub(crate) fn raw_ids(op: &'static str, ids: &Tensor) -> Result<Vec<i64>> {
+    match ids.dtype() {
+        DType::I64 => Ok(ids.as_slice::<i64>()?.to_vec()),
+        DType::I32 => Ok(ids.as_slice::<i32>()?.iter().map(|&i| i as i64).collect()),
+        other => Err(Error::Invalid {
+            op,
+            detail: format!("ids must be i64 or i32, got {other}"),
+        }),
+    }
+}
+
 /// The ids as `usize`, each checked against `0..vocab`.
 pub(crate) fn read_ids(op: &'static str, ids: &Tensor, vocab: usize) -> Result<Vec<usize>> {
-    let raw: Vec<i64> = match ids.dtype() {
-        DType::I64 => ids.as_slice::<i64>()?.to_vec(),
-        DType::I32 => ids.as_slice::<i32>()?.iter().map(|&i| i as i64).collect(),
-        other => {
-            return Err(Error::Invalid {
-                op,
-                detail: format!("ids must be i64 or i32, got {other}"),
-            })
-        }
-    };
+    let raw = raw_ids(op, ids)?;
     raw.iter()
         .enumerate()
         .map(|(pos, &id)| {

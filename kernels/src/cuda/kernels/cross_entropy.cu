@@ -5,6 +5,9 @@
 //      column is here, else 0                                      -> all_reduce(Sum) of s and t
 //   3. ce_loss: loss[r] = ln s[r] - t[r], rounded into the logits' dtype
 //   4. ce_grad: dl[r, c] = (exp(l - m)/s - [c == id - col_start]) * dy[r]
+// An ignored row has id -1 (the front door's mark): s = t = 0 in step 2 (on every rank, so
+// after the all-reduce too), loss 0 where s is 0 in step 3 (a scored row's s is >= 1), and a
+// zero gradient row.
 // One block of ROW_THREADS per row (fixed-order block trees).
 
 template <class T> __device__ void ce_row_max_k(const T* l, double* m, u64 cols) {
@@ -22,6 +25,11 @@ template <class T>
 __device__ void ce_sum_target_k(const T* l, const double* m, const i64* ids, double* s, double* t, u64 cols,
                                 u64 col_start) {
     u64 r = blockIdx.x;
+    // The whole block takes the same branch: no thread is left waiting in block_sum.
+    if (ids[r] < 0) {
+        if (threadIdx.x == 0) s[r] = t[r] = 0.0;
+        return;
+    }
     double acc = 0;
     for (u64 c = threadIdx.x; c < cols; c += blockDim.x) acc += ex((double)Tr<T>::to(l[r * cols + c]) - m[r]);
     acc = block_sum(acc);
@@ -33,13 +41,17 @@ __device__ void ce_sum_target_k(const T* l, const double* m, const i64* ids, dou
 }
 
 template <class T> __device__ void ce_loss_k(const double* s, const double* t, T* loss, u64 rows) {
-    GRID_STRIDE(r, rows) loss[r] = cast_from_f64<T>(lg(s[r]) - t[r]);
+    GRID_STRIDE(r, rows) loss[r] = cast_from_f64<T>(s[r] == 0.0 ? 0.0 : lg(s[r]) - t[r]);
 }
 
 template <class T>
 __device__ void ce_grad_k(T* dl, const T* l, const double* m, const double* s, const i64* ids, const T* dy, u64 cols,
                           u64 col_start) {
     u64 r = blockIdx.x;
+    if (ids[r] < 0) {
+        for (u64 c = threadIdx.x; c < cols; c += blockDim.x) dl[r * cols + c] = cast_from_f64<T>(0.0);
+        return;
+    }
     u64 id = (u64)ids[r];
     double d = (double)Tr<T>::to(dy[r]);
     for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
