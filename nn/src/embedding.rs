@@ -6,6 +6,12 @@
 //! [`SeqMode::exit`]. The loss takes logits sharded over the vocabulary ([`ColOut`]) and
 //! gives per-token losses `Invariant` over `Tp`, reducing only `[tokens]`-sized statistics
 //! (the row max, the sum of exponentials, the target's logit), never the logits.
+//!
+//! Label masking (fine-tuning): [`vocab_parallel_cross_entropy_ignoring`] scores nothing
+//! where the target is the ignore index (Hugging Face's −100,
+//! [`IGNORE_INDEX`](dtensor_kernels::ops::IGNORE_INDEX)), and [`mean_loss_over`] divides by
+//! the scored tokens of the whole global batch ([`DTensor::scored_tokens`]), so the loss and
+//! its gradients do not depend on how the tokens are split over `Dp`, `Ep` and `Cp`.
 
 use crate::data::{ColW, DataMode, Ddp, MasterLayout};
 use crate::init::{Init, ParamInit};
@@ -77,6 +83,17 @@ pub fn vocab_parallel_cross_entropy<'t>(
     logits.cross_entropy(targets)
 }
 
+/// [`vocab_parallel_cross_entropy`] where a target equal to `ignore_index` scores nothing:
+/// its loss is 0 and its logits get no gradient. Average with [`mean_loss_over`] and the
+/// count of scored targets, not with [`mean_loss`].
+pub fn vocab_parallel_cross_entropy_ignoring<'t>(
+    logits: &Var<'t, ColOut>,
+    targets: &Var<'t, Ids>,
+    ignore_index: i64,
+) -> Result<Var<'t, TokenInvariant>> {
+    logits.cross_entropy_ignoring(targets, ignore_index)
+}
+
 /// The training loss: per-token losses summed over this `Dp` rank's tokens and divided by
 /// the global token count (so the sum over `Dp`, which the `Partial` stands for, is the
 /// mean over the global batch).
@@ -85,8 +102,22 @@ where
     L: SumLayout<0>,
     SumOut<L, 0>: LinearLayout,
 {
-    let tokens = losses.value().global_shape()[0].max(1);
-    losses.sum_dim::<0>()?.scale(1.0 / tokens as f64)
+    mean_loss_over(losses, losses.value().global_shape()[0])
+}
+
+/// The training loss over `tokens` counted tokens: per-token losses summed over this
+/// rank's tokens and divided by `tokens` (at least 1), which must be the same on every rank
+/// (the sum over the data axes is then the mean). With an ignore index, pass the scored
+/// targets of the whole global batch, `targets.scored_tokens(Some(ignore_index))` (summed
+/// over every microbatch where there are several): a per-rank count would weigh a rank's
+/// tokens by how many of its neighbours are ignored. With no token scored, the loss and its
+/// gradients are 0.
+pub fn mean_loss_over<'t, L>(losses: &Var<'t, L>, tokens: usize) -> Result<Var<'t, SumOut<L, 0>>>
+where
+    L: SumLayout<0>,
+    SumOut<L, 0>: LinearLayout,
+{
+    losses.sum_dim::<0>()?.scale(1.0 / tokens.max(1) as f64)
 }
 
 /// Collective over `Dp`, `Ep` and `Cp`: the value of a [`Loss`] (the same on every rank).

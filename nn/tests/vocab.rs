@@ -1,7 +1,10 @@
 //! Vocab-parallel embedding and cross-entropy against single-rank f64 references
 //! (`embedding`, `embedding_backward`, `−log_softmax[target]`, `softmax − one-hot`) at
 //! TP = 1, 2, 4, SP on and off, and DP×TP; vocabularies that divide unevenly too.
-//! Error measure: `max |a − b| / max |b|` ≤ 1e-10.
+//! Error measure: `max |a − b| / max |b|` ≤ 1e-10. With an ignore index (−100): the
+//! per-token loss and gradient against the same reference with those rows zeroed, and the
+//! mean over the scored tokens of the global batch the same on every mesh, where the
+//! ignored tokens are spread unevenly over the data ranks.
 
 mod common;
 
@@ -129,5 +132,204 @@ fn vocab_parallel_cross_entropy_matches_reference_without_gathering_logits() {
     for (calls, sent) in bytes {
         assert_eq!(calls, 3);
         assert!(sent <= 3 * (T as u64) * 8, "sent {sent} bytes");
+    }
+}
+
+/// Targets with the ignore index on 5 of the first 6 tokens and 1 of the last 6: split over
+/// `Dp` = 2 (or `Cp` = 2), the ranks hold very different numbers of scored tokens.
+fn masked_ids(vocab: usize) -> Tensor {
+    let ignored = [0, 1, 2, 4, 5, 9];
+    Tensor::from_fn(&[T], |i| match ignored.contains(&i) {
+        true => ops::IGNORE_INDEX,
+        false => ((i * 7 + 29) % vocab) as i64,
+    })
+}
+
+/// `(per-token loss, dlogits for dloss)` of the reference with ignored rows zeroed.
+fn masked_reference(logits: &Tensor, tg: &Tensor, dloss: &Tensor) -> (Tensor, Tensor) {
+    let vocab = logits.shape()[1];
+    let lp = ops::log_softmax(logits).unwrap().to_f64_vec();
+    let mut g = ops::softmax(logits).unwrap().to_f64_vec();
+    let t = tg.as_slice::<i64>().unwrap();
+    let d = dloss.to_f64_vec();
+    let scored = |r: usize| t[r] != ops::IGNORE_INDEX;
+    let loss = Tensor::from_fn(&[T], |r| match scored(r) {
+        true => -lp[r * vocab + t[r] as usize],
+        false => 0.0,
+    });
+    for r in 0..T {
+        let row = &mut g[r * vocab..(r + 1) * vocab];
+        if scored(r) {
+            row[t[r] as usize] -= 1.0;
+            row.iter_mut().for_each(|v| *v *= d[r]);
+        } else {
+            row.fill(0.0);
+        }
+    }
+    (loss, Tensor::from_vec(g, &[T, vocab]).unwrap())
+}
+
+#[test]
+fn cross_entropy_ignoring_matches_reference_on_every_mesh() {
+    let vocab = 11;
+    let logits = randn(81, &[T, vocab]).scale(3.0);
+    let tg = masked_ids(vocab);
+    let dloss = randn(82, &[T]);
+    let (loss_ref, dl_ref) = masked_reference(&logits, &tg, &dloss);
+    for (dp, tp) in [(1, 1), (1, 2), (2, 2)] {
+        on_mesh(dp, tp, |mesh| {
+            let tape = Tape::new();
+            let lg = tape.leaf(piece::<ColOut>(&logits, mesh)?);
+            let targets = piece::<Ids>(&tg, mesh)?;
+            let loss = vocab_parallel_cross_entropy_ignoring(
+                &lg,
+                &tape.constant(targets.clone()),
+                ops::IGNORE_INDEX,
+            )?;
+            // The tape-free op gives the same bits.
+            let plain = lg
+                .value()
+                .cross_entropy_ignoring(&targets, ops::IGNORE_INDEX)?;
+            assert_eq!(
+                plain.as_local().to_f64_vec(),
+                loss.value().as_local().to_f64_vec()
+            );
+            let loss_full = loss.value().full_tensor()?;
+            let mut g = loss.backward_with(piece(&dloss, mesh)?)?;
+            let dl = g.take(&lg)?.full_tensor()?;
+            let e = assert_close("masked ce loss", &loss_full, &loss_ref, TOL).max(assert_close(
+                "masked ce dlogits",
+                &dl,
+                &dl_ref,
+                TOL,
+            ));
+            eprintln!("masked cross-entropy dp={dp} tp={tp}: {e:e}");
+            Ok(())
+        });
+    }
+}
+
+#[test]
+fn cross_entropy_ignoring_rejects_other_out_of_range_targets() {
+    let vocab = 11;
+    let logits = randn(83, &[T, vocab]);
+    for bad in [-1, vocab as i64, ops::IGNORE_INDEX] {
+        let tg = Tensor::from_fn(&[T], |i| if i == 3 { bad } else { 1 });
+        let msgs = on_mesh(1, 2, |mesh| {
+            let lg = piece::<ColOut>(&logits, mesh)?;
+            let tg = piece::<Ids>(&tg, mesh)?;
+            // −100 is a target like any other without an ignore index.
+            let err = match bad == ops::IGNORE_INDEX {
+                true => lg.cross_entropy(&tg).map(|_| ()).unwrap_err(),
+                false => lg
+                    .cross_entropy_ignoring(&tg, ops::IGNORE_INDEX)
+                    .map(|_| ())
+                    .unwrap_err(),
+            };
+            Ok(err.to_string())
+        });
+        for m in msgs {
+            assert!(m.contains("DTensor::cross_entropy"), "{m}");
+            assert!(m.contains(&format!("found target {bad}")), "{m}");
+        }
+    }
+}
+
+/// `(loss value, dlogits)` of the masked mean on a `dp × cp × tp` mesh: the per-token
+/// losses summed and divided by the scored targets of the whole batch, or (`per_rank`) by
+/// this rank's own scored targets and the data ranks' count, the mean of per-rank means.
+fn masked_mean(
+    logits: &Tensor,
+    tg: &Tensor,
+    (dp, cp, tp): (usize, usize, usize),
+    per_rank: bool,
+) -> (f64, Tensor) {
+    let out = on_model_mesh(1, dp, 1, cp, tp, |mesh| {
+        let tape = Tape::new();
+        let lg = tape.leaf(piece::<ColOut>(logits, mesh)?);
+        let targets = piece::<Ids>(tg, mesh)?;
+        let losses = vocab_parallel_cross_entropy_ignoring(
+            &lg,
+            &tape.constant(targets.clone()),
+            ops::IGNORE_INDEX,
+        )?;
+        let scored = targets.scored_tokens(Some(ops::IGNORE_INDEX))?;
+        let mean = match per_rank {
+            false => mean_loss_over(&losses, scored)?,
+            true => {
+                let ids = targets.as_local().as_slice::<i64>()?;
+                let mine = ids.iter().filter(|&&i| i != ops::IGNORE_INDEX).count();
+                mean_loss_over(&losses, mine * dp * cp)?
+            }
+        };
+        let value = loss_value(&mean)?;
+        let mut g = mean.backward()?;
+        Ok((value, g.take(&lg)?.full_tensor()?))
+    });
+    let (value, dl) = out[0].clone();
+    for (v, d) in &out {
+        assert_eq!(
+            v.to_bits(),
+            value.to_bits(),
+            "every rank reads the same loss"
+        );
+        assert_eq!(d.to_f64_vec(), dl.to_f64_vec());
+    }
+    (value, dl)
+}
+
+#[test]
+fn masked_mean_loss_is_the_same_on_every_mesh_with_uneven_ignored_tokens() {
+    let vocab = 11;
+    let logits = randn(84, &[T, vocab]).scale(3.0);
+    let tg = masked_ids(vocab);
+    let scored = 6;
+    let ones = Tensor::from_vec(vec![1.0 / scored as f64; T], &[T]).unwrap();
+    let (loss_ref, dl_ref) = masked_reference(&logits, &tg, &ones);
+    let mean_ref = loss_ref.to_f64_vec().iter().sum::<f64>() / scored as f64;
+    let meshes = [
+        (1, 1, 1),
+        (1, 1, 2),
+        (2, 1, 1),
+        (2, 1, 2),
+        (2, 2, 1),
+        (1, 2, 2),
+    ];
+    for mesh in meshes {
+        let (mean, dl) = masked_mean(&logits, &tg, mesh, false);
+        assert!(
+            (mean - mean_ref).abs() <= TOL * mean_ref.abs(),
+            "{mesh:?}: mean {mean} vs {mean_ref}"
+        );
+        assert_close("masked mean dlogits", &dl, &dl_ref, TOL);
+        // The count is summed over the token axes only: the same on every mesh.
+        let counts = on_model_mesh(1, mesh.0, 1, mesh.1, mesh.2, |m| {
+            piece::<Ids>(&tg, m)?.scored_tokens(Some(ops::IGNORE_INDEX))
+        });
+        assert!(counts.iter().all(|&c| c == scored), "{mesh:?}: {counts:?}");
+    }
+    // A mean of per-rank means (each rank dividing by its own scored tokens) agrees on one
+    // data rank and not on two, where rank 0 holds 1 scored token and rank 1 holds 5.
+    let (one, _) = masked_mean(&logits, &tg, (1, 1, 2), true);
+    assert!((one - mean_ref).abs() <= TOL * mean_ref.abs());
+    let (two, _) = masked_mean(&logits, &tg, (2, 1, 2), true);
+    assert!(
+        (two - mean_ref).abs() > 0.01 * mean_ref.abs(),
+        "per-rank means {two} should differ from {mean_ref}"
+    );
+}
+
+#[test]
+fn masked_mean_loss_of_an_all_ignored_batch_is_zero() {
+    let vocab = 11;
+    let logits = randn(85, &[T, vocab]).scale(3.0);
+    let tg = Tensor::from_vec(vec![ops::IGNORE_INDEX; T], &[T]).unwrap();
+    for mesh in [(1, 1, 1), (2, 1, 2)] {
+        let (mean, dl) = masked_mean(&logits, &tg, mesh, false);
+        assert_eq!(mean.to_bits(), 0, "{mesh:?}: loss {mean}");
+        assert!(
+            dl.to_f64_vec().iter().all(|&g| g.to_bits() == 0),
+            "{mesh:?}"
+        );
     }
 }
