@@ -12,7 +12,7 @@ use crate::typed::DTensor;
 use dtensor_collectives::ReduceOp;
 use dtensor_kernels::ops::CrossEntropyTargets;
 use dtensor_kernels::{ops, DType, Tensor};
-use dtensor_placement::{CrossEntropyLayout, CrossEntropyOut, Layout};
+use dtensor_placement::{CrossEntropyLayout, CrossEntropyOut, Layout, Placement};
 
 impl<L: Layout> DTensor<L> {
     /// Per-token cross-entropy of `[tokens, vocab]` logits against `[tokens]` targets
@@ -42,12 +42,12 @@ impl<L: Layout> DTensor<L> {
         Ok(cross_entropy_parts(self, targets, Some(ignore_index))?.0)
     }
 
-    /// Collective over the axes that shard dim 0: the number of elements of the whole
+    /// Collective over the axes that split dim 0: the number of elements of the whole
     /// (global) integer tensor (targets, i64 or i32) that are not `ignore_index`, the same
     /// on every rank: the denominator of a mean over the scored tokens of a global batch,
     /// whatever the mesh. Each rank counts its local elements, and the counts are summed
-    /// over every axis on which the tensor is `Shard<0>` (tokens on other axes are copies,
-    /// counted once). `None` counts every element.
+    /// over every axis on which the tensor is `Shard<0>` or `Ragged` (tokens on other axes
+    /// are copies, counted once). `None` counts every element.
     pub fn scored_tokens(&self, ignore_index: Option<i64>) -> Result<usize> {
         const OP: &str = "DTensor::scored_tokens";
         let t = self.as_any();
@@ -56,7 +56,7 @@ impl<L: Layout> DTensor<L> {
         // f64 counts exactly below 2^53, and every backend reduces f64.
         let mut count = [local as f64];
         for (a, p) in t.placements().iter().enumerate() {
-            if p.shard_dim() == Some(0) {
+            if matches!(p, Placement::Shard(0) | Placement::Ragged) {
                 let comm = t.device_mesh().axis_comm(a);
                 crate::transfer::all_reduce_values(&**comm, &mut count, ReduceOp::Sum)?;
             }
@@ -122,8 +122,9 @@ impl<'t, L: Layout> Var<'t, L> {
 
 /// What cross-entropy's backward needs from its forward: the reduced row max and `Σ exp`
 /// (f64 `[rows]`, where the logits are), the targets and their ignore index, and where
-/// this rank's vocab columns start. The backward recomputes the probabilities from them (one exp per logit) rather
-/// than keeping a `[rows, cols]` f64 copy alive between forward and backward.
+/// this rank's vocab columns start. The backward recomputes the probabilities from them
+/// (one exp per logit) rather than keeping a `[rows, cols]` f64 copy alive between forward
+/// and backward.
 struct CrossEntropySaved {
     max: Tensor,
     sum: Tensor,
