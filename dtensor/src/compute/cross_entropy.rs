@@ -149,7 +149,7 @@ fn cross_entropy_parts<L: Layout, LT: CrossEntropyLayout<L>>(
     want_rank(OP, tg, 1, "the targets")?;
     let vocab = lg.global_shape()[1];
     let rows = lg.local_shape()[0];
-    let ids = raw_ids(OP, &tg.as_local().to_host()?)?;
+    let ids = raw_ids(OP, tg.as_local())?;
     let bad = ids
         .iter()
         .find(|&&i| Some(i) != ignore_index && !matches!(usize::try_from(i), Ok(c) if c < vocab));
