@@ -34,6 +34,7 @@
 pub mod any;
 pub mod compute;
 pub mod context;
+pub mod custom;
 pub mod device_mesh;
 pub mod error;
 pub mod fused;
@@ -49,6 +50,7 @@ pub mod typed;
 pub use any::AnyDTensor;
 pub use compute::rope::RopePositions;
 pub use context::{ContextAttention, CpLayout, CpStrategy};
+pub use custom::{custom_op, CustomInputs, CustomOutputs, Piece};
 pub use device_mesh::DeviceMesh;
 pub use error::{Error, Result};
 pub use fused::FusedAllReduce;

@@ -44,7 +44,7 @@ use crate::device_mesh::DeviceMesh;
 use crate::error::Result;
 use crate::typed::DTensor;
 use dtensor_kernels::{DType, Tensor};
-use dtensor_placement::{Layout, LossLayout};
+use dtensor_placement::{Layout, LossLayout, Placement};
 use smallvec::SmallVec;
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -64,8 +64,9 @@ enum Run {
 }
 
 struct Node {
-    /// The value this node produced.
-    out: usize,
+    /// The values this node produced (one, but for a [custom op](crate::custom) with
+    /// several outputs).
+    outs: SmallVec<[usize; 1]>,
     /// The values it was computed from.
     inputs: SmallVec<[usize; 3]>,
     /// Issues a collective in backward: runs even when no gradient reached `out`.
@@ -74,6 +75,11 @@ struct Node {
 }
 
 impl Node {
+    /// Whether a gradient reached any of its outputs.
+    fn reached(&self, store: &GradStore) -> bool {
+        self.outs.iter().any(|&o| store.slots[o].is_some())
+    }
+
     /// Runs the whole backward (every input's gradient).
     fn run_all(self, store: &mut GradStore) -> Result<()> {
         match self.run {
@@ -137,18 +143,32 @@ pub struct GradStore {
 impl GradStore {
     /// The gradient of value `id` (laid out `L::Grad`), or zeros when nothing reached it.
     fn grad_or_zeros<L: Layout>(&self, id: usize, meta: &Meta) -> Result<DTensor<L::Grad>> {
+        let placements = <L::Grad as Layout>::placements();
+        Ok(DTensor::wrap(self.grad_or_zeros_any(
+            id,
+            meta,
+            &placements,
+        )?))
+    }
+
+    /// [`grad_or_zeros`](Self::grad_or_zeros) with the gradient's placements given.
+    fn grad_or_zeros_any(
+        &self,
+        id: usize,
+        meta: &Meta,
+        placements: &[Placement],
+    ) -> Result<AnyDTensor> {
         match self.slots.get(id).and_then(|s| s.as_ref()) {
-            Some(g) => Ok(DTensor::wrap(g.clone())),
+            Some(g) => Ok(g.clone()),
             None => {
                 let zeros = Tensor::zeros_on(meta.mesh.device(), &meta.local, meta.dtype)?;
-                let any = AnyDTensor::from_local_for(
+                AnyDTensor::from_local_for(
                     "Tape::backward (zero gradient)",
                     zeros,
                     &meta.global,
-                    &<L::Grad as Layout>::placements(),
+                    placements,
                     &meta.mesh,
-                )?;
-                Ok(DTensor::wrap(any))
+                )
             }
         }
     }
@@ -160,7 +180,7 @@ impl GradStore {
 
     /// [`accumulate`](Self::accumulate) for a gradient whose layout the caller took from
     /// the same value's gradient on another tape (a recomputed region's parameters).
-    fn accumulate_any(&mut self, id: usize, g: AnyDTensor) -> Result<()> {
+    pub(crate) fn accumulate_any(&mut self, id: usize, g: AnyDTensor) -> Result<()> {
         let slot = &mut self.slots[id];
         *slot = Some(match slot.take() {
             None => g,
@@ -447,9 +467,38 @@ impl Tape {
         }
     }
 
+    /// [`record`](Self::record) for a node with several outputs (a [custom
+    /// op](crate::custom)): `outputs` are the values it produced, `grad_placements` each
+    /// one's gradient layout (the dual); `back` gets every output's gradient (zeros where
+    /// none arrived) and accumulates its inputs'. Returns the outputs' value ids.
+    pub(crate) fn record_many(
+        &self,
+        outputs: &[AnyDTensor],
+        grad_placements: Vec<SmallVec<[Placement; 4]>>,
+        inputs: &[usize],
+        back: impl FnOnce(Vec<AnyDTensor>, &mut GradStore) -> Result<()> + 'static,
+    ) -> SmallVec<[usize; 4]> {
+        let ids: SmallVec<[usize; 4]> = outputs.iter().map(|_| self.new_id()).collect();
+        let metas: Vec<Meta> = outputs.iter().map(Meta::of).collect();
+        let outs = ids.clone();
+        let run: Backward = Box::new(move |store: &mut GradStore| {
+            let mut dys = Vec::with_capacity(outs.len());
+            for ((&id, meta), placements) in outs.iter().zip(&metas).zip(&grad_placements) {
+                dys.push(store.grad_or_zeros_any(id, meta, placements)?);
+            }
+            back(dys, store)
+        });
+        self.push_outs(&ids, inputs, false, Run::Whole(run));
+        ids
+    }
+
     fn push(&self, out: usize, inputs: &[usize], collective: bool, run: Run) {
+        self.push_outs(&[out], inputs, collective, run);
+    }
+
+    fn push_outs(&self, outs: &[usize], inputs: &[usize], collective: bool, run: Run) {
         self.inner.borrow_mut().nodes.push(Node {
-            out,
+            outs: outs.iter().copied().collect(),
             inputs: inputs.iter().copied().collect(),
             collective,
             run,
@@ -538,16 +587,18 @@ impl Tape {
         for (i, node) in nodes.into_iter().enumerate().rev() {
             // A compute node nobody sent a gradient to contributes nothing; a collective
             // node runs anyway, so every rank issues the same collectives.
-            let out = node.out;
-            if node.collective || store.slots[out].is_some() {
+            let outs = node.outs.clone();
+            if node.collective || node.reached(&store) {
                 node.run_all(&mut store)?;
             }
-            // Its output's gradient has been passed on: free it (as PyTorch frees non-leaf
-            // gradients), so a backward holds the activations' gradients only while they
-            // are in flight.
-            if !retained.contains(&out) {
-                store.slots[out] = None;
-                freed[out] = true;
+            // Its outputs' gradients have been passed on: free them (as PyTorch frees
+            // non-leaf gradients), so a backward holds the activations' gradients only
+            // while they are in flight.
+            for out in outs {
+                if !retained.contains(&out) {
+                    store.slots[out] = None;
+                    freed[out] = true;
+                }
             }
             if let Some(h) = hook.as_mut() {
                 for &key in &finals[i] {
@@ -580,19 +631,22 @@ impl Tape {
         dep[input] = true;
         for node in &nodes {
             if node.inputs.iter().any(|&i| dep[i]) {
-                dep[node.out] = true;
+                for &o in &node.outs {
+                    dep[o] = true;
+                }
             }
         }
         let mut freed = vec![false; n];
         let (mut later, mut deferred) = (Vec::new(), Vec::new());
         for node in nodes.into_iter().rev() {
-            let out = node.out;
-            if !dep[out] {
+            // A node's outputs depend on `input` together (they share its inputs).
+            let outs = node.outs.clone();
+            if !dep[outs[0]] {
                 later.push(node);
                 continue;
             }
-            let mut keep = retained.contains(&out);
-            if node.collective || store.slots[out].is_some() {
+            let mut keep = false;
+            if node.collective || node.reached(&store) {
                 match node.run {
                     Run::Whole(f) => f(&mut store)?,
                     Run::Halves(f) => {
@@ -601,7 +655,8 @@ impl Tape {
                         f(&mut store, &now)?;
                         if now.iter().any(|w| !w) {
                             let rest = now.iter().map(|w| !w).collect();
-                            deferred.push((f, rest, out));
+                            // A split node has one output (`record_halves`).
+                            deferred.push((f, rest, outs[0]));
                             // The weight half needs this output's gradient.
                             keep = true;
                         }
@@ -609,8 +664,12 @@ impl Tape {
                 }
             }
             if !keep {
-                store.slots[out] = None;
-                freed[out] = true;
+                for out in outs {
+                    if !retained.contains(&out) {
+                        store.slots[out] = None;
+                        freed[out] = true;
+                    }
+                }
             }
         }
         Ok(WeightPass {
@@ -650,13 +709,15 @@ impl WeightPass {
             }
         }
         for node in std::mem::take(&mut self.later) {
-            let out = node.out;
-            if node.collective || store.slots[out].is_some() {
+            let outs = node.outs.clone();
+            if node.collective || node.reached(store) {
                 node.run_all(store)?;
             }
-            if !self.retained.contains(&out) {
-                store.slots[out] = None;
-                self.freed[out] = true;
+            for out in outs {
+                if !self.retained.contains(&out) {
+                    store.slots[out] = None;
+                    self.freed[out] = true;
+                }
             }
         }
         Ok(Gradients {
@@ -690,6 +751,11 @@ impl<'t, L: Layout> Var<'t, L> {
     /// The forward value.
     pub fn value(&self) -> &DTensor<L> {
         &self.value
+    }
+
+    /// A value recorded on `tape` under `id` (by [`Tape::record_many`]).
+    pub(crate) fn from_parts(value: DTensor<L>, id: usize, tape: &'t Tape) -> Self {
+        Var { value, id, tape }
     }
 
     /// This value's id on its tape.
@@ -840,32 +906,6 @@ impl<'t, L: Layout> Var<'t, L> {
                     _ => Ok(()),
                 }
             })
-    }
-
-    /// A user's op: `forward` computes this rank's output from the local input, `backward`
-    /// the local input gradient from the local output gradient. The output layout `Out` and
-    /// global shape are the user's claim (as with `DTensor::from_local`, they are checked
-    /// against the local shapes); the gradients are typed as the duals.
-    pub fn custom<Out: Layout>(
-        &self,
-        name: &'static str,
-        global_out: &[usize],
-        forward: impl FnOnce(&Tensor) -> Result<Tensor>,
-        backward: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor> + 'static,
-    ) -> Result<Var<'t, Out>> {
-        let x = self.value.as_any().clone();
-        let local = forward(x.as_local())?;
-        let any = AnyDTensor::from_local_for(
-            name,
-            local,
-            global_out,
-            &Out::placements(),
-            x.device_mesh(),
-        )?;
-        Ok(self.unary(DTensor::wrap(any), false, move |dy| {
-            let dx = backward(dy.as_local(), x.as_local())?;
-            grad_of(name, dx, &x)
-        }))
     }
 
     /// Activation recomputation: `f(self)` without keeping its intermediates. The forward
