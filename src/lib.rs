@@ -66,6 +66,7 @@ pub mod cli;
 
 pub use dtensor_collectives as collectives;
 pub use dtensor_core as core;
+pub use dtensor_datasets as datasets;
 pub use dtensor_kernels as kernels;
 pub use dtensor_nn as nn;
 pub use dtensor_placement as placement;

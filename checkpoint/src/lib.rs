@@ -60,6 +60,7 @@
 #![warn(missing_docs)]
 
 pub mod crc;
+pub mod hf;
 pub mod index;
 pub mod nn;
 
@@ -141,6 +142,17 @@ pub enum Error {
         /// Why, and what to do first (e.g. reduce a `Partial` axis).
         detail: String,
     },
+    /// A model configuration (a Hugging Face `config.json`) with a field that is
+    /// missing, malformed, or set to something dtensor does not implement.
+    #[error("model config {file}: field `{field}`: {detail}")]
+    Config {
+        /// The configuration file.
+        file: PathBuf,
+        /// The field at fault (`rope_parameters.factor` for a nested one).
+        field: String,
+        /// What is wrong with it, in words.
+        detail: String,
+    },
     /// This rank succeeded but others did not; their messages.
     #[error("checkpoint {op} failed on other ranks: {detail}")]
     OtherRanks {
@@ -164,7 +176,7 @@ impl From<dtensor_collectives::Error> for Error {
     }
 }
 
-fn io_err(file: &Path, e: impl std::fmt::Display) -> Error {
+pub(crate) fn io_err(file: &Path, e: impl std::fmt::Display) -> Error {
     Error::Io {
         file: file.to_path_buf(),
         detail: e.to_string(),
@@ -266,7 +278,11 @@ fn tensor_bytes(t: &Tensor) -> dtensor_kernels::Result<Vec<u8>> {
 }
 
 /// A tensor of `shape` and `dtype` from its little-endian bytes.
-fn tensor_from_bytes(b: &[u8], shape: &[usize], dtype: DType) -> dtensor_kernels::Result<Tensor> {
+pub(crate) fn tensor_from_bytes(
+    b: &[u8],
+    shape: &[usize],
+    dtype: DType,
+) -> dtensor_kernels::Result<Tensor> {
     fn from<T: bytemuck::Pod, const N: usize>(b: &[u8], f: impl Fn([u8; N]) -> T) -> Vec<T> {
         if cfg!(target_endian = "little") {
             let n = b.len() / N;
@@ -299,7 +315,7 @@ fn tensor_from_bytes(b: &[u8], shape: &[usize], dtype: DType) -> dtensor_kernels
     }
 }
 
-fn st_dtype(d: DType) -> safetensors::Dtype {
+pub(crate) fn st_dtype(d: DType) -> safetensors::Dtype {
     match d {
         DType::F32 => safetensors::Dtype::F32,
         DType::F64 => safetensors::Dtype::F64,

@@ -370,3 +370,13 @@ pub(crate) fn check_rope<L: Layout + ?Sized>(
     }
     Ok(cols / cfg.head_dim)
 }
+
+impl Rope {
+    /// `Err` unless the configuration is one the formulas are defined for (positive base
+    /// and factors, an even rotary dim within the head, ordered llama3 frequency bounds): what
+    /// [`rope`](fn@crate::ops::rope) checks first, for a caller that validates a model's
+    /// configuration before it builds anything.
+    pub fn validate(&self) -> Result<()> {
+        self.check("Rope::validate")
+    }
+}
