@@ -453,6 +453,9 @@ fn gather_rules_close() {
 // The ops
 // ---------------------------------------------------------------------------------------
 
+/// Rows looked up, and the table rows they came from (what the backward scatters into).
+type Gathered<L, LI> = (DTensor<GatherOut<L, LI>>, Vec<usize>);
+
 impl<L: Layout> DTensor<L> {
     /// Elements `start..start + len` of dim `D` (global indices), every other dim as is
     /// (`torch.narrow`). Dim `D` is whole on every rank ([`NarrowRule`]), so each rank
@@ -591,10 +594,7 @@ impl<L: Layout> DTensor<L> {
 
     /// [`gather_rows`](Self::gather_rows) and the row ids this rank read, which its
     /// backward scatters into.
-    fn gather_rows_parts<LI>(
-        &self,
-        ids: &DTensor<LI>,
-    ) -> Result<(DTensor<GatherOut<L, LI>>, Vec<usize>)>
+    fn gather_rows_parts<LI>(&self, ids: &DTensor<LI>) -> Result<Gathered<L, LI>>
     where
         LI: GatherLayout<L>,
     {
