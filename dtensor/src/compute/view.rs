@@ -455,6 +455,26 @@ fn gather_rules_close() {
 
 /// Rows looked up, and the table rows they came from (what the backward scatters into).
 type Gathered<L, LI> = (DTensor<GatherOut<L, LI>>, Vec<usize>);
+/// A selection's result, and the mask's flags on this rank (what the backward reads).
+type Masked<L> = (DTensor<L>, Vec<bool>);
+
+/// [`DTensor::select`] and the mask's flags on this rank.
+fn select_parts<L, LM>(
+    mask: &DTensor<LM>,
+    on_true: &DTensor<L>,
+    on_false: &DTensor<L>,
+) -> Result<Masked<L>>
+where
+    LM: Layout,
+    L: WhereLayout<LM>,
+{
+    const OP: &str = "DTensor::select";
+    let (m, a, b) = (mask.as_any(), on_true.as_any(), on_false.as_any());
+    let bits = mask_bits(OP, m, a)?;
+    check_same(OP, a, b)?;
+    let local = select_local(&bits, a.as_local(), b.as_local())?;
+    Ok((output(OP, local, a.global_shape(), a)?, bits))
+}
 
 impl<L: Layout> DTensor<L> {
     /// Elements `start..start + len` of dim `D` (global indices), every other dim as is
@@ -557,12 +577,7 @@ impl<L: Layout> DTensor<L> {
         LM: Layout,
         L: WhereLayout<LM>,
     {
-        const OP: &str = "DTensor::select";
-        let (m, a, b) = (mask.as_any(), on_true.as_any(), on_false.as_any());
-        let bits = mask_bits(OP, m, a)?;
-        check_same(OP, a, b)?;
-        let local = select_local(&bits, a.as_local(), b.as_local())?;
-        output(OP, local, a.global_shape(), a)
+        Ok(select_parts(mask, on_true, on_false)?.0)
     }
 
     /// `value` where `mask` is set (non-zero), this tensor elsewhere (`torch.masked_fill`),
@@ -574,11 +589,21 @@ impl<L: Layout> DTensor<L> {
         LM: Layout,
         L: WhereLayout<LM> + PointwiseLayout,
     {
+        Ok(self.masked_fill_parts(mask, value)?.0)
+    }
+
+    /// [`masked_fill`](Self::masked_fill) and the mask's flags on this rank, which its
+    /// backward reads.
+    fn masked_fill_parts<LM>(&self, mask: &DTensor<LM>, value: f64) -> Result<Masked<L>>
+    where
+        LM: Layout,
+        L: WhereLayout<LM> + PointwiseLayout,
+    {
         const OP: &str = "DTensor::masked_fill";
         let (m, x) = (mask.as_any(), self.as_any());
         let bits = mask_bits(OP, m, x)?;
         let local = keep_or(x.as_local(), |i| !bits[i], value)?;
-        output(OP, local, x.global_shape(), x)
+        Ok((output(OP, local, x.global_shape(), x)?, bits))
     }
 
     /// Rows of this table (`[n, …]`) picked by global row ids (`[k]`, an integer tensor):
@@ -710,8 +735,7 @@ impl<'t, L: Layout> Var<'t, L> {
         LM: Layout,
         L: WhereLayout<LM>,
     {
-        let y = DTensor::select(mask, on_true.value(), on_false.value())?;
-        let bits = mask_bits("Var::select", mask.as_any(), on_true.value().as_any())?;
+        let (y, bits) = select_parts(mask, on_true.value(), on_false.value())?;
         let (av, bv) = (
             on_true.value().as_any().clone(),
             on_false.value().as_any().clone(),
@@ -741,9 +765,8 @@ impl<'t, L: Layout> Var<'t, L> {
         LM: Layout,
         L: WhereLayout<LM> + PointwiseLayout,
     {
-        let y = self.value().masked_fill(mask, value)?;
+        let (y, bits) = self.value().masked_fill_parts(mask, value)?;
         let xv = self.value().as_any().clone();
-        let bits = mask_bits("Var::masked_fill", mask.as_any(), &xv)?;
         Ok(self.unary(y, false, move |dy| {
             let g = keep_or(dy.as_local(), |i| !bits[i], 0.0)?;
             grad_of("Var::masked_fill", g, &xv)
