@@ -25,6 +25,11 @@
 //! | [`TransposeRule`] (2-D) | S0↔S1; R, I, P stay | — |
 //! | [`SplitRule<D>`] (dim `D` into two) | `S<D>` stays (even shards), `S<e>`→`S<e+1>` when e > D; R, I, P stay | — |
 //! | [`MergeRule<D>`] (dims `D`, `D+1` into one) | `S<D>` stays (even shards), `S<e>`→`S<e−1>` when e > D+1; R, I, P stay | `S<D+1>`: no rule |
+//! | `NarrowRule<D>` (narrow, cat along `D`; in `dtensor_core::compute::view`, beside the ops) | R, I, P, `S<e≠D>` stay; Rg when D ≥ 1 | `S<D>`: no rule |
+//! | `SwapDimsRule<A, B>` (swap dims A < B; `compute::view`) | `S<A>`↔`S<B>`; other shards, R, I, P stay; Rg when A ≥ 1 | A ≥ B: no rule |
+//! | `RepeatRule<D>` (repeat_interleave along `D`; `compute::view`) | every `S<e>` (`S<D>` even shards, checked when it runs), R, I, P stay; Rg when D ≥ 1 | Rg at D = 0 |
+//! | `WhereRule<M>` (select / masked_fill, mask `M`; `compute::view`) | (`S<d>`, `S<d>`), (R or I, R or I), (P, R or I), (Rg, Rg) | no rule |
+//! | `GatherRule<T>` (rows of a table `T` by global id; `compute::view`) | (R, S0)→S0, (R, R or I)→R, (I, I)→I, (P, R or I)→P, (`S<e≥1>`, R or I)→`S<e>` | no rule |
 //! | `Ragged<B>` in the tables above | Rg⊙Rg→Rg, Rg/Rg→Rg, rows Rg with a bias / scale / norm weight R→Rg, sum over dim 0 Rg→P, over dim e ≥ 1 (sum, mean, max, softmax, split/merge) stays Rg | mean / max over rows, transpose, dense matmul: no rule |
 //! | [`DispatchRule<B>`] (MoE dispatch of `[tokens, hidden]`) | S0→`Ragged<B>`, R, I, P, S1 stay | no rule |
 //! | [`CombineRule<Y>`] (outputs `Y`, gates `Self`) | (Rg, S0)→S0, (R, R)→R, (I, I)→I, (P, R)→P, (S1, R)→S1 | no rule |

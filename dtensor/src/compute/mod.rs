@@ -21,6 +21,11 @@
 //! | [`rope`](DTensor::rope) ([`rope`](mod@rope)) | rows split (positions from the global row: sequential, CP order, explicit), heads split, whole, or `Partial`; no `Ragged` | none |
 //! | [`t`](DTensor::t) | `Shard<0>` ↔ `Shard<1>` | none |
 //! | [`split_dim`](DTensor::split_dim), [`merge_dims`](DTensor::merge_dims) | `Shard<e>` moves with the dims (even shards of a reshaped dim) | none |
+//! | [`narrow`](DTensor::narrow), [`cat`](DTensor::cat) ([`view`]) | the dim whole on every axis ([`NarrowRule`](view::NarrowRule)) | none |
+//! | [`swap_dims`](DTensor::swap_dims) | `Shard<A>` ↔ `Shard<B>` ([`SwapDimsRule`](view::SwapDimsRule)) | none |
+//! | [`repeat_interleave`](DTensor::repeat_interleave) | any (a sharded dim in even shards: [`RepeatRule`](view::RepeatRule)) | none |
+//! | [`select`](DTensor::select) (where), [`masked_fill`](DTensor::masked_fill) | the mask laid out as the values, or whole ([`WhereRule`](view::WhereRule)) | none |
+//! | [`gather_rows`](DTensor::gather_rows) | the table's rows whole ([`GatherRule`](view::GatherRule)) | none |
 //!
 //! Shapes stay run-time values: every op checks them and returns an `Err` naming itself,
 //! the shapes and the placements. The result is wrapped only after its local shape was
@@ -29,7 +34,7 @@
 //! One file per op family holds both the typed method on [`DTensor`] and its twin on the
 //! tape ([`Var`](crate::Var)), which records the backward from the values its forward
 //! produced: `matmul.rs`, `elementwise.rs`, `activation.rs`, `reduction.rs`, `softmax.rs`,
-//! `norm.rs`, `embedding.rs`, `cross_entropy.rs`, `attention.rs`, `shape.rs`. This file
+//! `norm.rs`, `embedding.rs`, `cross_entropy.rs`, `attention.rs`, `shape.rs`, `view.rs`. This file
 //! keeps the checks and the wrapping they share.
 
 mod activation;
@@ -44,6 +49,8 @@ mod shape;
 mod softmax;
 // Public: its module docs say where a row's position comes from.
 pub mod rope;
+// Public: it holds the rules of its ops, which bounds in user code name.
+pub mod view;
 
 use crate::any::AnyDTensor;
 use crate::error::{Error, Result};
