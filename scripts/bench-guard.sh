@@ -248,7 +248,11 @@ echo "speed: median algbw GB/s (memcpy_parallel: GB/s; gemm: our GFLOP/s); ratio
     }
     $1 == "R" { ref[$2] = $3 + 0; refbest[$2] = $4; next }
     $1 == "N" {
-        if (!header++) printf "%-16s %-24s %6s %9s %8s %8s %8s %8s %7s\n", "op", "case", "size", "speed", "median", "best", refname, refname == "old" ? "old best" : "", "change"
+        ab = refname == "old"
+        if (!header++) {
+            printf "%-16s %-24s %6s %9s %8s %8s %8s", "op", "case", "size", "speed", "median", "best", refname
+            printf (ab ? " %8s %7s\n" : "%s %7s\n"), (ab ? "old best" : ""), "change"
+        }
         key = $2; med = $3 + 0; n = split(key, f, " "); op = ""; rest = ""; bytes = ""; width = 0
         for (i = 1; i <= n; i++) {
             split(f[i], kv, "=")
@@ -258,7 +262,8 @@ echo "speed: median algbw GB/s (memcpy_parallel: GB/s; gemm: our GFLOP/s); ratio
             if (kv[1] == "ranks" || kv[1] == "threads") width = kv[2] + 0
         }
         if (!(key in ref)) {
-            printf "%-16s %-24s %6s %9s %8.3f %8.3f %8s %8s %7s\n", op, rest, size(bytes), $5, med, $4, "-", "", "new"
+            printf "%-16s %-24s %6s %9s %8.3f %8.3f %8s", op, rest, size(bytes), $5, med, $4, "-"
+            printf (ab ? " %8s %7s\n" : "%s %7s\n"), (ab ? "-" : ""), "new"
             next
         }
         seen[key] = 1
@@ -269,7 +274,9 @@ echo "speed: median algbw GB/s (memcpy_parallel: GB/s; gemm: our GFLOP/s); ratio
             mark = change < -thr ? "  LOST MORE THAN " thr "%" : ""
             if (mark != "") flagged++
         }
-        printf "%-16s %-24s %6s %9s %8.3f %8.3f %8.3f %8s %+6.0f%%%s\n", op, rest, size(bytes), $5, med, $4, ref[key], refname == "old" ? sprintf("%.3f", refbest[key]) : "", change, mark
+        printf "%-16s %-24s %6s %9s %8.3f %8.3f %8.3f", op, rest, size(bytes), $5, med, $4, ref[key]
+        if (ab) printf " %8.3f", refbest[key]
+        printf " %+6.0f%%%s\n", change, mark
     }
     END {
         missing = 0
