@@ -30,7 +30,7 @@ fn configs() -> [Rope; 2] {
 
 /// The forward and the input gradient (seeded with `seed`) of RoPE on `x` laid out as `L`
 /// on the mesh `axes`, both as full tensors in the tensor's own row order.
-fn rope_on<L: dtensor_placement::RopeLayout>(
+fn rope_on<L: dtensor_core::compute::rope::RopeLayout>(
     axes: &[(AxisKind, usize)],
     x: &Tensor,
     seed: &Tensor,

@@ -34,3 +34,38 @@ fn grouped_matmul_group_sizes_overflowing_errs() {
         "ops::grouped_matmul_t_backward",
     );
 }
+
+#[test]
+fn grouped_matmul_of_integers_errs_naming_the_grouped_op() {
+    // The front door refuses a dtype the product cannot take; the host kernel used to find
+    // out inside its per-group matmul and name `ops::matmul`.
+    let x = Tensor::zeros(&[2, 2], DType::I64);
+    let w = Tensor::zeros(&[1, 3, 2], DType::I64);
+    let r = ops::grouped_matmul_t(&x, &w, &[2]);
+    assert!(
+        matches!(
+            &r,
+            Err(dtensor_kernels::Error::Invalid {
+                op: "ops::grouped_matmul_t",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let dy = Tensor::zeros(&[2, 3], DType::I64);
+    let r = ops::grouped_matmul_t_backward(&dy, &x, &w, &[2]).map(|g| g.dx);
+    assert!(
+        matches!(
+            &r,
+            Err(dtensor_kernels::Error::Invalid {
+                op: "ops::grouped_matmul_t_backward",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    // With no rows nothing is multiplied: zeros of the dtype, as before.
+    let none = Tensor::zeros(&[0, 2], DType::I64);
+    let y = ops::grouped_matmul_t(&none, &w, &[0]).unwrap();
+    assert_eq!((y.shape(), y.dtype()), (&[0, 3][..], DType::I64));
+}

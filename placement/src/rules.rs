@@ -21,7 +21,7 @@
 //! | [`CrossEntropyRule<Lg>`] (logits `Lg[t,v]`, targets `Self[t]`) | (S1, R or I)→I (vocab-parallel, reduced inside), (S0, S0)→S0, (R, R)→R, (I, I)→I | no rule |
 //! | [`AttentionRule`] (fused causal attention of a `[tokens, heads·3·d]` QKV) | S0 (whole samples; not on a Cp-role axis), S1 (whole heads), R, I stay | P; S0 on a Cp-role axis: no rule |
 //! | [`ContextAttentionLayout`] (context-parallel attention over a Cp axis) | S0 on the Cp axis, the attention rule elsewhere | anything else |
-//! | [`RopeRule`] (rotary embedding of `[tokens, heads·d]` rows at their global positions) | S0 (any role, Cp included), S1 (whole heads), R, I, P(sum / avg) stay | Rg (rows without positions), P(max / min): no rule |
+//! | [`RopeRule`](../../dtensor_core/compute/rope/trait.RopeRule.html) (in `dtensor_core::compute::rope`, beside its op; rotary embedding of `[tokens, heads·d]` rows at their global positions) | S0 (any role, Cp included), S1 (whole heads), R, I, P(sum / avg) stay | Rg (rows without positions), P(max / min): no rule |
 //! | [`TransposeRule`] (2-D) | S0↔S1; R, I, P stay | — |
 //! | [`SplitRule<D>`] (dim `D` into two) | `S<D>` stays (even shards), `S<e>`→`S<e+1>` when e > D; R, I, P stay | — |
 //! | [`MergeRule<D>`] (dims `D`, `D+1` into one) | `S<D>` stays (even shards), `S<e>`→`S<e−1>` when e > D+1; R, I, P stay | `S<D+1>`: no rule |
@@ -42,7 +42,7 @@
 //! (`R↔P`, `S↔S`, `I↔I`) without computing it. That is sound only if, for every forward
 //! rule, the backward products are again rules of the same table and give exactly the
 //! duals of the inputs. Every table but cross-entropy's is checked that way here (matmul,
-//! `x·Wᵀ`, batched matmul, product, division, bias, row scale, sum, mean, norms, RoPE, the local-linear ops:
+//! `x·Wᵀ`, batched matmul, product, division, bias, row scale, sum, mean, norms, the local-linear ops:
 //! activations, softmax, attention; transpose, split/merge, embedding as `onehot · table`;
 //! the `Ragged` entries; MoE dispatch, combine and the grouped matmul, whose weight
 //! gradient's table [`GroupedWeightGrad`] states the one fact the types take from the
@@ -53,6 +53,11 @@
 //! gradient is checked numerically in the tests instead.) The feature
 //! `_check-rule-closure-fails` adds a rule that does not close, on purpose: `S0·I→S0`, whose
 //! `Invariant` operand's gradient would come out `Partial`.
+//!
+//! **A rule used by one op lives beside that op** (its trait, impls, closure check and layout
+//! lift, in the op's `dtensor_core::compute` file; RoPE's is the first), and is checked the
+//! same way there, with [`GradOf`] and the layout types of this crate. This file keeps the
+//! rules several ops share and the machinery.
 
 use crate::axis::roles::{self, RoleMarker};
 use crate::axis::MeshAxis;
@@ -339,28 +344,6 @@ where
     <L as Select<X, I>>::With<R>: AttentionLayout,
 {
 }
-
-/// Rotary position embedding of `[tokens, heads·head_dim]` rows on one axis: the op is
-/// linear in its input and mixes columns only inside a head, and each row turns by its own
-/// position, read from the row's global index. So the tokens may be split (`Shard<0>`,
-/// whatever the axis's role: under `Cp` the positions follow the CP token order), the columns
-/// split by whole heads (`Shard<1>`, checked when it runs), the tensor whole, or pending
-/// sums (`Partial<Sum>`, `Partial<Avg>`: rotating each term rotates the sum). The output
-/// keeps the placement.
-///
-/// A `Ragged` axis has no rule: its rows were routed to experts and their global index (so
-/// their position) is gone. Nor has a max/min `Partial`, which does not rotate linearly.
-#[diagnostic::on_unimplemented(
-    message = "`{Self}` cannot feed RoPE: it rotates each row by its position, read from the row's global index, and needs terms that add linearly",
-    label = "RoPE reads this axis's rows at their global positions",
-    note = "per axis: Shard<0> (tokens), Shard<1> (whole heads), Replicate, Invariant, Partial<Sum> or Partial<Avg>; a Ragged axis (rows routed to experts) has lost its positions, and a max/min Partial must be reduced first"
-)]
-pub trait RopeRule: PlacementType {}
-impl<const D: usize> RopeRule for Shard<D> {}
-impl RopeRule for Replicate {}
-impl RopeRule for Invariant {}
-impl RopeRule for Partial<Sum> {}
-impl RopeRule for Partial<Avg> {}
 
 /// Every axis `Partial<Sum>` or `Invariant`: a loss whose seed gradient (the dual: ones,
 /// `Replicate` or `Invariant`) is exact.
@@ -738,27 +721,6 @@ fn local_linear_rules_close() {
     closed::<S<1>>();
     closed::<S<2>>();
     closed::<S<3>>();
-}
-
-/// Closure of RoPE: the output keeps the input's placement and the backward is the
-/// transposed rotation of the output's gradient, so that gradient's placement (the dual)
-/// must again be one RoPE takes, and gives itself back.
-pub trait RopeClosed: RopeRule {}
-impl<X> RopeClosed for X
-where
-    X: RopeRule,
-    GradOf<X>: RopeRule,
-{
-}
-#[allow(dead_code)]
-fn rope_rules_close() {
-    fn closed<X: RopeClosed>() {}
-    closed::<R>();
-    closed::<I>();
-    closed::<P>();
-    closed::<Partial<Avg>>();
-    closed::<S<0>>();
-    closed::<S<1>>();
 }
 
 /// Closure of the 2-D transpose: the gradient of the transpose is the transpose of the
@@ -1501,11 +1463,6 @@ impl<X: MeshAxis, P: AttentionRule<X::Role>, Rest: AttentionLayout> AttentionLay
     for (On<X, P>, Rest)
 {
 }
-
-/// Every axis may feed RoPE (see [`RopeRule`]).
-pub trait RopeLayout: Layout {}
-impl RopeLayout for () {}
-impl<X: MeshAxis, P: RopeRule, Rest: RopeLayout> RopeLayout for (On<X, P>, Rest) {}
 
 /// Every axis `Partial<Sum>` or `Invariant`: a loss `backward()` can seed exactly.
 pub trait LossLayout: Layout {}

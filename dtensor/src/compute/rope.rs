@@ -17,7 +17,7 @@
 //!
 //! # Placements
 //!
-//! Per axis ([`RopeRule`](dtensor_placement::RopeRule)): `Shard<0>` (tokens),
+//! Per axis ([`RopeRule`], defined below): `Shard<0>` (tokens),
 //! `Shard<1>` (whole heads: a rank's columns must start and end on a head boundary, checked
 //! when it runs), `Replicate`, `Invariant`, and `Partial<Sum>` / `Partial<Avg>` (RoPE is
 //! linear: rotating every term rotates their sum). The output keeps the layout; no
@@ -26,6 +26,73 @@
 //! Every rank computes its rows exactly as one rank would compute them in the whole
 //! tensor, so the result is bitwise one rank's.
 
+// ---------------------------------------------------------------------------------------
+// RoPE's placement rule. It lives beside its op (no other op uses it); the rules several
+// ops share, and the types it is built from, are in `dtensor_placement::rules`. Paths are
+// written out so this block does not touch the file's imports below.
+// ---------------------------------------------------------------------------------------
+
+/// Rotary position embedding of `[tokens, heads·head_dim]` rows on one axis: the op is
+/// linear in its input and mixes columns only inside a head, and each row turns by its own
+/// position, read from the row's global index. So the tokens may be split (`Shard<0>`,
+/// whatever the axis's role: under `Cp` the positions follow the CP token order), the columns
+/// split by whole heads (`Shard<1>`, checked when it runs), the tensor whole, or pending
+/// sums (`Partial<Sum>`, `Partial<Avg>`: rotating each term rotates the sum). The output
+/// keeps the placement.
+///
+/// A `Ragged` axis has no rule: its rows were routed to experts and their global index (so
+/// their position) is gone. Nor has a max/min `Partial`, which does not rotate linearly.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot feed RoPE: it rotates each row by its position, read from the row's global index, and needs terms that add linearly",
+    label = "RoPE reads this axis's rows at their global positions",
+    note = "per axis: Shard<0> (tokens), Shard<1> (whole heads), Replicate, Invariant, Partial<Sum> or Partial<Avg>; a Ragged axis (rows routed to experts) has lost its positions, and a max/min Partial must be reduced first"
+)]
+pub trait RopeRule: dtensor_placement::PlacementType {}
+impl<const D: usize> RopeRule for dtensor_placement::Shard<D> {}
+impl RopeRule for dtensor_placement::Replicate {}
+impl RopeRule for dtensor_placement::Invariant {}
+impl RopeRule for dtensor_placement::Partial<dtensor_placement::Sum> {}
+impl RopeRule for dtensor_placement::Partial<dtensor_placement::Avg> {}
+
+/// Closure of RoPE under duality: the output keeps the input's placement and the backward
+/// is the transposed rotation of the output's gradient, so that gradient's placement (the
+/// dual) must again be one RoPE takes, and gives itself back. `Var::rope` types its input's
+/// gradient as the dual on that ground.
+pub trait RopeClosed: RopeRule {}
+impl<X> RopeClosed for X
+where
+    X: RopeRule,
+    dtensor_placement::GradOf<X>: RopeRule,
+{
+}
+
+/// Every placement [`RopeRule`] admits is [`RopeClosed`]: a rule that did not close would
+/// make this crate fail to build, as the shared tables' checks do in `dtensor_placement`.
+#[allow(dead_code)]
+fn rope_rules_close() {
+    use dtensor_placement::{Avg, Invariant, Partial, Replicate, Shard, Sum};
+    fn closed<X: RopeClosed>() {}
+    closed::<Replicate>();
+    closed::<Invariant>();
+    closed::<Partial<Sum>>();
+    closed::<Partial<Avg>>();
+    closed::<Shard<0>>();
+    closed::<Shard<1>>();
+}
+
+/// Every axis of the layout may feed RoPE (see [`RopeRule`]).
+pub trait RopeLayout: dtensor_placement::Layout {}
+impl RopeLayout for () {}
+impl<X, P, Rest> RopeLayout for (dtensor_placement::On<X, P>, Rest)
+where
+    X: dtensor_placement::MeshAxis,
+    P: RopeRule,
+    Rest: RopeLayout,
+{
+}
+
+// ---------------------------------------------------------------------------------------
+
 use super::{local_range, output};
 use crate::any::AnyDTensor;
 use crate::context::CpLayout;
@@ -33,7 +100,7 @@ use crate::error::{Error, Result};
 use crate::tape::{grad_of, Var};
 use crate::typed::DTensor;
 use dtensor_kernels::ops::{self, Rope};
-use dtensor_placement::{Layout, RopeLayout};
+use dtensor_placement::Layout;
 use std::ops::Range;
 use std::sync::Arc;
 

@@ -1,6 +1,5 @@
 //! Host kernels of [`crate::ops::activation`](mod@crate::ops::activation), on host tensors. Each says
-//! what it relies on and which check ensures it: the front door's, before the call, or the
-//! kernel's own call of the `spec` check it shares with the device launch.
+//! what it relies on and which check of the front door ensures it.
 
 use super::{store, AccFloat, Accum, Float};
 use crate::{Result, Tensor};
@@ -75,8 +74,8 @@ fn grad_into<T: Float>(
 /// The host halves of a unary activation `$f` and its gradient `$grad`, called by the
 /// front door's `$name_into` and `$back_into` (`ops::unary_activation!`). `$name_into` relies
 /// on `dst` having `x`'s shape and dtype (`spec::check_dst`); `$back_into` on `dy` having
-/// `x`'s shape and dtype (`spec::same_layout`) and `dx` too (`spec::check_dst`). A dtype
-/// that is not float is an `Err` here.
+/// `x`'s shape and dtype (`spec::same_layout`) and `dx` too (`spec::check_dst`); both on a
+/// float dtype (`spec::want_float`).
 macro_rules! host_activation {
     ($name_into:ident, $back_into:ident, $f:ident, $grad:ident) => {
         pub(crate) fn $name_into(op: &'static str, dst: &mut Tensor, x: &Tensor) -> Result<()> {

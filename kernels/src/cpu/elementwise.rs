@@ -1,12 +1,12 @@
 //! Host kernels of [`crate::ops::elementwise`](mod@crate::ops::elementwise), on host tensors. Each says
-//! what it relies on and which check ensures it: the front door's, before the call, or the
-//! kernel's own call of the `spec` check it shares with the device launch.
+//! what it relies on and which check of the front door ensures it.
 
 use super::{store, Accum, Float};
 use crate::{Result, Tensor};
 
-/// Host kernel of [`crate::ops::sub`]: relies on `b` having `a`'s dtype and shape, as
-/// `spec::same_layout` in the front door ensures (a dtype that is not float is an `Err` here).
+/// Host kernel of [`crate::ops::sub`]: relies on `b` having `a`'s dtype and shape and that
+/// dtype being a float, as `spec::same_layout` and `spec::want_float` in the front door
+/// ensure.
 pub(crate) fn sub(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     const OP: &str = "ops::sub";
     let mut out = a.clone();

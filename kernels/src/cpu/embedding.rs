@@ -1,6 +1,5 @@
 //! Host kernels of [`crate::ops::embedding`](mod@crate::ops::embedding), on host tensors. Each says
-//! what it relies on and which check ensures it: the front door's, before the call, or the
-//! kernel's own call of the `spec` check it shares with the device launch.
+//! what it relies on and which check of the front door ensures it.
 
 use super::{store, Accum, Float};
 use crate::spec::embedding::*;
@@ -8,16 +7,16 @@ use crate::{Result, Tensor};
 
 /// The host half of `ops::embedding` / `embedding_masked`: relies on `shard` being valid
 /// (`VocabShard::check`) and `table` being `[shard.len, hidden]`
-/// (`spec::embedding::table_dims`), as the front door's `gather` ensures; reads the ids and
-/// checks them against `shard.vocab` itself (`spec::embedding::read_ids`).
+/// (`spec::embedding::table_dims`), `ids_v` being `ids` read and each below `shard.vocab`
+/// (`spec::embedding::read_ids`), as the front door's `gather` ensures.
 pub(crate) fn gather(
     op: &'static str,
     table: &Tensor,
     ids: &Tensor,
+    ids_v: &[usize],
     shard: VocabShard,
     hidden: usize,
 ) -> Result<Tensor> {
-    let ids_v = read_ids(op, ids, shard.vocab)?;
     let mut out = Tensor::zeros_checked(op, &out_shape(ids, hidden), table.dtype())?;
     dispatch_float!(op, table.dtype(), |T| {
         let t = table.as_slice::<T>()?;
@@ -34,19 +33,19 @@ pub(crate) fn gather(
 }
 
 /// The host half of the `ops::embedding_*backward*` ops: relies on `shard` being valid
-/// (`VocabShard::check`), `dy` being `ids.shape ++ [hidden]` (`spec::embedding::dy_hidden`)
-/// and `dtable` `[shard.len, hidden]` of `dy`'s dtype (`spec::check_dst`), as the front
-/// door's `scatter` ensures; reads and checks the ids itself (`spec::embedding::read_ids`).
+/// (`VocabShard::check`), `dy` being `ids.shape ++ [hidden]`
+/// (`spec::embedding::dy_hidden`), `dtable` `[shard.len, hidden]` of `dy`'s dtype (`spec::check_dst`) and `ids_v` being
+/// the ids read, each below `shard.vocab` (`spec::embedding::read_ids`), as the front door's
+/// `scatter` ensures.
 pub(crate) fn scatter(
     op: &'static str,
     dtable: &mut Tensor,
     dy: &Tensor,
-    ids: &Tensor,
+    ids_v: &[usize],
     shard: VocabShard,
     accum: Accum,
     hidden: usize,
 ) -> Result<()> {
-    let ids_v = read_ids(op, ids, shard.vocab)?;
     let mut hits: Vec<(usize, usize)> = ids_v
         .iter()
         .enumerate()

@@ -1,18 +1,15 @@
 //! Host kernels of [`crate::ops::moe`](mod@crate::ops::moe), on host tensors. Each says
-//! what it relies on and which check ensures it: the front door's, before the call, or the
-//! kernel's own call of the `spec` check it shares with the device launch.
+//! what it relies on and which check of the front door ensures it.
 
 use super::matmul::matmul;
-use super::{same_dtype, Transpose};
+use super::Transpose;
 use crate::spec::moe::*;
-use crate::{Error, Result, Tensor};
+use crate::{Result, Tensor};
 
-/// Host kernel of [`crate::ops::scatter_add_rows`]: checks itself
-/// (`spec::moe::check_scatter_add`: `src` 2-D with one row per destination, every destination
-/// below `n`, `[n, h]` within a `usize`); relies on nothing else.
-pub(crate) fn scatter_add_rows(src: &Tensor, rows: &[usize], n: usize) -> Result<Tensor> {
-    const OP: &str = "ops::scatter_add_rows";
-    let (_, h) = check_scatter_add(OP, src, rows, n)?;
+/// Host kernel of [`crate::ops::scatter_add_rows`]: relies on `src` being `[rows.len(), h]`,
+/// every destination below `n` and `[n, h]` within a `usize`, as
+/// `spec::moe::check_scatter_add` in the front door ensures.
+pub(crate) fn scatter_add_rows(src: &Tensor, rows: &[usize], n: usize, h: usize) -> Result<Tensor> {
     let v = src.to_f64_vec();
     let mut out = vec![0.0; n * h];
     for (i, &r) in rows.iter().enumerate() {
@@ -31,12 +28,16 @@ fn expert(w: &Tensor, g: usize, out: usize, k: usize) -> Result<Tensor> {
     w.narrow(0, g, 1)?.reshape(&[out, k])
 }
 
-/// Host kernel of [`crate::ops::grouped_matmul_t`]: checks itself (`spec::moe::check_grouped`:
-/// one dtype, `[rows, in]` and `[experts, out, in]`, one group per expert summing to `rows`);
-/// relies on nothing else.
-pub(crate) fn grouped_matmul_t(x: &Tensor, w: &Tensor, groups: &[usize]) -> Result<Tensor> {
-    const OP: &str = "ops::grouped_matmul_t";
-    let (_, out, k) = check_grouped(OP, x, w, groups)?;
+/// Host kernel of [`crate::ops::grouped_matmul_t`]: relies on one float dtype (when there are
+/// rows), `x` `[rows, k]`, `w` `[experts, out, k]` and one group per expert summing to `rows`,
+/// as `spec::moe::check_grouped` in the front door ensures.
+pub(crate) fn grouped_matmul_t(
+    x: &Tensor,
+    w: &Tensor,
+    groups: &[usize],
+    out: usize,
+    k: usize,
+) -> Result<Tensor> {
     let mut pieces = Vec::with_capacity(groups.len());
     let mut start = 0;
     for (g, &n) in groups.iter().enumerate() {
@@ -57,24 +58,16 @@ pub(crate) fn grouped_matmul_t(x: &Tensor, w: &Tensor, groups: &[usize]) -> Resu
     Tensor::cat(&pieces, 0)
 }
 
-/// Host kernel of [`crate::ops::grouped_matmul_t_backward`]: checks itself, as
-/// [`grouped_matmul_t`] and `dy` `[rows, out]` of `x`'s dtype; relies on nothing else.
+/// Host kernel of [`crate::ops::grouped_matmul_t_backward`]: relies on what
+/// [`grouped_matmul_t`] does and `dy` `[rows, out]` of `x`'s dtype, as
+/// `spec::moe::check_grouped_backward` in the front door ensures.
 pub(crate) fn grouped_matmul_t_backward(
     dy: &Tensor,
     x: &Tensor,
     w: &Tensor,
     groups: &[usize],
+    (e, out, k): (usize, usize, usize),
 ) -> Result<GroupedMatmulGrads> {
-    const OP: &str = "ops::grouped_matmul_t_backward";
-    let (e, out, k) = check_grouped(OP, x, w, groups)?;
-    same_dtype(OP, dy, x)?;
-    if dy.shape() != [x.shape()[0], out] {
-        return Err(Error::ShapeMismatch {
-            op: OP,
-            lhs: dy.shape().into(),
-            rhs: [x.shape()[0], out].as_slice().into(),
-        });
-    }
     let mut dxs = Vec::with_capacity(e);
     let mut dws = Vec::with_capacity(e);
     let mut start = 0;
@@ -102,8 +95,8 @@ pub(crate) fn grouped_matmul_t_backward(
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::ops::gather_rows;
+    use crate::ops::{gather_rows, grouped_matmul_t, grouped_matmul_t_backward, scatter_add_rows};
+    use crate::Tensor;
 
     #[test]
     fn grouped_product_matches_per_row_products() {

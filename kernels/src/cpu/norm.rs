@@ -1,6 +1,5 @@
 //! Host kernels of [`crate::ops::norm`](mod@crate::ops::norm), on host tensors. Each says
-//! what it relies on and which check ensures it: the front door's, before the call, or the
-//! kernel's own call of the `spec` check it shares with the device launch.
+//! what it relies on and which check of the front door ensures it.
 
 use super::{acc_dtype, AccFloat, Float};
 use crate::spec::norm::*;

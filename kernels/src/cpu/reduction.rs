@@ -1,14 +1,13 @@
 //! Host kernels of [`crate::ops::reduction`](mod@crate::ops::reduction), on host tensors. Each says
-//! what it relies on and which check ensures it: the front door's, before the call, or the
-//! kernel's own call of the `spec` check it shares with the device launch.
+//! what it relies on and which check of the front door ensures it.
 
 use super::Float;
 use crate::spec::reduction::*;
 use crate::{DType, Result, Shape, Tensor};
 
 /// Host kernel of [`crate::ops::sum_dim`]: relies on `(outer, extent, inner, shape)` being
-/// `spec::reduction::split` of `x` at `dim` (in range), as the front door computes them (a
-/// dtype that is not float is an `Err` here).
+/// `spec::reduction::split` of `x` at `dim` (in range) and a float dtype
+/// (`spec::want_float`), as the front door ensures.
 pub(crate) fn sum_dim(
     x: &Tensor,
     _dim: usize,
@@ -41,8 +40,8 @@ pub(crate) fn sum_dim(
 }
 
 /// Host kernel of [`crate::ops::sum_dim_backward`]: relies on `shape` being `dy`'s with
-/// `extent` inserted at `dim ≤ rank` (`spec::reduction::restored` in the front door); checks
-/// here that so many elements can be allocated.
+/// `extent` inserted at `dim ≤ rank` (`spec::reduction::restored`) and fitting a `usize`
+/// (`storage::tensor::checked_len`), as the front door ensures.
 pub(crate) fn sum_dim_backward(
     dy: &Tensor,
     dim: usize,
@@ -52,7 +51,6 @@ pub(crate) fn sum_dim_backward(
     const OP: &str = "ops::sum_dim_backward";
     let outer: usize = shape[..dim].iter().product();
     let inner: usize = shape[dim + 1..].iter().product();
-    // `extent` comes from the caller: the restored shape may not fit.
     let mut dx = Tensor::zeros_checked(OP, &shape, dy.dtype())?;
     dispatch_float!(OP, dy.dtype(), |T| {
         let g = dy.as_slice::<T>()?;
@@ -109,8 +107,9 @@ pub(crate) fn max_dim(
 
 /// Host kernel of [`crate::ops::max_dim_backward`]: relies on `shape` being `dy`'s with
 /// `extent` inserted at `dim` (`spec::reduction::restored`) and `indices` being `i64` of
-/// `dy`'s shape (`spec::reduction::check_indices`), as the front door ensures; checks each
-/// index against `extent` here (`spec::reduction::check_index_range`).
+/// `dy`'s shape (`spec::reduction::check_indices`), each index below `extent`
+/// (`spec::reduction::check_index_range`) and the restored shape fitting a `usize`
+/// (`storage::tensor::checked_len`), as the front door ensures.
 pub(crate) fn max_dim_backward(
     dy: &Tensor,
     indices: &Tensor,
@@ -122,8 +121,6 @@ pub(crate) fn max_dim_backward(
     let outer: usize = shape[..dim].iter().product();
     let inner: usize = shape[dim + 1..].iter().product();
     let ix = indices.as_slice::<i64>()?;
-    check_index_range(OP, ix, extent)?;
-    // `extent` comes from the caller: the restored shape may not fit.
     let mut dx = Tensor::zeros_checked(OP, &shape, dy.dtype())?;
     dispatch_float!(OP, dy.dtype(), |T| {
         let g = dy.as_slice::<T>()?;

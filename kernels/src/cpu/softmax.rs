@@ -1,6 +1,5 @@
 //! Host kernels of [`crate::ops::softmax`](mod@crate::ops::softmax), on host tensors. Each says
-//! what it relies on and which check ensures it: the front door's, before the call, or the
-//! kernel's own call of the `spec` check it shares with the device launch.
+//! what it relies on and which check of the front door ensures it.
 
 use super::{store, AccFloat, Accum, Float};
 use crate::{Result, Tensor};

@@ -1,8 +1,10 @@
 //! The CUDA C sources of the kernels and the table of their entry points, read from the
 //! sources themselves.
 //!
-//! Each module is `common.cuh` followed by one `.cu` file, compiled by NVRTC as one program,
-//! and declared here once, by name (`module!("norm")`). Entry points are named
+//! Each module is `common.cuh` followed by one `.cu` file, compiled by NVRTC as one program.
+//! Every `.cu` file in `kernels/` is a module (`rope.cu` is [`ROPE`], and all are in
+//! [`MODULES`]): the build script declares them from the directory, so a new file needs no
+//! Rust edit. Entry points are named
 //! `<root>_<dtype>` (`gelu_bf16`, `copy_blocks_i64`; the casts `cast_<from>_<to>`, root
 //! `cast_<from>`) and defined by instantiation macros (`FLOATS(NORM_ENTRIES)`,
 //! `ALL_TYPES(COPY_ENTRIES)`, `MERGE_ENTRIES(f32, float)`): [`KernelModule::roots`] expands
@@ -43,13 +45,6 @@ pub struct KernelModule {
 struct Table {
     roots: Vec<Root>,
     params: HashMap<String, Vec<Param>>,
-}
-
-/// `pub static X: KernelModule = module!("x");` declares the module of `kernels/x.cu`.
-macro_rules! module {
-    ($name:literal) => {
-        KernelModule::new($name, include_str!(concat!("kernels/", $name, ".cu")))
-    };
 }
 
 impl KernelModule {
@@ -337,100 +332,9 @@ impl KernelModule {
     }
 }
 
-/// `elementwise.cu`: `add`, `mul`, `scale` (all six dtypes; integers wrap), `sub`, the bias
-/// row ops `add_row` / `mul_row` and the column sums `sum_rows` (floats), and the dtype casts
-/// `cast_<from>_<to>` between all six dtypes (`Tensor::to_dtype`): one grid-stride thread
-/// per element (per column for `sum_rows`), rounding once as the CPU does.
-pub static ELEMENTWISE: KernelModule = module!("elementwise");
-
-/// `activation.cu`: GELU (tanh form), SiLU and SwiGLU and their backward, float dtypes,
-/// with the CPU's formulas and its f32 `exp`, so f32/bf16/f16 match the CPU bit for bit.
-pub static ACTIVATION: KernelModule = module!("activation");
-
-/// `reduction.cu`: `sum_dim` and `max_dim` (value and `i64` argmax) along one dim of a tensor
-/// seen as `[outer, extent, inner]`, and their backward; one thread per output element,
-/// reducing in index order as the CPU does.
-pub static REDUCTION: KernelModule = module!("reduction");
-
-/// `softmax.cu`: softmax and log-softmax along the last dim and their backward from the
-/// forward output; one block of `ROW_THREADS` per row, with fixed-order block reductions
-/// (deterministic, equal to the CPU to rounding).
-pub static SOFTMAX: KernelModule = module!("softmax");
-
-/// `norm.cu`: LayerNorm and RMSNorm over the last dim: the forward (writing the per-row
-/// `mean` / `rstd` in the compute type), `dx` (one block per row), and `dweight` / `dbias`
-/// (one thread per column, rows summed in the CPU's order).
-pub static NORM: KernelModule = module!("norm");
-
-/// `embedding.cu`: the gather of table rows by `i64` or `i32` ids (ids outside the shard
-/// give zeros) and its backward, a deterministic scatter-add over host-sorted positions (one
-/// block per table row, no float atomics).
-pub static EMBEDDING: KernelModule = module!("embedding");
-
-/// `cross_entropy.cu`: the per-rank pieces of the vocab-parallel cross-entropy, in `f64`:
-/// row maxima (`ce_row_max`), the sums of `exp(l - max)` and the target logit
-/// (`ce_sum_target`), the loss (`ce_loss`) and the logits' gradient (`ce_grad`), with the
-/// all-reduces over the vocab axis done by the caller between them.
-pub static CROSS_ENTROPY: KernelModule = module!("cross_entropy");
-
-/// `copy.cu`: `copy_blocks`, a strided copy of equal runs of elements (all six dtypes,
-/// bitwise), the data movement of `pack`, `unpack`, `narrow` and `cat`.
-pub static COPY: KernelModule = module!("copy");
-
-/// `attention.cu`: causal self-attention with RoPE on a fused QKV: `attn_load` (splits,
-/// rotates and scales q/k/v into the compute type), `attn_forward` (output and per-row
-/// log-sum-exp) and the backward `attn_backward_dq` / `attn_backward_dkv`. One block per
-/// (head, sample, row), with the row's scores in dynamic shared memory.
-pub static ATTENTION: KernelModule = module!("attention");
-
-/// `attention_block.cu`: the context-parallel (ring) attention pieces: blockwise attention of
-/// a query block to a key/value block at given positions (`attn_block_load_q` /
-/// `attn_block_load_kv` load and rotate the operands, `attn_block_forward` gives the partial
-/// output and lse in the compute type, `attn_block_masked` a fully masked block's), its backward
-/// share `attn_block_backward_dq` / `attn_block_backward_dkv` (added into compute-type
-/// accumulators), `merge_attention` (compute types), `fuse_qkv_grad` and the bitwise row gather
-/// `gather_rows` (all six dtypes). Same structure as `attention.cu`: one block per (head,
-/// sample, row), scores in dynamic shared memory.
-pub static ATTENTION_BLOCK: KernelModule = module!("attention_block");
-
-/// `moe.cu`: `scatter_add_rows` (all six dtypes), a deterministic scatter-add over
-/// host-sorted sources summed in f64 in the CPU's order (bitwise the CPU's result). The
-/// grouped products are cuBLAS calls.
-pub static MOE: KernelModule = module!("moe");
-
-/// `reduce_ext.cu`: the collectives' element-wise reductions on device buffers,
-/// `reduce_combine` (Sum/Avg, Max, Min: one `int` op code) and `reduce_avg_div` (Avg's final
-/// division), all six dtypes, bitwise the CPU's `reduce::combine` / `div_count`.
-pub static REDUCE_EXT: KernelModule = module!("reduce_ext");
-
-/// `rope.cu`: rotary position embedding (`ops::rope`), both pair conventions and a rotary
-/// dim below the head dim, forward and backward in one kernel (the sign of the sines), with
-/// the CPU's expressions and its host-built `f64` tables rounded once, so results match the
-/// CPU bit for bit (checked on a GPU by `cuda_gpu.rs`).
-pub static ROPE: KernelModule = module!("rope");
-
-/// `optim.cu`: the AdamW step (`ops::adamw_step`), in place on the parameter and its
-/// two moments; the host kernel's formula and order of operations (`cpu/optim.rs`). nn's
-/// `AdamW` runs the step through the front door on both devices.
-pub static OPTIM: KernelModule = module!("optim");
-
-/// Every kernel module.
-pub static MODULES: [&KernelModule; 14] = [
-    &ELEMENTWISE,
-    &ACTIVATION,
-    &REDUCTION,
-    &SOFTMAX,
-    &NORM,
-    &EMBEDDING,
-    &CROSS_ENTROPY,
-    &COPY,
-    &ATTENTION,
-    &ATTENTION_BLOCK,
-    &MOE,
-    &REDUCE_EXT,
-    &OPTIM,
-    &ROPE,
-];
+// One `pub static <NAME>: KernelModule` per `kernels/*.cu` file (`ROPE` for `rope.cu`) and
+// `MODULES`, every one of them, written by `kernels/build.rs` from the directory's files.
+include!(concat!(env!("OUT_DIR"), "/kernel_modules.rs"));
 
 #[cfg(test)]
 mod tests {
@@ -571,8 +475,9 @@ mod tests {
     type RootsAndDtypes = &'static [(&'static str, &'static [DType])];
 
     /// The table as it was written by hand in this file before it was read from the
-    /// sources: `(module, root, dtypes)` for every root, in source order. Kernels added since
-    /// are in the sources only (`cuda_ptx` checks those against the compiled code).
+    /// sources: `(module, root, dtypes)` for every root, in source order. Kernels and modules
+    /// added since are in the sources only (`cuda_ptx` checks those against the compiled
+    /// code): this is a record of what the reader must still find, not a list to extend.
     #[rustfmt::skip]
     const HAND_WRITTEN: &[(&str, RootsAndDtypes)] = {
         use DType::{F32, F64};
@@ -631,10 +536,11 @@ mod tests {
 
     #[test]
     fn roots_read_from_the_sources_equal_the_hand_written_table() {
-        let names: Vec<&str> = MODULES.iter().map(|m| m.name).collect();
-        let expected: Vec<&str> = HAND_WRITTEN.iter().map(|&(m, _)| m).collect();
-        assert_eq!(names, expected);
-        for (m, &(_, roots)) in MODULES.iter().zip(HAND_WRITTEN) {
+        for &(name, roots) in HAND_WRITTEN {
+            let m = MODULES
+                .iter()
+                .find(|m| m.name == name)
+                .unwrap_or_else(|| panic!("module {name} (kernels/{name}.cu) is gone"));
             let expected: Vec<Root> = roots
                 .iter()
                 .map(|&(name, dtypes)| Root {
@@ -668,7 +574,7 @@ mod tests {
         names.sort();
         assert_eq!(
             files, names,
-            "declare every .cu file with `module!` and list it in MODULES"
+            "MODULES is not the .cu files of kernels/ (kernels/build.rs declares them)"
         );
     }
 

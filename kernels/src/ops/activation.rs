@@ -10,7 +10,7 @@
 //! rounded once. The sigmoid is `1/(1 + e^-x)` with a vectorizable exp clamped so it never
 //! overflows to NaN; GELU is evaluated as `x·σ(2u)`, which equals the tanh form exactly.
 
-use super::{check_dst, same_layout, Accum};
+use super::{check_dst, same_layout, want_float, Accum};
 pub use crate::spec::activation::SwiGluGrads;
 use crate::{Result, Tensor};
 
@@ -23,14 +23,16 @@ macro_rules! unary_activation {
     ) => {
         #[doc = concat!("`", $doc, "`, elementwise.")]
         pub fn $name(x: &Tensor) -> Result<Tensor> {
+            want_float($op, x)?;
             dispatch!($op, [x] => device::unary($op, stringify!($name), &x));
             let mut dst = Tensor::zeros(x.shape(), x.dtype());
-            $name_into(&mut dst, x)?;
+            crate::cpu::activation::$name_into($op, &mut dst, x)?;
             Ok(dst)
         }
 
         #[doc = concat!("`dst = ", $doc, "`; `dst` has `x`'s shape and dtype.")]
         pub fn $name_into(dst: &mut Tensor, x: &Tensor) -> Result<()> {
+            want_float($op, x)?;
             check_dst($op, dst, x.shape(), x.dtype())?;
             dispatch!($op, mut dst, [x] => {
                 let y = device::unary($op, stringify!($name), &x)?;
@@ -41,20 +43,22 @@ macro_rules! unary_activation {
 
         #[doc = concat!("The input gradient of [`", stringify!($name), "`] at `x`, given the output gradient `dy`.")]
         pub fn $back(dy: &Tensor, x: &Tensor) -> Result<Tensor> {
+            same_layout($op_back, dy, x)?;
+            want_float($op_back, x)?;
             dispatch!($op_back, [dy, x] => {
-                same_layout($op_back, &dy, &x)?;
                 let mut dx = crate::cuda::CudaTensor::uninit(x.device(), x.shape(), x.dtype())?;
                 device::unary_back($op_back, stringify!($back), &mut dx, &dy, &x, Accum::Replace)
                     .map(|()| dx)
             });
             let mut dst = Tensor::zeros(x.shape(), x.dtype());
-            $back_into(&mut dst, dy, x, Accum::Replace)?;
+            crate::cpu::activation::$back_into($op_back, &mut dst, dy, x, Accum::Replace)?;
             Ok(dst)
         }
 
         #[doc = concat!("[`", stringify!($back), "`] into `dx`, replacing or adding to it.")]
         pub fn $back_into(dx: &mut Tensor, dy: &Tensor, x: &Tensor, accum: Accum) -> Result<()> {
             same_layout($op_back, dy, x)?;
+            want_float($op_back, x)?;
             check_dst($op_back, dx, x.shape(), x.dtype())?;
             dispatch!($op_back, mut dx, [dy, x] =>
                 device::unary_back($op_back, stringify!($back), dx, &dy, &x, accum));
@@ -87,12 +91,11 @@ unary_activation!(
 /// two halves of the first projection).
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     const OP: &str = "ops::swiglu";
-    dispatch!(OP, [gate, up] => {
-        same_layout(OP, &gate, &up)?;
-        device::swiglu(&gate, &up)
-    });
+    same_layout(OP, gate, up)?;
+    want_float(OP, gate)?;
+    dispatch!(OP, [gate, up] => device::swiglu(&gate, &up));
     let mut dst = Tensor::zeros(gate.shape(), gate.dtype());
-    swiglu_into(&mut dst, gate, up)?;
+    crate::cpu::activation::swiglu_into(&mut dst, gate, up)?;
     Ok(dst)
 }
 
@@ -100,6 +103,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 pub fn swiglu_into(dst: &mut Tensor, gate: &Tensor, up: &Tensor) -> Result<()> {
     const OP: &str = "ops::swiglu";
     same_layout(OP, gate, up)?;
+    want_float(OP, gate)?;
     check_dst(OP, dst, gate.shape(), gate.dtype())?;
     dispatch!(OP, mut dst, [gate, up] => {
         let y = device::swiglu(&gate, &up)?;
@@ -131,6 +135,7 @@ pub fn swiglu_backward_into(
     const OP: &str = "ops::swiglu_backward";
     same_layout(OP, gate, up)?;
     same_layout(OP, gate, dy)?;
+    want_float(OP, gate)?;
     check_dst(OP, d_gate, gate.shape(), gate.dtype())?;
     check_dst(OP, d_up, gate.shape(), gate.dtype())?;
     if crate::dispatch::on_cuda(OP, &[&*d_gate, &*d_up, dy, gate, up])? {
@@ -177,12 +182,11 @@ mod device {
     use crate::cuda::launch::{func, grid_for, launch_kernel};
     use crate::cuda::{source, CudaTensor};
     use crate::ops::accum_flag;
-    use crate::spec::{want_float, Accum};
+    use crate::spec::Accum;
     use crate::Result;
 
     /// `root(x)` into a new tensor.
     pub(super) fn unary(op: &'static str, root: &str, x: &CudaTensor) -> Result<CudaTensor> {
-        want_float(op, x)?;
         let dev = x.device();
         let mut out = CudaTensor::uninit(dev, x.shape(), x.dtype())?;
         let n = x.numel();
@@ -202,7 +206,6 @@ mod device {
         x: &CudaTensor,
         accum: Accum,
     ) -> Result<()> {
-        want_float(op, x)?;
         let n = x.numel();
         if n == 0 {
             return Ok(());
@@ -214,7 +217,6 @@ mod device {
 
     pub(super) fn swiglu(gate: &CudaTensor, up: &CudaTensor) -> Result<CudaTensor> {
         const OP: &str = "ops::swiglu";
-        want_float(OP, gate)?;
         let dev = gate.device();
         let mut out = CudaTensor::uninit(dev, gate.shape(), gate.dtype())?;
         let n = gate.numel();
@@ -234,7 +236,6 @@ mod device {
         accum: Accum,
     ) -> Result<()> {
         const OP: &str = "ops::swiglu_backward";
-        want_float(OP, gate)?;
         let n = gate.numel();
         if n == 0 {
             return Ok(());

@@ -7,13 +7,14 @@
 //! | [`add_row`] | `[.., n] + [n]` (bias broadcast over every leading index) | `dx = dy`, `dbias = sum_rows(dy)` |
 //! | [`sum_rows`] | `[.., n] → [n]`, summed over all leading dims in row order | `dx[r, j] = dy[j]` |
 
-use super::{check_dst, check_row_param, rows_last, same_layout, Accum};
+use super::{check_dst, check_row_param, rows_last, same_layout, want_float, Accum};
 use crate::{Result, Tensor};
 
 /// Elementwise `a − b` (same shape and dtype), rounded once.
 pub fn sub(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     const OP: &str = "ops::sub";
     same_layout(OP, a, b)?;
+    want_float(OP, a)?;
     dispatch!(OP, [a, b] => device::binary(OP, "sub", &a, &b));
     crate::cpu::elementwise::sub(a, b)
 }
@@ -23,6 +24,7 @@ pub fn add_row(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
     const OP: &str = "ops::add_row";
     let (rows, n) = rows_last(OP, x)?;
     check_row_param(OP, x, bias, n)?;
+    want_float(OP, x)?;
     dispatch!(OP, [x, bias] => device::row_op(OP, "add_row", &x, &bias, rows, n));
     let mut out = x.clone();
     crate::cpu::elementwise::add_row_assign_op(OP, &mut out, bias, n)?;
@@ -34,6 +36,7 @@ pub fn mul_row(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     const OP: &str = "ops::mul_row";
     let (rows, n) = rows_last(OP, x)?;
     check_row_param(OP, x, w, n)?;
+    want_float(OP, x)?;
     dispatch!(OP, [x, w] => device::row_op(OP, "mul_row", &x, &w, rows, n));
     crate::cpu::elementwise::mul_row(x, w, n)
 }
@@ -46,6 +49,7 @@ pub fn add_row_assign(x: &mut Tensor, bias: &Tensor) -> Result<()> {
 fn add_row_assign_op(op: &'static str, x: &mut Tensor, bias: &Tensor) -> Result<()> {
     let (rows, n) = rows_last(op, x)?;
     check_row_param(op, &*x, bias, n)?;
+    want_float(op, &*x)?;
     // On the device the sum is a new buffer that replaces `x`'s (copy on write's result).
     dispatch!(op, mut x, [bias] => device::add_row_assign(op, x, &bias, rows, n));
     crate::cpu::elementwise::add_row_assign_op(op, x, bias, n)
@@ -56,6 +60,7 @@ fn add_row_assign_op(op: &'static str, x: &mut Tensor, bias: &Tensor) -> Result<
 pub fn sum_rows(x: &Tensor) -> Result<Tensor> {
     const OP: &str = "ops::sum_rows";
     let (rows, n) = rows_last(OP, x)?;
+    want_float(OP, x)?;
     dispatch!(OP, [x] => device::sum_rows(&x, rows, n));
     crate::cpu::elementwise::sum_rows(x, n)
 }
@@ -64,6 +69,7 @@ pub fn sum_rows(x: &Tensor) -> Result<Tensor> {
 pub fn sum_rows_into(dst: &mut Tensor, x: &Tensor, accum: Accum) -> Result<()> {
     const OP: &str = "ops::sum_rows";
     let (rows, n) = rows_last(OP, x)?;
+    want_float(OP, x)?;
     check_dst(OP, dst, &[n], x.dtype())?;
     dispatch!(OP, mut dst, [x] => device::sum_rows_into(dst, &x, accum, rows, n));
     crate::cpu::elementwise::sum_rows_into(dst, x, accum, n)
@@ -77,19 +83,11 @@ mod device {
     use crate::cuda::launch::{func, grid_for, launch_kernel};
     use crate::cuda::{source, CudaTensor};
     use crate::ops::accum_flag;
-    use crate::spec::{want_float, Accum};
+    use crate::spec::Accum;
     use crate::Result;
 
     /// `root(a, b)` elementwise into a new tensor (`a` and `b` laid out alike).
-    pub(super) fn binary(
-        op: &'static str,
-        root: &str,
-        a: &CudaTensor,
-        b: &CudaTensor,
-    ) -> Result<CudaTensor> {
-        want_float(op, a)?;
-        crate::cuda::launch::binary(op, root, a, b)
-    }
+    pub(super) use crate::cuda::launch::binary;
 
     /// `root(x[r, j], w[j])` for every row `r` of `x` (`[rows, n]`).
     pub(super) fn row_op(
@@ -100,7 +98,6 @@ mod device {
         rows: usize,
         n: usize,
     ) -> Result<CudaTensor> {
-        want_float(op, x)?;
         let dev = x.device();
         let mut out = CudaTensor::uninit(dev, x.shape(), x.dtype())?;
         if rows * n > 0 {
@@ -139,7 +136,6 @@ mod device {
         n: usize,
     ) -> Result<()> {
         const OP: &str = "ops::sum_rows";
-        want_float(OP, x)?;
         if n == 0 {
             return Ok(());
         }

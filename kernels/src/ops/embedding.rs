@@ -20,18 +20,21 @@
 //! stable sort, so each group keeps position order), each group is summed in the compute type,
 //! and the sum is written (or added, [`Accum::Add`]) once.
 
-use super::{check_dst, Accum};
-use crate::spec::embedding::{dy_hidden, table_dims, VocabShard};
+use super::{check_dst, want_float, Accum};
+use crate::spec::embedding::{dy_hidden, read_ids, table_dims, VocabShard};
 use crate::{Result, Tensor};
 
 fn gather(op: &'static str, table: &Tensor, ids: &Tensor, shard: VocabShard) -> Result<Tensor> {
     shard.check(op)?;
     let hidden = table_dims(op, table, shard.len)?;
+    let device_ids = device_ids(op, table, ids)?;
+    let ids_v = read_ids(op, device_ids.as_ref().unwrap_or(ids), shard.vocab)?;
+    want_float(op, table)?;
     #[cfg(feature = "cuda")]
-    if let Some(ids) = crate::dispatch::host_ids(op, table, ids)? {
+    if let Some(ids) = device_ids {
         return device::gather(op, &table.cuda_tensor()?, &ids, shard, hidden).map(Tensor::from);
     }
-    crate::cpu::embedding::gather(op, table, ids, shard, hidden)
+    crate::cpu::embedding::gather(op, table, ids, &ids_v, shard, hidden)
 }
 
 fn scatter(
@@ -45,17 +48,55 @@ fn scatter(
     shard.check(op)?;
     let hidden = dy_hidden(op, dy, ids)?;
     check_dst(op, dtable, &[shard.len, hidden], dy.dtype())?;
-    #[cfg(feature = "cuda")]
-    if crate::dispatch::on_cuda(op, &[&*dtable, dy])?
-        | crate::dispatch::host_ids(op, dy, ids)?.is_some()
-    {
-        let ids = crate::dispatch::host_ids(op, dy, ids)?.expect("dy is on a device");
-        let dy = dy.cuda_tensor()?;
-        return crate::dispatch::with_cuda_mut(dtable, |d| {
-            device::scatter(op, d, &dy, &ids, shard, accum, hidden)
-        });
+    crate::dispatch::on_cuda(op, &[&*dtable, dy])?;
+    let device_ids = device_ids(op, dy, ids)?;
+    let ids_v = read_ids(op, device_ids.as_ref().unwrap_or(ids), shard.vocab)?;
+    want_float(op, dy)?;
+    if device_ids.is_some() {
+        return scatter_cuda(op, dtable, dy, &ids_v, shard, accum, hidden);
     }
-    crate::cpu::embedding::scatter(op, dtable, dy, ids, shard, accum, hidden)
+    crate::cpu::embedding::scatter(op, dtable, dy, &ids_v, shard, accum, hidden)
+}
+
+/// The ids in host memory when `t` (the table, or `dy`) is on a device, as the device
+/// launch takes them (see `dispatch::host_ids`); `None` when everything is in host memory.
+#[cfg(feature = "cuda")]
+fn device_ids(op: &'static str, t: &Tensor, ids: &Tensor) -> Result<Option<Tensor>> {
+    crate::dispatch::host_ids(op, t, ids)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_ids(_: &'static str, _: &Tensor, _: &Tensor) -> Result<Option<Tensor>> {
+    Ok(None)
+}
+
+#[cfg(feature = "cuda")]
+fn scatter_cuda(
+    op: &'static str,
+    dtable: &mut Tensor,
+    dy: &Tensor,
+    ids: &[usize],
+    shard: VocabShard,
+    accum: Accum,
+    hidden: usize,
+) -> Result<()> {
+    let dy = dy.cuda_tensor()?;
+    crate::dispatch::with_cuda_mut(dtable, |d| {
+        device::scatter(op, d, &dy, ids, shard, accum, hidden)
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn scatter_cuda(
+    _: &'static str,
+    _: &mut Tensor,
+    _: &Tensor,
+    _: &[usize],
+    _: VocabShard,
+    _: Accum,
+    _: usize,
+) -> Result<()> {
+    unreachable!("no device tensor exists without the `cuda` feature")
 }
 
 /// Rows of `table` (`[vocab, hidden]`) at `ids` (any shape): `[..ids, hidden]`.
@@ -142,12 +183,13 @@ mod device {
     use crate::cuda::launch::{func, grid_for, launch_kernel, per_row};
     use crate::cuda::{source, CudaTensor};
     use crate::ops::accum_flag;
-    use crate::spec::embedding::{out_shape, read_ids, VocabShard};
-    use crate::spec::{want_float, Accum};
+    use crate::spec::embedding::{out_shape, VocabShard};
+    use crate::spec::Accum;
     use crate::{DType, Result, Tensor};
 
     /// Rows of `table` (`[shard.len, hidden]`) for the ids in the shard, zeros for the
-    /// others; the ids (i64 or i32) are copied to the device as they are.
+    /// others; the ids (i64 or i32, in host memory, checked against the vocab by the front
+    /// door) are copied to the device as they are.
     pub(super) fn gather(
         op: &'static str,
         table: &CudaTensor,
@@ -155,8 +197,6 @@ mod device {
         shard: VocabShard,
         hidden: usize,
     ) -> Result<CudaTensor> {
-        want_float(op, table)?;
-        read_ids(op, ids, shard.vocab)?;
         let dev = table.device();
         let mut out = CudaTensor::uninit(dev, &out_shape(ids, hidden), table.dtype())?;
         let tokens = ids.numel();
@@ -183,19 +223,17 @@ mod device {
         op: &'static str,
         dtable: &mut CudaTensor,
         dy: &CudaTensor,
-        ids: &Tensor,
+        ids_v: &[usize],
         shard: VocabShard,
         accum: Accum,
         hidden: usize,
     ) -> Result<()> {
-        want_float(op, dy)?;
-        let ids_v = read_ids(op, ids, shard.vocab)?;
         if shard.len * hidden == 0 {
             return Ok(());
         }
         // CSR of the hits: positions grouped by local row, in position order within a row.
         let mut starts = vec![0i64; shard.len + 1];
-        for &id in &ids_v {
+        for &id in ids_v {
             if let Some(r) = shard.local(id) {
                 starts[r + 1] += 1;
             }

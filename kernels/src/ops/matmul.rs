@@ -106,7 +106,8 @@ pub(crate) mod device {
     }
 
     impl GemmPlan {
-        /// The sizes, or [`Error::NotOnCuda`] where one exceeds cuBLAS's `i32`.
+        /// The sizes, or [`Error::NotOnCuda`] where one exceeds cuBLAS's `i32`: a
+        /// device-only limit (the host kernel takes any size the `Plan` accepted).
         pub(super) fn new(
             a: &CudaTensor,
             ta: Transpose,
@@ -348,6 +349,7 @@ pub(crate) mod device {
             DType::F64 => run!(F64, 1.0f64, beta),
             DType::BF16 => run16!(BF16, CUDA_R_16BF),
             DType::F16 => run16!(F16, CUDA_R_16F),
+            // The front door's `Plan` refused other dtypes: not reached.
             other => Err(crate::spec::not_float(OP, other)),
         }
     }

@@ -44,10 +44,12 @@
 //! allocates the outputs, copies host-side index lists to the device, and launches the
 //! `extern "C"` kernels of `cuda/kernels/*.cu` (named in `cuda/source.rs`) through
 //! `launch_kernel!` (`cuda/launch.rs`), which compares the pushed arguments with the
-//! kernel's parameters before launching. What only a device needs is checked there: shared
-//! memory and cuBLAS's `i32` bounds ([`Error::NotOnCuda`](crate::Error::NotOnCuda)). Where
-//! a host kernel checks its own arguments (the MoE and context-parallel pieces, `Tensor::cat`),
-//! its launch runs the same `spec` checks, so both devices answer the same message.
+//! kernel's parameters before launching. What only a device needs is checked there, and
+//! says so: shared memory and cuBLAS's `i32` bounds
+//! ([`Error::NotOnCuda`](crate::Error::NotOnCuda)). The dtype a kernel needs (a float, for
+//! most) is one of the front door's checks too (`spec::want_float`), so a host kernel's
+//! dtype `match` never answers first. (Exception still: the context-parallel pieces of
+//! [`attention_block`](mod@attention_block) check in their host kernels and launches alike.)
 //!
 //! How the device results agree with the host's:
 //!
@@ -123,7 +125,9 @@ pub use softmax::{
 };
 
 pub use crate::spec::{acc_dtype, Accum, Transpose};
-pub(crate) use crate::spec::{check_dst, check_row_param, rows_last, same_dtype, same_layout};
+pub(crate) use crate::spec::{
+    check_dst, check_row_param, rows_last, same_dtype, same_layout, want_float,
+};
 
 /// The `int accumulate` flag of the device kernels' `_backward`/`_into` entries: 0
 /// replaces the destination, 1 adds to it (the host kernels' [`Accum`]).

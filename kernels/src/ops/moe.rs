@@ -12,8 +12,9 @@ use crate::{Result, Tensor};
 /// source row names stay zero).
 pub fn scatter_add_rows(src: &Tensor, rows: &[usize], n: usize) -> Result<Tensor> {
     const OP: &str = "ops::scatter_add_rows";
-    dispatch!(OP, [src] => device::scatter_add_rows(&src, rows, n));
-    crate::cpu::moe::scatter_add_rows(src, rows, n)
+    let (_, h) = check_scatter_add(OP, src, rows, n)?;
+    dispatch!(OP, [src] => device::scatter_add_rows(&src, rows, n, h));
+    crate::cpu::moe::scatter_add_rows(src, rows, n, h)
 }
 
 /// `y[rows of group e] = x[rows of group e] · W[e]ᵀ`: `x` is `[rows, in]`, `w` is
@@ -21,8 +22,9 @@ pub fn scatter_add_rows(src: &Tensor, rows: &[usize], n: usize) -> Result<Tensor
 /// the rows of expert `e` (Σ = rows). Returns `[rows, out]`.
 pub fn grouped_matmul_t(x: &Tensor, w: &Tensor, groups: &[usize]) -> Result<Tensor> {
     const OP: &str = "ops::grouped_matmul_t";
-    dispatch!(OP, [x, w] => device::grouped_matmul_t(&x, &w, groups));
-    crate::cpu::moe::grouped_matmul_t(x, w, groups)
+    let (_, out, k) = check_grouped(OP, x, w, groups)?;
+    dispatch!(OP, [x, w] => device::grouped_matmul_t(&x, &w, groups, out, k));
+    crate::cpu::moe::grouped_matmul_t(x, w, groups, out, k)
 }
 
 /// The backward of [`grouped_matmul_t`] from the output gradient `dy` (`[rows, out]`).
@@ -33,20 +35,20 @@ pub fn grouped_matmul_t_backward(
     groups: &[usize],
 ) -> Result<GroupedMatmulGrads> {
     const OP: &str = "ops::grouped_matmul_t_backward";
-    dispatch!(OP, [dy, x, w] => device::grouped_matmul_t_backward(&dy, &x, &w, groups));
-    crate::cpu::moe::grouped_matmul_t_backward(dy, x, w, groups)
+    let dims = check_grouped_backward(OP, dy, x, w, groups)?;
+    dispatch!(OP, [dy, x, w] => device::grouped_matmul_t_backward(&dy, &x, &w, groups, dims));
+    crate::cpu::moe::grouped_matmul_t_backward(dy, x, w, groups, dims)
 }
 
 /// The device launches: the scatter-add as a kernel (`cuda/kernels/moe.cu`), the grouped
-/// products through cuBLAS. The host kernels check their arguments themselves, so these run
-/// the same `spec` checks (same messages).
+/// products through cuBLAS, on arguments the front door has checked.
 #[cfg(feature = "cuda")]
 mod device {
     use crate::cuda::launch::{func, grid_for, launch_kernel};
     use crate::cuda::{source, CudaBuffer, CudaTensor};
     use crate::ops::matmul::device::gemm_ops;
-    use crate::spec::moe::{check_grouped, check_scatter_add, GroupedMatmulGrads};
-    use crate::spec::{not_float, same_dtype, want_float, Transpose};
+    use crate::spec::moe::GroupedMatmulGrads;
+    use crate::spec::{not_float, Transpose};
     use crate::{DType, Error, Result, Tensor};
 
     /// `out[rows[i]] += src[i]`, `out` `[n, h]` (rows no
@@ -56,9 +58,10 @@ mod device {
         src: &CudaTensor,
         rows: &[usize],
         n: usize,
+        h: usize,
     ) -> Result<CudaTensor> {
         const OP: &str = "ops::scatter_add_rows";
-        let (m, h) = check_scatter_add(OP, src, rows, n)?;
+        let m = rows.len();
         let dev = src.device();
         let mut out = CudaTensor::uninit(dev, &[n, h], src.dtype())?;
         if n * h == 0 {
@@ -86,7 +89,8 @@ mod device {
         Ok(out)
     }
 
-    /// `Err` ([`Error::NotOnCuda`]) unless every size fits cuBLAS's `i32`.
+    /// `Err` ([`Error::NotOnCuda`]) unless every size fits cuBLAS's `i32`: a device-only
+    /// limit (the host kernels take any `usize`).
     fn gemm_sizes(op: &'static str, sizes: &[usize]) -> Result<()> {
         if sizes.iter().all(|&v| i32::try_from(v).is_ok()) {
             Ok(())
@@ -132,7 +136,8 @@ mod device {
             detail: e.to_string(),
         };
         // `$v` the buffer variant, `$e` its element, `$ty` the cuBLAS data type, `$s` the type of
-        // alpha/beta and `$compute` the compute type.
+        // alpha/beta and `$compute` the compute type. The front door checked that a, b and c
+        // share a float dtype, so the `Err`s below are not reached.
         macro_rules! run {
             ($v:ident, $e:ty, $ty:ident, $s:ty, $compute:ident) => {{
                 let (CudaBuffer::$v(sa), CudaBuffer::$v(sb)) = (a.buffer(), b.buffer()) else {
@@ -208,15 +213,12 @@ mod device {
         x: &CudaTensor,
         w: &CudaTensor,
         groups: &[usize],
+        out: usize,
+        k: usize,
     ) -> Result<CudaTensor> {
         const OP: &str = "ops::grouped_matmul_t";
-        let (_, out, k) = check_grouped(OP, x, w, groups)?;
         let rows = x.shape()[0];
         let dev = x.device();
-        if rows > 0 {
-            // The CPU's per-group matmul refuses integers (with no group, nothing is multiplied).
-            want_float(OP, x)?;
-        }
         if rows * out == 0 || k == 0 {
             return CudaTensor::zeros(dev, &[rows, out], x.dtype());
         }
@@ -251,21 +253,10 @@ mod device {
         x: &CudaTensor,
         w: &CudaTensor,
         groups: &[usize],
+        (e, out, k): (usize, usize, usize),
     ) -> Result<GroupedMatmulGrads> {
         const OP: &str = "ops::grouped_matmul_t_backward";
-        let (e, out, k) = check_grouped(OP, x, w, groups)?;
-        same_dtype(OP, dy, x)?;
         let rows = x.shape()[0];
-        if dy.shape() != [rows, out] {
-            return Err(Error::ShapeMismatch {
-                op: OP,
-                lhs: dy.shape().into(),
-                rhs: [rows, out].as_slice().into(),
-            });
-        }
-        if rows > 0 {
-            want_float(OP, x)?;
-        }
         let dev = x.device();
         let mut dw = CudaTensor::zeros(dev, &[e, out, k], x.dtype())?;
         if rows * out * k == 0 {

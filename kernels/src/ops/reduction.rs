@@ -8,12 +8,15 @@
 //! | [`max_dim`] | values and `i64` argmax (the first maximum; a NaN wins, as in PyTorch) | [`max_dim_backward`]: `dy` placed at the argmax, zeros elsewhere |
 
 use crate::spec::reduction::*;
+use crate::spec::want_float;
+use crate::storage::tensor::checked_len;
 use crate::{Result, Tensor};
 
 /// The sum over `dim`, which is removed from the shape.
 pub fn sum_dim(x: &Tensor, dim: usize) -> Result<Tensor> {
     const OP: &str = "ops::sum_dim";
     let (outer, extent, inner, shape) = split(OP, x, dim)?;
+    want_float(OP, x)?;
     dispatch!(OP, [x] => device::sum_dim(&x, outer, extent, inner, &shape));
     crate::cpu::reduction::sum_dim(x, dim, outer, extent, inner, shape)
 }
@@ -22,6 +25,9 @@ pub fn sum_dim(x: &Tensor, dim: usize) -> Result<Tensor> {
 pub fn sum_dim_backward(dy: &Tensor, dim: usize, extent: usize) -> Result<Tensor> {
     const OP: &str = "ops::sum_dim_backward";
     let shape = restored(OP, dy, dim, extent)?;
+    want_float(OP, dy)?;
+    // `extent` comes from the caller: the restored shape may not fit.
+    checked_len(OP, &shape, dy.dtype())?;
     dispatch!(OP, [dy] => device::sum_dim_backward(&dy, dim, extent, &shape));
     crate::cpu::reduction::sum_dim_backward(dy, dim, extent, shape)
 }
@@ -31,6 +37,7 @@ pub fn sum_dim_backward(dy: &Tensor, dim: usize, extent: usize) -> Result<Tensor
 pub fn max_dim(x: &Tensor, dim: usize) -> Result<MaxDim> {
     const OP: &str = "ops::max_dim";
     let (outer, extent, inner) = max_split(OP, x.shape(), dim)?;
+    want_float(OP, x)?;
     dispatch!(OP, [x] => device::max_dim(&x, dim, outer, extent, inner));
     crate::cpu::reduction::max_dim(x, dim, outer, extent, inner)
 }
@@ -46,6 +53,12 @@ pub fn max_dim_backward(
     const OP: &str = "ops::max_dim_backward";
     let shape = restored(OP, dy, dim, extent)?;
     check_indices(OP, dy, indices)?;
+    // The indices are read on the host (copied back from a device) and checked once here,
+    // so neither kernel reads outside `extent`.
+    let host_indices = indices.to_host()?;
+    check_index_range(OP, host_indices.as_slice::<i64>()?, extent)?;
+    checked_len(OP, &shape, dy.dtype())?;
+    want_float(OP, dy)?;
     dispatch!(OP, [dy, indices] => device::max_dim_backward(&dy, &indices, dim, extent, &shape));
     crate::cpu::reduction::max_dim_backward(dy, indices, dim, extent, shape)
 }
@@ -57,8 +70,7 @@ mod device {
     use crate::cuda::launch::{func, grid_for, launch_kernel};
     use crate::cuda::{source, CudaTensor};
     use crate::spec::reduction::*;
-    use crate::spec::want_float;
-    use crate::{DType, Error, Result};
+    use crate::{DType, Result};
 
     pub(super) fn sum_dim(
         x: &CudaTensor,
@@ -68,7 +80,6 @@ mod device {
         shape: &[usize],
     ) -> Result<CudaTensor> {
         const OP: &str = "ops::sum_dim";
-        want_float(OP, x)?;
         let dev = x.device();
         let mut out = CudaTensor::uninit(dev, shape, x.dtype())?;
         if outer * inner > 0 {
@@ -79,18 +90,6 @@ mod device {
         Ok(out)
     }
 
-    /// `Err` if the restored `shape` overflows (the host op's allocation checks that, with
-    /// its own message).
-    fn fits(op: &'static str, shape: &[usize]) -> Result<()> {
-        if crate::checked_numel(shape).is_none() {
-            return Err(Error::Invalid {
-                op,
-                detail: format!("restored shape {shape:?} overflows"),
-            });
-        }
-        Ok(())
-    }
-
     pub(super) fn sum_dim_backward(
         dy: &CudaTensor,
         dim: usize,
@@ -98,9 +97,10 @@ mod device {
         shape: &[usize],
     ) -> Result<CudaTensor> {
         const OP: &str = "ops::sum_dim_backward";
-        want_float(OP, dy)?;
-        fits(OP, shape)?;
-        let (outer, _, inner) = split_at(OP, shape, dim)?;
+        let (outer, inner) = (
+            shape[..dim].iter().product(),
+            shape[dim + 1..].iter().product(),
+        );
         let dev = dy.device();
         let mut dx = CudaTensor::uninit(dev, shape, dy.dtype())?;
         let n = outer * extent * inner;
@@ -120,7 +120,6 @@ mod device {
         inner: usize,
     ) -> Result<MaxDim> {
         const OP: &str = "ops::max_dim";
-        want_float(OP, x)?;
         let dev = x.device();
         let shape = removed(x.shape(), dim);
         let mut values = CudaTensor::uninit(dev, &shape, x.dtype())?;
@@ -136,8 +135,7 @@ mod device {
         })
     }
 
-    /// The indices are checked on the host (copied back) before the launch, as the host
-    /// kernel checks them.
+    /// The front door checked every index against `extent`.
     pub(super) fn max_dim_backward(
         dy: &CudaTensor,
         indices: &CudaTensor,
@@ -146,11 +144,10 @@ mod device {
         shape: &[usize],
     ) -> Result<CudaTensor> {
         const OP: &str = "ops::max_dim_backward";
-        want_float(OP, dy)?;
-        fits(OP, shape)?;
-        let host = indices.to_host()?;
-        check_index_range(OP, host.as_slice::<i64>()?, extent)?;
-        let (outer, _, inner) = split_at(OP, shape, dim)?;
+        let (outer, inner) = (
+            shape[..dim].iter().product(),
+            shape[dim + 1..].iter().product(),
+        );
         let dev = dy.device();
         let mut dx = CudaTensor::uninit(dev, shape, dy.dtype())?;
         let n = outer * extent * inner;

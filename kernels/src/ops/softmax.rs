@@ -10,15 +10,25 @@
 //! gives NaN, as in PyTorch; a NaN anywhere in a row makes the row NaN. Rows are computed in
 //! the compute type and rounded once.
 
-use super::{check_dst, rows_last, same_layout, Accum};
+use super::{check_dst, rows_last, same_layout, want_float, Accum};
 use crate::cpu::softmax::Kind;
 use crate::{Result, Tensor};
 
 fn forward_into(op: &'static str, dst: &mut Tensor, x: &Tensor, kind: Kind) -> Result<()> {
     let (rows, n) = rows_last(op, x)?;
+    want_float(op, x)?;
     check_dst(op, dst, x.shape(), x.dtype())?;
     dispatch!(op, mut dst, [x] => device::forward_into(op, kind, dst, &x, rows, n));
     crate::cpu::softmax::forward_into(op, dst, x, kind, n)
+}
+
+fn forward(op: &'static str, x: &Tensor, kind: Kind) -> Result<Tensor> {
+    let (rows, n) = rows_last(op, x)?;
+    want_float(op, x)?;
+    dispatch!(op, [x] => device::forward(op, kind, &x, rows, n));
+    let mut dst = Tensor::zeros(x.shape(), x.dtype());
+    crate::cpu::softmax::forward_into(op, &mut dst, x, kind, n)?;
+    Ok(dst)
 }
 
 fn backward_into(
@@ -31,6 +41,7 @@ fn backward_into(
 ) -> Result<()> {
     let (rows, n) = rows_last(op, y)?;
     same_layout(op, dy, y)?;
+    want_float(op, y)?;
     check_dst(op, dx, y.shape(), y.dtype())?;
     dispatch!(op, mut dx, [dy, y] => device::backward(op, kind, dx, &dy, &y, accum, rows, n));
     crate::cpu::softmax::backward_into(op, dx, dy, y, kind, accum, n)
@@ -38,14 +49,7 @@ fn backward_into(
 
 /// Softmax along the last dim: `exp(x − max) / Σ exp(x − max)` per row.
 pub fn softmax(x: &Tensor) -> Result<Tensor> {
-    const OP: &str = "ops::softmax";
-    dispatch!(OP, [x] => {
-        let (rows, n) = rows_last(OP, &x)?;
-        device::forward(OP, Kind::Softmax, &x, rows, n)
-    });
-    let mut dst = Tensor::zeros(x.shape(), x.dtype());
-    softmax_into(&mut dst, x)?;
-    Ok(dst)
+    forward("ops::softmax", x, Kind::Softmax)
 }
 
 /// [`softmax`] into `dst` (same shape and dtype as `x`).
@@ -69,14 +73,7 @@ pub fn softmax_backward_into(dx: &mut Tensor, dy: &Tensor, y: &Tensor, accum: Ac
 
 /// Log-softmax along the last dim: `x − max − ln Σ exp(x − max)` per row.
 pub fn log_softmax(x: &Tensor) -> Result<Tensor> {
-    const OP: &str = "ops::log_softmax";
-    dispatch!(OP, [x] => {
-        let (rows, n) = rows_last(OP, &x)?;
-        device::forward(OP, Kind::LogSoftmax, &x, rows, n)
-    });
-    let mut dst = Tensor::zeros(x.shape(), x.dtype());
-    log_softmax_into(&mut dst, x)?;
-    Ok(dst)
+    forward("ops::log_softmax", x, Kind::LogSoftmax)
 }
 
 /// [`log_softmax`] into `dst` (same shape and dtype as `x`).
@@ -117,7 +114,7 @@ mod device {
     use crate::cuda::launch::{func, launch_kernel, per_row};
     use crate::cuda::{source, CudaTensor};
     use crate::ops::accum_flag;
-    use crate::spec::{want_float, Accum};
+    use crate::spec::Accum;
     use crate::Result;
 
     pub(super) fn forward(
@@ -127,7 +124,6 @@ mod device {
         rows: usize,
         n: usize,
     ) -> Result<CudaTensor> {
-        want_float(op, x)?;
         let dev = x.device();
         let mut y = CudaTensor::uninit(dev, x.shape(), x.dtype())?;
         if rows * n > 0 {
@@ -166,7 +162,6 @@ mod device {
         rows: usize,
         n: usize,
     ) -> Result<()> {
-        want_float(op, y)?;
         if rows * n == 0 {
             return Ok(());
         }

@@ -4,7 +4,7 @@
 
 use crate::error::{Error, Result};
 use crate::shape::{checked_numel, checked_sum};
-use crate::spec::tensor::{check_dim, check_same, check_tensor_pieces};
+use crate::spec::tensor::{check_cat, check_dim, check_same, check_tensor_pieces};
 use crate::{DType, Tensor};
 use smallvec::SmallVec;
 
@@ -35,15 +35,12 @@ pub(crate) fn narrow(x: &Tensor, dim: usize, start: usize, len: usize) -> Result
 /// [`Tensor::cat`]: its checks, then the device kernel or the host one.
 pub(crate) fn cat(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
     const OP: &str = "Tensor::cat";
-    tensors.first().ok_or(Error::Invalid {
-        op: "Tensor::cat",
-        detail: "no tensors to concatenate".into(),
-    })?;
+    let shape = check_cat(tensors, dim)?;
     let refs: SmallVec<[&Tensor; 8]> = tensors.iter().collect();
     if crate::dispatch::on_cuda(OP, &refs)? {
-        return cat_cuda(tensors, dim);
+        return cat_cuda(tensors, dim, &shape);
     }
-    crate::cpu::tensor::cat(tensors, dim)
+    crate::cpu::tensor::cat(tensors, dim, shape)
 }
 
 /// [`Tensor::pack`]: its checks, then the device kernel or the host one.
@@ -134,28 +131,32 @@ pub(crate) fn write_at(dst: &mut Tensor, dim: usize, start: usize, src: &Tensor)
 }
 
 #[cfg(feature = "cuda")]
-fn cat_cuda(tensors: &[Tensor], dim: usize) -> Result<Tensor> {
+fn cat_cuda(tensors: &[Tensor], dim: usize, shape: &[usize]) -> Result<Tensor> {
     let cs = tensors
         .iter()
         .map(Tensor::cuda_tensor)
         .collect::<Result<Vec<_>>>()?;
-    device::cat(&cs, dim).map(Tensor::from)
+    device::cat(&cs, dim, shape).map(Tensor::from)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cat_cuda(tensors: &[Tensor], _dim: usize) -> Result<Tensor> {
+fn cat_cuda(tensors: &[Tensor], _dim: usize, _shape: &[usize]) -> Result<Tensor> {
     unreachable!("{} host tensors reported as device tensors", tensors.len())
 }
 
 /// The device launches (`cuda/kernels/elementwise.cu`, and `copy.cu`'s strided copy for the
-/// data movement), on operands the front door has checked (`cat` checks its pieces here, as
-/// its host kernel does).
+/// data movement), on operands the front door has checked.
 #[cfg(feature = "cuda")]
 mod device {
     use crate::cuda::launch::{copy_blocks, func, grid_for, launch_kernel, Acc};
     use crate::cuda::{source, CudaTensor};
-    use crate::spec::reduction::split_at;
-    use crate::{DType, Error, Result, Shape};
+    use crate::{DType, Result, Shape};
+
+    /// `(outer, extent, inner)` of `shape` around `dim`, a dim of it (the front door checked).
+    fn split(shape: &[usize], dim: usize) -> (usize, usize, usize) {
+        let outer = shape[..dim].iter().product();
+        (outer, shape[dim], shape[dim + 1..].iter().product())
+    }
 
     /// `Tensor::add` and `mul`: any dtype.
     pub(super) use crate::cuda::launch::binary;
@@ -226,9 +227,9 @@ mod device {
     /// The pieces of `dim` (extents `sizes`) one after another, flat.
     pub(super) fn pack(t: &CudaTensor, dim: usize, sizes: &[usize]) -> Result<CudaTensor> {
         const OP: &str = "Tensor::pack";
-        let split = split_at(OP, t.shape(), dim)?;
+        let dims = split(t.shape(), dim);
         let mut out = CudaTensor::uninit(t.device(), &[t.numel()], t.dtype())?;
-        move_pieces(OP, t, &mut out, split, sizes, Pieces::Pack)?;
+        move_pieces(OP, t, &mut out, dims, sizes, Pieces::Pack)?;
         Ok(out)
     }
 
@@ -240,9 +241,9 @@ mod device {
         sizes: &[usize],
     ) -> Result<CudaTensor> {
         const OP: &str = "Tensor::unpack";
-        let split = split_at(OP, shape, dim)?;
+        let dims = split(shape, dim);
         let mut out = CudaTensor::uninit(flat.device(), shape, flat.dtype())?;
-        move_pieces(OP, flat, &mut out, split, sizes, Pieces::Unpack)?;
+        move_pieces(OP, flat, &mut out, dims, sizes, Pieces::Unpack)?;
         Ok(out)
     }
 
@@ -254,7 +255,7 @@ mod device {
         len: usize,
     ) -> Result<CudaTensor> {
         const OP: &str = "Tensor::narrow";
-        let (outer, extent, inner) = split_at(OP, t.shape(), dim)?;
+        let (outer, extent, inner) = split(t.shape(), dim);
         let mut shape: Shape = t.shape().into();
         shape[dim] = len;
         let mut out = CudaTensor::uninit(t.device(), &shape, t.dtype())?;
@@ -282,7 +283,7 @@ mod device {
         src: &CudaTensor,
     ) -> Result<()> {
         const OP: &str = "Tensor::write_at";
-        let (outer, extent, inner) = split_at(OP, dst.shape(), dim)?;
+        let (outer, extent, inner) = split(dst.shape(), dim);
         let run = src.shape()[dim] * inner;
         copy_blocks(
             OP,
@@ -297,33 +298,12 @@ mod device {
         )
     }
 
-    /// The tensors one after another along `dim`.
-    pub(super) fn cat(ts: &[CudaTensor], dim: usize) -> Result<CudaTensor> {
+    /// The tensors one after another along `dim` (`shape` their concatenation).
+    pub(super) fn cat(ts: &[CudaTensor], dim: usize, shape: &[usize]) -> Result<CudaTensor> {
         const OP: &str = "Tensor::cat";
-        let Some(first) = ts.first() else {
-            return Err(Error::Invalid {
-                op: OP,
-                detail: "nothing to concatenate".into(),
-            });
-        };
-        let (outer, _, inner) = split_at(OP, first.shape(), dim)?;
-        let mut total = 0usize;
-        for t in ts {
-            let fits = t.rank() == first.rank()
-                && t.dtype() == first.dtype()
-                && (0..t.rank()).all(|d| d == dim || t.shape()[d] == first.shape()[d]);
-            if !fits {
-                return Err(Error::ShapeMismatch {
-                    op: OP,
-                    lhs: first.shape().into(),
-                    rhs: t.shape().into(),
-                });
-            }
-            total += t.shape()[dim];
-        }
-        let mut shape: Shape = first.shape().into();
-        shape[dim] = total;
-        let mut out = CudaTensor::uninit(first.device(), &shape, first.dtype())?;
+        let first = &ts[0];
+        let (outer, total, inner) = split(shape, dim);
+        let mut out = CudaTensor::uninit(first.device(), shape, first.dtype())?;
         let mut at = 0;
         for t in ts {
             let run = t.shape()[dim] * inner;

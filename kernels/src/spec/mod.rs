@@ -1,7 +1,8 @@
 //! What an op is, apart from where it runs: its configuration, its output, the shapes and
-//! dtypes it accepts and the errors it gives for the rest. No backend code: the host kernels
-//! (`crate::cpu`) and the device kernels (`crate::cuda`) check their arguments with these
-//! same functions, so both give the same messages.
+//! dtypes it accepts and the errors it gives for the rest. No backend code: an op's front
+//! door (`crate::ops`) runs these checks once, before it dispatches, so the host kernel
+//! (`crate::cpu`) and the device launch take already-checked sizes and both devices give
+//! the same messages.
 //!
 //! The floor above storage: it imports the storage floor (for [`Tensor`] as a type) and
 //! nothing above.

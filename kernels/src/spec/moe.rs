@@ -16,8 +16,7 @@ pub(crate) fn rows_of<L: Layout + ?Sized>(op: &'static str, x: &L) -> Result<(us
 }
 
 /// `src`'s `(rows, hidden)` for a scatter-add of its rows to `rows` of an `n`-row output, or
-/// the error for arguments that cannot be scattered: the CPU op and its device twin check
-/// alike.
+/// the error for arguments that cannot be scattered.
 pub(crate) fn check_scatter_add<L: Layout + ?Sized>(
     op: &'static str,
     src: &L,
@@ -41,6 +40,8 @@ pub(crate) fn check_scatter_add<L: Layout + ?Sized>(
     Ok((m, h))
 }
 
+/// `(experts, out, in)` of a grouped product of `x` `[rows, in]` with `w`
+/// `[experts, out, in]` over `groups` (one per expert, summing to `rows`), or the error.
 pub(crate) fn check_grouped<L: Layout + ?Sized>(
     op: &'static str,
     x: &L,
@@ -74,6 +75,31 @@ pub(crate) fn check_grouped<L: Layout + ?Sized>(
                 "{} groups of {groups:?} rows (Σ {total}) for {e} experts and {rows} rows",
                 groups.len(),
             ),
+        });
+    }
+    // The product refuses integers; with no rows nothing is multiplied (zeros of any dtype).
+    if rows > 0 {
+        want_float(op, x)?;
+    }
+    Ok((e, out, k))
+}
+
+/// [`check_grouped`], and `dy` `[rows, out]` of `x`'s dtype: the backward's arguments.
+pub(crate) fn check_grouped_backward<L: Layout + ?Sized>(
+    op: &'static str,
+    dy: &L,
+    x: &L,
+    w: &L,
+    groups: &[usize],
+) -> Result<(usize, usize, usize)> {
+    let (e, out, k) = check_grouped(op, x, w, groups)?;
+    same_dtype(op, dy, x)?;
+    let rows = x.shape()[0];
+    if dy.shape() != [rows, out] {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: dy.shape().into(),
+            rhs: [rows, out].as_slice().into(),
         });
     }
     Ok((e, out, k))
