@@ -22,6 +22,9 @@ fi
 export DTENSOR_TEST_FEATURES="$features"
 cargo test --workspace --features "$features"
 
+# The bandwidth guard's judging logic, on canned bench_report outputs (no timing).
+bash scripts/bench-guard-test.sh
+
 # Each feature replaces a stand-in that a build without it carries: test those too.
 cargo test -p dtensor-kernels --test cuda_stand_in
 cargo test -p dtensor-collectives --test nccl_stand_in
