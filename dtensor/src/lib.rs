@@ -48,6 +48,7 @@ pub mod typed;
 
 pub use any::AnyDTensor;
 pub use compute::rope::RopePositions;
+pub use compute::CrossEntropy;
 pub use context::{ContextAttention, CpLayout, CpStrategy};
 pub use device_mesh::DeviceMesh;
 pub use error::{Error, Result};
