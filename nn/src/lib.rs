@@ -109,7 +109,9 @@ pub use embedding::{
 pub use init::{Init, ParamInit};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use mlp::{Activation, ParallelMlp};
-pub use model::{BlockMlp, Gpt, GptConfig, SliceInput, SliceOutput, StepReport, TransformerBlock};
+pub use model::{
+    BatchTokens, BlockMlp, Gpt, GptConfig, SliceInput, SliceOutput, StepReport, TransformerBlock,
+};
 pub use moe::{MoeConfig, MoeMlp};
 pub use norm::{Norm, NormKind};
 pub use optim::{clip_coefficient, step, step_accumulated, AdamW, GradNorm, Optimizer, Sgd};
