@@ -11,7 +11,7 @@
 mod common;
 
 use common::*;
-use dtensor_core::{CrossEntropy, Tape};
+use dtensor_core::{CrossEntropy, DTensor, Tape};
 use dtensor_kernels::ops;
 use dtensor_kernels::{DType, Tensor};
 use dtensor_nn::*;
@@ -478,4 +478,26 @@ fn z_loss_coefficient_must_be_finite_and_not_negative() {
             assert!(m.contains("z-loss coefficient"), "{m}");
         }
     }
+}
+
+#[test]
+fn scored_tokens_of_microbatches_is_one_all_reduce_per_axis() {
+    let vocab = 11;
+    let tg = masked_ids(vocab);
+    let halves = [
+        tg.narrow(0, 0, T / 2).unwrap(),
+        tg.narrow(0, T / 2, T / 2).unwrap(),
+    ];
+    let out = on_model_mesh(1, 2, 1, 1, 2, |mesh| {
+        let mbs: Vec<DTensor<Ids>> = halves
+            .iter()
+            .map(|h| piece(h, mesh))
+            .collect::<Result<_, _>>()?;
+        let dp = mesh.comm(dtensor_placement::AxisKind::Dp).unwrap();
+        let before = dp.counters();
+        let n = DTensor::scored_tokens_of(&mbs, Some(ops::IGNORE_INDEX))?;
+        Ok((n, dp.counters().since(&before).collectives()))
+    });
+    // 6 scored of 12 (5 of the first half's 6 ignored, 1 of the second's), one call.
+    assert!(out.iter().all(|&o| o == (6, 1)), "{out:?}");
 }

@@ -105,10 +105,25 @@ impl<L: Layout> DTensor<L> {
     /// over every axis on which the tensor is `Shard<0>` or `Ragged` (tokens on other axes
     /// are copies, counted once). `None` counts every element.
     pub fn scored_tokens(&self, ignore_index: Option<i64>) -> Result<usize> {
+        Self::scored_tokens_of(std::slice::from_ref(self), ignore_index)
+    }
+
+    /// [`scored_tokens`](Self::scored_tokens) of several tensors together (the targets of a
+    /// batch's microbatches): their local counts are added first, so the whole batch costs
+    /// one all-reduce of one value per axis, not one per tensor. Every rank passes the same
+    /// number of tensors, on one mesh; none counts 0 (no communication).
+    pub fn scored_tokens_of(tensors: &[Self], ignore_index: Option<i64>) -> Result<usize> {
         const OP: &str = "DTensor::scored_tokens";
-        let t = self.as_any();
-        let ids = raw_ids(OP, t.as_local())?;
-        let local = ids.iter().filter(|&&i| Some(i) != ignore_index).count();
+        let Some(first) = tensors.first() else {
+            return Ok(0);
+        };
+        let t = first.as_any();
+        let mut local = 0;
+        for x in tensors {
+            same_mesh(OP, t, x.as_any())?;
+            let ids = raw_ids(OP, x.as_any().as_local())?;
+            local += ids.iter().filter(|&&i| Some(i) != ignore_index).count();
+        }
         // f64 counts exactly below 2^53, and every backend reduces f64.
         let mut count = [local as f64];
         for (a, p) in t.placements().iter().enumerate() {

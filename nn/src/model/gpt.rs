@@ -221,17 +221,12 @@ pub struct BatchTokens {
 impl BatchTokens {
     /// Collective over the axes that split the tokens: the counts of the batch whose
     /// microbatches' targets are `targets` (one tensor for the whole batch, or one per
-    /// microbatch).
+    /// microbatch): one all-reduce of one value per data axis.
     pub fn of(targets: &[DTensor<Ids>]) -> Result<Self> {
-        let mut batch = BatchTokens {
-            tokens: 0,
-            scored: 0,
-        };
-        for t in targets {
-            batch.tokens += t.global_shape()[0];
-            batch.scored += t.scored_tokens(Some(IGNORE_INDEX))?;
-        }
-        Ok(batch)
+        Ok(BatchTokens {
+            tokens: targets.iter().map(|t| t.global_shape()[0]).sum(),
+            scored: DTensor::scored_tokens_of(targets, Some(IGNORE_INDEX))?,
+        })
     }
 }
 
