@@ -14,7 +14,7 @@
 //! `vocab`-column whole. The targets ([`CrossEntropyTargets`]) are i64 or i32, one per row,
 //! and may stay in host memory when the logits are on a device; each is a class in
 //! `0..vocab` or equals the ignore index, if one is given (anything else is an
-//! [`Error::TargetOutOfRange`](crate::Error::TargetOutOfRange) naming the row and the id).
+//! [`Error::TargetOutOfRange`] naming the row and the id).
 //! Step 0 is the one place that reads and checks them: it reads device ids to the host once
 //! and uploads the checked classes once, and steps 2 and 4 take its [`CheckedTargets`]
 //! (the forward checks, the backward reuses). Everything is computed in f64 (rounded once
