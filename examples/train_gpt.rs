@@ -98,6 +98,10 @@ struct Args {
     /// With --moe: Switch load-balancing loss coefficient
     #[arg(long, value_name = "C", default_value_t = 0.01)]
     aux_loss: f64,
+    /// z-loss coefficient (PaLM: 1e-4): each scored token's loss gains z·log²Z, Z the
+    /// softmax normaliser over the whole vocab; 0 is off (finite and >= 0)
+    #[arg(long, value_name = "Z", default_value_t = 0.0)]
+    z_loss: f64,
     /// With --moe: aux-loss-free balancing (DeepSeek-V3): after each step every expert's
     /// selection bias moves by g·sign(mean load − load)
     #[arg(long, value_name = "G")]
@@ -243,6 +247,12 @@ fn resolve(mut a: Args) -> Result<Args, String> {
             return Err(format!("{flag} {v}: must be a finite number > 0"));
         }
     }
+    if !(a.z_loss.is_finite() && a.z_loss >= 0.0) {
+        return Err(format!(
+            "--z-loss {}: must be a finite number >= 0 (0 is off)",
+            a.z_loss
+        ));
+    }
     let zigzag = a.comp.zigzag;
     let chunks = if zigzag { 2 * c.cp } else { c.cp };
     if c.cp > 1 && !a.seq.is_multiple_of(chunks) {
@@ -357,6 +367,7 @@ fn model_config(a: &Args) -> GptConfig {
             bias_rate: a.expert_bias,
             ..MoeConfig::new(a.experts, a.top_k)
         }),
+        z_loss: a.z_loss,
         ..GptConfig::small(a.dtype())
     }
     .composed(&a.comp)
@@ -1008,8 +1019,12 @@ fn train_mpi<M: SeqMode, D: DataMode>(a: &Args) -> Result<MpiOut, String> {
 }
 
 fn header(a: &Args, ranks: &str) -> String {
+    let z_loss = match a.z_loss {
+        z if z > 0.0 => format!(", z-loss {z}"),
+        _ => String::new(),
+    };
     format!(
-        "train_gpt: {} layers, hidden {}, {} heads, byte vocab 256, seq {}, global batch {} ({} tokens), {}, on {} {ranks} ranks, device {}",
+        "train_gpt: {} layers, hidden {}, {} heads, byte vocab 256, seq {}, global batch {} ({} tokens){z_loss}, {}, on {} {ranks} ranks, device {}",
         a.layers, a.hidden, a.heads, a.seq, a.batch, a.batch * a.seq, a.dtype(), a.comp.degrees.world_size(),
         match (a.device, a.backend) {
             (Place::Cpu, _) => "cpu",

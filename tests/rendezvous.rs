@@ -72,6 +72,7 @@ fn gpt(layers: usize) -> GptConfig {
         recompute: false,
         context: Default::default(),
         moe: None,
+        z_loss: 0.0,
     }
 }
 

@@ -43,6 +43,22 @@ pub enum Error {
         /// The shapes involved and what is wrong with them.
         detail: String,
     },
+    /// Targets that a kernel's check rejected (a cross-entropy target neither in the vocab
+    /// nor the ignore index, ids that are not i64/i32, one id too few or many): the
+    /// kernel's error names the row (of this rank's targets) and the id, this one adds the
+    /// operands' shapes and placements.
+    #[error("{op}: {source} (this rank's targets: {targets}; logits {logits})")]
+    BadTargets {
+        /// The operation refused.
+        op: &'static str,
+        /// The targets' shapes and placements, as displayed.
+        targets: String,
+        /// The logits' shapes and placements, as displayed.
+        logits: String,
+        /// The kernel's error (for a bad id: [`dtensor_kernels::Error::TargetOutOfRange`],
+        /// with the row and the id), boxed: it is large, and rare.
+        source: Box<dtensor_kernels::Error>,
+    },
     /// Operands live on different meshes (or different rank groups).
     #[error("{op}: operands are on different meshes ({lhs} vs {rhs})")]
     MeshMismatch {

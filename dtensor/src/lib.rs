@@ -49,6 +49,7 @@ pub mod typed;
 
 pub use any::AnyDTensor;
 pub use compute::rope::RopePositions;
+pub use compute::CrossEntropy;
 pub use context::{ContextAttention, CpLayout, CpStrategy};
 pub use custom::{custom_op, CustomInputs, CustomOutputs, Piece};
 pub use device_mesh::DeviceMesh;

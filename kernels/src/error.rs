@@ -60,6 +60,24 @@ pub enum Error {
         /// What was wrong with the arguments, in words.
         detail: String,
     },
+    /// A cross-entropy target that is neither a class of the vocab (`0..vocab`) nor the
+    /// ignore index; `row` is its position among the targets the op was given.
+    #[error(
+        "{op}: target {id} of row {row} is out of range for vocab {vocab}{}",
+        ignore_note(.ignore_index)
+    )]
+    TargetOutOfRange {
+        /// The op that checked the targets, `"ops::ce_targets"`.
+        op: &'static str,
+        /// The row (position among the targets) holding the bad id.
+        row: usize,
+        /// The id found there.
+        id: i64,
+        /// The number of classes: every scored id lies in `0..vocab`.
+        vocab: usize,
+        /// The id that marks an ignored row, if any.
+        ignore_index: Option<i64>,
+    },
     /// The CUDA driver library (`libcuda.so.1`) cannot be loaded, or it finds no device.
     #[error("{op}: no CUDA driver found: {detail}")]
     NoCudaDriver {
@@ -148,6 +166,14 @@ pub enum Error {
         /// The stand-in that was called, e.g. `"cuda::Device::new"`.
         op: &'static str,
     },
+}
+
+/// The end of [`Error::TargetOutOfRange`]'s message: which ignore index the id is not.
+fn ignore_note(ignore_index: &Option<i64>) -> String {
+    match ignore_index {
+        Some(i) => format!(" and is not the ignore index {i}"),
+        None => " (no ignore index)".into(),
+    }
 }
 
 /// `std::result::Result` with this crate's [`Error`] as the default error type.

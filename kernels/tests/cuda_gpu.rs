@@ -356,7 +356,13 @@ fn gpu_embedding_matches_cpu_bitwise() {
 fn gpu_cross_entropy_pieces_match_an_f64_reference() {
     let Some(dev) = gpu() else { return };
     let (rows, vocab) = (6, 300);
-    for (k, dt) in FLOATS.into_iter().enumerate() {
+    // Without and with a z-loss (and then with the ids on the device, read once by
+    // ce_targets).
+    for (k, (dt, z)) in FLOATS
+        .into_iter()
+        .flat_map(|dt| [(dt, 0.0), (dt, 0.05)])
+        .enumerate()
+    {
         let logits = rand(&[rows, vocab], dt, 220 + k as u64).scale(2.0);
         // Rows 1 and 4 ignored (loss 0, gradient row 0).
         let ignored = |r: usize| r % 3 == 1;
@@ -367,19 +373,22 @@ fn gpu_cross_entropy_pieces_match_an_f64_reference() {
             })
             .collect();
         let ids = Tensor::from_vec(ids_v.clone(), &[rows]).unwrap();
+        let ids = if z == 0.0 { ids } else { up(&ids, &dev) };
         let targets = CrossEntropyTargets::new(&ids, vocab).ignoring(ops::IGNORE_INDEX);
         let dy = rand(&[rows], dt, 230 + k as u64);
-        // The reference: DTensor::cross_entropy's f64 arithmetic on one rank.
+        // The reference: lse − l[t] + z·lse², its gradient (p − onehot + 2z·lse·p)·dy.
         let l = logits.to_f64_vec();
         let (mut loss, mut grad) = (vec![0.0; rows], vec![0.0; rows * vocab]);
         for r in (0..rows).filter(|&r| !ignored(r)) {
             let row = &l[r * vocab..(r + 1) * vocab];
             let m = row.iter().fold(f64::NEG_INFINITY, |a, &x| a.max(x));
             let s: f64 = row.iter().map(|x| (x - m).exp()).sum();
-            loss[r] = s.ln() - (row[ids_v[r] as usize] - m);
+            let lse = m + s.ln();
+            loss[r] = lse - row[ids_v[r] as usize] + z * lse * lse;
             for c in 0..vocab {
-                let p = (row[c] - m).exp() / s - if c == ids_v[r] as usize { 1.0 } else { 0.0 };
-                grad[r * vocab + c] = p * dy.to_f64_vec()[r];
+                let p = (row[c] - m).exp() / s;
+                let onehot = if c == ids_v[r] as usize { 1.0 } else { 0.0 };
+                grad[r * vocab + c] = (p - onehot + 2.0 * z * lse * p) * dy.to_f64_vec()[r];
             }
         }
         let loss = Tensor::from_f64_vec(loss, &[rows], dt).unwrap();
@@ -390,6 +399,7 @@ fn gpu_cross_entropy_pieces_match_an_f64_reference() {
             .iter()
             .map(|&(c0, n)| up(&logits.narrow(1, c0, n).unwrap(), &dev))
             .collect();
+        let checked = ops::ce_targets(&parts[0], &targets).unwrap();
         let maxes: Vec<Vec<f64>> = parts
             .iter()
             .map(|p| down(&ops::ce_row_max(p).unwrap()).to_f64_vec())
@@ -398,7 +408,7 @@ fn gpu_cross_entropy_pieces_match_an_f64_reference() {
         let gm = up(&Tensor::from_vec(m, &[rows]).unwrap(), &dev);
         let (mut s, mut t) = (vec![0.0; rows], vec![0.0; rows]);
         for (p, &(c0, _)) in parts.iter().zip(&halves) {
-            let (ps, pt) = ops::ce_sum_target(p, &gm, &targets, c0).unwrap();
+            let (ps, pt) = ops::ce_sum_target(p, &gm, &checked, c0).unwrap();
             for r in 0..rows {
                 s[r] += down(&ps).to_f64_vec()[r];
                 t[r] += down(&pt).to_f64_vec()[r];
@@ -408,13 +418,13 @@ fn gpu_cross_entropy_pieces_match_an_f64_reference() {
             up(&Tensor::from_vec(s, &[rows]).unwrap(), &dev),
             up(&Tensor::from_vec(t, &[rows]).unwrap(), &dev),
         );
-        let got_loss = down(&ops::ce_loss(&gs, &gt, dt).unwrap());
+        let got_loss = down(&ops::ce_loss(&gm, &gs, &gt, z, dt).unwrap());
         assert_close("ce_loss", &got_loss, &loss, 4.0);
         let gdy = up(&dy, &dev);
         let pieces: Vec<Tensor> = parts
             .iter()
             .zip(&halves)
-            .map(|(p, &(c0, _))| down(&ops::ce_grad(p, &gm, &gs, &targets, &gdy, c0).unwrap()))
+            .map(|(p, &(c0, _))| down(&ops::ce_grad(p, &gm, &gs, &checked, &gdy, c0, z).unwrap()))
             .collect();
         let got_grad = Tensor::cat(&pieces, 1).unwrap();
         assert_close("ce_grad", &got_grad, &grad, 4.0);

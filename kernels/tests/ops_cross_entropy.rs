@@ -1,15 +1,17 @@
-//! The cross-entropy pieces (`ce_row_max`, `ce_sum_target`, `ce_loss`, `ce_grad`) against a
-//! plain f64 reference (log-sum-exp over the whole vocab, `softmax − onehot`), on one rank
-//! and with the vocab split into uneven pieces combined as the all-reduces would (Max, then
-//! Sum), and against finite differences of the loss. The argument errors name the op.
-//! Rows whose target is the ignore index score 0 and get a zero gradient row; the other rows
-//! keep their bits.
+//! The cross-entropy pieces (`ce_targets`, `ce_row_max`, `ce_sum_target`, `ce_loss`,
+//! `ce_grad`) against a plain f64 reference (log-sum-exp over the whole vocab, `softmax −
+//! onehot`, plus `z·lse²` with a z-loss), on one rank and with the vocab split into uneven
+//! pieces combined as the all-reduces would (Max, then Sum), and against finite differences
+//! of the loss. The argument errors name the op; a bad target is reported once, by
+//! `ce_targets`, with its row and id. Rows whose target is the ignore index score 0 (no
+//! z-loss either) and get a zero gradient row; the other rows keep their bits, and a z-loss
+//! of 0 keeps every bit.
 
 mod common;
 
 use common::*;
 use dtensor_kernels::ops::{self, CrossEntropyTargets, IGNORE_INDEX};
-use dtensor_kernels::{DType, Tensor};
+use dtensor_kernels::{DType, Error, Tensor};
 
 const ROWS: usize = 5;
 const VOCAB: usize = 13;
@@ -52,6 +54,13 @@ fn masked_targets() -> Vec<i64> {
 /// `dy`: `ln Σ exp(l) − l[t]` and `(softmax − onehot(t))·dy`, max-subtracted; 0 and a zero
 /// row where the id is [`IGNORE_INDEX`].
 fn reference(l: &[f64], ids: &[i64], dy: &[f64]) -> (Vec<f64>, Vec<f64>) {
+    reference_z(l, ids, dy, 0.0)
+}
+
+/// [`reference`] with a z-loss of coefficient `z`, written from its definition: the loss is
+/// `lse − l[t] + z·lse²` with `lse = ln Σ_c exp(l_c)`, and its derivative by `l_c` is
+/// `p_c − [c = t] + 2z·lse·p_c` (`p = softmax`, `∂lse/∂l_c = p_c`).
+fn reference_z(l: &[f64], ids: &[i64], dy: &[f64], z: f64) -> (Vec<f64>, Vec<f64>) {
     let mut loss = vec![0.0; ROWS];
     let mut grad = vec![0.0; ROWS * VOCAB];
     for r in 0..ROWS {
@@ -62,10 +71,12 @@ fn reference(l: &[f64], ids: &[i64], dy: &[f64]) -> (Vec<f64>, Vec<f64>) {
         let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let s: f64 = row.iter().map(|x| (x - m).exp()).sum();
         let t = ids[r] as usize;
-        loss[r] = m + s.ln() - row[t];
+        let lse = m + s.ln();
+        loss[r] = lse - row[t] + z * lse * lse;
         for c in 0..VOCAB {
             let onehot = if c == t { 1.0 } else { 0.0 };
-            grad[r * VOCAB + c] = ((row[c] - m).exp() / s - onehot) * dy[r];
+            let p = (row[c] - m).exp() / s;
+            grad[r * VOCAB + c] = (p - onehot + 2.0 * z * lse * p) * dy[r];
         }
     }
     (loss, grad)
@@ -89,6 +100,18 @@ fn by_pieces_with(
     dy: &Tensor,
     pieces: &[(usize, usize)],
 ) -> (Tensor, Tensor) {
+    by_pieces_z(logits, targets, dy, pieces, 0.0)
+}
+
+/// [`by_pieces_with`] with a z-loss of coefficient `z`.
+fn by_pieces_z(
+    logits: &Tensor,
+    targets: &CrossEntropyTargets,
+    dy: &Tensor,
+    pieces: &[(usize, usize)],
+    z: f64,
+) -> (Tensor, Tensor) {
+    let checked = ops::ce_targets(logits, targets).unwrap();
     let parts: Vec<Tensor> = pieces
         .iter()
         .map(|&(c0, n)| logits.narrow(1, c0, n).unwrap())
@@ -103,7 +126,7 @@ fn by_pieces_with(
     let max = Tensor::from_vec(max, &[ROWS]).unwrap();
     let (mut sum, mut target) = (vec![0.0; ROWS], vec![0.0; ROWS]);
     for (p, &(c0, _)) in parts.iter().zip(pieces) {
-        let (s, t) = ops::ce_sum_target(p, &max, targets, c0).unwrap();
+        let (s, t) = ops::ce_sum_target(p, &max, &checked, c0).unwrap();
         for r in 0..ROWS {
             sum[r] += s.as_slice::<f64>().unwrap()[r];
             target[r] += t.as_slice::<f64>().unwrap()[r];
@@ -111,11 +134,11 @@ fn by_pieces_with(
     }
     let sum = Tensor::from_vec(sum, &[ROWS]).unwrap();
     let target = Tensor::from_vec(target, &[ROWS]).unwrap();
-    let loss = ops::ce_loss(&sum, &target, logits.dtype()).unwrap();
+    let loss = ops::ce_loss(&max, &sum, &target, z, logits.dtype()).unwrap();
     let grads: Vec<Tensor> = parts
         .iter()
         .zip(pieces)
-        .map(|(p, &(c0, _))| ops::ce_grad(p, &max, &sum, targets, dy, c0).unwrap())
+        .map(|(p, &(c0, _))| ops::ce_grad(p, &max, &sum, &checked, dy, c0, z).unwrap())
         .collect();
     (loss, Tensor::cat(&grads, 1).unwrap())
 }
@@ -177,7 +200,8 @@ fn cross_entropy_row_max_is_exact_and_empty_pieces_are_neutral() {
         .iter()
         .all(|&v| v == f64::NEG_INFINITY));
     let ids = Tensor::from_vec(targets(), &[ROWS]).unwrap();
-    let (s, t) = ops::ce_sum_target(&none, &m, &CrossEntropyTargets::new(&ids, VOCAB), 4).unwrap();
+    let checked = ops::ce_targets(&none, &CrossEntropyTargets::new(&ids, VOCAB)).unwrap();
+    let (s, t) = ops::ce_sum_target(&none, &m, &checked, 4).unwrap();
     assert!(s.as_slice::<f64>().unwrap().iter().all(|&v| v == 0.0));
     assert!(t.as_slice::<f64>().unwrap().iter().all(|&v| v == 0.0));
 }
@@ -204,37 +228,68 @@ fn cross_entropy_bad_arguments_name_the_op() {
     assert_names_op(ops::ce_row_max(&flat), "ops::ce_row_max");
     let ints = Tensor::from_vec(vec![1i32; 4], &[2, 2]).unwrap();
     assert_names_op(ops::ce_row_max(&ints), "ops::ce_row_max");
-    // The max must be f64 [rows]; the targets one per row, inside the vocab, integers.
-    let max32 = max.to_dtype(DType::F32);
+    // The targets: one per row, inside the vocab, integers; checked by ce_targets alone.
     let all = |ids| CrossEntropyTargets::new(ids, VOCAB);
-    assert_names_op(
-        ops::ce_sum_target(&logits, &max32, &all(&ids), 0),
-        "ops::ce_sum_target",
-    );
     let few = Tensor::from_vec(vec![1i64; ROWS - 1], &[ROWS - 1]).unwrap();
-    assert_names_op(
-        ops::ce_sum_target(&logits, &max, &all(&few), 0),
-        "ops::ce_sum_target",
-    );
+    assert_names_op(ops::ce_targets(&logits, &all(&few)), "ops::ce_targets");
     let outside = Tensor::from_vec(vec![VOCAB as i64; ROWS], &[ROWS]).unwrap();
-    assert_names_op(
-        ops::ce_sum_target(&logits, &max, &all(&outside), 0),
-        "ops::ce_sum_target",
-    );
+    assert_names_op(ops::ce_targets(&logits, &all(&outside)), "ops::ce_targets");
     let float_ids = Tensor::from_vec(vec![1.0f32; ROWS], &[ROWS]).unwrap();
     assert_names_op(
-        ops::ce_grad(&logits, &max, &max, &all(&float_ids), &max32, 0),
+        ops::ce_targets(&logits, &all(&float_ids)),
+        "ops::ce_targets",
+    );
+    assert_names_op(ops::ce_targets(&flat, &all(&ids)), "ops::ce_targets");
+    let checked = ops::ce_targets(&logits, &all(&ids)).unwrap();
+    assert_eq!(
+        (checked.rows(), checked.vocab(), checked.scored()),
+        (ROWS, VOCAB, ROWS)
+    );
+    // The max must be f64 [rows].
+    let max32 = max.to_dtype(DType::F32);
+    assert_names_op(
+        ops::ce_sum_target(&logits, &max32, &checked, 0),
+        "ops::ce_sum_target",
+    );
+    // Checked targets fit only logits of their rows and columns inside their vocab.
+    let fewer_rows = logits.narrow(0, 0, ROWS - 1).unwrap();
+    let fewer_max = ops::ce_row_max(&fewer_rows).unwrap();
+    assert_names_op(
+        ops::ce_sum_target(&fewer_rows, &fewer_max, &checked, 0),
+        "ops::ce_sum_target",
+    );
+    assert_names_op(
+        ops::ce_sum_target(&logits, &max, &checked, 1),
+        "ops::ce_sum_target",
+    );
+    assert_names_op(
+        ops::ce_grad(&logits, &max, &max, &checked, &max32, 1, 0.0),
         "ops::ce_grad",
     );
     // dy must be [rows] of the logits' dtype.
     assert_names_op(
-        ops::ce_grad(&logits, &max, &max, &all(&ids), &max, 0),
+        ops::ce_grad(&logits, &max, &max, &checked, &max, 0, 0.0),
         "ops::ce_grad",
     );
-    let (s, t) = ops::ce_sum_target(&logits, &max, &all(&ids), 0).unwrap();
-    assert_names_op(ops::ce_loss(&s, &t, DType::I64), "ops::ce_loss");
+    let (s, t) = ops::ce_sum_target(&logits, &max, &checked, 0).unwrap();
+    assert_names_op(ops::ce_loss(&max, &s, &t, 0.0, DType::I64), "ops::ce_loss");
     let short = Tensor::from_vec(vec![0.0f64; ROWS - 1], &[ROWS - 1]).unwrap();
-    assert_names_op(ops::ce_loss(&s, &short, DType::F32), "ops::ce_loss");
+    assert_names_op(
+        ops::ce_loss(&max, &s, &short, 0.0, DType::F32),
+        "ops::ce_loss",
+    );
+    assert_names_op(
+        ops::ce_loss(&short, &s, &t, 0.0, DType::F32),
+        "ops::ce_loss",
+    );
+    // The z-loss coefficient: finite and not negative.
+    for z in [-1e-4, f64::NAN, f64::INFINITY] {
+        assert_names_op(ops::ce_loss(&max, &s, &t, z, DType::F32), "ops::ce_loss");
+        assert_names_op(
+            ops::ce_grad(&logits, &max, &s, &checked, &max32, 0, z),
+            "ops::ce_grad",
+        );
+    }
 }
 
 /// The distributed cross-entropy's host arithmetic, written out as `dtensor` runs it on the
@@ -330,7 +385,7 @@ fn cross_entropy_pieces_repeat_the_distributed_host_arithmetic_bitwise() {
         let mut max = ops::ce_row_max(&piece).unwrap().to_f64_vec();
         reduce(&mut max, true);
         let max = Tensor::from_vec(max, &[ROWS]).unwrap();
-        let targets = CrossEntropyTargets::new(&ids, VOCAB);
+        let targets = ops::ce_targets(&piece, &CrossEntropyTargets::new(&ids, VOCAB)).unwrap();
         let (s, t) = ops::ce_sum_target(&piece, &max, &targets, c0).unwrap();
         let (mut s, mut t) = (s.to_f64_vec(), t.to_f64_vec());
         reduce(&mut s, false);
@@ -339,8 +394,8 @@ fn cross_entropy_pieces_repeat_the_distributed_host_arithmetic_bitwise() {
             Tensor::from_vec(s, &[ROWS]).unwrap(),
             Tensor::from_vec(t, &[ROWS]).unwrap(),
         );
-        let loss = ops::ce_loss(&s, &t, dtype).unwrap();
-        let grad = ops::ce_grad(&piece, &max, &s, &targets, &dy, c0).unwrap();
+        let loss = ops::ce_loss(&max, &s, &t, 0.0, dtype).unwrap();
+        let grad = ops::ce_grad(&piece, &max, &s, &targets, &dy, c0, 0.0).unwrap();
         assert_eq!(bits(&loss), bits(&want_loss), "{dtype}: loss");
         assert_eq!(bits(&grad), bits(&want_grad), "{dtype}: grad");
     }
@@ -453,39 +508,124 @@ fn targets_with_row0(id: i64) -> Vec<i64> {
 }
 
 #[test]
-fn cross_entropy_out_of_range_targets_name_the_op_and_the_id() {
+fn cross_entropy_out_of_range_targets_name_the_row_and_the_id() {
     let (logits, _) = input(&[ROWS, VOCAB], 21, 1.0, DType::F32);
-    let max = ops::ce_row_max(&logits).unwrap();
-    let (dy, _) = input(&[ROWS], 22, 1.0, DType::F32);
-    // −100 without an ignore index, −1 and VOCAB with one: each an Err naming op and id.
+    // −100 without an ignore index, −1 and VOCAB with one: each an Err naming row and id,
+    // from ce_targets, the one place that reads and checks the ids.
     for (bad, ignore) in [
         (IGNORE_INDEX, None),
         (-1, Some(IGNORE_INDEX)),
         (VOCAB as i64, Some(IGNORE_INDEX)),
     ] {
-        let ids = Tensor::from_vec(targets_with_row0(bad), &[ROWS]).unwrap();
+        let mut ids = targets();
+        ids[3] = bad;
+        let ids = Tensor::from_vec(ids, &[ROWS]).unwrap();
         let targets = CrossEntropyTargets {
             ids: &ids,
             vocab: VOCAB,
             ignore_index: ignore,
         };
-        for (op, err) in [
-            (
-                "ops::ce_sum_target",
-                ops::ce_sum_target(&logits, &max, &targets, 0)
-                    .map(|_| ())
-                    .unwrap_err(),
-            ),
-            (
-                "ops::ce_grad",
-                ops::ce_grad(&logits, &max, &max, &targets, &dy, 0)
-                    .map(|_| ())
-                    .unwrap_err(),
-            ),
-        ] {
-            let msg = err.to_string();
-            assert!(msg.contains(op), "{msg}");
-            assert!(msg.contains(&format!("target {bad} ")), "{msg}");
+        let err = ops::ce_targets(&logits, &targets).unwrap_err();
+        assert_eq!(
+            err,
+            Error::TargetOutOfRange {
+                op: "ops::ce_targets",
+                row: 3,
+                id: bad,
+                vocab: VOCAB,
+                ignore_index: ignore,
+            }
+        );
+        let msg = err.to_string();
+        assert!(msg.contains(&format!("target {bad} of row 3 ")), "{msg}");
+    }
+}
+
+/// `(loss, dlogits)` with a z-loss of `z` over `pieces`, and the reference's.
+fn z_case(
+    seed: u64,
+    dtype: DType,
+    ids: &[i64],
+    z: f64,
+    pieces: &[(usize, usize)],
+) -> ((Tensor, Tensor), (Vec<f64>, Vec<f64>)) {
+    let (logits, l) = input(&[ROWS, VOCAB], seed, 4.0, dtype);
+    let (dy, d) = input(&[ROWS], seed + 1, 1.0, dtype);
+    let t = Tensor::from_vec(ids.to_vec(), &[ROWS]).unwrap();
+    let targets = CrossEntropyTargets::new(&t, VOCAB).ignoring(IGNORE_INDEX);
+    (
+        by_pieces_z(&logits, &targets, &dy, pieces, z),
+        reference_z(&l, ids, &d, z),
+    )
+}
+
+#[test]
+fn cross_entropy_z_loss_matches_reference_over_pieces() {
+    // A large coefficient, so the z term is far above the rounding in every dtype.
+    let z = 0.05;
+    for dtype in ALL {
+        for pieces in [&[(0, VOCAB)][..], &PIECES] {
+            for ids in [targets(), masked_targets()] {
+                let ((loss, grad), (want_loss, want_grad)) = z_case(23, dtype, &ids, z, pieces);
+                let t = rounded_once(dtype);
+                assert_close("ce_loss z-loss", &loss, &want_loss, t);
+                assert_close("ce_grad z-loss", &grad, &want_grad, t);
+            }
         }
+    }
+    // The z term is there: the loss moves by z·lse² against plain cross-entropy.
+    let ((with_z, _), _) = z_case(23, DType::F64, &targets(), z, &PIECES);
+    let ((plain, _), _) = z_case(23, DType::F64, &targets(), 0.0, &PIECES);
+    let moved = with_z
+        .to_f64_vec()
+        .iter()
+        .zip(plain.to_f64_vec())
+        .all(|(a, b)| a - b > 1e-3);
+    assert!(moved, "{with_z:?} vs {plain:?}");
+}
+
+#[test]
+fn cross_entropy_z_loss_grad_matches_finite_differences() {
+    let z = 0.05;
+    let ids = masked_targets();
+    let t = Tensor::from_vec(ids.clone(), &[ROWS]).unwrap();
+    let targets = CrossEntropyTargets::new(&t, VOCAB).ignoring(IGNORE_INDEX);
+    let (logits, l) = input(&[ROWS, VOCAB], 25, 2.0, DType::F64);
+    let (dy, d) = input(&[ROWS], 26, 1.0, DType::F64);
+    let (_, grad) = by_pieces_z(&logits, &targets, &dy, &PIECES, z);
+    let numeric = fd_grad(&l, |x| {
+        let (loss, _) = reference_z(x, &ids, &d, z);
+        dot(&loss, &d)
+    });
+    assert_fd("ce_grad z-loss", &grad, &numeric);
+}
+
+#[test]
+fn cross_entropy_z_loss_leaves_ignored_rows_at_zero() {
+    for dtype in ALL {
+        let ((loss, grad), _) = z_case(27, dtype, &masked_targets(), 0.05, &PIECES);
+        let (lv, gv) = (loss.to_f64_vec(), grad.to_f64_vec());
+        for r in [1, 3] {
+            assert_eq!(lv[r].to_bits(), 0, "{dtype}: loss of ignored row {r}");
+            assert!(gv[r * VOCAB..(r + 1) * VOCAB]
+                .iter()
+                .all(|&g| g.to_bits() == 0));
+        }
+    }
+}
+
+#[test]
+fn cross_entropy_z_loss_of_zero_keeps_every_bit() {
+    // z = 0 is not "plus 0·lse²": the pieces take the plain path, whose bits the
+    // distributed host arithmetic test pins down.
+    let ids = Tensor::from_vec(targets(), &[ROWS]).unwrap();
+    for dtype in ALL {
+        let (logits, _) = input(&[ROWS, VOCAB], 29, 5.0, dtype);
+        let (dy, _) = input(&[ROWS], 30, 1.0, dtype);
+        let (loss0, grad0) = by_pieces(&logits, &ids, &dy, &PIECES);
+        let targets = CrossEntropyTargets::new(&ids, VOCAB);
+        let (loss1, grad1) = by_pieces_z(&logits, &targets, &dy, &PIECES, 0.0);
+        assert_eq!(bits(&loss0), bits(&loss1), "{dtype}");
+        assert_eq!(bits(&grad0), bits(&grad1), "{dtype}");
     }
 }

@@ -12,12 +12,14 @@
 //! [`IGNORE_INDEX`](dtensor_kernels::ops::IGNORE_INDEX)), and [`mean_loss_over`] divides by
 //! the scored tokens of the whole global batch ([`DTensor::scored_tokens`]), so the loss and
 //! its gradients do not depend on how the tokens are split over `Dp`, `Ep` and `Cp`.
+//! [`vocab_parallel_cross_entropy_with`] takes both options ([`CrossEntropy`]: the ignore
+//! index and a z-loss).
 
 use crate::data::{ColW, DataMode, Ddp, MasterLayout};
 use crate::init::{Init, ParamInit};
 use crate::params::{join_name, Module, ParamVisitor, Weight};
 use crate::seq::{ColOut, Ids, Loss, SeqMode, Stream, TokenInvariant};
-use dtensor_core::{DTensor, DeviceMesh, Result, Tape, Var};
+use dtensor_core::{CrossEntropy, DTensor, DeviceMesh, Result, Tape, Var};
 use dtensor_placement::{Cp, Dp, Ep, LinearLayout, SumLayout, SumOut};
 use std::sync::Arc;
 
@@ -92,6 +94,19 @@ pub fn vocab_parallel_cross_entropy_ignoring<'t>(
     ignore_index: i64,
 ) -> Result<Var<'t, TokenInvariant>> {
     logits.cross_entropy_ignoring(targets, ignore_index)
+}
+
+/// [`vocab_parallel_cross_entropy`] with options ([`CrossEntropy`]): an ignore index (as
+/// [`vocab_parallel_cross_entropy_ignoring`]) and PaLM's z-loss, `z · lse²` per scored
+/// token with `lse` the log of the softmax normaliser over the whole vocab (the max and the
+/// sum the loss already all-reduces over `Tp`: no extra communication). The default options
+/// give [`vocab_parallel_cross_entropy`]'s bits.
+pub fn vocab_parallel_cross_entropy_with<'t>(
+    logits: &Var<'t, ColOut>,
+    targets: &Var<'t, Ids>,
+    options: CrossEntropy,
+) -> Result<Var<'t, TokenInvariant>> {
+    logits.cross_entropy_with(targets, options)
 }
 
 /// The training loss: per-token losses summed over this `Dp` rank's tokens and divided by

@@ -23,7 +23,7 @@
 //! | [`ParallelAttention`] | `S` → `S` (fused QKV column, heads over `Tp`, RoPE, causal, row O) | both of the above |
 //! | [`Norm`] (RMS / Layer) | `S` → `S`; weight `Invariant` / `Replicate` over `Tp` | none (SP: its gradient is `Partial` over `Tp`) |
 //! | [`VocabParallelEmbedding`] | [`Ids`] → `S` (masked lookup is `Partial`) | `all_reduce` / `reduce_scatter` |
-//! | [`vocab_parallel_cross_entropy`] (and [`_ignoring`](vocab_parallel_cross_entropy_ignoring) an ignore index) | [`ColOut`] logits → per-token loss | three `all_reduce`s of `[tokens]` (max, Σexp, target) |
+//! | [`vocab_parallel_cross_entropy`] (and [`_ignoring`](vocab_parallel_cross_entropy_ignoring) an ignore index, [`_with`](vocab_parallel_cross_entropy_with) options: ignore index, z-loss) | [`ColOut`] logits → per-token loss | three `all_reduce`s of `[tokens]` (max, Σexp, target) |
 //! | [`MoeMlp`] | `S` → `S` (router, top-k dispatch to the experts' `Ep` ranks, grouped expert MLPs, combine) and its auxiliary loss | all-to-all-v over `Ep` in and out, statistics all-reduces |
 //! | [`TransformerBlock`], [`Gpt`] | pre-norm blocks with residuals; embedding → blocks → norm → LM head → loss | the layers' |
 //!
@@ -103,12 +103,15 @@ pub use data::{
 pub use dtensor_core;
 pub use embedding::{
     loss_total, loss_value, mean_loss, mean_loss_over, vocab_parallel_cross_entropy,
-    vocab_parallel_cross_entropy_ignoring, VocabParallelEmbedding,
+    vocab_parallel_cross_entropy_ignoring, vocab_parallel_cross_entropy_with,
+    VocabParallelEmbedding,
 };
 pub use init::{Init, ParamInit};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use mlp::{Activation, ParallelMlp};
-pub use model::{BlockMlp, Gpt, GptConfig, SliceInput, SliceOutput, StepReport, TransformerBlock};
+pub use model::{
+    BatchTokens, BlockMlp, Gpt, GptConfig, SliceInput, SliceOutput, StepReport, TransformerBlock,
+};
 pub use moe::{MoeConfig, MoeMlp};
 pub use norm::{Norm, NormKind};
 pub use optim::{clip_coefficient, step, step_accumulated, AdamW, GradNorm, Optimizer, Sgd};

@@ -128,7 +128,8 @@ fn recomputation_trains_bitwise_the_same() {
 }
 
 /// The `Dp` communicator's bytes sent by one rank in one training step (forward,
-/// backward, optimizer step; the printed loss's all-reduce left out).
+/// backward, optimizer step; the printed loss's all-reduce left out, and so is the
+/// forward's one-element all-reduce of the scored-token count, uneven over 4 ranks).
 fn dp_bytes_per_step<D: DataMode>(cfg: GptConfig, dp: usize) -> (u64, usize) {
     let (ids, tg) = tokens();
     let per_rank = on_mesh(dp, 1, |mesh| {
@@ -142,7 +143,11 @@ fn dp_bytes_per_step<D: DataMode>(cfg: GptConfig, dp: usize) -> (u64, usize) {
         let loss = model.forward(&tape, &i, &t)?;
         let mut grads = loss.backward()?;
         step(&mut model, &mut grads, &mut opt, 1.0)?;
-        Ok((comm.counters().since(&before).bytes_sent, params))
+        let sent = comm.counters().since(&before).bytes_sent;
+        let before_count = comm.counters();
+        t.scored_tokens(Some(dtensor_kernels::ops::IGNORE_INDEX))?;
+        let count = comm.counters().since(&before_count).bytes_sent;
+        Ok((sent - count, params))
     });
     for r in &per_rank {
         assert_eq!(
@@ -357,11 +362,12 @@ fn bucketed_ddp_reduction_is_bitwise_the_unbucketed_one() {
     assert_eq!(p0, p1);
     assert_eq!(l0, l2);
     assert_eq!(p0, p2);
-    // Per step: the loss's all-reduce, and one per parameter unbucketed, one per bucket.
+    // Per step: the loss's and the scored-token count's all-reduces, and one per parameter
+    // unbucketed, one per bucket.
     let params = (p0.len()) as u64;
-    assert_eq!(calls0, 1 + params);
-    assert_eq!(calls2, 1 + 1, "everything fits one 25 MB bucket");
-    assert!(calls1 > 2 && calls1 < calls0, "2 kB buckets: {calls1}");
+    assert_eq!(calls0, 2 + params);
+    assert_eq!(calls2, 2 + 1, "everything fits one 25 MB bucket");
+    assert!(calls1 > 3 && calls1 < calls0, "2 kB buckets: {calls1}");
     eprintln!("dp all-reduces per step: {calls0} per parameter, {calls1} in 2 kB buckets, {calls2} in one");
 }
 

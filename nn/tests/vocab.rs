@@ -4,12 +4,14 @@
 //! Error measure: `max |a − b| / max |b|` ≤ 1e-10. With an ignore index (−100): the
 //! per-token loss and gradient against the same reference with those rows zeroed, and the
 //! mean over the scored tokens of the global batch the same on every mesh, where the
-//! ignored tokens are spread unevenly over the data ranks.
+//! ignored tokens are spread unevenly over the data ranks. With a z-loss: against the
+//! definition written out in f64, tp = 2 and 4 equal to one rank, ignored tokens adding
+//! nothing, and a coefficient of 0 giving plain cross-entropy's bits.
 
 mod common;
 
 use common::*;
-use dtensor_core::Tape;
+use dtensor_core::{CrossEntropy, DTensor, Tape};
 use dtensor_kernels::ops;
 use dtensor_kernels::{DType, Tensor};
 use dtensor_nn::*;
@@ -228,9 +230,14 @@ fn cross_entropy_ignoring_rejects_other_out_of_range_targets() {
             };
             Ok(err.to_string())
         });
+        // Checked once, by the kernels' ce_targets (row and id), the placements added.
         for m in msgs {
-            assert!(m.contains("DTensor::cross_entropy"), "{m}");
-            assert!(m.contains(&format!("found target {bad}")), "{m}");
+            assert!(
+                m.starts_with("DTensor::cross_entropy: ops::ce_targets"),
+                "{m}"
+            );
+            assert!(m.contains(&format!("target {bad} of row 3 ")), "{m}");
+            assert!(m.contains("laid out as"), "{m}");
         }
     }
 }
@@ -332,4 +339,165 @@ fn masked_mean_loss_of_an_all_ignored_batch_is_zero() {
             "{mesh:?}"
         );
     }
+}
+
+/// `(per-token loss, dlogits for dloss)` with a z-loss of `z`, from the definition in f64:
+/// `lse − l[t] + z·lse²` with `lse = ln Σ_c exp(l_c)` (max-subtracted), derivative
+/// `p_c − [c = t] + 2z·lse·p_c`; ignored rows (−100) 0 and a zero row.
+fn z_reference(logits: &Tensor, tg: &Tensor, dloss: &Tensor, z: f64) -> (Tensor, Tensor) {
+    let vocab = logits.shape()[1];
+    let l = logits.to_f64_vec();
+    let t = tg.as_slice::<i64>().unwrap();
+    let d = dloss.to_f64_vec();
+    let (mut loss, mut grad) = (vec![0.0; T], vec![0.0; T * vocab]);
+    for r in (0..T).filter(|&r| t[r] != ops::IGNORE_INDEX) {
+        let row = &l[r * vocab..(r + 1) * vocab];
+        let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let s: f64 = row.iter().map(|x| (x - m).exp()).sum();
+        let lse = m + s.ln();
+        let target = t[r] as usize;
+        loss[r] = lse - row[target] + z * lse * lse;
+        for c in 0..vocab {
+            let p = (row[c] - m).exp() / s;
+            let onehot = if c == target { 1.0 } else { 0.0 };
+            grad[r * vocab + c] = (p - onehot + 2.0 * z * lse * p) * d[r];
+        }
+    }
+    (
+        Tensor::from_vec(loss, &[T]).unwrap(),
+        Tensor::from_vec(grad, &[T, vocab]).unwrap(),
+    )
+}
+
+/// `(per-token loss, dlogits)` of the vocab-parallel loss with `options` on `dp × tp`, as
+/// whole tensors (every rank's the same: the first's).
+fn with_options(
+    logits: &Tensor,
+    tg: &Tensor,
+    dloss: &Tensor,
+    (dp, tp): (usize, usize),
+    options: CrossEntropy,
+) -> (Tensor, Tensor) {
+    let out = on_mesh(dp, tp, |mesh| {
+        let tape = Tape::new();
+        let lg = tape.leaf(piece::<ColOut>(logits, mesh)?);
+        let loss =
+            vocab_parallel_cross_entropy_with(&lg, &tape.constant(piece(tg, mesh)?), options)?;
+        let loss_full = loss.value().full_tensor()?;
+        let mut g = loss.backward_with(piece(dloss, mesh)?)?;
+        Ok((loss_full, g.take(&lg)?.full_tensor()?))
+    });
+    out[0].clone()
+}
+
+#[test]
+fn z_loss_matches_reference_and_one_rank_with_the_vocab_split() {
+    let vocab = 11;
+    // Large logits, so lse is far from 0 and the z term is large.
+    let shifted = randn(86, &[T, vocab])
+        .to_f64_vec()
+        .iter()
+        .map(|x| 3.0 * x + 2.0)
+        .collect();
+    let logits = Tensor::from_vec(shifted, &[T, vocab]).unwrap();
+    let dloss = randn(87, &[T]);
+    let z = 0.02;
+    for tg in [ids(vocab, 3), masked_ids(vocab)] {
+        let (loss_ref, dl_ref) = z_reference(&logits, &tg, &dloss, z);
+        let options = CrossEntropy::default()
+            .ignoring(ops::IGNORE_INDEX)
+            .with_z_loss(z);
+        let (one_loss, one_dl) = with_options(&logits, &tg, &dloss, (1, 1), options);
+        assert_close("z-loss one rank", &one_loss, &loss_ref, TOL);
+        assert_close("z-loss dlogits one rank", &one_dl, &dl_ref, TOL);
+        // The z term is in: the loss is not plain cross-entropy's.
+        let (plain, _) = z_reference(&logits, &tg, &dloss, 0.0);
+        assert!(rel_err(&one_loss, &plain) > 0.1);
+        for mesh in [(1, 2), (1, 4), (2, 2)] {
+            let (loss, dl) = with_options(&logits, &tg, &dloss, mesh, options);
+            // lse from the max and Σ exp reduced over Tp: one rank's, up to the order of
+            // the sum over the vocab pieces.
+            let e = assert_close("z-loss vs one rank", &loss, &one_loss, 1e-13).max(assert_close(
+                "z-loss dlogits vs one rank",
+                &dl,
+                &one_dl,
+                1e-13,
+            ));
+            eprintln!("z-loss dp={} tp={}: {e:e} from one rank", mesh.0, mesh.1);
+            // Ignored tokens add no z-loss and get no gradient.
+            let (lv, gv) = (loss.to_f64_vec(), dl.to_f64_vec());
+            let t = tg.as_slice::<i64>().unwrap();
+            for r in (0..T).filter(|&r| t[r] == ops::IGNORE_INDEX) {
+                assert_eq!(lv[r].to_bits(), 0, "{mesh:?}: loss of ignored token {r}");
+                let row = &gv[r * vocab..(r + 1) * vocab];
+                assert!(row.iter().all(|g| g.to_bits() == 0), "{mesh:?}: row {r}");
+            }
+        }
+    }
+}
+
+#[test]
+fn z_loss_of_zero_is_plain_cross_entropy_bit_for_bit() {
+    let vocab = 11;
+    let logits = randn(88, &[T, vocab]).scale(3.0);
+    let dloss = randn(89, &[T]);
+    let tg = ids(vocab, 4);
+    let bits = |t: &Tensor| -> Vec<u64> { t.to_f64_vec().iter().map(|v| v.to_bits()).collect() };
+    for mesh in [(1, 1), (1, 2)] {
+        let (a, da) = with_options(&logits, &tg, &dloss, mesh, CrossEntropy::default());
+        let (b, db) = with_options(
+            &logits,
+            &tg,
+            &dloss,
+            mesh,
+            CrossEntropy::default().with_z_loss(0.0),
+        );
+        let out = on_mesh(mesh.0, mesh.1, |m| {
+            let lg = piece::<ColOut>(&logits, m)?;
+            lg.cross_entropy(&piece::<Ids>(&tg, m)?)?.full_tensor()
+        });
+        assert_eq!(bits(&a), bits(&out[0]), "{mesh:?}");
+        assert_eq!(bits(&a), bits(&b), "{mesh:?}");
+        assert_eq!(bits(&da), bits(&db), "{mesh:?}");
+    }
+}
+
+#[test]
+fn z_loss_coefficient_must_be_finite_and_not_negative() {
+    let vocab = 11;
+    let logits = randn(90, &[T, vocab]);
+    let tg = ids(vocab, 5);
+    for z in [-0.1, f64::NAN, f64::INFINITY] {
+        let msgs = on_mesh(1, 2, |mesh| {
+            let lg = piece::<ColOut>(&logits, mesh)?;
+            let tg = piece::<Ids>(&tg, mesh)?;
+            let options = CrossEntropy::default().with_z_loss(z);
+            Ok(lg.cross_entropy_with(&tg, options).unwrap_err().to_string())
+        });
+        for m in msgs {
+            assert!(m.contains("z-loss coefficient"), "{m}");
+        }
+    }
+}
+
+#[test]
+fn scored_tokens_of_microbatches_is_one_all_reduce_per_axis() {
+    let vocab = 11;
+    let tg = masked_ids(vocab);
+    let halves = [
+        tg.narrow(0, 0, T / 2).unwrap(),
+        tg.narrow(0, T / 2, T / 2).unwrap(),
+    ];
+    let out = on_model_mesh(1, 2, 1, 1, 2, |mesh| {
+        let mbs: Vec<DTensor<Ids>> = halves
+            .iter()
+            .map(|h| piece(h, mesh))
+            .collect::<Result<_, _>>()?;
+        let dp = mesh.comm(dtensor_placement::AxisKind::Dp).unwrap();
+        let before = dp.counters();
+        let n = DTensor::scored_tokens_of(&mbs, Some(ops::IGNORE_INDEX))?;
+        Ok((n, dp.counters().since(&before).collectives()))
+    });
+    // 6 scored of 12 (5 of the first half's 6 ignored, 1 of the second's), one call.
+    assert!(out.iter().all(|&o| o == (6, 1)), "{out:?}");
 }

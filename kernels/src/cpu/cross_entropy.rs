@@ -22,11 +22,11 @@ pub(crate) fn row_max(logits: &Tensor, rows: usize, cols: usize) -> Result<Tenso
 
 /// Per row, `Σ_c exp(l − max)` summed in column order from 0, and the target's `l − max`
 /// (0 where the target column is not among this piece's `col_start..col_start + cols`):
-/// both f64 `[rows]`. An ignored row (`None`) leaves both at 0.
+/// both f64 `[rows]`. An ignored row (class −1) leaves both at 0.
 pub(crate) fn sum_target(
     logits: &Tensor,
     max: &Tensor,
-    ids: &[Option<usize>],
+    classes: &[i64],
     col_start: usize,
     (rows, cols): (usize, usize),
 ) -> Result<(Tensor, Tensor)> {
@@ -36,7 +36,9 @@ pub(crate) fn sum_target(
     let mut sum = vec![0.0; rows];
     let mut target = vec![0.0; rows];
     for r in 0..rows {
-        let Some(id) = ids[r] else { continue };
+        let Some(id) = class(classes[r]) else {
+            continue;
+        };
         for c in 0..cols {
             sum[r] += (l[r * cols + c] - max[r]).exp();
         }
@@ -50,26 +52,55 @@ pub(crate) fn sum_target(
     ))
 }
 
-/// `ln(sum) − target` per row, rounded once into `dtype`; 0 for an ignored row (sum 0).
-pub(crate) fn loss(sum: &Tensor, target: &Tensor, dtype: DType) -> Result<Tensor> {
-    let (sum, target) = (sum.as_slice::<f64>()?, target.as_slice::<f64>()?);
-    let loss: Vec<f64> = sum
-        .iter()
-        .zip(target)
-        .map(|(&s, t)| if s == 0.0 { 0.0 } else { s.ln() - t })
+/// A checked class, `None` for the ignored-row mark −1.
+fn class(c: i64) -> Option<usize> {
+    usize::try_from(c).ok()
+}
+
+/// `ln(sum) − target` per row, plus `z_loss · lse²` (`lse = max + ln(sum)`, the log of the
+/// softmax normaliser) where `z_loss` is not 0, rounded once into `dtype`; 0 for an ignored
+/// row (sum 0). With `z_loss` 0 the z term is not computed at all (no `+ 0` either).
+pub(crate) fn loss(
+    max: &Tensor,
+    sum: &Tensor,
+    target: &Tensor,
+    z_loss: f64,
+    dtype: DType,
+) -> Result<Tensor> {
+    let (max, sum, target) = (
+        max.as_slice::<f64>()?,
+        sum.as_slice::<f64>()?,
+        target.as_slice::<f64>()?,
+    );
+    let loss: Vec<f64> = (0..sum.len())
+        .map(|r| {
+            let (s, t) = (sum[r], target[r]);
+            if s == 0.0 {
+                return 0.0;
+            }
+            let ln = s.ln();
+            if z_loss == 0.0 {
+                return ln - t;
+            }
+            let lse = max[r] + ln;
+            ln - t + z_loss * lse * lse
+        })
         .collect();
     Tensor::from_f64_vec(loss, &[sum.len()], dtype)
 }
 
-/// The logits' gradient `(exp(l − max) / sum − [c is the target])·dy[row]`, in f64 and in
-/// that order, rounded once into the logits' dtype; 0 on an ignored row (`None`).
+/// The logits' gradient `(exp(l − max) / sum · k − [c is the target])·dy[row]`, in f64 and
+/// in that order, with `k = 1 + 2·z_loss·lse` (the z-loss's share; the factor is skipped
+/// when `z_loss` is 0), rounded once into the logits' dtype; 0 on an ignored row.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn grad(
     logits: &Tensor,
     max: &Tensor,
     sum: &Tensor,
-    ids: &[Option<usize>],
+    classes: &[i64],
     dy: &Tensor,
     col_start: usize,
+    z_loss: f64,
     (rows, cols): (usize, usize),
 ) -> Result<Tensor> {
     let l = logits.to_f64_vec();
@@ -78,11 +109,17 @@ pub(crate) fn grad(
     let here = col_start..col_start + cols;
     let mut g = vec![0.0; rows * cols];
     for r in 0..rows {
-        let Some(id) = ids[r] else { continue };
+        let Some(id) = class(classes[r]) else {
+            continue;
+        };
+        let z_factor = (z_loss != 0.0).then(|| 1.0 + 2.0 * z_loss * (max[r] + sum[r].ln()));
         let row = &mut g[r * cols..(r + 1) * cols];
         for (c, p) in row.iter_mut().enumerate() {
             *p = (l[r * cols + c] - max[r]).exp();
             *p /= sum[r];
+            if let Some(k) = z_factor {
+                *p *= k;
+            }
         }
         if here.contains(&id) {
             row[id - col_start] -= 1.0;

@@ -414,7 +414,14 @@ mod tests {
         );
         assert_eq!(
             CROSS_ENTROPY.params("ce_loss", DType::BF16).unwrap(),
-            [Src(DType::F64), Src(DType::F64), Dst(DType::BF16), S(U64)]
+            [
+                Src(DType::F64),
+                Src(DType::F64),
+                Src(DType::F64),
+                Dst(DType::BF16),
+                S(F64),
+                S(U64)
+            ]
         );
         assert_eq!(
             ATTENTION_BLOCK

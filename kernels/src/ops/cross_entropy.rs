@@ -1,20 +1,26 @@
-//! Cross-entropy over a vocab that may be split across ranks, in four pieces with two
-//! all-reduces between them (the caller's, over the axes that split the vocab):
+//! Cross-entropy over a vocab that may be split across ranks: the targets checked once,
+//! then four pieces with two all-reduces between them (the caller's, over the axes that
+//! split the vocab):
 //!
 //! | step | piece | gives (per row, f64 `[rows]`) | then |
 //! |---|---|---|---|
+//! | 0 | [`ce_targets`] | the targets checked against the vocab, where the logits are ([`CheckedTargets`]) | kept for steps 2 and 4 |
 //! | 1 | [`ce_row_max`] | `max` of this rank's logits | all-reduce Max |
 //! | 2 | [`ce_sum_target`] | `sum = Σ_c exp(l − max)` and `target = l[t] − max` (0 where column `t` is on another rank) | all-reduce Sum, each |
-//! | 3 | [`ce_loss`] | `loss = ln(sum) − target`, in the logits' dtype | |
-//! | backward | [`ce_grad`] | `dlogits = (exp(l − max)/sum − onehot(t))·dloss`, this rank's columns | |
+//! | 3 | [`ce_loss`] | `loss = ln(sum) − target` (`+ z·lse²` with a z-loss), in the logits' dtype | |
+//! | backward | [`ce_grad`] | `dlogits = (exp(l − max)/sum·(1 + 2z·lse) − onehot(t))·dloss`, this rank's columns | |
 //!
 //! `logits` is `[rows, cols]`, the local columns `col_start..col_start + cols` of a
 //! `vocab`-column whole. The targets ([`CrossEntropyTargets`]) are i64 or i32, one per row,
 //! and may stay in host memory when the logits are on a device; each is a class in
-//! `0..vocab` or equals the ignore index, if one is given (anything else is an `Err` naming
-//! the op and the id). Everything is computed in f64 (rounded once into the logits' dtype
-//! where it leaves as such); the host kernels fold and sum in column order, the device
-//! kernels in a fixed tree order of their own, so host and device agree to rounding.
+//! `0..vocab` or equals the ignore index, if one is given (anything else is an
+//! [`Error::TargetOutOfRange`] naming the row and the id).
+//! Step 0 is the one place that reads and checks them: it reads device ids to the host once
+//! and uploads the checked classes once, and steps 2 and 4 take its [`CheckedTargets`]
+//! (the forward checks, the backward reuses). Everything is computed in f64 (rounded once
+//! into the logits' dtype where it leaves as such); the host kernels fold and sum in column
+//! order, the device kernels in a fixed tree order of their own, so host and device agree
+//! to rounding.
 //!
 //! **Ignored rows** (a target equal to the ignore index, e.g. [`IGNORE_INDEX`], the −100
 //! that Hugging Face's causal-LM labels put on padding and masked prompt tokens) score
@@ -24,10 +30,16 @@
 //! `exp(0) = 1`), so the two never mix; scored rows get the same bits as without an ignore
 //! index. A mean over the scored tokens divides by their count, not by `rows`: that count
 //! is the caller's (summed over the ranks that split the tokens).
+//!
+//! **z-loss** (PaLM's auxiliary loss, which keeps the softmax normaliser near 1): with a
+//! coefficient `z > 0`, each scored row adds `z · lse²`, `lse = max + ln(sum)` the log of the
+//! normaliser over the *whole* vocab (the reduced `max` and `sum`, so every rank's columns
+//! count), and its gradient scales the softmax by `1 + 2z·lse`. Ignored rows add nothing.
+//! With `z = 0` neither piece computes a z term at all: the bits are those without z-loss.
 
-use crate::spec::cross_entropy::{check_stat, logits_dims, target_ids};
+use crate::spec::cross_entropy::{check_stat, check_z_loss, logits_dims, target_classes};
 use crate::spec::{check_dst, not_float};
-use crate::{DType, Result, Tensor};
+use crate::{DType, Error, Result, Tensor};
 
 /// The ignore index of PyTorch's `cross_entropy` and of Hugging Face's labels: padding and
 /// masked prompt tokens carry it, and score nothing.
@@ -35,6 +47,7 @@ pub const IGNORE_INDEX: i64 = -100;
 
 /// The targets of a cross-entropy: one id per row (`ids`, i64 or i32, `[rows]`, on the host
 /// or the logits' device), the `vocab` they index, and the id that marks a row to ignore.
+/// [`ce_targets`] checks them into [`CheckedTargets`], which the pieces take.
 #[derive(Clone, Copy, Debug)]
 pub struct CrossEntropyTargets<'a> {
     /// One class id per row.
@@ -62,10 +75,89 @@ impl<'a> CrossEntropyTargets<'a> {
             ..self
         }
     }
+}
 
-    fn check(&self, op: &'static str, rows: usize) -> Result<Vec<Option<usize>>> {
-        target_ids(op, self.ids, rows, self.vocab, self.ignore_index)
+/// Targets that [`ce_targets`] checked: per row its class in `0..vocab`, or the mark of an
+/// ignored row, held where the logits they were checked for are (uploaded once on a
+/// device). Only [`ce_targets`] makes one, so the pieces that take it ([`ce_sum_target`],
+/// [`ce_grad`]) never read or check an id again; cloning shares the buffer.
+#[derive(Clone, Debug)]
+pub struct CheckedTargets {
+    /// i64 `[rows]`: the class, or −1 for an ignored row (the device kernels' mark).
+    classes: Tensor,
+    vocab: usize,
+    scored: usize,
+}
+
+impl CheckedTargets {
+    /// The number of rows (targets).
+    pub fn rows(&self) -> usize {
+        self.classes.numel()
     }
+
+    /// The vocab the classes were checked against.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// The rows that are scored (not ignored), on this rank: a local count, not the
+    /// denominator of a mean over a batch split across ranks.
+    pub fn scored(&self) -> usize {
+        self.scored
+    }
+
+    /// `Err` unless these targets fit logits of `rows` rows whose columns
+    /// `col_start..col_start + cols` lie inside the vocab they were checked against.
+    fn fit(&self, op: &'static str, rows: usize, cols: usize, col_start: usize) -> Result<()> {
+        if self.rows() != rows {
+            return Err(Error::ShapeMismatch {
+                op,
+                lhs: [rows][..].into(),
+                rhs: self.classes.shape().into(),
+            });
+        }
+        if col_start
+            .checked_add(cols)
+            .is_none_or(|end| end > self.vocab)
+        {
+            return Err(Error::Invalid {
+                op,
+                detail: format!(
+                    "logit columns {col_start}..{col_start}+{cols} exceed the vocab {} the \
+                     targets were checked against",
+                    self.vocab
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Step 0: the targets checked for `logits` (`[rows, cols]`, any float dtype, on the host or
+/// a device): one id per row, each in `0..vocab` or the ignore index, else an `Err` naming
+/// the first bad row and its id ([`Error::TargetOutOfRange`]). Device ids are read to the
+/// host once; the checked classes are uploaded once to the logits' device. Check once per
+/// forward and keep the result for the backward.
+pub fn ce_targets(logits: &Tensor, targets: &CrossEntropyTargets) -> Result<CheckedTargets> {
+    const OP: &str = "ops::ce_targets";
+    let (rows, _) = logits_dims(OP, logits)?;
+    #[cfg(feature = "cuda")]
+    let copied = crate::dispatch::host_ids(OP, logits, targets.ids)?;
+    #[cfg(feature = "cuda")]
+    let ids = copied.as_ref().unwrap_or(targets.ids);
+    #[cfg(not(feature = "cuda"))]
+    let ids = targets.ids;
+    let classes = target_classes(OP, ids, rows, targets.vocab, targets.ignore_index)?;
+    let scored = classes.iter().filter(|&&c| c >= 0).count();
+    let mut classes = Tensor::from_vec(classes, &[rows])?;
+    if let Some(dev) = logits.device() {
+        classes = classes.to_device(dev)?;
+    }
+    Ok(CheckedTargets {
+        classes,
+        vocab: targets.vocab,
+        scored,
+    })
 }
 
 /// Step 1: each row's maximum of this rank's `logits` (`[rows, cols]`), f64 `[rows]` (`−∞`
@@ -84,86 +176,88 @@ pub fn ce_row_max(logits: &Tensor) -> Result<Tensor> {
 pub fn ce_sum_target(
     logits: &Tensor,
     max: &Tensor,
-    targets: &CrossEntropyTargets,
+    targets: &CheckedTargets,
     col_start: usize,
 ) -> Result<(Tensor, Tensor)> {
     const OP: &str = "ops::ce_sum_target";
     let (rows, cols) = logits_dims(OP, logits)?;
     check_stat(OP, max, rows)?;
-    #[cfg(feature = "cuda")]
-    if let Some(ids) = crate::dispatch::host_ids(OP, logits, targets.ids)? {
-        crate::dispatch::on_cuda(OP, &[logits, max])?;
-        let ids = CrossEntropyTargets {
-            ids: &ids,
-            ..*targets
-        }
-        .check(OP, rows)?;
-        return device::sum_target(&logits.cuda_tensor()?, &max.cuda_tensor()?, &ids, col_start);
-    }
-    crate::dispatch::on_cuda(OP, &[logits, max])?;
-    let ids = targets.check(OP, rows)?;
-    crate::cpu::cross_entropy::sum_target(logits, max, &ids, col_start, (rows, cols))
+    targets.fit(OP, rows, cols, col_start)?;
+    let classes = &targets.classes;
+    dispatch!(OP, [logits, max, classes] =>
+        device::sum_target(&logits, &max, &classes, col_start));
+    let classes = classes.as_slice::<i64>()?;
+    crate::cpu::cross_entropy::sum_target(logits, max, classes, col_start, (rows, cols))
 }
 
-/// Step 3: `ln(sum) − target` per row from the reduced f64 `sum` and `target`, rounded once
-/// into `dtype` (the logits' float dtype); 0 where `sum` is 0 (an ignored row).
-pub fn ce_loss(sum: &Tensor, target: &Tensor, dtype: DType) -> Result<Tensor> {
+/// Step 3: `ln(sum) − target` per row from the reduced f64 `max`, `sum` and `target`, plus
+/// `z_loss · lse²` (`lse = max + ln(sum)`) where `z_loss` (finite, ≥ 0) is not 0, rounded
+/// once into `dtype` (the logits' float dtype); 0 where `sum` is 0 (an ignored row). With
+/// `z_loss` 0, `max` is not read and the bits are those of plain cross-entropy.
+pub fn ce_loss(
+    max: &Tensor,
+    sum: &Tensor,
+    target: &Tensor,
+    z_loss: f64,
+    dtype: DType,
+) -> Result<Tensor> {
     const OP: &str = "ops::ce_loss";
     let rows = sum.numel();
+    check_stat(OP, max, rows)?;
     check_stat(OP, sum, rows)?;
     check_stat(OP, target, rows)?;
+    check_z_loss(OP, z_loss)?;
     if !dtype.is_float() {
         return Err(not_float(OP, dtype));
     }
-    dispatch!(OP, [sum, target] => device::loss(&sum, &target, dtype));
-    crate::cpu::cross_entropy::loss(sum, target, dtype)
+    dispatch!(OP, [max, sum, target] => device::loss(&max, &sum, &target, z_loss, dtype));
+    crate::cpu::cross_entropy::loss(max, sum, target, z_loss, dtype)
 }
 
-/// The backward: the gradient of this rank's logits, `(exp(l − max)/sum − onehot(t))·dy[row]`,
-/// from the reduced `max` and `sum` (f64 `[rows]`) and the loss's gradient `dy` (`[rows]`, the
+/// The backward: the gradient of this rank's logits,
+/// `(exp(l − max)/sum · (1 + 2·z_loss·lse) − onehot(t))·dy[row]` (`lse = max + ln(sum)`;
+/// the factor is left out when `z_loss` is 0), from the reduced `max` and `sum` (f64
+/// `[rows]`), the targets the forward checked and the loss's gradient `dy` (`[rows]`, the
 /// logits' dtype); the logits' shape and dtype, with zero rows where the target is ignored.
 pub fn ce_grad(
     logits: &Tensor,
     max: &Tensor,
     sum: &Tensor,
-    targets: &CrossEntropyTargets,
+    targets: &CheckedTargets,
     dy: &Tensor,
     col_start: usize,
+    z_loss: f64,
 ) -> Result<Tensor> {
     const OP: &str = "ops::ce_grad";
     let (rows, cols) = logits_dims(OP, logits)?;
     check_stat(OP, max, rows)?;
     check_stat(OP, sum, rows)?;
     check_dst(OP, dy, &[rows], logits.dtype())?;
-    #[cfg(feature = "cuda")]
-    if let Some(ids) = crate::dispatch::host_ids(OP, logits, targets.ids)? {
-        crate::dispatch::on_cuda(OP, &[logits, max, sum, dy])?;
-        let ids = CrossEntropyTargets {
-            ids: &ids,
-            ..*targets
-        }
-        .check(OP, rows)?;
-        let [logits, max, sum, dy] = [logits, max, sum, dy].map(Tensor::cuda_tensor);
-        return device::grad(&logits?, &max?, &sum?, &ids, &dy?, col_start);
-    }
-    crate::dispatch::on_cuda(OP, &[logits, max, sum, dy])?;
-    let ids = targets.check(OP, rows)?;
-    crate::cpu::cross_entropy::grad(logits, max, sum, &ids, dy, col_start, (rows, cols))
+    check_z_loss(OP, z_loss)?;
+    targets.fit(OP, rows, cols, col_start)?;
+    let classes = &targets.classes;
+    dispatch!(OP, [logits, max, sum, classes, dy] =>
+        device::grad(&logits, &max, &sum, &classes, &dy, col_start, z_loss));
+    let classes = classes.as_slice::<i64>()?;
+    crate::cpu::cross_entropy::grad(
+        logits,
+        max,
+        sum,
+        classes,
+        dy,
+        col_start,
+        z_loss,
+        (rows, cols),
+    )
 }
 
 /// The device launches (`cuda/kernels/cross_entropy.cu`): one block per row, on operands
-/// the front door has checked; the targets are uploaded as i64, −1 marking an ignored row.
+/// the front door has checked; the classes are i64 on the device, −1 marking an ignored row.
 #[cfg(feature = "cuda")]
 mod device {
     use crate::cuda::launch::{func, grid_for, launch_kernel, per_row};
-    use crate::cuda::{source, CudaTensor, Device};
+    use crate::cuda::{source, CudaTensor};
     use crate::{DType, Result, Tensor};
-
-    fn upload_ids(ids: &[Option<usize>], dev: &Device) -> Result<CudaTensor> {
-        // Each class is below the vocab, a dim of a tensor that exists: it fits i64.
-        let v: Vec<i64> = ids.iter().map(|i| i.map_or(-1, |c| c as i64)).collect();
-        Tensor::from_vec(v, &[ids.len()])?.upload(dev)
-    }
 
     pub(super) fn row_max(logits: &CudaTensor, rows: usize, cols: usize) -> Result<Tensor> {
         const OP: &str = "ops::ce_row_max";
@@ -182,25 +276,30 @@ mod device {
     pub(super) fn sum_target(
         logits: &CudaTensor,
         max: &CudaTensor,
-        ids: &[Option<usize>],
+        classes: &CudaTensor,
         col_start: usize,
     ) -> Result<(Tensor, Tensor)> {
         const OP: &str = "ops::ce_sum_target";
         let (rows, cols) = (logits.shape()[0], logits.shape()[1]);
         let dev = logits.device();
-        let ids = upload_ids(ids, dev)?;
         let mut s = CudaTensor::zeros(dev, &[rows], DType::F64)?;
         let mut t = CudaTensor::zeros(dev, &[rows], DType::F64)?;
         if rows * cols > 0 {
             let f = func(dev, &source::CROSS_ENTROPY, "ce_sum_target", logits.dtype())?;
             launch_kernel!(OP, dev, f, per_row(OP, rows, 0)?;
-                src logits, src max, src &ids, dst &mut s, dst &mut t, u64 cols,
+                src logits, src max, src classes, dst &mut s, dst &mut t, u64 cols,
                 u64 col_start)?;
         }
         Ok((s.into(), t.into()))
     }
 
-    pub(super) fn loss(sum: &CudaTensor, target: &CudaTensor, dtype: DType) -> Result<Tensor> {
+    pub(super) fn loss(
+        max: &CudaTensor,
+        sum: &CudaTensor,
+        target: &CudaTensor,
+        z_loss: f64,
+        dtype: DType,
+    ) -> Result<Tensor> {
         const OP: &str = "ops::ce_loss";
         let rows = sum.numel();
         let dev = sum.device();
@@ -208,7 +307,7 @@ mod device {
         if rows > 0 {
             let f = func(dev, &source::CROSS_ENTROPY, "ce_loss", dtype)?;
             launch_kernel!(OP, dev, f, grid_for(rows);
-                src sum, src target, dst &mut loss, u64 rows)?;
+                src max, src sum, src target, dst &mut loss, f64 z_loss, u64 rows)?;
         }
         Ok(loss.into())
     }
@@ -217,20 +316,20 @@ mod device {
         logits: &CudaTensor,
         max: &CudaTensor,
         sum: &CudaTensor,
-        ids: &[Option<usize>],
+        classes: &CudaTensor,
         dy: &CudaTensor,
         col_start: usize,
+        z_loss: f64,
     ) -> Result<Tensor> {
         const OP: &str = "ops::ce_grad";
         let (rows, cols) = (logits.shape()[0], logits.shape()[1]);
         let dev = logits.device();
-        let ids = upload_ids(ids, dev)?;
         let mut dl = CudaTensor::uninit(dev, logits.shape(), logits.dtype())?;
         if rows * cols > 0 {
             let f = func(dev, &source::CROSS_ENTROPY, "ce_grad", logits.dtype())?;
             launch_kernel!(OP, dev, f, per_row(OP, rows, 0)?;
-                dst &mut dl, src logits, src max, src sum, src &ids, src dy, u64 cols,
-                u64 col_start)?;
+                dst &mut dl, src logits, src max, src sum, src classes, src dy, u64 cols,
+                u64 col_start, f64 z_loss)?;
         }
         Ok(dl.into())
     }

@@ -13,7 +13,7 @@
 //! | [`moe`] | [`gather_rows`], [`grouped_matmul_t`] (per-expert `x·W[e]ᵀ` over row groups) | [`scatter_add_rows`], [`grouped_matmul_t_backward`] |
 //! | [`attention`](mod@attention) | [`causal_attention`] (fused QKV, RoPE, causal, flash-style) | [`causal_attention_backward`] |
 //! | [`attention_block`](mod@attention_block) | [`attention_block()`] (a query block against another block's keys, true positions), [`merge_attention`] | [`attention_block_backward`] |
-//! | [`cross_entropy`](mod@cross_entropy) | [`ce_row_max`], [`ce_sum_target`], [`ce_loss`] (vocab-parallel, in f64; targets as [`CrossEntropyTargets`], with an ignore index) | [`ce_grad`] |
+//! | [`cross_entropy`](mod@cross_entropy) | [`ce_targets`] (checked once into [`CheckedTargets`]), [`ce_row_max`], [`ce_sum_target`], [`ce_loss`] (vocab-parallel, in f64; an ignore index, a z-loss) | [`ce_grad`] |
 //! | [`reduce`](mod@reduce) | [`combine`], [`reduce_into`] (the collectives' reductions on whole tensors) | |
 //! | [`optim`] | [`adamw_step`] (in place on the parameter and its moments) | |
 //!
@@ -105,7 +105,8 @@ pub use attention_block::{
     attention_block, attention_block_backward, fuse_qkv_grad, gather_rows, merge_attention, pack_kv,
 };
 pub use cross_entropy::{
-    ce_grad, ce_loss, ce_row_max, ce_sum_target, CrossEntropyTargets, IGNORE_INDEX,
+    ce_grad, ce_loss, ce_row_max, ce_sum_target, ce_targets, CheckedTargets, CrossEntropyTargets,
+    IGNORE_INDEX,
 };
 pub use elementwise::{add_row, add_row_assign, mul_row, sub, sum_rows, sum_rows_into};
 pub use embedding::{

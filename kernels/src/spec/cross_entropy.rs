@@ -25,42 +25,52 @@ pub(crate) fn check_stat<L: Layout + ?Sized>(op: &'static str, t: &L, rows: usiz
     check_dst(op, t, &[rows], DType::F64)
 }
 
-/// The targets (i64 or i32, in host memory), one per row: `Some(class)` for an id in
-/// `0..vocab`, `None` for an id equal to the ignore index (checked first, so an ignore index
-/// inside the vocab ignores that class); any other id is an `Err` naming it.
-pub(crate) fn target_ids(
+/// The targets (i64 or i32, in host memory), one per row, checked against `0..vocab`: per
+/// row its class, or −1 (the device kernels' mark of an ignored row) where the id equals
+/// the ignore index (checked first, so an ignore index inside the vocab ignores that
+/// class). Any other id is an [`Error::TargetOutOfRange`] naming its row and value.
+pub(crate) fn target_classes(
     op: &'static str,
     ids: &Tensor,
     rows: usize,
     vocab: usize,
     ignore_index: Option<i64>,
-) -> Result<Vec<Option<usize>>> {
+) -> Result<Vec<i64>> {
     let raw = raw_ids(op, ids)?;
     if raw.len() != rows {
-        return Err(Error::Invalid {
+        return Err(Error::ShapeMismatch {
             op,
-            detail: format!("{} targets for {rows} rows", raw.len()),
+            lhs: ids.shape().into(),
+            rhs: [rows][..].into(),
         });
     }
     raw.iter()
         .enumerate()
         .map(|(row, &id)| {
             if ignore_index == Some(id) {
-                return Ok(None);
+                return Ok(-1);
             }
             match usize::try_from(id) {
-                Ok(class) if class < vocab => Ok(Some(class)),
-                _ => Err(Error::Invalid {
+                Ok(class) if class < vocab => Ok(id),
+                _ => Err(Error::TargetOutOfRange {
                     op,
-                    detail: format!(
-                        "target {id} of row {row} is out of range for vocab {vocab}{}",
-                        match ignore_index {
-                            Some(i) => format!(" and is not the ignore index {i}"),
-                            None => " (no ignore index)".into(),
-                        }
-                    ),
+                    row,
+                    id,
+                    vocab,
+                    ignore_index,
                 }),
             }
         })
         .collect()
+}
+
+/// `Err` unless `z_loss` (the z-loss coefficient) is finite and not negative.
+pub(crate) fn check_z_loss(op: &'static str, z_loss: f64) -> Result<()> {
+    if z_loss.is_finite() && z_loss >= 0.0 {
+        return Ok(());
+    }
+    Err(Error::Invalid {
+        op,
+        detail: format!("the z-loss coefficient must be finite and >= 0, got {z_loss}"),
+    })
 }

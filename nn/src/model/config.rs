@@ -46,6 +46,10 @@ pub struct GptConfig {
     /// `Some`: every block's MLP is a mixture of experts ([`MoeMlp`](crate::MoeMlp)) over `Ep`, and the
     /// training loss adds `aux_loss_coef ·` its auxiliary loss. `None`: dense MLPs.
     pub moe: Option<MoeConfig>,
+    /// The z-loss coefficient (PaLM's `z · log²Z` per scored token, `Z` the softmax
+    /// normaliser over the whole vocab), finite and ≥ 0; 0 (the default) is off and leaves
+    /// the loss bit for bit as without it.
+    pub z_loss: f64,
 }
 
 impl GptConfig {
@@ -68,6 +72,7 @@ impl GptConfig {
             recompute: false,
             context: ContextParallel::default(),
             moe: None,
+            z_loss: 0.0,
         }
     }
 
@@ -84,6 +89,15 @@ impl GptConfig {
 
     /// `Err` (from `op`) for the options no part of the model supports together.
     pub(crate) fn check(&self, op: &'static str) -> Result<()> {
+        if !(self.z_loss.is_finite() && self.z_loss >= 0.0) {
+            return Err(Error::InvalidUse {
+                op,
+                detail: format!(
+                    "the z-loss coefficient must be finite and >= 0, got {}",
+                    self.z_loss
+                ),
+            });
+        }
         if self.moe.is_some() && self.recompute {
             return Err(Error::InvalidUse {
                 op,

@@ -1,7 +1,9 @@
 //! The GPT: vocab-parallel embedding → blocks → final norm → column-parallel LM head (vocab
-//! sharded over `Tp`) → vocab-parallel cross-entropy → [`mean_loss`](crate::mean_loss). The
-//! logits are never gathered. [`Gpt::train_step`] is forward, `loss.backward()`, and one
-//! [`step`](crate::step) (DP reduction, clipping, update).
+//! sharded over `Tp`) → vocab-parallel cross-entropy (targets equal to [`IGNORE_INDEX`]
+//! score nothing; an optional z-loss, [`GptConfig::z_loss`]) → the mean over the scored
+//! tokens of the global batch ([`mean_loss_over`](crate::mean_loss_over) with
+//! [`BatchTokens`]). The logits are never gathered. [`Gpt::train_step`] is forward,
+//! `loss.backward()`, and one [`step`](crate::step) (DP reduction, clipping, update).
 //!
 //! The forward is written once, for a run of consecutive layers ([`GptSlice`]): the whole
 //! model is the run that has the embedding and the loss head, a pipeline stage
@@ -14,7 +16,9 @@ use crate::buckets::DdpBuckets;
 #[cfg(doc)]
 use crate::buckets::DEFAULT_BUCKET_BYTES;
 use crate::data::{DataMode, Ddp};
-use crate::embedding::{loss_value, vocab_parallel_cross_entropy, VocabParallelEmbedding};
+use crate::embedding::{
+    loss_value, mean_loss_over, vocab_parallel_cross_entropy_with, VocabParallelEmbedding,
+};
 use crate::init::ParamInit;
 use crate::linear::ColumnParallelLinear;
 use crate::model::block::TransformerBlock;
@@ -24,8 +28,9 @@ use crate::optim::{step_accumulated, Optimizer};
 use crate::params::{join_name, named_params, GradAccumulator, Module, ParamVisitor, StateVisitor};
 use crate::seq::{Ids, Loss, SeqMode, Stream};
 use dtensor_collectives::trace;
-use dtensor_core::{DTensor, DeviceMesh, Error, Result, RoutingStats, Tape, Var};
-use dtensor_kernels::{DType, Tensor};
+use dtensor_core::{CrossEntropy, DTensor, DeviceMesh, Error, Result, RoutingStats, Tape, Var};
+use dtensor_kernels::ops::IGNORE_INDEX;
+use dtensor_kernels::Tensor;
 use std::sync::Arc;
 
 /// The initialisation every layer of the model draws from (the seed, std 0.02, the
@@ -111,14 +116,14 @@ pub(crate) struct GptSlice<'a, M: SeqMode, D: DataMode> {
 impl<M: SeqMode, D: DataMode> GptSlice<'_, M, D> {
     /// The run's forward of one microbatch, on `tape`: embedding (if it has it), blocks,
     /// loss head (if it has it; it then needs the microbatch's `targets` and the global
-    /// batch's token count, by which the loss is divided so that the losses of all
+    /// batch's token counts, by which the loss is divided so that the losses of all
     /// microbatches and `Dp` ranks add up to the batch mean).
     pub(crate) fn forward<'t>(
         &self,
         tape: &'t Tape,
         input: SliceInput<'_, 't, M>,
         targets: Option<&DTensor<Ids>>,
-        total_tokens: usize,
+        batch: BatchTokens,
     ) -> Result<SliceOutput<'t, M>> {
         let (x, aux) = self.trunk(tape, input)?;
         match self.head {
@@ -132,7 +137,7 @@ impl<M: SeqMode, D: DataMode> GptSlice<'_, M, D> {
                     op: "GptStage::forward",
                     detail: "the last stage needs the microbatch's targets".into(),
                 })?;
-                let loss = loss(self.config, head, tape, &x, &aux, targets, total_tokens)?;
+                let loss = loss(self.config, head, tape, &x, &aux, targets, batch)?;
                 Ok(SliceOutput::Loss(loss))
             }
         }
@@ -202,10 +207,34 @@ impl<M: SeqMode, D: DataMode> GptSlice<'_, M, D> {
     }
 }
 
+/// The token counts of a global batch by which each microbatch's loss is divided, each
+/// summed over the data axes (`Dp`, `Ep`, `Cp`) and over the microbatches, so they are the
+/// same on every rank and for every mesh.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchTokens {
+    /// Every token: the MoE auxiliary loss is weighted by a microbatch's share of them.
+    pub tokens: usize,
+    /// The tokens whose target is not [`IGNORE_INDEX`]: the cross-entropy is their mean.
+    pub scored: usize,
+}
+
+impl BatchTokens {
+    /// Collective over the axes that split the tokens: the counts of the batch whose
+    /// microbatches' targets are `targets` (one tensor for the whole batch, or one per
+    /// microbatch): one all-reduce of one value per data axis.
+    pub fn of(targets: &[DTensor<Ids>]) -> Result<Self> {
+        Ok(BatchTokens {
+            tokens: targets.iter().map(|t| t.global_shape()[0]).sum(),
+            scored: DTensor::scored_tokens_of(targets, Some(IGNORE_INDEX))?,
+        })
+    }
+}
+
 /// The training loss of one microbatch on the last residual stream `x`: the loss head
 /// ([`head_loss`]) on the timeline, plus each MoE auxiliary loss in `aux` weighted by
-/// `aux_loss_coef` and by the microbatch's share of the batch, so that the microbatches'
-/// terms add up to the batch's.
+/// `aux_loss_coef` and by the microbatch's share of the batch's tokens (all of them,
+/// ignored targets included: the router balances every token it routes), so that the
+/// microbatches' terms add up to the batch's.
 #[allow(clippy::too_many_arguments)]
 fn loss<'t, M: SeqMode, D: DataMode>(
     config: &GptConfig,
@@ -214,15 +243,15 @@ fn loss<'t, M: SeqMode, D: DataMode>(
     x: &Var<'t, Stream<M>>,
     aux: &[Var<'t, Loss>],
     targets: &DTensor<Ids>,
-    total_tokens: usize,
+    batch: BatchTokens,
 ) -> Result<Var<'t, Loss>> {
     let mut loss = traced(
         tape,
         || "head".into(),
-        || head_loss(norm, head, config.dtype, tape, x, targets, total_tokens),
+        || head_loss(config, (norm, head), tape, x, targets, batch.scored),
     )?;
     if let Some(moe) = config.moe.filter(|m| m.aux_loss_coef != 0.0) {
-        let share = targets.global_shape()[0] as f64 / total_tokens.max(1) as f64;
+        let share = targets.global_shape()[0] as f64 / batch.tokens.max(1) as f64;
         for a in aux {
             let a = a.to_dtype(config.dtype)?;
             loss = loss.add(&a.scale(moe.aux_loss_coef * share)?)?;
@@ -242,25 +271,29 @@ fn traced<T>(tape: &Tape, name: impl Fn() -> String, f: impl FnOnce() -> Result<
 }
 
 /// The loss head on the residual stream: final norm, LM head (logits sharded over the
-/// vocabulary), vocab-parallel cross-entropy, summed over this `Dp` rank's tokens and
-/// divided by `total_tokens` (the global batch's, whatever the microbatch), so that the
-/// sum over `Dp` ranks and microbatches is the mean over the global batch.
+/// vocabulary), vocab-parallel cross-entropy (targets equal to [`IGNORE_INDEX`] score
+/// nothing; plus the z-loss of [`GptConfig::z_loss`]), summed over this rank's tokens and
+/// divided by `scored_tokens` (the global batch's scored tokens, whatever the microbatch),
+/// so that the sum over the data ranks and microbatches is the mean over the scored tokens
+/// of the global batch. With no ignored target that count is every token: the bits of a
+/// plain mean.
 fn head_loss<'t, M: SeqMode, D: DataMode>(
-    norm: &Norm<M, D>,
-    head: &ColumnParallelLinear<D>,
-    loss_dtype: DType,
+    config: &GptConfig,
+    (norm, head): (&Norm<M, D>, &ColumnParallelLinear<D>),
     tape: &'t Tape,
     x: &Var<'t, Stream<M>>,
     targets: &DTensor<Ids>,
-    total_tokens: usize,
+    scored_tokens: usize,
 ) -> Result<Var<'t, Loss>> {
     let x = norm.forward(tape, x)?;
     // Mixed precision: the loss in the masters' dtype (f32), as Megatron computes it.
-    let logits = head.forward::<M>(tape, &x)?.to_dtype(loss_dtype)?;
-    let losses = vocab_parallel_cross_entropy(&logits, &tape.constant(targets.clone()))?;
-    losses
-        .sum_dim::<0>()?
-        .scale(1.0 / total_tokens.max(1) as f64)
+    let logits = head.forward::<M>(tape, &x)?.to_dtype(config.dtype)?;
+    let options = CrossEntropy::default()
+        .ignoring(IGNORE_INDEX)
+        .with_z_loss(config.z_loss);
+    let losses =
+        vocab_parallel_cross_entropy_with(&logits, &tape.constant(targets.clone()), options)?;
+    mean_loss_over(&losses, scored_tokens)
 }
 
 /// A small GPT under sequence mode `M`, its parameters held over `Dp` as `D` says.
@@ -280,7 +313,7 @@ pub struct Gpt<M: SeqMode, D: DataMode = Ddp> {
     /// The final norm, before the LM head.
     pub norm: Norm<M, D>,
     /// The LM head `[vocab, hidden]`, column-parallel: logits `Shard<1>` (vocabulary) over
-    /// `Tp`, scored by [`vocab_parallel_cross_entropy`] without gathering them.
+    /// `Tp`, scored by [`vocab_parallel_cross_entropy_with`] without gathering them.
     pub head: ColumnParallelLinear<D>,
 }
 
@@ -313,7 +346,9 @@ impl<M: SeqMode, D: DataMode> Gpt<M, D> {
     }
 
     /// The mean loss of `ids` predicting `targets` (both `[tokens]`, samples of `seq_len`
-    /// tokens one after another), recorded on `tape`.
+    /// tokens one after another), recorded on `tape`: the mean over the targets that are
+    /// not [`IGNORE_INDEX`] (padding, masked prompt tokens) of the whole batch, the same
+    /// whatever the mesh; 0 (and zero gradients) if every target is ignored.
     pub fn forward<'t>(
         &self,
         tape: &'t Tape,
@@ -328,7 +363,7 @@ impl<M: SeqMode, D: DataMode> Gpt<M, D> {
             head: Some((&self.norm, &self.head)),
         };
         let (x, aux) = whole.trunk(tape, SliceInput::Ids(ids))?;
-        let tokens = targets.global_shape()[0];
+        let batch = BatchTokens::of(std::slice::from_ref(targets))?;
         loss(
             &self.config,
             (&self.norm, &self.head),
@@ -336,7 +371,7 @@ impl<M: SeqMode, D: DataMode> Gpt<M, D> {
             &x,
             &aux,
             targets,
-            tokens,
+            batch,
         )
     }
 

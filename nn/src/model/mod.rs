@@ -19,4 +19,4 @@ mod gpt;
 pub use block::{BlockMlp, TransformerBlock};
 pub use config::GptConfig;
 pub(crate) use gpt::{build_block, build_embedding, build_head, GptSlice};
-pub use gpt::{Gpt, SliceInput, SliceOutput, StepReport};
+pub use gpt::{BatchTokens, Gpt, SliceInput, SliceOutput, StepReport};

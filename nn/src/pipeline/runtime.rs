@@ -10,13 +10,15 @@
 //! norm taken across all stages.
 //!
 //! Loss accounting: the last stage divides each microbatch's summed token losses by the
-//! token count of the *global batch*, so the microbatches' losses add up to the batch
-//! mean whatever the microbatch count, and so do their gradients.
+//! count of scored tokens (targets other than the ignore index −100) of the *global batch*
+//! ([`BatchTokens`], summed over the data axes and the microbatches before the first
+//! forward), so the microbatches' losses add up to the batch mean whatever the microbatch
+//! count and the mesh, and so do their gradients.
 
 use crate::buckets::DdpBuckets;
 use crate::data::{DataMode, Ddp};
 use crate::embedding::loss_total;
-use crate::model::{GptConfig, SliceInput, SliceOutput};
+use crate::model::{BatchTokens, GptConfig, SliceInput, SliceOutput};
 use crate::optim::{step_accumulated, Optimizer};
 use crate::params::{GradAccumulator, Module, ParamVisitor, StateVisitor};
 use crate::pipeline::schedule::{Action, Schedule};
@@ -187,7 +189,7 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
                 ),
             });
         }
-        let total_tokens: usize = targets.iter().map(|t| t.global_shape()[0]).sum();
+        let batch = BatchTokens::of(targets)?;
         let hidden_dtype = self.config.precision.compute.unwrap_or(self.config.dtype);
         let v = self.schedule.virtual_stages_per_rank;
         let (pp, rank) = (self.schedule.pp, self.rank);
@@ -252,7 +254,7 @@ impl<M: SeqMode, D: DataMode> Pipeline<M, D> {
                         &tapes[i],
                         input,
                         Some(&targets[mb]),
-                        total_tokens,
+                        batch,
                     )?;
                     if let SliceOutput::Loss(l) = &out {
                         losses.push(l.value().clone());

@@ -9,8 +9,8 @@ use crate::data::{DataMode, Ddp};
 use crate::embedding::VocabParallelEmbedding;
 use crate::linear::ColumnParallelLinear;
 use crate::model::{
-    build_block, build_embedding, build_head, GptConfig, GptSlice, SliceInput, SliceOutput,
-    TransformerBlock,
+    build_block, build_embedding, build_head, BatchTokens, GptConfig, GptSlice, SliceInput,
+    SliceOutput, TransformerBlock,
 };
 use crate::norm::Norm;
 use crate::params::{join_name, Module, ParamVisitor, StateVisitor};
@@ -78,14 +78,15 @@ impl<M: SeqMode, D: DataMode> GptStage<M, D> {
 
     /// This stage's forward of one microbatch, on `tape`: the model's forward over this
     /// stage's layers. The last stage needs the microbatch's `targets` and the global
-    /// batch's token count (the loss is divided by it, so the losses of all microbatches
-    /// and `Dp` ranks add up to the batch mean).
+    /// batch's token counts ([`BatchTokens::of`] all microbatches' targets: the loss is
+    /// divided by the scored ones, so the losses of all microbatches and data ranks add up
+    /// to the batch mean).
     pub fn forward<'t>(
         &self,
         tape: &'t Tape,
         input: SliceInput<'_, 't, M>,
         targets: Option<&DTensor<Ids>>,
-        total_tokens: usize,
+        batch: BatchTokens,
     ) -> Result<SliceOutput<'t, M>> {
         GptSlice {
             config: &self.config,
@@ -94,7 +95,7 @@ impl<M: SeqMode, D: DataMode> GptStage<M, D> {
             blocks: &self.blocks,
             head: self.head.as_ref().map(|(n, h)| (n, h)),
         }
-        .forward(tape, input, targets, total_tokens)
+        .forward(tape, input, targets, batch)
     }
 }
 

@@ -151,5 +151,6 @@ pub fn tiny_gpt(layers: usize, seq_len: usize, seed: u64) -> GptConfig {
         recompute: false,
         context: Default::default(),
         moe: None,
+        z_loss: 0.0,
     }
 }
