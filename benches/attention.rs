@@ -27,8 +27,6 @@ fn attention(c: &mut Criterion) {
         let cfg = CausalAttention {
             seq_len: s,
             head_dim: d,
-            rope_base: BASE,
-            pos_offset: 0,
         };
         let qkv = Tensor::from_fn(&[tokens, nh * 3 * d], |i| {
             ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 1.5
@@ -222,8 +220,6 @@ fn check_agree() {
         let cfg = CausalAttention {
             seq_len: s,
             head_dim: d,
-            rope_base: BASE,
-            pos_offset: 0,
         };
         let f = ops::causal_attention(&qkv, &cfg).unwrap();
         let dq = ops::causal_attention_backward(&dout, &qkv, &f.out, &f.lse, &cfg).unwrap();

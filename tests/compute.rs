@@ -306,8 +306,6 @@ fn attention_cfg() -> dtensor_kernels::ops::CausalAttention {
     dtensor_kernels::ops::CausalAttention {
         seq_len: 4,
         head_dim: 4,
-        rope_base: 100.0,
-        pos_offset: 0,
     }
 }
 

@@ -54,8 +54,6 @@ impl Case {
             attn: CausalAttention {
                 seq_len: self.seq,
                 head_dim: self.d,
-                rope_base: 100.0,
-                pos_offset: 2,
             },
             zigzag: self.zigzag,
             strategy: self.strategy,

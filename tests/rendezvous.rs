@@ -191,8 +191,6 @@ fn ring(axes: &[(AxisKind, usize)], rendezvous: bool) -> Vec<(Tensor, Tensor)> {
         attn: CausalAttention {
             seq_len: seq,
             head_dim: d,
-            rope_base: 100.0,
-            pos_offset: 0,
         },
         zigzag: true,
         strategy: CpStrategy::Ring,

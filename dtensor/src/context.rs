@@ -18,9 +18,10 @@
 //! chunks in position order), then rank 1's, and so on. A plain `Shard<0>` over `Cp` then
 //! gives every rank its chunks of every sample of its block. [`CpLayout::to_cp_order`]
 //! and [`CpLayout::from_cp_order`] (and their `_vec` twins, for token ids) move a tensor
-//! between the natural order (samples one after another) and this one. RoPE and the
-//! causal mask use each token's true position in its sample (plus
-//! [`CausalAttention::pos_offset`]).
+//! between the natural order (samples one after another) and this one. The causal mask
+//! uses each token's true position in its sample; q and k come in already rotated, each
+//! row at that position ([`RopePositions::ContextParallel`](crate::RopePositions) gives
+//! [`rope`](crate::DTensor::rope) the positions of this order).
 //!
 //! The output `[tokens, heads·d]` has the input's layout and order. `Cp` must be the
 //! innermost axis sharding the tokens (checked), and every rank must hold the same number
@@ -397,10 +398,7 @@ fn geometry(a: &AnyDTensor, axis: AxisKind, cfg: &ContextAttention) -> Result<Ge
             describe(a)
         )));
     }
-    let off = cfg.attn.pos_offset;
-    let pos = (0..cp)
-        .map(|c| layout.positions(c).into_iter().map(|p| p + off).collect())
-        .collect();
+    let pos = (0..cp).map(|c| layout.positions(c)).collect();
     Ok(Geom {
         comm: dm.axis_comm(ax).clone(),
         c: dm.coords()[ax],
@@ -422,7 +420,6 @@ impl Geom {
     fn block(&self, owner: usize) -> BlockAttention<'_> {
         BlockAttention {
             head_dim: self.cfg.attn.head_dim,
-            rope_base: self.cfg.attn.rope_base,
             q_pos: &self.pos[self.c],
             k_pos: &self.pos[owner],
         }
@@ -633,8 +630,8 @@ pub fn cp_elements_sent(
 }
 
 impl<L: Layout> DTensor<L> {
-    /// Context-parallel causal attention with RoPE over the `Cp`-role axis `axis`, on a
-    /// fused `[tokens, heads·3·d]` QKV laid out `Shard<0>` over it in the CP token order
+    /// Context-parallel causal attention over the `Cp`-role axis `axis`, on a fused
+    /// `[tokens, heads·3·d]` QKV (q and k already rotated at their true positions) laid out `Shard<0>` over it in the CP token order
     /// ([`CpLayout`]; see the [module docs](crate::context)), into `[tokens, heads·d]` laid
     /// out as the input. Other axes take what [`causal_attention`](Self::causal_attention)
     /// takes. `Err` (naming the op, shapes and placements) when the sequence does not cut

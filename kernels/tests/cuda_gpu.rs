@@ -468,12 +468,11 @@ fn gpu_causal_attention_matches_cpu() {
     let Some(dev) = gpu() else { return };
     for (k, dt) in FLOATS.into_iter().enumerate() {
         // seq_len 70 crosses the CPU's 64-row block; two samples, three heads.
-        for (s, d) in [(5, 4), (70, 16)] {
+        // An odd head dim too: q and k come in rotated, nothing pairs columns.
+        for (s, d) in [(5, 4), (70, 16), (9, 5)] {
             let cfg = CausalAttention {
                 seq_len: s,
                 head_dim: d,
-                rope_base: 10000.0,
-                pos_offset: 3,
             };
             let heads = 3;
             let qkv = rand(&[2 * s, heads * 3 * d], dt, 250 + k as u64);
@@ -498,8 +497,6 @@ fn gpu_causal_attention_matches_cpu() {
         let cfg = CausalAttention {
             seq_len: 100_000,
             head_dim: 2,
-            rope_base: 10000.0,
-            pos_offset: 0,
         };
         let e =
             ops::causal_attention(&up(&Tensor::zeros(&[100_000, 6], dt), &dev), &cfg).unwrap_err();
@@ -629,8 +626,6 @@ fn dispatch_inputs(dt: DType, seed: u64) -> Vec<Tensor> {
 const ATTN: CausalAttention = CausalAttention {
     seq_len: 4,
     head_dim: 4,
-    rope_base: 10000.0,
-    pos_offset: 0,
 };
 
 /// The table of dispatched ops: name, agreement, the call.
@@ -1002,14 +997,20 @@ fn gpu_tensor_host_accessors_refuse_device_tensors() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
 fn gpu_rope_matches_cpu_bitwise() {
-    use ops::{Rope, RopeScaling, RopeStyle};
+    use ops::{Rope, RopeScaling, RopeStyle, RopeTables, RotatedHeads};
     let Some(dev) = gpu() else { return };
     let positions = [7, 0, 1, 2, 4093, 64];
     for style in [RopeStyle::Interleaved, RopeStyle::HalfSplit] {
-        for (rotary_dim, scaling) in [(16, RopeScaling::None), (10, RopeScaling::yarn(4.0, 32))] {
+        // Every head, and the q and k heads of a fused QKV (3 heads: q, k, v).
+        for (rotary_dim, scaling, heads) in [
+            (16, RopeScaling::None, RotatedHeads::ALL),
+            (10, RopeScaling::yarn(4.0, 32), RotatedHeads::ALL),
+            (16, RopeScaling::None, RotatedHeads::fused_qkv(1)),
+        ] {
             let cfg = Rope {
                 rotary_dim,
                 scaling,
+                heads,
                 ..Rope::new(16, 10_000.0, style)
             };
             for (k, dt) in FLOATS.into_iter().enumerate() {
@@ -1027,10 +1028,16 @@ fn gpu_rope_matches_cpu_bitwise() {
                         ops::rope_backward(&xd, &positions, &cfg),
                         ops::rope_backward(&x, &positions, &cfg),
                     ),
+                    (
+                        "rope_backward_with",
+                        RopeTables::new(&cfg, &positions, &xd)
+                            .and_then(|t| ops::rope_backward_with(&xd, &t, &cfg)),
+                        ops::rope_backward(&x, &positions, &cfg),
+                    ),
                 ] {
                     let gpu = gpu.unwrap();
                     assert!(gpu.is_cuda(), "{what} ran on the device");
-                    let what = format!("{what} {style:?} r={rotary_dim} {dt}");
+                    let what = format!("{what} {style:?} r={rotary_dim} {heads:?} {dt}");
                     assert_bitwise(&what, &gpu.to_host().unwrap(), &cpu.unwrap());
                 }
             }

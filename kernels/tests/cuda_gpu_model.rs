@@ -55,8 +55,8 @@ fn assert_same_error<T, U>(what: &str, gpu: Result<T, Error>, cpu: Result<U, Err
 type BlockCase = (usize, usize, usize, Vec<usize>, Vec<usize>);
 
 /// Causal offsets, rows that see no key of the block (`lse = −∞`), keys no query sees, a
-/// fully masked block, blocks longer than the CPU's 64-row tile, zigzag chunks, and an empty
-/// batch.
+/// fully masked block, blocks longer than the CPU's 64-row tile, zigzag chunks, an odd head
+/// dim, and an empty batch.
 fn block_cases() -> Vec<BlockCase> {
     let zig_q: Vec<usize> = (0..4).chain(12..16).collect();
     let zig_k: Vec<usize> = (4..8).chain(8..12).collect();
@@ -67,6 +67,7 @@ fn block_cases() -> Vec<BlockCase> {
         (3, 2, 4, vec![0, 1], vec![5, 6, 9]),
         (2, 2, 16, (0..70).collect(), (0..70).collect()),
         (1, 1, 2, vec![7], vec![1, 3, 5, 7, 9]),
+        (2, 3, 5, (2..9).collect(), (0..6).collect()),
         (0, 2, 4, vec![0, 1, 2], vec![0, 1]),
     ]
 }
@@ -80,7 +81,6 @@ fn gpu_attention_block_matches_cpu() {
         for (c, (batch, heads, d, qp, kp)) in block_cases().into_iter().enumerate() {
             let cfg = BlockAttention {
                 head_dim: d,
-                rope_base: 10000.0,
                 q_pos: &qp,
                 k_pos: &kp,
             };
@@ -125,7 +125,6 @@ fn gpu_attention_block_matches_cpu() {
         let (qp, kp) = ([0usize, 1, 2], [0usize, 1]);
         let cfg = BlockAttention {
             head_dim: 4,
-            rope_base: 10000.0,
             q_pos: &qp,
             k_pos: &kp,
         };
@@ -139,7 +138,7 @@ fn gpu_attention_block_matches_cpu() {
         );
         let odd = BlockAttention { head_dim: 3, ..cfg };
         assert_same_error(
-            "odd head_dim",
+            "head_dim not dividing the columns",
             ops::attention_block(&up(&qkv, &dev), &up(&kv, &dev), &odd),
             ops::attention_block(&qkv, &kv, &odd),
         );
@@ -209,7 +208,6 @@ fn gpu_attention_block_matches_cpu() {
         let many: Vec<usize> = (0..20_000).collect();
         let long = BlockAttention {
             head_dim: 2,
-            rope_base: 10000.0,
             q_pos: &many[..1],
             k_pos: &many,
         };
@@ -227,7 +225,6 @@ fn gpu_attention_block_matches_cpu() {
 fn partial(dt: DType, qp: &[usize], kp: &[usize], seed: u64) -> CausalAttentionOutput {
     let cfg = BlockAttention {
         head_dim: 4,
-        rope_base: 10000.0,
         q_pos: qp,
         k_pos: kp,
     };

@@ -1,4 +1,4 @@
-//! `causal_attention`: fused causal self-attention with RoPE over a rank's whole samples
+//! `causal_attention`: fused causal self-attention over a rank's whole samples
 //! and heads, with its tape twin, which records the output and log-sum-exp the forward's
 //! kernel saved. Context-parallel attention is in [`context`](crate::context).
 
@@ -10,8 +10,10 @@ use dtensor_kernels::ops::{self, CausalAttention, CausalAttentionOutput};
 use dtensor_placement::{AttentionLayout, Layout};
 
 impl<L: Layout> DTensor<L> {
-    /// Fused causal self-attention with RoPE over a `[tokens, heads·3·d]` QKV (per head: q,
-    /// k, v columns together; tokens are samples of `cfg.seq_len` one after another) into
+    /// Fused causal self-attention over a `[tokens, heads·3·d]` QKV (per head: q, k, v
+    /// columns together, q and k already rotated, e.g. by [`rope`](Self::rope) with
+    /// [`Rope::on_fused_qkv`](ops::Rope::on_fused_qkv); tokens are samples of `cfg.seq_len`
+    /// one after another) into
     /// `[tokens, heads·d]`, laid out as the input: a rank holds whole samples and whole heads
     /// (both checked here), so the attention is local.
     pub fn causal_attention(&self, cfg: &CausalAttention) -> Result<DTensor<L>>

@@ -15,13 +15,9 @@ use num_traits::Float as _;
 pub(super) const BLOCK: usize = 64;
 
 /// Host kernel of [`crate::ops::causal_attention`]: relies on `g` being
-/// `spec::attention::check_qkv`'s sizes of this `qkv` and `cfg` (float `[batch·s, H·3·d]`,
-/// `d` even, every position `pos_offset + i` a `usize`), which the front door computes.
-pub(crate) fn causal_attention(
-    qkv: &Tensor,
-    cfg: &CausalAttention,
-    g: Dims,
-) -> Result<CausalAttentionOutput> {
+/// `spec::attention::check_qkv`'s sizes of this `qkv` and its configuration (float
+/// `[batch·s, H·3·d]`), which the front door computes.
+pub(crate) fn causal_attention(qkv: &Tensor, g: Dims) -> Result<CausalAttentionOutput> {
     let mut out = Tensor::for_overwrite(&[g.tokens, g.heads * g.d], qkv.dtype());
     let mut lse = Tensor::for_overwrite(&[g.tokens, g.heads], acc_dtype(qkv.dtype()));
     dispatch_float!(OP, qkv.dtype(), |T| {
@@ -30,7 +26,6 @@ pub(crate) fn causal_attention(
             lse.as_mut_slice()?,
             qkv.as_slice()?,
             &g,
-            cfg,
         );
         Ok(())
     })?;
@@ -46,7 +41,6 @@ pub(crate) fn causal_attention_backward(
     qkv: &Tensor,
     out: &Tensor,
     lse: &Tensor,
-    cfg: &CausalAttention,
     g: Dims,
 ) -> Result<Tensor> {
     let mut dqkv = Tensor::for_overwrite(qkv.shape(), qkv.dtype());
@@ -58,53 +52,14 @@ pub(crate) fn causal_attention_backward(
             out.as_slice()?,
             lse.as_slice()?,
             &g,
-            cfg,
         );
         Ok(())
     })?;
     Ok(dqkv)
 }
 
-impl<A: AccFloat> Rope<A> {
-    /// `dst = mul · R(pos_i) · src`.
-    pub(super) fn rotate<T: Float<Acc = A>>(&self, dst: &mut [A], src: &[T], i: usize, mul: A) {
-        let (c, s) = self.at(i);
-        for p in 0..self.half {
-            let (a, b) = (src[2 * p].to_acc(), src[2 * p + 1].to_acc());
-            dst[2 * p] = (a * c[p] - b * s[p]) * mul;
-            dst[2 * p + 1] = (a * s[p] + b * c[p]) * mul;
-        }
-    }
-
-    /// `dst = round(mul · R(pos_i)ᵀ · src)`: the gradient through [`Rope::rotate`].
-    fn unrotate<T: Float<Acc = A>>(&self, dst: &mut [T], src: &[A], i: usize, mul: A) {
-        let (c, s) = self.at(i);
-        for p in 0..self.half {
-            let (a, b) = (src[2 * p], src[2 * p + 1]);
-            dst[2 * p] = T::from_acc((a * c[p] + b * s[p]) * mul);
-            dst[2 * p + 1] = T::from_acc((b * c[p] - a * s[p]) * mul);
-        }
-    }
-
-    /// `dst += mul · R(pos_i)ᵀ · src`, in the compute type (a block's gradient added into
-    /// a caller's accumulator).
-    pub(super) fn unrotate_add(&self, dst: &mut [A], src: &[A], i: usize, mul: A) {
-        let (c, s) = self.at(i);
-        for p in 0..self.half {
-            let (a, b) = (src[2 * p], src[2 * p + 1]);
-            dst[2 * p] += (a * c[p] + b * s[p]) * mul;
-            dst[2 * p + 1] += (b * c[p] - a * s[p]) * mul;
-        }
-    }
-
-    fn at(&self, i: usize) -> (&[A], &[A]) {
-        let r = i * self.half..(i + 1) * self.half;
-        (&self.cos[r.clone()], &self.sin[r])
-    }
-}
-
-/// One sample's q (rotated, times `1/√d`), k (rotated) and v of one head, `[s, d]` each in
-/// the compute type; reused across (head, sample) pairs.
+/// One sample's q (times `1/√d`), k and v of one head, `[s, d]` each in the compute type;
+/// reused across (head, sample) pairs.
 struct Qkv<A> {
     q: Vec<A>,
     k: Vec<A>,
@@ -133,20 +88,32 @@ impl<A: AccFloat> Qkv<A> {
         }
     }
 
-    /// Loads head `h` of sample `b`, applying RoPE once and folding the score scale into q.
-    fn load<T: Float<Acc = A>>(&mut self, qkv: &[T], g: &Dims, rope: &Rope<A>, h: usize, b: usize) {
+    /// Loads head `h` of sample `b`, folding the score scale into q.
+    fn load<T: Float<Acc = A>>(&mut self, qkv: &[T], g: &Dims, h: usize, b: usize) {
         let (s, d) = (g.s, g.d);
         let scale = A::lit(1.0 / (d as f64).sqrt());
         for i in 0..s {
             let row = (b * s + i) * g.cols + h * 3 * d;
             let src = &qkv[row..row + 3 * d];
             let at = i * d..(i + 1) * d;
-            rope.rotate(&mut self.q[at.clone()], &src[..d], i, scale);
-            rope.rotate(&mut self.k[at.clone()], &src[d..2 * d], i, A::ONE);
-            for (dst, x) in self.v[at].iter_mut().zip(&src[2 * d..]) {
-                *dst = x.to_acc();
-            }
+            widen(&mut self.q[at.clone()], &src[..d], scale);
+            widen(&mut self.k[at.clone()], &src[d..2 * d], A::ONE);
+            widen(&mut self.v[at], &src[2 * d..], A::ONE);
         }
+    }
+}
+
+/// `dst = mul · src` in the compute type.
+pub(super) fn widen<T: Float>(dst: &mut [T::Acc], src: &[T], mul: T::Acc) {
+    for (o, x) in dst.iter_mut().zip(src) {
+        *o = x.to_acc() * mul;
+    }
+}
+
+/// `dst = round(mul · src)` into the storage type.
+fn narrow<T: Float>(dst: &mut [T], src: &[T::Acc], mul: T::Acc) {
+    for (o, &x) in dst.iter_mut().zip(src) {
+        *o = T::from_acc(x * mul);
     }
 }
 
@@ -156,7 +123,7 @@ fn rows<A>(x: &[A], r0: usize, r1: usize, d: usize) -> Mat<'_, A> {
 }
 
 /// One (head, sample) pair's operands in the compute type, `[rows, d]` row-major each: q
-/// rotated and times `1/√d`, k rotated, v; with each row's position in the sample
+/// times `1/√d`, k, v; with each row's position in the sample
 /// (strictly increasing, so the keys a query sees in a key block are a prefix of it). The
 /// full kernel passes one sample's q, k, v with positions `0..s`; the blockwise kernel
 /// ([`super::attention_block`]) a chunk of queries against another chunk's keys.
@@ -357,7 +324,7 @@ impl<A: ExpShifted> SampleGrads<A> {
 /// The backward of one (head, sample) pair, given the output gradient `go` (`[nq, d]`),
 /// `dd_i = dout_i·out_i` and the final `lse_i` of each query row: adds into `dq` (`[nq,
 /// d]`), `dk` and `dv` (`[nk, d]`) the gradients with respect to the operands as
-/// [`Operands`] holds them (q rotated and scaled, k rotated). `P` is recomputed from `lse`,
+/// [`Operands`] holds them (q scaled). `P` is recomputed from `lse`,
 /// so with the lse of the *whole* attention (all key blocks merged) this is one key
 /// block's exact share of the gradient.
 #[allow(clippy::too_many_arguments)]
@@ -416,22 +383,14 @@ fn backward_sample<A: ExpShifted>(
     }
 }
 
-fn forward<T: Float<Acc: ExpShifted>>(
-    out: &mut [T],
-    lse: &mut [T::Acc],
-    qkv: &[T],
-    g: &Dims,
-    cfg: &CausalAttention,
-) {
+fn forward<T: Float<Acc: ExpShifted>>(out: &mut [T], lse: &mut [T::Acc], qkv: &[T], g: &Dims) {
     let (s, d, nh) = (g.s, g.d, g.heads);
-    let rope = Rope::<T::Acc>::new(cfg);
     let mut x = Qkv::new(g);
-    // Masking compares positions within the sample (the offset shifts q and k alike).
     let pos: Vec<usize> = (0..s).collect();
     let mut w = FwdScratch::new(d, s);
     for h in 0..nh {
         for b in 0..g.batch {
-            x.load(qkv, g, &rope, h, b);
+            x.load(qkv, g, h, b);
             let ops = x.operands(&pos, d);
             forward_sample(&ops, &mut w, |i, acc, l, m| {
                 let t = b * s + i;
@@ -453,17 +412,15 @@ fn backward<T: Float<Acc: ExpShifted>>(
     out: &[T],
     lse: &[T::Acc],
     g: &Dims,
-    cfg: &CausalAttention,
 ) {
     let (s, d, nh) = (g.s, g.d, g.heads);
-    let rope = Rope::<T::Acc>::new(cfg);
     let scale = T::Acc::lit(1.0 / (d as f64).sqrt());
     let mut x = Qkv::new(g);
     let pos: Vec<usize> = (0..s).collect();
     let mut grads = SampleGrads::new(s, s, d);
     for h in 0..nh {
         for b in 0..g.batch {
-            x.load(qkv, g, &rope, h, b);
+            x.load(qkv, g, h, b);
             let ops = x.operands(&pos, d);
             grads.compute(&ops, dout, out, lse, nh, h, b);
             let SampleGrads { dq, dk, dv, .. } = &grads;
@@ -471,12 +428,10 @@ fn backward<T: Float<Acc: ExpShifted>>(
                 let row = (b * s + i) * g.cols + h * 3 * d;
                 let dst = &mut dqkv[row..row + 3 * d];
                 let at = i * d..(i + 1) * d;
-                // q was scaled by 1/√d after rotating: the chain rule scales dq by it too.
-                rope.unrotate(&mut dst[..d], &dq[at.clone()], i, scale);
-                rope.unrotate(&mut dst[d..2 * d], &dk[at.clone()], i, T::Acc::ONE);
-                for (o, &v) in dst[2 * d..].iter_mut().zip(&dv[at]) {
-                    *o = T::from_acc(v);
-                }
+                // q was scaled by 1/√d on loading: the chain rule scales dq by it too.
+                narrow(&mut dst[..d], &dq[at.clone()], scale);
+                narrow(&mut dst[d..2 * d], &dk[at.clone()], T::Acc::ONE);
+                narrow(&mut dst[2 * d..], &dv[at], T::Acc::ONE);
             }
         }
     }

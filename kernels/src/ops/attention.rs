@@ -1,5 +1,4 @@
-//! Fused causal self-attention with rotary position embeddings (RoPE), forward and backward,
-//! computed flash-attention style: blocked over queries and keys with an online softmax, so
+//! Fused causal self-attention, forward and backward, computed flash-attention style: blocked over queries and keys with an online softmax, so
 //! no `seq_len × seq_len` probability matrix is ever stored.
 //!
 //! Layout (`d` the head dim, `s` the sequence length, `H` the heads):
@@ -11,14 +10,14 @@
 //! | `lse` | `[tokens, H]` | per (token, head) `log Σ_j exp(score_j)`, compute dtype ([`acc_dtype`]) |
 //!
 //! `tokens` are whole samples of `s` tokens one after another; attention never crosses a
-//! sample. Token `i` of a sample has position `pos_offset + i`. Per head and sample:
+//! sample. q and k come in already rotated: position embeddings are the caller's, e.g.
+//! [`rope`](fn@super::rope) on the q and k heads of the fused rows
+//! ([`Rope::on_fused_qkv`](super::Rope::on_fused_qkv)), before this op. Per head and sample:
 //!
-//! - RoPE: each pair `(x[2p], x[2p+1])` of q and k is rotated by `θ = pos / base^(2p/d)`.
 //! - `score_ij = q_i·k_j / √d` for `j ≤ i` (causal), `P = softmax_j(score)`, `out_i = Σ_j P_ij v_j`.
 //! - Backward from `dout`: `D_i = dout_i·out_i`, `dP_ij = dout_i·v_j`,
 //!   `dS_ij = P_ij (dP_ij − D_i)`, `dq_i = Σ_j dS_ij k_j / √d`, `dk_j = Σ_i dS_ij q_i / √d`,
-//!   `dv_j = Σ_i P_ij dout_i`, with `P` recomputed from the saved `lse`; dq and dk are then
-//!   rotated back (RoPE's transpose is its inverse).
+//!   `dv_j = Σ_i P_ij dout_i`, with `P` recomputed from the saved `lse`.
 //!
 //! `f32`/`bf16`/`f16` compute in `f32` and `f64` in `f64`; every output element is rounded
 //! once. Single-threaded (ranks are the parallelism); fixed summation order.
@@ -37,12 +36,12 @@ use super::{acc_dtype, check_dst, same_dtype};
 use crate::spec::attention::*;
 use crate::{Error, Result, Tensor};
 
-/// Causal multi-head self-attention with RoPE on a fused QKV (see the [module docs](self)).
+/// Causal multi-head self-attention on a fused QKV (see the [module docs](self)).
 ///
 /// ```
 /// use dtensor_kernels::ops::{causal_attention, CausalAttention};
 /// use dtensor_kernels::Tensor;
-/// let cfg = CausalAttention { seq_len: 4, head_dim: 2, rope_base: 10000.0, pos_offset: 0 };
+/// let cfg = CausalAttention { seq_len: 4, head_dim: 2 };
 /// let qkv = Tensor::from_fn(&[8, 2 * 3 * 2], |i| (i % 7) as f32 * 0.1); // 2 samples, 2 heads
 /// let r = causal_attention(&qkv, &cfg).unwrap();
 /// assert_eq!(r.out.shape(), &[8, 4]);
@@ -50,8 +49,8 @@ use crate::{Error, Result, Tensor};
 /// ```
 pub fn causal_attention(qkv: &Tensor, cfg: &CausalAttention) -> Result<CausalAttentionOutput> {
     let g = check_qkv(OP, qkv, cfg)?;
-    dispatch!(OP, [qkv] => device::causal_attention(&qkv, cfg, &g));
-    crate::cpu::attention::causal_attention(qkv, cfg, g)
+    dispatch!(OP, [qkv] => device::causal_attention(&qkv, &g));
+    crate::cpu::attention::causal_attention(qkv, g)
 }
 
 /// The gradient of [`causal_attention`] with respect to `qkv`, in `qkv`'s fused layout, from
@@ -78,20 +77,20 @@ pub fn causal_attention_backward(
     }
     check_dst(OP_BACK, lse, &[g.tokens, g.heads], acc_dtype(qkv.dtype()))?;
     dispatch!(OP_BACK, [dout, qkv, out, lse] =>
-        device::causal_attention_backward(&dout, &qkv, &out, &lse, cfg, &g));
-    crate::cpu::attention::causal_attention_backward(dout, qkv, out, lse, cfg, g)
+        device::causal_attention_backward(&dout, &qkv, &out, &lse, &g));
+    crate::cpu::attention::causal_attention_backward(dout, qkv, out, lse, g)
 }
 
 /// The device launches (`cuda/kernels/attention.cu`): q, k and v loaded once into the
-/// compute type (RoPE applied, q scaled), then one block per (head, sample, query row), the
+/// compute type (q scaled), then one block per (head, sample, query row), the
 /// keys' scores in shared memory, which bounds `seq_len` (an [`Error::NotOnCuda`] above it).
 #[cfg(feature = "cuda")]
 pub(crate) mod device {
     use crate::cuda::launch::{func, grid_for, launch_kernel, per_row, Acc, SHARED_BUDGET};
-    use crate::cuda::{source, CudaTensor, Device};
+    use crate::cuda::{source, CudaTensor};
     use crate::spec::acc_dtype;
     use crate::spec::attention::*;
-    use crate::{DType, Error, Result, Tensor};
+    use crate::{Error, Result, Tensor};
 
     /// `Err` unless the backward's dk/dv kernel, which keeps two values per query of the
     /// sample, fits `seq_len` in shared memory (the forward needs half of that).
@@ -112,44 +111,8 @@ pub(crate) mod device {
         Ok(())
     }
 
-    /// RoPE's cos/sin tables `[positions, d/2]`: the host's (`Rope::for_positions`, in f64),
-    /// rounded once into the compute type and uploaded.
-    pub(crate) fn rope_tables(
-        positions: impl ExactSizeIterator<Item = usize>,
-        d: usize,
-        base: f64,
-        dtype: DType,
-        dev: &Device,
-    ) -> Result<(CudaTensor, CudaTensor)> {
-        let shape = [positions.len(), d / 2];
-        let (cos, sin) = Rope::<f64>::for_positions(positions, d, base).into_tables();
-        let ad = acc_dtype(dtype);
-        let to = |v: Vec<f64>| -> Result<CudaTensor> {
-            let t = Tensor::from_vec(v, &shape)?;
-            let t = if ad == DType::F64 { t } else { t.to_dtype(ad) };
-            t.upload(dev)
-        };
-        Ok((to(cos)?, to(sin)?))
-    }
-
-    /// The tables for `cfg`'s rows, at positions `pos_offset + i`.
-    fn rope_for(
-        cfg: &CausalAttention,
-        dtype: DType,
-        dev: &Device,
-    ) -> Result<(CudaTensor, CudaTensor)> {
-        let positions = (0..cfg.seq_len).map(|i| cfg.pos_offset + i);
-        rope_tables(positions, cfg.head_dim, cfg.rope_base, dtype, dev)
-    }
-
-    /// q (rotated, scaled by 1/√d), k (rotated), v, each `[H, B, s, d]` in the compute type.
-    fn load(
-        op: &'static str,
-        qkv: &CudaTensor,
-        g: &Dims,
-        cs: &CudaTensor,
-        sn: &CudaTensor,
-    ) -> Result<[CudaTensor; 3]> {
+    /// q (scaled by 1/√d), k, v, each `[H, B, s, d]` in the compute type.
+    fn load(op: &'static str, qkv: &CudaTensor, g: &Dims) -> Result<[CudaTensor; 3]> {
         let dev = qkv.device();
         let ad = acc_dtype(qkv.dtype());
         let shape = [g.heads, g.batch, g.s, g.d];
@@ -158,25 +121,20 @@ pub(crate) mod device {
         let mut v = CudaTensor::uninit(dev, &shape, ad)?;
         let scale = Acc::lit(qkv.dtype(), 1.0 / (g.d as f64).sqrt());
         let f = func(dev, &source::ATTENTION, "attn_load", qkv.dtype())?;
-        launch_kernel!(op, dev, f, grid_for(g.heads * g.batch * g.s * g.d / 2);
-            src qkv, src cs, src sn, dst &mut q, dst &mut k, dst &mut v, u64 g.batch,
+        launch_kernel!(op, dev, f, grid_for(g.heads * g.batch * g.s * g.d);
+            src qkv, dst &mut q, dst &mut k, dst &mut v, u64 g.batch,
             u64 g.heads, u64 g.s, u64 g.d, acc scale)?;
         Ok([q, k, v])
     }
 
-    pub(super) fn causal_attention(
-        qkv: &CudaTensor,
-        cfg: &CausalAttention,
-        g: &Dims,
-    ) -> Result<CausalAttentionOutput> {
+    pub(super) fn causal_attention(qkv: &CudaTensor, g: &Dims) -> Result<CausalAttentionOutput> {
         fits(OP, qkv, g)?;
         let dev = qkv.device();
         let ad = acc_dtype(qkv.dtype());
         let mut out = CudaTensor::uninit(dev, &[g.tokens, g.heads * g.d], qkv.dtype())?;
         let mut lse = CudaTensor::uninit(dev, &[g.tokens, g.heads], ad)?;
         if g.tokens * g.heads > 0 {
-            let (cs, sn) = rope_for(cfg, qkv.dtype(), dev)?;
-            let [q, k, v] = load(OP, qkv, g, &cs, &sn)?;
+            let [q, k, v] = load(OP, qkv, g)?;
             let smem = (g.s * ad.size_in_bytes()) as u32;
             let f = func(dev, &source::ATTENTION, "attn_forward", qkv.dtype())?;
             launch_kernel!(OP, dev, f, per_row(OP, g.heads * g.batch * g.s, smem)?;
@@ -196,7 +154,6 @@ pub(crate) mod device {
         qkv: &CudaTensor,
         out: &CudaTensor,
         lse: &CudaTensor,
-        cfg: &CausalAttention,
         g: &Dims,
     ) -> Result<Tensor> {
         fits(OP_BACK, qkv, g)?;
@@ -206,8 +163,7 @@ pub(crate) mod device {
         if g.tokens * g.heads == 0 {
             return Ok(dqkv.into());
         }
-        let (cs, sn) = rope_for(cfg, qkv.dtype(), dev)?;
-        let [q, k, v] = load(OP_BACK, qkv, g, &cs, &sn)?;
+        let [q, k, v] = load(OP_BACK, qkv, g)?;
         let mut dsum = CudaTensor::uninit(dev, &[g.heads, g.batch, g.s], ad)?;
         let rows = g.heads * g.batch * g.s;
         let scale = Acc::lit(qkv.dtype(), 1.0 / (g.d as f64).sqrt());
@@ -215,12 +171,12 @@ pub(crate) mod device {
         let f = func(dev, &source::ATTENTION, "attn_backward_dq", qkv.dtype())?;
         launch_kernel!(OP_BACK, dev, f, per_row(OP_BACK, rows, smem)?;
             src &q, src &k, src &v, src dout, src out, src lse, dst &mut dsum, dst &mut dqkv,
-            src &cs, src &sn, u64 g.batch, u64 g.heads, u64 g.s, u64 g.d, acc scale)?;
+            u64 g.batch, u64 g.heads, u64 g.s, u64 g.d, acc scale)?;
         let smem = (2 * g.s * ad.size_in_bytes()) as u32;
         let f = func(dev, &source::ATTENTION, "attn_backward_dkv", qkv.dtype())?;
         launch_kernel!(OP_BACK, dev, f, per_row(OP_BACK, rows, smem)?;
-            src &q, src &k, src &v, src dout, src lse, src &dsum, dst &mut dqkv, src &cs,
-            src &sn, u64 g.batch, u64 g.heads, u64 g.s, u64 g.d)?;
+            src &q, src &k, src &v, src dout, src lse, src &dsum, dst &mut dqkv, u64 g.batch,
+            u64 g.heads, u64 g.s, u64 g.d)?;
         Ok(dqkv.into())
     }
 }

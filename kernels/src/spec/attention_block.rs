@@ -13,12 +13,10 @@ pub(crate) const OP_ROWS: &str = "ops::gather_rows";
 /// The shape parameters of one [`attention_block`](fn@crate::ops::attention_block) call.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BlockAttention<'a> {
-    /// The head dim `d` (even: RoPE rotates pairs).
+    /// The head dim `d`.
     pub head_dim: usize,
-    /// RoPE's base.
-    pub rope_base: f64,
-    /// Each query row's position in its sample (RoPE angle and mask), strictly
-    /// increasing; the same for every sample of the block.
+    /// Each query row's position in its sample (for the mask), strictly increasing; the
+    /// same for every sample of the block.
     pub q_pos: &'a [usize],
     /// Each key row's position in its sample, strictly increasing.
     pub k_pos: &'a [usize],
@@ -76,16 +74,8 @@ pub(crate) fn check_block<L: Layout + ?Sized>(
     }
     same_dtype(op, qkv, kv)?;
     let d = cfg.head_dim;
-    if d == 0 || !d.is_multiple_of(2) {
-        return bad(format!(
-            "head_dim {d} must be even and nonzero (RoPE rotates pairs)"
-        ));
-    }
-    if !(cfg.rope_base.is_finite() && cfg.rope_base > 0.0) {
-        return bad(format!(
-            "rope_base {} must be positive and finite",
-            cfg.rope_base
-        ));
+    if d == 0 {
+        return bad("head_dim must be nonzero".into());
     }
     if !increasing(cfg.q_pos) || !increasing(cfg.k_pos) {
         return bad(format!(
@@ -125,6 +115,41 @@ pub(crate) fn check_block<L: Layout + ?Sized>(
         nq,
         nk,
     })
+}
+
+/// The sizes of a blockwise backward: [`check_block`]'s, then `dout` and `out` (`[rows_q,
+/// H·d]` in `qkv`'s dtype), `lse` (`[rows_q, H]`) and the accumulators `dq` (`[rows_q,
+/// H·d]`) and `dkv` (`[rows_k, H·2·d]`) in the compute dtype.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_block_backward<L: Layout + ?Sized>(
+    op: &'static str,
+    dout: &L,
+    qkv: &L,
+    kv: &L,
+    out: &L,
+    lse: &L,
+    cfg: &BlockAttention,
+    dq: &L,
+    dkv: &L,
+) -> Result<Dims> {
+    let g = check_block(op, qkv, kv, cfg)?;
+    same_dtype(op, dout, qkv)?;
+    same_dtype(op, out, qkv)?;
+    let rq = g.batch * g.nq;
+    let acc = acc_dtype(qkv.dtype());
+    for t in [dout, out] {
+        if t.shape() != [rq, g.heads * g.d] {
+            return Err(Error::ShapeMismatch {
+                op,
+                lhs: t.shape().into(),
+                rhs: [rq, g.heads * g.d].as_slice().into(),
+            });
+        }
+    }
+    check_dst(op, lse, &[rq, g.heads], acc)?;
+    check_dst(op, dq, &[rq, g.heads * g.d], acc)?;
+    check_dst(op, dkv, &[g.batch * g.nk, g.kvcols()], acc)?;
+    Ok(g)
 }
 
 /// `(rows, heads, out columns)` of a merge of `part` into `acc` (each `(out, lse)`), or the
@@ -219,4 +244,29 @@ pub(crate) fn check_fuse_qkv_grad<L: Layout + ?Sized>(
     check_dst(op, dq, &[rows, heads * d], acc)?;
     check_dst(op, dkv, &[rows, heads * 2 * d], acc)?;
     Ok((rows, heads))
+}
+
+/// `cols` of a 2-D `t` whose rows `src` picks, or the error for a tensor that is not 2-D or
+/// an index past its rows: the CPU op and its device twin check alike.
+pub(crate) fn check_gather_rows<L: Layout + ?Sized>(
+    op: &'static str,
+    t: &L,
+    src: &[usize],
+) -> Result<usize> {
+    let (rows, cols) = match *t.shape() {
+        [r, c] => (r, c),
+        ref s => {
+            return Err(Error::Invalid {
+                op,
+                detail: format!("a 2-D tensor, got shape {s:?}"),
+            })
+        }
+    };
+    if let Some(&bad) = src.iter().find(|&&i| i >= rows) {
+        return Err(Error::Invalid {
+            op,
+            detail: format!("row {bad} of a tensor of {rows} rows"),
+        });
+    }
+    Ok(cols)
 }

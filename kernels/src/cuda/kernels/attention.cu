@@ -1,4 +1,4 @@
-// Causal self-attention with RoPE on a fused QKV (ops::causal_attention and its backward):
+// Causal self-attention on a fused QKV (q and k already rotated by the caller) (ops::causal_attention and its backward):
 // a straightforward kernel, one block per (head, sample, row), scores for the row kept in
 // dynamic shared memory (so seq_len is bounded by it; the host checks). Not tiled like
 // FlashAttention: O(s^2 d) work per head with k/v read from global memory per row.
@@ -6,9 +6,7 @@
 // Layouts (d the head dim, s the sequence length, H heads, B samples, tokens = B*s):
 //   qkv [tokens, H*3d] (head h: q at h*3d, k at h*3d + d, v at h*3d + 2d), out [tokens, H*d],
 //   lse [tokens, H] (compute type). The loaded operands q, k, v are [H, B, s, d] in the
-//   compute type: q rotated and scaled by 1/sqrt(d), k rotated, v widened (attn_load).
-//   cos/sin: [s, d/2] RoPE tables, computed on the host in f64 exactly as the CPU does and
-//   rounded into the compute type.
+//   compute type: q scaled by 1/sqrt(d), k and v widened (attn_load).
 // Block index: ((h*B + b)*s + i); ROW_THREADS threads.
 
 template <class A> __device__ __forceinline__ A* dyn_smem() {
@@ -16,26 +14,17 @@ template <class A> __device__ __forceinline__ A* dyn_smem() {
     return reinterpret_cast<A*>(smem_d);
 }
 
-// q/k/v[h, b, i, c] from qkv; pairs (2p, 2p+1) of q and k rotated by row i's angle:
-// (a*cos - b*sin)*mul, (a*sin + b*cos)*mul, as Rope::rotate.
+// q/k/v[h, b, i, c] from qkv, q times scale (as the CPU's Qkv::load).
 template <class T>
-__device__ void attn_load_k(const T* qkv, const typename Tr<T>::A* cs, const typename Tr<T>::A* sn,
-                            typename Tr<T>::A* q, typename Tr<T>::A* k, typename Tr<T>::A* v, u64 batch, u64 heads,
-                            u64 s, u64 d, typename Tr<T>::A scale) {
+__device__ void attn_load_k(const T* qkv, typename Tr<T>::A* q, typename Tr<T>::A* k, typename Tr<T>::A* v,
+                            u64 batch, u64 heads, u64 s, u64 d, typename Tr<T>::A scale) {
     typedef typename Tr<T>::A A;
-    u64 half = d / 2;
-    GRID_STRIDE(o, heads * batch * s * half) {
-        u64 p = o % half, i = (o / half) % s, b = (o / (half * s)) % batch, h = o / (half * s * batch);
+    GRID_STRIDE(o, heads * batch * s * d) {
+        u64 c = o % d, i = (o / d) % s, b = (o / (d * s)) % batch, h = o / (d * s * batch);
         const T* src = qkv + (b * s + i) * heads * 3 * d + h * 3 * d;
-        A c = cs[i * half + p], sv = sn[i * half + p];
-        u64 dst = ((h * batch + b) * s + i) * d + 2 * p;
-        A a0 = Tr<T>::to(src[2 * p]), a1 = Tr<T>::to(src[2 * p + 1]);
-        rope_rotate(a0, a1, c, sv, scale, q[dst], q[dst + 1]);
-        a0 = Tr<T>::to(src[d + 2 * p]);
-        a1 = Tr<T>::to(src[d + 2 * p + 1]);
-        rope_rotate(a0, a1, c, sv, (A)1, k[dst], k[dst + 1]);
-        v[dst] = Tr<T>::to(src[2 * d + 2 * p]);
-        v[dst + 1] = Tr<T>::to(src[2 * d + 2 * p + 1]);
+        q[o] = Tr<T>::to(src[c]) * scale;
+        k[o] = Tr<T>::to(src[d + c]) * (A)1;
+        v[o] = Tr<T>::to(src[2 * d + c]) * (A)1;
     }
 }
 
@@ -73,13 +62,11 @@ __device__ void attn_fwd_k(const typename Tr<T>::A* q, const typename Tr<T>::A* 
 }
 
 // dq for row i: D_i = dout_i.out_i (also stored for attn_bwd_dkv), dS_ij = P_ij (dout_i.v_j - D_i)
-// with P_ij = exp(q_i.k_j - lse_i), dq_rot = sum_j dS_ij k_j, then dq = scale * R^T dq_rot
-// (Rope::unrotate). Shared memory: s values of dS.
+// with P_ij = exp(q_i.k_j - lse_i), dq = scale * sum_j dS_ij k_j. Shared memory: s values of dS.
 template <class T>
 __device__ void attn_bwd_dq_k(const typename Tr<T>::A* q, const typename Tr<T>::A* k, const typename Tr<T>::A* v,
                               const T* dout, const T* out, const typename Tr<T>::A* lse, typename Tr<T>::A* dsum,
-                              T* dqkv, const typename Tr<T>::A* cs, const typename Tr<T>::A* sn, u64 batch, u64 heads,
-                              u64 s, u64 d, typename Tr<T>::A scale) {
+                              T* dqkv, u64 batch, u64 heads, u64 s, u64 d, typename Tr<T>::A scale) {
     typedef typename Tr<T>::A A;
     A* ds = dyn_smem<A>();
     u64 row = blockIdx.x;
@@ -102,30 +89,21 @@ __device__ void attn_bwd_dq_k(const typename Tr<T>::A* q, const typename Tr<T>::
         ds[j] = p * (dp - D);
     }
     __syncthreads();
-    u64 half = d / 2;
     T* dst = dqkv + t * heads * 3 * d + h * 3 * d;
-    for (u64 pp = threadIdx.x; pp < half; pp += blockDim.x) {
-        A a0 = 0, a1 = 0;
-        for (u64 j = 0; j <= i; ++j) {
-            a0 += ds[j] * k[(base + j) * d + 2 * pp];
-            a1 += ds[j] * k[(base + j) * d + 2 * pp + 1];
-        }
-        A c = cs[i * half + pp], sv = sn[i * half + pp];
-        A x0, x1;
-        rope_unrotate(a0, a1, c, sv, scale, x0, x1);
-        dst[2 * pp] = Tr<T>::from(x0);
-        dst[2 * pp + 1] = Tr<T>::from(x1);
+    for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
+        A acc = 0;
+        for (u64 j = 0; j <= i; ++j) acc += ds[j] * k[(base + j) * d + c];
+        dst[c] = Tr<T>::from(acc * scale);
     }
 }
 
 // dk, dv for key row j (after attn_bwd_dq, which stored D): over queries i >= j,
-// dv_j = sum_i P_ij dout_i, dk_rot = sum_i dS_ij q_i (q already scaled), dk = R^T dk_rot.
+// dv_j = sum_i P_ij dout_i, dk = sum_i dS_ij q_i (q already scaled).
 // Shared memory: 2*s values (P and dS).
 template <class T>
 __device__ void attn_bwd_dkv_k(const typename Tr<T>::A* q, const typename Tr<T>::A* k, const typename Tr<T>::A* v,
                                const T* dout, const typename Tr<T>::A* lse, const typename Tr<T>::A* dsum, T* dqkv,
-                               const typename Tr<T>::A* cs, const typename Tr<T>::A* sn, u64 batch, u64 heads, u64 s,
-                               u64 d) {
+                               u64 batch, u64 heads, u64 s, u64 d) {
     typedef typename Tr<T>::A A;
     A* P = dyn_smem<A>();
     A* dS = P + s;
@@ -144,32 +122,23 @@ __device__ void attn_bwd_dkv_k(const typename Tr<T>::A* q, const typename Tr<T>:
         dS[i - j] = p * (dp - dsum[base + i]);
     }
     __syncthreads();
-    u64 half = d / 2;
     T* dst = dqkv + (b * s + j) * heads * 3 * d + h * 3 * d;
     for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
         A acc = 0;
         for (u64 i = j; i < s; ++i) acc += P[i - j] * Tr<T>::to(dout[(b * s + i) * heads * d + h * d + c]);
         dst[2 * d + c] = Tr<T>::from(acc);
     }
-    for (u64 pp = threadIdx.x; pp < half; pp += blockDim.x) {
-        A a0 = 0, a1 = 0;
-        for (u64 i = j; i < s; ++i) {
-            a0 += dS[i - j] * q[(base + i) * d + 2 * pp];
-            a1 += dS[i - j] * q[(base + i) * d + 2 * pp + 1];
-        }
-        A c = cs[j * half + pp], sv = sn[j * half + pp];
-        A x0, x1;
-        rope_unrotate(a0, a1, c, sv, (A)1, x0, x1);
-        dst[d + 2 * pp] = Tr<T>::from(x0);
-        dst[d + 2 * pp + 1] = Tr<T>::from(x1);
+    for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
+        A acc = 0;
+        for (u64 i = j; i < s; ++i) acc += dS[i - j] * q[(base + i) * d + c];
+        dst[d + c] = Tr<T>::from(acc);
     }
 }
 
 #define ATTN_ENTRIES(N, T)                                                                                       \
-    extern "C" __global__ void attn_load_##N(const T* qkv, const Tr<T>::A* cs, const Tr<T>::A* sn, Tr<T>::A* q,  \
-                                             Tr<T>::A* k, Tr<T>::A* v, u64 batch, u64 heads, u64 s, u64 d,       \
-                                             Tr<T>::A scale) {                                                   \
-        attn_load_k<T>(qkv, cs, sn, q, k, v, batch, heads, s, d, scale);                                         \
+    extern "C" __global__ void attn_load_##N(const T* qkv, Tr<T>::A* q, Tr<T>::A* k, Tr<T>::A* v, u64 batch,     \
+                                             u64 heads, u64 s, u64 d, Tr<T>::A scale) {                          \
+        attn_load_k<T>(qkv, q, k, v, batch, heads, s, d, scale);                                                 \
     }                                                                                                            \
     extern "C" __global__ void attn_forward_##N(const Tr<T>::A* q, const Tr<T>::A* k, const Tr<T>::A* v, T* out, \
                                                 Tr<T>::A* lse, u64 batch, u64 heads, u64 s, u64 d) {             \
@@ -177,15 +146,13 @@ __device__ void attn_bwd_dkv_k(const typename Tr<T>::A* q, const typename Tr<T>:
     }                                                                                                            \
     extern "C" __global__ void attn_backward_dq_##N(const Tr<T>::A* q, const Tr<T>::A* k, const Tr<T>::A* v,     \
                                                     const T* dout, const T* out, const Tr<T>::A* lse,            \
-                                                    Tr<T>::A* dsum, T* dqkv, const Tr<T>::A* cs,                 \
-                                                    const Tr<T>::A* sn, u64 batch, u64 heads, u64 s, u64 d,      \
+                                                    Tr<T>::A* dsum, T* dqkv, u64 batch, u64 heads, u64 s, u64 d, \
                                                     Tr<T>::A scale) {                                            \
-        attn_bwd_dq_k<T>(q, k, v, dout, out, lse, dsum, dqkv, cs, sn, batch, heads, s, d, scale);                \
+        attn_bwd_dq_k<T>(q, k, v, dout, out, lse, dsum, dqkv, batch, heads, s, d, scale);                        \
     }                                                                                                            \
     extern "C" __global__ void attn_backward_dkv_##N(const Tr<T>::A* q, const Tr<T>::A* k, const Tr<T>::A* v,    \
                                                      const T* dout, const Tr<T>::A* lse, const Tr<T>::A* dsum,   \
-                                                     T* dqkv, const Tr<T>::A* cs, const Tr<T>::A* sn, u64 batch, \
-                                                     u64 heads, u64 s, u64 d) {                                  \
-        attn_bwd_dkv_k<T>(q, k, v, dout, lse, dsum, dqkv, cs, sn, batch, heads, s, d);                           \
+                                                     T* dqkv, u64 batch, u64 heads, u64 s, u64 d) {              \
+        attn_bwd_dkv_k<T>(q, k, v, dout, lse, dsum, dqkv, batch, heads, s, d);                                   \
     }
 FLOATS(ATTN_ENTRIES)
