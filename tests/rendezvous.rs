@@ -191,6 +191,8 @@ fn ring(axes: &[(AxisKind, usize)], rendezvous: bool) -> Vec<(Tensor, Tensor)> {
         attn: CausalAttention {
             seq_len: seq,
             head_dim: d,
+            q_per_kv: 1,
+            scale: None,
         },
         zigzag: true,
         strategy: CpStrategy::Ring,

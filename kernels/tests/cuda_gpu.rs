@@ -473,6 +473,8 @@ fn gpu_causal_attention_matches_cpu() {
             let cfg = CausalAttention {
                 seq_len: s,
                 head_dim: d,
+                q_per_kv: 1,
+                scale: None,
             };
             let heads = 3;
             let qkv = rand(&[2 * s, heads * 3 * d], dt, 250 + k as u64);
@@ -497,6 +499,8 @@ fn gpu_causal_attention_matches_cpu() {
         let cfg = CausalAttention {
             seq_len: 100_000,
             head_dim: 2,
+            q_per_kv: 1,
+            scale: None,
         };
         let e =
             ops::causal_attention(&up(&Tensor::zeros(&[100_000, 6], dt), &dev), &cfg).unwrap_err();
@@ -626,6 +630,8 @@ fn dispatch_inputs(dt: DType, seed: u64) -> Vec<Tensor> {
 const ATTN: CausalAttention = CausalAttention {
     seq_len: 4,
     head_dim: 4,
+    q_per_kv: 1,
+    scale: None,
 };
 
 /// The table of dispatched ops: name, agreement, the call.
@@ -759,7 +765,7 @@ fn dispatch_cases() -> Vec<(&'static str, Agree, TensorOp)> {
         ("ops::scatter_add_rows", Close(4.0), |t| {
             ops::scatter_add_rows(&t[0], &[1, 0, 1, 2, 0, 1], 3)
         }),
-        ("ops::pack_kv", Bitwise, |t| ops::pack_kv(&t[4], 4)),
+        ("ops::pack_kv", Bitwise, |t| ops::pack_kv(&t[4], 4, 1)),
         ("ops::grouped_matmul_t", Close(8.0), |t| {
             ops::grouped_matmul_t(&t[0], &t[3].clone().reshape(&[2, 12, 40])?, &[4, 2])
         }),

@@ -28,12 +28,15 @@ use common::*;
 use dtensor_kernels::ops::{self, CausalAttention, Rope, RopeStyle};
 use dtensor_kernels::{DType, Error, Tensor};
 
-/// One test shape: `batch` samples of `s` tokens, `heads` heads of dim `d`.
+/// One test shape: `batch` samples of `s` tokens, `heads` query heads of dim `d` in KV
+/// groups of `g` (the grouped fused layout), scores scaled by `scale` (`None`: `1/√d`).
 #[derive(Clone, Copy, Debug)]
 struct Case {
     batch: usize,
     s: usize,
     heads: usize,
+    g: usize,
+    scale: Option<f64>,
     d: usize,
     /// RoPE (interleaved, at `pos_offset + i`, base `base`) on q and k before the attention,
     /// in the reference and through `ops::rope` for the kernel.
@@ -48,10 +51,22 @@ impl Case {
             batch,
             s,
             heads,
+            g: 1,
+            scale: None,
             d,
             rope: false,
             pos_offset: 0,
             base: 10000.0,
+        }
+    }
+    /// `g` query heads per KV head (`heads` must divide by it).
+    const fn grouped(self, g: usize) -> Case {
+        Case { g, ..self }
+    }
+    const fn scaled(self, scale: f64) -> Case {
+        Case {
+            scale: Some(scale),
+            ..self
         }
     }
     const fn with_rope(self, pos_offset: usize, base: f64) -> Case {
@@ -66,17 +81,29 @@ impl Case {
         self.batch * self.s
     }
     fn cols(&self) -> usize {
-        self.heads * 3 * self.d
+        self.heads / self.g * (self.g + 2) * self.d
+    }
+    /// The first column of query head `h`, and of its KV head's k (v follows).
+    fn q_col(&self, h: usize) -> usize {
+        (h / self.g) * (self.g + 2) * self.d + (h % self.g) * self.d
+    }
+    fn k_col(&self, h: usize) -> usize {
+        (h / self.g) * (self.g + 2) * self.d + self.g * self.d
+    }
+    fn score_scale(&self) -> f64 {
+        self.scale.unwrap_or(1.0 / (self.d as f64).sqrt())
     }
     fn cfg(&self) -> CausalAttention {
         CausalAttention {
             seq_len: self.s,
             head_dim: self.d,
+            q_per_kv: self.g,
+            scale: self.scale,
         }
     }
     /// The RoPE op's configuration and positions for the fused rows.
     fn rope(&self) -> (Rope, Vec<usize>) {
-        let cfg = Rope::new(self.d, self.base, RopeStyle::Interleaved).on_fused_qkv(1);
+        let cfg = Rope::new(self.d, self.base, RopeStyle::Interleaved).on_fused_qkv(self.g);
         let pos = (0..self.tokens())
             .map(|t| self.pos_offset + t % self.s)
             .collect();
@@ -107,8 +134,20 @@ const CASES: [Case; 10] = [
     Case::new(1, 66, 2, 1),
 ];
 
+/// Grouped-query (2 and 4 query heads per KV head) and multi-query attention, odd head dims
+/// and head dims unrelated to any width, and a score scale of the caller's.
+const GROUPED_CASES: [Case; 6] = [
+    Case::new(2, 7, 4, 4).grouped(2),
+    Case::new(2, 70, 8, 3).grouped(4),
+    Case::new(1, 66, 4, 5).grouped(4),
+    Case::new(3, 5, 6, 2).grouped(3),
+    Case::new(2, 9, 4, 3).grouped(2).scaled(0.3),
+    Case::new(1, 20, 2, 4).scaled(0.7),
+];
+
 /// RoPE through the op, then the kernel: non-zero position offsets, another base.
-const ROPE_CASES: [Case; 4] = [
+const ROPE_CASES: [Case; 5] = [
+    Case::new(2, 9, 4, 6).grouped(2).with_rope(3, 10000.0),
     Case::new(3, 5, 3, 2).with_rope(0, 10000.0),
     Case::new(2, 7, 2, 16).with_rope(5, 10000.0),
     Case::new(1, 130, 1, 64).with_rope(1000, 10000.0),
@@ -140,17 +179,18 @@ fn head_ref(qkv: &[f64], c: &Case, h: usize, b: usize) -> HeadRef {
     let (s, d) = (c.s, c.d);
     let (mut q, mut k, mut v) = (vec![], vec![], vec![]);
     for i in 0..s {
-        let row = &qkv[(b * s + i) * c.cols() + h * 3 * d..][..3 * d];
-        let (mut qi, mut ki) = (row[..d].to_vec(), row[d..2 * d].to_vec());
+        let row = &qkv[(b * s + i) * c.cols()..][..c.cols()];
+        let (qc, kc) = (c.q_col(h), c.k_col(h));
+        let (mut qi, mut ki) = (row[qc..qc + d].to_vec(), row[kc..kc + d].to_vec());
         if c.rope {
             rope(&mut qi, c.base, c.pos_offset + i, 1.0);
             rope(&mut ki, c.base, c.pos_offset + i, 1.0);
         }
         q.push(qi);
         k.push(ki);
-        v.push(row[2 * d..].to_vec());
+        v.push(row[kc + d..kc + 2 * d].to_vec());
     }
-    let scale = 1.0 / (d as f64).sqrt();
+    let scale = c.score_scale();
     let (mut p, mut lse) = (vec![], vec![]);
     for i in 0..s {
         let scores: Vec<f64> = (0..s)
@@ -190,10 +230,11 @@ fn attention_ref(qkv: &[f64], c: &Case) -> (Vec<f64>, Vec<f64>) {
     (out, lse)
 }
 
-/// `dqkv [tokens, heads·3·d]` for the output gradient `dout`.
+/// `dqkv` (the fused layout) for the output gradient `dout`: a KV head's dk and dv summed
+/// over its query heads.
 fn attention_back_ref(dout: &[f64], qkv: &[f64], c: &Case) -> Vec<f64> {
     let (s, d, nh) = (c.s, c.d, c.heads);
-    let scale = 1.0 / (d as f64).sqrt();
+    let scale = c.score_scale();
     let mut dqkv = vec![0.0; c.tokens() * c.cols()];
     for h in 0..nh {
         for b in 0..c.batch {
@@ -223,10 +264,13 @@ fn attention_back_ref(dout: &[f64], qkv: &[f64], c: &Case) -> Vec<f64> {
                     rope(&mut dq[i], c.base, c.pos_offset + i, -1.0);
                     rope(&mut dk[i], c.base, c.pos_offset + i, -1.0);
                 }
-                let row = &mut dqkv[(b * s + i) * c.cols() + h * 3 * d..][..3 * d];
-                row[..d].copy_from_slice(&dq[i]);
-                row[d..2 * d].copy_from_slice(&dk[i]);
-                row[2 * d..].copy_from_slice(&dv[i]);
+                let row = &mut dqkv[(b * s + i) * c.cols()..][..c.cols()];
+                let (qc, kc) = (c.q_col(h), c.k_col(h));
+                row[qc..qc + d].copy_from_slice(&dq[i]);
+                for e in 0..d {
+                    row[kc + e] += dk[i][e];
+                    row[kc + d + e] += dv[i][e];
+                }
             }
         }
     }
@@ -257,7 +301,7 @@ fn scale_of(want: &[f64]) -> f64 {
 
 #[test]
 fn forward_matches_reference() {
-    for c in &CASES {
+    for c in CASES.iter().chain(&GROUPED_CASES) {
         for dtype in ALL {
             let (qkv, qv) = c.qkv(1, dtype);
             let r = ops::causal_attention(&qkv, &c.cfg()).unwrap();
@@ -292,7 +336,7 @@ fn back_tol(dtype: DType) -> (f64, f64) {
 
 #[test]
 fn backward_matches_reference() {
-    for c in &CASES {
+    for c in CASES.iter().chain(&GROUPED_CASES) {
         for dtype in ALL {
             let cfg = c.cfg();
             let (qkv, qv) = c.qkv(2, dtype);
@@ -361,6 +405,8 @@ fn backward_matches_finite_differences() {
         Case::new(1, 67, 1, 2),
         Case::new(1, 9, 1, 16),
         Case::new(2, 6, 2, 3),
+        Case::new(2, 6, 4, 3).grouped(2),
+        Case::new(1, 7, 4, 2).grouped(4).scaled(0.8),
     ];
     for c in &cases {
         let cfg = c.cfg();
@@ -458,6 +504,8 @@ fn empty_inputs() {
         let cfg = CausalAttention {
             seq_len: 2,
             head_dim: 4,
+            q_per_kv: 1,
+            scale: None,
         };
         let r = ops::causal_attention(&qkv, &cfg).unwrap();
         assert_eq!(r.out.shape(), &[shape[0], shape[1] / 3]);
@@ -475,6 +523,8 @@ fn forward_rejects_bad_arguments() {
     let good = CausalAttention {
         seq_len: 4,
         head_dim: 4,
+        q_per_kv: 1,
+        scale: None,
     };
     let qkv = Tensor::zeros(&[8, 24], DType::F32);
     assert!(ops::causal_attention(&qkv, &good).is_ok());
@@ -525,6 +575,8 @@ fn backward_rejects_bad_arguments() {
     let cfg = CausalAttention {
         seq_len: 4,
         head_dim: 4,
+        q_per_kv: 1,
+        scale: None,
     };
     let qkv = Tensor::zeros(&[8, 24], DType::F32);
     let f = ops::causal_attention(&qkv, &cfg).unwrap();
@@ -577,6 +629,8 @@ fn overflowing_head_dims_are_errors_not_panics() {
     let good = CausalAttention {
         seq_len: 4,
         head_dim: 4,
+        q_per_kv: 1,
+        scale: None,
     };
     let qkv = Tensor::zeros(&[8, 24], DType::F32);
     // 3·head_dim does not fit a usize.

@@ -222,6 +222,8 @@ impl<M: SeqMode, D: DataMode> ParallelAttention<M, D> {
             attn: CausalAttention {
                 seq_len,
                 head_dim: d,
+                q_per_kv: 1,
+                scale: None,
             },
             zigzag: self.config.context.zigzag,
             strategy: self.config.context.strategy,

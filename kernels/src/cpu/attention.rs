@@ -88,19 +88,39 @@ impl<A: AccFloat> Qkv<A> {
         }
     }
 
-    /// Loads head `h` of sample `b`, folding the score scale into q.
-    fn load<T: Float<Acc = A>>(&mut self, qkv: &[T], g: &Dims, h: usize, b: usize) {
+    /// Loads query head `h` of sample `b`, folding the score scale into q.
+    fn load_q<T: Float<Acc = A>>(&mut self, qkv: &[T], g: &Dims, h: usize, b: usize) {
         let (s, d) = (g.s, g.d);
-        let scale = A::lit(1.0 / (d as f64).sqrt());
+        let scale = A::lit(g.scale);
+        let col = q_col(g, h);
         for i in 0..s {
-            let row = (b * s + i) * g.cols + h * 3 * d;
-            let src = &qkv[row..row + 3 * d];
-            let at = i * d..(i + 1) * d;
-            widen(&mut self.q[at.clone()], &src[..d], scale);
-            widen(&mut self.k[at.clone()], &src[d..2 * d], A::ONE);
-            widen(&mut self.v[at], &src[2 * d..], A::ONE);
+            let row = (b * s + i) * g.cols + col;
+            widen(&mut self.q[i * d..(i + 1) * d], &qkv[row..row + d], scale);
         }
     }
+
+    /// Loads KV head `j` of sample `b`.
+    fn load_kv<T: Float<Acc = A>>(&mut self, qkv: &[T], g: &Dims, j: usize, b: usize) {
+        let (s, d) = (g.s, g.d);
+        let col = k_col(g, j);
+        for i in 0..s {
+            let row = (b * s + i) * g.cols + col;
+            let at = i * d..(i + 1) * d;
+            widen(&mut self.k[at.clone()], &qkv[row..row + d], A::ONE);
+            widen(&mut self.v[at], &qkv[row + d..row + 2 * d], A::ONE);
+        }
+    }
+}
+
+/// The first column of query head `h` in a grouped fused QKV row: its KV group's start,
+/// then `h mod g` query heads.
+fn q_col(g: &Dims, h: usize) -> usize {
+    (h / g.g) * (g.g + 2) * g.d + (h % g.g) * g.d
+}
+
+/// The first column of KV head `j`'s k (its v follows) in a grouped fused QKV row.
+fn k_col(g: &Dims, j: usize) -> usize {
+    (j * (g.g + 2) + g.g) * g.d
 }
 
 /// `dst = mul · src` in the compute type.
@@ -388,19 +408,20 @@ fn forward<T: Float<Acc: ExpShifted>>(out: &mut [T], lse: &mut [T::Acc], qkv: &[
     let mut x = Qkv::new(g);
     let pos: Vec<usize> = (0..s).collect();
     let mut w = FwdScratch::new(d, s);
-    for h in 0..nh {
-        for b in 0..g.batch {
-            x.load(qkv, g, h, b);
-            let ops = x.operands(&pos, d);
-            forward_sample(&ops, &mut w, |i, acc, l, m| {
-                let t = b * s + i;
-                let dst = &mut out[t * nh * d + h * d..][..d];
-                for (o, &a) in dst.iter_mut().zip(acc) {
-                    *o = T::from_acc(a / l);
-                }
-                lse[t * nh + h] = m + l.ln();
-            });
+    for (h, b) in head_order(g) {
+        if h % g.g == 0 {
+            x.load_kv(qkv, g, h / g.g, b);
         }
+        x.load_q(qkv, g, h, b);
+        let ops = x.operands(&pos, d);
+        forward_sample(&ops, &mut w, |i, acc, l, m| {
+            let t = b * s + i;
+            let dst = &mut out[t * nh * d + h * d..][..d];
+            for (o, &a) in dst.iter_mut().zip(acc) {
+                *o = T::from_acc(a / l);
+            }
+            lse[t * nh + h] = m + l.ln();
+        });
     }
 }
 
@@ -414,27 +435,51 @@ fn backward<T: Float<Acc: ExpShifted>>(
     g: &Dims,
 ) {
     let (s, d, nh) = (g.s, g.d, g.heads);
-    let scale = T::Acc::lit(1.0 / (d as f64).sqrt());
+    let scale = T::Acc::lit(g.scale);
     let mut x = Qkv::new(g);
     let pos: Vec<usize> = (0..s).collect();
     let mut grads = SampleGrads::new(s, s, d);
-    for h in 0..nh {
-        for b in 0..g.batch {
-            x.load(qkv, g, h, b);
-            let ops = x.operands(&pos, d);
-            grads.compute(&ops, dout, out, lse, nh, h, b);
-            let SampleGrads { dq, dk, dv, .. } = &grads;
+    // dK and dV of the KV head, summed over its query heads in order.
+    let (mut dk_sum, mut dv_sum) = (vec![T::Acc::ZERO; s * d], vec![T::Acc::ZERO; s * d]);
+    for (h, b) in head_order(g) {
+        let (j, first) = (h / g.g, h % g.g == 0);
+        if first {
+            x.load_kv(qkv, g, j, b);
+            dk_sum.fill(T::Acc::ZERO);
+            dv_sum.fill(T::Acc::ZERO);
+        }
+        x.load_q(qkv, g, h, b);
+        let ops = x.operands(&pos, d);
+        grads.compute(&ops, dout, out, lse, nh, h, b);
+        let SampleGrads { dq, dk, dv, .. } = &grads;
+        let qc = q_col(g, h);
+        for i in 0..s {
+            let row = (b * s + i) * g.cols + qc;
+            // q was scaled on loading: the chain rule scales dq by it too.
+            narrow(&mut dqkv[row..row + d], &dq[i * d..(i + 1) * d], scale);
+        }
+        for (acc, part) in [(&mut dk_sum, dk), (&mut dv_sum, dv)] {
+            for (a, &p) in acc.iter_mut().zip(part) {
+                *a += p;
+            }
+        }
+        if h % g.g == g.g - 1 {
+            let kc = k_col(g, j);
             for i in 0..s {
-                let row = (b * s + i) * g.cols + h * 3 * d;
-                let dst = &mut dqkv[row..row + 3 * d];
+                let row = (b * s + i) * g.cols + kc;
                 let at = i * d..(i + 1) * d;
-                // q was scaled by 1/√d on loading: the chain rule scales dq by it too.
-                narrow(&mut dst[..d], &dq[at.clone()], scale);
-                narrow(&mut dst[d..2 * d], &dk[at.clone()], T::Acc::ONE);
-                narrow(&mut dst[2 * d..], &dv[at], T::Acc::ONE);
+                narrow(&mut dqkv[row..row + d], &dk_sum[at.clone()], T::Acc::ONE);
+                narrow(&mut dqkv[row + d..row + 2 * d], &dv_sum[at], T::Acc::ONE);
             }
         }
     }
+}
+
+/// The (query head, sample) pairs in the order the kernels visit them: per KV head and
+/// sample, its query heads one after another (their K and V loaded once).
+fn head_order(g: &Dims) -> impl Iterator<Item = (usize, usize)> + '_ {
+    (0..g.kv_heads)
+        .flat_map(move |j| (0..g.batch).flat_map(move |b| (0..g.g).map(move |i| (j * g.g + i, b))))
 }
 
 /// `x ← exp(x − shift)` over a row of scores, in the compute type.

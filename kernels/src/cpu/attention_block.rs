@@ -9,18 +9,23 @@ use crate::spec::attention_block::*;
 use crate::{DType, Result, Tensor};
 use num_traits::Float as _;
 
-/// Host kernel of [`crate::ops::pack_kv`]: relies on `(rows, heads)` being
-/// `check_pack_kv`'s sizes of this float `qkv`.
-pub(crate) fn pack_kv(qkv: &Tensor, d: usize, rows: usize, heads: usize) -> Result<Tensor> {
-    let cols = heads * 3 * d;
-    let mut kv = Tensor::for_overwrite(&[rows, heads * 2 * d], qkv.dtype());
+/// Host kernel of [`crate::ops::pack_kv`]: relies on `(rows, kv_heads)` being
+/// `check_pack_kv`'s sizes of this float `qkv` with `g` query heads per KV head.
+pub(crate) fn pack_kv(
+    qkv: &Tensor,
+    d: usize,
+    g: usize,
+    (rows, kv_heads): (usize, usize),
+) -> Result<Tensor> {
+    let cols = kv_heads * (g + 2) * d;
+    let mut kv = Tensor::for_overwrite(&[rows, kv_heads * 2 * d], qkv.dtype());
     dispatch_float!(OP_PACK, qkv.dtype(), |T| {
         let src = qkv.as_slice::<T>()?;
         let dst = kv.as_mut_slice::<T>()?;
         for r in 0..rows {
-            for h in 0..heads {
-                let s = r * cols + h * 3 * d + d;
-                let o = (r * heads + h) * 2 * d;
+            for h in 0..kv_heads {
+                let s = r * cols + (h * (g + 2) + g) * d;
+                let o = (r * kv_heads + h) * 2 * d;
                 dst[o..o + 2 * d].copy_from_slice(&src[s..s + 2 * d]);
             }
         }
@@ -71,23 +76,28 @@ impl<A: AccFloat> Loaded<A> {
             q: vec![A::ZERO; g.nq * g.d],
             k: vec![A::ZERO; g.nk * g.d],
             v: vec![A::ZERO; g.nk * g.d],
-            scale: A::lit(1.0 / (g.d as f64).sqrt()),
+            scale: A::lit(g.scale),
         }
     }
 
-    /// Head `h` of sample `b`: q scaled, k and v as they are.
-    fn load<T: Float<Acc = A>>(&mut self, qkv: &[T], kv: &[T], g: &Dims, h: usize, b: usize) {
+    /// Query head `h` of sample `b`, scaled.
+    fn load_q<T: Float<Acc = A>>(&mut self, qkv: &[T], g: &Dims, h: usize, b: usize) {
         let d = g.d;
         for i in 0..g.nq {
-            let row = (b * g.nq + i) * g.qcols() + h * 3 * d;
+            let row = (b * g.nq + i) * g.qcols() + g.q_col(h);
             widen(
                 &mut self.q[i * d..(i + 1) * d],
                 &qkv[row..row + d],
                 self.scale,
             );
         }
+    }
+
+    /// KV head `kh` of sample `b`, as it is.
+    fn load_kv<T: Float<Acc = A>>(&mut self, kv: &[T], g: &Dims, kh: usize, b: usize) {
+        let d = g.d;
         for j in 0..g.nk {
-            let row = (b * g.nk + j) * g.kvcols() + h * 2 * d;
+            let row = (b * g.nk + j) * g.kvcols() + kh * 2 * d;
             let at = j * d..(j + 1) * d;
             widen(&mut self.k[at.clone()], &kv[row..row + d], A::ONE);
             widen(&mut self.v[at], &kv[row + d..row + 2 * d], A::ONE);
@@ -117,23 +127,24 @@ fn block_forward<T: Float<Acc: ExpShifted>>(
     let (d, nh) = (g.d, g.heads);
     let mut x = Loaded::<T::Acc>::new(g);
     let mut w = FwdScratch::new(d, g.nq.max(g.nk));
-    for h in 0..nh {
-        for b in 0..g.batch {
-            x.load(qkv, kv, g, h, b);
-            forward_sample(&x.operands(cfg, d), &mut w, |i, acc, l, m| {
-                let t = b * g.nq + i;
-                let dst = &mut out[t * nh * d + h * d..][..d];
-                if l > T::Acc::ZERO {
-                    for (o, &a) in dst.iter_mut().zip(acc) {
-                        *o = a / l;
-                    }
-                    lse[t * nh + h] = m + l.ln();
-                } else {
-                    dst.fill(T::Acc::ZERO);
-                    lse[t * nh + h] = T::Acc::neg_infinity();
-                }
-            });
+    for (h, b) in block_order(g) {
+        if h % g.g == 0 {
+            x.load_kv(kv, g, h / g.g, b);
         }
+        x.load_q(qkv, g, h, b);
+        forward_sample(&x.operands(cfg, d), &mut w, |i, acc, l, m| {
+            let t = b * g.nq + i;
+            let dst = &mut out[t * nh * d + h * d..][..d];
+            if l > T::Acc::ZERO {
+                for (o, &a) in dst.iter_mut().zip(acc) {
+                    *o = a / l;
+                }
+                lse[t * nh + h] = m + l.ln();
+            } else {
+                dst.fill(T::Acc::ZERO);
+                lse[t * nh + h] = T::Acc::neg_infinity();
+            }
+        });
     }
 }
 
@@ -234,24 +245,33 @@ fn block_backward<T: Float<Acc: ExpShifted>>(
     let (d, nh, nq, nk) = (g.d, g.heads, g.nq, g.nk);
     let mut x = Loaded::<T::Acc>::new(g);
     let mut grads = SampleGrads::new(nq, nk, d);
-    for h in 0..nh {
-        for b in 0..g.batch {
-            x.load(qkv, kv, g, h, b);
-            grads.compute(&x.operands(cfg, d), dout, out, lse, nh, h, b);
-            let SampleGrads { dq, dk, dv, .. } = &grads;
-            for i in 0..nq {
-                let at = (b * nq + i) * nh * d + h * d;
-                // q was scaled by 1/√d on loading: the chain rule scales dq by it too.
-                add_scaled(&mut dq_out[at..at + d], &dq[i * d..(i + 1) * d], x.scale);
-            }
-            for j in 0..nk {
-                let at = (b * nk + j) * g.kvcols() + h * 2 * d;
-                let row = j * d..(j + 1) * d;
-                add_scaled(&mut dkv_out[at..at + d], &dk[row.clone()], T::Acc::ONE);
-                add_scaled(&mut dkv_out[at + d..at + 2 * d], &dv[row], T::Acc::ONE);
-            }
+    for (h, b) in block_order(g) {
+        if h % g.g == 0 {
+            x.load_kv(kv, g, h / g.g, b);
+        }
+        x.load_q(qkv, g, h, b);
+        grads.compute(&x.operands(cfg, d), dout, out, lse, nh, h, b);
+        let SampleGrads { dq, dk, dv, .. } = &grads;
+        for i in 0..nq {
+            let at = (b * nq + i) * nh * d + h * d;
+            // q was scaled on loading: the chain rule scales dq by it too.
+            add_scaled(&mut dq_out[at..at + d], &dq[i * d..(i + 1) * d], x.scale);
+        }
+        // A KV head's dK and dV add up over its query heads, in head order.
+        for j in 0..nk {
+            let at = (b * nk + j) * g.kvcols() + (h / g.g) * 2 * d;
+            let row = j * d..(j + 1) * d;
+            add_scaled(&mut dkv_out[at..at + d], &dk[row.clone()], T::Acc::ONE);
+            add_scaled(&mut dkv_out[at + d..at + 2 * d], &dv[row], T::Acc::ONE);
         }
     }
+}
+
+/// The (query head, sample) pairs in the order the kernels visit them: per KV head and
+/// sample, its query heads one after another (their K and V loaded once).
+fn block_order(g: &Dims) -> impl Iterator<Item = (usize, usize)> + '_ {
+    (0..g.kv_heads)
+        .flat_map(move |j| (0..g.batch).flat_map(move |b| (0..g.g).map(move |i| (j * g.g + i, b))))
 }
 
 /// `dst += mul · src`, in the compute type (a block's gradient added into a caller's
@@ -262,31 +282,34 @@ fn add_scaled<A: AccFloat>(dst: &mut [A], src: &[A], mul: A) {
     }
 }
 
-/// Host kernel of [`crate::ops::fuse_qkv_grad`]: relies on `(rows, heads)` being
-/// `check_fuse_qkv_grad`'s sizes of `dq` and `dkv` (which keeps `H·3·d` within a `usize`);
-/// a `dtype` that is not float is an `Err` here.
+/// Host kernel of [`crate::ops::fuse_qkv_grad`]: relies on `(rows, kv_heads)` being
+/// `check_fuse_qkv_grad`'s sizes of `dq` and `dkv` (which keeps `K·(g+2)·d` within a
+/// `usize`); a `dtype` that is not float is an `Err` here.
 pub(crate) fn fuse_qkv_grad(
     dq: &Tensor,
     dkv: &Tensor,
     d: usize,
+    g: usize,
     dtype: DType,
-    (rows, heads): (usize, usize),
+    (rows, kv_heads): (usize, usize),
 ) -> Result<Tensor> {
-    let mut dqkv = Tensor::for_overwrite(&[rows, heads * 3 * d], dtype);
+    let mut dqkv = Tensor::for_overwrite(&[rows, kv_heads * (g + 2) * d], dtype);
     dispatch_float!(OP_FUSE, dtype, |T| {
         let (q, kv) = (
             dq.as_slice::<<T as Float>::Acc>()?,
             dkv.as_slice::<<T as Float>::Acc>()?,
         );
         let dst = dqkv.as_mut_slice::<T>()?;
+        let (gq, gc) = (g * d, (g + 2) * d);
         for r in 0..rows {
-            for h in 0..heads {
-                let o = (r * heads + h) * 3 * d;
-                let (qs, ks) = ((r * heads + h) * d, (r * heads + h) * 2 * d);
-                for (x, &v) in dst[o..o + d].iter_mut().zip(&q[qs..qs + d]) {
+            for j in 0..kv_heads {
+                let rj = r * kv_heads + j;
+                let o = rj * gc;
+                let (qs, ks) = (rj * gq, rj * 2 * d);
+                for (x, &v) in dst[o..o + gq].iter_mut().zip(&q[qs..qs + gq]) {
                     *x = T::from_acc(v);
                 }
-                for (x, &v) in dst[o + d..o + 3 * d].iter_mut().zip(&kv[ks..ks + 2 * d]) {
+                for (x, &v) in dst[o + gq..o + gc].iter_mut().zip(&kv[ks..ks + 2 * d]) {
                     *x = T::from_acc(v);
                 }
             }

@@ -377,15 +377,17 @@ pub static CROSS_ENTROPY: KernelModule = module!("cross_entropy");
 /// bitwise), the data movement of `pack`, `unpack`, `narrow` and `cat`.
 pub static COPY: KernelModule = module!("copy");
 
-/// `attention.cu`: causal self-attention with RoPE on a fused QKV: `attn_load` (splits,
-/// rotates and scales q/k/v into the compute type), `attn_forward` (output and per-row
-/// log-sum-exp) and the backward `attn_backward_dq` / `attn_backward_dkv`. One block per
-/// (head, sample, row), with the row's scores in dynamic shared memory.
+/// `attention.cu`: causal self-attention (multi-head, grouped-query, multi-query) on a
+/// grouped fused QKV whose q and k are already rotated: `attn_load_q` / `attn_load_kv`
+/// (split and scale into the compute type), `attn_forward` (output and per-row
+/// log-sum-exp) and the backward `attn_backward_dq` / `attn_backward_dkv` (each query head's
+/// share) / `attn_backward_kv_sum` (a KV head's shares summed). One block per (head, sample,
+/// row), with the row's scores in dynamic shared memory.
 pub static ATTENTION: KernelModule = module!("attention");
 
 /// `attention_block.cu`: the context-parallel (ring) attention pieces: blockwise attention of
 /// a query block to a key/value block at given positions (`attn_block_load_q` /
-/// `attn_block_load_kv` load and rotate the operands, `attn_block_forward` gives the partial
+/// `attn_block_load_kv` load the operands, `attn_block_forward` gives the partial
 /// output and lse in the compute type, `attn_block_masked` a fully masked block's), its backward
 /// share `attn_block_backward_dq` / `attn_block_backward_dkv` (added into compute-type
 /// accumulators), `merge_attention` (compute types), `fuse_qkv_grad` and the bitwise row gather

@@ -4,16 +4,16 @@
 //! merge by their log-sum-exp (the online softmax one level up); the backward gives one
 //! (query block, key block) pair's share of the gradient from the *final* output and lse.
 //!
-//! Layouts (`H` heads of dim `d`; a block's rows are samples one after another, each of
-//! `q_pos.len()` (queries) or `k_pos.len()` (keys) rows, the same positions for every
-//! sample):
+//! Layouts (`K` KV heads of dim `d`, each shared by `g` query heads, `H = K·g`; a block's
+//! rows are samples one after another, each of `q_pos.len()` (queries) or `k_pos.len()`
+//! (keys) rows, the same positions for every sample):
 //!
 //! | tensor | shape | dtype |
 //! |---|---|---|
-//! | `qkv` (queries are read from it) | `[samples·nq, H·3·d]`, fused as [`causal_attention`](super::causal_attention)'s (q and k already rotated) | `T` |
-//! | `kv` ([`pack_kv`]) | `[samples·nk, H·2·d]`, head `h`: k at `h·2d ..`, v at `h·2d + d ..` | `T` |
+//! | `qkv` (queries are read from it) | `[samples·nq, K·(g+2)·d]`, the grouped fused layout of [`causal_attention`](super::causal_attention) (q and k already rotated) | `T` |
+//! | `kv` ([`pack_kv`]) | `[samples·nk, K·2·d]`, KV head `j`: k at `j·2d ..`, v at `j·2d + d ..` | `T` |
 //! | partial `out`, `lse` ([`attention_block`]) | `[samples·nq, H·d]`, `[samples·nq, H]` | compute ([`acc_dtype`](super::acc_dtype)) |
-//! | `dq`, `dkv` accumulators ([`attention_block_backward`]) | as `out`, as `kv` | compute |
+//! | `dq`, `dkv` accumulators ([`attention_block_backward`]) | as `out`, as `kv` (a KV head's `dk`, `dv` summed over its query heads) | compute |
 //!
 //! Position embeddings are the caller's (RoPE each row at its true position before packing:
 //! [`rope`](fn@super::rope)); the positions here are the mask's, which keeps key `j` for
@@ -34,13 +34,14 @@ use crate::spec::attention_block::{
 use crate::spec::want_float;
 use crate::{DType, Result, Tensor};
 
-/// The k and v columns of a fused `[tokens, H·3·d]` QKV, packed as `[tokens, H·2·d]` (what
-/// travels around a ring: two thirds of the fused tensor).
-pub fn pack_kv(qkv: &Tensor, head_dim: usize) -> Result<Tensor> {
-    let (rows, heads) = check_pack_kv(OP_PACK, qkv, head_dim)?;
+/// The k and v columns of a grouped fused `[tokens, K·(g+2)·d]` QKV (`g = q_per_kv`),
+/// packed as `[tokens, K·2·d]`: what travels around a ring, the KV heads only (`2/(g+2)` of
+/// the fused tensor).
+pub fn pack_kv(qkv: &Tensor, head_dim: usize, q_per_kv: usize) -> Result<Tensor> {
+    let sizes = check_pack_kv(OP_PACK, qkv, head_dim, q_per_kv)?;
     want_float(OP_PACK, qkv)?;
-    dispatch!(OP_PACK, [qkv] => device::pack_kv(&qkv, head_dim, rows, heads));
-    crate::cpu::attention_block::pack_kv(qkv, head_dim, rows, heads)
+    dispatch!(OP_PACK, [qkv] => device::pack_kv(&qkv, head_dim, q_per_kv, sizes));
+    crate::cpu::attention_block::pack_kv(qkv, head_dim, q_per_kv, sizes)
 }
 
 /// Attention of `qkv`'s queries (at `cfg.q_pos`) to `kv`'s keys and values (at
@@ -94,13 +95,20 @@ pub fn attention_block_backward(
     crate::cpu::attention_block::attention_block_backward(dout, qkv, kv, out, lse, cfg, dq, dkv, g)
 }
 
-/// The fused `[tokens, H·3·d]` gradient of a QKV from its parts: `dq` (`[tokens, H·d]`)
-/// and `dkv` (`[tokens, H·2·d]`, packed as [`pack_kv`]), both in the compute dtype,
-/// rounded once into `dtype`.
-pub fn fuse_qkv_grad(dq: &Tensor, dkv: &Tensor, head_dim: usize, dtype: DType) -> Result<Tensor> {
-    let sizes = check_fuse_qkv_grad(OP_FUSE, dq, dkv, head_dim, dtype)?;
-    dispatch!(OP_FUSE, [dq, dkv] => device::fuse_qkv_grad(&dq, &dkv, head_dim, dtype, sizes));
-    crate::cpu::attention_block::fuse_qkv_grad(dq, dkv, head_dim, dtype, sizes)
+/// The grouped fused `[tokens, K·(g+2)·d]` gradient of a QKV from its parts: `dq`
+/// (`[tokens, K·g·d]`) and `dkv` (`[tokens, K·2·d]`, packed as [`pack_kv`]), both in the
+/// compute dtype, rounded once into `dtype`.
+pub fn fuse_qkv_grad(
+    dq: &Tensor,
+    dkv: &Tensor,
+    head_dim: usize,
+    q_per_kv: usize,
+    dtype: DType,
+) -> Result<Tensor> {
+    let sizes = check_fuse_qkv_grad(OP_FUSE, dq, dkv, head_dim, q_per_kv, dtype)?;
+    dispatch!(OP_FUSE, [dq, dkv] =>
+        device::fuse_qkv_grad(&dq, &dkv, head_dim, q_per_kv, dtype, sizes));
+    crate::cpu::attention_block::fuse_qkv_grad(dq, dkv, head_dim, q_per_kv, dtype, sizes)
 }
 
 /// Rows of a 2-D tensor picked by index: row `i` of the result is row `src[i]` of `t`
@@ -222,8 +230,8 @@ mod device {
         Ok(bytes as u32)
     }
 
-    /// One block call's loaded operands: q `[H, B, nq, d]` (times `1/√d`), k and v
-    /// `[H, B, nk, d]` in the compute type, and the positions.
+    /// One block call's loaded operands: q `[H, B, nq, d]` (times the score scale), k and v
+    /// `[K, B, nk, d]` in the compute type, and the positions.
     struct BlockOperands {
         q: CudaTensor,
         k: CudaTensor,
@@ -242,15 +250,16 @@ mod device {
         let (dev, dt) = (qkv.device(), qkv.dtype());
         let ad = acc_dtype(dt);
         let mut q = CudaTensor::uninit(dev, &[g.heads, g.batch, g.nq, g.d], ad)?;
-        let mut k = CudaTensor::uninit(dev, &[g.heads, g.batch, g.nk, g.d], ad)?;
-        let mut v = CudaTensor::uninit(dev, &[g.heads, g.batch, g.nk, g.d], ad)?;
-        let scale = Acc::lit(dt, 1.0 / (g.d as f64).sqrt());
+        let mut k = CudaTensor::uninit(dev, &[g.kv_heads, g.batch, g.nk, g.d], ad)?;
+        let mut v = CudaTensor::uninit(dev, &[g.kv_heads, g.batch, g.nk, g.d], ad)?;
+        let scale = Acc::lit(dt, g.scale);
         let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_load_q", dt)?;
         launch_kernel!(op, dev, f, grid_for(g.heads * g.batch * g.nq * g.d);
-            src qkv, dst &mut q, u64 g.batch, u64 g.heads, u64 g.nq, u64 g.d, acc scale)?;
+            src qkv, dst &mut q, u64 g.batch, u64 g.kv_heads, u64 g.g, u64 g.nq, u64 g.d,
+            acc scale)?;
         let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_load_kv", dt)?;
-        launch_kernel!(op, dev, f, grid_for(g.heads * g.batch * g.nk * g.d);
-            src kv, dst &mut k, dst &mut v, u64 g.batch, u64 g.heads, u64 g.nk, u64 g.d)?;
+        launch_kernel!(op, dev, f, grid_for(g.kv_heads * g.batch * g.nk * g.d);
+            src kv, dst &mut k, dst &mut v, u64 g.batch, u64 g.kv_heads, u64 g.nk, u64 g.d)?;
         Ok(BlockOperands {
             q,
             k,
@@ -290,7 +299,7 @@ mod device {
         let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_forward", dt)?;
         launch_kernel!(OP, dev, f, per_row(OP, g.heads * rows, smem)?;
             src &x.q, src &x.k, src &x.v, src &x.qpos, src &x.kpos, dst &mut out, dst &mut lse,
-            u64 g.batch, u64 g.heads, u64 g.nq, u64 g.nk, u64 g.d)?;
+            u64 g.batch, u64 g.heads, u64 g.g, u64 g.nq, u64 g.nk, u64 g.d)?;
         Ok(output(out, lse))
     }
 
@@ -321,17 +330,25 @@ mod device {
         let dev = qkv.device();
         let x = block_load(OP, qkv, kv, g, cfg)?;
         let mut dsum = CudaTensor::uninit(dev, &[g.heads, g.batch, g.nq], ad)?;
-        let scale = Acc::lit(dt, 1.0 / (g.d as f64).sqrt());
+        let scale = Acc::lit(dt, g.scale);
         let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_backward_dq", dt)?;
         launch_kernel!(OP, dev, f, per_row(OP, g.heads * rq, smem)?;
             src &x.q, src &x.k, src &x.v, src dout, src out, src lse, src &x.qpos, src &x.kpos,
-            dst &mut dsum, dst dq, u64 g.batch, u64 g.heads, u64 g.nq, u64 g.nk, u64 g.d,
-            acc scale)?;
-        // Same stream: runs after the dq kernel has written every D_i into dsum.
+            dst &mut dsum, dst dq, u64 g.batch, u64 g.heads, u64 g.g, u64 g.nq, u64 g.nk,
+            u64 g.d, acc scale)?;
+        // Same stream: runs after the dq kernel has written every D_i into dsum. Each query
+        // head's share of dk, dv apart (`[H, B, nk, d]`), then a group's shares added in.
+        let shape = [g.heads, g.batch, g.nk, g.d];
+        let mut dk = CudaTensor::uninit(dev, &shape, ad)?;
+        let mut dv = CudaTensor::uninit(dev, &shape, ad)?;
         let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_backward_dkv", dt)?;
         launch_kernel!(OP, dev, f, per_row(OP, g.heads * g.batch * g.nk, smem)?;
             src &x.q, src &x.k, src &x.v, src dout, src lse, src &dsum, src &x.qpos, src &x.kpos,
-            dst dkv, u64 g.batch, u64 g.heads, u64 g.nq, u64 g.nk, u64 g.d)
+            dst &mut dk, dst &mut dv, u64 g.batch, u64 g.heads, u64 g.g, u64 g.nq, u64 g.nk,
+            u64 g.d)?;
+        let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_kv_add", dt)?;
+        launch_kernel!(OP, dev, f, grid_for(g.kv_heads * g.batch * g.nk * g.d);
+            src &dk, src &dv, dst dkv, u64 g.batch, u64 g.kv_heads, u64 g.g, u64 g.nk, u64 g.d)
     }
 
     /// Merges `part` into `acc` by their lse, `n` (row, head) pairs of `d` columns at a time
@@ -359,43 +376,54 @@ mod device {
             dst acc_out, dst acc_lse, src part_out, src part_lse, u64 n, u64 d)
     }
 
-    /// The k and v columns of a fused `[tokens, H·3·d]` QKV as
-    /// `[tokens, H·2·d]` (a strided copy, bitwise).
+    /// The k and v columns of a grouped fused `[tokens, K·(g+2)·d]` QKV as `[tokens, K·2·d]`
+    /// (a strided copy, bitwise).
     pub(super) fn pack_kv(
         qkv: &CudaTensor,
         d: usize,
-        rows: usize,
-        heads: usize,
+        g: usize,
+        (rows, kv_heads): (usize, usize),
     ) -> Result<CudaTensor> {
         const OP: &str = "ops::pack_kv";
-        let mut kv = CudaTensor::uninit(qkv.device(), &[rows, heads * 2 * d], qkv.dtype())?;
-        // Rows of heads are runs of 3·d: copy the last 2·d of each.
-        copy_blocks(OP, qkv, &mut kv, rows * heads, 2 * d, 3 * d, d, 2 * d, 0)?;
+        let mut kv = CudaTensor::uninit(qkv.device(), &[rows, kv_heads * 2 * d], qkv.dtype())?;
+        // Rows of KV groups are runs of (g+2)·d: copy the last 2·d of each.
+        copy_blocks(
+            OP,
+            qkv,
+            &mut kv,
+            rows * kv_heads,
+            2 * d,
+            (g + 2) * d,
+            g * d,
+            2 * d,
+            0,
+        )?;
         Ok(kv)
     }
 
-    /// The fused `[tokens, H·3·d]` gradient in `dtype` from
-    /// `dq` and `dkv` in the compute dtype, rounded once (bitwise the CPU's).
+    /// The grouped fused `[tokens, K·(g+2)·d]` gradient in `dtype` from `dq` and `dkv` in
+    /// the compute dtype, rounded once (bitwise the CPU's).
     pub(super) fn fuse_qkv_grad(
         dq: &CudaTensor,
         dkv: &CudaTensor,
         d: usize,
+        g: usize,
         dtype: DType,
-        (rows, heads): (usize, usize),
+        (rows, kv_heads): (usize, usize),
     ) -> Result<CudaTensor> {
         const OP: &str = "ops::fuse_qkv_grad";
         if !dtype.is_float() {
             return Err(not_float(OP, dtype));
         }
         let dev = dq.device();
-        let mut out = CudaTensor::uninit(dev, &[rows, heads * 3 * d], dtype)?;
-        let n = rows * heads * 3 * d;
+        let mut out = CudaTensor::uninit(dev, &[rows, kv_heads * (g + 2) * d], dtype)?;
+        let n = rows * kv_heads * (g + 2) * d;
         if n == 0 {
             return Ok(out);
         }
         let f = func(dev, &source::ATTENTION_BLOCK, "fuse_qkv_grad", dtype)?;
         launch_kernel!(OP, dev, f, grid_for(n);
-            src dq, src dkv, dst &mut out, u64 rows, u64 heads, u64 d)?;
+            src dq, src dkv, dst &mut out, u64 rows, u64 kv_heads, u64 g, u64 d)?;
         Ok(out)
     }
 

@@ -5,13 +5,49 @@ use super::*;
 pub(crate) const OP: &str = "ops::causal_attention";
 pub(crate) const OP_BACK: &str = "ops::causal_attention_backward";
 
-/// The shape parameters of [`causal_attention`](crate::ops::causal_attention) (the head count is read off `qkv`).
+/// The shape parameters of [`causal_attention`](crate::ops::causal_attention) (the head
+/// counts are read off `qkv`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CausalAttention {
     /// Tokens per sample: `qkv`'s rows are samples of this many tokens, one after another.
     pub seq_len: usize,
-    /// The head dim `d`.
+    /// The head dim `d` (any size).
     pub head_dim: usize,
+    /// Query heads per KV head, `g = heads / kv_heads`: 1 for multi-head attention, `heads`
+    /// for multi-query attention (the grouped fused layout: see
+    /// [`crate::ops::attention`](mod@crate::ops::attention)).
+    pub q_per_kv: usize,
+    /// The score scale; `None` is `1/√head_dim`.
+    pub scale: Option<f64>,
+}
+
+impl CausalAttention {
+    /// Multi-head attention (`q_per_kv = 1`) with the score scale `1/√head_dim`.
+    pub fn new(seq_len: usize, head_dim: usize) -> CausalAttention {
+        CausalAttention {
+            seq_len,
+            head_dim,
+            q_per_kv: 1,
+            scale: None,
+        }
+    }
+
+    /// The same with `q_per_kv` query heads per KV head.
+    pub fn grouped(self, q_per_kv: usize) -> CausalAttention {
+        CausalAttention { q_per_kv, ..self }
+    }
+
+    /// The score scale in use.
+    pub fn score_scale(&self) -> f64 {
+        self.scale
+            .unwrap_or_else(|| 1.0 / (self.head_dim as f64).sqrt())
+    }
+
+    /// Columns of the fused QKV per KV group: `(q_per_kv + 2)·head_dim` (`None` on
+    /// overflow).
+    pub fn group_cols(&self) -> Option<usize> {
+        self.q_per_kv.checked_add(2)?.checked_mul(self.head_dim)
+    }
 }
 
 /// What [`causal_attention`](crate::ops::causal_attention) returns: the output and the statistic its backward takes.
@@ -27,7 +63,13 @@ pub struct CausalAttentionOutput {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Dims {
     pub(crate) tokens: usize,
+    /// Query heads, `kv_heads · g`.
     pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    /// Query heads per KV head.
+    pub(crate) g: usize,
+    /// The score scale.
+    pub(crate) scale: f64,
     /// Samples.
     pub(crate) batch: usize,
     pub(crate) s: usize,
@@ -36,7 +78,8 @@ pub(crate) struct Dims {
     pub(crate) cols: usize,
 }
 
-/// Checks `qkv` (`[tokens, heads·3·head_dim]`, float) against `cfg`; returns the sizes.
+/// Checks `qkv` (`[tokens, kv_heads·(g+2)·head_dim]`, float) against `cfg`; returns the
+/// sizes.
 pub(crate) fn check_qkv<L: Layout + ?Sized>(
     op: &'static str,
     qkv: &L,
@@ -45,7 +88,7 @@ pub(crate) fn check_qkv<L: Layout + ?Sized>(
     let bad = |detail: String| Err(Error::Invalid { op, detail });
     if qkv.rank() != 2 {
         return bad(format!(
-            "qkv must be [tokens, heads·3·head_dim], got shape {:?}",
+            "qkv must be [tokens, kv_heads·(q_per_kv+2)·head_dim], got shape {:?}",
             qkv.shape()
         ));
     }
@@ -60,17 +103,31 @@ pub(crate) fn check_qkv<L: Layout + ?Sized>(
             "{tokens} tokens are not whole samples of seq_len {s}"
         ));
     }
-    let Some(head_cols) = d.checked_mul(3) else {
-        return bad(format!("3·head_dim overflows usize (head_dim {d})"));
-    };
-    if cols % head_cols != 0 {
+    let g = cfg.q_per_kv;
+    if g == 0 {
+        return bad("q_per_kv must be at least 1".into());
+    }
+    let Some(group_cols) = cfg.group_cols() else {
         return bad(format!(
-            "{cols} qkv columns are not whole heads of 3·head_dim = {head_cols} (q, k, v per head)"
+            "(q_per_kv + 2)·head_dim overflows usize (q_per_kv {g}, head_dim {d})"
+        ));
+    };
+    if cols % group_cols != 0 {
+        return bad(format!(
+            "{cols} qkv columns are not whole KV groups of (q_per_kv + 2)·head_dim = {group_cols} ({g} q heads, k, v per group)"
         ));
     }
+    let scale = cfg.score_scale();
+    if !scale.is_finite() {
+        return bad(format!("score scale {scale} must be finite"));
+    }
+    let kv_heads = cols / group_cols;
     Ok(Dims {
         tokens,
-        heads: cols / head_cols,
+        heads: kv_heads * g,
+        kv_heads,
+        g,
+        scale,
         batch: tokens / s,
         s,
         d,
