@@ -389,8 +389,8 @@ pub static ATTENTION: KernelModule = module!("attention");
 /// a query block to a key/value block at given positions (`attn_block_load_q` /
 /// `attn_block_load_kv` load the operands, `attn_block_forward` gives the partial
 /// output and lse in the compute type, `attn_block_masked` a fully masked block's), its backward
-/// share `attn_block_backward_dq` / `attn_block_backward_dkv` (added into compute-type
-/// accumulators), `merge_attention` (compute types), `fuse_qkv_grad` and the bitwise row gather
+/// share `attn_block_backward_dq` / `attn_block_backward_dkv` / `attn_block_kv_add` (added
+/// into compute-type accumulators, a KV head's shares summed over its query heads), `merge_attention` (compute types), `fuse_qkv_grad` and the bitwise row gather
 /// `gather_rows` (all six dtypes). Same structure as `attention.cu`: one block per (head,
 /// sample, row), scores in dynamic shared memory.
 pub static ATTENTION_BLOCK: KernelModule = module!("attention_block");
@@ -615,14 +615,15 @@ mod tests {
             ]),
             ("copy", &[("copy_blocks", ALL)]),
             ("attention", &[
-                ("attn_load", FLOAT), ("attn_forward", FLOAT), ("attn_backward_dq", FLOAT),
-                ("attn_backward_dkv", FLOAT),
+                ("attn_load_q", FLOAT), ("attn_load_kv", FLOAT), ("attn_forward", FLOAT),
+                ("attn_backward_dq", FLOAT), ("attn_backward_dkv", FLOAT),
+                ("attn_backward_kv_sum", FLOAT),
             ]),
             ("attention_block", &[
                 ("attn_block_load_q", FLOAT), ("attn_block_load_kv", FLOAT),
                 ("attn_block_masked", FLOAT), ("attn_block_forward", FLOAT),
                 ("attn_block_backward_dq", FLOAT), ("attn_block_backward_dkv", FLOAT),
-                ("fuse_qkv_grad", FLOAT), ("merge_attention", COMPUTE), ("gather_rows", ALL),
+                ("attn_block_kv_add", FLOAT), ("fuse_qkv_grad", FLOAT), ("merge_attention", COMPUTE), ("gather_rows", ALL),
             ]),
             ("moe", &[("scatter_add_rows", ALL)]),
             ("reduce_ext", &[("reduce_combine", ALL), ("reduce_avg_div", ALL)]),
