@@ -216,10 +216,12 @@ impl<'t, L: Layout> Var<'t, L> {
         L: RopeLayout,
     {
         let (y, tables) = forward(self.value(), cfg, positions)?;
-        let (xv, cfg) = (self.value().as_any().clone(), *cfg);
+        let cfg = *cfg;
+        // The backward needs the tables only: the input is not kept (the gradient has its
+        // shape, so it describes the result).
         Ok(self.unary(y, false, move |dy| {
             let dx = ops::rope_backward_with(dy.as_local(), &tables, &cfg)?;
-            grad_of(OP_BACK, dx, &xv)
+            grad_of(OP_BACK, dx, dy.as_any())
         }))
     }
 }
