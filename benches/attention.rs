@@ -27,8 +27,8 @@ fn attention(c: &mut Criterion) {
         let cfg = CausalAttention {
             seq_len: s,
             head_dim: d,
-            rope_base: BASE,
-            pos_offset: 0,
+            q_per_kv: 1,
+            scale: None,
         };
         let qkv = Tensor::from_fn(&[tokens, nh * 3 * d], |i| {
             ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 1.5
@@ -222,8 +222,8 @@ fn check_agree() {
         let cfg = CausalAttention {
             seq_len: s,
             head_dim: d,
-            rope_base: BASE,
-            pos_offset: 0,
+            q_per_kv: 1,
+            scale: None,
         };
         let f = ops::causal_attention(&qkv, &cfg).unwrap();
         let dq = ops::causal_attention_backward(&dout, &qkv, &f.out, &f.lse, &cfg).unwrap();

@@ -568,8 +568,8 @@ fn causal_attention_has_the_dual_gradient() {
     let cfg = dtensor_kernels::ops::CausalAttention {
         seq_len: 3,
         head_dim: 2,
-        rope_base: 50.0,
-        pos_offset: 0,
+        q_per_kv: 1,
+        scale: None,
     };
     // 2 samples of 3 tokens, 2 heads of dim 2: samples over Dp, heads over Tp.
     let qkv = small(&[6, 12]);
@@ -1063,8 +1063,8 @@ fn every_attention_layout_has_its_gradient() {
     let cfg = dtensor_kernels::ops::CausalAttention {
         seq_len: 3,
         head_dim: 2,
-        rope_base: 50.0,
-        pos_offset: 1,
+        q_per_kv: 1,
+        scale: None,
     };
     // 2 samples of 3 tokens, 2 heads of dim 2: one sample or one head per rank.
     let qkv = small(&[6, 12]);

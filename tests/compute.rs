@@ -306,8 +306,8 @@ fn attention_cfg() -> dtensor_kernels::ops::CausalAttention {
     dtensor_kernels::ops::CausalAttention {
         seq_len: 4,
         head_dim: 4,
-        rope_base: 100.0,
-        pos_offset: 0,
+        q_per_kv: 1,
+        scale: None,
     }
 }
 
@@ -319,6 +319,37 @@ fn causal_attention_on_whole_samples_and_heads_matches_the_reference() {
     on_mesh(DP2TP2, |m| {
         let x = dist::<layout![Dp: Shard<0>, Tp: Shard<1>]>(&qkv, m);
         check("attention", &x.causal_attention(&attention_cfg())?, &want)
+    });
+}
+
+#[test]
+fn grouped_query_attention_sharded_by_kv_groups_matches_the_reference() {
+    use dtensor_kernels::ops::CausalAttention;
+    // 2 samples of 4 tokens, 2 KV heads each shared by 2 query heads of dim 3: samples over
+    // Dp, one whole KV group per Tp rank.
+    let gqa = CausalAttention::new(4, 3).grouped(2);
+    let qkv = float_global(&[8, 2 * (2 + 2) * 3]);
+    let want = ops::causal_attention(&qkv, &gqa).unwrap().out;
+    assert_eq!(want.shape(), &[8, 4 * 3]);
+    on_mesh(DP2TP2, |m| {
+        let x = dist::<layout![Dp: Shard<0>, Tp: Shard<1>]>(&qkv, m);
+        check("grouped attention", &x.causal_attention(&gqa)?, &want)
+    });
+    // Multi-query: one KV head for 4 query heads, whole on every Tp rank.
+    let mqa = CausalAttention::new(4, 3).grouped(4);
+    let qkv = float_global(&[8, (4 + 2) * 3]);
+    let want = ops::causal_attention(&qkv, &mqa).unwrap().out;
+    on_mesh(DP2TP2, |m| {
+        let x = dist::<layout![Dp: Shard<0>, Tp: Invariant]>(&qkv, m);
+        check("multi-query attention", &x.causal_attention(&mqa)?, &want)
+    });
+    // One KV group split over two Tp ranks: each holds half a group.
+    let qkv = float_global(&[8, (2 + 2) * 3]);
+    on_mesh(TP2, |m| {
+        let x = dist::<layout![Tp: Shard<1>]>(&qkv, m);
+        let e = x.causal_attention(&gqa).unwrap_err().to_string();
+        assert!(e.contains("whole KV groups"), "{e}");
+        Ok(())
     });
 }
 

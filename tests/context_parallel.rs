@@ -42,7 +42,9 @@ fn max_rel(got: &Tensor, want: &Tensor) -> f64 {
 struct Case {
     samples: usize,
     seq: usize,
+    /// KV heads, each shared by `g` query heads.
     heads: usize,
+    g: usize,
     d: usize,
     zigzag: bool,
     strategy: CpStrategy,
@@ -54,8 +56,8 @@ impl Case {
             attn: CausalAttention {
                 seq_len: self.seq,
                 head_dim: self.d,
-                rope_base: 100.0,
-                pos_offset: 2,
+                q_per_kv: self.g,
+                scale: None,
             },
             zigzag: self.zigzag,
             strategy: self.strategy,
@@ -81,8 +83,8 @@ where
     let cp = axes.iter().find(|a| a.0 == AxisKind::Cp).unwrap().1;
     let cfg = c.cfg();
     let tokens = c.samples * c.seq;
-    let qkv = values(&[tokens, c.heads * 3 * c.d], 1);
-    let dout = values(&[tokens, c.heads * c.d], 2);
+    let qkv = values(&[tokens, c.heads * (c.g + 2) * c.d], 1);
+    let dout = values(&[tokens, c.heads * c.g * c.d], 2);
     let want = ops::causal_attention(&qkv, &cfg.attn).unwrap();
     let want_dqkv =
         ops::causal_attention_backward(&dout, &qkv, &want.out, &want.lse, &cfg.attn).unwrap();
@@ -103,11 +105,11 @@ where
         let mut grads = y.backward_with(w)?;
         let c2 = comm.counters();
         let dx = grads.take(&xv)?;
-        let (n, h) = (
+        let (n, kv) = (
             xv.value().local_shape()[0],
-            xv.value().local_shape()[1] / (3 * c.d),
+            xv.value().local_shape()[1] / ((c.g + 2) * c.d),
         );
-        let (f, b, bd) = cp_elements_sent(c.strategy, cp, n, h, c.d);
+        let (f, b, bd) = cp_elements_sent(c.strategy, cp, n, kv * c.g, kv, c.d);
         Ok(Got {
             out: lay.from_cp_order(&yv.full_tensor()?, dp)?,
             dqkv: lay.from_cp_order(&dx.full_tensor()?, dp)?,
@@ -143,11 +145,24 @@ fn cases(
     d: usize,
     zigzags: &[bool],
 ) -> impl Iterator<Item = Case> + '_ {
+    grouped_cases(samples, seq, heads, 1, d, zigzags)
+}
+
+/// As [`cases`], `heads` KV heads each shared by `g` query heads.
+fn grouped_cases(
+    samples: usize,
+    seq: usize,
+    heads: usize,
+    g: usize,
+    d: usize,
+    zigzags: &[bool],
+) -> impl Iterator<Item = Case> + '_ {
     STRATEGIES.into_iter().flat_map(move |strategy| {
         zigzags.iter().map(move |&zigzag| Case {
             samples,
             seq,
             heads,
+            g,
             d,
             zigzag,
             strategy,
@@ -182,6 +197,34 @@ fn long_sequences_cross_kernel_tiles() {
 #[test]
 fn cp_with_tp_sharding_the_heads() {
     for c in cases(3, 8, 4, 4, BOTH) {
+        run::<layout![Cp: Shard<0>, Tp: Shard<1>], _>(
+            &[(AxisKind::Cp, 2), (AxisKind::Tp, 2)],
+            1,
+            c,
+        );
+    }
+}
+
+#[test]
+fn grouped_query_cp2_matches_one_rank() {
+    // GQA (2 and 4 query heads per KV head) and MQA, ring and all-to-all: the ring sends
+    // the KV heads only (the byte counts are checked against the formula).
+    for (kv, g, d) in [(2, 2, 4), (2, 4, 3), (1, 4, 4)] {
+        let zz: &[bool] = &[true];
+        for c in grouped_cases(3, 16, kv, g, d, zz) {
+            if c.strategy == CpStrategy::AllToAll && kv % 2 != 0 {
+                continue;
+            }
+            run::<layout![Cp: Shard<0>], _>(&[(AxisKind::Cp, 2)], 1, c);
+        }
+    }
+}
+
+#[test]
+fn grouped_query_cp_with_tp_sharding_the_kv_groups() {
+    // 4 KV heads of 2 query heads: tp = 2 gives each rank 2 whole groups, and cp = 2 splits
+    // them again for the all-to-all.
+    for c in grouped_cases(2, 8, 4, 2, 4, &[true]) {
         run::<layout![Cp: Shard<0>, Tp: Shard<1>], _>(
             &[(AxisKind::Cp, 2), (AxisKind::Tp, 2)],
             1,
@@ -241,6 +284,7 @@ fn bad_shapes_are_errors_naming_the_op() {
             samples: 2,
             seq: 10,
             heads: 1,
+            g: 1,
             d: 2,
             zigzag: true,
             strategy: CpStrategy::Ring,
@@ -274,6 +318,7 @@ fn bad_shapes_are_errors_naming_the_op() {
             samples: 2,
             seq: 4,
             heads: 2,
+            g: 1,
             d: 2,
             zigzag: true,
             strategy: CpStrategy::AllToAll,
@@ -287,7 +332,7 @@ fn bad_shapes_are_errors_naming_the_op() {
     for e in errs {
         assert!(
             e.contains("DTensor::context_attention")
-                && e.contains("1 heads")
+                && e.contains("1 KV heads")
                 && e.contains("cp = 2"),
             "{e}"
         );
@@ -303,12 +348,13 @@ fn memory_at(cp: usize, strategy: CpStrategy) -> Vec<(usize, usize)> {
         samples: 1,
         seq: 512,
         heads: 4,
+        g: 1,
         d: 16,
         zigzag: true,
         strategy,
     };
     let cfg = c.cfg();
-    let qkv = values(&[c.seq, c.heads * 3 * c.d], 5);
+    let qkv = values(&[c.seq, c.heads * (c.g + 2) * c.d], 5);
     let lay = CpLayout::new(c.seq, cp, true).unwrap();
     let qkv_cp = lay.to_cp_order(&qkv, 1).unwrap();
     on_mesh(&[(AxisKind::Cp, cp)], |m| {

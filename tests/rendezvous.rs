@@ -192,8 +192,8 @@ fn ring(axes: &[(AxisKind, usize)], rendezvous: bool) -> Vec<(Tensor, Tensor)> {
         attn: CausalAttention {
             seq_len: seq,
             head_dim: d,
-            rope_base: 100.0,
-            pos_offset: 0,
+            q_per_kv: 1,
+            scale: None,
         },
         zigzag: true,
         strategy: CpStrategy::Ring,

@@ -9,7 +9,7 @@
 //! chunks `c` and `2·cp−1−c` (*zigzag*: every rank gets one early and one late chunk, so
 //! the causal work is balanced), or with zigzag off into `cp` chunks, rank `c` holding
 //! chunk `c` (rank `cp−1` then does `2·cp−1` times the work of rank 0). The attention
-//! input is the fused `[tokens, heads·3·d]` QKV of
+//! input is the grouped fused `[tokens, kv_heads·(g+2)·d]` QKV of
 //! [`causal_attention`](dtensor_kernels::ops::causal_attention), laid out `Shard<0>` over
 //! the `Cp` axis, in the **CP token order**: the global tokens are `blocks` equal blocks
 //! (one per data-parallel rank: an axis that shards the tokens *outside* `Cp`, left of it
@@ -18,9 +18,10 @@
 //! chunks in position order), then rank 1's, and so on. A plain `Shard<0>` over `Cp` then
 //! gives every rank its chunks of every sample of its block. [`CpLayout::to_cp_order`]
 //! and [`CpLayout::from_cp_order`] (and their `_vec` twins, for token ids) move a tensor
-//! between the natural order (samples one after another) and this one. RoPE and the
-//! causal mask use each token's true position in its sample (plus
-//! [`CausalAttention::pos_offset`]).
+//! between the natural order (samples one after another) and this one. The causal mask
+//! uses each token's true position in its sample; q and k come in already rotated, each
+//! row at that position ([`RopePositions::ContextParallel`](crate::RopePositions) gives
+//! [`rope`](crate::DTensor::rope) the positions of this order).
 //!
 //! The output `[tokens, heads·d]` has the input's layout and order. `Cp` must be the
 //! innermost axis sharding the tokens (checked), and every rank must hold the same number
@@ -28,8 +29,9 @@
 //!
 //! # Strategies
 //!
-//! - [`CpStrategy::Ring`]: each rank keeps its queries; the K/V blocks (`[tokens, heads·2·d]`,
-//!   two thirds of the QKV) travel around the `Cp` ring by `send`/`recv`, and each rank
+//! - [`CpStrategy::Ring`]: each rank keeps its queries; the K/V blocks (`[tokens,
+//!   kv_heads·2·d]`, the KV heads only: with grouped-query attention a small part of the
+//!   QKV) travel around the `Cp` ring by `send`/`recv`, and each rank
 //!   merges its partial results by log-sum-exp (online softmax). A block wholly in a
 //!   rank's future (zigzag off: ranks `c < o` for owner `o`) is passed on without being
 //!   computed. The backward sends the K/V blocks around again; each block's accumulated
@@ -37,8 +39,8 @@
 //! - [`CpStrategy::AllToAll`]: one all-to-all over `Cp` turns the sequence-sharded QKV
 //!   into a head-sharded one (each rank all tokens of its data block, `heads/cp` of its
 //!   heads), the local kernel runs full-sequence causal attention on it, and an
-//!   all-to-all turns the output back. Needs the heads a rank holds (per `Tp` rank) to
-//!   divide by `cp` (checked).
+//!   all-to-all turns the output back. Needs the KV heads a rank holds (per `Tp` rank) to
+//!   divide by `cp` (checked): each rank gets whole KV groups.
 //!
 //! **Typing.** Plain attention refuses `Shard<0>` on a `Cp`-role axis (its token shards are
 //! chunks, not samples: see [`AttentionRule`](dtensor_placement::AttentionRule)); this op
@@ -61,12 +63,14 @@
 //! leave once this rank has added its share, so its hop overlaps the next step's compute
 //! on the receiver only. The all-to-all strategy runs blocking all-to-alls (no overlap).
 //!
-//! # Communication (per layer, per token a rank holds, `H` its heads, `d` the head dim)
+//! # Communication (per layer, per token a rank holds, `H` its query heads, `K` its KV heads, `d` the head dim)
 //!
 //! | strategy | forward, elements sent | backward, elements sent |
 //! |---|---|---|
-//! | ring | K,V: `2·d·H·(cp−1)` | K,V: `2·d·H·(cp−1)` and dK,dV: `2·d·H·cp` (compute dtype) |
-//! | all-to-all | QKV + out: `(3+1)·d·H·(cp−1)/cp` | dout + dQKV: `(1+3)·d·H·(cp−1)/cp` |
+//! | ring | K,V: `2·d·K·(cp−1)` | K,V: `2·d·K·(cp−1)` and dK,dV: `2·d·K·cp` (compute dtype) |
+//! | all-to-all | QKV + out: `(H+2K+H)·d·(cp−1)/cp` | dout + dQKV: `(H+H+2K)·d·(cp−1)/cp` |
+//!
+//! (Multi-head attention, `K = H`: the ring's `2·d·H` per hop, the all-to-all's `4·d·H`.)
 //!
 //! (bytes: times the element size; dK,dV travel in the compute dtype, f32 for bf16). The
 //! tests check these against the `Cp` communicator's counters.
@@ -286,8 +290,9 @@ struct Geom {
     c: usize,
     cp: usize,
     layout: CpLayout,
-    /// Each CP rank's positions plus the RoPE offset (for the ring's blocks).
+    /// Each CP rank's positions in the sample (the ring blocks' mask).
     pos: Vec<Vec<usize>>,
+    /// This rank's query heads (`kv_heads · q_per_kv`).
     heads: usize,
     cfg: ContextAttention,
 }
@@ -368,11 +373,12 @@ fn geometry(a: &AnyDTensor, axis: AxisKind, cfg: &ContextAttention) -> Result<Ge
             describe(a)
         )));
     }
-    let d = cfg.attn.head_dim;
+    let (d, g) = (cfg.attn.head_dim, cfg.attn.q_per_kv);
+    let group = cfg.attn.group_cols().unwrap_or(0);
     let (rows, cols) = (a.local_shape()[0], a.local_shape()[1]);
-    if d == 0 || !d.is_multiple_of(2) || cols % (3 * d) != 0 {
+    if d == 0 || g == 0 || group == 0 || cols % group != 0 {
         return Err(bad(format!(
-            "this rank's {cols} columns are not whole heads of 3·{d} (head_dim even and nonzero): {}",
+            "this rank's {cols} columns are not whole KV groups of ({g}+2)·{d} (q_per_kv {g} query heads, k, v; shard the columns by whole KV groups): {}",
             describe(a)
         )));
     }
@@ -390,17 +396,15 @@ fn geometry(a: &AnyDTensor, axis: AxisKind, cfg: &ContextAttention) -> Result<Ge
             describe(a)
         )));
     }
-    let heads = cols / (3 * d);
-    if cfg.strategy == CpStrategy::AllToAll && !heads.is_multiple_of(cp) {
+    let kv_heads = cols / group;
+    if cfg.strategy == CpStrategy::AllToAll && !kv_heads.is_multiple_of(cp) {
         return Err(bad(format!(
-            "the all-to-all strategy splits this rank's {heads} heads over cp = {cp} ranks of {axis}: they do not divide (use CpStrategy::Ring, or fewer tensor-parallel ranks); {}",
+            "the all-to-all strategy splits this rank's {kv_heads} KV heads (with their query heads) over cp = {cp} ranks of {axis}: they do not divide (use CpStrategy::Ring, or fewer tensor-parallel ranks); {}",
             describe(a)
         )));
     }
-    let off = cfg.attn.pos_offset;
-    let pos = (0..cp)
-        .map(|c| layout.positions(c).into_iter().map(|p| p + off).collect())
-        .collect();
+    let heads = kv_heads * g;
+    let pos = (0..cp).map(|c| layout.positions(c)).collect();
     Ok(Geom {
         comm: dm.axis_comm(ax).clone(),
         c: dm.coords()[ax],
@@ -422,7 +426,8 @@ impl Geom {
     fn block(&self, owner: usize) -> BlockAttention<'_> {
         BlockAttention {
             head_dim: self.cfg.attn.head_dim,
-            rope_base: self.cfg.attn.rope_base,
+            q_per_kv: self.cfg.attn.q_per_kv,
+            scale: self.cfg.attn.scale,
             q_pos: &self.pos[self.c],
             k_pos: &self.pos[owner],
         }
@@ -440,8 +445,8 @@ impl Geom {
     }
 
     fn ring_forward(&self, qkv: &Tensor) -> Result<CausalAttentionOutput> {
-        let d = self.cfg.attn.head_dim;
-        let mut cur = ops::pack_kv(qkv, d)?;
+        let a = &self.cfg.attn;
+        let mut cur = ops::pack_kv(qkv, a.head_dim, a.q_per_kv)?;
         let mut owner = self.c;
         let mut acc: Option<CausalAttentionOutput> = None;
         for step in 0..self.cp {
@@ -476,9 +481,9 @@ impl Geom {
         out: &Tensor,
         lse: &Tensor,
     ) -> Result<Tensor> {
-        let d = self.cfg.attn.head_dim;
+        let (d, g) = (self.cfg.attn.head_dim, self.cfg.attn.q_per_kv);
         let acc = ops::acc_dtype(qkv.dtype());
-        let mut cur = ops::pack_kv(qkv, d)?;
+        let mut cur = ops::pack_kv(qkv, d, g)?;
         let mut dkv = Tensor::zeros_on(qkv.device(), cur.shape(), acc)?;
         let mut dq = Tensor::zeros_on(qkv.device(), &[qkv.shape()[0], self.heads * d], acc)?;
         let mut owner = self.c;
@@ -501,7 +506,7 @@ impl Geom {
                 owner = (owner + self.cp - 1) % self.cp;
             }
         }
-        Ok(ops::fuse_qkv_grad(&dq, &dkv, d, qkv.dtype())?)
+        Ok(ops::fuse_qkv_grad(&dq, &dkv, d, g, qkv.dtype())?)
     }
 
     /// Sequence-sharded `[rows, H·w]` → head-sharded `[cp·rows, (H/cp)·w]` in natural
@@ -531,6 +536,11 @@ impl Geom {
     fn attn_full(&self) -> CausalAttention {
         self.cfg.attn
     }
+
+    /// Columns of one KV group of the fused QKV (checked nonzero by [`geometry`]).
+    fn group_cols(&self) -> usize {
+        self.cfg.attn.group_cols().unwrap_or(1)
+    }
 }
 
 /// The forward, with what the backward needs.
@@ -542,7 +552,11 @@ pub(crate) fn forward<L: Layout>(
     let a = x.as_any();
     let geom = geometry(a, axis, cfg)?;
     let qkv = a.as_local();
-    let global = [a.global_shape()[0], a.global_shape()[1] / 3];
+    let (g, group) = (cfg.attn.q_per_kv, geom.group_cols());
+    let global = [
+        a.global_shape()[0],
+        a.global_shape()[1] / group * g * cfg.attn.head_dim,
+    ];
     let (local, saved) = match cfg.strategy {
         // One rank holds whole samples in natural order: plain causal attention, bit for
         // bit what `causal_attention` computes, with no collective.
@@ -608,38 +622,44 @@ pub(crate) fn backward(dy: &Tensor, x: &AnyDTensor, s: &ContextSaved) -> Result<
 }
 
 /// The elements a rank sends over the `Cp` axis for one context attention of `tokens`
-/// local tokens and `heads` local heads of dim `d`, forward and backward (the module
-/// docs' table): `(forward, backward)` in elements of the QKV dtype, and the backward's
-/// dK/dV in the compute dtype (`ring` only) as a third figure.
+/// local tokens, `heads` local query heads and `kv_heads` local KV heads of dim `d`,
+/// forward and backward (the module docs' table): `(forward, backward)` in elements of the
+/// QKV dtype, and the backward's dK/dV in the compute dtype (`ring` only) as a third
+/// figure.
 pub fn cp_elements_sent(
     strategy: CpStrategy,
     cp: usize,
     tokens: usize,
     heads: usize,
+    kv_heads: usize,
     d: usize,
 ) -> (usize, usize, usize) {
-    let per = tokens * heads * d;
+    let per = tokens * d;
     match strategy {
         CpStrategy::Ring => {
-            let kv = 2 * per * (cp - 1);
-            (kv, kv, if cp > 1 { 2 * per * cp } else { 0 })
+            // Only the KV heads travel.
+            let kv = 2 * kv_heads * per * (cp - 1);
+            (kv, kv, if cp > 1 { 2 * kv_heads * per * cp } else { 0 })
         }
         CpStrategy::AllToAll => {
-            // A rank keeps 1/cp of each all-to-all.
+            // A rank keeps 1/cp of each all-to-all: the fused QKV (`heads + 2·kv_heads`
+            // columns of d) and the output (`heads`).
             let f = |w: usize| w * per * (cp - 1) / cp;
-            (f(3) + f(1), f(1) + f(3), 0)
+            let (qkv, out) = (heads + 2 * kv_heads, heads);
+            (f(qkv) + f(out), f(out) + f(qkv), 0)
         }
     }
 }
 
 impl<L: Layout> DTensor<L> {
-    /// Context-parallel causal attention with RoPE over the `Cp`-role axis `axis`, on a
-    /// fused `[tokens, heads·3·d]` QKV laid out `Shard<0>` over it in the CP token order
+    /// Context-parallel causal attention over the `Cp`-role axis `axis`, on a fused
+    /// grouped `[tokens, kv_heads·(g+2)·d]` QKV (q and k already rotated at their true
+    /// positions) laid out `Shard<0>` over it in the CP token order
     /// ([`CpLayout`]; see the [module docs](crate::context)), into `[tokens, heads·d]` laid
     /// out as the input. Other axes take what [`causal_attention`](Self::causal_attention)
     /// takes. `Err` (naming the op, shapes and placements) when the sequence does not cut
     /// into the chunks, when ranks would hold different samples, and, for
-    /// [`CpStrategy::AllToAll`], when the local heads do not divide by `cp`.
+    /// [`CpStrategy::AllToAll`], when the local KV heads do not divide by `cp`.
     pub fn context_attention<X: MeshAxis, I>(
         &self,
         axis: X,

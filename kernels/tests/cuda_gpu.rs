@@ -478,12 +478,13 @@ fn gpu_causal_attention_matches_cpu() {
     let Some(dev) = gpu() else { return };
     for (k, dt) in FLOATS.into_iter().enumerate() {
         // seq_len 70 crosses the CPU's 64-row block; two samples, three heads.
-        for (s, d) in [(5, 4), (70, 16)] {
+        // An odd head dim too: q and k come in rotated, nothing pairs columns.
+        for (s, d) in [(5, 4), (70, 16), (9, 5)] {
             let cfg = CausalAttention {
                 seq_len: s,
                 head_dim: d,
-                rope_base: 10000.0,
-                pos_offset: 3,
+                q_per_kv: 1,
+                scale: None,
             };
             let heads = 3;
             let qkv = rand(&[2 * s, heads * 3 * d], dt, 250 + k as u64);
@@ -508,8 +509,8 @@ fn gpu_causal_attention_matches_cpu() {
         let cfg = CausalAttention {
             seq_len: 100_000,
             head_dim: 2,
-            rope_base: 10000.0,
-            pos_offset: 0,
+            q_per_kv: 1,
+            scale: None,
         };
         let e =
             ops::causal_attention(&up(&Tensor::zeros(&[100_000, 6], dt), &dev), &cfg).unwrap_err();
@@ -639,8 +640,8 @@ fn dispatch_inputs(dt: DType, seed: u64) -> Vec<Tensor> {
 const ATTN: CausalAttention = CausalAttention {
     seq_len: 4,
     head_dim: 4,
-    rope_base: 10000.0,
-    pos_offset: 0,
+    q_per_kv: 1,
+    scale: None,
 };
 
 /// The table of dispatched ops: name, agreement, the call.
@@ -774,7 +775,7 @@ fn dispatch_cases() -> Vec<(&'static str, Agree, TensorOp)> {
         ("ops::scatter_add_rows", Close(4.0), |t| {
             ops::scatter_add_rows(&t[0], &[1, 0, 1, 2, 0, 1], 3)
         }),
-        ("ops::pack_kv", Bitwise, |t| ops::pack_kv(&t[4], 4)),
+        ("ops::pack_kv", Bitwise, |t| ops::pack_kv(&t[4], 4, 1)),
         ("ops::grouped_matmul_t", Close(8.0), |t| {
             ops::grouped_matmul_t(&t[0], &t[3].clone().reshape(&[2, 12, 40])?, &[4, 2])
         }),
@@ -1012,14 +1013,20 @@ fn gpu_tensor_host_accessors_refuse_device_tensors() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
 fn gpu_rope_matches_cpu_bitwise() {
-    use ops::{Rope, RopeScaling, RopeStyle};
+    use ops::{Rope, RopeScaling, RopeStyle, RopeTables, RotatedHeads};
     let Some(dev) = gpu() else { return };
     let positions = [7, 0, 1, 2, 4093, 64];
     for style in [RopeStyle::Interleaved, RopeStyle::HalfSplit] {
-        for (rotary_dim, scaling) in [(16, RopeScaling::None), (10, RopeScaling::yarn(4.0, 32))] {
+        // Every head, and the q and k heads of a fused QKV (3 heads: q, k, v).
+        for (rotary_dim, scaling, heads) in [
+            (16, RopeScaling::None, RotatedHeads::ALL),
+            (10, RopeScaling::yarn(4.0, 32), RotatedHeads::ALL),
+            (16, RopeScaling::None, RotatedHeads::fused_qkv(1)),
+        ] {
             let cfg = Rope {
                 rotary_dim,
                 scaling,
+                heads,
                 ..Rope::new(16, 10_000.0, style)
             };
             for (k, dt) in FLOATS.into_iter().enumerate() {
@@ -1037,10 +1044,16 @@ fn gpu_rope_matches_cpu_bitwise() {
                         ops::rope_backward(&xd, &positions, &cfg),
                         ops::rope_backward(&x, &positions, &cfg),
                     ),
+                    (
+                        "rope_backward_with",
+                        RopeTables::new(&cfg, &positions, &xd)
+                            .and_then(|t| ops::rope_backward_with(&xd, &t, &cfg)),
+                        ops::rope_backward(&x, &positions, &cfg),
+                    ),
                 ] {
                     let gpu = gpu.unwrap();
                     assert!(gpu.is_cuda(), "{what} ran on the device");
-                    let what = format!("{what} {style:?} r={rotary_dim} {dt}");
+                    let what = format!("{what} {style:?} r={rotary_dim} {heads:?} {dt}");
                     assert_bitwise(&what, &gpu.to_host().unwrap(), &cpu.unwrap());
                 }
             }

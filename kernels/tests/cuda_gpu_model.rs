@@ -52,22 +52,28 @@ fn assert_same_error<T, U>(what: &str, gpu: Result<T, Error>, cpu: Result<U, Err
 // ---- context-parallel attention pieces ----------------------------------------------
 
 /// `(batch, heads, head_dim, q_pos, k_pos)` of one blockwise attention case.
-type BlockCase = (usize, usize, usize, Vec<usize>, Vec<usize>);
+/// `(batch, KV heads, query heads per KV head, head dim, q positions, k positions)`.
+type BlockCase = (usize, usize, usize, usize, Vec<usize>, Vec<usize>);
 
 /// Causal offsets, rows that see no key of the block (`lse = −∞`), keys no query sees, a
-/// fully masked block, blocks longer than the CPU's 64-row tile, zigzag chunks, and an empty
-/// batch.
+/// fully masked block, blocks longer than the CPU's 64-row tile, zigzag chunks, an odd head
+/// dim, grouped-query (2 and 4 query heads per KV head) and multi-query blocks, and an
+/// empty batch.
 fn block_cases() -> Vec<BlockCase> {
     let zig_q: Vec<usize> = (0..4).chain(12..16).collect();
     let zig_k: Vec<usize> = (4..8).chain(8..12).collect();
     vec![
-        (2, 3, 4, (3..8).collect(), (0..8).collect()),
-        (1, 2, 8, zig_q.clone(), zig_k.clone()),
-        (2, 1, 6, zig_k, zig_q),
-        (3, 2, 4, vec![0, 1], vec![5, 6, 9]),
-        (2, 2, 16, (0..70).collect(), (0..70).collect()),
-        (1, 1, 2, vec![7], vec![1, 3, 5, 7, 9]),
-        (0, 2, 4, vec![0, 1, 2], vec![0, 1]),
+        (2, 3, 1, 4, (3..8).collect(), (0..8).collect()),
+        (1, 2, 1, 8, zig_q.clone(), zig_k.clone()),
+        (2, 1, 1, 6, zig_k.clone(), zig_q.clone()),
+        (3, 2, 1, 4, vec![0, 1], vec![5, 6, 9]),
+        (2, 2, 1, 16, (0..70).collect(), (0..70).collect()),
+        (1, 1, 1, 2, vec![7], vec![1, 3, 5, 7, 9]),
+        (2, 3, 1, 5, (2..9).collect(), (0..6).collect()),
+        (2, 2, 2, 4, (3..8).collect(), (0..8).collect()),
+        (1, 1, 4, 6, zig_q, zig_k),
+        (2, 2, 4, 5, vec![0, 1], vec![1, 2, 5]),
+        (0, 2, 1, 4, vec![0, 1, 2], vec![0, 1]),
     ]
 }
 
@@ -77,16 +83,17 @@ fn gpu_attention_block_matches_cpu() {
     let Some(dev) = gpu() else { return };
     for (k, dt) in FLOATS.into_iter().enumerate() {
         let acc = ops::acc_dtype(dt);
-        for (c, (batch, heads, d, qp, kp)) in block_cases().into_iter().enumerate() {
+        for (c, (batch, heads, g, d, qp, kp)) in block_cases().into_iter().enumerate() {
             let cfg = BlockAttention {
                 head_dim: d,
-                rope_base: 10000.0,
+                q_per_kv: g,
+                scale: None,
                 q_pos: &qp,
                 k_pos: &kp,
             };
-            let what = format!("case {c} ({dt}, q {qp:?}, k {kp:?})");
+            let what = format!("case {c} ({dt}, g {g}, q {qp:?}, k {kp:?})");
             let seed = 100 * k as u64 + 10 * c as u64;
-            let qkv = rand(&[batch * qp.len(), heads * 3 * d], dt, seed);
+            let qkv = rand(&[batch * qp.len(), heads * (g + 2) * d], dt, seed);
             let kv = rand(&[batch * kp.len(), heads * 2 * d], dt, seed + 1);
             let (gq, gk) = (up(&qkv, &dev), up(&kv, &dev));
             let cpu = ops::attention_block(&qkv, &kv, &cfg).unwrap();
@@ -99,7 +106,7 @@ fn gpu_attention_block_matches_cpu() {
             // accumulators that already hold something.
             let out = cpu.out.to_dtype(dt);
             let dout = rand(out.shape(), dt, seed + 2);
-            let mut dq = rand(&[batch * qp.len(), heads * d], acc, seed + 3);
+            let mut dq = rand(&[batch * qp.len(), heads * g * d], acc, seed + 3);
             let mut dkv = rand(kv.shape(), acc, seed + 4);
             let (mut gdq, mut gdkv) = (up(&dq, &dev), up(&dkv, &dev));
             ops::attention_block_backward(
@@ -125,7 +132,8 @@ fn gpu_attention_block_matches_cpu() {
         let (qp, kp) = ([0usize, 1, 2], [0usize, 1]);
         let cfg = BlockAttention {
             head_dim: 4,
-            rope_base: 10000.0,
+            q_per_kv: 1,
+            scale: None,
             q_pos: &qp,
             k_pos: &kp,
         };
@@ -139,7 +147,7 @@ fn gpu_attention_block_matches_cpu() {
         );
         let odd = BlockAttention { head_dim: 3, ..cfg };
         assert_same_error(
-            "odd head_dim",
+            "head_dim not dividing the columns",
             ops::attention_block(&up(&qkv, &dev), &up(&kv, &dev), &odd),
             ops::attention_block(&qkv, &kv, &odd),
         );
@@ -209,7 +217,8 @@ fn gpu_attention_block_matches_cpu() {
         let many: Vec<usize> = (0..20_000).collect();
         let long = BlockAttention {
             head_dim: 2,
-            rope_base: 10000.0,
+            q_per_kv: 1,
+            scale: None,
             q_pos: &many[..1],
             k_pos: &many,
         };
@@ -227,7 +236,8 @@ fn gpu_attention_block_matches_cpu() {
 fn partial(dt: DType, qp: &[usize], kp: &[usize], seed: u64) -> CausalAttentionOutput {
     let cfg = BlockAttention {
         head_dim: 4,
-        rope_base: 10000.0,
+        q_per_kv: 1,
+        scale: None,
         q_pos: qp,
         k_pos: kp,
     };
@@ -312,47 +322,55 @@ fn gpu_pack_kv_fuse_qkv_grad_gather_rows_match_cpu_bitwise() {
     let Some(dev) = gpu() else { return };
     for (k, dt) in FLOATS.into_iter().enumerate() {
         let acc = ops::acc_dtype(dt);
-        for (rows, heads, d) in [(5, 3, 4), (1, 1, 2), (0, 2, 4), (7, 2, 6)] {
+        // (rows, KV heads, query heads per KV head, head dim): MHA, GQA, MQA.
+        for (rows, heads, g, d) in [
+            (5, 3, 1, 4),
+            (1, 1, 1, 2),
+            (0, 2, 1, 4),
+            (7, 2, 1, 6),
+            (5, 2, 3, 5),
+            (4, 1, 4, 4),
+        ] {
             let seed = 40 * k as u64 + rows as u64;
-            let qkv = rand(&[rows, heads * 3 * d], dt, seed);
+            let qkv = rand(&[rows, heads * (g + 2) * d], dt, seed);
             assert_bitwise(
                 "pack_kv",
-                &down(&ops::pack_kv(&up(&qkv, &dev), d).unwrap()),
-                &ops::pack_kv(&qkv, d).unwrap(),
+                &down(&ops::pack_kv(&up(&qkv, &dev), d, g).unwrap()),
+                &ops::pack_kv(&qkv, d, g).unwrap(),
             );
-            let dq = rand(&[rows, heads * d], acc, seed + 1);
+            let dq = rand(&[rows, heads * g * d], acc, seed + 1);
             let dkv = rand(&[rows, heads * 2 * d], acc, seed + 2);
             assert_bitwise(
                 "fuse_qkv_grad",
-                &down(&ops::fuse_qkv_grad(&up(&dq, &dev), &up(&dkv, &dev), d, dt).unwrap()),
-                &ops::fuse_qkv_grad(&dq, &dkv, d, dt).unwrap(),
+                &down(&ops::fuse_qkv_grad(&up(&dq, &dev), &up(&dkv, &dev), d, g, dt).unwrap()),
+                &ops::fuse_qkv_grad(&dq, &dkv, d, g, dt).unwrap(),
             );
         }
         let qkv = rand(&[4, 24], dt, 7);
         assert_same_error(
             "pack_kv head_dim",
-            ops::pack_kv(&up(&qkv, &dev), 5),
-            ops::pack_kv(&qkv, 5),
+            ops::pack_kv(&up(&qkv, &dev), 5, 1),
+            ops::pack_kv(&qkv, 5, 1),
         );
         let dq = rand(&[4, 8], acc, 8);
         let dkv = rand(&[4, 12], acc, 9);
         assert_same_error(
             "fuse_qkv_grad dkv",
-            ops::fuse_qkv_grad(&up(&dq, &dev), &up(&dkv, &dev), 4, dt),
-            ops::fuse_qkv_grad(&dq, &dkv, 4, dt),
+            ops::fuse_qkv_grad(&up(&dq, &dev), &up(&dkv, &dev), 4, 1, dt),
+            ops::fuse_qkv_grad(&dq, &dkv, 4, 1, dt),
         );
     }
     let ints = rand(&[2, 12], DType::I32, 1);
     assert_same_error(
         "pack_kv of i32",
-        ops::pack_kv(&up(&ints, &dev), 4),
-        ops::pack_kv(&ints, 4),
+        ops::pack_kv(&up(&ints, &dev), 4, 1),
+        ops::pack_kv(&ints, 4, 1),
     );
     let (dq, dkv) = (rand(&[2, 4], DType::F32, 2), rand(&[2, 8], DType::F32, 3));
     assert_same_error(
         "fuse_qkv_grad into i64",
-        ops::fuse_qkv_grad(&up(&dq, &dev), &up(&dkv, &dev), 4, DType::I64),
-        ops::fuse_qkv_grad(&dq, &dkv, 4, DType::I64),
+        ops::fuse_qkv_grad(&up(&dq, &dev), &up(&dkv, &dev), 4, 1, DType::I64),
+        ops::fuse_qkv_grad(&dq, &dkv, 4, 1, DType::I64),
     );
     for (k, dt) in ALL.into_iter().enumerate() {
         let t = rand(&[6, 5], dt, 60 + k as u64);

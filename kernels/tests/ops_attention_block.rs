@@ -38,18 +38,26 @@ fn max_rel(got: &[f64], want: &[f64]) -> f64 {
         .fold(0.0, f64::max)
 }
 
-fn run(dtype: DType, batch: usize, s: usize, heads: usize, d: usize, cp: usize, zigzag: bool) {
+/// `heads` is the KV heads, each shared by `g` query heads.
+#[allow(clippy::too_many_arguments)]
+fn run_grouped(
+    dtype: DType,
+    batch: usize,
+    s: usize,
+    kv_heads: usize,
+    g: usize,
+    d: usize,
+    cp: usize,
+    zigzag: bool,
+) {
     let tol = if dtype == DType::F64 { 1e-12 } else { 2e-5 };
-    let cfg = CausalAttention {
-        seq_len: s,
-        head_dim: d,
-        rope_base: 10000.0,
-        pos_offset: 3,
-    };
-    let (qkv, _) = input(&[batch * s, heads * 3 * d], 7, 1.5, dtype);
+    let cfg = CausalAttention::new(s, d).grouped(g);
+    let heads = kv_heads * g;
+    let (qkv, _) = input(&[batch * s, kv_heads * (g + 2) * d], 7, 1.5, dtype);
     let (dout, _) = input(&[batch * s, heads * d], 11, 1.0, dtype);
     let full = ops::causal_attention(&qkv, &cfg).unwrap();
     let dfull = ops::causal_attention_backward(&dout, &qkv, &full.out, &full.lse, &cfg).unwrap();
+    // The mask compares positions only: an offset shared by q and k changes nothing.
     let pos: Vec<Vec<usize>> = (0..cp)
         .map(|c| positions(s, cp, c, zigzag).iter().map(|p| p + 3).collect())
         .collect();
@@ -60,13 +68,22 @@ fn run(dtype: DType, batch: usize, s: usize, heads: usize, d: usize, cp: usize, 
         .iter()
         .map(|r| ops::gather_rows(&qkv, r).unwrap())
         .collect();
-    let kvs: Vec<Tensor> = local.iter().map(|t| ops::pack_kv(t, d).unwrap()).collect();
+    let kvs: Vec<Tensor> = local
+        .iter()
+        .map(|t| ops::pack_kv(t, d, g).unwrap())
+        .collect();
+    assert_eq!(
+        kvs[0].shape()[1],
+        kv_heads * 2 * d,
+        "only the KV heads travel"
+    );
     let acc = ops::acc_dtype(dtype);
     let mut dkv: Vec<Tensor> = kvs.iter().map(|t| Tensor::zeros(t.shape(), acc)).collect();
     // Queries of rank `c` against the keys of rank `o`.
     let block = |c: usize, o: usize| BlockAttention {
         head_dim: d,
-        rope_base: 10000.0,
+        q_per_kv: g,
+        scale: None,
         q_pos: &pos[c],
         k_pos: &pos[o],
     };
@@ -123,15 +140,32 @@ fn run(dtype: DType, batch: usize, s: usize, heads: usize, d: usize, cp: usize, 
         assert_eq!(skipped, 0);
     }
     for c in 0..cp {
-        let dqkv = ops::fuse_qkv_grad(&dqkv_parts[c], &dkv[c], d, dtype).unwrap();
+        let dqkv = ops::fuse_qkv_grad(&dqkv_parts[c], &dkv[c], d, g, dtype).unwrap();
         let want = ops::gather_rows(&dfull, &rows[c]).unwrap().to_f64_vec();
         let e = max_rel(&dqkv.to_f64_vec(), &want);
-        eprintln!("{dtype} b{batch} s{s} cp{cp} zigzag {zigzag} rank {c}: dqkv max rel err {e:e}");
+        eprintln!(
+            "{dtype} b{batch} s{s} kv{kv_heads} g{g} cp{cp} zigzag {zigzag} rank {c}: dqkv max rel err {e:e}"
+        );
         assert!(
             e <= tol,
             "{dtype} cp {cp} zigzag {zigzag} rank {c}: dqkv {e:e}"
         );
     }
+}
+
+fn run(dtype: DType, batch: usize, s: usize, heads: usize, d: usize, cp: usize, zigzag: bool) {
+    run_grouped(dtype, batch, s, heads, 1, d, cp, zigzag);
+}
+
+#[test]
+fn grouped_blocks_merged_equal_the_full_kernel() {
+    // GQA (2 and 4 query heads per KV head), MQA (one KV head for 4 query heads).
+    for &(kv, g, d) in &[(2, 2, 4), (1, 4, 3), (2, 4, 8)] {
+        for &(cp, zz) in &[(1, false), (2, true), (3, false)] {
+            run_grouped(DType::F64, 2, 48, kv, g, d, cp, zz);
+        }
+    }
+    run_grouped(DType::F32, 2, 48, 2, 2, 4, 2, true);
 }
 
 #[test]
@@ -149,6 +183,8 @@ fn blocks_merged_equal_the_full_kernel_f64() {
     // Tiles of 64 inside a block (a rank holds 80 and 160 rows per sample).
     run(DType::F64, 2, 320, 1, 8, 2, true);
     run(DType::F64, 1, 320, 1, 8, 4, false);
+    // An odd head dim.
+    run(DType::F64, 2, 48, 3, 5, 2, true);
 }
 
 #[test]
@@ -167,10 +203,11 @@ fn run_bf16() {
     let (qkv, _) = input(&[8, 2 * 3 * 4], 3, 1.0, DType::BF16);
     let q_pos: Vec<usize> = (4..8).collect();
     let k_pos: Vec<usize> = (0..4).collect();
-    let kv = ops::pack_kv(&qkv, 4).unwrap();
+    let kv = ops::pack_kv(&qkv, 4, 1).unwrap();
     let b = BlockAttention {
         head_dim: 4,
-        rope_base: 100.0,
+        q_per_kv: 1,
+        scale: None,
         q_pos: &q_pos,
         k_pos: &k_pos,
     };
@@ -182,11 +219,12 @@ fn run_bf16() {
 #[test]
 fn a_fully_masked_block_contributes_nothing() {
     let (qkv, _) = input(&[4, 6], 5, 1.0, DType::F64);
-    let kv = ops::pack_kv(&qkv, 2).unwrap();
+    let kv = ops::pack_kv(&qkv, 2, 1).unwrap();
     let (q_pos, k_pos) = ([0usize, 1], [2usize, 3]);
     let b = BlockAttention {
         head_dim: 2,
-        rope_base: 100.0,
+        q_per_kv: 1,
+        scale: None,
         q_pos: &q_pos,
         k_pos: &k_pos,
     };
@@ -205,10 +243,11 @@ fn a_fully_masked_block_contributes_nothing() {
 #[test]
 fn bad_blocks_are_errors_naming_the_op() {
     let (qkv, _) = input(&[4, 6], 5, 1.0, DType::F64);
-    let kv = ops::pack_kv(&qkv, 2).unwrap();
+    let kv = ops::pack_kv(&qkv, 2, 1).unwrap();
     let mk = |q: &'static [usize], k: &'static [usize]| BlockAttention {
         head_dim: 2,
-        rope_base: 100.0,
+        q_per_kv: 1,
+        scale: None,
         q_pos: q,
         k_pos: k,
     };
@@ -230,13 +269,14 @@ fn bad_blocks_are_errors_naming_the_op() {
 #[test]
 fn overflowing_head_dims_are_errors_not_panics() {
     let (qkv, _) = input(&[4, 6], 5, 1.0, DType::F64);
-    let kv = ops::pack_kv(&qkv, 2).unwrap();
+    let kv = ops::pack_kv(&qkv, 2, 1).unwrap();
     // 3·head_dim does not fit a usize.
     let huge = usize::MAX - 1;
-    assert_names_op(ops::pack_kv(&qkv, huge), "ops::pack_kv");
+    assert_names_op(ops::pack_kv(&qkv, huge, 1), "ops::pack_kv");
     let cfg = BlockAttention {
         head_dim: huge,
-        rope_base: 100.0,
+        q_per_kv: 1,
+        scale: None,
         q_pos: &[0, 1],
         k_pos: &[0, 1],
     };
@@ -248,7 +288,7 @@ fn overflowing_head_dims_are_errors_not_panics() {
     let dq = Tensor::zeros(&[0, usize::MAX - 1], DType::F32);
     let dkv = Tensor::zeros(&[0, 2], DType::F32);
     assert_names_op(
-        ops::fuse_qkv_grad(&dq, &dkv, 1, DType::F32),
+        ops::fuse_qkv_grad(&dq, &dkv, 1, 1, DType::F32),
         "ops::fuse_qkv_grad",
     );
 }

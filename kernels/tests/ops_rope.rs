@@ -13,7 +13,7 @@
 mod common;
 
 use common::*;
-use dtensor_kernels::ops::{self, Rope, RopeScaling, RopeStyle};
+use dtensor_kernels::ops::{self, Rope, RopeScaling, RopeStyle, RopeTables, RotatedHeads};
 use dtensor_kernels::{DType, Tensor};
 use std::f64::consts::PI;
 
@@ -170,6 +170,7 @@ fn configs() -> Vec<Rope> {
                     theta: 10_000.0,
                     style,
                     scaling,
+                    heads: RotatedHeads::ALL,
                 });
             }
         }
@@ -351,6 +352,91 @@ fn rope_half_precision_rounds_once_from_f32() {
             }
         }
     }
+}
+
+// The q and k heads of a grouped fused QKV row turn exactly as the same heads alone; the
+// v heads come through bit for bit, forward and backward.
+#[test]
+fn rope_on_fused_qkv_rotates_the_q_and_k_heads_only() {
+    let (d, pos) = (6, [3usize, 0, 17, 4]);
+    for q_per_kv in [1, 2, 4] {
+        let group = q_per_kv + 2;
+        let kv_heads = 2;
+        let heads = kv_heads * group;
+        let plain = Rope::new(d, 10_000.0, RopeStyle::HalfSplit);
+        let fused = plain.on_fused_qkv(q_per_kv);
+        for dtype in [DType::F64, DType::F32, DType::BF16] {
+            let (x, xv) = input(&[pos.len(), heads * d], 5, 1.0, dtype);
+            let all = ops::rope(&x, &pos, &plain).unwrap().to_f64_vec();
+            for (y, what) in [
+                (ops::rope(&x, &pos, &fused).unwrap(), "rope"),
+                (
+                    ops::rope_backward(&x, &pos, &fused).unwrap(),
+                    "rope_backward",
+                ),
+            ] {
+                let back = what == "rope_backward";
+                let all = if back {
+                    ops::rope_backward(&x, &pos, &plain).unwrap().to_f64_vec()
+                } else {
+                    all.clone()
+                };
+                let y = y.to_f64_vec();
+                for (i, ((&got, &turned), &orig)) in y.iter().zip(&all).zip(&xv).enumerate() {
+                    let h = (i % (heads * d)) / d;
+                    let want = if h % group < q_per_kv + 1 {
+                        turned
+                    } else {
+                        orig
+                    };
+                    assert_eq!(
+                        got, want,
+                        "{what} g={q_per_kv} {dtype} element {i} (head {h})"
+                    );
+                }
+            }
+        }
+    }
+}
+
+// Prebuilt tables give the same bits as the op building its own, both directions; tables
+// for other rows, of another width or dtype are errors naming the op.
+#[test]
+fn rope_with_prebuilt_tables_matches_and_checks_them() {
+    let cfg = Rope::new(8, 10_000.0, RopeStyle::Interleaved).on_fused_qkv(2);
+    let pos = [5usize, 1, 9];
+    for dtype in ALL {
+        let (x, _) = input(&[pos.len(), 8 * 8], 6, 1.0, dtype);
+        let tables = RopeTables::new(&cfg, &pos, &x).unwrap();
+        assert_eq!(tables.len(), pos.len());
+        assert_eq!(
+            ops::rope_with(&x, &tables, &cfg).unwrap(),
+            ops::rope(&x, &pos, &cfg).unwrap()
+        );
+        assert_eq!(
+            ops::rope_backward_with(&x, &tables, &cfg).unwrap(),
+            ops::rope_backward(&x, &pos, &cfg).unwrap()
+        );
+    }
+    let x = Tensor::zeros(&[3, 64], DType::F32);
+    let short = RopeTables::new(&cfg, &[0, 1], &x).unwrap();
+    let narrow = RopeTables::new(
+        &Rope {
+            rotary_dim: 4,
+            ..cfg
+        },
+        &pos,
+        &x,
+    )
+    .unwrap();
+    let wide = RopeTables::new(&cfg, &pos, &Tensor::zeros(&[3, 64], DType::F64)).unwrap();
+    for bad in [&short, &narrow, &wide] {
+        let e = assert_names_op(ops::rope_with(&x, bad, &cfg), "ops::rope").to_string();
+        assert!(e.contains("tables"), "{e}");
+    }
+    // A fused row of 8 heads is not whole groups of 3 (1 query head per KV head).
+    let e = assert_names_op(ops::rope(&x, &pos, &cfg.on_fused_qkv(1)), "ops::rope");
+    assert!(e.to_string().contains("groups"), "{e}");
 }
 
 #[test]

@@ -8,6 +8,12 @@
 //! `h·3·d .. h·3·d + d` are q, the next `d` are k, the next `d` are v (`d` the head dim).
 //! `Shard<0>` over `Tp` therefore gives rank `r` heads `r·heads/tp ..`, complete.
 //!
+//! Positions: the q and k heads of the fused QKV are rotated by the RoPE op
+//! ([`Var::rope`] with [`Rope::on_fused_qkv`]) before the attention, in interleaved pairs
+//! (`(x[2i], x[2i+1])`, [`RopeStyle::Interleaved`]) with base
+//! [`rope_base`](AttentionConfig::rope_base), each token at its position in its sample
+//! (under `Cp`, its true position in the CP order: [`RopePositions::ContextParallel`]).
+//!
 //! The attention itself is the typed op [`Var::context_attention`] over `Cp`, laid out
 //! [`ColOut`](crate::ColOut) in and out (samples whole over `Dp` and `Ep`, heads whole over
 //! `Tp`, the sequence `Shard<0>` over `Cp`). At `cp = 1` it is the fused causal kernel (a
@@ -23,8 +29,10 @@ use crate::init::ParamInit;
 use crate::linear::{ColumnParallelLinear, RowParallelLinear};
 use crate::params::{join_name, Module, ParamVisitor};
 use crate::seq::{axis_size, SeqMode, Stream};
-use dtensor_core::{ContextAttention, CpLayout, CpStrategy, DeviceMesh, Error, Result, Tape, Var};
-use dtensor_kernels::ops::CausalAttention;
+use dtensor_core::{
+    ContextAttention, CpLayout, CpStrategy, DeviceMesh, Error, Result, RopePositions, Tape, Var,
+};
+use dtensor_kernels::ops::{CausalAttention, Rope, RopeStyle};
 use dtensor_kernels::Tensor;
 use dtensor_placement::{AxisKind, Cp};
 use std::sync::Arc;
@@ -39,7 +47,7 @@ pub struct AttentionConfig {
     /// Tokens per sample: the stream's rows are samples of this many tokens, one after
     /// another.
     pub seq_len: usize,
-    /// RoPE's base (10000 in most models).
+    /// RoPE's base (10000 in most models); q and k are rotated in interleaved pairs.
     pub rope_base: f64,
     /// How attention runs over `Cp` (unused at `cp = 1`).
     pub context: ContextParallel,
@@ -198,12 +206,24 @@ impl<M: SeqMode, D: DataMode> ParallelAttention<M, D> {
         x: &Var<'t, Stream<M>>,
     ) -> Result<Var<'t, Stream<M>>> {
         let qkv = self.qkv.forward::<M>(tape, x)?;
+        let (seq_len, d) = (self.config.seq_len, self.config.head_dim());
+        let positions =
+            match stream_order(seq_len, &self.config.context, qkv.value().device_mesh())? {
+                Some((layout, blocks)) => RopePositions::ContextParallel {
+                    layout,
+                    blocks,
+                    offset: 0,
+                },
+                None => RopePositions::sequential(seq_len),
+            };
+        let rope = Rope::new(d, self.config.rope_base, RopeStyle::Interleaved).on_fused_qkv(1);
+        let qkv = qkv.rope(&rope, &positions)?;
         let cfg = ContextAttention {
             attn: CausalAttention {
-                seq_len: self.config.seq_len,
-                head_dim: self.config.head_dim(),
-                rope_base: self.config.rope_base,
-                pos_offset: 0,
+                seq_len,
+                head_dim: d,
+                q_per_kv: 1,
+                scale: None,
             },
             zigzag: self.config.context.zigzag,
             strategy: self.config.context.strategy,

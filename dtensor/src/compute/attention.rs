@@ -1,4 +1,4 @@
-//! `causal_attention`: fused causal self-attention with RoPE over a rank's whole samples
+//! `causal_attention`: fused causal self-attention over a rank's whole samples
 //! and heads, with its tape twin, which records the output and log-sum-exp the forward's
 //! kernel saved. Context-parallel attention is in [`context`](crate::context).
 
@@ -10,8 +10,10 @@ use dtensor_kernels::ops::{self, CausalAttention, CausalAttentionOutput};
 use dtensor_placement::{AttentionLayout, Layout};
 
 impl<L: Layout> DTensor<L> {
-    /// Fused causal self-attention with RoPE over a `[tokens, heads·3·d]` QKV (per head: q,
-    /// k, v columns together; tokens are samples of `cfg.seq_len` one after another) into
+    /// Fused causal self-attention over a `[tokens, heads·3·d]` QKV (per head: q, k, v
+    /// columns together, q and k already rotated, e.g. by [`rope`](Self::rope) with
+    /// [`Rope::on_fused_qkv`](ops::Rope::on_fused_qkv); tokens are samples of `cfg.seq_len`
+    /// one after another) into
     /// `[tokens, heads·d]`, laid out as the input: a rank holds whole samples and whole heads
     /// (both checked here), so the attention is local.
     pub fn causal_attention(&self, cfg: &CausalAttention) -> Result<DTensor<L>>
@@ -54,12 +56,12 @@ fn attention_parts<L: Layout>(
     let a = x.as_any();
     want_rank(OP, a, 2, "the QKV")?;
     let (rows, cols) = (a.local_shape()[0], a.local_shape()[1]);
-    let d3 = 3 * cfg.head_dim;
-    if cfg.seq_len == 0 || rows % cfg.seq_len != 0 || d3 == 0 || cols % d3 != 0 {
+    let (g, group) = (cfg.q_per_kv, cfg.group_cols().unwrap_or(0));
+    if cfg.seq_len == 0 || rows % cfg.seq_len != 0 || g == 0 || group == 0 || cols % group != 0 {
         return Err(shape_err(
             OP,
             format!(
-                "{}: this rank's {rows} tokens × {cols} columns are not whole samples of {} tokens and whole heads of 3·{} columns (make the batch divisible by the data ranks, the heads by the tensor ranks)",
+                "{}: this rank's {rows} tokens × {cols} columns are not whole samples of {} tokens and whole KV groups of ({g}+2)·{} columns (make the batch divisible by the data ranks, the KV heads by the tensor ranks)",
                 describe(a),
                 cfg.seq_len,
                 cfg.head_dim
@@ -67,7 +69,10 @@ fn attention_parts<L: Layout>(
         ));
     }
     let saved = ops::causal_attention(a.as_local(), cfg)?;
-    let global = [a.global_shape()[0], a.global_shape()[1] / 3];
+    let global = [
+        a.global_shape()[0],
+        a.global_shape()[1] / group * g * cfg.head_dim,
+    ];
     let y = output(OP, saved.out.clone(), &global, a)?;
     Ok((y, saved))
 }

@@ -1,4 +1,5 @@
-//! Rotary position embedding on a distributed `[tokens, heads·head_dim]` tensor (q or k):
+//! Rotary position embedding on a distributed `[tokens, heads·head_dim]` tensor (q, k, or
+//! the q and k heads of a fused QKV through [`Rope::heads`]):
 //! [`DTensor::rope`] and its twin `Var::rope`, the kernel
 //! [`ops::rope`](mod@dtensor_kernels::ops::rope) (its docs have the formulas) run on every
 //! rank's piece with that piece's rows at their *global* positions.
@@ -18,8 +19,9 @@
 //! # Placements
 //!
 //! Per axis ([`RopeRule`], defined below): `Shard<0>` (tokens),
-//! `Shard<1>` (whole heads: a rank's columns must start and end on a head boundary, checked
-//! when it runs), `Replicate`, `Invariant`, and `Partial<Sum>` / `Partial<Avg>` (RoPE is
+//! `Shard<1>` (whole heads, whole runs of [`RotatedHeads::group`](ops::RotatedHeads) of
+//! them: a rank's columns must start and end on a group boundary, checked when it runs),
+//! `Replicate`, `Invariant`, and `Partial<Sum>` / `Partial<Avg>` (RoPE is
 //! linear: rotating every term rotates their sum). The output keeps the layout; no
 //! communication, forward or backward (the backward is the transposed rotation,
 //! [`ops::rope_backward`], on the local gradient).
@@ -99,7 +101,7 @@ use crate::context::CpLayout;
 use crate::error::{Error, Result};
 use crate::tape::{grad_of, Var};
 use crate::typed::DTensor;
-use dtensor_kernels::ops::{self, Rope};
+use dtensor_kernels::ops::{self, Rope, RopeTables};
 use dtensor_placement::Layout;
 use std::ops::Range;
 use std::sync::Arc;
@@ -227,12 +229,15 @@ fn local_positions(a: &AnyDTensor, cfg: &Rope, positions: &RopePositions) -> Res
             describe(a)
         ));
     }
-    let d = cfg.head_dim;
+    // The rotated heads repeat every group: a rank's columns must be whole groups for its
+    // local heads to fall where the kernel's pattern says.
+    let (d, group) = (cfg.head_dim, cfg.heads.group);
+    let run = d.saturating_mul(group);
     let cols = local_range(a, 1)?;
-    let whole = |n: usize| n.is_multiple_of(d);
-    if d == 0 || !whole(a.global_shape()[1]) || !whole(cols.start) || !whole(cols.len()) {
+    let whole = |n: usize| n.is_multiple_of(run);
+    if run == 0 || !whole(a.global_shape()[1]) || !whole(cols.start) || !whole(cols.len()) {
         return bad(format!(
-            "this rank holds columns {cols:?} of {}: not whole heads of head_dim {d} (shard the columns at head boundaries: heads divisible by the ranks)",
+            "this rank holds columns {cols:?} of {}: not whole runs of {group} head(s) of head_dim {d} (shard the columns at group boundaries: groups divisible by the ranks)",
             describe(a)
         ));
     }
@@ -253,29 +258,38 @@ impl<L: Layout> DTensor<L> {
     }
 }
 
+/// The forward, with the cos/sin tables of this rank's rows (which the backward reuses).
 fn forward<L: Layout>(
     x: &DTensor<L>,
     cfg: &Rope,
     positions: &RopePositions,
-) -> Result<(DTensor<L>, Vec<usize>)> {
+) -> Result<(DTensor<L>, RopeTables)> {
     let a = x.as_any();
     let pos = local_positions(a, cfg, positions)?;
-    let y = output(OP, ops::rope(a.as_local(), &pos, cfg)?, a.global_shape(), a)?;
-    Ok((y, pos))
+    let tables = RopeTables::new(cfg, &pos, a.as_local())?;
+    let y = output(
+        OP,
+        ops::rope_with(a.as_local(), &tables, cfg)?,
+        a.global_shape(),
+        a,
+    )?;
+    Ok((y, tables))
 }
 
 impl<'t, L: Layout> Var<'t, L> {
     /// [`DTensor::rope`]; the backward rotates the output's gradient back (the transposed
-    /// rotation at the same positions), with no communication.
+    /// rotation by the forward's own cos/sin tables), with no communication.
     pub fn rope(&self, cfg: &Rope, positions: &RopePositions) -> Result<Var<'t, L>>
     where
         L: RopeLayout,
     {
-        let (y, pos) = forward(self.value(), cfg, positions)?;
-        let (xv, cfg) = (self.value().as_any().clone(), *cfg);
+        let (y, tables) = forward(self.value(), cfg, positions)?;
+        let cfg = *cfg;
+        // The backward needs the tables only: the input is not kept (the gradient has its
+        // shape, so it describes the result).
         Ok(self.unary(y, false, move |dy| {
-            let dx = ops::rope_backward(dy.as_local(), &pos, &cfg)?;
-            grad_of(OP_BACK, dx, &xv)
+            let dx = ops::rope_backward_with(dy.as_local(), &tables, &cfg)?;
+            grad_of(OP_BACK, dx, dy.as_any())
         }))
     }
 }

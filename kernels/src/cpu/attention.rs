@@ -15,13 +15,9 @@ use num_traits::Float as _;
 pub(super) const BLOCK: usize = 64;
 
 /// Host kernel of [`crate::ops::causal_attention`]: relies on `g` being
-/// `spec::attention::check_qkv`'s sizes of this `qkv` and `cfg` (float `[batch·s, H·3·d]`,
-/// `d` even, every position `pos_offset + i` a `usize`), which the front door computes.
-pub(crate) fn causal_attention(
-    qkv: &Tensor,
-    cfg: &CausalAttention,
-    g: Dims,
-) -> Result<CausalAttentionOutput> {
+/// `spec::attention::check_qkv`'s sizes of this `qkv` and its configuration (float
+/// `[batch·s, H·3·d]`), which the front door computes.
+pub(crate) fn causal_attention(qkv: &Tensor, g: Dims) -> Result<CausalAttentionOutput> {
     let mut out = Tensor::for_overwrite(&[g.tokens, g.heads * g.d], qkv.dtype());
     let mut lse = Tensor::for_overwrite(&[g.tokens, g.heads], acc_dtype(qkv.dtype()));
     dispatch_float!(OP, qkv.dtype(), |T| {
@@ -30,7 +26,6 @@ pub(crate) fn causal_attention(
             lse.as_mut_slice()?,
             qkv.as_slice()?,
             &g,
-            cfg,
         );
         Ok(())
     })?;
@@ -46,7 +41,6 @@ pub(crate) fn causal_attention_backward(
     qkv: &Tensor,
     out: &Tensor,
     lse: &Tensor,
-    cfg: &CausalAttention,
     g: Dims,
 ) -> Result<Tensor> {
     let mut dqkv = Tensor::for_overwrite(qkv.shape(), qkv.dtype());
@@ -58,53 +52,14 @@ pub(crate) fn causal_attention_backward(
             out.as_slice()?,
             lse.as_slice()?,
             &g,
-            cfg,
         );
         Ok(())
     })?;
     Ok(dqkv)
 }
 
-impl<A: AccFloat> Rope<A> {
-    /// `dst = mul · R(pos_i) · src`.
-    pub(super) fn rotate<T: Float<Acc = A>>(&self, dst: &mut [A], src: &[T], i: usize, mul: A) {
-        let (c, s) = self.at(i);
-        for p in 0..self.half {
-            let (a, b) = (src[2 * p].to_acc(), src[2 * p + 1].to_acc());
-            dst[2 * p] = (a * c[p] - b * s[p]) * mul;
-            dst[2 * p + 1] = (a * s[p] + b * c[p]) * mul;
-        }
-    }
-
-    /// `dst = round(mul · R(pos_i)ᵀ · src)`: the gradient through [`Rope::rotate`].
-    fn unrotate<T: Float<Acc = A>>(&self, dst: &mut [T], src: &[A], i: usize, mul: A) {
-        let (c, s) = self.at(i);
-        for p in 0..self.half {
-            let (a, b) = (src[2 * p], src[2 * p + 1]);
-            dst[2 * p] = T::from_acc((a * c[p] + b * s[p]) * mul);
-            dst[2 * p + 1] = T::from_acc((b * c[p] - a * s[p]) * mul);
-        }
-    }
-
-    /// `dst += mul · R(pos_i)ᵀ · src`, in the compute type (a block's gradient added into
-    /// a caller's accumulator).
-    pub(super) fn unrotate_add(&self, dst: &mut [A], src: &[A], i: usize, mul: A) {
-        let (c, s) = self.at(i);
-        for p in 0..self.half {
-            let (a, b) = (src[2 * p], src[2 * p + 1]);
-            dst[2 * p] += (a * c[p] + b * s[p]) * mul;
-            dst[2 * p + 1] += (b * c[p] - a * s[p]) * mul;
-        }
-    }
-
-    fn at(&self, i: usize) -> (&[A], &[A]) {
-        let r = i * self.half..(i + 1) * self.half;
-        (&self.cos[r.clone()], &self.sin[r])
-    }
-}
-
-/// One sample's q (rotated, times `1/√d`), k (rotated) and v of one head, `[s, d]` each in
-/// the compute type; reused across (head, sample) pairs.
+/// One sample's q (times `1/√d`), k and v of one head, `[s, d]` each in the compute type;
+/// reused across (head, sample) pairs.
 struct Qkv<A> {
     q: Vec<A>,
     k: Vec<A>,
@@ -133,20 +88,52 @@ impl<A: AccFloat> Qkv<A> {
         }
     }
 
-    /// Loads head `h` of sample `b`, applying RoPE once and folding the score scale into q.
-    fn load<T: Float<Acc = A>>(&mut self, qkv: &[T], g: &Dims, rope: &Rope<A>, h: usize, b: usize) {
+    /// Loads query head `h` of sample `b`, folding the score scale into q.
+    fn load_q<T: Float<Acc = A>>(&mut self, qkv: &[T], g: &Dims, h: usize, b: usize) {
         let (s, d) = (g.s, g.d);
-        let scale = A::lit(1.0 / (d as f64).sqrt());
+        let scale = A::lit(g.scale);
+        let col = q_col(g, h);
         for i in 0..s {
-            let row = (b * s + i) * g.cols + h * 3 * d;
-            let src = &qkv[row..row + 3 * d];
-            let at = i * d..(i + 1) * d;
-            rope.rotate(&mut self.q[at.clone()], &src[..d], i, scale);
-            rope.rotate(&mut self.k[at.clone()], &src[d..2 * d], i, A::ONE);
-            for (dst, x) in self.v[at].iter_mut().zip(&src[2 * d..]) {
-                *dst = x.to_acc();
-            }
+            let row = (b * s + i) * g.cols + col;
+            widen(&mut self.q[i * d..(i + 1) * d], &qkv[row..row + d], scale);
         }
+    }
+
+    /// Loads KV head `j` of sample `b`.
+    fn load_kv<T: Float<Acc = A>>(&mut self, qkv: &[T], g: &Dims, j: usize, b: usize) {
+        let (s, d) = (g.s, g.d);
+        let col = k_col(g, j);
+        for i in 0..s {
+            let row = (b * s + i) * g.cols + col;
+            let at = i * d..(i + 1) * d;
+            widen(&mut self.k[at.clone()], &qkv[row..row + d], A::ONE);
+            widen(&mut self.v[at], &qkv[row + d..row + 2 * d], A::ONE);
+        }
+    }
+}
+
+/// The first column of query head `h` in a grouped fused QKV row: its KV group's start,
+/// then `h mod g` query heads.
+fn q_col(g: &Dims, h: usize) -> usize {
+    (h / g.g) * (g.g + 2) * g.d + (h % g.g) * g.d
+}
+
+/// The first column of KV head `j`'s k (its v follows) in a grouped fused QKV row.
+fn k_col(g: &Dims, j: usize) -> usize {
+    (j * (g.g + 2) + g.g) * g.d
+}
+
+/// `dst = mul · src` in the compute type.
+pub(super) fn widen<T: Float>(dst: &mut [T::Acc], src: &[T], mul: T::Acc) {
+    for (o, x) in dst.iter_mut().zip(src) {
+        *o = x.to_acc() * mul;
+    }
+}
+
+/// `dst = round(mul · src)` into the storage type.
+fn narrow<T: Float>(dst: &mut [T], src: &[T::Acc], mul: T::Acc) {
+    for (o, &x) in dst.iter_mut().zip(src) {
+        *o = T::from_acc(x * mul);
     }
 }
 
@@ -156,7 +143,7 @@ fn rows<A>(x: &[A], r0: usize, r1: usize, d: usize) -> Mat<'_, A> {
 }
 
 /// One (head, sample) pair's operands in the compute type, `[rows, d]` row-major each: q
-/// rotated and times `1/√d`, k rotated, v; with each row's position in the sample
+/// times `1/√d`, k, v; with each row's position in the sample
 /// (strictly increasing, so the keys a query sees in a key block are a prefix of it). The
 /// full kernel passes one sample's q, k, v with positions `0..s`; the blockwise kernel
 /// ([`super::attention_block`]) a chunk of queries against another chunk's keys.
@@ -357,7 +344,7 @@ impl<A: ExpShifted> SampleGrads<A> {
 /// The backward of one (head, sample) pair, given the output gradient `go` (`[nq, d]`),
 /// `dd_i = dout_i·out_i` and the final `lse_i` of each query row: adds into `dq` (`[nq,
 /// d]`), `dk` and `dv` (`[nk, d]`) the gradients with respect to the operands as
-/// [`Operands`] holds them (q rotated and scaled, k rotated). `P` is recomputed from `lse`,
+/// [`Operands`] holds them (q scaled). `P` is recomputed from `lse`,
 /// so with the lse of the *whole* attention (all key blocks merged) this is one key
 /// block's exact share of the gradient.
 #[allow(clippy::too_many_arguments)]
@@ -416,32 +403,25 @@ fn backward_sample<A: ExpShifted>(
     }
 }
 
-fn forward<T: Float<Acc: ExpShifted>>(
-    out: &mut [T],
-    lse: &mut [T::Acc],
-    qkv: &[T],
-    g: &Dims,
-    cfg: &CausalAttention,
-) {
+fn forward<T: Float<Acc: ExpShifted>>(out: &mut [T], lse: &mut [T::Acc], qkv: &[T], g: &Dims) {
     let (s, d, nh) = (g.s, g.d, g.heads);
-    let rope = Rope::<T::Acc>::new(cfg);
     let mut x = Qkv::new(g);
-    // Masking compares positions within the sample (the offset shifts q and k alike).
     let pos: Vec<usize> = (0..s).collect();
     let mut w = FwdScratch::new(d, s);
-    for h in 0..nh {
-        for b in 0..g.batch {
-            x.load(qkv, g, &rope, h, b);
-            let ops = x.operands(&pos, d);
-            forward_sample(&ops, &mut w, |i, acc, l, m| {
-                let t = b * s + i;
-                let dst = &mut out[t * nh * d + h * d..][..d];
-                for (o, &a) in dst.iter_mut().zip(acc) {
-                    *o = T::from_acc(a / l);
-                }
-                lse[t * nh + h] = m + l.ln();
-            });
+    for (h, b) in head_order(g) {
+        if h % g.g == 0 {
+            x.load_kv(qkv, g, h / g.g, b);
         }
+        x.load_q(qkv, g, h, b);
+        let ops = x.operands(&pos, d);
+        forward_sample(&ops, &mut w, |i, acc, l, m| {
+            let t = b * s + i;
+            let dst = &mut out[t * nh * d + h * d..][..d];
+            for (o, &a) in dst.iter_mut().zip(acc) {
+                *o = T::from_acc(a / l);
+            }
+            lse[t * nh + h] = m + l.ln();
+        });
     }
 }
 
@@ -453,33 +433,53 @@ fn backward<T: Float<Acc: ExpShifted>>(
     out: &[T],
     lse: &[T::Acc],
     g: &Dims,
-    cfg: &CausalAttention,
 ) {
     let (s, d, nh) = (g.s, g.d, g.heads);
-    let rope = Rope::<T::Acc>::new(cfg);
-    let scale = T::Acc::lit(1.0 / (d as f64).sqrt());
+    let scale = T::Acc::lit(g.scale);
     let mut x = Qkv::new(g);
     let pos: Vec<usize> = (0..s).collect();
     let mut grads = SampleGrads::new(s, s, d);
-    for h in 0..nh {
-        for b in 0..g.batch {
-            x.load(qkv, g, &rope, h, b);
-            let ops = x.operands(&pos, d);
-            grads.compute(&ops, dout, out, lse, nh, h, b);
-            let SampleGrads { dq, dk, dv, .. } = &grads;
+    // dK and dV of the KV head, summed over its query heads in order.
+    let (mut dk_sum, mut dv_sum) = (vec![T::Acc::ZERO; s * d], vec![T::Acc::ZERO; s * d]);
+    for (h, b) in head_order(g) {
+        let (j, first) = (h / g.g, h % g.g == 0);
+        if first {
+            x.load_kv(qkv, g, j, b);
+            dk_sum.fill(T::Acc::ZERO);
+            dv_sum.fill(T::Acc::ZERO);
+        }
+        x.load_q(qkv, g, h, b);
+        let ops = x.operands(&pos, d);
+        grads.compute(&ops, dout, out, lse, nh, h, b);
+        let SampleGrads { dq, dk, dv, .. } = &grads;
+        let qc = q_col(g, h);
+        for i in 0..s {
+            let row = (b * s + i) * g.cols + qc;
+            // q was scaled on loading: the chain rule scales dq by it too.
+            narrow(&mut dqkv[row..row + d], &dq[i * d..(i + 1) * d], scale);
+        }
+        for (acc, part) in [(&mut dk_sum, dk), (&mut dv_sum, dv)] {
+            for (a, &p) in acc.iter_mut().zip(part) {
+                *a += p;
+            }
+        }
+        if h % g.g == g.g - 1 {
+            let kc = k_col(g, j);
             for i in 0..s {
-                let row = (b * s + i) * g.cols + h * 3 * d;
-                let dst = &mut dqkv[row..row + 3 * d];
+                let row = (b * s + i) * g.cols + kc;
                 let at = i * d..(i + 1) * d;
-                // q was scaled by 1/√d after rotating: the chain rule scales dq by it too.
-                rope.unrotate(&mut dst[..d], &dq[at.clone()], i, scale);
-                rope.unrotate(&mut dst[d..2 * d], &dk[at.clone()], i, T::Acc::ONE);
-                for (o, &v) in dst[2 * d..].iter_mut().zip(&dv[at]) {
-                    *o = T::from_acc(v);
-                }
+                narrow(&mut dqkv[row..row + d], &dk_sum[at.clone()], T::Acc::ONE);
+                narrow(&mut dqkv[row + d..row + 2 * d], &dv_sum[at], T::Acc::ONE);
             }
         }
     }
+}
+
+/// The (query head, sample) pairs in the order the kernels visit them: per KV head and
+/// sample, its query heads one after another (their K and V loaded once).
+fn head_order(g: &Dims) -> impl Iterator<Item = (usize, usize)> + '_ {
+    (0..g.kv_heads)
+        .flat_map(move |j| (0..g.batch).flat_map(move |b| (0..g.g).map(move |i| (j * g.g + i, b))))
 }
 
 /// `x ← exp(x − shift)` over a row of scores, in the compute type.

@@ -1,27 +1,31 @@
-//! Host kernels of [`crate::ops::attention_block`](mod@crate::ops::attention_block), on host tensors. Each says
-//! what it relies on and which check ensures it: the front door's, before the call, or the
-//! kernel's own call of the `spec` check it shares with the device launch.
+//! Host kernels of [`crate::ops::attention_block`](mod@crate::ops::attention_block), on
+//! host tensors. Each relies on the front door's `spec::attention_block` checks, called
+//! once before it (and shared with the device launch); what it relies on is said above it.
 
-use super::attention::{forward_sample, ExpShifted, FwdScratch, Operands, SampleGrads};
-use super::{acc_dtype, check_dst, same_dtype, AccFloat, Float};
-use crate::spec::attention::{CausalAttentionOutput, Rope};
+use super::attention::{forward_sample, widen, ExpShifted, FwdScratch, Operands, SampleGrads};
+use super::{acc_dtype, AccFloat, Float};
+use crate::spec::attention::CausalAttentionOutput;
 use crate::spec::attention_block::*;
-use crate::{DType, Error, Result, Tensor};
+use crate::{DType, Result, Tensor};
 use num_traits::Float as _;
 
-/// Host kernel of [`crate::ops::pack_kv`] (the checks are the spec's, shared with the device).
-pub(crate) fn pack_kv(qkv: &Tensor, head_dim: usize) -> Result<Tensor> {
-    let d = head_dim;
-    let (rows, heads) = check_pack_kv(OP_PACK, qkv, d)?;
-    let cols = heads * 3 * d;
-    let mut kv = Tensor::for_overwrite(&[rows, heads * 2 * d], qkv.dtype());
+/// Host kernel of [`crate::ops::pack_kv`]: relies on `(rows, kv_heads)` being
+/// `check_pack_kv`'s sizes of this float `qkv` with `g` query heads per KV head.
+pub(crate) fn pack_kv(
+    qkv: &Tensor,
+    d: usize,
+    g: usize,
+    (rows, kv_heads): (usize, usize),
+) -> Result<Tensor> {
+    let cols = kv_heads * (g + 2) * d;
+    let mut kv = Tensor::for_overwrite(&[rows, kv_heads * 2 * d], qkv.dtype());
     dispatch_float!(OP_PACK, qkv.dtype(), |T| {
         let src = qkv.as_slice::<T>()?;
         let dst = kv.as_mut_slice::<T>()?;
         for r in 0..rows {
-            for h in 0..heads {
-                let s = r * cols + h * 3 * d + d;
-                let o = (r * heads + h) * 2 * d;
+            for h in 0..kv_heads {
+                let s = r * cols + (h * (g + 2) + g) * d;
+                let o = (r * kv_heads + h) * 2 * d;
                 dst[o..o + 2 * d].copy_from_slice(&src[s..s + 2 * d]);
             }
         }
@@ -30,15 +34,14 @@ pub(crate) fn pack_kv(qkv: &Tensor, head_dim: usize) -> Result<Tensor> {
     Ok(kv)
 }
 
-/// Host kernel of [`crate::ops::attention_block`](fn@crate::ops::attention_block): checks `qkv`, `kv` and `cfg` itself
-/// (`spec::attention_block::check_block`, shared with the device launch); relies on nothing
-/// else.
+/// Host kernel of [`crate::ops::attention_block`](fn@crate::ops::attention_block): relies on
+/// `g` being `check_block`'s sizes of `qkv`, `kv` and `cfg`.
 pub(crate) fn attention_block(
     qkv: &Tensor,
     kv: &Tensor,
     cfg: &BlockAttention,
+    g: Dims,
 ) -> Result<CausalAttentionOutput> {
-    let g = check_block(OP, qkv, kv, cfg)?;
     let acc = acc_dtype(qkv.dtype());
     let rows = g.batch * g.nq;
     let mut out = Tensor::zeros(&[rows, g.heads * g.d], acc);
@@ -64,43 +67,40 @@ struct Loaded<A> {
     q: Vec<A>,
     k: Vec<A>,
     v: Vec<A>,
-    rq: Rope<A>,
-    rk: Rope<A>,
     scale: A,
 }
 
 impl<A: AccFloat> Loaded<A> {
-    fn new(g: &Dims, cfg: &BlockAttention) -> Self {
+    fn new(g: &Dims) -> Self {
         Loaded {
             q: vec![A::ZERO; g.nq * g.d],
             k: vec![A::ZERO; g.nk * g.d],
             v: vec![A::ZERO; g.nk * g.d],
-            rq: Rope::for_positions(cfg.q_pos.iter().copied(), g.d, cfg.rope_base),
-            rk: Rope::for_positions(cfg.k_pos.iter().copied(), g.d, cfg.rope_base),
-            scale: A::lit(1.0 / (g.d as f64).sqrt()),
+            scale: A::lit(g.scale),
         }
     }
 
-    /// Head `h` of sample `b`: q rotated and scaled, k rotated, v as is.
-    fn load<T: Float<Acc = A>>(&mut self, qkv: &[T], kv: &[T], g: &Dims, h: usize, b: usize) {
+    /// Query head `h` of sample `b`, scaled.
+    fn load_q<T: Float<Acc = A>>(&mut self, qkv: &[T], g: &Dims, h: usize, b: usize) {
         let d = g.d;
         for i in 0..g.nq {
-            let row = (b * g.nq + i) * g.qcols() + h * 3 * d;
-            self.rq.rotate(
+            let row = (b * g.nq + i) * g.qcols() + g.q_col(h);
+            widen(
                 &mut self.q[i * d..(i + 1) * d],
                 &qkv[row..row + d],
-                i,
                 self.scale,
             );
         }
+    }
+
+    /// KV head `kh` of sample `b`, as it is.
+    fn load_kv<T: Float<Acc = A>>(&mut self, kv: &[T], g: &Dims, kh: usize, b: usize) {
+        let d = g.d;
         for j in 0..g.nk {
-            let row = (b * g.nk + j) * g.kvcols() + h * 2 * d;
+            let row = (b * g.nk + j) * g.kvcols() + kh * 2 * d;
             let at = j * d..(j + 1) * d;
-            self.rk
-                .rotate(&mut self.k[at.clone()], &kv[row..row + d], j, A::ONE);
-            for (dst, x) in self.v[at].iter_mut().zip(&kv[row + d..row + 2 * d]) {
-                *dst = x.to_acc();
-            }
+            widen(&mut self.k[at.clone()], &kv[row..row + d], A::ONE);
+            widen(&mut self.v[at], &kv[row + d..row + 2 * d], A::ONE);
         }
     }
 
@@ -125,36 +125,37 @@ fn block_forward<T: Float<Acc: ExpShifted>>(
     cfg: &BlockAttention,
 ) {
     let (d, nh) = (g.d, g.heads);
-    let mut x = Loaded::<T::Acc>::new(g, cfg);
+    let mut x = Loaded::<T::Acc>::new(g);
     let mut w = FwdScratch::new(d, g.nq.max(g.nk));
-    for h in 0..nh {
-        for b in 0..g.batch {
-            x.load(qkv, kv, g, h, b);
-            forward_sample(&x.operands(cfg, d), &mut w, |i, acc, l, m| {
-                let t = b * g.nq + i;
-                let dst = &mut out[t * nh * d + h * d..][..d];
-                if l > T::Acc::ZERO {
-                    for (o, &a) in dst.iter_mut().zip(acc) {
-                        *o = a / l;
-                    }
-                    lse[t * nh + h] = m + l.ln();
-                } else {
-                    dst.fill(T::Acc::ZERO);
-                    lse[t * nh + h] = T::Acc::neg_infinity();
-                }
-            });
+    for (h, b) in block_order(g) {
+        if h % g.g == 0 {
+            x.load_kv(kv, g, h / g.g, b);
         }
+        x.load_q(qkv, g, h, b);
+        forward_sample(&x.operands(cfg, d), &mut w, |i, acc, l, m| {
+            let t = b * g.nq + i;
+            let dst = &mut out[t * nh * d + h * d..][..d];
+            if l > T::Acc::ZERO {
+                for (o, &a) in dst.iter_mut().zip(acc) {
+                    *o = a / l;
+                }
+                lse[t * nh + h] = m + l.ln();
+            } else {
+                dst.fill(T::Acc::ZERO);
+                lse[t * nh + h] = T::Acc::neg_infinity();
+            }
+        });
     }
 }
 
-/// Host kernel of [`crate::ops::merge_attention`]: checks both sides itself
-/// (`spec::attention_block::check_merge`: `[rows, H]` lse and `[rows, H·d]` out, f32 or f64
-/// alike); relies on nothing else.
+/// Host kernel of [`crate::ops::merge_attention`]: relies on `check_merge` (`[rows, H]` lse
+/// and `[rows, H·d]` out, f32 or f64 alike), whose head count and out columns it takes.
 pub(crate) fn merge_attention(
     acc: &mut CausalAttentionOutput,
     part: &CausalAttentionOutput,
+    heads: usize,
+    ocols: usize,
 ) -> Result<()> {
-    let (_, heads, ocols) = check_merge(OP_MERGE, (&acc.out, &acc.lse), (&part.out, &part.lse))?;
     let dt = acc.lse.dtype();
     fn run<A: AccFloat>(oa: &mut [A], la: &mut [A], ob: &[A], lb: &[A], d: usize) {
         for (i, (la, &lb)) in la.iter_mut().zip(lb).enumerate() {
@@ -196,9 +197,8 @@ pub(crate) fn merge_attention(
     Ok(())
 }
 
-/// Host kernel of [`crate::ops::attention_block_backward`]: checks every operand itself
-/// (`spec::attention_block::check_block`, then `dout`, `out`, `lse`, `dq`, `dkv` against its
-/// sizes); relies on nothing else.
+/// Host kernel of [`crate::ops::attention_block_backward`]: relies on `g` being
+/// `check_block_backward`'s sizes of these operands.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_block_backward(
     dout: &Tensor,
@@ -209,24 +209,8 @@ pub(crate) fn attention_block_backward(
     cfg: &BlockAttention,
     dq: &mut Tensor,
     dkv: &mut Tensor,
+    g: Dims,
 ) -> Result<()> {
-    let g = check_block(OP_BACK, qkv, kv, cfg)?;
-    same_dtype(OP_BACK, dout, qkv)?;
-    same_dtype(OP_BACK, out, qkv)?;
-    let rq = g.batch * g.nq;
-    let acc = acc_dtype(qkv.dtype());
-    for t in [dout, out] {
-        if t.shape() != [rq, g.heads * g.d] {
-            return Err(Error::ShapeMismatch {
-                op: OP_BACK,
-                lhs: t.shape().into(),
-                rhs: [rq, g.heads * g.d].as_slice().into(),
-            });
-        }
-    }
-    check_dst(OP_BACK, lse, &[rq, g.heads], acc)?;
-    check_dst(OP_BACK, dq, &[rq, g.heads * g.d], acc)?;
-    check_dst(OP_BACK, dkv, &[g.batch * g.nk, g.kvcols()], acc)?;
     if cfg.fully_masked() {
         return Ok(());
     }
@@ -259,63 +243,73 @@ fn block_backward<T: Float<Acc: ExpShifted>>(
     cfg: &BlockAttention,
 ) {
     let (d, nh, nq, nk) = (g.d, g.heads, g.nq, g.nk);
-    let mut x = Loaded::<T::Acc>::new(g, cfg);
+    let mut x = Loaded::<T::Acc>::new(g);
     let mut grads = SampleGrads::new(nq, nk, d);
-    for h in 0..nh {
-        for b in 0..g.batch {
-            x.load(qkv, kv, g, h, b);
-            grads.compute(&x.operands(cfg, d), dout, out, lse, nh, h, b);
-            let SampleGrads { dq, dk, dv, .. } = &grads;
-            for i in 0..nq {
-                let at = (b * nq + i) * nh * d + h * d;
-                // q was scaled by 1/√d after rotating: the chain rule scales dq by it too.
-                x.rq.unrotate_add(&mut dq_out[at..at + d], &dq[i * d..(i + 1) * d], i, x.scale);
-            }
-            for j in 0..nk {
-                let at = (b * nk + j) * g.kvcols() + h * 2 * d;
-                x.rk.unrotate_add(
-                    &mut dkv_out[at..at + d],
-                    &dk[j * d..(j + 1) * d],
-                    j,
-                    T::Acc::ONE,
-                );
-                for (o, &v) in dkv_out[at + d..at + 2 * d]
-                    .iter_mut()
-                    .zip(&dv[j * d..(j + 1) * d])
-                {
-                    *o += v;
-                }
-            }
+    for (h, b) in block_order(g) {
+        if h % g.g == 0 {
+            x.load_kv(kv, g, h / g.g, b);
+        }
+        x.load_q(qkv, g, h, b);
+        grads.compute(&x.operands(cfg, d), dout, out, lse, nh, h, b);
+        let SampleGrads { dq, dk, dv, .. } = &grads;
+        for i in 0..nq {
+            let at = (b * nq + i) * nh * d + h * d;
+            // q was scaled on loading: the chain rule scales dq by it too.
+            add_scaled(&mut dq_out[at..at + d], &dq[i * d..(i + 1) * d], x.scale);
+        }
+        // A KV head's dK and dV add up over its query heads, in head order.
+        for j in 0..nk {
+            let at = (b * nk + j) * g.kvcols() + (h / g.g) * 2 * d;
+            let row = j * d..(j + 1) * d;
+            add_scaled(&mut dkv_out[at..at + d], &dk[row.clone()], T::Acc::ONE);
+            add_scaled(&mut dkv_out[at + d..at + 2 * d], &dv[row], T::Acc::ONE);
         }
     }
 }
 
-/// Host kernel of [`crate::ops::fuse_qkv_grad`]: checks `dq` and `dkv` itself
-/// (`spec::attention_block::check_fuse_qkv_grad`, which also keeps `H·3·d` within a `usize`);
-/// a `dtype` that is not float is an `Err` here.
+/// The (query head, sample) pairs in the order the kernels visit them: per KV head and
+/// sample, its query heads one after another (their K and V loaded once).
+fn block_order(g: &Dims) -> impl Iterator<Item = (usize, usize)> + '_ {
+    (0..g.kv_heads)
+        .flat_map(move |j| (0..g.batch).flat_map(move |b| (0..g.g).map(move |i| (j * g.g + i, b))))
+}
+
+/// `dst += mul · src`, in the compute type (a block's gradient added into a caller's
+/// accumulator).
+fn add_scaled<A: AccFloat>(dst: &mut [A], src: &[A], mul: A) {
+    for (o, &v) in dst.iter_mut().zip(src) {
+        *o += v * mul;
+    }
+}
+
+/// Host kernel of [`crate::ops::fuse_qkv_grad`]: relies on `(rows, kv_heads)` being
+/// `check_fuse_qkv_grad`'s sizes of `dq` and `dkv` (which keeps `K·(g+2)·d` within a
+/// `usize`); a `dtype` that is not float is an `Err` here.
 pub(crate) fn fuse_qkv_grad(
     dq: &Tensor,
     dkv: &Tensor,
-    head_dim: usize,
+    d: usize,
+    g: usize,
     dtype: DType,
+    (rows, kv_heads): (usize, usize),
 ) -> Result<Tensor> {
-    let d = head_dim;
-    let (rows, heads) = check_fuse_qkv_grad(OP_FUSE, dq, dkv, d, dtype)?;
-    let mut dqkv = Tensor::for_overwrite(&[rows, heads * 3 * d], dtype);
+    let mut dqkv = Tensor::for_overwrite(&[rows, kv_heads * (g + 2) * d], dtype);
     dispatch_float!(OP_FUSE, dtype, |T| {
         let (q, kv) = (
             dq.as_slice::<<T as Float>::Acc>()?,
             dkv.as_slice::<<T as Float>::Acc>()?,
         );
         let dst = dqkv.as_mut_slice::<T>()?;
+        let (gq, gc) = (g * d, (g + 2) * d);
         for r in 0..rows {
-            for h in 0..heads {
-                let o = (r * heads + h) * 3 * d;
-                let (qs, ks) = ((r * heads + h) * d, (r * heads + h) * 2 * d);
-                for (x, &v) in dst[o..o + d].iter_mut().zip(&q[qs..qs + d]) {
+            for j in 0..kv_heads {
+                let rj = r * kv_heads + j;
+                let o = rj * gc;
+                let (qs, ks) = (rj * gq, rj * 2 * d);
+                for (x, &v) in dst[o..o + gq].iter_mut().zip(&q[qs..qs + gq]) {
                     *x = T::from_acc(v);
                 }
-                for (x, &v) in dst[o + d..o + 3 * d].iter_mut().zip(&kv[ks..ks + 2 * d]) {
+                for (x, &v) in dst[o + gq..o + gc].iter_mut().zip(&kv[ks..ks + 2 * d]) {
                     *x = T::from_acc(v);
                 }
             }
@@ -325,24 +319,9 @@ pub(crate) fn fuse_qkv_grad(
     Ok(dqkv)
 }
 
-/// Host kernel of [`crate::ops::gather_rows`]: checks itself that `t` is 2-D and every
-/// index of `src` a row of it; relies on nothing else.
-pub(crate) fn gather_rows(t: &Tensor, src: &[usize]) -> Result<Tensor> {
-    let (rows, cols) = match t.shape() {
-        &[r, c] => (r, c),
-        s => {
-            return Err(Error::Invalid {
-                op: OP_ROWS,
-                detail: format!("a 2-D tensor, got shape {s:?}"),
-            })
-        }
-    };
-    if let Some(&bad) = src.iter().find(|&&i| i >= rows) {
-        return Err(Error::Invalid {
-            op: OP_ROWS,
-            detail: format!("row {bad} of a tensor of {rows} rows"),
-        });
-    }
+/// Host kernel of [`crate::ops::gather_rows`]: relies on `check_gather_rows` (`t` 2-D of
+/// `cols` columns, every index of `src` a row of it).
+pub(crate) fn gather_rows(t: &Tensor, src: &[usize], cols: usize) -> Result<Tensor> {
     macro_rules! go {
         ($T:ty) => {{
             let s = t.as_slice::<$T>()?;

@@ -5,25 +5,29 @@ use super::{AccFloat, Float};
 use crate::spec::rope::{Rope, Rotation};
 use crate::{Result, Tensor};
 
-/// `y = R(±θ)·x` per pair (the sign of [`Rotation`]), the tail columns copied; `heads`
-/// as the front door's checks computed it.
+/// `y = R(±θ)·x` per pair (the sign of [`Rotation`]), the tail columns and unrotated heads
+/// copied; relies on the front door's `check_rope`: `heads` as it computed them, `cos` and
+/// `sin` `[tokens, r/2]` host tables in `x`'s compute dtype.
 pub(crate) fn rope(
     op: &'static str,
     x: &Tensor,
-    positions: &[usize],
+    cos: &Tensor,
+    sin: &Tensor,
     cfg: &Rope,
     heads: usize,
     rotation: Rotation,
 ) -> Result<Tensor> {
-    let mut y = Tensor::zeros(x.shape(), x.dtype());
-    let (cos, sin) = cfg.tables(positions);
+    let mut y = Tensor::for_overwrite(x.shape(), x.dtype());
     dispatch_float!(op, x.dtype(), |T| {
-        let lit = <T as Float>::Acc::lit;
-        let sign = lit(rotation.sign());
-        // Rounded once into the compute type, as the device kernel's uploaded tables.
-        let cos: Vec<_> = cos.iter().map(|&c| lit(c)).collect();
-        let sin: Vec<_> = sin.iter().map(|&s| sign * lit(s)).collect();
-        rotate_rows::<T>(y.as_mut_slice()?, x.as_slice()?, &cos, &sin, cfg, heads);
+        let cos = cos.as_slice::<<T as Float>::Acc>()?;
+        let sign = <T as Float>::Acc::lit(rotation.sign());
+        // Times ±1: exact, so both directions use the forward's table.
+        let sin: Vec<_> = sin
+            .as_slice::<<T as Float>::Acc>()?
+            .iter()
+            .map(|&s| sign * s)
+            .collect();
+        rotate_rows::<T>(y.as_mut_slice()?, x.as_slice()?, cos, &sin, cfg, heads);
         Ok(())
     })?;
     Ok(y)
@@ -48,7 +52,11 @@ fn rotate_rows<T: Float>(
             &cos[t * half..(t + 1) * half],
             &sin[t * half..(t + 1) * half],
         );
-        for (y, x) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+        for (h, (y, x)) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)).enumerate() {
+            if !cfg.heads.rotates(h) {
+                y.copy_from_slice(x);
+                continue;
+            }
             for i in 0..half {
                 let (j0, j1) = cfg.pair(i);
                 let (a, b) = (x[j0].to_acc(), x[j1].to_acc());

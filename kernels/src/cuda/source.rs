@@ -525,14 +525,15 @@ mod tests {
             ]),
             ("copy", &[("copy_blocks", ALL)]),
             ("attention", &[
-                ("attn_load", FLOAT), ("attn_forward", FLOAT), ("attn_backward_dq", FLOAT),
-                ("attn_backward_dkv", FLOAT),
+                ("attn_load_q", FLOAT), ("attn_load_kv", FLOAT), ("attn_forward", FLOAT),
+                ("attn_backward_dq", FLOAT), ("attn_backward_dkv", FLOAT),
+                ("attn_backward_kv_sum", FLOAT),
             ]),
             ("attention_block", &[
                 ("attn_block_load_q", FLOAT), ("attn_block_load_kv", FLOAT),
                 ("attn_block_masked", FLOAT), ("attn_block_forward", FLOAT),
                 ("attn_block_backward_dq", FLOAT), ("attn_block_backward_dkv", FLOAT),
-                ("fuse_qkv_grad", FLOAT), ("merge_attention", COMPUTE), ("gather_rows", ALL),
+                ("attn_block_kv_add", FLOAT), ("fuse_qkv_grad", FLOAT), ("merge_attention", COMPUTE), ("gather_rows", ALL),
             ]),
             ("moe", &[("scatter_add_rows", ALL)]),
             ("reduce_ext", &[("reduce_combine", ALL), ("reduce_avg_div", ALL)]),

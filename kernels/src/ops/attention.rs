@@ -1,24 +1,28 @@
-//! Fused causal self-attention with rotary position embeddings (RoPE), forward and backward,
-//! computed flash-attention style: blocked over queries and keys with an online softmax, so
-//! no `seq_len × seq_len` probability matrix is ever stored.
+//! Fused causal self-attention, multi-head, grouped-query or multi-query, forward and
+//! backward, computed flash-attention style: blocked over queries and keys with an online
+//! softmax, so no `seq_len × seq_len` probability matrix is ever stored.
 //!
-//! Layout (`d` the head dim, `s` the sequence length, `H` the heads):
+//! Layout (`d` the head dim, any size; `s` the sequence length; `K` the KV heads, each
+//! shared by `g` query heads ([`CausalAttention::q_per_kv`]), `H = K·g` the query heads):
 //!
 //! | tensor | shape | contents |
 //! |---|---|---|
-//! | `qkv` | `[tokens, H·3·d]` | head `h`: columns `h·3d .. h·3d+d` are q, the next `d` k, the next `d` v |
-//! | `out` | `[tokens, H·d]` | head `h` at columns `h·d ..` |
-//! | `lse` | `[tokens, H]` | per (token, head) `log Σ_j exp(score_j)`, compute dtype ([`acc_dtype`]) |
+//! | `qkv` | `[tokens, K·(g+2)·d]` | KV group `j` at columns `j·(g+2)·d ..`: its `g` query heads (`d` columns each), then its k, then its v (Megatron's grouped layout; `g = 1` is the per-head `[q, k, v]` of multi-head attention) |
+//! | `out` | `[tokens, H·d]` | query head `h = j·g + i` at columns `h·d ..` |
+//! | `lse` | `[tokens, H]` | per (token, query head) `log Σ_j exp(score_j)`, compute dtype ([`acc_dtype`]) |
 //!
 //! `tokens` are whole samples of `s` tokens one after another; attention never crosses a
-//! sample. Token `i` of a sample has position `pos_offset + i`. Per head and sample:
+//! sample. q and k come in already rotated: position embeddings are the caller's, e.g.
+//! [`rope`](fn@super::rope) on the q and k heads of the fused rows
+//! ([`Rope::on_fused_qkv`](super::Rope::on_fused_qkv)), before this op. Per query head and
+//! sample, with `k`, `v` its KV head's and `c` the score scale ([`CausalAttention::scale`],
+//! `1/√d` by default):
 //!
-//! - RoPE: each pair `(x[2p], x[2p+1])` of q and k is rotated by `θ = pos / base^(2p/d)`.
-//! - `score_ij = q_i·k_j / √d` for `j ≤ i` (causal), `P = softmax_j(score)`, `out_i = Σ_j P_ij v_j`.
+//! - `score_ij = c·q_i·k_j` for `j ≤ i` (causal), `P = softmax_j(score)`, `out_i = Σ_j P_ij v_j`.
 //! - Backward from `dout`: `D_i = dout_i·out_i`, `dP_ij = dout_i·v_j`,
-//!   `dS_ij = P_ij (dP_ij − D_i)`, `dq_i = Σ_j dS_ij k_j / √d`, `dk_j = Σ_i dS_ij q_i / √d`,
-//!   `dv_j = Σ_i P_ij dout_i`, with `P` recomputed from the saved `lse`; dq and dk are then
-//!   rotated back (RoPE's transpose is its inverse).
+//!   `dS_ij = P_ij (dP_ij − D_i)`, `dq_i = c·Σ_j dS_ij k_j`, `dk_j = c·Σ_i dS_ij q_i`,
+//!   `dv_j = Σ_i P_ij dout_i`, with `P` recomputed from the saved `lse`; a KV head's `dk`
+//!   and `dv` are the sums over its `g` query heads.
 //!
 //! `f32`/`bf16`/`f16` compute in `f32` and `f64` in `f64`; every output element is rounded
 //! once. Single-threaded (ranks are the parallelism); fixed summation order.
@@ -37,21 +41,22 @@ use super::{acc_dtype, check_dst, same_dtype};
 use crate::spec::attention::*;
 use crate::{Error, Result, Tensor};
 
-/// Causal multi-head self-attention with RoPE on a fused QKV (see the [module docs](self)).
+/// Causal self-attention on a grouped fused QKV (see the [module docs](self)).
 ///
 /// ```
 /// use dtensor_kernels::ops::{causal_attention, CausalAttention};
 /// use dtensor_kernels::Tensor;
-/// let cfg = CausalAttention { seq_len: 4, head_dim: 2, rope_base: 10000.0, pos_offset: 0 };
-/// let qkv = Tensor::from_fn(&[8, 2 * 3 * 2], |i| (i % 7) as f32 * 0.1); // 2 samples, 2 heads
+/// // 2 samples of 4 tokens; 2 KV heads, each shared by 2 query heads of dim 3.
+/// let cfg = CausalAttention::new(4, 3).grouped(2);
+/// let qkv = Tensor::from_fn(&[8, 2 * (2 + 2) * 3], |i| (i % 7) as f32 * 0.1);
 /// let r = causal_attention(&qkv, &cfg).unwrap();
-/// assert_eq!(r.out.shape(), &[8, 4]);
-/// assert_eq!(r.lse.shape(), &[8, 2]);
+/// assert_eq!(r.out.shape(), &[8, 4 * 3]);
+/// assert_eq!(r.lse.shape(), &[8, 4]);
 /// ```
 pub fn causal_attention(qkv: &Tensor, cfg: &CausalAttention) -> Result<CausalAttentionOutput> {
     let g = check_qkv(OP, qkv, cfg)?;
-    dispatch!(OP, [qkv] => device::causal_attention(&qkv, cfg, &g));
-    crate::cpu::attention::causal_attention(qkv, cfg, g)
+    dispatch!(OP, [qkv] => device::causal_attention(&qkv, &g));
+    crate::cpu::attention::causal_attention(qkv, g)
 }
 
 /// The gradient of [`causal_attention`] with respect to `qkv`, in `qkv`'s fused layout, from
@@ -78,20 +83,20 @@ pub fn causal_attention_backward(
     }
     check_dst(OP_BACK, lse, &[g.tokens, g.heads], acc_dtype(qkv.dtype()))?;
     dispatch!(OP_BACK, [dout, qkv, out, lse] =>
-        device::causal_attention_backward(&dout, &qkv, &out, &lse, cfg, &g));
-    crate::cpu::attention::causal_attention_backward(dout, qkv, out, lse, cfg, g)
+        device::causal_attention_backward(&dout, &qkv, &out, &lse, &g));
+    crate::cpu::attention::causal_attention_backward(dout, qkv, out, lse, g)
 }
 
 /// The device launches (`cuda/kernels/attention.cu`): q, k and v loaded once into the
-/// compute type (RoPE applied, q scaled), then one block per (head, sample, query row), the
+/// compute type (q scaled), then one block per (head, sample, query row), the
 /// keys' scores in shared memory, which bounds `seq_len` (an [`Error::NotOnCuda`] above it).
 #[cfg(feature = "cuda")]
 pub(crate) mod device {
     use crate::cuda::launch::{func, grid_for, launch_kernel, per_row, Acc, SHARED_BUDGET};
-    use crate::cuda::{source, CudaTensor, Device};
+    use crate::cuda::{source, CudaTensor};
     use crate::spec::acc_dtype;
     use crate::spec::attention::*;
-    use crate::{DType, Error, Result, Tensor};
+    use crate::{Error, Result, Tensor};
 
     /// `Err` unless the backward's dk/dv kernel, which keeps two values per query of the
     /// sample, fits `seq_len` in shared memory (the forward needs half of that).
@@ -112,76 +117,40 @@ pub(crate) mod device {
         Ok(())
     }
 
-    /// RoPE's cos/sin tables `[positions, d/2]`: the host's (`Rope::for_positions`, in f64),
-    /// rounded once into the compute type and uploaded.
-    pub(crate) fn rope_tables(
-        positions: impl ExactSizeIterator<Item = usize>,
-        d: usize,
-        base: f64,
-        dtype: DType,
-        dev: &Device,
-    ) -> Result<(CudaTensor, CudaTensor)> {
-        let shape = [positions.len(), d / 2];
-        let (cos, sin) = Rope::<f64>::for_positions(positions, d, base).into_tables();
-        let ad = acc_dtype(dtype);
-        let to = |v: Vec<f64>| -> Result<CudaTensor> {
-            let t = Tensor::from_vec(v, &shape)?;
-            let t = if ad == DType::F64 { t } else { t.to_dtype(ad) };
-            t.upload(dev)
-        };
-        Ok((to(cos)?, to(sin)?))
-    }
-
-    /// The tables for `cfg`'s rows, at positions `pos_offset + i`.
-    fn rope_for(
-        cfg: &CausalAttention,
-        dtype: DType,
-        dev: &Device,
-    ) -> Result<(CudaTensor, CudaTensor)> {
-        let positions = (0..cfg.seq_len).map(|i| cfg.pos_offset + i);
-        rope_tables(positions, cfg.head_dim, cfg.rope_base, dtype, dev)
-    }
-
-    /// q (rotated, scaled by 1/√d), k (rotated), v, each `[H, B, s, d]` in the compute type.
-    fn load(
-        op: &'static str,
-        qkv: &CudaTensor,
-        g: &Dims,
-        cs: &CudaTensor,
-        sn: &CudaTensor,
-    ) -> Result<[CudaTensor; 3]> {
+    /// q (times the score scale) `[H, B, s, d]`, k and v `[K, B, s, d]`, in the compute
+    /// type.
+    fn load(op: &'static str, qkv: &CudaTensor, g: &Dims) -> Result<[CudaTensor; 3]> {
         let dev = qkv.device();
         let ad = acc_dtype(qkv.dtype());
-        let shape = [g.heads, g.batch, g.s, g.d];
-        let mut q = CudaTensor::uninit(dev, &shape, ad)?;
-        let mut k = CudaTensor::uninit(dev, &shape, ad)?;
-        let mut v = CudaTensor::uninit(dev, &shape, ad)?;
-        let scale = Acc::lit(qkv.dtype(), 1.0 / (g.d as f64).sqrt());
-        let f = func(dev, &source::ATTENTION, "attn_load", qkv.dtype())?;
-        launch_kernel!(op, dev, f, grid_for(g.heads * g.batch * g.s * g.d / 2);
-            src qkv, src cs, src sn, dst &mut q, dst &mut k, dst &mut v, u64 g.batch,
-            u64 g.heads, u64 g.s, u64 g.d, acc scale)?;
+        let mut q = CudaTensor::uninit(dev, &[g.heads, g.batch, g.s, g.d], ad)?;
+        let kv_shape = [g.kv_heads, g.batch, g.s, g.d];
+        let mut k = CudaTensor::uninit(dev, &kv_shape, ad)?;
+        let mut v = CudaTensor::uninit(dev, &kv_shape, ad)?;
+        let scale = Acc::lit(qkv.dtype(), g.scale);
+        let f = func(dev, &source::ATTENTION, "attn_load_q", qkv.dtype())?;
+        launch_kernel!(op, dev, f, grid_for(g.heads * g.batch * g.s * g.d);
+            src qkv, dst &mut q, u64 g.batch, u64 g.kv_heads, u64 g.g, u64 g.s, u64 g.d,
+            acc scale)?;
+        let f = func(dev, &source::ATTENTION, "attn_load_kv", qkv.dtype())?;
+        launch_kernel!(op, dev, f, grid_for(g.kv_heads * g.batch * g.s * g.d);
+            src qkv, dst &mut k, dst &mut v, u64 g.batch, u64 g.kv_heads, u64 g.g, u64 g.s,
+            u64 g.d)?;
         Ok([q, k, v])
     }
 
-    pub(super) fn causal_attention(
-        qkv: &CudaTensor,
-        cfg: &CausalAttention,
-        g: &Dims,
-    ) -> Result<CausalAttentionOutput> {
+    pub(super) fn causal_attention(qkv: &CudaTensor, g: &Dims) -> Result<CausalAttentionOutput> {
         fits(OP, qkv, g)?;
         let dev = qkv.device();
         let ad = acc_dtype(qkv.dtype());
         let mut out = CudaTensor::uninit(dev, &[g.tokens, g.heads * g.d], qkv.dtype())?;
         let mut lse = CudaTensor::uninit(dev, &[g.tokens, g.heads], ad)?;
         if g.tokens * g.heads > 0 {
-            let (cs, sn) = rope_for(cfg, qkv.dtype(), dev)?;
-            let [q, k, v] = load(OP, qkv, g, &cs, &sn)?;
+            let [q, k, v] = load(OP, qkv, g)?;
             let smem = (g.s * ad.size_in_bytes()) as u32;
             let f = func(dev, &source::ATTENTION, "attn_forward", qkv.dtype())?;
             launch_kernel!(OP, dev, f, per_row(OP, g.heads * g.batch * g.s, smem)?;
                 src &q, src &k, src &v, dst &mut out, dst &mut lse, u64 g.batch, u64 g.heads,
-                u64 g.s, u64 g.d)?;
+                u64 g.g, u64 g.s, u64 g.d)?;
         }
         Ok(CausalAttentionOutput {
             out: out.into(),
@@ -189,14 +158,14 @@ pub(crate) mod device {
         })
     }
 
-    /// dq (with the row sums `D_i` it computes) one block per query row, then dk/dv one
-    /// block per key row, on the same stream.
+    /// dq (with the row sums `D_i` it computes) one block per query row, then each query
+    /// head's share of dk/dv one block per key row, then the shares summed over each KV
+    /// head's query heads, on the same stream.
     pub(super) fn causal_attention_backward(
         dout: &CudaTensor,
         qkv: &CudaTensor,
         out: &CudaTensor,
         lse: &CudaTensor,
-        cfg: &CausalAttention,
         g: &Dims,
     ) -> Result<Tensor> {
         fits(OP_BACK, qkv, g)?;
@@ -206,21 +175,28 @@ pub(crate) mod device {
         if g.tokens * g.heads == 0 {
             return Ok(dqkv.into());
         }
-        let (cs, sn) = rope_for(cfg, qkv.dtype(), dev)?;
-        let [q, k, v] = load(OP_BACK, qkv, g, &cs, &sn)?;
+        let [q, k, v] = load(OP_BACK, qkv, g)?;
         let mut dsum = CudaTensor::uninit(dev, &[g.heads, g.batch, g.s], ad)?;
         let rows = g.heads * g.batch * g.s;
-        let scale = Acc::lit(qkv.dtype(), 1.0 / (g.d as f64).sqrt());
+        let scale = Acc::lit(qkv.dtype(), g.scale);
         let smem = (g.s * ad.size_in_bytes()) as u32;
         let f = func(dev, &source::ATTENTION, "attn_backward_dq", qkv.dtype())?;
         launch_kernel!(OP_BACK, dev, f, per_row(OP_BACK, rows, smem)?;
             src &q, src &k, src &v, src dout, src out, src lse, dst &mut dsum, dst &mut dqkv,
-            src &cs, src &sn, u64 g.batch, u64 g.heads, u64 g.s, u64 g.d, acc scale)?;
+            u64 g.batch, u64 g.heads, u64 g.g, u64 g.s, u64 g.d, acc scale)?;
+        // Each query head's dk and dv, `[H, B, s, d]`: the heads of a KV group write apart.
+        let shape = [g.heads, g.batch, g.s, g.d];
+        let mut dk = CudaTensor::uninit(dev, &shape, ad)?;
+        let mut dv = CudaTensor::uninit(dev, &shape, ad)?;
         let smem = (2 * g.s * ad.size_in_bytes()) as u32;
         let f = func(dev, &source::ATTENTION, "attn_backward_dkv", qkv.dtype())?;
         launch_kernel!(OP_BACK, dev, f, per_row(OP_BACK, rows, smem)?;
-            src &q, src &k, src &v, src dout, src lse, src &dsum, dst &mut dqkv, src &cs,
-            src &sn, u64 g.batch, u64 g.heads, u64 g.s, u64 g.d)?;
+            src &q, src &k, src &v, src dout, src lse, src &dsum, dst &mut dk, dst &mut dv,
+            u64 g.batch, u64 g.heads, u64 g.g, u64 g.s, u64 g.d)?;
+        let f = func(dev, &source::ATTENTION, "attn_backward_kv_sum", qkv.dtype())?;
+        launch_kernel!(OP_BACK, dev, f, grid_for(g.kv_heads * g.batch * g.s * g.d);
+            src &dk, src &dv, dst &mut dqkv, u64 g.batch, u64 g.kv_heads, u64 g.g, u64 g.s,
+            u64 g.d)?;
         Ok(dqkv.into())
     }
 }

@@ -4,19 +4,20 @@
 //! merge by their log-sum-exp (the online softmax one level up); the backward gives one
 //! (query block, key block) pair's share of the gradient from the *final* output and lse.
 //!
-//! Layouts (`H` heads of dim `d`; a block's rows are samples one after another, each of
-//! `q_pos.len()` (queries) or `k_pos.len()` (keys) rows, the same positions for every
-//! sample):
+//! Layouts (`K` KV heads of dim `d`, each shared by `g` query heads, `H = K·g`; a block's
+//! rows are samples one after another, each of `q_pos.len()` (queries) or `k_pos.len()`
+//! (keys) rows, the same positions for every sample):
 //!
 //! | tensor | shape | dtype |
 //! |---|---|---|
-//! | `qkv` (queries are read from it) | `[samples·nq, H·3·d]`, fused as [`causal_attention`](super::causal_attention)'s | `T` |
-//! | `kv` ([`pack_kv`]) | `[samples·nk, H·2·d]`, head `h`: k at `h·2d ..`, v at `h·2d + d ..` | `T` |
+//! | `qkv` (queries are read from it) | `[samples·nq, K·(g+2)·d]`, the grouped fused layout of [`causal_attention`](super::causal_attention) (q and k already rotated) | `T` |
+//! | `kv` ([`pack_kv`]) | `[samples·nk, K·2·d]`, KV head `j`: k at `j·2d ..`, v at `j·2d + d ..` | `T` |
 //! | partial `out`, `lse` ([`attention_block`]) | `[samples·nq, H·d]`, `[samples·nq, H]` | compute ([`acc_dtype`](super::acc_dtype)) |
-//! | `dq`, `dkv` accumulators ([`attention_block_backward`]) | as `out`, as `kv` | compute |
+//! | `dq`, `dkv` accumulators ([`attention_block_backward`]) | as `out`, as `kv` (a KV head's `dk`, `dv` summed over its query heads) | compute |
 //!
-//! RoPE rotates q by its row's position and k by its own; the mask keeps key `j` for query
-//! `i` when `k_pos[j] ≤ q_pos[i]`. A query that sees no key of a block gets `out = 0` and
+//! Position embeddings are the caller's (RoPE each row at its true position before packing:
+//! [`rope`](fn@super::rope)); the positions here are the mask's, which keeps key `j` for
+//! query `i` when `k_pos[j] ≤ q_pos[i]`. A query that sees no key of a block gets `out = 0` and
 //! `lse = −∞` there, which [`merge_attention`] treats as "no contribution". Positions must
 //! be strictly increasing within a sample (checked): then the keys a query sees in a key
 //! tile are a prefix of it, as in the full kernel, and tiles wholly in a query tile's
@@ -27,15 +28,20 @@
 
 use crate::spec::attention::CausalAttentionOutput;
 use crate::spec::attention_block::{
-    BlockAttention, OP, OP_BACK, OP_FUSE, OP_MERGE, OP_PACK, OP_ROWS,
+    check_block, check_block_backward, check_fuse_qkv_grad, check_gather_rows, check_merge,
+    check_pack_kv, BlockAttention, OP, OP_BACK, OP_FUSE, OP_MERGE, OP_PACK, OP_ROWS,
 };
+use crate::spec::want_float;
 use crate::{DType, Result, Tensor};
 
-/// The k and v columns of a fused `[tokens, H·3·d]` QKV, packed as `[tokens, H·2·d]` (what
-/// travels around a ring: two thirds of the fused tensor).
-pub fn pack_kv(qkv: &Tensor, head_dim: usize) -> Result<Tensor> {
-    dispatch!(OP_PACK, [qkv] => device::pack_kv(&qkv, head_dim));
-    crate::cpu::attention_block::pack_kv(qkv, head_dim)
+/// The k and v columns of a grouped fused `[tokens, K·(g+2)·d]` QKV (`g = q_per_kv`),
+/// packed as `[tokens, K·2·d]`: what travels around a ring, the KV heads only (`2/(g+2)` of
+/// the fused tensor).
+pub fn pack_kv(qkv: &Tensor, head_dim: usize, q_per_kv: usize) -> Result<Tensor> {
+    let sizes = check_pack_kv(OP_PACK, qkv, head_dim, q_per_kv)?;
+    want_float(OP_PACK, qkv)?;
+    dispatch!(OP_PACK, [qkv] => device::pack_kv(&qkv, head_dim, q_per_kv, sizes));
+    crate::cpu::attention_block::pack_kv(qkv, head_dim, q_per_kv, sizes)
 }
 
 /// Attention of `qkv`'s queries (at `cfg.q_pos`) to `kv`'s keys and values (at
@@ -46,8 +52,9 @@ pub fn attention_block(
     kv: &Tensor,
     cfg: &BlockAttention,
 ) -> Result<CausalAttentionOutput> {
-    dispatch!(OP, [qkv, kv] => device::attention_block(&qkv, &kv, cfg));
-    crate::cpu::attention_block::attention_block(qkv, kv, cfg)
+    let g = check_block(OP, qkv, kv, cfg)?;
+    dispatch!(OP, [qkv, kv] => device::attention_block(&qkv, &kv, cfg, &g));
+    crate::cpu::attention_block::attention_block(qkv, kv, cfg, g)
 }
 
 /// Merges a partial attention result into a running one, row and head at a time:
@@ -57,17 +64,18 @@ pub fn merge_attention(
     acc: &mut CausalAttentionOutput,
     part: &CausalAttentionOutput,
 ) -> Result<()> {
+    let (rows, heads, ocols) = check_merge(OP_MERGE, (&acc.out, &acc.lse), (&part.out, &part.lse))?;
     if crate::dispatch::on_cuda(OP_MERGE, &[&acc.out, &acc.lse, &part.out, &part.lse])? {
-        return merge_attention_cuda(acc, part);
+        return merge_attention_cuda(acc, part, rows * heads, ocols / heads.max(1));
     }
-    crate::cpu::attention_block::merge_attention(acc, part)
+    crate::cpu::attention_block::merge_attention(acc, part, heads, ocols)
 }
 
 /// One (query block, key block) pair's share of the gradient: from the output gradient
 /// `dout` and the *final* `out` and `lse` of the queries (every key block merged; `dout`,
 /// `out` in `qkv`'s dtype, `lse` in the compute dtype), adds `∂/∂q` into `dq` (`[rows_q,
 /// H·d]`) and `∂/∂k`, `∂/∂v` into `dkv` (`[rows_k, H·2·d]`, packed as `kv`), both in the
-/// compute dtype and with respect to the inputs before RoPE. Summed over the key blocks,
+/// compute dtype. Summed over the key blocks,
 /// `dq` and every block's `dkv` are the full attention's gradient.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_block_backward(
@@ -80,25 +88,35 @@ pub fn attention_block_backward(
     dq: &mut Tensor,
     dkv: &mut Tensor,
 ) -> Result<()> {
+    let g = check_block_backward(OP_BACK, dout, qkv, kv, out, lse, cfg, dq, dkv)?;
     if crate::dispatch::on_cuda(OP_BACK, &[dout, qkv, kv, out, lse, &*dq, &*dkv])? {
-        return attention_block_backward_cuda([dout, qkv, kv, out, lse], cfg, dq, dkv);
+        return attention_block_backward_cuda([dout, qkv, kv, out, lse], cfg, dq, dkv, &g);
     }
-    crate::cpu::attention_block::attention_block_backward(dout, qkv, kv, out, lse, cfg, dq, dkv)
+    crate::cpu::attention_block::attention_block_backward(dout, qkv, kv, out, lse, cfg, dq, dkv, g)
 }
 
-/// The fused `[tokens, H·3·d]` gradient of a QKV from its parts: `dq` (`[tokens, H·d]`)
-/// and `dkv` (`[tokens, H·2·d]`, packed as [`pack_kv`]), both in the compute dtype,
-/// rounded once into `dtype`.
-pub fn fuse_qkv_grad(dq: &Tensor, dkv: &Tensor, head_dim: usize, dtype: DType) -> Result<Tensor> {
-    dispatch!(OP_FUSE, [dq, dkv] => device::fuse_qkv_grad(&dq, &dkv, head_dim, dtype));
-    crate::cpu::attention_block::fuse_qkv_grad(dq, dkv, head_dim, dtype)
+/// The grouped fused `[tokens, K·(g+2)·d]` gradient of a QKV from its parts: `dq`
+/// (`[tokens, K·g·d]`) and `dkv` (`[tokens, K·2·d]`, packed as [`pack_kv`]), both in the
+/// compute dtype, rounded once into `dtype`.
+pub fn fuse_qkv_grad(
+    dq: &Tensor,
+    dkv: &Tensor,
+    head_dim: usize,
+    q_per_kv: usize,
+    dtype: DType,
+) -> Result<Tensor> {
+    let sizes = check_fuse_qkv_grad(OP_FUSE, dq, dkv, head_dim, q_per_kv, dtype)?;
+    dispatch!(OP_FUSE, [dq, dkv] =>
+        device::fuse_qkv_grad(&dq, &dkv, head_dim, q_per_kv, dtype, sizes));
+    crate::cpu::attention_block::fuse_qkv_grad(dq, dkv, head_dim, q_per_kv, dtype, sizes)
 }
 
 /// Rows of a 2-D tensor picked by index: row `i` of the result is row `src[i]` of `t`
 /// (any dtype, bit for bit). Context parallelism's token reorderings go through it.
 pub fn gather_rows(t: &Tensor, src: &[usize]) -> Result<Tensor> {
-    dispatch!(OP_ROWS, [t] => device::gather_rows(&t, src));
-    crate::cpu::attention_block::gather_rows(t, src)
+    let cols = check_gather_rows(OP_ROWS, t, src)?;
+    dispatch!(OP_ROWS, [t] => device::gather_rows(&t, src, cols));
+    crate::cpu::attention_block::gather_rows(t, src, cols)
 }
 
 /// [`merge_attention`] on the device (every tensor there, as the caller checked): `acc`'s
@@ -107,18 +125,25 @@ pub fn gather_rows(t: &Tensor, src: &[usize]) -> Result<Tensor> {
 fn merge_attention_cuda(
     acc: &mut CausalAttentionOutput,
     part: &CausalAttentionOutput,
+    n: usize,
+    d: usize,
 ) -> Result<()> {
     let (part_out, part_lse) = (part.out.cuda_tensor()?, part.lse.cuda_tensor()?);
     let mut out = crate::dispatch::take_cuda(&mut acc.out);
     let mut lse = crate::dispatch::take_cuda(&mut acc.lse);
-    let r = device::merge_attention(&mut out, &mut lse, &part_out, &part_lse);
+    let r = device::merge_attention(&mut out, &mut lse, &part_out, &part_lse, n, d);
     acc.out = out.into();
     acc.lse = lse.into();
     r
 }
 
 #[cfg(not(feature = "cuda"))]
-fn merge_attention_cuda(_: &mut CausalAttentionOutput, _: &CausalAttentionOutput) -> Result<()> {
+fn merge_attention_cuda(
+    _: &mut CausalAttentionOutput,
+    _: &CausalAttentionOutput,
+    _: usize,
+    _: usize,
+) -> Result<()> {
     unreachable!("no device tensor exists without the `cuda` feature")
 }
 
@@ -130,12 +155,13 @@ fn attention_block_backward_cuda(
     cfg: &BlockAttention,
     dq: &mut Tensor,
     dkv: &mut Tensor,
+    g: &crate::spec::attention_block::Dims,
 ) -> Result<()> {
     let [dout, qkv, kv, out, lse] = ins.map(Tensor::cuda_tensor);
     let (dout, qkv, kv, out, lse) = (dout?, qkv?, kv?, out?, lse?);
     crate::dispatch::with_cuda_mut(dq, |dq| {
         crate::dispatch::with_cuda_mut(dkv, |dkv| {
-            device::attention_block_backward(&dout, &qkv, &kv, &out, &lse, cfg, dq, dkv)
+            device::attention_block_backward(&dout, &qkv, &kv, &out, &lse, cfg, dq, dkv, g)
         })
     })
 }
@@ -146,26 +172,24 @@ fn attention_block_backward_cuda(
     _: &BlockAttention,
     _: &mut Tensor,
     _: &mut Tensor,
+    _: &crate::spec::attention_block::Dims,
 ) -> Result<()> {
     unreachable!("no device tensor exists without the `cuda` feature")
 }
 
-/// The device launches (`cuda/kernels/attention_block.cu`). The host kernels check their
-/// arguments themselves, so these run the same `spec` checks (same messages); position and
-/// row lists are checked on the host and uploaded as `i64`, and every launch size comes from
-/// the checked shapes.
+/// The device launches (`cuda/kernels/attention_block.cu`), on operands the front door
+/// checked (its `spec` sizes passed in); position and row lists are uploaded as `i64`, and
+/// every launch size comes from the checked shapes.
 #[cfg(feature = "cuda")]
 mod device {
     use crate::cuda::launch::{
         copy_blocks, func, grid_for, launch_kernel, per_row, Acc, SHARED_BUDGET,
     };
     use crate::cuda::{source, CudaTensor, Device};
-    use crate::ops::attention::device::rope_tables;
+    use crate::spec::acc_dtype;
     use crate::spec::attention::CausalAttentionOutput;
-    use crate::spec::attention_block::{
-        check_block, check_fuse_qkv_grad, check_merge, check_pack_kv, BlockAttention, Dims,
-    };
-    use crate::spec::{acc_dtype, check_dst, not_float, same_dtype, want_float};
+    use crate::spec::attention_block::{BlockAttention, Dims};
+    use crate::spec::not_float;
     use crate::{DType, Error, Result, Tensor};
 
     fn output(out: CudaTensor, lse: CudaTensor) -> CausalAttentionOutput {
@@ -206,18 +230,14 @@ mod device {
         Ok(bytes as u32)
     }
 
-    /// One block call's loaded operands: q `[H, B, nq, d]` (rotated, times `1/√d`), k (rotated)
-    /// and v `[H, B, nk, d]` in the compute type, the positions, and the RoPE tables.
+    /// One block call's loaded operands: q `[H, B, nq, d]` (times the score scale), k and v
+    /// `[K, B, nk, d]` in the compute type, and the positions.
     struct BlockOperands {
         q: CudaTensor,
         k: CudaTensor,
         v: CudaTensor,
         qpos: CudaTensor,
         kpos: CudaTensor,
-        cq: CudaTensor,
-        sq: CudaTensor,
-        ck: CudaTensor,
-        sk: CudaTensor,
     }
 
     fn block_load(
@@ -229,30 +249,23 @@ mod device {
     ) -> Result<BlockOperands> {
         let (dev, dt) = (qkv.device(), qkv.dtype());
         let ad = acc_dtype(dt);
-        let (cq, sq) = rope_tables(cfg.q_pos.iter().copied(), g.d, cfg.rope_base, dt, dev)?;
-        let (ck, sk) = rope_tables(cfg.k_pos.iter().copied(), g.d, cfg.rope_base, dt, dev)?;
         let mut q = CudaTensor::uninit(dev, &[g.heads, g.batch, g.nq, g.d], ad)?;
-        let mut k = CudaTensor::uninit(dev, &[g.heads, g.batch, g.nk, g.d], ad)?;
-        let mut v = CudaTensor::uninit(dev, &[g.heads, g.batch, g.nk, g.d], ad)?;
-        let scale = Acc::lit(dt, 1.0 / (g.d as f64).sqrt());
+        let mut k = CudaTensor::uninit(dev, &[g.kv_heads, g.batch, g.nk, g.d], ad)?;
+        let mut v = CudaTensor::uninit(dev, &[g.kv_heads, g.batch, g.nk, g.d], ad)?;
+        let scale = Acc::lit(dt, g.scale);
         let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_load_q", dt)?;
-        launch_kernel!(op, dev, f, grid_for(g.heads * g.batch * g.nq * g.d / 2);
-            src qkv, src &cq, src &sq, dst &mut q, u64 g.batch, u64 g.heads, u64 g.nq, u64 g.d,
+        launch_kernel!(op, dev, f, grid_for(g.heads * g.batch * g.nq * g.d);
+            src qkv, dst &mut q, u64 g.batch, u64 g.kv_heads, u64 g.g, u64 g.nq, u64 g.d,
             acc scale)?;
         let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_load_kv", dt)?;
-        launch_kernel!(op, dev, f, grid_for(g.heads * g.batch * g.nk * g.d / 2);
-            src kv, src &ck, src &sk, dst &mut k, dst &mut v, u64 g.batch, u64 g.heads, u64 g.nk,
-            u64 g.d)?;
+        launch_kernel!(op, dev, f, grid_for(g.kv_heads * g.batch * g.nk * g.d);
+            src kv, dst &mut k, dst &mut v, u64 g.batch, u64 g.kv_heads, u64 g.nk, u64 g.d)?;
         Ok(BlockOperands {
             q,
             k,
             v,
             qpos: positions(op, cfg.q_pos, dev)?,
             kpos: positions(op, cfg.k_pos, dev)?,
-            cq,
-            sq,
-            ck,
-            sk,
         })
     }
 
@@ -264,9 +277,9 @@ mod device {
         qkv: &CudaTensor,
         kv: &CudaTensor,
         cfg: &BlockAttention,
+        g: &Dims,
     ) -> Result<CausalAttentionOutput> {
         const OP: &str = "ops::attention_block";
-        let g = check_block(OP, qkv, kv, cfg)?;
         let (dev, dt) = (qkv.device(), qkv.dtype());
         let ad = acc_dtype(dt);
         let rows = g.batch * g.nq;
@@ -282,11 +295,11 @@ mod device {
             return Ok(output(out, lse));
         }
         let smem = shared_bound(OP, g.nk, &format!("{} keys per sample", g.nk), dt)?;
-        let x = block_load(OP, qkv, kv, &g, cfg)?;
+        let x = block_load(OP, qkv, kv, g, cfg)?;
         let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_forward", dt)?;
         launch_kernel!(OP, dev, f, per_row(OP, g.heads * rows, smem)?;
             src &x.q, src &x.k, src &x.v, src &x.qpos, src &x.kpos, dst &mut out, dst &mut lse,
-            u64 g.batch, u64 g.heads, u64 g.nq, u64 g.nk, u64 g.d)?;
+            u64 g.batch, u64 g.heads, u64 g.g, u64 g.nq, u64 g.nk, u64 g.d)?;
         Ok(output(out, lse))
     }
 
@@ -304,61 +317,54 @@ mod device {
         cfg: &BlockAttention,
         dq: &mut CudaTensor,
         dkv: &mut CudaTensor,
+        g: &Dims,
     ) -> Result<()> {
         const OP: &str = "ops::attention_block_backward";
-        let g = check_block(OP, qkv, kv, cfg)?;
-        same_dtype(OP, dout, qkv)?;
-        same_dtype(OP, out, qkv)?;
         let rq = g.batch * g.nq;
         let (dt, ad) = (qkv.dtype(), acc_dtype(qkv.dtype()));
-        for t in [dout, out] {
-            if t.shape() != [rq, g.heads * g.d] {
-                return Err(Error::ShapeMismatch {
-                    op: OP,
-                    lhs: t.shape().into(),
-                    rhs: [rq, g.heads * g.d].as_slice().into(),
-                });
-            }
-        }
-        check_dst(OP, lse, &[rq, g.heads], ad)?;
-        check_dst(OP, dq, &[rq, g.heads * g.d], ad)?;
-        check_dst(OP, dkv, &[g.batch * g.nk, g.kvcols()], ad)?;
         if cfg.fully_masked() || rq * g.heads == 0 {
             return Ok(());
         }
         let what = format!("{} keys and 2 × {} queries per sample", g.nk, g.nq);
         let smem = shared_bound(OP, g.nk.max(2 * g.nq), &what, dt)?;
         let dev = qkv.device();
-        let x = block_load(OP, qkv, kv, &g, cfg)?;
+        let x = block_load(OP, qkv, kv, g, cfg)?;
         let mut dsum = CudaTensor::uninit(dev, &[g.heads, g.batch, g.nq], ad)?;
-        let scale = Acc::lit(dt, 1.0 / (g.d as f64).sqrt());
+        let scale = Acc::lit(dt, g.scale);
         let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_backward_dq", dt)?;
         launch_kernel!(OP, dev, f, per_row(OP, g.heads * rq, smem)?;
             src &x.q, src &x.k, src &x.v, src dout, src out, src lse, src &x.qpos, src &x.kpos,
-            dst &mut dsum, dst dq, src &x.cq, src &x.sq, u64 g.batch, u64 g.heads, u64 g.nq,
-            u64 g.nk, u64 g.d, acc scale)?;
-        // Same stream: runs after the dq kernel has written every D_i into dsum.
+            dst &mut dsum, dst dq, u64 g.batch, u64 g.heads, u64 g.g, u64 g.nq, u64 g.nk,
+            u64 g.d, acc scale)?;
+        // Same stream: runs after the dq kernel has written every D_i into dsum. Each query
+        // head's share of dk, dv apart (`[H, B, nk, d]`), then a group's shares added in.
+        let shape = [g.heads, g.batch, g.nk, g.d];
+        let mut dk = CudaTensor::uninit(dev, &shape, ad)?;
+        let mut dv = CudaTensor::uninit(dev, &shape, ad)?;
         let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_backward_dkv", dt)?;
         launch_kernel!(OP, dev, f, per_row(OP, g.heads * g.batch * g.nk, smem)?;
             src &x.q, src &x.k, src &x.v, src dout, src lse, src &dsum, src &x.qpos, src &x.kpos,
-            dst dkv, src &x.ck, src &x.sk, u64 g.batch, u64 g.heads, u64 g.nq, u64 g.nk, u64 g.d)
+            dst &mut dk, dst &mut dv, u64 g.batch, u64 g.heads, u64 g.g, u64 g.nq, u64 g.nk,
+            u64 g.d)?;
+        let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_kv_add", dt)?;
+        launch_kernel!(OP, dev, f, grid_for(g.kv_heads * g.batch * g.nk * g.d);
+            src &dk, src &dv, dst dkv, u64 g.batch, u64 g.kv_heads, u64 g.g, u64 g.nk, u64 g.d)
     }
 
-    /// Merges `part` into `acc` by their lse, row and head at a time (a side with `lse = −∞`
-    /// contributes nothing). Compute dtypes (f32, f64) only.
+    /// Merges `part` into `acc` by their lse, `n` (row, head) pairs of `d` columns at a time
+    /// (a side with `lse = −∞` contributes nothing). Compute dtypes (f32, f64) only.
     pub(super) fn merge_attention(
         acc_out: &mut CudaTensor,
         acc_lse: &mut CudaTensor,
         part_out: &CudaTensor,
         part_lse: &CudaTensor,
+        n: usize,
+        d: usize,
     ) -> Result<()> {
         const OP: &str = "ops::merge_attention";
-        let (rows, heads, ocols) = check_merge(OP, (&*acc_out, &*acc_lse), (part_out, part_lse))?;
-        let n = rows * heads;
         if n == 0 {
             return Ok(());
         }
-        let d = ocols / heads;
         let dev = acc_lse.device().clone();
         let f = func(
             &dev,
@@ -370,71 +376,68 @@ mod device {
             dst acc_out, dst acc_lse, src part_out, src part_lse, u64 n, u64 d)
     }
 
-    /// The k and v columns of a fused `[tokens, H·3·d]` QKV as
-    /// `[tokens, H·2·d]` (a strided copy, bitwise).
-    pub(super) fn pack_kv(qkv: &CudaTensor, head_dim: usize) -> Result<CudaTensor> {
+    /// The k and v columns of a grouped fused `[tokens, K·(g+2)·d]` QKV as `[tokens, K·2·d]`
+    /// (a strided copy, bitwise).
+    pub(super) fn pack_kv(
+        qkv: &CudaTensor,
+        d: usize,
+        g: usize,
+        (rows, kv_heads): (usize, usize),
+    ) -> Result<CudaTensor> {
         const OP: &str = "ops::pack_kv";
-        let d = head_dim;
-        let (rows, heads) = check_pack_kv(OP, qkv, d)?;
-        want_float(OP, qkv)?;
-        let mut kv = CudaTensor::uninit(qkv.device(), &[rows, heads * 2 * d], qkv.dtype())?;
-        // Rows of heads are runs of 3·d: copy the last 2·d of each.
-        copy_blocks(OP, qkv, &mut kv, rows * heads, 2 * d, 3 * d, d, 2 * d, 0)?;
+        let mut kv = CudaTensor::uninit(qkv.device(), &[rows, kv_heads * 2 * d], qkv.dtype())?;
+        // Rows of KV groups are runs of (g+2)·d: copy the last 2·d of each.
+        copy_blocks(
+            OP,
+            qkv,
+            &mut kv,
+            rows * kv_heads,
+            2 * d,
+            (g + 2) * d,
+            g * d,
+            2 * d,
+            0,
+        )?;
         Ok(kv)
     }
 
-    /// The fused `[tokens, H·3·d]` gradient in `dtype` from
-    /// `dq` and `dkv` in the compute dtype, rounded once (bitwise the CPU's).
+    /// The grouped fused `[tokens, K·(g+2)·d]` gradient in `dtype` from `dq` and `dkv` in
+    /// the compute dtype, rounded once (bitwise the CPU's).
     pub(super) fn fuse_qkv_grad(
         dq: &CudaTensor,
         dkv: &CudaTensor,
-        head_dim: usize,
+        d: usize,
+        g: usize,
         dtype: DType,
+        (rows, kv_heads): (usize, usize),
     ) -> Result<CudaTensor> {
         const OP: &str = "ops::fuse_qkv_grad";
-        let d = head_dim;
-        let (rows, heads) = check_fuse_qkv_grad(OP, dq, dkv, d, dtype)?;
         if !dtype.is_float() {
             return Err(not_float(OP, dtype));
         }
         let dev = dq.device();
-        let mut out = CudaTensor::uninit(dev, &[rows, heads * 3 * d], dtype)?;
-        let n = rows * heads * 3 * d;
+        let mut out = CudaTensor::uninit(dev, &[rows, kv_heads * (g + 2) * d], dtype)?;
+        let n = rows * kv_heads * (g + 2) * d;
         if n == 0 {
             return Ok(out);
         }
         let f = func(dev, &source::ATTENTION_BLOCK, "fuse_qkv_grad", dtype)?;
         launch_kernel!(OP, dev, f, grid_for(n);
-            src dq, src dkv, dst &mut out, u64 rows, u64 heads, u64 d)?;
+            src dq, src dkv, dst &mut out, u64 rows, u64 kv_heads, u64 g, u64 d)?;
         Ok(out)
     }
 
-    /// Row `i` of the result is row `src[i]` of `t` (any
-    /// dtype, bitwise). The indices are checked on the host.
-    pub(super) fn gather_rows(t: &CudaTensor, src: &[usize]) -> Result<CudaTensor> {
+    /// Row `i` of the result is row `src[i]` of `t` (any dtype, bitwise); the indices were
+    /// checked on the host.
+    pub(super) fn gather_rows(t: &CudaTensor, src: &[usize], cols: usize) -> Result<CudaTensor> {
         const OP: &str = "ops::gather_rows";
-        let (rows, cols) = match t.shape() {
-            &[r, c] => (r, c),
-            s => {
-                return Err(Error::Invalid {
-                    op: OP,
-                    detail: format!("a 2-D tensor, got shape {s:?}"),
-                })
-            }
-        };
-        if let Some(&bad) = src.iter().find(|&&i| i >= rows) {
-            return Err(Error::Invalid {
-                op: OP,
-                detail: format!("row {bad} of a tensor of {rows} rows"),
-            });
-        }
         let dev = t.device();
         let mut out = CudaTensor::uninit(dev, &[src.len(), cols], t.dtype())?;
         let n = src.len();
         if n * cols == 0 {
             return Ok(out);
         }
-        // Each index is below `rows`, a dim of a tensor that exists: it fits i64.
+        // Each index is below the rows of a tensor that exists: it fits i64.
         let idx: Vec<i64> = src.iter().map(|&i| i as i64).collect();
         let idx = Tensor::from_vec(idx, &[n])?.upload(dev)?;
         let f = func(dev, &source::ATTENTION_BLOCK, "gather_rows", t.dtype())?;

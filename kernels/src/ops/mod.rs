@@ -7,11 +7,11 @@
 //! | [`activation`] | [`gelu`], [`silu`], [`swiglu`] (and `_into`) | [`gelu_backward`], [`silu_backward`], [`swiglu_backward`] (and `_into`) |
 //! | [`softmax`](mod@softmax) | [`softmax()`], [`log_softmax`] along the last dim | [`softmax_backward`], [`log_softmax_backward`] |
 //! | [`norm`] | [`layer_norm`], [`rms_norm`] over the last dim | [`layer_norm_backward`], [`rms_norm_backward`] |
-//! | [`rope`](mod@rope) | [`rope()`] (rotary embedding of q or k rows at given positions: interleaved or half-split pairs, partial rotary dim, linear / llama3 / YaRN scaling) | [`rope_backward`] |
+//! | [`rope`](mod@rope) | [`rope()`], [`rope_with`] (rotary embedding of q or k rows, or the q and k heads of a fused QKV, at given positions: interleaved or half-split pairs, partial rotary dim, linear / llama3 / YaRN scaling; prebuilt [`RopeTables`]) | [`rope_backward`], [`rope_backward_with`] |
 //! | [`embedding`](mod@embedding) | [`embedding()`], [`embedding_masked`] (vocab-parallel) | [`embedding_backward`], [`embedding_masked_backward`] (and `_into`) |
 //! | [`reduction`] | [`sum_dim`], [`max_dim`] (the dim is removed) | [`sum_dim_backward`], [`max_dim_backward`] |
 //! | [`moe`] | [`gather_rows`], [`grouped_matmul_t`] (per-expert `x·W[e]ᵀ` over row groups) | [`scatter_add_rows`], [`grouped_matmul_t_backward`] |
-//! | [`attention`](mod@attention) | [`causal_attention`] (fused QKV, RoPE, causal, flash-style) | [`causal_attention_backward`] |
+//! | [`attention`](mod@attention) | [`causal_attention`] (fused QKV with q, k already rotated, causal, flash-style) | [`causal_attention_backward`] |
 //! | [`attention_block`](mod@attention_block) | [`attention_block()`] (a query block against another block's keys, true positions), [`merge_attention`] | [`attention_block_backward`] |
 //! | [`cross_entropy`](mod@cross_entropy) | [`ce_targets`] (checked once into [`CheckedTargets`]), [`ce_row_max`], [`ce_sum_target`], [`ce_loss`] (vocab-parallel, in f64; an ignore index, a z-loss) | [`ce_grad`] |
 //! | [`reduce`](mod@reduce) | [`combine`], [`reduce_into`] (the collectives' reductions on whole tensors) | |
@@ -119,7 +119,10 @@ pub use norm::{layer_norm, layer_norm_backward, rms_norm, rms_norm_backward};
 pub use optim::{adamw_state_dtype, adamw_step, AdamWStep};
 pub use reduce::{combine, reduce_into};
 pub use reduction::{max_dim, max_dim_backward, sum_dim, sum_dim_backward};
-pub use rope::{rope, rope_backward, Rope, RopeScaling, RopeStyle};
+pub use rope::{
+    rope, rope_backward, rope_backward_with, rope_with, Rope, RopeScaling, RopeStyle, RopeTables,
+    RotatedHeads,
+};
 pub use softmax::{
     log_softmax, log_softmax_backward, log_softmax_backward_into, log_softmax_into, softmax,
     softmax_backward, softmax_backward_into, softmax_into,

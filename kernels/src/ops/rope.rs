@@ -14,7 +14,7 @@
 //!
 //! | [`RopeStyle`] | pair `i` is `(j0, j1)` | checkpoints in this layout |
 //! |---|---|---|
-//! | [`Interleaved`](RopeStyle::Interleaved) | `(2i, 2i+1)` | GPT-J, Meta's original Llama release, and this crate's [`causal_attention`](fn@super::causal_attention) (its built-in RoPE) |
+//! | [`Interleaved`](RopeStyle::Interleaved) | `(2i, 2i+1)` | GPT-J, Meta's original Llama release, and this crate's GPT (`dtensor_nn`'s attention layer) |
 //! | [`HalfSplit`](RopeStyle::HalfSplit) | `(i, i + r/2)` ("rotate_half": `x·cos + cat(−x[r/2:], x[:r/2])·sin`) | Hugging Face Llama, Mistral, Mixtral, Qwen |
 //!
 //! (transformers' Llama conversion permutes Meta's q/k weight rows from the one layout to
@@ -38,6 +38,16 @@
 //! the last bit. The device kernel uses the same tables and expressions (no fused
 //! multiply-add), so host and device agree bit for bit (`cuda_gpu.rs` checks it on a GPU).
 //!
+//! **Which heads.** [`Rope::heads`] ([`RotatedHeads`]) names the heads that turn: every
+//! head (q rows, k rows), or the q and k heads of a fused QKV row whose v heads pass
+//! through ([`Rope::on_fused_qkv`]: per KV head its query heads and its k head turn, its v
+//! head does not), so a fused projection's output is rotated in one pass, with no copy of q
+//! and k out and back.
+//!
+//! **Tables.** [`RopeTables`] holds the cos/sin tables of a list of positions, rounded into
+//! the compute dtype and placed on the rows' device; [`rope_with`] and
+//! [`rope_backward_with`] take them prebuilt, so a forward and its backward build them once.
+//!
 //! **Backward.** RoPE is linear in `x` and orthogonal per pair (up to `a`): the gradient is
 //! the transposed rotation, [`rope_backward`] (`R(φ)ᵀ = R(−φ)`, the sines negated), with
 //! the tail columns passed through.
@@ -55,51 +65,67 @@
 //! }
 //! ```
 
-use crate::spec::rope::{check_rope, Rotation, OP, OP_BACK};
-pub use crate::spec::rope::{Rope, RopeScaling, RopeStyle};
+use crate::spec::rope::{check_positions, check_rope, Rotation, OP, OP_BACK};
+pub use crate::spec::rope::{Rope, RopeScaling, RopeStyle, RopeTables, RotatedHeads};
 use crate::{Result, Tensor};
 
 /// RoPE of `x` (`[tokens, heads·head_dim]`, float) with row `t` at `positions[t]`: see the
 /// [module docs](self) for the formulas. `Err` (naming the op and shapes) unless `x` is
-/// 2-D of whole heads, there is one position per row, and `cfg` is valid (`rotary_dim`
-/// even, nonzero, `≤ head_dim`; positive base and factors).
+/// 2-D of whole heads (whole runs of [`RotatedHeads::group`] of them), there is one
+/// position per row, and `cfg` is valid (`rotary_dim` even, nonzero, `≤ head_dim`;
+/// positive base and factors).
 pub fn rope(x: &Tensor, positions: &[usize], cfg: &Rope) -> Result<Tensor> {
-    rotate(OP, x, positions, cfg, Rotation::Forward)
+    check_positions(OP, x, positions, cfg)?;
+    rope_with(x, &RopeTables::new(cfg, positions, x)?, cfg)
 }
 
-/// The gradient of [`rope`]: `dx = R(φ)ᵀ·dy` per pair, the tail columns of `dy` as they
-/// are. Same arguments and checks as [`rope`].
+/// The gradient of [`rope`]: `dx = R(φ)ᵀ·dy` per pair, the tail columns and the heads
+/// [`RotatedHeads`] leaves out as they are. Same arguments and checks as [`rope`].
 pub fn rope_backward(dy: &Tensor, positions: &[usize], cfg: &Rope) -> Result<Tensor> {
-    rotate(OP_BACK, dy, positions, cfg, Rotation::Transpose)
+    check_positions(OP_BACK, dy, positions, cfg)?;
+    rope_backward_with(dy, &RopeTables::new(cfg, positions, dy)?, cfg)
+}
+
+/// [`rope`] by prebuilt tables (one row per row of `x`, built by [`RopeTables::new`] for
+/// `cfg` and `x`'s dtype and device): a forward and its backward share one build.
+pub fn rope_with(x: &Tensor, tables: &RopeTables, cfg: &Rope) -> Result<Tensor> {
+    rotate(OP, x, tables, cfg, Rotation::Forward)
+}
+
+/// [`rope_backward`] by prebuilt tables, as [`rope_with`].
+pub fn rope_backward_with(dy: &Tensor, tables: &RopeTables, cfg: &Rope) -> Result<Tensor> {
+    rotate(OP_BACK, dy, tables, cfg, Rotation::Transpose)
 }
 
 fn rotate(
     op: &'static str,
     x: &Tensor,
-    positions: &[usize],
+    tables: &RopeTables,
     cfg: &Rope,
     rotation: Rotation,
 ) -> Result<Tensor> {
-    let heads = check_rope(op, x, positions, cfg)?;
-    dispatch!(op, [x] => device::rotate(op, &x, positions, cfg, rotation, heads));
-    crate::cpu::rope::rope(op, x, positions, cfg, heads, rotation)
+    let heads = check_rope(op, x, tables, cfg)?;
+    let (cos, sin) = (&tables.cos, &tables.sin);
+    dispatch!(op, [x, cos, sin] => device::rotate(op, &x, &cos, &sin, cfg, rotation, heads));
+    crate::cpu::rope::rope(op, x, cos, sin, cfg, heads, rotation)
 }
 
-/// The device launch: the host's `f64` tables rounded once into the compute type and
-/// uploaded, then one kernel for both directions (the sign of the sines).
+/// The device launch: one kernel for both directions (the sign of the sines), reading the
+/// tables already on the device.
 #[cfg(feature = "cuda")]
 mod device {
     use super::{Rope, RopeStyle, Rotation};
     use crate::cuda::launch::{func, grid_for, launch_kernel, Acc};
     use crate::cuda::{source, CudaTensor};
-    use crate::spec::acc_dtype;
-    use crate::{DType, Result, Tensor};
+    use crate::Result;
 
-    /// `heads` is what the front door's `check_rope` computed.
+    /// `heads` is what the front door's `check_rope` computed; `cs` and `sn` are the
+    /// checked tables.
     pub(super) fn rotate(
         op: &'static str,
         x: &CudaTensor,
-        positions: &[usize],
+        cs: &CudaTensor,
+        sn: &CudaTensor,
         cfg: &Rope,
         rotation: Rotation,
         heads: usize,
@@ -112,19 +138,12 @@ mod device {
         if n == 0 {
             return Ok(y);
         }
-        let (cos, sin) = cfg.tables(positions);
-        let ad = acc_dtype(dt);
-        let table = |v: Vec<f64>| -> Result<CudaTensor> {
-            let t = Tensor::from_vec(v, &[tokens, r / 2])?;
-            let t = if ad == DType::F64 { t } else { t.to_dtype(ad) };
-            t.upload(dev)
-        };
-        let (cs, sn) = (table(cos)?, table(sin)?);
         let half_split = i32::from(cfg.style == RopeStyle::HalfSplit);
+        let (group, rotated) = (cfg.heads.group, cfg.heads.rotated);
         let f = func(dev, &source::ROPE, "rope", dt)?;
         launch_kernel!(op, dev, f, grid_for(n);
-            src x, dst &mut y, src &cs, src &sn, u64 tokens, u64 heads, u64 d, u64 r,
-            int half_split, acc Acc::lit(dt, rotation.sign()))?;
+            src x, dst &mut y, src cs, src sn, u64 tokens, u64 heads, u64 d, u64 r,
+            int half_split, u64 group, u64 rotated, acc Acc::lit(dt, rotation.sign()))?;
         Ok(y)
     }
 }

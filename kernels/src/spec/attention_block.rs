@@ -13,12 +13,15 @@ pub(crate) const OP_ROWS: &str = "ops::gather_rows";
 /// The shape parameters of one [`attention_block`](fn@crate::ops::attention_block) call.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BlockAttention<'a> {
-    /// The head dim `d` (even: RoPE rotates pairs).
+    /// The head dim `d`.
     pub head_dim: usize,
-    /// RoPE's base.
-    pub rope_base: f64,
-    /// Each query row's position in its sample (RoPE angle and mask), strictly
-    /// increasing; the same for every sample of the block.
+    /// Query heads per KV head (the grouped fused layout of
+    /// [`CausalAttention::q_per_kv`](crate::ops::CausalAttention::q_per_kv)).
+    pub q_per_kv: usize,
+    /// The score scale; `None` is `1/√head_dim`.
+    pub scale: Option<f64>,
+    /// Each query row's position in its sample (for the mask), strictly increasing; the
+    /// same for every sample of the block.
     pub q_pos: &'a [usize],
     /// Each key row's position in its sample, strictly increasing.
     pub k_pos: &'a [usize],
@@ -37,7 +40,13 @@ impl BlockAttention<'_> {
 /// Validated sizes of one blockwise call.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Dims {
+    /// Query heads, `kv_heads · g`.
     pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    /// Query heads per KV head.
+    pub(crate) g: usize,
+    /// The score scale.
+    pub(crate) scale: f64,
     pub(crate) d: usize,
     pub(crate) batch: usize,
     pub(crate) nq: usize,
@@ -45,11 +54,17 @@ pub(crate) struct Dims {
 }
 
 impl Dims {
+    /// Columns of the fused QKV.
     pub(crate) fn qcols(&self) -> usize {
-        self.heads * 3 * self.d
+        self.kv_heads * (self.g + 2) * self.d
     }
+    /// Columns of a packed KV block.
     pub(crate) fn kvcols(&self) -> usize {
-        self.heads * 2 * self.d
+        self.kv_heads * 2 * self.d
+    }
+    /// The first column of query head `h` in a fused QKV row.
+    pub(crate) fn q_col(&self, h: usize) -> usize {
+        (h / self.g) * (self.g + 2) * self.d + (h % self.g) * self.d
     }
 }
 
@@ -66,7 +81,7 @@ pub(crate) fn check_block<L: Layout + ?Sized>(
     let bad = |detail: String| Err(Error::Invalid { op, detail });
     if qkv.rank() != 2 || kv.rank() != 2 {
         return bad(format!(
-            "qkv must be [tokens, heads·3·head_dim] and kv [tokens, heads·2·head_dim], got shapes {:?} and {:?}",
+            "qkv must be [tokens, kv_heads·(q_per_kv+2)·head_dim] and kv [tokens, kv_heads·2·head_dim], got shapes {:?} and {:?}",
             qkv.shape(),
             kv.shape()
         ));
@@ -76,16 +91,8 @@ pub(crate) fn check_block<L: Layout + ?Sized>(
     }
     same_dtype(op, qkv, kv)?;
     let d = cfg.head_dim;
-    if d == 0 || !d.is_multiple_of(2) {
-        return bad(format!(
-            "head_dim {d} must be even and nonzero (RoPE rotates pairs)"
-        ));
-    }
-    if !(cfg.rope_base.is_finite() && cfg.rope_base > 0.0) {
-        return bad(format!(
-            "rope_base {} must be positive and finite",
-            cfg.rope_base
-        ));
+    if d == 0 {
+        return bad("head_dim must be nonzero".into());
     }
     if !increasing(cfg.q_pos) || !increasing(cfg.k_pos) {
         return bad(format!(
@@ -95,21 +102,31 @@ pub(crate) fn check_block<L: Layout + ?Sized>(
         ));
     }
     let cols = qkv.shape()[1];
-    let Some(head_cols) = d.checked_mul(3) else {
-        return bad(format!("3·head_dim overflows usize (head_dim {d})"));
-    };
-    if !cols.is_multiple_of(head_cols) {
+    let g = cfg.q_per_kv;
+    if g == 0 {
+        return bad("q_per_kv must be at least 1".into());
+    }
+    let Some(group_cols) = g.checked_add(2).and_then(|n| n.checked_mul(d)) else {
         return bad(format!(
-            "{cols} qkv columns are not whole heads of 3·head_dim = {head_cols}"
+            "(q_per_kv + 2)·head_dim overflows usize (q_per_kv {g}, head_dim {d})"
+        ));
+    };
+    if !cols.is_multiple_of(group_cols) {
+        return bad(format!(
+            "{cols} qkv columns are not whole KV groups of (q_per_kv + 2)·head_dim = {group_cols}"
         ));
     }
-    let heads = cols / head_cols;
-    if kv.shape()[1] != heads * 2 * d {
+    let kv_heads = cols / group_cols;
+    if kv.shape()[1] != kv_heads * 2 * d {
         return bad(format!(
-            "kv has {} columns, want heads·2·head_dim = {} for qkv's {heads} heads",
+            "kv has {} columns, want kv_heads·2·head_dim = {} for qkv's {kv_heads} KV heads",
             kv.shape()[1],
-            heads * 2 * d
+            kv_heads * 2 * d
         ));
+    }
+    let scale = cfg.scale.unwrap_or_else(|| 1.0 / (d as f64).sqrt());
+    if !scale.is_finite() {
+        return bad(format!("score scale {scale} must be finite"));
     }
     let (nq, nk) = (cfg.q_pos.len(), cfg.k_pos.len());
     let (rq, rk) = (qkv.shape()[0], kv.shape()[0]);
@@ -119,12 +136,50 @@ pub(crate) fn check_block<L: Layout + ?Sized>(
         ));
     }
     Ok(Dims {
-        heads,
+        heads: kv_heads * g,
+        kv_heads,
+        g,
+        scale,
         d,
         batch: rq / nq,
         nq,
         nk,
     })
+}
+
+/// The sizes of a blockwise backward: [`check_block`]'s, then `dout` and `out` (`[rows_q,
+/// H·d]` in `qkv`'s dtype), `lse` (`[rows_q, H]`) and the accumulators `dq` (`[rows_q,
+/// H·d]`) and `dkv` (`[rows_k, H·2·d]`) in the compute dtype.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_block_backward<L: Layout + ?Sized>(
+    op: &'static str,
+    dout: &L,
+    qkv: &L,
+    kv: &L,
+    out: &L,
+    lse: &L,
+    cfg: &BlockAttention,
+    dq: &L,
+    dkv: &L,
+) -> Result<Dims> {
+    let g = check_block(op, qkv, kv, cfg)?;
+    same_dtype(op, dout, qkv)?;
+    same_dtype(op, out, qkv)?;
+    let rq = g.batch * g.nq;
+    let acc = acc_dtype(qkv.dtype());
+    for t in [dout, out] {
+        if t.shape() != [rq, g.heads * g.d] {
+            return Err(Error::ShapeMismatch {
+                op,
+                lhs: t.shape().into(),
+                rhs: [rq, g.heads * g.d].as_slice().into(),
+            });
+        }
+    }
+    check_dst(op, lse, &[rq, g.heads], acc)?;
+    check_dst(op, dq, &[rq, g.heads * g.d], acc)?;
+    check_dst(op, dkv, &[g.batch * g.nk, g.kvcols()], acc)?;
+    Ok(g)
 }
 
 /// `(rows, heads, out columns)` of a merge of `part` into `acc` (each `(out, lse)`), or the
@@ -164,59 +219,94 @@ pub(crate) fn check_merge<L: Layout + ?Sized>(
     Ok((rows, heads, ocols))
 }
 
-/// `(rows, heads)` of a fused `[tokens, H·3·d]` QKV whose k and v columns `pack_kv` copies
-/// out, or the error for a QKV that is not whole heads of `3·d`: the CPU op and its device
-/// twin check alike.
+/// `(rows, kv_heads)` of a grouped fused `[tokens, K·(g+2)·d]` QKV whose k and v columns
+/// `pack_kv` copies out, or the error for a QKV that is not whole KV groups: the CPU op and
+/// its device twin check alike.
 pub(crate) fn check_pack_kv<L: Layout + ?Sized>(
     op: &'static str,
     qkv: &L,
     d: usize,
+    g: usize,
 ) -> Result<(usize, usize)> {
-    let head_cols = d.checked_mul(3).filter(|&c| c > 0);
-    match (qkv.shape(), head_cols) {
+    let group_cols = g
+        .checked_add(2)
+        .and_then(|n| n.checked_mul(d))
+        .filter(|&c| c > 0 && g > 0);
+    match (qkv.shape(), group_cols) {
         (&[rows, cols], Some(c)) if cols.is_multiple_of(c) => Ok((rows, cols / c)),
         _ => Err(Error::Invalid {
             op,
             detail: format!(
-                "qkv of shape {:?} is not [tokens, heads·3·{d}]",
+                "qkv of shape {:?} is not [tokens, kv_heads·({g}+2)·{d}] (q_per_kv {g}, head_dim {d})",
                 qkv.shape()
             ),
         }),
     }
 }
 
-/// `(rows, heads)` of a QKV gradient fused from `dq` and `dkv`, or the error for parts that
-/// are not `[tokens, H·d]` and `[tokens, H·2·d]` in `dtype`'s compute dtype: the CPU op and
-/// its device twin check alike.
+/// `(rows, kv_heads)` of a grouped QKV gradient fused from `dq` and `dkv`, or the error for
+/// parts that are not `[tokens, K·g·d]` and `[tokens, K·2·d]` in `dtype`'s compute dtype:
+/// the CPU op and its device twin check alike.
 pub(crate) fn check_fuse_qkv_grad<L: Layout + ?Sized>(
     op: &'static str,
     dq: &L,
     dkv: &L,
     d: usize,
+    g: usize,
     dtype: DType,
 ) -> Result<(usize, usize)> {
     let acc = acc_dtype(dtype);
-    let (rows, qc) = match *dq.shape() {
-        [r, c] if d > 0 && c % d == 0 => (r, c),
-        ref s => {
+    let group_q = d.checked_mul(g).filter(|&c| c > 0);
+    let (rows, qc, gq) = match (dq.shape(), group_q) {
+        (&[r, c], Some(gq)) if c % gq == 0 => (r, c, gq),
+        (s, _) => {
             return Err(Error::Invalid {
                 op,
-                detail: format!("dq of shape {s:?} is not [tokens, heads·{d}]"),
+                detail: format!("dq of shape {s:?} is not [tokens, kv_heads·{g}·{d}]"),
             })
         }
     };
-    let heads = qc / d;
-    // The fused result has H·3·d columns; dkv's H·2·d are fewer.
-    if qc.checked_mul(3).is_none() {
+    let kv_heads = qc / gq;
+    // The fused result has K·(g+2)·d columns; dkv's K·2·d are fewer.
+    let fused = kv_heads
+        .checked_mul(2)
+        .and_then(|n| n.checked_mul(d))
+        .and_then(|n| qc.checked_add(n));
+    if fused.is_none() {
         return Err(Error::Invalid {
             op,
             detail: format!(
-                "dq of shape {:?} has {heads} heads of {d}: their fused H·3·d columns overflow usize",
+                "dq of shape {:?} has {kv_heads} KV groups of {g} heads of {d}: their fused K·(g+2)·d columns overflow usize",
                 dq.shape()
             ),
         });
     }
-    check_dst(op, dq, &[rows, heads * d], acc)?;
-    check_dst(op, dkv, &[rows, heads * 2 * d], acc)?;
-    Ok((rows, heads))
+    check_dst(op, dq, &[rows, qc], acc)?;
+    check_dst(op, dkv, &[rows, kv_heads * 2 * d], acc)?;
+    Ok((rows, kv_heads))
+}
+
+/// `cols` of a 2-D `t` whose rows `src` picks, or the error for a tensor that is not 2-D or
+/// an index past its rows: the CPU op and its device twin check alike.
+pub(crate) fn check_gather_rows<L: Layout + ?Sized>(
+    op: &'static str,
+    t: &L,
+    src: &[usize],
+) -> Result<usize> {
+    let (rows, cols) = match *t.shape() {
+        [r, c] => (r, c),
+        ref s => {
+            return Err(Error::Invalid {
+                op,
+                detail: format!("a 2-D tensor, got shape {s:?}"),
+            })
+        }
+    };
+    if let Some(&bad) = src.iter().find(|&&i| i >= rows) {
+        return Err(Error::Invalid {
+            op,
+            detail: format!("row {bad} of a tensor of {rows} rows"),
+        });
+    }
+    Ok(cols)
 }

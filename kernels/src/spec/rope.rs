@@ -8,6 +8,7 @@ use super::*;
 
 pub(crate) const OP: &str = "ops::rope";
 pub(crate) const OP_BACK: &str = "ops::rope_backward";
+pub(crate) const OP_TABLES: &str = "ops::rope (RopeTables::new)";
 
 /// Which way a call rotates: the op (`R(θ)`) or its transpose (`R(θ)ᵀ = R(−θ)`, the
 /// gradient), the sign of every sine.
@@ -30,8 +31,8 @@ impl Rotation {
 /// convention are silently wrong under the other, so a configuration names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RopeStyle {
-    /// Pair `i` is `(x[2i], x[2i+1])`: GPT-J, Meta's original Llama release, and the
-    /// attention kernel of [`causal_attention`](fn@crate::ops::causal_attention).
+    /// Pair `i` is `(x[2i], x[2i+1])`: GPT-J, Meta's original Llama release, and this
+    /// crate's GPT.
     Interleaved,
     /// Pair `i` is `(x[i], x[i + r/2])`, `r` the rotary dim ("rotate_half"): the Hugging
     /// Face layout of Llama, Mistral, Qwen and Mixtral checkpoints.
@@ -105,7 +106,41 @@ impl RopeScaling {
     }
 }
 
-/// Rotary position embedding of `[tokens, heads·head_dim]` rows: each head's first
+/// Which heads of a row RoPE rotates: the row's heads in runs of `group`, and in each run
+/// the first `rotated`; the others (a fused QKV's v heads) pass through unchanged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RotatedHeads {
+    /// Heads per run (≥ 1).
+    pub group: usize,
+    /// The leading heads of each run that are rotated (`1..=group`).
+    pub rotated: usize,
+}
+
+impl RotatedHeads {
+    /// Every head (rows of q, or of k).
+    pub const ALL: RotatedHeads = RotatedHeads {
+        group: 1,
+        rotated: 1,
+    };
+
+    /// The q and k heads of a grouped fused QKV: per KV head its `q_per_kv` query heads,
+    /// then its k head (all rotated), then its v head (passed through). `q_per_kv = 1` is
+    /// the per-head `[q, k, v]` layout of multi-head attention.
+    pub fn fused_qkv(q_per_kv: usize) -> RotatedHeads {
+        RotatedHeads {
+            group: q_per_kv + 2,
+            rotated: q_per_kv + 1,
+        }
+    }
+
+    /// Whether head `h` of a row is rotated.
+    #[inline(always)]
+    pub fn rotates(&self, h: usize) -> bool {
+        h % self.group < self.rotated
+    }
+}
+
+/// Rotary position embedding of `[tokens, heads·head_dim]` rows: each rotated head's first
 /// `rotary_dim` columns are rotated in pairs by angles `position · inv_freq[i]`, the rest
 /// pass through.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -121,10 +156,12 @@ pub struct Rope {
     pub style: RopeStyle,
     /// How the frequencies are scaled.
     pub scaling: RopeScaling,
+    /// Which heads are rotated (every head, or the q and k heads of a fused QKV).
+    pub heads: RotatedHeads,
 }
 
 impl Rope {
-    /// Whole-head RoPE (`rotary_dim = head_dim`) without scaling.
+    /// Whole-head RoPE (`rotary_dim = head_dim`) of every head, without scaling.
     pub fn new(head_dim: usize, theta: f64, style: RopeStyle) -> Rope {
         Rope {
             head_dim,
@@ -132,6 +169,16 @@ impl Rope {
             theta,
             style,
             scaling: RopeScaling::None,
+            heads: RotatedHeads::ALL,
+        }
+    }
+
+    /// The same rotation of the q and k heads of a grouped fused QKV row (see
+    /// [`RotatedHeads::fused_qkv`]), its v heads passed through.
+    pub fn on_fused_qkv(self, q_per_kv: usize) -> Rope {
+        Rope {
+            heads: RotatedHeads::fused_qkv(q_per_kv),
+            ..self
         }
     }
 
@@ -142,6 +189,12 @@ impl Rope {
         if d == 0 || r == 0 || r % 2 != 0 || r > d {
             return bad(format!(
                 "rotary_dim {r} must be even, nonzero and at most head_dim {d} (RoPE rotates pairs within a head)"
+            ));
+        }
+        let RotatedHeads { group, rotated } = self.heads;
+        if group == 0 || rotated == 0 || rotated > group {
+            return bad(format!(
+                "rotated heads {rotated} of every {group} must be at least 1 and at most the group"
             ));
         }
         let positive = |v: f64| v.is_finite() && v > 0.0;
@@ -336,12 +389,62 @@ impl Rope {
     }
 }
 
-/// Checks `x` (`[tokens, heads·head_dim]`, float), the positions (one per row) and the
-/// configuration; returns the head count.
+/// RoPE's `a·cos` and `a·sin` tables for one list of positions, `[positions, rotary_dim/2]`
+/// each ([`Rope::tables`], computed in `f64`), rounded once into the compute dtype of the
+/// rows they rotate and placed where those rows are. Built once, they serve a forward and
+/// its backward (which rotates by the same angles).
+#[derive(Clone, Debug)]
+pub struct RopeTables {
+    pub(crate) cos: Tensor,
+    pub(crate) sin: Tensor,
+}
+
+impl RopeTables {
+    /// The tables of `cfg` at `positions`, in the compute dtype of `like`'s dtype
+    /// ([`acc_dtype`]) and on `like`'s device. `Err` (naming the op) unless `cfg` is valid,
+    /// or if the upload fails.
+    pub fn new(cfg: &Rope, positions: &[usize], like: &Tensor) -> Result<RopeTables> {
+        cfg.check(OP_TABLES)?;
+        want_float(OP_TABLES, like)?;
+        let (cos, sin) = cfg.tables(positions);
+        let shape = [positions.len(), cfg.rotary_dim / 2];
+        let acc = acc_dtype(like.dtype());
+        let place = |v: Vec<f64>| -> Result<Tensor> {
+            let t = Tensor::from_vec(v, &shape)?;
+            let t = if acc == DType::F64 {
+                t
+            } else {
+                t.to_dtype(acc)
+            };
+            match like.device() {
+                Some(dev) => t.to_device(dev),
+                None => Ok(t),
+            }
+        };
+        Ok(RopeTables {
+            cos: place(cos)?,
+            sin: place(sin)?,
+        })
+    }
+
+    /// The positions (rows) the tables hold.
+    pub fn len(&self) -> usize {
+        self.cos.shape()[0]
+    }
+
+    /// Whether the tables hold no position.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Checks `x` (`[tokens, heads·head_dim]`, float, whole runs of
+/// [`RotatedHeads::group`] heads), the tables (one row per row of `x`, `rotary_dim / 2`
+/// columns, `x`'s compute dtype) and the configuration; returns the head count.
 pub(crate) fn check_rope<L: Layout + ?Sized>(
     op: &'static str,
     x: &L,
-    positions: &[usize],
+    tables: &RopeTables,
     cfg: &Rope,
 ) -> Result<usize> {
     let bad = |detail: String| Err(Error::Invalid { op, detail });
@@ -361,14 +464,49 @@ pub(crate) fn check_rope<L: Layout + ?Sized>(
             cfg.head_dim
         ));
     }
-    if positions.len() != tokens {
+    let heads = cols / cfg.head_dim;
+    if !heads.is_multiple_of(cfg.heads.group) {
         return bad(format!(
-            "x shape {:?} has {tokens} rows but {} positions were given (one per row)",
+            "x shape {:?}: {heads} heads are not whole groups of {} (RotatedHeads)",
             x.shape(),
-            positions.len()
+            cfg.heads.group
         ));
     }
-    Ok(cols / cfg.head_dim)
+    let want = [tokens, cfg.rotary_dim / 2];
+    let acc = acc_dtype(x.dtype());
+    for t in [&tables.cos, &tables.sin] {
+        let (shape, dtype) = (t.shape(), t.dtype());
+        if shape != want || dtype != acc {
+            return bad(format!(
+                "x shape {:?} needs RoPE tables of shape {want:?} in {acc} (one row per row of x), got {shape:?} in {dtype}",
+                x.shape()
+            ));
+        }
+    }
+    Ok(heads)
+}
+
+/// What [`RopeTables::new`] would otherwise report under its own name, checked for the op
+/// that builds them: `x` float, `cfg` valid, and one position per row of a 2-D `x`.
+pub(crate) fn check_positions<L: Layout + ?Sized>(
+    op: &'static str,
+    x: &L,
+    positions: &[usize],
+    cfg: &Rope,
+) -> Result<()> {
+    want_float(op, x)?;
+    cfg.check(op)?;
+    match x.shape() {
+        [tokens, _] if *tokens != positions.len() => Err(Error::Invalid {
+            op,
+            detail: format!(
+                "x shape {:?} has {tokens} rows but {} positions were given (one per row)",
+                x.shape(),
+                positions.len()
+            ),
+        }),
+        _ => Ok(()),
+    }
 }
 
 impl Rope {

@@ -64,7 +64,7 @@ def scaling_rs(p):
 def rope_rs(head_dim, rotary_dim, p, style):
     return (
         f"Rope {{ head_dim: {head_dim}, rotary_dim: {rotary_dim}, theta: {lit(p['rope_theta'])}, "
-        f"style: RopeStyle::{style}, scaling: {scaling_rs(p)} }}"
+        f"style: RopeStyle::{style}, scaling: {scaling_rs(p)}, heads: RotatedHeads::ALL }}"
     )
 
 

@@ -1,14 +1,14 @@
-// Causal self-attention with RoPE on a fused QKV (ops::causal_attention and its backward):
+// Causal self-attention on a fused QKV (q and k already rotated by the caller) (ops::causal_attention and its backward):
 // a straightforward kernel, one block per (head, sample, row), scores for the row kept in
 // dynamic shared memory (so seq_len is bounded by it; the host checks). Not tiled like
 // FlashAttention: O(s^2 d) work per head with k/v read from global memory per row.
 //
-// Layouts (d the head dim, s the sequence length, H heads, B samples, tokens = B*s):
-//   qkv [tokens, H*3d] (head h: q at h*3d, k at h*3d + d, v at h*3d + 2d), out [tokens, H*d],
-//   lse [tokens, H] (compute type). The loaded operands q, k, v are [H, B, s, d] in the
-//   compute type: q rotated and scaled by 1/sqrt(d), k rotated, v widened (attn_load).
-//   cos/sin: [s, d/2] RoPE tables, computed on the host in f64 exactly as the CPU does and
-//   rounded into the compute type.
+// Layouts (d the head dim, s the sequence length, K KV heads each shared by g query heads,
+// H = K*g query heads, B samples, tokens = B*s):
+//   qkv [tokens, K*(g+2)*d] (KV group j at j*(g+2)*d: its g query heads, then k, then v),
+//   out [tokens, H*d], lse [tokens, H] (compute type). The loaded operands are q [H, B, s, d]
+//   (times the score scale) and k, v [K, B, s, d] in the compute type (attn_load_q/_kv);
+//   query head h reads KV head h / g.
 // Block index: ((h*B + b)*s + i); ROW_THREADS threads.
 
 template <class A> __device__ __forceinline__ A* dyn_smem() {
@@ -16,42 +16,49 @@ template <class A> __device__ __forceinline__ A* dyn_smem() {
     return reinterpret_cast<A*>(smem_d);
 }
 
-// q/k/v[h, b, i, c] from qkv; pairs (2p, 2p+1) of q and k rotated by row i's angle:
-// (a*cos - b*sin)*mul, (a*sin + b*cos)*mul, as Rope::rotate.
+// Column of query head h (of g per KV group) in a qkv row, and of KV head j's k.
+__device__ __forceinline__ u64 q_col(u64 h, u64 g, u64 d) { return (h / g) * (g + 2) * d + (h % g) * d; }
+__device__ __forceinline__ u64 k_col(u64 j, u64 g, u64 d) { return (j * (g + 2) + g) * d; }
+
+// q[h, b, i, c] = qkv[b*s + i, q_col(h) + c] * scale (as the CPU's Qkv::load_q).
 template <class T>
-__device__ void attn_load_k(const T* qkv, const typename Tr<T>::A* cs, const typename Tr<T>::A* sn,
-                            typename Tr<T>::A* q, typename Tr<T>::A* k, typename Tr<T>::A* v, u64 batch, u64 heads,
-                            u64 s, u64 d, typename Tr<T>::A scale) {
+__device__ void attn_load_q_k(const T* qkv, typename Tr<T>::A* q, u64 batch, u64 kv_heads, u64 g, u64 s, u64 d,
+                              typename Tr<T>::A scale) {
+    u64 cols = kv_heads * (g + 2) * d;
+    GRID_STRIDE(o, kv_heads * g * batch * s * d) {
+        u64 c = o % d, i = (o / d) % s, b = (o / (d * s)) % batch, h = o / (d * s * batch);
+        q[o] = Tr<T>::to(qkv[(b * s + i) * cols + q_col(h, g, d) + c]) * scale;
+    }
+}
+
+// k/v[j, b, i, c] from KV head j's columns (as the CPU's Qkv::load_kv).
+template <class T>
+__device__ void attn_load_kv_k(const T* qkv, typename Tr<T>::A* k, typename Tr<T>::A* v, u64 batch, u64 kv_heads,
+                               u64 g, u64 s, u64 d) {
     typedef typename Tr<T>::A A;
-    u64 half = d / 2;
-    GRID_STRIDE(o, heads * batch * s * half) {
-        u64 p = o % half, i = (o / half) % s, b = (o / (half * s)) % batch, h = o / (half * s * batch);
-        const T* src = qkv + (b * s + i) * heads * 3 * d + h * 3 * d;
-        A c = cs[i * half + p], sv = sn[i * half + p];
-        u64 dst = ((h * batch + b) * s + i) * d + 2 * p;
-        A a0 = Tr<T>::to(src[2 * p]), a1 = Tr<T>::to(src[2 * p + 1]);
-        rope_rotate(a0, a1, c, sv, scale, q[dst], q[dst + 1]);
-        a0 = Tr<T>::to(src[d + 2 * p]);
-        a1 = Tr<T>::to(src[d + 2 * p + 1]);
-        rope_rotate(a0, a1, c, sv, (A)1, k[dst], k[dst + 1]);
-        v[dst] = Tr<T>::to(src[2 * d + 2 * p]);
-        v[dst + 1] = Tr<T>::to(src[2 * d + 2 * p + 1]);
+    u64 cols = kv_heads * (g + 2) * d;
+    GRID_STRIDE(o, kv_heads * batch * s * d) {
+        u64 c = o % d, i = (o / d) % s, b = (o / (d * s)) % batch, j = o / (d * s * batch);
+        const T* src = qkv + (b * s + i) * cols + k_col(j, g, d);
+        k[o] = Tr<T>::to(src[c]) * (A)1;
+        v[o] = Tr<T>::to(src[d + c]) * (A)1;
     }
 }
 
 // Shared memory: s scores.
 template <class T>
 __device__ void attn_fwd_k(const typename Tr<T>::A* q, const typename Tr<T>::A* k, const typename Tr<T>::A* v, T* out,
-                           typename Tr<T>::A* lse, u64 batch, u64 heads, u64 s, u64 d) {
+                           typename Tr<T>::A* lse, u64 batch, u64 heads, u64 g, u64 s, u64 d) {
     typedef typename Tr<T>::A A;
     A* e = dyn_smem<A>();
     u64 row = blockIdx.x;
     u64 i = row % s, b = (row / s) % batch, h = row / (s * batch);
-    u64 base = (h * batch + b) * s;  // row 0 of this (head, sample)
+    u64 base = (h * batch + b) * s;          // row 0 of this (query head, sample)
+    u64 kbase = ((h / g) * batch + b) * s;   // row 0 of its KV head's sample
     const A* qi = q + (base + i) * d;
     A m = neg_inf<A>();
     for (u64 j = threadIdx.x; j <= i; j += blockDim.x) {
-        A sc = row_dot(qi, k + (base + j) * d, d);
+        A sc = row_dot(qi, k + (kbase + j) * d, d);
         e[j] = sc;
         if (sc > m) m = sc;
     }
@@ -66,25 +73,24 @@ __device__ void attn_fwd_k(const typename Tr<T>::A* q, const typename Tr<T>::A* 
     u64 t = b * s + i;
     for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
         A acc = 0;
-        for (u64 j = 0; j <= i; ++j) acc += e[j] * v[(base + j) * d + c];
+        for (u64 j = 0; j <= i; ++j) acc += e[j] * v[(kbase + j) * d + c];
         out[t * heads * d + h * d + c] = Tr<T>::from(acc / l);
     }
     if (threadIdx.x == 0) lse[t * heads + h] = m + lg(l);
 }
 
 // dq for row i: D_i = dout_i.out_i (also stored for attn_bwd_dkv), dS_ij = P_ij (dout_i.v_j - D_i)
-// with P_ij = exp(q_i.k_j - lse_i), dq_rot = sum_j dS_ij k_j, then dq = scale * R^T dq_rot
-// (Rope::unrotate). Shared memory: s values of dS.
+// with P_ij = exp(q_i.k_j - lse_i), dq = scale * sum_j dS_ij k_j. Shared memory: s values of dS.
 template <class T>
 __device__ void attn_bwd_dq_k(const typename Tr<T>::A* q, const typename Tr<T>::A* k, const typename Tr<T>::A* v,
                               const T* dout, const T* out, const typename Tr<T>::A* lse, typename Tr<T>::A* dsum,
-                              T* dqkv, const typename Tr<T>::A* cs, const typename Tr<T>::A* sn, u64 batch, u64 heads,
-                              u64 s, u64 d, typename Tr<T>::A scale) {
+                              T* dqkv, u64 batch, u64 heads, u64 g, u64 s, u64 d, typename Tr<T>::A scale) {
     typedef typename Tr<T>::A A;
     A* ds = dyn_smem<A>();
     u64 row = blockIdx.x;
     u64 i = row % s, b = (row / s) % batch, h = row / (s * batch);
     u64 base = (h * batch + b) * s;
+    u64 kbase = ((h / g) * batch + b) * s;
     u64 t = b * s + i;
     const T* go = dout + t * heads * d + h * d;
     const T* oo = out + t * heads * d + h * d;
@@ -95,36 +101,29 @@ __device__ void attn_bwd_dq_k(const typename Tr<T>::A* q, const typename Tr<T>::
     A L = lse[t * heads + h];
     const A* qi = q + (base + i) * d;
     for (u64 j = threadIdx.x; j <= i; j += blockDim.x) {
-        A p = exp_fast(row_dot(qi, k + (base + j) * d, d) - L);
+        A p = exp_fast(row_dot(qi, k + (kbase + j) * d, d) - L);
         A dp = 0;
-        const A* vj = v + (base + j) * d;
+        const A* vj = v + (kbase + j) * d;
         for (u64 c = 0; c < d; ++c) dp += Tr<T>::to(go[c]) * vj[c];
         ds[j] = p * (dp - D);
     }
     __syncthreads();
-    u64 half = d / 2;
-    T* dst = dqkv + t * heads * 3 * d + h * 3 * d;
-    for (u64 pp = threadIdx.x; pp < half; pp += blockDim.x) {
-        A a0 = 0, a1 = 0;
-        for (u64 j = 0; j <= i; ++j) {
-            a0 += ds[j] * k[(base + j) * d + 2 * pp];
-            a1 += ds[j] * k[(base + j) * d + 2 * pp + 1];
-        }
-        A c = cs[i * half + pp], sv = sn[i * half + pp];
-        A x0, x1;
-        rope_unrotate(a0, a1, c, sv, scale, x0, x1);
-        dst[2 * pp] = Tr<T>::from(x0);
-        dst[2 * pp + 1] = Tr<T>::from(x1);
+    T* dst = dqkv + t * (heads / g) * (g + 2) * d + q_col(h, g, d);
+    for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
+        A acc = 0;
+        for (u64 j = 0; j <= i; ++j) acc += ds[j] * k[(kbase + j) * d + c];
+        dst[c] = Tr<T>::from(acc * scale);
     }
 }
 
-// dk, dv for key row j (after attn_bwd_dq, which stored D): over queries i >= j,
-// dv_j = sum_i P_ij dout_i, dk_rot = sum_i dS_ij q_i (q already scaled), dk = R^T dk_rot.
-// Shared memory: 2*s values (P and dS).
+// Query head h's share of dk, dv for key row j of its KV head (after attn_bwd_dq, which stored
+// D): over queries i >= j, dv_j = sum_i P_ij dout_i, dk = sum_i dS_ij q_i (q already scaled),
+// into dk/dv [H, B, s, d] (attn_bwd_kv_sum adds a group's shares). Shared memory: 2*s values
+// (P and dS).
 template <class T>
 __device__ void attn_bwd_dkv_k(const typename Tr<T>::A* q, const typename Tr<T>::A* k, const typename Tr<T>::A* v,
-                               const T* dout, const typename Tr<T>::A* lse, const typename Tr<T>::A* dsum, T* dqkv,
-                               const typename Tr<T>::A* cs, const typename Tr<T>::A* sn, u64 batch, u64 heads, u64 s,
+                               const T* dout, const typename Tr<T>::A* lse, const typename Tr<T>::A* dsum,
+                               typename Tr<T>::A* dk, typename Tr<T>::A* dv, u64 batch, u64 heads, u64 g, u64 s,
                                u64 d) {
     typedef typename Tr<T>::A A;
     A* P = dyn_smem<A>();
@@ -132,8 +131,9 @@ __device__ void attn_bwd_dkv_k(const typename Tr<T>::A* q, const typename Tr<T>:
     u64 row = blockIdx.x;
     u64 j = row % s, b = (row / s) % batch, h = row / (s * batch);
     u64 base = (h * batch + b) * s;
-    const A* kj = k + (base + j) * d;
-    const A* vj = v + (base + j) * d;
+    u64 kbase = ((h / g) * batch + b) * s;
+    const A* kj = k + (kbase + j) * d;
+    const A* vj = v + (kbase + j) * d;
     for (u64 i = j + threadIdx.x; i < s; i += blockDim.x) {
         u64 t = b * s + i;
         A p = exp_fast(row_dot(q + (base + i) * d, kj, d) - lse[t * heads + h]);
@@ -144,48 +144,66 @@ __device__ void attn_bwd_dkv_k(const typename Tr<T>::A* q, const typename Tr<T>:
         dS[i - j] = p * (dp - dsum[base + i]);
     }
     __syncthreads();
-    u64 half = d / 2;
-    T* dst = dqkv + (b * s + j) * heads * 3 * d + h * 3 * d;
     for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
         A acc = 0;
         for (u64 i = j; i < s; ++i) acc += P[i - j] * Tr<T>::to(dout[(b * s + i) * heads * d + h * d + c]);
-        dst[2 * d + c] = Tr<T>::from(acc);
+        dv[(base + j) * d + c] = acc;
     }
-    for (u64 pp = threadIdx.x; pp < half; pp += blockDim.x) {
-        A a0 = 0, a1 = 0;
-        for (u64 i = j; i < s; ++i) {
-            a0 += dS[i - j] * q[(base + i) * d + 2 * pp];
-            a1 += dS[i - j] * q[(base + i) * d + 2 * pp + 1];
+    for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
+        A acc = 0;
+        for (u64 i = j; i < s; ++i) acc += dS[i - j] * q[(base + i) * d + c];
+        dk[(base + j) * d + c] = acc;
+    }
+}
+
+// KV head j's dk, dv: its g query heads' shares summed in head order (as the CPU), rounded
+// once into dqkv's k and v columns.
+template <class T>
+__device__ void attn_bwd_kv_sum_k(const typename Tr<T>::A* dk, const typename Tr<T>::A* dv, T* dqkv, u64 batch,
+                                  u64 kv_heads, u64 g, u64 s, u64 d) {
+    typedef typename Tr<T>::A A;
+    u64 cols = kv_heads * (g + 2) * d, per_head = batch * s * d;
+    GRID_STRIDE(o, kv_heads * per_head) {
+        u64 c = o % d, i = (o / d) % s, b = (o / (d * s)) % batch, j = o / per_head;
+        u64 first = (j * g) * per_head + o % per_head;
+        A sk = dk[first], sv = dv[first];
+        for (u64 r = 1; r < g; ++r) {
+            sk += dk[first + r * per_head];
+            sv += dv[first + r * per_head];
         }
-        A c = cs[j * half + pp], sv = sn[j * half + pp];
-        A x0, x1;
-        rope_unrotate(a0, a1, c, sv, (A)1, x0, x1);
-        dst[d + 2 * pp] = Tr<T>::from(x0);
-        dst[d + 2 * pp + 1] = Tr<T>::from(x1);
+        T* dst = dqkv + (b * s + i) * cols + k_col(j, g, d);
+        dst[c] = Tr<T>::from(sk);
+        dst[d + c] = Tr<T>::from(sv);
     }
 }
 
 #define ATTN_ENTRIES(N, T)                                                                                       \
-    extern "C" __global__ void attn_load_##N(const T* qkv, const Tr<T>::A* cs, const Tr<T>::A* sn, Tr<T>::A* q,  \
-                                             Tr<T>::A* k, Tr<T>::A* v, u64 batch, u64 heads, u64 s, u64 d,       \
-                                             Tr<T>::A scale) {                                                   \
-        attn_load_k<T>(qkv, cs, sn, q, k, v, batch, heads, s, d, scale);                                         \
+    extern "C" __global__ void attn_load_q_##N(const T* qkv, Tr<T>::A* q, u64 batch, u64 kv_heads, u64 g, u64 s, \
+                                               u64 d, Tr<T>::A scale) {                                          \
+        attn_load_q_k<T>(qkv, q, batch, kv_heads, g, s, d, scale);                                               \
+    }                                                                                                            \
+    extern "C" __global__ void attn_load_kv_##N(const T* qkv, Tr<T>::A* k, Tr<T>::A* v, u64 batch, u64 kv_heads, \
+                                                u64 g, u64 s, u64 d) {                                           \
+        attn_load_kv_k<T>(qkv, k, v, batch, kv_heads, g, s, d);                                                  \
     }                                                                                                            \
     extern "C" __global__ void attn_forward_##N(const Tr<T>::A* q, const Tr<T>::A* k, const Tr<T>::A* v, T* out, \
-                                                Tr<T>::A* lse, u64 batch, u64 heads, u64 s, u64 d) {             \
-        attn_fwd_k<T>(q, k, v, out, lse, batch, heads, s, d);                                                    \
+                                                Tr<T>::A* lse, u64 batch, u64 heads, u64 g, u64 s, u64 d) {      \
+        attn_fwd_k<T>(q, k, v, out, lse, batch, heads, g, s, d);                                                 \
     }                                                                                                            \
     extern "C" __global__ void attn_backward_dq_##N(const Tr<T>::A* q, const Tr<T>::A* k, const Tr<T>::A* v,     \
                                                     const T* dout, const T* out, const Tr<T>::A* lse,            \
-                                                    Tr<T>::A* dsum, T* dqkv, const Tr<T>::A* cs,                 \
-                                                    const Tr<T>::A* sn, u64 batch, u64 heads, u64 s, u64 d,      \
-                                                    Tr<T>::A scale) {                                            \
-        attn_bwd_dq_k<T>(q, k, v, dout, out, lse, dsum, dqkv, cs, sn, batch, heads, s, d, scale);                \
+                                                    Tr<T>::A* dsum, T* dqkv, u64 batch, u64 heads, u64 g, u64 s, \
+                                                    u64 d, Tr<T>::A scale) {                                     \
+        attn_bwd_dq_k<T>(q, k, v, dout, out, lse, dsum, dqkv, batch, heads, g, s, d, scale);                     \
     }                                                                                                            \
     extern "C" __global__ void attn_backward_dkv_##N(const Tr<T>::A* q, const Tr<T>::A* k, const Tr<T>::A* v,    \
                                                      const T* dout, const Tr<T>::A* lse, const Tr<T>::A* dsum,   \
-                                                     T* dqkv, const Tr<T>::A* cs, const Tr<T>::A* sn, u64 batch, \
-                                                     u64 heads, u64 s, u64 d) {                                  \
-        attn_bwd_dkv_k<T>(q, k, v, dout, lse, dsum, dqkv, cs, sn, batch, heads, s, d);                           \
+                                                     Tr<T>::A* dk, Tr<T>::A* dv, u64 batch, u64 heads, u64 g,    \
+                                                     u64 s, u64 d) {                                             \
+        attn_bwd_dkv_k<T>(q, k, v, dout, lse, dsum, dk, dv, batch, heads, g, s, d);                              \
+    }                                                                                                            \
+    extern "C" __global__ void attn_backward_kv_sum_##N(const Tr<T>::A* dk, const Tr<T>::A* dv, T* dqkv,         \
+                                                        u64 batch, u64 kv_heads, u64 g, u64 s, u64 d) {          \
+        attn_bwd_kv_sum_k<T>(dk, dv, dqkv, batch, kv_heads, g, s, d);                                            \
     }
 FLOATS(ATTN_ENTRIES)

@@ -5,12 +5,14 @@
 // attention.cu: one block per (head, sample, row), the row's scores in dynamic shared memory
 // (the host bounds the block lengths by it).
 //
-// Layouts (d the head dim, H heads, B samples, nq / nk query / key rows per sample):
-//   qkv [B*nq, H*3d] (queries read at h*3d), kv [B*nk, H*2d] (head h: k at h*2d, v at h*2d + d);
-//   out [B*nq, H*d] and lse [B*nq, H] in the compute type; dq [B*nq, H*d], dkv as kv, compute type.
-//   Loaded operands: q [H, B, nq, d] (rotated, scaled by 1/sqrt(d)), k, v [H, B, nk, d] (k rotated).
-//   qpos [nq], kpos [nk]: i64 positions; cs/sn [n, d/2]: RoPE tables for them (host-computed in
-//   f64 as the CPU's Rope::for_positions, rounded once into the compute type).
+// Layouts (d the head dim, K KV heads each shared by g query heads, H = K*g, B samples, nq / nk
+// query / key rows per sample):
+//   qkv [B*nq, K*(g+2)*d] (KV group j at j*(g+2)*d: g query heads, k, v), kv [B*nk, K*2d] (KV head
+//   j: k at j*2d, v at j*2d + d); out [B*nq, H*d] and lse [B*nq, H] in the compute type;
+//   dq [B*nq, H*d], dkv as kv, compute type.
+//   Loaded operands: q [H, B, nq, d] (times the score scale), k, v [K, B, nk, d]; query head h
+//   reads KV head h / g. q and k come in already rotated (the caller's RoPE). qpos [nq],
+//   kpos [nk]: i64 positions (for the mask).
 // Query i sees key j when kpos[j] <= qpos[i]: with increasing positions the visible keys are a
 // prefix (count_le) and the queries that see key j a suffix (count_lt).
 
@@ -38,37 +40,27 @@ __device__ __forceinline__ u64 count_lt(const i64* pos, u64 n, i64 x) {
     return lo;
 }
 
-// q[h, b, i, :] = R(qpos[i]) * qkv[b*nq + i, h*3d ..] * scale (Rope::rotate).
+// q[h, b, i, :] = qkv[b*nq + i, (h/g)*(g+2)*d + (h%g)*d ..] * scale.
 template <class T>
-__device__ void blk_load_q_k(const T* qkv, const typename Tr<T>::A* cs, const typename Tr<T>::A* sn,
-                             typename Tr<T>::A* q, u64 batch, u64 heads, u64 nq, u64 d, typename Tr<T>::A scale) {
-    typedef typename Tr<T>::A A;
-    u64 half = d / 2;
-    GRID_STRIDE(o, heads * batch * nq * half) {
-        u64 p = o % half, i = (o / half) % nq, b = (o / (half * nq)) % batch, h = o / (half * nq * batch);
-        const T* src = qkv + (b * nq + i) * heads * 3 * d + h * 3 * d;
-        A c = cs[i * half + p], sv = sn[i * half + p];
-        u64 dst = ((h * batch + b) * nq + i) * d + 2 * p;
-        A a0 = Tr<T>::to(src[2 * p]), a1 = Tr<T>::to(src[2 * p + 1]);
-        rope_rotate(a0, a1, c, sv, scale, q[dst], q[dst + 1]);
+__device__ void blk_load_q_k(const T* qkv, typename Tr<T>::A* q, u64 batch, u64 kv_heads, u64 g, u64 nq, u64 d,
+                             typename Tr<T>::A scale) {
+    u64 cols = kv_heads * (g + 2) * d;
+    GRID_STRIDE(o, kv_heads * g * batch * nq * d) {
+        u64 c = o % d, i = (o / d) % nq, b = (o / (d * nq)) % batch, h = o / (d * nq * batch);
+        q[o] = Tr<T>::to(qkv[(b * nq + i) * cols + (h / g) * (g + 2) * d + (h % g) * d + c]) * scale;
     }
 }
 
-// k[h, b, j, :] = R(kpos[j]) * kv[b*nk + j, h*2d ..], v[h, b, j, :] = kv[b*nk + j, h*2d + d ..].
+// k[h, b, j, :] = kv[b*nk + j, h*2d ..], v[h, b, j, :] = kv[b*nk + j, h*2d + d ..].
 template <class T>
-__device__ void blk_load_kv_k(const T* kv, const typename Tr<T>::A* cs, const typename Tr<T>::A* sn,
-                              typename Tr<T>::A* k, typename Tr<T>::A* v, u64 batch, u64 heads, u64 nk, u64 d) {
+__device__ void blk_load_kv_k(const T* kv, typename Tr<T>::A* k, typename Tr<T>::A* v, u64 batch, u64 heads, u64 nk,
+                              u64 d) {
     typedef typename Tr<T>::A A;
-    u64 half = d / 2;
-    GRID_STRIDE(o, heads * batch * nk * half) {
-        u64 p = o % half, j = (o / half) % nk, b = (o / (half * nk)) % batch, h = o / (half * nk * batch);
+    GRID_STRIDE(o, heads * batch * nk * d) {
+        u64 c = o % d, j = (o / d) % nk, b = (o / (d * nk)) % batch, h = o / (d * nk * batch);
         const T* src = kv + (b * nk + j) * heads * 2 * d + h * 2 * d;
-        A c = cs[j * half + p], sv = sn[j * half + p];
-        u64 dst = ((h * batch + b) * nk + j) * d + 2 * p;
-        A a0 = Tr<T>::to(src[2 * p]), a1 = Tr<T>::to(src[2 * p + 1]);
-        rope_rotate(a0, a1, c, sv, (A)1, k[dst], k[dst + 1]);
-        v[dst] = Tr<T>::to(src[d + 2 * p]);
-        v[dst + 1] = Tr<T>::to(src[d + 2 * p + 1]);
+        k[o] = Tr<T>::to(src[c]) * (A)1;
+        v[o] = Tr<T>::to(src[d + c]) * (A)1;
     }
 }
 
@@ -82,7 +74,7 @@ template <class A> __device__ void blk_masked_k(A* out, A* lse, u64 rows, u64 he
 // none gets out = 0, lse = -inf. Shared memory: nk scores.
 template <class A>
 __device__ void blk_fwd_k(const A* q, const A* k, const A* v, const i64* qpos, const i64* kpos, A* out, A* lse,
-                          u64 batch, u64 heads, u64 nq, u64 nk, u64 d) {
+                          u64 batch, u64 heads, u64 g, u64 nq, u64 nk, u64 d) {
     A* e = blk_smem<A>();
     u64 row = blockIdx.x;
     u64 i = row % nq, b = (row / nq) % batch, h = row / (nq * batch);
@@ -95,8 +87,8 @@ __device__ void blk_fwd_k(const A* q, const A* k, const A* v, const i64* qpos, c
         return;
     }
     const A* qi = q + ((h * batch + b) * nq + i) * d;
-    const A* kb = k + (h * batch + b) * nk * d;
-    const A* vb = v + (h * batch + b) * nk * d;
+    const A* kb = k + ((h / g) * batch + b) * nk * d;
+    const A* vb = v + ((h / g) * batch + b) * nk * d;
     A m = neg_inf<A>();
     for (u64 j = threadIdx.x; j < live; j += blockDim.x) {
         A sc = row_dot(qi, kb + j * d, d);
@@ -121,13 +113,12 @@ __device__ void blk_fwd_k(const A* q, const A* k, const A* v, const i64* qpos, c
 
 // dq of query row (h, b, i), added into dq: D_i = dout_i . out_i (stored in dsum for the dkv
 // kernel), dS_ij = P_ij (dout_i . v_j - D_i) with P_ij = exp(q_i . k_j - lse_i) over the visible
-// keys, dq += scale * R^T sum_j dS_ij k_j (Rope::unrotate_add). Shared memory: nk values of dS.
+// keys, dq += scale * sum_j dS_ij k_j. Shared memory: nk values of dS.
 template <class T>
 __device__ void blk_bwd_dq_k(const typename Tr<T>::A* q, const typename Tr<T>::A* k, const typename Tr<T>::A* v,
                              const T* dout, const T* out, const typename Tr<T>::A* lse, const i64* qpos,
-                             const i64* kpos, typename Tr<T>::A* dsum, typename Tr<T>::A* dq,
-                             const typename Tr<T>::A* cs, const typename Tr<T>::A* sn, u64 batch, u64 heads, u64 nq,
-                             u64 nk, u64 d, typename Tr<T>::A scale) {
+                             const i64* kpos, typename Tr<T>::A* dsum, typename Tr<T>::A* dq, u64 batch, u64 heads,
+                             u64 g, u64 nq, u64 nk, u64 d, typename Tr<T>::A scale) {
     typedef typename Tr<T>::A A;
     A* ds = blk_smem<A>();
     u64 row = blockIdx.x;
@@ -143,8 +134,8 @@ __device__ void blk_bwd_dq_k(const typename Tr<T>::A* q, const typename Tr<T>::A
     if (live == 0) return;  // uniform over the block
     A L = lse[t * heads + h];
     const A* qi = q + ((h * batch + b) * nq + i) * d;
-    const A* kb = k + (h * batch + b) * nk * d;
-    const A* vb = v + (h * batch + b) * nk * d;
+    const A* kb = k + ((h / g) * batch + b) * nk * d;
+    const A* vb = v + ((h / g) * batch + b) * nk * d;
     for (u64 j = threadIdx.x; j < live; j += blockDim.x) {
         A p = exp_fast(row_dot(qi, kb + j * d, d) - L);
         A dp = 0;
@@ -153,40 +144,37 @@ __device__ void blk_bwd_dq_k(const typename Tr<T>::A* q, const typename Tr<T>::A
         ds[j] = p * (dp - D);
     }
     __syncthreads();
-    u64 half = d / 2;
     A* dst = dq + t * heads * d + h * d;
-    for (u64 pp = threadIdx.x; pp < half; pp += blockDim.x) {
-        A a0 = 0, a1 = 0;
-        for (u64 j = 0; j < live; ++j) {
-            a0 += ds[j] * kb[j * d + 2 * pp];
-            a1 += ds[j] * kb[j * d + 2 * pp + 1];
-        }
-        A c = cs[i * half + pp], sv = sn[i * half + pp];
-        A x0, x1;
-        rope_unrotate(a0, a1, c, sv, scale, x0, x1);
-        dst[2 * pp] += x0;
-        dst[2 * pp + 1] += x1;
+    for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
+        A acc = 0;
+        for (u64 j = 0; j < live; ++j) acc += ds[j] * kb[j * d + c];
+        dst[c] += acc * scale;
     }
 }
 
-// dk, dv of key row (h, b, j), added into dkv (after blk_bwd_dq, which stored D): over the
-// queries that see key j (a suffix i0..nq), dv_j += sum_i P_ij dout_i, dk += R^T sum_i dS_ij q_i
-// (q already scaled). Shared memory: 2*nq values (P and dS).
+// Query head h's share of dk, dv of key row (b, j) of its KV head (after blk_bwd_dq, which
+// stored D): over the queries that see key j (a suffix i0..nq), dv_j = sum_i P_ij dout_i,
+// dk = sum_i dS_ij q_i (q already scaled), into dk/dv [H, B, nk, d] (blk_kv_add adds a group's
+// shares into dkv). Shared memory: 2*nq values (P and dS).
 template <class T>
 __device__ void blk_bwd_dkv_k(const typename Tr<T>::A* q, const typename Tr<T>::A* k, const typename Tr<T>::A* v,
                               const T* dout, const typename Tr<T>::A* lse, const typename Tr<T>::A* dsum,
-                              const i64* qpos, const i64* kpos, typename Tr<T>::A* dkv,
-                              const typename Tr<T>::A* cs, const typename Tr<T>::A* sn, u64 batch, u64 heads, u64 nq,
-                              u64 nk, u64 d) {
+                              const i64* qpos, const i64* kpos, typename Tr<T>::A* dk, typename Tr<T>::A* dv,
+                              u64 batch, u64 heads, u64 g, u64 nq, u64 nk, u64 d) {
     typedef typename Tr<T>::A A;
     A* P = blk_smem<A>();
     A* dS = P + nq;
     u64 row = blockIdx.x;
     u64 j = row % nk, b = (row / nk) % batch, h = row / (nk * batch);
+    A* dkj = dk + ((h * batch + b) * nk + j) * d;
+    A* dvj = dv + ((h * batch + b) * nk + j) * d;
     u64 i0 = count_lt(qpos, nq, kpos[j]);  // the first query that sees key j
-    if (i0 == nq) return;                  // uniform over the block
-    const A* kj = k + ((h * batch + b) * nk + j) * d;
-    const A* vj = v + ((h * batch + b) * nk + j) * d;
+    if (i0 == nq) {                        // uniform over the block: no share
+        for (u64 c = threadIdx.x; c < d; c += blockDim.x) dkj[c] = dvj[c] = (A)0;
+        return;
+    }
+    const A* kj = k + (((h / g) * batch + b) * nk + j) * d;
+    const A* vj = v + (((h / g) * batch + b) * nk + j) * d;
     const A* qb = q + (h * batch + b) * nq * d;
     for (u64 i = i0 + threadIdx.x; i < nq; i += blockDim.x) {
         u64 t = b * nq + i;
@@ -198,24 +186,30 @@ __device__ void blk_bwd_dkv_k(const typename Tr<T>::A* q, const typename Tr<T>::
         dS[i - i0] = p * (dp - dsum[(h * batch + b) * nq + i]);
     }
     __syncthreads();
-    u64 half = d / 2;
-    A* dst = dkv + (b * nk + j) * heads * 2 * d + h * 2 * d;
     for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
         A acc = 0;
         for (u64 i = i0; i < nq; ++i) acc += P[i - i0] * Tr<T>::to(dout[(b * nq + i) * heads * d + h * d + c]);
-        dst[d + c] += acc;
+        dvj[c] = acc;
     }
-    for (u64 pp = threadIdx.x; pp < half; pp += blockDim.x) {
-        A a0 = 0, a1 = 0;
-        for (u64 i = i0; i < nq; ++i) {
-            a0 += dS[i - i0] * qb[i * d + 2 * pp];
-            a1 += dS[i - i0] * qb[i * d + 2 * pp + 1];
+    for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
+        A acc = 0;
+        for (u64 i = i0; i < nq; ++i) acc += dS[i - i0] * qb[i * d + c];
+        dkj[c] = acc;
+    }
+}
+
+// dkv[b*nk + j, kh*2d ..] += each of KV head kh's query heads' shares, in head order (as the CPU).
+template <class A>
+__device__ void blk_kv_add_k(const A* dk, const A* dv, A* dkv, u64 batch, u64 kv_heads, u64 g, u64 nk, u64 d) {
+    u64 per_head = batch * nk * d;
+    GRID_STRIDE(o, kv_heads * per_head) {
+        u64 c = o % d, j = (o / d) % nk, b = (o / (d * nk)) % batch, kh = o / per_head;
+        A* dst = dkv + (b * nk + j) * kv_heads * 2 * d + kh * 2 * d;
+        u64 first = (kh * g) * per_head + o % per_head;
+        for (u64 r = 0; r < g; ++r) {
+            dst[c] += dk[first + r * per_head];
+            dst[d + c] += dv[first + r * per_head];
         }
-        A c = cs[j * half + pp], sv = sn[j * half + pp];
-        A x0, x1;
-        rope_unrotate(a0, a1, c, sv, (A)1, x0, x1);
-        dst[2 * pp] += x0;
-        dst[2 * pp + 1] += x1;
     }
 }
 
@@ -247,14 +241,15 @@ template <class A> __device__ void merge_attention_k(A* oa, A* la, const A* ob, 
     }
 }
 
-// ops::fuse_qkv_grad: dqkv[r, h*3d + c] = round(dq[r, h*d + c]) for c < d, round(dkv[r, h*2d + c - d])
-// after.
+// ops::fuse_qkv_grad: per row r and KV group j (rj = r*kv_heads + j), the group's g*d query
+// columns round(dq[rj*g*d + c]), then its k and v round(dkv[rj*2d + c - g*d]).
 template <class T>
 __device__ void fuse_qkv_grad_k(const typename Tr<T>::A* dq, const typename Tr<T>::A* dkv, T* out, u64 rows,
-                                u64 heads, u64 d) {
-    GRID_STRIDE(o, rows * heads * 3 * d) {
-        u64 c = o % (3 * d), rh = o / (3 * d);  // rh = r*heads + h
-        out[o] = Tr<T>::from(c < d ? dq[rh * d + c] : dkv[rh * 2 * d + c - d]);
+                                u64 kv_heads, u64 g, u64 d) {
+    u64 gq = g * d, gc = (g + 2) * d;
+    GRID_STRIDE(o, rows * kv_heads * gc) {
+        u64 c = o % gc, rj = o / gc;
+        out[o] = Tr<T>::from(c < gq ? dq[rj * gq + c] : dkv[rj * 2 * d + c - gq]);
     }
 }
 
@@ -267,39 +262,42 @@ template <class T> __device__ void gather_rows_k(const T* t, const i64* src, T* 
 }
 
 #define BLK_ENTRIES(N, T)                                                                                          \
-    extern "C" __global__ void attn_block_load_q_##N(const T* qkv, const Tr<T>::A* cs, const Tr<T>::A* sn,         \
-                                                     Tr<T>::A* q, u64 batch, u64 heads, u64 nq, u64 d,             \
-                                                     Tr<T>::A scale) {                                             \
-        blk_load_q_k<T>(qkv, cs, sn, q, batch, heads, nq, d, scale);                                               \
+    extern "C" __global__ void attn_block_load_q_##N(const T* qkv, Tr<T>::A* q, u64 batch, u64 kv_heads, u64 g,    \
+                                                     u64 nq, u64 d, Tr<T>::A scale) {                              \
+        blk_load_q_k<T>(qkv, q, batch, kv_heads, g, nq, d, scale);                                                 \
     }                                                                                                              \
-    extern "C" __global__ void attn_block_load_kv_##N(const T* kv, const Tr<T>::A* cs, const Tr<T>::A* sn,         \
-                                                      Tr<T>::A* k, Tr<T>::A* v, u64 batch, u64 heads, u64 nk,      \
-                                                      u64 d) {                                                     \
-        blk_load_kv_k<T>(kv, cs, sn, k, v, batch, heads, nk, d);                                                   \
+    extern "C" __global__ void attn_block_load_kv_##N(const T* kv, Tr<T>::A* k, Tr<T>::A* v, u64 batch, u64 heads, \
+                                                      u64 nk, u64 d) {                                             \
+        blk_load_kv_k<T>(kv, k, v, batch, heads, nk, d);                                                           \
     }                                                                                                              \
     extern "C" __global__ void attn_block_masked_##N(Tr<T>::A* out, Tr<T>::A* lse, u64 rows, u64 heads, u64 d) {   \
         blk_masked_k<Tr<T>::A>(out, lse, rows, heads, d);                                                          \
     }                                                                                                              \
     extern "C" __global__ void attn_block_forward_##N(const Tr<T>::A* q, const Tr<T>::A* k, const Tr<T>::A* v,     \
                                                       const i64* qpos, const i64* kpos, Tr<T>::A* out,             \
-                                                      Tr<T>::A* lse, u64 batch, u64 heads, u64 nq, u64 nk, u64 d) { \
-        blk_fwd_k<Tr<T>::A>(q, k, v, qpos, kpos, out, lse, batch, heads, nq, nk, d);                               \
+                                                      Tr<T>::A* lse, u64 batch, u64 heads, u64 g, u64 nq, u64 nk,  \
+                                                      u64 d) {                                                     \
+        blk_fwd_k<Tr<T>::A>(q, k, v, qpos, kpos, out, lse, batch, heads, g, nq, nk, d);                            \
     }                                                                                                              \
     extern "C" __global__ void attn_block_backward_dq_##N(                                                         \
         const Tr<T>::A* q, const Tr<T>::A* k, const Tr<T>::A* v, const T* dout, const T* out, const Tr<T>::A* lse, \
-        const i64* qpos, const i64* kpos, Tr<T>::A* dsum, Tr<T>::A* dq, const Tr<T>::A* cs, const Tr<T>::A* sn,    \
-        u64 batch, u64 heads, u64 nq, u64 nk, u64 d, Tr<T>::A scale) {                                             \
-        blk_bwd_dq_k<T>(q, k, v, dout, out, lse, qpos, kpos, dsum, dq, cs, sn, batch, heads, nq, nk, d, scale);    \
+        const i64* qpos, const i64* kpos, Tr<T>::A* dsum, Tr<T>::A* dq, u64 batch, u64 heads, u64 g, u64 nq,       \
+        u64 nk, u64 d, Tr<T>::A scale) {                                                                           \
+        blk_bwd_dq_k<T>(q, k, v, dout, out, lse, qpos, kpos, dsum, dq, batch, heads, g, nq, nk, d, scale);         \
     }                                                                                                              \
     extern "C" __global__ void attn_block_backward_dkv_##N(                                                        \
         const Tr<T>::A* q, const Tr<T>::A* k, const Tr<T>::A* v, const T* dout, const Tr<T>::A* lse,              \
-        const Tr<T>::A* dsum, const i64* qpos, const i64* kpos, Tr<T>::A* dkv, const Tr<T>::A* cs,                 \
-        const Tr<T>::A* sn, u64 batch, u64 heads, u64 nq, u64 nk, u64 d) {                                         \
-        blk_bwd_dkv_k<T>(q, k, v, dout, lse, dsum, qpos, kpos, dkv, cs, sn, batch, heads, nq, nk, d);              \
+        const Tr<T>::A* dsum, const i64* qpos, const i64* kpos, Tr<T>::A* dk, Tr<T>::A* dv, u64 batch, u64 heads,  \
+        u64 g, u64 nq, u64 nk, u64 d) {                                                                            \
+        blk_bwd_dkv_k<T>(q, k, v, dout, lse, dsum, qpos, kpos, dk, dv, batch, heads, g, nq, nk, d);                \
+    }                                                                                                              \
+    extern "C" __global__ void attn_block_kv_add_##N(const Tr<T>::A* dk, const Tr<T>::A* dv, Tr<T>::A* dkv,        \
+                                                     u64 batch, u64 kv_heads, u64 g, u64 nk, u64 d) {              \
+        blk_kv_add_k<Tr<T>::A>(dk, dv, dkv, batch, kv_heads, g, nk, d);                                            \
     }                                                                                                              \
     extern "C" __global__ void fuse_qkv_grad_##N(const Tr<T>::A* dq, const Tr<T>::A* dkv, T* out, u64 rows,        \
-                                                 u64 heads, u64 d) {                                               \
-        fuse_qkv_grad_k<T>(dq, dkv, out, rows, heads, d);                                                          \
+                                                 u64 kv_heads, u64 g, u64 d) {                                     \
+        fuse_qkv_grad_k<T>(dq, dkv, out, rows, kv_heads, g, d);                                                    \
     }
 FLOATS(BLK_ENTRIES)
 

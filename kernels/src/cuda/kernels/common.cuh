@@ -76,19 +76,6 @@ __device__ __forceinline__ void store(T* d, typename Tr<T>::A v, int accum) {
     *d = accum ? Tr<T>::from(Tr<T>::to(*d) + v) : Tr<T>::from(v);
 }
 
-// RoPE on one pair (2p, 2p+1) with its angle's cos c and sin s, as the CPU's Rope:
-// rotate gives ((a0*c - a1*s)*mul, (a0*s + a1*c)*mul), unrotate (R^T) gives
-// ((a0*c + a1*s)*mul, (a1*c - a0*s)*mul). The attention kernels (attention.cu,
-// attention_block.cu) all rotate through these, so they round alike.
-template <class A> __device__ __forceinline__ void rope_rotate(A a0, A a1, A c, A s, A mul, A& x0, A& x1) {
-    x0 = (a0 * c - a1 * s) * mul;
-    x1 = (a0 * s + a1 * c) * mul;
-}
-template <class A> __device__ __forceinline__ void rope_unrotate(A a0, A a1, A c, A s, A mul, A& x0, A& x1) {
-    x0 = (a0 * c + a1 * s) * mul;
-    x1 = (a1 * c - a0 * s) * mul;
-}
-
 // a . b over d elements, summed in order (the CPU's dot in the attention kernels).
 template <class A> __device__ __forceinline__ A row_dot(const A* a, const A* b, u64 d) {
     A acc = 0;
