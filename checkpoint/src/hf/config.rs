@@ -18,7 +18,7 @@
 //! `rope_parameters` object (transformers 5.x).
 
 use crate::{Error, Result};
-use dtensor_kernels::ops::{Rope, RopeScaling, RopeStyle};
+use dtensor_kernels::ops::{Rope, RopeScaling, RopeStyle, RotatedHeads};
 use serde_json::{Map, Value};
 use std::path::Path;
 
@@ -690,6 +690,7 @@ impl Reader<'_> {
             theta,
             style: RopeStyle::HalfSplit,
             scaling,
+            heads: RotatedHeads::ALL,
         };
         // The kernels' own checks of the values (positive factors, ordered frequencies).
         rope.validate().map_err(|e| {
