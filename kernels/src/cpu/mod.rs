@@ -20,7 +20,7 @@ pub(crate) mod softmax;
 pub(crate) mod tensor;
 
 pub(crate) use crate::spec::float::{exp_f32, AccFloat, Float};
-pub(crate) use crate::spec::{acc_dtype, not_float, same_dtype, Accum, Transpose};
+pub(crate) use crate::spec::{acc_dtype, not_float, Accum, Transpose};
 pub(crate) use gemm::Parallelism;
 
 /// Writes `v` into `d` according to `accum`, rounding once.
