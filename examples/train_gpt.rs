@@ -43,6 +43,7 @@ use clap::{Parser, ValueEnum};
 use dtensor::cli::{check_output_path, CompositionArgs, OutputKind};
 use dtensor::collectives::{mpi as mpi_backend, trace, Counters};
 use dtensor::kernels::memory;
+use dtensor::kernels::ops::RopeStyle;
 use dtensor::nn::pipeline::{self, check_pipeline, microbatches, Pipeline};
 use dtensor::nn::{
     to_stream_order, AdamW, ContextParallel, DataMode, Ddp, Fsdp, GptConfig, Ids, MoeConfig, NoSp,
@@ -133,9 +134,17 @@ struct Args {
     /// Hidden size
     #[arg(long, value_name = "N", default_value_t = 64)]
     hidden: usize,
-    /// Attention heads (must divide by tp)
+    /// Attention (query) heads
     #[arg(long, value_name = "N", default_value_t = 4)]
     heads: usize,
+    /// Key/value heads (grouped-query attention: must divide --heads, and tp must divide
+    /// them; 1 is multi-query); default: --heads (multi-head attention)
+    #[arg(long, value_name = "N")]
+    kv_heads: Option<usize>,
+    /// RoPE's pairing of a head's columns: `interleaved` (x[2i], x[2i+1]) or `half`
+    /// (x[i], x[i+d/2], the Hugging Face layout)
+    #[arg(long, value_name = "STYLE", default_value = "interleaved")]
+    rope_style: RopeStyleArg,
     /// AdamW learning rate (finite and > 0)
     #[arg(long, value_name = "X", default_value_t = 3e-3)]
     lr: f64,
@@ -186,6 +195,22 @@ struct Args {
     plan: bool,
 }
 
+/// `--rope-style`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum RopeStyleArg {
+    Interleaved,
+    Half,
+}
+
+impl From<RopeStyleArg> for RopeStyle {
+    fn from(s: RopeStyleArg) -> RopeStyle {
+        match s {
+            RopeStyleArg::Interleaved => RopeStyle::Interleaved,
+            RopeStyleArg::Half => RopeStyle::HalfSplit,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Backend {
     Threads,
@@ -200,6 +225,11 @@ enum Place {
 }
 
 impl Args {
+    /// Key/value heads: `--kv-heads`, or as many as query heads.
+    fn kv_heads(&self) -> usize {
+        self.kv_heads.unwrap_or(self.heads)
+    }
+
     /// The element type of the masters (and of everything without --bf16).
     fn dtype(&self) -> DType {
         dtensor::nn::compose::master_dtype(&self.comp)
@@ -269,12 +299,12 @@ fn resolve(mut a: Args) -> Result<Args, String> {
     }
     if c.cp > 1
         && a.comp.cp_strategy == CpStrategy::AllToAll
-        && !(a.heads / c.tp).is_multiple_of(c.cp)
+        && !(a.kv_heads() / c.tp).is_multiple_of(c.cp)
     {
         return Err(format!(
-            "--cp-impl a2a: {} heads per tp rank (--heads {} / tp={}) are not divisible by cp={}",
-            a.heads / c.tp,
-            a.heads,
+            "--cp-impl a2a: {} KV heads per tp rank (--kv-heads {} / tp={}) are not divisible by cp={}",
+            a.kv_heads() / c.tp,
+            a.kv_heads(),
             c.tp,
             c.cp
         ));
@@ -298,10 +328,26 @@ fn resolve(mut a: Args) -> Result<Args, String> {
             );
         }
     }
-    if !a.heads.is_multiple_of(c.tp) {
+    if a.plan && a.kv_heads() != a.heads {
         return Err(format!(
-            "--heads {} is not divisible by tp={}",
-            a.heads, c.tp
+            "--plan with --kv-heads {} < --heads {}: the planner models multi-head attention only (its parameter and byte counts would be those of {} KV heads)",
+            a.kv_heads(),
+            a.heads,
+            a.heads
+        ));
+    }
+    if a.kv_heads() == 0 || !a.heads.is_multiple_of(a.kv_heads()) {
+        return Err(format!(
+            "--kv-heads {} does not divide --heads {}",
+            a.kv_heads(),
+            a.heads
+        ));
+    }
+    if !a.kv_heads().is_multiple_of(c.tp) {
+        return Err(format!(
+            "--kv-heads {} is not divisible by tp={} (each tensor rank holds whole groups of a KV head and its query heads)",
+            a.kv_heads(),
+            c.tp
         ));
     }
     if !a.hidden.is_multiple_of(a.heads) || !(a.hidden / a.heads).is_multiple_of(2) {
@@ -357,6 +403,8 @@ fn model_config(a: &Args) -> GptConfig {
     GptConfig {
         hidden: a.hidden,
         heads: a.heads,
+        kv_heads: a.kv_heads,
+        rope_style: a.rope_style.into(),
         layers: a.layers,
         ffn: 4 * a.hidden,
         seq_len: a.seq,
@@ -1023,9 +1071,17 @@ fn header(a: &Args, ranks: &str) -> String {
         z if z > 0.0 => format!(", z-loss {z}"),
         _ => String::new(),
     };
+    // Today's attention is said as before; GQA and the Hugging Face pairing are named.
+    let mut heads = format!("{} heads", a.heads);
+    if a.kv_heads() != a.heads {
+        heads += &format!(" ({} KV heads)", a.kv_heads());
+    }
+    if a.rope_style == RopeStyleArg::Half {
+        heads += ", half-split RoPE";
+    }
     format!(
-        "train_gpt: {} layers, hidden {}, {} heads, byte vocab 256, seq {}, global batch {} ({} tokens){z_loss}, {}, on {} {ranks} ranks, device {}",
-        a.layers, a.hidden, a.heads, a.seq, a.batch, a.batch * a.seq, a.dtype(), a.comp.degrees.world_size(),
+        "train_gpt: {} layers, hidden {}, {heads}, byte vocab 256, seq {}, global batch {} ({} tokens){z_loss}, {}, on {} {ranks} ranks, device {}",
+        a.layers, a.hidden, a.seq, a.batch, a.batch * a.seq, a.dtype(), a.comp.degrees.world_size(),
         match (a.device, a.backend) {
             (Place::Cpu, _) => "cpu",
             (Place::Cuda, Backend::Threads) => "cuda (NCCL; rank r on GPU r mod the GPU count)",

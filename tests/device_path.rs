@@ -447,6 +447,8 @@ fn pipelined_steps(dm: &Arc<DeviceMesh>) -> Result<Vec<(f64, f64)>> {
         vocab: 20,
         hidden: 16,
         heads: 2,
+        kv_heads: None,
+        rope_style: dtensor::kernels::ops::RopeStyle::Interleaved,
         layers: 2,
         ffn: 32,
         seq_len: SEQ,

@@ -402,6 +402,8 @@ fn config(setup: Setup) -> GptConfig {
         vocab: 16,
         hidden: 8,
         heads: 4,
+        kv_heads: None,
+        rope_style: dtensor::kernels::ops::RopeStyle::Interleaved,
         layers: 1,
         ffn: 16,
         seq_len: SEQ,

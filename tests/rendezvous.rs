@@ -59,6 +59,8 @@ fn gpt(layers: usize) -> GptConfig {
         vocab: 20,
         hidden: 8,
         heads: 2,
+        kv_heads: None,
+        rope_style: dtensor::kernels::ops::RopeStyle::Interleaved,
         layers,
         ffn: 16,
         seq_len: SEQ,

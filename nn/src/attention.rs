@@ -4,14 +4,18 @@
 //! output projection. With SP the QKV entry all-gathers the tokens and the output leaves
 //! with a reduce-scatter; without SP, `to_replicate` and `all_reduce`.
 //!
-//! The fused weight `[3·hidden, hidden]` stores its rows head by head: for head `h`, rows
-//! `h·3·d .. h·3·d + d` are q, the next `d` are k, the next `d` are v (`d` the head dim).
-//! `Shard<0>` over `Tp` therefore gives rank `r` heads `r·heads/tp ..`, complete.
+//! Grouped-query attention (Megatron's layout): the fused weight `[(heads +
+//! 2·kv_heads)·d, hidden]` stores its rows group by group, a group being one KV head and
+//! the `g = heads / kv_heads` query heads it serves: for group `j`, its `g` q heads (`g·d`
+//! rows), then its k head (`d`), then its v head (`d`). With `kv_heads = heads` (`g = 1`)
+//! that is head by head, q, k, v. `Shard<0>` over `Tp` therefore gives rank `r` groups
+//! `r·kv_heads/tp ..`, complete (so `tp` must divide `kv_heads`).
 //!
 //! Positions: the q and k heads of the fused QKV are rotated by the RoPE op
-//! ([`Var::rope`] with [`Rope::on_fused_qkv`]) before the attention, in interleaved pairs
-//! (`(x[2i], x[2i+1])`, [`RopeStyle::Interleaved`]) with base
-//! [`rope_base`](AttentionConfig::rope_base), each token at its position in its sample
+//! ([`Var::rope`] with [`Rope::on_fused_qkv`]) before the attention, in the pairs
+//! [`rope_style`](AttentionConfig::rope_style) names (interleaved `(x[2i], x[2i+1])` by
+//! default, or half-split `(x[i], x[i + d/2])` as Hugging Face checkpoints store q and k)
+//! with base [`rope_base`](AttentionConfig::rope_base), each token at its position in its sample
 //! (under `Cp`, its true position in the CP order: [`RopePositions::ContextParallel`]).
 //!
 //! The attention itself is the typed op [`Var::context_attention`] over `Cp`, laid out
@@ -42,13 +46,21 @@ use std::sync::Arc;
 pub struct AttentionConfig {
     /// Model width: features per token, `heads · head_dim`.
     pub hidden: usize,
-    /// Attention heads over all `Tp` ranks (each rank holds `heads / tp` whole heads).
+    /// Query heads over all `Tp` ranks (each rank holds `heads / tp` whole heads).
     pub heads: usize,
+    /// Key/value heads (grouped-query attention: each serves `heads / kv_heads`
+    /// consecutive query heads; `heads` is multi-head attention, 1 multi-query). Over
+    /// `Tp` each rank holds `kv_heads / tp` whole groups.
+    pub kv_heads: usize,
     /// Tokens per sample: the stream's rows are samples of this many tokens, one after
     /// another.
     pub seq_len: usize,
-    /// RoPE's base (10000 in most models); q and k are rotated in interleaved pairs.
+    /// RoPE's base (10000 in most models).
     pub rope_base: f64,
+    /// Which columns of a head RoPE pairs: [`RopeStyle::Interleaved`] (`(x[2i], x[2i+1])`,
+    /// this GPT's default) or [`RopeStyle::HalfSplit`] (`(x[i], x[i + d/2])`, the Hugging
+    /// Face layout of Llama, Mistral and Qwen checkpoints).
+    pub rope_style: RopeStyle,
     /// How attention runs over `Cp` (unused at `cp = 1`).
     pub context: ContextParallel,
 }
@@ -85,7 +97,19 @@ impl AttentionConfig {
         self.hidden / self.heads
     }
 
-    /// `Err` unless the heads divide the hidden size (into an even head dim) and `tp`.
+    /// Query heads per KV head.
+    pub fn q_per_kv(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+
+    /// Rows of the fused QKV projection: `(heads + 2·kv_heads)·head_dim`.
+    pub fn qkv_rows(&self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.head_dim()
+    }
+
+    /// `Err` unless the heads divide the hidden size (into an even head dim), the KV heads
+    /// divide the query heads, and `tp` divides the KV heads (each rank holds whole
+    /// groups: a KV head and its query heads).
     pub fn check(&self, tp: usize) -> Result<()> {
         let bad = |detail: String| Error::ShapeMismatch {
             op: "ParallelAttention",
@@ -100,10 +124,17 @@ impl AttentionConfig {
                 self.hidden, self.heads
             )));
         }
-        if !self.heads.is_multiple_of(tp) {
+        if self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
             return Err(bad(format!(
-                "{} heads are not divisible by tp={tp}",
-                self.heads
+                "{} KV heads do not divide the {} query heads",
+                self.kv_heads, self.heads
+            )));
+        }
+        if !self.kv_heads.is_multiple_of(tp) {
+            return Err(bad(format!(
+                "{} KV heads are not divisible by tp={tp} (each tensor rank holds whole groups of a KV head and its {} query heads)",
+                self.kv_heads,
+                self.q_per_kv()
             )));
         }
         Ok(())
@@ -158,8 +189,8 @@ fn stream_order(
 /// Causal self-attention, heads split over `Tp`.
 #[derive(Clone)]
 pub struct ParallelAttention<M: SeqMode, D: DataMode = Ddp> {
-    /// The fused QKV projection `[3·hidden, hidden]`, column-parallel: whole heads per
-    /// `Tp` rank, rows stored head by head (see the module docs).
+    /// The fused QKV projection `[(heads + 2·kv_heads)·head_dim, hidden]`, column-parallel:
+    /// whole KV groups per `Tp` rank, rows stored group by group (see the module docs).
     pub qkv: ColumnParallelLinear<D>,
     /// The output projection `[hidden, hidden]`, row-parallel: its `Partial` product is
     /// reduced back into the stream.
@@ -180,7 +211,7 @@ impl<M: SeqMode, D: DataMode> ParallelAttention<M, D> {
     ) -> Result<Self> {
         config.check(axis_size(mesh, AxisKind::Tp))?;
         let h = config.hidden;
-        let qkv = ColumnParallelLinear::new(h, 3 * h, bias, init, mesh)?;
+        let qkv = ColumnParallelLinear::new(h, config.qkv_rows(), bias, init, mesh)?;
         let out_init = ParamInit {
             std: out_std,
             ..init.with_id(init.id + 2)
@@ -216,13 +247,14 @@ impl<M: SeqMode, D: DataMode> ParallelAttention<M, D> {
                 },
                 None => RopePositions::sequential(seq_len),
             };
-        let rope = Rope::new(d, self.config.rope_base, RopeStyle::Interleaved).on_fused_qkv(1);
+        let g = self.config.q_per_kv();
+        let rope = Rope::new(d, self.config.rope_base, self.config.rope_style).on_fused_qkv(g);
         let qkv = qkv.rope(&rope, &positions)?;
         let cfg = ContextAttention {
             attn: CausalAttention {
                 seq_len,
                 head_dim: d,
-                q_per_kv: 1,
+                q_per_kv: g,
                 scale: None,
             },
             zigzag: self.config.context.zigzag,

@@ -1,7 +1,8 @@
 //! Attention, the transformer block and the GPT.
 //!
 //! - Attention at TP = 1: forward against a naive single-rank f64 implementation written
-//!   here (heads, RoPE, causal softmax), backward against central finite differences.
+//!   here (heads, grouped-query KV heads, RoPE in either pairing, causal softmax), backward
+//!   against central finite differences; MHA with interleaved RoPE, and GQA with half-split.
 //! - Attention and the block at TP = 2, 4, SP on and off, and DP×TP: forward, backward and
 //!   every parameter gradient equal the TP = 1 run within 1e-10 (relative to max |ref|).
 //! - The GPT: 5 AdamW steps at dp=2, tp=2, SP (and other meshes) equal the one-rank run
@@ -12,7 +13,7 @@ mod common;
 
 use common::*;
 use dtensor_core::{DTensor, DeviceMesh, Result, Tape};
-use dtensor_kernels::ops::{self, Transpose};
+use dtensor_kernels::ops::{self, RopeStyle, Transpose};
 use dtensor_kernels::{DType, Tensor};
 use dtensor_nn::*;
 use dtensor_placement::AxisKind;
@@ -28,6 +29,8 @@ fn acfg() -> AttentionConfig {
     AttentionConfig {
         hidden: H,
         heads: HEADS,
+        kv_heads: HEADS,
+        rope_style: RopeStyle::Interleaved,
         seq_len: S,
         rope_base: 100.0,
         context: Default::default(),
@@ -38,11 +41,15 @@ fn ainit() -> ParamInit {
     ParamInit::new(3, 500, 0.3, DType::F64).with_bias_std(0.1)
 }
 
-/// Naive attention on whole tensors, written independently of the layer.
-fn naive_attention(x: &Tensor) -> Tensor {
-    let d = H / HEADS;
-    let wqkv = Init::Normal { std: 0.3 }.full(3, 500, &[3 * H, H], DType::F64);
-    let bqkv = Init::Normal { std: 0.1 }.full(3, 501, &[3 * H], DType::F64);
+/// Naive attention on whole tensors, written independently of the layer: grouped-query
+/// (query head `h` reads KV head `h / (heads / kv_heads)`; the fused rows are group by
+/// group: its q heads, then k, then v), RoPE in the pairs `cfg.rope_style` names.
+fn naive_attention(x: &Tensor, cfg: &AttentionConfig) -> Tensor {
+    let (heads, kv) = (cfg.heads, cfg.kv_heads);
+    let (d, g) = (H / heads, heads / kv);
+    let rows = (heads + 2 * kv) * d;
+    let wqkv = Init::Normal { std: 0.3 }.full(3, 500, &[rows, H], DType::F64);
+    let bqkv = Init::Normal { std: 0.1 }.full(3, 501, &[rows], DType::F64);
     let wo = Init::Normal { std: 0.2 }.full(3, 502, &[H, H], DType::F64);
     let bo = Init::Normal { std: 0.1 }.full(3, 503, &[H], DType::F64);
     let qkv = ops::add_row(
@@ -51,27 +58,36 @@ fn naive_attention(x: &Tensor) -> Tensor {
     )
     .unwrap()
     .to_f64_vec();
+    let half = cfg.rope_style == RopeStyle::HalfSplit;
     let rot = |v: &[f64], pos: usize| -> Vec<f64> {
         let mut out = v.to_vec();
         for i in 0..d / 2 {
             let th = pos as f64 * 100f64.powf(-(2.0 * i as f64) / d as f64);
-            out[2 * i] = v[2 * i] * th.cos() - v[2 * i + 1] * th.sin();
-            out[2 * i + 1] = v[2 * i] * th.sin() + v[2 * i + 1] * th.cos();
+            let (a, b) = if half {
+                (i, i + d / 2)
+            } else {
+                (2 * i, 2 * i + 1)
+            };
+            out[a] = v[a] * th.cos() - v[b] * th.sin();
+            out[b] = v[a] * th.sin() + v[b] * th.cos();
         }
         out
     };
+    // Column offset of query head h, and of the k / v head of group j, in a fused row.
+    let q_col = |h: usize| (h / g) * (g + 2) * d + (h % g) * d;
+    let kv_col = |j: usize, which: usize| j * (g + 2) * d + (g + which) * d;
     let mut o = vec![0.0; T * H];
     for b in 0..B {
-        for h in 0..HEADS {
-            let get = |t: usize, which: usize| {
-                let base = (b * S + t) * 3 * H + h * 3 * d + which * d;
+        for h in 0..heads {
+            let row = |t: usize, col: usize| {
+                let base = (b * S + t) * rows + col;
                 qkv[base..base + d].to_vec()
             };
             for i in 0..S {
-                let q = rot(&get(i, 0), i);
+                let q = rot(&row(i, q_col(h)), i);
                 let scores: Vec<f64> = (0..=i)
                     .map(|j| {
-                        let k = rot(&get(j, 1), j);
+                        let k = rot(&row(j, kv_col(h / g, 0)), j);
                         q.iter().zip(&k).map(|(a, b)| a * b).sum::<f64>() / (d as f64).sqrt()
                     })
                     .collect();
@@ -79,7 +95,7 @@ fn naive_attention(x: &Tensor) -> Tensor {
                 let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
                 for (j, s) in scores.iter().enumerate() {
                     let p = (s - m).exp() / z;
-                    for (e, v) in get(j, 2).iter().enumerate() {
+                    for (e, v) in row(j, kv_col(h / g, 1)).iter().enumerate() {
                         o[(b * S + i) * H + h * d + e] += p * v;
                     }
                 }
@@ -94,13 +110,28 @@ fn naive_attention(x: &Tensor) -> Tensor {
     .unwrap()
 }
 
+/// Grouped-query attention (2 KV heads for 4 query heads) with half-split RoPE.
+fn gqa_cfg() -> AttentionConfig {
+    AttentionConfig {
+        kv_heads: 2,
+        rope_style: RopeStyle::HalfSplit,
+        ..acfg()
+    }
+}
+
 #[test]
 fn attention_at_tp1_matches_naive_forward_and_finite_differences() {
+    for cfg in [acfg(), gqa_cfg()] {
+        attention_matches_naive(&cfg);
+    }
+}
+
+fn attention_matches_naive(cfg: &AttentionConfig) {
     let x = randn(81, &[T, H]);
     let dy = randn(82, &[T, H]);
-    let y_ref = naive_attention(&x);
+    let y_ref = naive_attention(&x, cfg);
     on_mesh(1, 1, |mesh| {
-        let attn = ParallelAttention::<NoSp, Ddp>::new(acfg(), true, ainit(), 0.2, mesh)?;
+        let attn = ParallelAttention::<NoSp, Ddp>::new(*cfg, true, ainit(), 0.2, mesh)?;
         // Output and input gradient for the seed dy.
         let run = |x: &Tensor| -> Result<(Tensor, Tensor)> {
             let tape = Tape::new();
@@ -138,10 +169,14 @@ fn attention_at_tp1_matches_naive_forward_and_finite_differences() {
 type Run = Vec<Tensor>;
 
 fn attention_run<M: SeqMode>(dp: usize, tp: usize) -> Run {
+    attention_run_with::<M>(&acfg(), dp, tp)
+}
+
+fn attention_run_with<M: SeqMode>(cfg: &AttentionConfig, dp: usize, tp: usize) -> Run {
     let x = randn(81, &[T, H]);
     let dy = randn(82, &[T, H]);
     on_mesh(dp, tp, |mesh| {
-        let attn = ParallelAttention::<M, Ddp>::new(acfg(), true, ainit(), 0.2, mesh)?;
+        let attn = ParallelAttention::<M, Ddp>::new(*cfg, true, ainit(), 0.2, mesh)?;
         let tape = Tape::new();
         let xs = tape.leaf(piece::<Stream<M>>(&x, mesh)?);
         let y = attn.forward(&tape, &xs)?;
@@ -165,6 +200,33 @@ fn compare(what: &str, got: &Run, want: &Run, tol: f64) -> f64 {
         .enumerate()
         .map(|(i, (a, b))| assert_close(&format!("{what} item {i}"), a, b, tol))
         .fold(0.0, f64::max)
+}
+
+#[test]
+fn grouped_query_attention_over_tp_by_groups_equals_tp1() {
+    let cfg = gqa_cfg();
+    let want = attention_run_with::<NoSp>(&cfg, 1, 1);
+    for (dp, tp) in [(1, 2), (2, 2)] {
+        compare(
+            &format!("GQA dp={dp} tp={tp}"),
+            &attention_run_with::<NoSp>(&cfg, dp, tp),
+            &want,
+            1e-12,
+        );
+        compare(
+            &format!("GQA dp={dp} tp={tp} sp"),
+            &attention_run_with::<Sp>(&cfg, dp, tp),
+            &want,
+            1e-12,
+        );
+    }
+    // tp above the KV heads needs each rank to hold the KV heads its query heads read
+    // (not built yet): refused by name.
+    let err = cfg.check(4).unwrap_err().to_string();
+    assert!(
+        err.contains("2 KV heads are not divisible by tp=4"),
+        "{err}"
+    );
 }
 
 #[test]

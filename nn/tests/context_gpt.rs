@@ -107,6 +107,8 @@ fn attention_run<M: SeqMode>(cp: usize, tp: usize, context: ContextParallel) -> 
         let cfg = AttentionConfig {
             hidden: 16,
             heads: 4,
+            kv_heads: 4,
+            rope_style: dtensor_kernels::ops::RopeStyle::Interleaved,
             seq_len: S,
             rope_base: 100.0,
             context,

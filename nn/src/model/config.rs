@@ -6,6 +6,7 @@ use crate::mlp::Activation;
 use crate::moe::MoeConfig;
 use crate::norm::NormKind;
 use dtensor_core::{Error, Result};
+use dtensor_kernels::ops::RopeStyle;
 use dtensor_kernels::DType;
 
 /// The shape of a GPT.
@@ -15,8 +16,14 @@ pub struct GptConfig {
     pub vocab: usize,
     /// Model width: features per token in the residual stream.
     pub hidden: usize,
-    /// Attention heads (a multiple of the `Tp` size; they divide `hidden`).
+    /// Attention (query) heads (they divide `hidden`).
     pub heads: usize,
+    /// Key/value heads (grouped-query attention; 1 is multi-query): they divide `heads`,
+    /// and the `Tp` size divides them. `None`: as many as `heads` (multi-head attention).
+    pub kv_heads: Option<usize>,
+    /// RoPE's pairing of a head's columns (interleaved by default; half-split is the
+    /// Hugging Face layout).
+    pub rope_style: RopeStyle,
     /// Transformer blocks.
     pub layers: usize,
     /// The dense MLP's inner width (`fc1`'s output features, sharded over `Tp`).
@@ -59,6 +66,8 @@ impl GptConfig {
             vocab: 256,
             hidden: 64,
             heads: 4,
+            kv_heads: None,
+            rope_style: RopeStyle::Interleaved,
             layers: 2,
             ffn: 256,
             seq_len: 64,
@@ -81,8 +90,10 @@ impl GptConfig {
         AttentionConfig {
             hidden: self.hidden,
             heads: self.heads,
+            kv_heads: self.kv_heads.unwrap_or(self.heads),
             seq_len: self.seq_len,
             rope_base: 10000.0,
+            rope_style: self.rope_style,
             context: self.context,
         }
     }

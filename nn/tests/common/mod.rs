@@ -138,6 +138,8 @@ pub fn tiny_gpt(layers: usize, seq_len: usize, seed: u64) -> GptConfig {
         vocab: 20,
         hidden: 16,
         heads: 4,
+        kv_heads: None,
+        rope_style: dtensor_kernels::ops::RopeStyle::Interleaved,
         layers,
         ffn: 32,
         seq_len,
