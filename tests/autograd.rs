@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::{dist, float_global, int_global, on_mesh};
+use common::{dist, float_global, int_global, numeric_grad, on_mesh};
 use dtensor::prelude::*;
 use dtensor_core::{Tape, Var};
 use dtensor_kernels::ops::{self, Transpose};
@@ -21,30 +21,6 @@ use std::sync::Arc;
 
 const TP2: &[(AxisKind, usize)] = &[(AxisKind::Tp, 2)];
 const DP2TP2: &[(AxisKind, usize)] = &[(AxisKind::Dp, 2), (AxisKind::Tp, 2)];
-
-fn dot(a: &Tensor, b: &Tensor) -> f64 {
-    a.to_f64_vec()
-        .iter()
-        .zip(b.to_f64_vec())
-        .map(|(x, y)| x * y)
-        .sum()
-}
-
-/// `d⟨seed, f(x)⟩/dx` by central differences.
-fn numeric_grad(x: &Tensor, seed: &Tensor, f: &dyn Fn(&Tensor) -> Tensor) -> Vec<f64> {
-    let h = 1e-6;
-    let base = x.to_f64_vec();
-    (0..base.len())
-        .map(|i| {
-            let at = |d: f64| {
-                let mut v = base.clone();
-                v[i] += d;
-                dot(seed, &f(&Tensor::from_vec(v, x.shape()).unwrap()))
-            };
-            (at(h) - at(-h)) / (2.0 * h)
-        })
-        .collect()
-}
 
 /// What every rank returns: the forward value (`full_tensor()`) and the full gradient of
 /// every differentiable input, in order.

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{dist, float_global, on_mesh};
+use common::{dist, float_global, numeric_grad, on_mesh};
 use dtensor::prelude::*;
 use dtensor_core::custom::{custom_op, Piece};
 use dtensor_core::{Tape, Var};
@@ -114,40 +114,15 @@ fn small(shape: &[usize], f: f64) -> Tensor {
     Tensor::from_fn(shape, |i| (i as f64 * f + 0.2).sin())
 }
 
-fn dot(a: &Tensor, b: &Tensor) -> f64 {
-    a.to_f64_vec()
-        .iter()
-        .zip(b.to_f64_vec())
-        .map(|(x, y)| x * y)
-        .sum()
-}
-
-/// `d⟨s1, q'⟩ + ⟨s2, k'⟩ / d(q, k)` of the reference by central differences.
+/// `d⟨s1, q'⟩ + ⟨s2, k'⟩ / d(q, k)` of the reference by central differences: the two
+/// outputs side by side, against the two seeds side by side.
 fn numeric_grads(q: &Tensor, k: &Tensor, s: &[Tensor; 2]) -> [Vec<f64>; 2] {
-    let loss = |q: &Tensor, k: &Tensor| {
-        let [a, b] = reference(q, k);
-        dot(&s[0], &a) + dot(&s[1], &b)
-    };
-    let h = 1e-6;
-    let diff = |x: &Tensor, which: usize| -> Vec<f64> {
-        let base = x.to_f64_vec();
-        (0..base.len())
-            .map(|i| {
-                let at = |d: f64| {
-                    let mut v = base.clone();
-                    v[i] += d;
-                    let t = Tensor::from_vec(v, x.shape()).unwrap();
-                    if which == 0 {
-                        loss(&t, k)
-                    } else {
-                        loss(q, &t)
-                    }
-                };
-                (at(h) - at(-h)) / (2.0 * h)
-            })
-            .collect()
-    };
-    [diff(q, 0), diff(k, 1)]
+    let both = |[a, b]: [Tensor; 2]| Tensor::cat(&[a, b], 0).unwrap();
+    let seed = both(s.clone());
+    [
+        numeric_grad(q, &seed, &|t| both(reference(t, k))),
+        numeric_grad(k, &seed, &|t| both(reference(q, t))),
+    ]
 }
 
 /// Runs the op on `axes` with q, k (5×6: uneven over 2 ranks along rows, even along

@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{dist, float_global, int_global, on_mesh};
+use common::{dist, float_global, int_global, numeric_grad, on_mesh};
 use dtensor::prelude::*;
 use dtensor_core::{Tape, Var};
 use std::sync::Arc;
@@ -32,30 +32,6 @@ type S0 = Shard<0>;
 type S1 = Shard<1>;
 type S2 = Shard<2>;
 type S3 = Shard<3>;
-
-fn dot(a: &Tensor, b: &Tensor) -> f64 {
-    a.to_f64_vec()
-        .iter()
-        .zip(b.to_f64_vec())
-        .map(|(x, y)| x * y)
-        .sum()
-}
-
-/// `d⟨seed, f(x)⟩/dx` by central differences.
-fn numeric_grad(x: &Tensor, seed: &Tensor, f: &dyn Fn(&Tensor) -> Tensor) -> Vec<f64> {
-    let h = 1e-6;
-    let base = x.to_f64_vec();
-    (0..base.len())
-        .map(|i| {
-            let at = |d: f64| {
-                let mut v = base.clone();
-                v[i] += d;
-                dot(seed, &f(&Tensor::from_vec(v, x.shape()).unwrap()))
-            };
-            (at(h) - at(-h)) / (2.0 * h)
-        })
-        .collect()
-}
 
 /// A rank's piece of a value: its placements, the rank's mesh coordinates and the bits.
 struct Piece {

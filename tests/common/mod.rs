@@ -137,3 +137,28 @@ pub fn target_dir() -> std::path::PathBuf {
         root.join(target)
     }
 }
+
+/// `⟨a, b⟩` over every element, in f64.
+pub fn dot(a: &Tensor, b: &Tensor) -> f64 {
+    a.to_f64_vec()
+        .iter()
+        .zip(b.to_f64_vec())
+        .map(|(x, y)| x * y)
+        .sum()
+}
+
+/// `d⟨seed, f(x)⟩/dx` by central differences.
+pub fn numeric_grad(x: &Tensor, seed: &Tensor, f: &dyn Fn(&Tensor) -> Tensor) -> Vec<f64> {
+    let h = 1e-6;
+    let base = x.to_f64_vec();
+    (0..base.len())
+        .map(|i| {
+            let at = |d: f64| {
+                let mut v = base.clone();
+                v[i] += d;
+                dot(seed, &f(&Tensor::from_vec(v, x.shape()).unwrap()))
+            };
+            (at(h) - at(-h)) / (2.0 * h)
+        })
+        .collect()
+}
