@@ -328,14 +328,6 @@ fn resolve(mut a: Args) -> Result<Args, String> {
             );
         }
     }
-    if a.plan && a.kv_heads() != a.heads {
-        return Err(format!(
-            "--plan with --kv-heads {} < --heads {}: the planner models multi-head attention only (its parameter and byte counts would be those of {} KV heads)",
-            a.kv_heads(),
-            a.heads,
-            a.heads
-        ));
-    }
     if a.kv_heads() == 0 || !a.heads.is_multiple_of(a.kv_heads()) {
         return Err(format!(
             "--kv-heads {} does not divide --heads {}",
@@ -1126,6 +1118,7 @@ fn print_plan(a: &Args, out: &RankOut, steps: u64) -> Result<(), String> {
         vocab: 256,
         hidden: a.hidden,
         heads: a.heads,
+        kv_heads: a.kv_heads(),
         layers: a.layers,
         ffn: 4 * a.hidden,
         seq_len: a.seq,

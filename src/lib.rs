@@ -63,7 +63,9 @@
 #![warn(missing_docs)]
 
 pub mod cli;
+pub mod hf;
 
+pub use dtensor_checkpoint as checkpoint;
 pub use dtensor_collectives as collectives;
 pub use dtensor_core as core;
 pub use dtensor_datasets as datasets;

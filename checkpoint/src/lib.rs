@@ -176,6 +176,12 @@ impl From<dtensor_collectives::Error> for Error {
     }
 }
 
+impl From<dtensor_kernels::Error> for Error {
+    fn from(e: dtensor_kernels::Error) -> Self {
+        Error::Core(e.into())
+    }
+}
+
 pub(crate) fn io_err(file: &Path, e: impl std::fmt::Display) -> Error {
     Error::Io {
         file: file.to_path_buf(),

@@ -41,9 +41,10 @@
 //! | Tp | SP only: stream parameters' gradients (norms, row biases) | all-reduce, once per step, of the `Dp` shard | `2(tp−1)·h` per parameter |
 //! | Dp | gradients | DDP: all-reduce once per step; ZeRO-1: reduce-scatter once + all-gather of the updated shard; ZeRO-2: reduce-scatter per microbatch + all-gather; FSDP: gather per microbatch (again in backward with reshard), reduce-scatter per microbatch; column biases are all-reduced in every mode | see [`plan`] |
 //! | Ep, Cp | dense parameters' gradients (the adjoint of the compute copy's `to_replicate`) | all-reduce per microbatch, compute dtype | `2(n−1)·P_local` |
-//! | Cp | ring attention | K,V forward; K,V and dK,dV backward | per rank per layer `2dH(cp−1)T` + `2dH(cp−1)T + 2dH·cp·T` |
-//! | Cp | all-to-all attention | QKV in, output back; adjoints | per rank per layer `4dH(cp−1)/cp·T` each way |
+//! | Cp | ring attention | K,V forward; K,V and dK,dV backward (`dG` = a tp rank's KV heads' width, `kv_heads·head_dim/tp`) | per rank per layer `2dG(cp−1)T` + `2dG(cp−1)T + 2dG·cp·T` |
+//! | Cp | all-to-all attention | Q, K, V in, output back; adjoints | per rank per layer `(2dH + 2dG)(cp−1)/cp·T` each way |
 //! | Dp, Ep, Cp | the loss (last stage) | all-reduce of 1 element | `2(n−1)` |
+//! | Dp, Ep, Cp | the global batch's scored-token count (the loss's divisor), every stage, once per step | all-reduce of 1 f64 | `2(n−1)` |
 //! | Pp | stage hops | send activation, send gradient, per microbatch per boundary | `T·h` each (SP: `T·h/tp`) per rank |
 //! | Pp | the loss | broadcast of one f64 from the last stage | `(pp−1)` |
 //!
@@ -240,6 +241,12 @@ fn validate(m: &Model, c: &Composition) -> Result<(), String> {
             m.heads, c.degrees.tp
         ));
     }
+    if !m.kv_heads.is_multiple_of(c.degrees.tp) {
+        return Err(format!(
+            "{} KV heads do not divide by tp={} (each tp rank holds whole KV groups)",
+            m.kv_heads, c.degrees.tp
+        ));
+    }
     if !m.vocab.is_multiple_of(c.degrees.tp) || !m.ffn.is_multiple_of(c.degrees.tp) {
         return Err(format!(
             "vocab {} and ffn {} must divide by tp={}",
@@ -268,11 +275,11 @@ fn validate(m: &Model, c: &Composition) -> Result<(), String> {
             ));
         }
         if c.cp_strategy == CpStrategy::AllToAll
-            && !(m.heads / c.degrees.tp).is_multiple_of(c.degrees.cp)
+            && !(m.kv_heads / c.degrees.tp).is_multiple_of(c.degrees.cp)
         {
             return Err(format!(
-                "all-to-all CP needs the heads per tp rank ({}) to divide by cp={}",
-                m.heads / c.degrees.tp,
+                "all-to-all CP needs the KV heads per tp rank ({}) to divide by cp={}",
+                m.kv_heads / c.degrees.tp,
                 c.degrees.cp
             ));
         }
@@ -361,6 +368,11 @@ pub fn comm(m: &Model, c: &Composition) -> Vec<CommItem> {
         "cross-entropy statistics",
         mb * tp_groups * 3 * ar(tp, t) * 8,
     );
+    // The global batch's scored-token count (the loss's divisor): one f64 all-reduced
+    // per step over each axis that splits the tokens, by every stage.
+    for (axis, n) in [(Axis::Dp, dp), (Axis::Ep, ep), (Axis::Cp, cp)] {
+        add(axis, "scored-token count", (w / n) * ar(n, 1) * 8);
+    }
 
     // ---- Parameters: Dp, Tp (SP), Ep, Cp.
     let params = param_list(m, c.degrees.tp, c.degrees.ep, c.degrees.sp);
@@ -448,16 +460,19 @@ pub fn comm(m: &Model, c: &Composition) -> Vec<CommItem> {
 
     // ---- Cp: attention.
     if cp > 1 {
-        let dh = h / tp; // d·H: a tp rank's heads
+        let dh = h / tp; // d·H: a tp rank's query heads
+        let dkv = m.kv_width() as u64 / tp; // d·KV: its key (or value) heads
         let per_rank_layer = match c.cp_strategy {
             CpStrategy::Ring => {
-                let fwd = 2 * dh * (cp - 1) * t * cb;
-                let dkv = if c.bf16 { c.master_bytes() } else { cb };
-                let bwd = 2 * dh * (cp - 1) * t * cb + 2 * dh * cp * t * dkv;
+                // Only K and V travel the ring.
+                let fwd = 2 * dkv * (cp - 1) * t * cb;
+                let grad_bytes = if c.bf16 { c.master_bytes() } else { cb };
+                let bwd = 2 * dkv * (cp - 1) * t * cb + 2 * dkv * cp * t * grad_bytes;
                 fwd * (1 + c.recompute as u64) + bwd
             }
             CpStrategy::AllToAll => {
-                let one = 4 * dh * (cp - 1) * t / cp * cb;
+                // q, k, v in and the output back, each way in the backward.
+                let one = (2 * dh + 2 * dkv) * (cp - 1) * t / cp * cb;
                 one * (2 + c.recompute as u64)
             }
         };
@@ -613,7 +628,8 @@ fn activations(m: &Model, c: &Composition, rank: usize) -> (u64, u64) {
         Activation::Gelu => (2.0 + bias) * f / tp,
         Activation::SwiGlu => (4.0 + 2.0 * bias) * f / tp,
     };
-    let local = 3.0 * (1.0 + bias) * h / tp + h / tp + mlp;
+    let qkv = h + 2.0 * m.kv_width() as f64;
+    let local = (1.0 + bias) * qkv / tp + h / tp + mlp;
     let stats = 2.0 * stats_per_norm / if c.degrees.sp { tp } else { 1.0 };
     let block = (stream + local) * cb + (heads + stats) * 4.0;
     let per_stage_blocks = (m.layers / c.degrees.pp) as f64;

@@ -29,8 +29,11 @@ pub struct Model {
     pub vocab: usize,
     /// Hidden size, the width of the residual stream.
     pub hidden: usize,
-    /// Attention heads (as many K/V heads as query heads); `hidden` divides by it.
+    /// Attention (query) heads; `hidden` divides by it (the head dim is `hidden / heads`).
     pub heads: usize,
+    /// Key/value heads (grouped-query attention): they divide `heads`; `heads` is
+    /// multi-head attention. The fused QKV is `hidden + 2·kv_heads·head_dim` wide.
+    pub kv_heads: usize,
     /// Transformer blocks.
     pub layers: usize,
     /// The MLP's inner width (per expert in a MoE model).
@@ -53,6 +56,17 @@ pub struct Model {
 pub const PRESETS: [&str; 4] = ["gpt-small", "7b", "70b", "moe-8x7b"];
 
 impl Model {
+    /// Columns per head, `hidden / heads`.
+    pub fn head_dim(&self) -> usize {
+        self.hidden / self.heads
+    }
+
+    /// The key (or value) projection's width, `kv_heads · head_dim` (`hidden` without
+    /// grouped-query attention).
+    pub fn kv_width(&self) -> usize {
+        self.kv_heads * self.head_dim()
+    }
+
     /// A named model:
     ///
     /// - `gpt-small`: `examples/train_gpt.rs`'s default (`GptConfig::small`): 2 layers,
@@ -61,9 +75,10 @@ impl Model {
     /// - `7b`: Llama-2-7B's shape (hidden 4096, 32 layers, 32 heads, SwiGLU ffn 11008,
     ///   vocab 32000, RMSNorm, no biases; 6.74 B parameters), sequence 4096, batch 256.
     /// - `70b`: hidden 8192, 80 layers, 64 heads, SwiGLU ffn 24576, vocab 32000 (70.3 B
-    ///   parameters: dtensor's attention has as many K/V heads as query heads, so
-    ///   Llama-2-70B's grouped-query attention is replaced by full heads and a narrower
-    ///   ffn that keeps the count at 70 B), sequence 4096, batch 512.
+    ///   parameters: full heads and a narrower ffn that keep the count at 70 B, so the
+    ///   figures stay those of earlier releases; set [`kv_heads`](Model::kv_heads) 8 and
+    ///   `ffn` 28672 for Llama-2-70B's exact grouped-query shape), sequence 4096, batch
+    ///   512.
     /// - `moe-8x7b`: Mixtral's shape with full heads: hidden 4096, 32 layers, 32 heads, 8
     ///   experts of SwiGLU ffn 14336, top-2, vocab 32000; sequence 4096, batch 256.
     pub fn preset(name: &str) -> Option<Model> {
@@ -72,6 +87,7 @@ impl Model {
             vocab: 32000,
             hidden,
             heads,
+            kv_heads: heads,
             layers,
             ffn,
             seq_len: 4096,
@@ -87,6 +103,7 @@ impl Model {
                 vocab: 256,
                 hidden: 64,
                 heads: 4,
+                kv_heads: 4,
                 layers: 2,
                 ffn: 256,
                 seq_len: 64,
@@ -110,7 +127,8 @@ impl Model {
     }
 
     /// A model from JSON: an object with the integer fields `vocab`, `hidden`, `heads`,
-    /// `layers`, `ffn`, `seq_len`, `global_batch`, and optionally `name` (string), `norm`
+    /// `layers`, `ffn`, `seq_len`, `global_batch`, and optionally `name` (string), `kv_heads`
+    /// (default: `heads`), `norm`
     /// (`"rms"`, default, or `"layer"`), `activation` (`"gelu"`, default, or `"swiglu"`),
     /// `bias` (bool, default true) and `moe` (`{"experts": n, "top_k": k}`). Unknown fields
     /// are an error (a typo must not pass silently).
@@ -118,11 +136,12 @@ impl Model {
         let v: serde_json::Value =
             serde_json::from_str(text).map_err(|e| format!("model file: {e}"))?;
         let obj = v.as_object().ok_or("model file: expected a JSON object")?;
-        const KNOWN: [&str; 12] = [
+        const KNOWN: [&str; 13] = [
             "name",
             "vocab",
             "hidden",
             "heads",
+            "kv_heads",
             "layers",
             "ffn",
             "seq_len",
@@ -165,6 +184,10 @@ impl Model {
             vocab: int(obj, "vocab")?,
             hidden: int(obj, "hidden")?,
             heads: int(obj, "heads")?,
+            kv_heads: match obj.get("kv_heads") {
+                None => int(obj, "heads")?,
+                Some(_) => int(obj, "kv_heads")?,
+            },
             layers: int(obj, "layers")?,
             ffn: int(obj, "ffn")?,
             seq_len: int(obj, "seq_len")?,
@@ -192,6 +215,9 @@ impl Model {
         };
         if !model.hidden.is_multiple_of(model.heads) {
             return Err("model file: `hidden` must divide by `heads`".into());
+        }
+        if !model.heads.is_multiple_of(model.kv_heads) {
+            return Err("model file: `heads` must divide by `kv_heads`".into());
         }
         Ok(model)
     }

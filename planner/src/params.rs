@@ -99,10 +99,11 @@ pub fn param_list(m: &Model, tp: usize, ep: usize, _sp: bool) -> Vec<ParamInfo> 
     for l in 0..m.layers {
         let p = Place::Block(l);
         norm(&mut push, p);
-        // Fused QKV column, row output.
-        push(Kind::ColW, p, 3 * h * h);
+        // Fused QKV column (queries `h` wide, keys and values `kv` each), row output.
+        let kv = m.kv_width() as u64;
+        push(Kind::ColW, p, (h + 2 * kv) * h);
         if m.bias {
-            push(Kind::ColB, p, 3 * h);
+            push(Kind::ColB, p, h + 2 * kv);
         }
         push(Kind::RowW, p, h * h);
         if m.bias {

@@ -44,6 +44,7 @@ fn gpt_config(model: &Model, c: &Composition) -> GptConfig {
         vocab: model.vocab,
         hidden: model.hidden,
         heads: model.heads,
+        kv_heads: Some(model.kv_heads),
         layers: model.layers,
         ffn: model.ffn,
         seq_len: model.seq_len,
@@ -238,6 +239,18 @@ reality! {
 #[test]
 fn pp2_interleaved_zero1() {
     check_layers("pp=2,dp=2,m=2,interleaved,v=2,zero1", 4);
+}
+
+/// Grouped-query attention (2 KV heads for 4 query heads): the narrower fused QKV's
+/// gradients and activations, and ring attention sending only the KV heads.
+#[test]
+fn gqa_dp_tp_and_cp() {
+    let mut model = Model::preset("gpt-small").unwrap();
+    model.kv_heads = 2;
+    check_model("dp=2,tp=2,sp", &model);
+    check_model("cp=2,dp=2", &model);
+    check_model("cp=2,tp=2,sp", &model);
+    check_model("dp=2,zero1,m=2", &model);
 }
 
 #[test]

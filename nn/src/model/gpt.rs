@@ -26,7 +26,7 @@ use crate::model::config::GptConfig;
 use crate::norm::Norm;
 use crate::optim::{step_accumulated, Optimizer};
 use crate::params::{join_name, named_params, GradAccumulator, Module, ParamVisitor, StateVisitor};
-use crate::seq::{Ids, Loss, SeqMode, Stream};
+use crate::seq::{ColOut, Ids, Loss, SeqMode, Stream};
 use dtensor_collectives::trace;
 use dtensor_core::{CrossEntropy, DTensor, DeviceMesh, Error, Result, RoutingStats, Tape, Var};
 use dtensor_kernels::ops::IGNORE_INDEX;
@@ -137,7 +137,7 @@ impl<M: SeqMode, D: DataMode> GptSlice<'_, M, D> {
                     op: "GptStage::forward",
                     detail: "the last stage needs the microbatch's targets".into(),
                 })?;
-                let loss = loss(self.config, head, tape, &x, &aux, targets, batch)?;
+                let (loss, _) = loss(self.config, head, tape, &x, &aux, targets, batch)?;
                 Ok(SliceOutput::Loss(loss))
             }
         }
@@ -234,8 +234,8 @@ impl BatchTokens {
 /// ([`head_loss`]) on the timeline, plus each MoE auxiliary loss in `aux` weighted by
 /// `aux_loss_coef` and by the microbatch's share of the batch's tokens (all of them,
 /// ignored targets included: the router balances every token it routes), so that the
-/// microbatches' terms add up to the batch's.
-#[allow(clippy::too_many_arguments)]
+/// microbatches' terms add up to the batch's. Also the logits it scored.
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn loss<'t, M: SeqMode, D: DataMode>(
     config: &GptConfig,
     (norm, head): (&Norm<M, D>, &ColumnParallelLinear<D>),
@@ -244,8 +244,8 @@ fn loss<'t, M: SeqMode, D: DataMode>(
     aux: &[Var<'t, Loss>],
     targets: &DTensor<Ids>,
     batch: BatchTokens,
-) -> Result<Var<'t, Loss>> {
-    let mut loss = traced(
+) -> Result<(Var<'t, Loss>, Var<'t, ColOut>)> {
+    let (mut loss, logits) = traced(
         tape,
         || "head".into(),
         || head_loss(config, (norm, head), tape, x, targets, batch.scored),
@@ -257,7 +257,7 @@ fn loss<'t, M: SeqMode, D: DataMode>(
             loss = loss.add(&a.scale(moe.aux_loss_coef * share)?)?;
         }
     }
-    Ok(loss)
+    Ok((loss, logits))
 }
 
 /// Runs `f`, a named layer, on the timeline: a forward span now, and a backward span when
@@ -276,7 +276,7 @@ fn traced<T>(tape: &Tape, name: impl Fn() -> String, f: impl FnOnce() -> Result<
 /// divided by `scored_tokens` (the global batch's scored tokens, whatever the microbatch),
 /// so that the sum over the data ranks and microbatches is the mean over the scored tokens
 /// of the global batch. With no ignored target that count is every token: the bits of a
-/// plain mean.
+/// plain mean. Also the logits, `[tokens, vocab]` sharded over `Tp` by vocabulary.
 fn head_loss<'t, M: SeqMode, D: DataMode>(
     config: &GptConfig,
     (norm, head): (&Norm<M, D>, &ColumnParallelLinear<D>),
@@ -284,7 +284,7 @@ fn head_loss<'t, M: SeqMode, D: DataMode>(
     x: &Var<'t, Stream<M>>,
     targets: &DTensor<Ids>,
     scored_tokens: usize,
-) -> Result<Var<'t, Loss>> {
+) -> Result<(Var<'t, Loss>, Var<'t, ColOut>)> {
     let x = norm.forward(tape, x)?;
     // Mixed precision: the loss in the masters' dtype (f32), as Megatron computes it.
     let logits = head.forward::<M>(tape, &x)?.to_dtype(config.dtype)?;
@@ -293,7 +293,7 @@ fn head_loss<'t, M: SeqMode, D: DataMode>(
         .with_z_loss(config.z_loss);
     let losses =
         vocab_parallel_cross_entropy_with(&logits, &tape.constant(targets.clone()), options)?;
-    mean_loss_over(&losses, scored_tokens)
+    Ok((mean_loss_over(&losses, scored_tokens)?, logits))
 }
 
 /// A small GPT under sequence mode `M`, its parameters held over `Dp` as `D` says.
@@ -355,6 +355,18 @@ impl<M: SeqMode, D: DataMode> Gpt<M, D> {
         ids: &DTensor<Ids>,
         targets: &DTensor<Ids>,
     ) -> Result<Var<'t, Loss>> {
+        Ok(self.forward_with_logits(tape, ids, targets)?.0)
+    }
+
+    /// [`forward`](Self::forward), also handing back the logits it scored: `[tokens,
+    /// vocab]`, the vocabulary sharded over `Tp`, the tokens laid out as `ids` (under `Cp`
+    /// in its chunk order). For inspection and parity checks; training needs only the loss.
+    pub fn forward_with_logits<'t>(
+        &self,
+        tape: &'t Tape,
+        ids: &DTensor<Ids>,
+        targets: &DTensor<Ids>,
+    ) -> Result<(Var<'t, Loss>, Var<'t, ColOut>)> {
         let whole = GptSlice {
             config: &self.config,
             first_layer: 0,

@@ -1,0 +1,162 @@
+//! A Hugging Face model directory as a dtensor model: its `config.json` as a
+//! [`GptConfig`], its weights loaded into a [`Gpt`](dtensor_nn::Gpt) on any mesh.
+
+use super::config::HfConfig;
+use super::load::{load_params, HfLoadStats};
+use super::names::NameMap;
+use super::weights::HfWeights;
+use crate::{Error, Result};
+use dtensor_collectives::Communicator;
+use dtensor_kernels::ops::{RopeScaling, RopeStyle};
+use dtensor_kernels::DType;
+use dtensor_nn::{Activation, GptConfig, Module, MoeConfig, NormKind};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The name of a model directory's configuration.
+pub const CONFIG_FILE: &str = "config.json";
+
+/// A Hugging Face model directory, opened: its configuration, its memory-mapped weights
+/// (nothing read yet) and the map from dtensor's parameters to its tensors.
+#[derive(Debug)]
+pub struct HfModel {
+    /// The directory.
+    pub dir: PathBuf,
+    /// Its `config.json`.
+    pub config: HfConfig,
+    /// Its safetensors files, mapped.
+    pub weights: HfWeights,
+    /// Which of its tensors each of dtensor's parameters is made of.
+    pub names: NameMap,
+}
+
+impl HfModel {
+    /// Opens `dir`: reads `config.json` (refusing a field dtensor does not implement),
+    /// maps the weights and checks them against the architecture (every tensor present
+    /// with its shape, nothing unexpected). Reads no tensor data.
+    pub fn open(dir: &Path) -> Result<HfModel> {
+        let config = HfConfig::from_dir(dir)?;
+        let weights = HfWeights::open(dir)?;
+        let names = NameMap::new(&config);
+        super::load::check_weights(&weights, &names)?;
+        Ok(HfModel {
+            dir: dir.to_path_buf(),
+            config,
+            weights,
+            names,
+        })
+    }
+
+    /// The decoder as dtensor builds it, for samples of `seq_len` tokens and parameters in
+    /// `dtype`: RMSNorm, SwiGLU, no linear biases, RoPE's half-split pairing, and the
+    /// checkpoint's heads, KV heads, widths, epsilon and experts. Everything else of a
+    /// [`GptConfig`] (precision, recomputation, context parallelism, seed) keeps its
+    /// default for the caller to set. `Err` naming the config field when the model needs
+    /// something dtensor's decoder does not have.
+    pub fn gpt_config(&self, seq_len: usize, dtype: DType) -> Result<GptConfig> {
+        let hf = &self.config;
+        let refuse = |field: &str, detail: String| Error::Config {
+            file: self.dir.join(CONFIG_FILE),
+            field: field.to_string(),
+            detail,
+        };
+        if hf.head_dim * hf.heads != hf.hidden_size {
+            return Err(refuse(
+                "head_dim",
+                format!(
+                    "{} · {} heads ≠ hidden_size {}: dtensor's attention needs heads · head_dim = hidden",
+                    hf.head_dim, hf.heads, hf.hidden_size
+                ),
+            ));
+        }
+        if hf.rope.theta != 10000.0
+            || hf.rope.scaling != RopeScaling::None
+            || hf.rope.rotary_dim != hf.head_dim
+        {
+            return Err(refuse(
+                "rope_theta",
+                format!(
+                    "RoPE base {} (scaling {:?}, rotary dim {} of {}): dtensor's decoder rotates whole heads with base 10000 and no scaling",
+                    hf.rope.theta, hf.rope.scaling, hf.rope.rotary_dim, hf.head_dim
+                ),
+            ));
+        }
+        if hf.qkv_bias || hf.o_bias {
+            return Err(refuse(
+                "attention_bias",
+                "attention biases: dtensor's decoder has none".into(),
+            ));
+        }
+        if hf.qk_norm {
+            return Err(refuse(
+                "model_type",
+                "qk-norm (Qwen3): dtensor's decoder has none".into(),
+            ));
+        }
+        if let Some(w) = hf.sliding_window.filter(|&w| w < seq_len) {
+            return Err(refuse(
+                "sliding_window",
+                format!("a window of {w} tokens shorter than the sequence ({seq_len}): dtensor's decoder attends causally over the whole sample"),
+            ));
+        }
+        if hf.tie_word_embeddings {
+            return Err(refuse(
+                "tie_word_embeddings",
+                "tied embeddings: dtensor's decoder keeps the LM head apart from the embedding"
+                    .into(),
+            ));
+        }
+        let moe = match &hf.moe {
+            None => None,
+            Some(m) => {
+                if !(1..=2).contains(&m.top_k) {
+                    return Err(refuse(
+                        "num_experts_per_tok",
+                        format!("{}: dtensor's MoE routes each token to 1 or 2 experts", m.top_k),
+                    ));
+                }
+                Some(MoeConfig {
+                    experts: m.experts,
+                    top_k: m.top_k,
+                    capacity_factor: None,
+                    normalize_gates: m.norm_topk_prob,
+                    // transformers adds the balancing loss only when asked to.
+                    aux_loss_coef: if m.output_router_logits {
+                        m.router_aux_loss_coef
+                    } else {
+                        0.0
+                    },
+                    bias_rate: None,
+                    ffn: Some(m.expert_intermediate),
+                })
+            }
+        };
+        Ok(GptConfig {
+            vocab: hf.vocab_size,
+            hidden: hf.hidden_size,
+            heads: hf.heads,
+            kv_heads: Some(hf.kv_heads),
+            rope_style: RopeStyle::HalfSplit,
+            layers: hf.layers,
+            ffn: hf.intermediate_size,
+            seq_len,
+            norm: NormKind::Rms,
+            activation: Activation::SwiGlu,
+            bias: false,
+            eps: hf.rms_norm_eps,
+            moe,
+            ..GptConfig::small(dtype)
+        })
+    }
+
+    /// Collective over `world`: sets every parameter of `m` (built from
+    /// [`gpt_config`](Self::gpt_config), on any mesh) from the checkpoint, each rank
+    /// reading only its own slices ([`load_params`]).
+    pub fn load_into(
+        &self,
+        world: &Arc<dyn Communicator>,
+        m: &mut impl Module,
+    ) -> Result<HfLoadStats> {
+        load_params(world, &self.weights, &self.names, m)
+    }
+}
