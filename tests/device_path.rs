@@ -463,6 +463,7 @@ fn pipelined_steps(dm: &Arc<DeviceMesh>) -> Result<Vec<(f64, f64)>> {
         context: Default::default(),
         moe: None,
         z_loss: 0.0,
+        tie_embeddings: false,
     };
     let schedule = pipeline::one_f_one_b(2, m)?;
     let mut model = Pipeline::<NoSp, Ddp>::new(config, schedule, dm)?;

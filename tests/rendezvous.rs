@@ -75,6 +75,7 @@ fn gpt(layers: usize) -> GptConfig {
         context: Default::default(),
         moe: None,
         z_loss: 0.0,
+        tie_embeddings: false,
     }
 }
 

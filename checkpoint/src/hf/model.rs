@@ -99,13 +99,6 @@ impl HfModel {
                 format!("a window of {w} tokens shorter than the sequence ({seq_len}): dtensor's decoder attends causally over the whole sample"),
             ));
         }
-        if hf.tie_word_embeddings {
-            return Err(refuse(
-                "tie_word_embeddings",
-                "tied embeddings: dtensor's decoder keeps the LM head apart from the embedding"
-                    .into(),
-            ));
-        }
         let moe = match &hf.moe {
             None => None,
             Some(m) => {
@@ -145,6 +138,7 @@ impl HfModel {
             bias: false,
             eps: hf.rms_norm_eps,
             moe,
+            tie_embeddings: hf.tie_word_embeddings,
             ..GptConfig::small(dtype)
         })
     }

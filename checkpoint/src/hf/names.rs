@@ -15,7 +15,7 @@
 //! | `blocks.l.mlp.router` `[experts, hidden]` | Mixtral `block_sparse_moe.gate.weight`, Qwen3-MoE `mlp.gate.weight` |
 //! | `blocks.l.mlp.w1`, `mlp.up`, `mlp.w2` `[experts, out, in]` | expert `e`'s Mixtral `block_sparse_moe.experts.e.w1/w3/w2.weight`, Qwen3-MoE `mlp.experts.e.gate_proj/up_proj/down_proj.weight`, one per row of dim 0 |
 //! | `norm.weight` | `model.norm.weight` |
-//! | `head.weight` `[vocab, hidden]` | `lm_head.weight`, or `model.embed_tokens.weight` when the embeddings are tied |
+//! | `head.weight` `[vocab, hidden]` | `lm_head.weight` (absent when the embeddings are tied: the decoder's head is its embedding) |
 //!
 //! Both sides keep a linear layer's weight as `[out, in]` and RoPE's half-split pairing
 //! (the decoder is built with [`RopeStyle::HalfSplit`](dtensor_kernels::ops::RopeStyle)),
@@ -164,12 +164,10 @@ impl NameMap {
             }
         }
         map.whole("norm.weight", "model.norm.weight", &[h]);
-        let head = if cfg.tie_word_embeddings {
-            "model.embed_tokens.weight"
-        } else {
-            "lm_head.weight"
-        };
-        map.whole("head.weight", head, &[v, h]);
+        // Tied: the decoder has no head of its own (it uses the embedding's weight).
+        if !cfg.tie_word_embeddings {
+            map.whole("head.weight", "lm_head.weight", &[v, h]);
+        }
         map
     }
 

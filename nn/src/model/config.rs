@@ -57,6 +57,11 @@ pub struct GptConfig {
     /// normaliser over the whole vocab), finite and ≥ 0; 0 (the default) is off and leaves
     /// the loss bit for bit as without it.
     pub z_loss: f64,
+    /// The LM head is the token embedding's weight (`[vocab, hidden]`, used twice: its
+    /// gradient is the sum of both uses), as Llama 3.2 1B/3B and small Qwen models tie
+    /// them; `false` (the default) keeps a separate head. Not across pipeline stages (the
+    /// first and last stage would share the weight): a tied model runs with `pp = 1`.
+    pub tie_embeddings: bool,
 }
 
 impl GptConfig {
@@ -82,6 +87,7 @@ impl GptConfig {
             context: ContextParallel::default(),
             moe: None,
             z_loss: 0.0,
+            tie_embeddings: false,
         }
     }
 

@@ -15,7 +15,7 @@
 use crate::buckets::DdpBuckets;
 #[cfg(doc)]
 use crate::buckets::DEFAULT_BUCKET_BYTES;
-use crate::data::{DataMode, Ddp};
+use crate::data::{ColW, DataMode, Ddp};
 use crate::embedding::{
     loss_value, mean_loss_over, vocab_parallel_cross_entropy_with, VocabParallelEmbedding,
 };
@@ -25,7 +25,9 @@ use crate::model::block::TransformerBlock;
 use crate::model::config::GptConfig;
 use crate::norm::Norm;
 use crate::optim::{step_accumulated, Optimizer};
-use crate::params::{join_name, named_params, GradAccumulator, Module, ParamVisitor, StateVisitor};
+use crate::params::{
+    join_name, named_params, GradAccumulator, Module, ParamVisitor, StateVisitor, Weight,
+};
 use crate::seq::{ColOut, Ids, Loss, SeqMode, Stream};
 use dtensor_collectives::trace;
 use dtensor_core::{CrossEntropy, DTensor, DeviceMesh, Error, Result, RoutingStats, Tape, Var};
@@ -60,11 +62,13 @@ pub(crate) fn build_block<M: SeqMode, D: DataMode>(
     )
 }
 
-/// The final norm (id 5) and the LM head (id 7, no bias).
+/// The final norm (id 5) and the LM head (id 7, no bias; `None` when it is tied to the
+/// embedding).
+#[allow(clippy::type_complexity)]
 pub(crate) fn build_head<M: SeqMode, D: DataMode>(
     config: &GptConfig,
     mesh: &Arc<DeviceMesh>,
-) -> Result<(Norm<M, D>, ColumnParallelLinear<D>)> {
+) -> Result<(Norm<M, D>, Option<ColumnParallelLinear<D>>)> {
     let init = param_init(config);
     let norm = Norm::new(
         config.norm,
@@ -76,8 +80,11 @@ pub(crate) fn build_head<M: SeqMode, D: DataMode>(
         },
         mesh,
     )?;
-    let head =
-        ColumnParallelLinear::new(config.hidden, config.vocab, false, init.with_id(7), mesh)?;
+    let head = (!config.tie_embeddings)
+        .then(|| {
+            ColumnParallelLinear::new(config.hidden, config.vocab, false, init.with_id(7), mesh)
+        })
+        .transpose()?;
     Ok((norm, head))
 }
 
@@ -109,8 +116,9 @@ pub(crate) struct GptSlice<'a, M: SeqMode, D: DataMode> {
     pub embedding: Option<&'a VocabParallelEmbedding<D>>,
     /// The blocks, in order.
     pub blocks: &'a [TransformerBlock<M, D>],
-    /// Final norm and LM head, if the run ends the model.
-    pub head: Option<(&'a Norm<M, D>, &'a ColumnParallelLinear<D>)>,
+    /// Final norm and the LM head's weight (its own, or the embedding's when tied), if the
+    /// run ends the model.
+    pub head: Option<(&'a Norm<M, D>, &'a Weight<D, ColW>)>,
 }
 
 impl<M: SeqMode, D: DataMode> GptSlice<'_, M, D> {
@@ -238,7 +246,7 @@ impl BatchTokens {
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn loss<'t, M: SeqMode, D: DataMode>(
     config: &GptConfig,
-    (norm, head): (&Norm<M, D>, &ColumnParallelLinear<D>),
+    (norm, head): (&Norm<M, D>, &Weight<D, ColW>),
     tape: &'t Tape,
     x: &Var<'t, Stream<M>>,
     aux: &[Var<'t, Loss>],
@@ -279,7 +287,7 @@ fn traced<T>(tape: &Tape, name: impl Fn() -> String, f: impl FnOnce() -> Result<
 /// plain mean. Also the logits, `[tokens, vocab]` sharded over `Tp` by vocabulary.
 fn head_loss<'t, M: SeqMode, D: DataMode>(
     config: &GptConfig,
-    (norm, head): (&Norm<M, D>, &ColumnParallelLinear<D>),
+    (norm, head): (&Norm<M, D>, &Weight<D, ColW>),
     tape: &'t Tape,
     x: &Var<'t, Stream<M>>,
     targets: &DTensor<Ids>,
@@ -287,7 +295,11 @@ fn head_loss<'t, M: SeqMode, D: DataMode>(
 ) -> Result<(Var<'t, Loss>, Var<'t, ColOut>)> {
     let x = norm.forward(tape, x)?;
     // Mixed precision: the loss in the masters' dtype (f32), as Megatron computes it.
-    let logits = head.forward::<M>(tape, &x)?.to_dtype(config.dtype)?;
+    // The column-parallel product without bias (ColumnParallelLinear::forward's), on the
+    // head's weight or the tied embedding's.
+    let logits = head
+        .apply(tape, &M::enter(&x)?, |x, w| x.matmul_t(w))?
+        .to_dtype(config.dtype)?;
     let options = CrossEntropy::default()
         .ignoring(IGNORE_INDEX)
         .with_z_loss(config.z_loss);
@@ -314,7 +326,8 @@ pub struct Gpt<M: SeqMode, D: DataMode = Ddp> {
     pub norm: Norm<M, D>,
     /// The LM head `[vocab, hidden]`, column-parallel: logits `Shard<1>` (vocabulary) over
     /// `Tp`, scored by [`vocab_parallel_cross_entropy_with`] without gathering them.
-    pub head: ColumnParallelLinear<D>,
+    /// `None` when tied to the embedding ([`GptConfig::tie_embeddings`]).
+    pub head: Option<ColumnParallelLinear<D>>,
 }
 
 /// What one training step reports.
@@ -327,6 +340,14 @@ pub struct StepReport {
 }
 
 impl<M: SeqMode, D: DataMode> Gpt<M, D> {
+    /// The LM head's weight: its own, or the embedding's when tied.
+    fn head_weight(&self) -> &Weight<D, ColW> {
+        match &self.head {
+            Some(h) => &h.weight,
+            None => &self.embedding.weight,
+        }
+    }
+
     /// Parameter ids: embedding 0, block `l` from `10 + 20·l`, final norm `5`, head `7`.
     pub fn new(config: GptConfig, mesh: &Arc<DeviceMesh>) -> Result<Self> {
         config.check("Gpt::new")?;
@@ -372,13 +393,13 @@ impl<M: SeqMode, D: DataMode> Gpt<M, D> {
             first_layer: 0,
             embedding: Some(&self.embedding),
             blocks: &self.blocks,
-            head: Some((&self.norm, &self.head)),
+            head: Some((&self.norm, self.head_weight())),
         };
         let (x, aux) = whole.trunk(tape, SliceInput::Ids(ids))?;
         let batch = BatchTokens::of(std::slice::from_ref(targets))?;
         loss(
             &self.config,
-            (&self.norm, &self.head),
+            (&self.norm, self.head_weight()),
             tape,
             &x,
             &aux,
@@ -454,7 +475,10 @@ impl<M: SeqMode, D: DataMode> Module for Gpt<M, D> {
             b.visit_params(&join_name(prefix, &format!("blocks.{l}")), v)?;
         }
         self.norm.visit_params(&join_name(prefix, "norm"), v)?;
-        self.head.visit_params(&join_name(prefix, "head"), v)
+        match &mut self.head {
+            Some(h) => h.visit_params(&join_name(prefix, "head"), v),
+            None => Ok(()),
+        }
     }
     fn visit_state<V: StateVisitor>(&mut self, prefix: &str, v: &mut V) -> Result<()> {
         for (l, b) in self.blocks.iter_mut().enumerate() {

@@ -31,8 +31,9 @@ pub struct GptStage<M: SeqMode, D: DataMode = Ddp> {
     pub embedding: Option<VocabParallelEmbedding<D>>,
     /// The blocks of `layers`, in order.
     pub blocks: Vec<TransformerBlock<M, D>>,
-    /// Final norm and LM head.
-    pub head: Option<(Norm<M, D>, ColumnParallelLinear<D>)>,
+    /// Final norm and LM head (`None` inside when tied to this stage's embedding).
+    #[allow(clippy::type_complexity)]
+    pub head: Option<(Norm<M, D>, Option<ColumnParallelLinear<D>>)>,
 }
 
 impl<M: SeqMode, D: DataMode> GptStage<M, D> {
@@ -51,6 +52,14 @@ impl<M: SeqMode, D: DataMode> GptStage<M, D> {
                 op: "GptStage::new",
                 detail: "MoE blocks in pipeline stages are not supported (pp > 1): run MoE \
                          models with pp = 1"
+                    .into(),
+            });
+        }
+        if config.tie_embeddings && !(first && last) {
+            return Err(Error::InvalidUse {
+                op: "GptStage::new",
+                detail: "tied embeddings across pipeline stages are not supported (the first \
+                         and last stage would share the weight): run a tied model with pp = 1"
                     .into(),
             });
         }
@@ -93,7 +102,14 @@ impl<M: SeqMode, D: DataMode> GptStage<M, D> {
             first_layer: self.layers.start,
             embedding: self.embedding.as_ref(),
             blocks: &self.blocks,
-            head: self.head.as_ref().map(|(n, h)| (n, h)),
+            head: self.head.as_ref().map(|(n, h)| {
+                let w = match (h, &self.embedding) {
+                    (Some(h), _) => &h.weight,
+                    (None, Some(e)) => &e.weight,
+                    (None, None) => unreachable!("a tied head is built only with the embedding"),
+                };
+                (n, w)
+            }),
         }
         .forward(tape, input, targets, batch)
     }
@@ -111,7 +127,9 @@ impl<M: SeqMode, D: DataMode> Module for GptStage<M, D> {
         }
         if let Some((norm, head)) = &mut self.head {
             norm.visit_params(&join_name(prefix, "norm"), v)?;
-            head.visit_params(&join_name(prefix, "head"), v)?;
+            if let Some(head) = head {
+                head.visit_params(&join_name(prefix, "head"), v)?;
+            }
         }
         Ok(())
     }

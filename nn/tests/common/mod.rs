@@ -154,5 +154,6 @@ pub fn tiny_gpt(layers: usize, seq_len: usize, seed: u64) -> GptConfig {
         context: Default::default(),
         moe: None,
         z_loss: 0.0,
+        tie_embeddings: false,
     }
 }
