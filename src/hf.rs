@@ -4,14 +4,16 @@
 //! given (one thread per rank), loads the weights into it (each rank its own slices) and
 //! measures what transformers prints for the same ids ([`Parity`]).
 
+pub use crate::checkpoint::hf::parity::{LogitStats, Parity};
 use crate::checkpoint::hf::{parity, HfModel};
-pub use crate::checkpoint::hf::parity::Parity;
-use crate::collectives::threads;
+use crate::collectives::{threads, Communicator};
 use crate::core::DeviceMesh;
 use crate::kernels::DType;
+use crate::nn::pipeline::{self, Schedule};
 use crate::nn::{ContextParallel, DataMode, Ddp, Fsdp, NoSp, SeqMode, Sp, Zero1, Zero2};
 use crate::placement::{AxisKind, Composition, DataKind, MasterDType};
 use std::path::Path;
+use std::sync::Arc;
 
 /// The token ids of a parity file: `{"input_ids": [[...], ...]}`, samples of one length.
 pub fn read_ids(file: &Path) -> Result<Vec<Vec<u32>>, String> {
@@ -27,73 +29,96 @@ pub fn read_ids(file: &Path) -> Result<Vec<Vec<u32>>, String> {
 }
 
 /// The parity numbers of the model in `dir` on `ids`, run on `comp` with one thread per
-/// rank (`pp` must be 1), in f64 when `comp`'s dtype is f64 (the default here would be
-/// f32: pass `dtype=f64` for a tight comparison). Every rank computes the same numbers;
-/// rank 0's are returned. `Err` with every failing rank's message.
-pub fn parity_on_threads(dir: &Path, ids: &[Vec<u32>], comp: &Composition) -> Result<Parity, String> {
+/// rank, in `comp`'s dtype (`f64` in the spec for a tight comparison). Every rank
+/// computes the same loss; with `pp > 1` each stage's ranks give their stage's gradient
+/// norms (merged here) and there are no logits. `Err` with every failing rank's message.
+pub fn parity_on_threads(
+    dir: &Path,
+    ids: &[Vec<u32>],
+    comp: &Composition,
+) -> Result<Parity, String> {
     let d = comp.degrees;
-    if d.pp > 1 {
-        return Err(format!(
-            "hf-parity runs one pipeline stage (pp=1); got pp={}",
-            d.pp
-        ));
-    }
     let model = HfModel::open(dir).map_err(|e| e.to_string())?;
-    let mesh = d
-        .mesh(&[AxisKind::Dp, AxisKind::Ep, AxisKind::Cp, AxisKind::Tp])
-        .map_err(|e| e.to_string())?;
-    let dtype = match comp.dtype {
-        MasterDType::F32 => DType::F32,
-        MasterDType::F64 => DType::F64,
+    let pp = (d.pp > 1).then_some(AxisKind::Pp);
+    let axes: Vec<AxisKind> = pp
+        .into_iter()
+        .chain([AxisKind::Dp, AxisKind::Ep, AxisKind::Cp, AxisKind::Tp])
+        .collect();
+    let mesh = d.mesh(&axes).map_err(|e| e.to_string())?;
+    let schedule = match d.pp {
+        1 => None,
+        _ => Some(pipeline::for_composition(comp).map_err(|e| e.to_string())?),
     };
-    let context = ContextParallel {
-        strategy: comp.cp_strategy,
-        zigzag: comp.zigzag,
+    let job = Job {
+        model: &model,
+        ids,
+        dtype: match comp.dtype {
+            MasterDType::F32 => DType::F32,
+            MasterDType::F64 => DType::F64,
+        },
+        context: ContextParallel {
+            strategy: comp.cp_strategy,
+            zigzag: comp.zigzag,
+        },
+        schedule,
     };
-    let run = |world: std::sync::Arc<dyn crate::collectives::Communicator>| {
+    let results = threads::launch(mesh.world_size(), |world| {
         let dm = DeviceMesh::new(world.clone(), mesh.clone()).map_err(|e| e.to_string())?;
-        fn go<M: SeqMode, D: DataMode>(
-            model: &HfModel,
-            world: &std::sync::Arc<dyn crate::collectives::Communicator>,
-            dm: &std::sync::Arc<DeviceMesh>,
-            ids: &[Vec<u32>],
-            dtype: DType,
-            context: ContextParallel,
-        ) -> Result<Parity, String> {
-            parity::run::<M, D>(model, world, dm, ids, dtype, context).map_err(|e| e.to_string())
-        }
-        fn pick_d<M: SeqMode>(
-            data: DataKind,
-            args: (&HfModel, &std::sync::Arc<dyn crate::collectives::Communicator>, &std::sync::Arc<DeviceMesh>, &[Vec<u32>], DType, ContextParallel),
-        ) -> Result<Parity, String> {
-            let (m, w, dm, ids, dt, cx) = args;
-            match data {
-                DataKind::Ddp => go::<M, Ddp>(m, w, dm, ids, dt, cx),
-                DataKind::Zero1 => go::<M, Zero1>(m, w, dm, ids, dt, cx),
-                DataKind::Zero2 => go::<M, Zero2>(m, w, dm, ids, dt, cx),
-                DataKind::Fsdp => go::<M, Fsdp>(m, w, dm, ids, dt, cx),
-            }
-        }
-        let args = (&model, &world, &dm, ids, dtype, context);
         if d.sp {
-            pick_d::<Sp>(comp.data, args)
+            job.run_modes::<Sp>(comp.data, &world, &dm)
         } else {
-            pick_d::<NoSp>(comp.data, args)
+            job.run_modes::<NoSp>(comp.data, &world, &dm)
         }
-    };
-    let results = threads::launch(mesh.world_size(), run);
-    let mut first = None;
+    });
+    let mut merged: Option<Parity> = None;
     let mut errors = Vec::new();
     for (r, res) in results.into_iter().enumerate() {
-        match res {
-            Ok(p) => {
-                first.get_or_insert(p);
-            }
-            Err(e) => errors.push(format!("rank {r}: {e}")),
+        match (res, &mut merged) {
+            (Ok(p), None) => merged = Some(p),
+            (Ok(p), Some(m)) => m.grad_norms.extend(p.grad_norms),
+            (Err(e), _) => errors.push(format!("rank {r}: {e}")),
         }
     }
-    match (errors.is_empty(), first) {
+    match (errors.is_empty(), merged) {
         (true, Some(p)) => Ok(p),
         _ => Err(errors.join("\n")),
+    }
+}
+
+/// One parity run's inputs, shared by the ranks.
+struct Job<'a> {
+    model: &'a HfModel,
+    ids: &'a [Vec<u32>],
+    dtype: DType,
+    context: ContextParallel,
+    schedule: Option<Schedule>,
+}
+
+impl Job<'_> {
+    fn run_modes<M: SeqMode>(
+        &self,
+        data: DataKind,
+        world: &Arc<dyn Communicator>,
+        dm: &Arc<DeviceMesh>,
+    ) -> Result<Parity, String> {
+        match data {
+            DataKind::Ddp => self.run::<M, Ddp>(world, dm),
+            DataKind::Zero1 => self.run::<M, Zero1>(world, dm),
+            DataKind::Zero2 => self.run::<M, Zero2>(world, dm),
+            DataKind::Fsdp => self.run::<M, Fsdp>(world, dm),
+        }
+    }
+
+    fn run<M: SeqMode, D: DataMode>(
+        &self,
+        world: &Arc<dyn Communicator>,
+        dm: &Arc<DeviceMesh>,
+    ) -> Result<Parity, String> {
+        let (m, ids, dt, cx) = (self.model, self.ids, self.dtype, self.context);
+        match &self.schedule {
+            None => parity::run::<M, D>(m, world, dm, ids, dt, cx),
+            Some(s) => parity::run_pipeline::<M, D>(m, world, dm, ids, dt, cx, s.clone()),
+        }
+        .map_err(|e| e.to_string())
     }
 }

@@ -13,28 +13,60 @@ use crate::{Error, Result};
 use dtensor_core::{DTensor, DeviceMesh, Gradients, Tape};
 use dtensor_kernels::ops::IGNORE_INDEX;
 use dtensor_kernels::{DType, Tensor};
+use dtensor_nn::pipeline::{microbatches, Pipeline, Schedule};
 use dtensor_nn::{
-    from_stream_order, loss_value, to_stream_order, ContextParallel, DataMode, Gpt, Ids,
-    Module, ParamKind, ParamVisitor, SeqMode, Weight,
+    from_stream_order, loss_value, named_params, to_stream_order, ContextParallel, DataMode,
+    Gpt, Ids, Module, Optimizer, Param, ParamKind, ParamVisitor, ReducedGrad, SeqMode, Weight,
 };
+use dtensor_placement::Layout;
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// What [`run`] measures, as `dtensor hf-parity` prints it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Parity {
     /// The causal-LM loss: mean cross-entropy over the predicted tokens.
     pub loss: f64,
-    /// The sum of every logit.
-    pub logits_sum: f64,
-    /// `logits[0][0][:8]`: the first sample's first position.
-    pub logits_first8: Vec<f64>,
-    /// `logits[-1][-1][-8:]`: the last sample's last position, its last 8 vocabulary
-    /// entries.
-    pub logits_last8: Vec<f64>,
+    /// The logits' summary; `None` from a pipeline ([`run_pipeline`]), whose last stage
+    /// scores the logits without handing them out.
+    pub logits: Option<LogitStats>,
     /// The L2 norm of the loss's gradient for each Hugging Face tensor, by its name (for
     /// `q_proj`, `k_proj` and `v_proj`, the norm of their rows of the fused QKV's gradient).
+    /// From a pipeline, the tensors of this rank's stage only.
     pub grad_norms: BTreeMap<String, f64>,
+}
+
+/// A summary of the logits `[samples, seq, vocab]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LogitStats {
+    /// The sum of every logit.
+    pub sum: f64,
+    /// `logits[0][0][:8]`: the first sample's first position.
+    pub first8: Vec<f64>,
+    /// `logits[-1][-1][-8:]`: the last sample's last position, its last 8 vocabulary
+    /// entries.
+    pub last8: Vec<f64>,
+}
+
+impl Parity {
+    /// The JSON object the parity tool prints: `loss`, `logits_sum`, `logits_first8`,
+    /// `logits_last8` (absent without logits) and `grad_norms`.
+    pub fn to_json(&self) -> serde_json::Value {
+        let mut o = serde_json::Map::new();
+        o.insert("loss".into(), self.loss.into());
+        if let Some(l) = &self.logits {
+            o.insert("logits_sum".into(), l.sum.into());
+            o.insert("logits_first8".into(), l.first8.clone().into());
+            o.insert("logits_last8".into(), l.last8.clone().into());
+        }
+        let norms: serde_json::Map<String, serde_json::Value> = self
+            .grad_norms
+            .iter()
+            .map(|(k, v)| (k.clone(), (*v).into()))
+            .collect();
+        o.insert("grad_norms".into(), norms.into());
+        o.into()
+    }
 }
 
 /// The batch as one flat `[samples · seq]` id tensor and its shifted targets (the last
@@ -104,68 +136,132 @@ pub fn run<M: SeqMode, D: DataMode>(
     )?
     .to_f64_vec();
     let mut grads = loss.backward()?;
-    let grad_norms = grad_norms(&mut gpt, &mut grads, model)?;
+    let mut whole = Vec::new();
+    gpt.visit_params("", &mut WholeGrads(&mut grads, &mut whole))?;
+    let grad_norms = hf_grad_norms(model, whole)?;
 
-    let tokens = logits.len() / vocab;
     Ok(Parity {
         loss: loss_v,
-        logits_sum: logits.iter().sum(),
-        logits_first8: logits[..8.min(vocab)].to_vec(),
-        logits_last8: logits[(tokens * vocab).saturating_sub(8.min(vocab))..].to_vec(),
+        logits: Some(LogitStats {
+            sum: logits.iter().sum(),
+            first8: logits[..8.min(vocab)].to_vec(),
+            last8: logits[logits.len() - 8.min(vocab)..].to_vec(),
+        }),
         grad_norms,
     })
 }
 
-/// Collective: each Hugging Face tensor's gradient norm, from the whole reduced gradient
-/// of every parameter of `m` (gathered on every rank: a parity check's model is small).
-fn grad_norms(
-    m: &mut impl Module,
-    grads: &mut Gradients,
-    model: &HfModel,
-) -> Result<BTreeMap<String, f64>> {
-    struct Norms<'a> {
-        grads: &'a mut Gradients,
-        model: &'a HfModel,
-        squares: BTreeMap<String, f64>,
-        failed: Option<Error>,
+/// Collective: every parameter's whole reduced gradient, by name, in visiting order
+/// (gathered on every rank: a parity check's model is small).
+struct WholeGrads<'a>(&'a mut Gradients, &'a mut Vec<(String, Tensor)>);
+impl ParamVisitor for WholeGrads<'_> {
+    fn visit<D: DataMode, K: ParamKind>(
+        &mut self,
+        name: &str,
+        w: &mut Weight<D, K>,
+    ) -> dtensor_core::Result<()> {
+        let g = w.reduced_grad(self.0)?.full_tensor()?.to_host()?;
+        self.1.push((name.to_string(), g));
+        Ok(())
     }
-    impl ParamVisitor for Norms<'_> {
-        fn visit<D: DataMode, K: ParamKind>(
-            &mut self,
-            name: &str,
-            w: &mut Weight<D, K>,
-        ) -> dtensor_core::Result<()> {
-            let g = w.reduced_grad(self.grads)?.full_tensor()?.to_host()?;
-            let Some(segments) = self.model.names.segments(name) else {
-                self.failed.get_or_insert(Error::Tensor {
-                    file: self.model.dir.clone(),
-                    tensor: name.to_string(),
-                    detail: "a parameter with no Hugging Face tensor behind it".into(),
-                });
-                return Ok(());
-            };
-            let rows = g.shape().first().copied().unwrap_or(1);
-            let values = g.to_f64_vec();
-            let per_row = values.len() / rows.max(1);
-            for s in segments {
-                let sq: f64 = values[s.rows.start * per_row..s.rows.end * per_row]
-                    .iter()
-                    .map(|x| x * x)
-                    .sum();
-                *self.squares.entry(s.tensor.clone()).or_default() += sq;
-            }
-            Ok(())
+}
+
+/// Each Hugging Face tensor's gradient norm from our parameters' whole gradients.
+fn hf_grad_norms(
+    model: &HfModel,
+    grads: Vec<(String, Tensor)>,
+) -> Result<BTreeMap<String, f64>> {
+    let mut squares: BTreeMap<String, f64> = BTreeMap::new();
+    for (name, g) in grads {
+        let segments = model.names.segments(&name).ok_or_else(|| Error::Tensor {
+            file: model.dir.clone(),
+            tensor: name.clone(),
+            detail: "a parameter with no Hugging Face tensor behind it".into(),
+        })?;
+        let rows = g.shape().first().copied().unwrap_or(1).max(1);
+        let values = g.to_f64_vec();
+        let per_row = values.len() / rows;
+        for s in segments {
+            let sq: f64 = values[s.rows.start * per_row..s.rows.end * per_row]
+                .iter()
+                .map(|x| x * x)
+                .sum();
+            *squares.entry(s.tensor.clone()).or_default() += sq;
         }
     }
-    let mut v = Norms {
-        grads,
-        model,
-        squares: BTreeMap::new(),
-        failed: None,
-    };
-    m.visit_params("", &mut v)?;
-    if let Some(e) = v.failed {
-        return Err(e);
+    Ok(squares.into_iter().map(|(k, s)| (k, s.sqrt())).collect())
+}
+
+/// An optimizer that records each parameter's reduced gradient (whole) instead of
+/// updating it: how a pipeline, which runs its backward inside its training step, hands
+/// out its gradients.
+#[derive(Default)]
+struct RecordGradients(Mutex<Vec<Tensor>>);
+
+impl Optimizer for RecordGradients {
+    fn begin_step(&mut self) {}
+    fn update<L, G>(&self, _: &mut Param<L>, g: &DTensor<G>) -> dtensor_core::Result<()>
+    where
+        L: Layout,
+        G: Layout + ReducedGrad<L>,
+    {
+        let whole = g.full_tensor()?.to_host()?;
+        self.0.lock().expect("not poisoned").push(whole);
+        Ok(())
     }
-    Ok(v.squares.into_iter().map(|(k, s)| (k, s.sqrt())).collect())
+}
+
+/// [`run`] on a mesh with a `Pp` axis: the decoder cut into the stages `schedule` runs,
+/// each rank loading only its stage's slices. Collective over `mesh`; every rank returns
+/// the loss, its own stage's gradient norms, and no logits (the pipeline's last stage
+/// scores them without handing them out). The sample count must divide into the
+/// schedule's microbatches over the data ranks.
+pub fn run_pipeline<M: SeqMode, D: DataMode>(
+    model: &HfModel,
+    world: &Arc<dyn dtensor_collectives::Communicator>,
+    mesh: &Arc<DeviceMesh>,
+    ids: &[Vec<u32>],
+    dtype: DType,
+    context: ContextParallel,
+    schedule: Schedule,
+) -> Result<Parity> {
+    let (flat, targets, seq) = ids_and_targets(ids)?;
+    let config = dtensor_nn::GptConfig {
+        context,
+        ..model.gpt_config(seq, dtype)?
+    };
+    let m = schedule.microbatches;
+    let mut p = Pipeline::<M, D>::new(config, schedule, mesh)?;
+    model.load_into(world, &mut p)?;
+    let sm = p.stage_mesh().clone();
+    let split = |t: &Tensor| -> Result<Vec<DTensor<Ids>>> {
+        microbatches(t, m, seq)?
+            .iter()
+            .map(|mb| {
+                Ok(DTensor::<Ids>::from_global(
+                    &to_stream_order(mb, seq, &context, &sm)?,
+                    &sm,
+                )?)
+            })
+            .collect()
+    };
+    let mut probe = RecordGradients::default();
+    let report = p.train_step(&split(&flat)?, &split(&targets)?, &mut probe, f64::INFINITY)?;
+    let recorded = probe.0.into_inner().expect("not poisoned");
+    let names: Vec<String> = named_params(&mut p)?.into_iter().map(|n| n.name).collect();
+    if names.len() != recorded.len() {
+        return Err(Error::Core(dtensor_core::Error::InvalidUse {
+            op: "hf::parity::run_pipeline",
+            detail: format!(
+                "{} gradients recorded for {} parameters (a skipped, non-finite step?)",
+                recorded.len(),
+                names.len()
+            ),
+        }));
+    }
+    Ok(Parity {
+        loss: report.loss,
+        logits: None,
+        grad_norms: hf_grad_norms(model, names.into_iter().zip(recorded).collect())?,
+    })
 }
