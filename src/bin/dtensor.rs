@@ -4,6 +4,12 @@
 //!
 //! `cargo run --release --bin dtensor -- plan --model 7b --devices 64 --memory-gib 131`
 //! `cargo run --release --bin dtensor -- plan --model gpt-small --devices 4 --mesh dp=2,tp=2,sp`
+//!
+//! `dtensor hf-parity`: a Hugging Face checkpoint's causal-LM loss, logits and gradient
+//! norms as dtensor computes them on a mesh of thread ranks, printed as transformers'
+//! parity scripts print them (see `docs/models.md`).
+//!
+//! `cargo run --release --bin dtensor -- hf-parity --model DIR --ids ids.json --mesh tp=2`
 use clap::{Parser, Subcommand};
 use dtensor::cli::CompositionArgs;
 use dtensor::planner::{self, human, Composition, Interconnect, Model};
@@ -23,6 +29,38 @@ enum Command {
     /// (--mesh), or the best compositions for --devices (docs/planner.md)
     #[command(args_override_self = true, allow_negative_numbers = true)]
     Plan(PlanArgs),
+    /// A Hugging Face model's causal-LM loss, logits and gradient norms on a batch of ids,
+    /// computed on a mesh of thread ranks, as one JSON object (docs/models.md)
+    HfParity(HfParityArgs),
+}
+
+#[derive(clap::Args)]
+struct HfParityArgs {
+    /// The model directory (config.json and its safetensors weights)
+    #[arg(long, value_name = "DIR")]
+    model: std::path::PathBuf,
+    /// A JSON file {"input_ids": [[...], ...]}: samples of one length
+    #[arg(long, value_name = "FILE")]
+    ids: std::path::PathBuf,
+    /// The composition (default one rank): degrees and switches as train_gpt's --mesh
+    /// takes them (pp=2,m=2 gives no logits: the pipeline keeps them on its last stage)
+    #[arg(long, value_name = "SPEC", default_value = "dp=1")]
+    mesh: dtensor::placement::Composition,
+    /// Parameters and compute: f64 (default; transformers' goldens come from
+    /// `model.double()`) or f32
+    #[arg(long, value_name = "f64|f32", default_value = "f64", value_parser = ["f64", "f32"])]
+    dtype: String,
+}
+
+fn hf_parity(a: HfParityArgs) -> Result<String, String> {
+    let ids = dtensor::hf::read_ids(&a.ids)?;
+    let mut comp = a.mesh;
+    comp.dtype = match a.dtype.as_str() {
+        "f32" => dtensor::placement::MasterDType::F32,
+        _ => dtensor::placement::MasterDType::F64,
+    };
+    let p = dtensor::hf::parity_on_threads(&a.model, &ids, &comp)?;
+    Ok(p.to_json().to_string())
 }
 
 #[derive(clap::Args)]
@@ -200,7 +238,21 @@ fn run(a: &Args) -> Result<bool, String> {
 
 fn main() -> ExitCode {
     // Clap exits 2 on a bad flag or value, naming it; the checks across flags do the same.
-    let Command::Plan(plan) = Cli::parse().command;
+    let plan = match Cli::parse().command {
+        Command::Plan(plan) => plan,
+        Command::HfParity(args) => {
+            return match hf_parity(args) {
+                Ok(json) => {
+                    println!("{json}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("dtensor hf-parity: {e}");
+                    ExitCode::from(2)
+                }
+            };
+        }
+    };
     let a = match resolve(plan) {
         Ok(a) => a,
         Err(e) => {
