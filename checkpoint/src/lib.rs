@@ -247,7 +247,7 @@ fn unpack(words: &[i64], len: usize) -> Vec<u8> {
 
 /// The local tensor's elements as little-endian bytes. A piece in device memory is copied
 /// to the host first, once (writing a file is a host operation).
-fn tensor_bytes(t: &Tensor) -> dtensor_kernels::Result<Vec<u8>> {
+pub(crate) fn tensor_bytes(t: &Tensor) -> dtensor_kernels::Result<Vec<u8>> {
     let t = &t.to_host()?;
     fn le<T: bytemuck::Pod, const N: usize>(s: &[T], f: impl Fn(&T) -> [u8; N]) -> Vec<u8> {
         if cfg!(target_endian = "little") {
