@@ -17,8 +17,9 @@
 //!
 //! Shards are written under `*.tmp` names and renamed by `finish`, which then removes the
 //! weight files of an earlier save into the same directory that this one did not write
-//! (a stale `model.safetensors` beside a new index would be read instead of it). A save
-//! that fails leaves its `*.tmp` files and the earlier files untouched.
+//! (a stale `model.safetensors` beside a new index would be read instead of it), and the
+//! `*.tmp` shards of an earlier save that failed. A save that fails leaves its `*.tmp`
+//! files and the earlier files untouched.
 
 use super::layout::is_weight_file;
 use super::weights::{INDEX_FILE, SINGLE_FILE};
@@ -269,8 +270,10 @@ impl HfWriter {
         for entry in entries {
             let entry = entry.map_err(|e| io_err(&self.dir, format!("list: {e}")))?;
             let path = entry.path();
-            let stale = entry.file_name().to_str().is_some_and(is_weight_file)
-                && !written.contains(path.as_path());
+            // A failed earlier save's shards are left under their temporary names.
+            let stale = entry.file_name().to_str().is_some_and(|f| {
+                is_weight_file(f) || (f.starts_with("model-") && f.ends_with(".safetensors.tmp"))
+            }) && !written.contains(path.as_path());
             if stale {
                 fs::remove_file(&path)
                     .map_err(|e| io_err(&path, format!("remove stale weights: {e}")))?;
