@@ -56,6 +56,31 @@
 //! [`nn::save_model`] / [`nn::load_model`] add a model's training state: masters, AdamW
 //! moments and step count, and the layers' non-parameter state
 //! ([`dtensor_nn::Module::visit_state`], e.g. an MoE layer's expert selection bias).
+//!
+//! [`hf`] reads and writes the Hugging Face layout instead: a model directory's
+//! `config.json` ([`hf::HfConfig`]), the tensors it implies and the check of a checkpoint
+//! against them ([`hf::HfWeights::validate`]), its safetensors weights memory-mapped and
+//! read block by block ([`hf::HfWeights`]), and a streaming writer of sharded safetensors
+//! with their index ([`hf::HfWriter`]):
+//!
+//! ```no_run
+//! use dtensor_checkpoint::hf::{HfWeights, HfWriter};
+//! use std::path::Path;
+//!
+//! # fn main() -> dtensor_checkpoint::Result<()> {
+//! let source = Path::new("Qwen3-0.6B");
+//! let (config, weights) = HfWeights::open_checked(source)?; // every tensor present, shaped
+//! println!("{:?}: {} tensors", config.architecture, weights.names().count());
+//! let mut out = HfWriter::create(Path::new("copy"), 2 << 30)?; // shards of at most 2 GiB
+//! out.copy_files_from(source)?;
+//! for name in weights.names() {
+//!     let info = weights.info(name).expect("a listed name");
+//!     out.add_bytes(name, info.dtype, &info.shape, weights.stored_bytes(name)?)?;
+//! }
+//! out.finish()?;
+//! # Ok(())
+//! # }
+//! ```
 
 #![warn(missing_docs)]
 
@@ -253,7 +278,7 @@ fn unpack(words: &[i64], len: usize) -> Vec<u8> {
 
 /// The local tensor's elements as little-endian bytes. A piece in device memory is copied
 /// to the host first, once (writing a file is a host operation).
-fn tensor_bytes(t: &Tensor) -> dtensor_kernels::Result<Vec<u8>> {
+pub(crate) fn tensor_bytes(t: &Tensor) -> dtensor_kernels::Result<Vec<u8>> {
     let t = &t.to_host()?;
     fn le<T: bytemuck::Pod, const N: usize>(s: &[T], f: impl Fn(&T) -> [u8; N]) -> Vec<u8> {
         if cfg!(target_endian = "little") {

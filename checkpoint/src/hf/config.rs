@@ -19,6 +19,7 @@
 
 use crate::{Error, Result};
 use dtensor_kernels::ops::{Rope, RopeScaling, RopeStyle, RotatedHeads};
+use dtensor_kernels::DType;
 use serde_json::{Map, Value};
 use std::path::Path;
 
@@ -148,6 +149,9 @@ pub struct HfConfig {
     pub bos_token_id: Option<u32>,
     /// The end-of-sequence tokens (`eos_token_id`: one id or a list).
     pub eos_token_ids: Vec<u32>,
+    /// The dtype the weights were saved in (`dtype`, or transformers 4's `torch_dtype`),
+    /// when the file says.
+    pub stored_dtype: Option<DType>,
     /// The file as read, every field, for writing it back on save.
     pub raw: Map<String, Value>,
 }
@@ -158,8 +162,6 @@ const INERT: &[&str] = &[
     "architectures",
     "model_type",
     "transformers_version",
-    "torch_dtype",
-    "dtype",
     "use_cache",
     "initializer_range",
     "bos_token_id",
@@ -191,6 +193,8 @@ const COMMON: &[&str] = &[
     "rope_scaling",
     "rope_parameters",
     "tie_word_embeddings",
+    "dtype",
+    "torch_dtype",
 ];
 
 /// Fields read only by some architectures.
@@ -507,6 +511,7 @@ impl HfConfig {
             moe,
             bos_token_id: r.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: r.token_ids("eos_token_id")?,
+            stored_dtype: r.stored_dtype()?,
             raw: obj.clone(),
         })
     }
@@ -518,6 +523,31 @@ impl HfConfig {
 }
 
 impl Reader<'_> {
+    /// `dtype` (transformers 5) or `torch_dtype` (4.x), `None` when neither is given.
+    fn stored_dtype(&self) -> Result<Option<DType>> {
+        let field = match (self.get("dtype"), self.get("torch_dtype")) {
+            (Some(_), _) => "dtype",
+            (None, Some(_)) => "torch_dtype",
+            (None, None) => return Ok(None),
+        };
+        let value = self.get(field).expect("present");
+        let dtype = match value.as_str() {
+            Some("float32") => DType::F32,
+            Some("bfloat16") => DType::BF16,
+            Some("float16") => DType::F16,
+            Some("float64") => DType::F64,
+            _ => {
+                return Err(self.err(
+                    field,
+                    format!(
+                        "{value}: dtensor loads float32, bfloat16, float16 and float64 weights"
+                    ),
+                ))
+            }
+        };
+        Ok(Some(dtype))
+    }
+
     /// Every field is read, inert, or fixed at its plain value; anything else is refused.
     fn check_fields(&self, arch: Architecture) -> Result<()> {
         for (field, value) in self.obj {

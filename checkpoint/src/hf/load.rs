@@ -3,10 +3,11 @@
 //! Each rank walks its own parameters ([`Module::visit_params`]), finds the block of the
 //! global tensor it holds ([`local_ranges`] of the master's layout: `Tp`, `Ep`, a sharding
 //! `Dp`), and reads only that block out of the memory-mapped files, segment by segment
-//! ([`NameMap`]): no rank reads, converts or holds a tensor it does not keep. Everything is
-//! checked first (every tensor the model needs is there with its shape, nothing unexpected
-//! is), every rank agrees, and only then are the parameters replaced, so a failed load
-//! leaves the model as it was on every rank.
+//! ([`NameMap`]): no rank reads, converts or holds a tensor it does not keep. Every block is
+//! read first and every rank agrees, and only then are the parameters replaced, so a failed
+//! load leaves the model as it was on every rank. (Which tensors the checkpoint holds is
+//! checked before, by [`HfWeights::validate`], as [`HfModel::open`](super::HfModel::open)
+//! does.)
 
 use super::names::{overlapping, NameMap, Source};
 use super::weights::HfWeights;
@@ -19,60 +20,11 @@ use dtensor_placement::local_ranges;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-/// Tensors a checkpoint may hold that no model reads: buffers older transformers versions
-/// saved (RoPE's inverse frequencies are recomputed from the config).
-const IGNORED_SUFFIXES: &[&str] = &["rotary_emb.inv_freq"];
-
 /// What one rank read in [`load_params`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct HfLoadStats {
     /// Elements this rank read out of the files (its own blocks only).
     pub elements_read: u64,
-    /// Elements of every tensor the model reads (the whole model, for comparison).
-    pub elements_total: u64,
-}
-
-/// Checks `weights` against the model `map` describes: every tensor the model reads is
-/// present with its expected shape, and no other tensor is (bar [`IGNORED_SUFFIXES`]).
-pub fn check_weights(weights: &HfWeights, map: &NameMap) -> Result<()> {
-    let first_file = || {
-        weights
-            .files()
-            .next()
-            .map(PathBuf::from)
-            .unwrap_or_default()
-    };
-    for (name, shape) in map.hf_tensors() {
-        let info = weights.info(name).ok_or_else(|| Error::Tensor {
-            file: first_file(),
-            tensor: name.to_string(),
-            detail: format!("missing: the model needs it, of shape {shape:?}"),
-        })?;
-        if info.shape != shape {
-            return Err(Error::Tensor {
-                file: info.file.clone(),
-                tensor: name.to_string(),
-                detail: format!(
-                    "shape {:?}, the config.json's model needs {shape:?}",
-                    info.shape
-                ),
-            });
-        }
-    }
-    if let Some(extra) = weights.names().find(|n| {
-        map.hf_shape(n).is_none() && !IGNORED_SUFFIXES.iter().any(|s| n.ends_with(s))
-    }) {
-        let file = weights
-            .info(extra)
-            .map(|i| i.file.clone())
-            .unwrap_or_default();
-        return Err(Error::Tensor {
-            file,
-            tensor: extra.to_string(),
-            detail: "unexpected: the model config.json describes has no such parameter (another architecture or option?)".into(),
-        });
-    }
-    Ok(())
 }
 
 /// This rank's block of our parameter `name`, whose master is laid out like `like`.
@@ -172,17 +124,10 @@ pub fn load_params(
         }
     }
     let local = (|| {
-        check_weights(weights, map)?;
         let mut read = Read {
             weights,
             map,
-            stats: HfLoadStats {
-                elements_read: 0,
-                elements_total: map
-                    .hf_tensors()
-                    .map(|(_, s)| s.iter().product::<usize>() as u64)
-                    .sum(),
-            },
+            stats: HfLoadStats::default(),
             values: Vec::new(),
             failed: None,
         };

@@ -32,13 +32,12 @@ pub struct HfModel {
 
 impl HfModel {
     /// Opens `dir`: reads `config.json` (refusing a field dtensor does not implement),
-    /// maps the weights and checks them against the architecture (every tensor present
-    /// with its shape, nothing unexpected). Reads no tensor data.
+    /// maps the weights and checks them against the architecture
+    /// ([`HfWeights::open_checked`]: every tensor present with its shape and dtype, nothing
+    /// unexpected). Reads no tensor data.
     pub fn open(dir: &Path) -> Result<HfModel> {
-        let config = HfConfig::from_dir(dir)?;
-        let weights = HfWeights::open(dir)?;
+        let (config, weights) = HfWeights::open_checked(dir)?;
         let names = NameMap::new(&config);
-        super::load::check_weights(&weights, &names)?;
         Ok(HfModel {
             dir: dir.to_path_buf(),
             config,

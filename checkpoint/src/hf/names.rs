@@ -50,11 +50,14 @@ pub enum Source {
     Stacked,
 }
 
-/// Our parameters' Hugging Face sources, and every Hugging Face tensor's expected shape.
+/// Our parameters' Hugging Face sources. (Which tensors a checkpoint holds, and their
+/// shapes, is [`HfConfig::expected_tensors`]; [`HfWeights::validate`] checks a checkpoint
+/// against it.)
+///
+/// [`HfWeights::validate`]: super::HfWeights::validate
 #[derive(Clone, Debug, Default)]
 pub struct NameMap {
     ours: BTreeMap<String, Vec<Segment>>,
-    hf: BTreeMap<String, Vec<usize>>,
 }
 
 impl NameMap {
@@ -62,20 +65,20 @@ impl NameMap {
     pub fn new(cfg: &HfConfig) -> NameMap {
         let mut map = NameMap::default();
         let (h, v, hd) = (cfg.hidden_size, cfg.vocab_size, cfg.head_dim);
-        let (heads, kv, g) = (cfg.heads, cfg.kv_heads, cfg.group());
-        map.whole("embedding.weight", "model.embed_tokens.weight", &[v, h]);
+        let (kv, g) = (cfg.kv_heads, cfg.group());
+        map.whole("embedding.weight", "model.embed_tokens.weight", v);
         for l in 0..cfg.layers {
             let ours = |s: &str| format!("blocks.{l}.{s}");
             let theirs = |s: &str| format!("model.layers.{l}.{s}");
             map.whole(
                 &ours("norm1.weight"),
                 &theirs("input_layernorm.weight"),
-                &[h],
+                h,
             );
             map.whole(
                 &ours("norm2.weight"),
                 &theirs("post_attention_layernorm.weight"),
-                &[h],
+                h,
             );
             let qkv_suffixes: &[&str] = if cfg.qkv_bias {
                 &["weight", "bias"]
@@ -83,12 +86,8 @@ impl NameMap {
                 &["weight"]
             };
             for suffix in qkv_suffixes {
-                let trailing: &[usize] = if *suffix == "weight" { &[h] } else { &[] };
                 let [q, k, vv] = ["q_proj", "k_proj", "v_proj"]
                     .map(|p| theirs(&format!("self_attn.{p}.{suffix}")));
-                map.expect(&q, heads * hd, trailing);
-                map.expect(&k, kv * hd, trailing);
-                map.expect(&vv, kv * hd, trailing);
                 // Megatron's grouped fused layout: group j = its g query heads, its k, its v.
                 let mut segments = Vec::with_capacity(3 * kv);
                 let mut row = 0;
@@ -111,13 +110,13 @@ impl NameMap {
             map.whole(
                 &ours("attn.out.weight"),
                 &theirs("self_attn.o_proj.weight"),
-                &[h, heads * hd],
+                h,
             );
             if cfg.o_bias {
                 map.whole(
                     &ours("attn.out.bias"),
                     &theirs("self_attn.o_proj.bias"),
-                    &[h],
+                    h,
                 );
             }
             match &cfg.moe {
@@ -128,11 +127,11 @@ impl NameMap {
                         ("mlp.up.weight", "mlp.up_proj.weight", [f, h]),
                         ("mlp.fc2.weight", "mlp.down_proj.weight", [h, f]),
                     ] {
-                        map.whole(&ours(mine), &theirs(hf), &shape);
+                        map.whole(&ours(mine), &theirs(hf), shape[0]);
                     }
                 }
                 Some(moe) => {
-                    let (e, f) = (moe.experts, moe.expert_intermediate);
+                    let e = moe.experts;
                     let (block, names) = match cfg.architecture {
                         Architecture::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
                         _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
@@ -140,17 +139,16 @@ impl NameMap {
                     map.whole(
                         &ours("mlp.router"),
                         &theirs(&format!("{block}.gate.weight")),
-                        &[e, h],
+                        e,
                     );
-                    for (mine, hf, shape) in [
-                        ("mlp.w1", names[0], [f, h]),
-                        ("mlp.up", names[1], [f, h]),
-                        ("mlp.w2", names[2], [h, f]),
+                    for (mine, hf) in [
+                        ("mlp.w1", names[0]),
+                        ("mlp.up", names[1]),
+                        ("mlp.w2", names[2]),
                     ] {
                         let segments = (0..e)
                             .map(|x| {
                                 let tensor = theirs(&format!("{block}.experts.{x}.{hf}.weight"));
-                                map.hf.insert(tensor.clone(), shape.to_vec());
                                 Segment {
                                     rows: x..x + 1,
                                     tensor,
@@ -163,32 +161,24 @@ impl NameMap {
                 }
             }
         }
-        map.whole("norm.weight", "model.norm.weight", &[h]);
+        map.whole("norm.weight", "model.norm.weight", h);
         // Tied: the decoder has no head of its own (it uses the embedding's weight).
         if !cfg.tie_word_embeddings {
-            map.whole("head.weight", "lm_head.weight", &[v, h]);
+            map.whole("head.weight", "lm_head.weight", v);
         }
         map
     }
 
-    /// Our parameter `ours` is the whole of `hf`, of `shape`.
-    fn whole(&mut self, ours: &str, hf: &str, shape: &[usize]) {
-        self.hf.insert(hf.to_string(), shape.to_vec());
+    /// Our parameter `ours` (`rows` along dim 0) is the whole of `hf`.
+    fn whole(&mut self, ours: &str, hf: &str, rows: usize) {
         self.ours.insert(
             ours.to_string(),
             vec![Segment {
-                rows: 0..shape[0],
+                rows: 0..rows,
                 tensor: hf.to_string(),
                 source: Source::Rows { start: 0 },
             }],
         );
-    }
-
-    /// `hf` is expected as `[rows, trailing…]`.
-    fn expect(&mut self, hf: &str, rows: usize, trailing: &[usize]) {
-        let mut shape = vec![rows];
-        shape.extend_from_slice(trailing);
-        self.hf.insert(hf.to_string(), shape);
     }
 
     /// The segments of our parameter `ours`, in row order; `None` for a name the map does
@@ -202,16 +192,6 @@ impl NameMap {
         self.ours.keys().map(String::as_str)
     }
 
-    /// Every Hugging Face tensor the model reads, sorted, with its expected shape.
-    pub fn hf_tensors(&self) -> impl Iterator<Item = (&str, &[usize])> {
-        self.hf.iter().map(|(n, s)| (n.as_str(), s.as_slice()))
-    }
-
-    /// The expected shape of Hugging Face tensor `hf`; `None` when the model does not
-    /// read it.
-    pub fn hf_shape(&self, hf: &str) -> Option<&[usize]> {
-        self.hf.get(hf).map(Vec::as_slice)
-    }
 }
 
 /// The parts of `segments` that meet our rows `want`: for each, the Hugging Face tensor,
@@ -282,10 +262,6 @@ mod tests {
                 assert!(t.contains(want_t), "row {r}: {t}");
                 assert_eq!(*src, want_src, "row {r}");
             }
-            assert_eq!(
-                map.hf_shape("model.layers.0.self_attn.k_proj.weight"),
-                Some(&[kv * hd, 8][..])
-            );
         }
     }
 
@@ -312,6 +288,6 @@ mod tests {
         assert!(NameMap::new(&llama(2, false))
             .segments("blocks.0.attn.out.bias")
             .is_none());
-        assert_eq!(map.hf_shape("lm_head.weight"), Some(&[10, 8][..]));
+        assert_eq!(map.segments("head.weight").unwrap()[0].tensor, "lm_head.weight");
     }
 }

@@ -40,6 +40,8 @@ struct Mapped {
 
 /// The memory-mapped weight files of one model directory.
 pub struct HfWeights {
+    /// The index, or the single file: what names the checkpoint as a whole.
+    source: PathBuf,
     files: Vec<Mapped>,
     /// Each tensor's file (an index into `files`), header entry, and byte range in the
     /// file (checked to lie inside it when opened).
@@ -87,6 +89,11 @@ impl HfWeights {
     /// or when a tensor's dtype is not a float type dtensor trains in.
     pub fn open(dir: &Path) -> Result<HfWeights> {
         let index = dir.join(INDEX_FILE);
+        let source = if index.exists() {
+            index.clone()
+        } else {
+            dir.join(SINGLE_FILE)
+        };
         let (names, wanted): (Vec<PathBuf>, Option<BTreeMap<String, usize>>) = if index.exists() {
             let text = std::fs::read_to_string(&index).map_err(|e| io_err(&index, e))?;
             let v: serde_json::Value = serde_json::from_str(&text)
@@ -175,7 +182,11 @@ impl HfWeights {
                 }
             }
         }
-        Ok(HfWeights { files, tensors })
+        Ok(HfWeights {
+            source,
+            files,
+            tensors,
+        })
     }
 
     /// Every tensor's name, sorted.
@@ -188,6 +199,23 @@ impl HfWeights {
         self.tensors.get(name).map(|(_, info, _)| info)
     }
 
+    /// The index when the weights are sharded, else the single file: the file errors
+    /// about the checkpoint as a whole (a missing tensor) name.
+    pub fn source(&self) -> &Path {
+        &self.source
+    }
+
+    /// The stored little-endian bytes of tensor `name`, as its file holds them (no
+    /// conversion): what a save copies to write the tensor back unchanged. `Err` naming
+    /// the tensor when no file holds it.
+    pub fn stored_bytes(&self, name: &str) -> Result<&[u8]> {
+        let (i, _, bytes) = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| tensor_err(&self.source, name, "not in the checkpoint"))?;
+        Ok(&self.files[*i].map[bytes.clone()])
+    }
+
     /// The files mapped, in the order the index lists them.
     pub fn files(&self) -> impl Iterator<Item = &Path> {
         self.files.iter().map(|f| f.path.as_path())
@@ -197,14 +225,10 @@ impl HfWeights {
     /// naming the tensor and its file when it is missing, when `ranges` does not fit its
     /// shape, or when its bytes cannot be read.
     pub fn read(&self, name: &str, ranges: &[Range<usize>], dtype: DType) -> Result<Tensor> {
-        let (i, info, bytes) = self.tensors.get(name).ok_or_else(|| {
-            let where_ = self
-                .files
-                .first()
-                .map(|f| f.path.parent().unwrap_or(&f.path).to_path_buf())
-                .unwrap_or_default();
-            tensor_err(&where_, name, "not in the checkpoint")
-        })?;
+        let (i, info, bytes) = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| tensor_err(&self.source, name, "not in the checkpoint"))?;
         let file = &self.files[*i];
         let shape = &info.shape;
         if ranges.len() != shape.len()
