@@ -13,6 +13,7 @@ pub mod load;
 pub mod model;
 pub mod names;
 pub mod parity;
+pub mod save;
 pub mod weights;
 pub mod writer;
 
@@ -21,5 +22,6 @@ pub use layout::ExpectedTensor;
 pub use load::{load_params, HfLoadStats};
 pub use model::HfModel;
 pub use names::{NameMap, Segment, Source};
+pub use save::{save_params, HfSaveOptions};
 pub use weights::{HfWeights, WeightInfo};
 pub use writer::{HfSaved, HfWriter};
