@@ -17,14 +17,17 @@ use std::sync::Arc;
 
 /// The token ids of a parity file: `{"input_ids": [[...], ...]}`, samples of one length.
 pub fn read_ids(file: &Path) -> Result<Vec<Vec<u32>>, String> {
-    let text =
-        std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
+    let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
     #[derive(serde::Deserialize)]
     struct Ids {
         input_ids: Vec<Vec<u32>>,
     }
-    let ids: Ids = serde_json::from_str(&text)
-        .map_err(|e| format!("{}: expected {{\"input_ids\": [[...], ...]}}: {e}", file.display()))?;
+    let ids: Ids = serde_json::from_str(&text).map_err(|e| {
+        format!(
+            "{}: expected {{\"input_ids\": [[...], ...]}}: {e}",
+            file.display()
+        )
+    })?;
     Ok(ids.input_ids)
 }
 

@@ -66,7 +66,10 @@ fn compare(what: &str, got: &Parity, want: &serde_json::Value, tol: f64) -> f64 
             "{what}: one gradient norm per tensor"
         );
     }
-    assert!(worst <= tol, "{what}: largest relative difference {worst:e} > {tol:e}");
+    assert!(
+        worst <= tol,
+        "{what}: largest relative difference {worst:e} > {tol:e}"
+    );
     eprintln!("{what}: largest relative difference {worst:e}");
     worst
 }
@@ -103,7 +106,12 @@ oracle! {
 #[test]
 fn hf_meshes_agree_with_one_rank() {
     let one = parity("llama", "f64");
-    for spec in ["tp=2,f64", "dp=2,tp=2,sp,f64", "cp=2,tp=2,f64", "pp=2,m=2,f64"] {
+    for spec in [
+        "tp=2,f64",
+        "dp=2,tp=2,sp,f64",
+        "cp=2,tp=2,f64",
+        "pp=2,m=2,f64",
+    ] {
         let got = parity("llama", spec);
         assert!(rel(got.loss, one.loss) <= 1e-12, "{spec}: loss");
         for (name, g) in &got.grad_norms {

@@ -24,7 +24,13 @@ fn fixture(name: &str) -> PathBuf {
 
 /// Loads `name` on `(pp, dp, tp)` (`fsdp`: parameters sharded over dp) and saves it into
 /// `out` with shards of at most `shard` bytes.
-fn round_trip(name: &str, (pp, dp, tp): (usize, usize, usize), fsdp: bool, out: &Path, shard: usize) {
+fn round_trip(
+    name: &str,
+    (pp, dp, tp): (usize, usize, usize),
+    fsdp: bool,
+    out: &Path,
+    shard: usize,
+) {
     let source = HfModel::open(&fixture(name)).unwrap();
     let axes: Vec<(AxisKind, usize)> = (pp > 1)
         .then_some((AxisKind::Pp, pp))

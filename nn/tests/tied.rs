@@ -55,8 +55,11 @@ fn tied_gradient_is_the_sum_of_both_uses() {
         let loss = untied.forward(&tape, &i, &t)?;
         let untied_loss = loss_value(&loss)?;
         let mut g = loss.backward()?;
-        let sum = reduced(&untied.embedding.weight, &mut g, 1)?
-            .add(&reduced(&untied.head.as_ref().unwrap().weight, &mut g, 1)?)?;
+        let sum = reduced(&untied.embedding.weight, &mut g, 1)?.add(&reduced(
+            &untied.head.as_ref().unwrap().weight,
+            &mut g,
+            1,
+        )?)?;
         Ok((tied_loss, untied_loss, tied_grad, sum))
     });
     let (tl, ul, tgrad, sum) = &out[0];
@@ -103,7 +106,10 @@ fn tied_training_on_meshes_equals_one_rank() {
         for (a, b) in got.0.iter().zip(&one.0) {
             assert!((a - b).abs() <= 1e-9 * b.abs(), "{what}: loss {a} vs {b}");
         }
-        assert_eq!(got.1.keys().collect::<Vec<_>>(), one.1.keys().collect::<Vec<_>>());
+        assert_eq!(
+            got.1.keys().collect::<Vec<_>>(),
+            one.1.keys().collect::<Vec<_>>()
+        );
         for (n, a) in &got.1 {
             assert_close(&format!("{what} {n}"), a, &one.1[n], 1e-12);
         }

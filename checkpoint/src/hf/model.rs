@@ -104,7 +104,10 @@ impl HfModel {
                 if !(1..=2).contains(&m.top_k) {
                     return Err(refuse(
                         "num_experts_per_tok",
-                        format!("{}: dtensor's MoE routes each token to 1 or 2 experts", m.top_k),
+                        format!(
+                            "{}: dtensor's MoE routes each token to 1 or 2 experts",
+                            m.top_k
+                        ),
                     ));
                 }
                 Some(MoeConfig {

@@ -70,11 +70,7 @@ impl NameMap {
         for l in 0..cfg.layers {
             let ours = |s: &str| format!("blocks.{l}.{s}");
             let theirs = |s: &str| format!("model.layers.{l}.{s}");
-            map.whole(
-                &ours("norm1.weight"),
-                &theirs("input_layernorm.weight"),
-                h,
-            );
+            map.whole(&ours("norm1.weight"), &theirs("input_layernorm.weight"), h);
             map.whole(
                 &ours("norm2.weight"),
                 &theirs("post_attention_layernorm.weight"),
@@ -105,7 +101,8 @@ impl NameMap {
                         row += len;
                     }
                 }
-                map.ours.insert(ours(&format!("attn.qkv.{suffix}")), segments);
+                map.ours
+                    .insert(ours(&format!("attn.qkv.{suffix}")), segments);
             }
             map.whole(
                 &ours("attn.out.weight"),
@@ -113,11 +110,7 @@ impl NameMap {
                 h,
             );
             if cfg.o_bias {
-                map.whole(
-                    &ours("attn.out.bias"),
-                    &theirs("self_attn.o_proj.bias"),
-                    h,
-                );
+                map.whole(&ours("attn.out.bias"), &theirs("self_attn.o_proj.bias"), h);
             }
             match &cfg.moe {
                 None => {
@@ -191,7 +184,6 @@ impl NameMap {
     pub fn our_names(&self) -> impl Iterator<Item = &str> {
         self.ours.keys().map(String::as_str)
     }
-
 }
 
 /// The parts of `segments` that meet our rows `want`: for each, the Hugging Face tensor,
@@ -288,6 +280,9 @@ mod tests {
         assert!(NameMap::new(&llama(2, false))
             .segments("blocks.0.attn.out.bias")
             .is_none());
-        assert_eq!(map.segments("head.weight").unwrap()[0].tensor, "lm_head.weight");
+        assert_eq!(
+            map.segments("head.weight").unwrap()[0].tensor,
+            "lm_head.weight"
+        );
     }
 }

@@ -15,8 +15,8 @@ use dtensor_kernels::ops::IGNORE_INDEX;
 use dtensor_kernels::{DType, Tensor};
 use dtensor_nn::pipeline::{microbatches, Pipeline, Schedule};
 use dtensor_nn::{
-    from_stream_order, loss_value, named_params, to_stream_order, ContextParallel, DataMode,
-    Gpt, Ids, Module, Optimizer, Param, ParamKind, ParamVisitor, ReducedGrad, SeqMode, Weight,
+    from_stream_order, loss_value, named_params, to_stream_order, ContextParallel, DataMode, Gpt,
+    Ids, Module, Optimizer, Param, ParamKind, ParamVisitor, ReducedGrad, SeqMode, Weight,
 };
 use dtensor_placement::Layout;
 use std::collections::BTreeMap;
@@ -85,12 +85,7 @@ fn ids_and_targets(ids: &[Vec<u32>]) -> Result<(Tensor, Tensor, usize)> {
     let flat: Vec<i64> = ids.iter().flatten().map(|&t| i64::from(t)).collect();
     let targets: Vec<i64> = ids
         .iter()
-        .flat_map(|s| {
-            s[1..]
-                .iter()
-                .map(|&t| i64::from(t))
-                .chain([IGNORE_INDEX])
-        })
+        .flat_map(|s| s[1..].iter().map(|&t| i64::from(t)).chain([IGNORE_INDEX]))
         .collect();
     let n = flat.len();
     let t = |v: Vec<i64>| Tensor::from_vec(v, &[n]).map_err(Error::from);
@@ -167,10 +162,7 @@ impl ParamVisitor for WholeGrads<'_> {
 }
 
 /// Each Hugging Face tensor's gradient norm from our parameters' whole gradients.
-fn hf_grad_norms(
-    model: &HfModel,
-    grads: Vec<(String, Tensor)>,
-) -> Result<BTreeMap<String, f64>> {
+fn hf_grad_norms(model: &HfModel, grads: Vec<(String, Tensor)>) -> Result<BTreeMap<String, f64>> {
     let mut squares: BTreeMap<String, f64> = BTreeMap::new();
     for (name, g) in grads {
         let segments = model.names.segments(&name).ok_or_else(|| Error::Tensor {

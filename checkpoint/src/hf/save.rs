@@ -42,7 +42,12 @@ impl Default for HfSaveOptions {
 
 /// The Hugging Face tensors of our parameter `name`, from its whole value `full`, each in
 /// `dtype`, in the order of their first rows.
-fn hf_tensors(map: &NameMap, name: &str, full: &Tensor, dtype: DType) -> Result<Vec<(String, Tensor)>> {
+fn hf_tensors(
+    map: &NameMap,
+    name: &str,
+    full: &Tensor,
+    dtype: DType,
+) -> Result<Vec<(String, Tensor)>> {
     let segments = map.segments(name).ok_or_else(|| Error::Refused {
         tensor: name.to_string(),
         detail: "a parameter with no Hugging Face tensor behind it".into(),
@@ -183,11 +188,19 @@ pub fn save_params(
         tensors: 0,
     };
     m.visit_params("", &mut plan)?;
-    let sends = if plan.root && me != 0 { plan.tensors } else { 0 };
+    let sends = if plan.root && me != 0 {
+        plan.tensors
+    } else {
+        0
+    };
     let counts = crate::all_gather_bytes(world, &(sends as u64).to_le_bytes())?;
     let counts: Vec<usize> = counts
         .iter()
-        .map(|b| b.get(..8).map_or(0, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize))
+        .map(|b| {
+            b.get(..8).map_or(0, |b| {
+                u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize
+            })
+        })
         .collect();
 
     let mut writer = if me == 0 {
@@ -214,8 +227,7 @@ pub fn save_params(
             // Every rank of the parameter's mesh takes part in the gather, even after an
             // error of its own, so its peers do not wait for it.
             let full = w.value().full_tensor()?.to_host()?;
-            if self.failed.is_some() || !w.value().device_mesh().coords().iter().all(|&c| c == 0)
-            {
+            if self.failed.is_some() || !w.value().device_mesh().coords().iter().all(|&c| c == 0) {
                 return Ok(());
             }
             let result = hf_tensors(self.map, name, &full, self.dtype).and_then(|tensors| {

@@ -105,6 +105,10 @@ pub enum SliceOutput<'t, M: SeqMode> {
     Loss(Var<'t, Loss>),
 }
 
+/// The loss head, borrowed: the final norm and the LM head's weight (its own, or the
+/// embedding's when tied).
+pub(crate) type LossHead<'a, M, D> = (&'a Norm<M, D>, &'a Weight<D, ColW>);
+
 /// A run of consecutive layers of a GPT, borrowed: the whole [`Gpt`]'s, or a pipeline
 /// stage's.
 pub(crate) struct GptSlice<'a, M: SeqMode, D: DataMode> {
@@ -118,7 +122,7 @@ pub(crate) struct GptSlice<'a, M: SeqMode, D: DataMode> {
     pub blocks: &'a [TransformerBlock<M, D>],
     /// Final norm and the LM head's weight (its own, or the embedding's when tied), if the
     /// run ends the model.
-    pub head: Option<(&'a Norm<M, D>, &'a Weight<D, ColW>)>,
+    pub head: Option<LossHead<'a, M, D>>,
 }
 
 impl<M: SeqMode, D: DataMode> GptSlice<'_, M, D> {
@@ -246,7 +250,7 @@ impl BatchTokens {
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn loss<'t, M: SeqMode, D: DataMode>(
     config: &GptConfig,
-    (norm, head): (&Norm<M, D>, &Weight<D, ColW>),
+    (norm, head): LossHead<'_, M, D>,
     tape: &'t Tape,
     x: &Var<'t, Stream<M>>,
     aux: &[Var<'t, Loss>],
@@ -287,7 +291,7 @@ fn traced<T>(tape: &Tape, name: impl Fn() -> String, f: impl FnOnce() -> Result<
 /// plain mean. Also the logits, `[tokens, vocab]` sharded over `Tp` by vocabulary.
 fn head_loss<'t, M: SeqMode, D: DataMode>(
     config: &GptConfig,
-    (norm, head): (&Norm<M, D>, &Weight<D, ColW>),
+    (norm, head): LossHead<'_, M, D>,
     tape: &'t Tape,
     x: &Var<'t, Stream<M>>,
     targets: &DTensor<Ids>,
