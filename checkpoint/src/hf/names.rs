@@ -9,6 +9,9 @@
 //! | `blocks.l.norm1.weight` | `model.layers.l.input_layernorm.weight` |
 //! | `blocks.l.attn.qkv.weight` `[(heads + 2·kv_heads)·head_dim, hidden]` | `self_attn.{q,k,v}_proj.weight`, grouped: per KV head `j`, the rows of its `g` query heads, then its key head, then its value head |
 //! | `blocks.l.attn.qkv.bias` | `self_attn.{q,k,v}_proj.bias`, grouped the same way (Qwen2) |
+//! | `blocks.l.attn.q.weight` / `.bias` (more `Tp` ranks than KV heads) | `self_attn.q_proj.weight` / `.bias` |
+//! | `blocks.l.attn.kv.weight` / `.bias` (more `Tp` ranks than KV heads) `[2·kv_heads·head_dim, hidden]` | `self_attn.{k,v}_proj.weight` / `.bias`: per KV head its k rows, then its v rows |
+//! | `blocks.l.attn.q_norm.weight`, `attn.k_norm.weight` `[head_dim]` | `self_attn.q_norm.weight`, `self_attn.k_norm.weight` (Qwen3) |
 //! | `blocks.l.attn.out.weight` / `.bias` | `self_attn.o_proj.weight` / `.bias` |
 //! | `blocks.l.norm2.weight` | `model.layers.l.post_attention_layernorm.weight` |
 //! | `blocks.l.mlp.fc1.weight`, `mlp.up.weight`, `mlp.fc2.weight` | `mlp.gate_proj.weight`, `mlp.up_proj.weight`, `mlp.down_proj.weight` |
@@ -65,7 +68,7 @@ impl NameMap {
     pub fn new(cfg: &HfConfig) -> NameMap {
         let mut map = NameMap::default();
         let (h, v, hd) = (cfg.hidden_size, cfg.vocab_size, cfg.head_dim);
-        let (kv, g) = (cfg.kv_heads, cfg.group());
+        let (heads, kv, g) = (cfg.heads, cfg.kv_heads, cfg.group());
         map.whole("embedding.weight", "model.embed_tokens.weight", v);
         for l in 0..cfg.layers {
             let ours = |s: &str| format!("blocks.{l}.{s}");
@@ -103,6 +106,31 @@ impl NameMap {
                 }
                 map.ours
                     .insert(ours(&format!("attn.qkv.{suffix}")), segments);
+                // With more tensor ranks than KV heads the layer keeps q apart (sharded)
+                // and the KV heads whole (per KV head its k rows, then its v rows).
+                map.whole(&ours(&format!("attn.q.{suffix}")), &q, heads * hd);
+                let mut kv_segments = Vec::with_capacity(2 * kv);
+                for j in 0..kv {
+                    for (n, tensor) in [(0, &k), (1, &vv)] {
+                        let row = (2 * j + n) * hd;
+                        kv_segments.push(Segment {
+                            rows: row..row + hd,
+                            tensor: tensor.clone(),
+                            source: Source::Rows { start: j * hd },
+                        });
+                    }
+                }
+                map.ours
+                    .insert(ours(&format!("attn.kv.{suffix}")), kv_segments);
+            }
+            if cfg.qk_norm {
+                for n in ["q_norm", "k_norm"] {
+                    map.whole(
+                        &ours(&format!("attn.{n}.weight")),
+                        &theirs(&format!("self_attn.{n}.weight")),
+                        hd,
+                    );
+                }
             }
             map.whole(
                 &ours("attn.out.weight"),
