@@ -46,8 +46,8 @@ use dtensor::kernels::memory;
 use dtensor::kernels::ops::RopeStyle;
 use dtensor::nn::pipeline::{self, check_pipeline, microbatches, Pipeline};
 use dtensor::nn::{
-    to_stream_order, AdamW, ContextParallel, DataMode, Ddp, Fsdp, GptConfig, Ids, MoeConfig, NoSp,
-    Schedule, SeqMode, Sp, Zero1, Zero2,
+    to_stream_order, AdamW, AttentionOptions, ContextParallel, DataMode, Ddp, Fsdp, GptConfig, Ids,
+    MoeConfig, NoSp, Schedule, SeqMode, Sp, Zero1, Zero2,
 };
 use dtensor::placement::{DataKind, ScheduleKind};
 use dtensor::prelude::*;
@@ -137,10 +137,24 @@ struct Args {
     /// Attention (query) heads
     #[arg(long, value_name = "N", default_value_t = 4)]
     heads: usize,
-    /// Key/value heads (grouped-query attention: must divide --heads, and tp must divide
-    /// them; 1 is multi-query); default: --heads (multi-head attention)
+    /// Key/value heads (grouped-query attention: must divide --heads; tp either divides
+    /// them, or is a multiple of them that divides --heads, each tensor rank then holding
+    /// the KV head its query heads read; 1 is multi-query); default: --heads (multi-head
+    /// attention)
     #[arg(long, value_name = "N")]
     kv_heads: Option<usize>,
+    /// Features per attention head (even); default: --hidden / --heads. Other values
+    /// decouple the heads from the width (the output projection maps heads·head-dim back
+    /// to --hidden)
+    #[arg(long, value_name = "N")]
+    head_dim: Option<usize>,
+    /// A bias on the q, k and v projections even without the model's other biases (Qwen2)
+    #[arg(long)]
+    qkv_bias: bool,
+    /// RMSNorm of every q and k head over its head dim before RoPE, one learned weight
+    /// for q and one for k (Qwen3)
+    #[arg(long)]
+    qk_norm: bool,
     /// RoPE's pairing of a head's columns: `interleaved` (x[2i], x[2i+1]) or `half`
     /// (x[i], x[i+d/2], the Hugging Face layout)
     #[arg(long, value_name = "STYLE", default_value = "interleaved")]
@@ -297,13 +311,11 @@ fn resolve(mut a: Args) -> Result<Args, String> {
             }
         ));
     }
-    if c.cp > 1
-        && a.comp.cp_strategy == CpStrategy::AllToAll
-        && !(a.kv_heads() / c.tp).is_multiple_of(c.cp)
-    {
+    // Tensor ranks beyond the KV heads each hold one (shared) KV head.
+    let kv_per_rank = (a.kv_heads() / c.tp).max(1);
+    if c.cp > 1 && a.comp.cp_strategy == CpStrategy::AllToAll && !kv_per_rank.is_multiple_of(c.cp) {
         return Err(format!(
-            "--cp-impl a2a: {} KV heads per tp rank (--kv-heads {} / tp={}) are not divisible by cp={}",
-            a.kv_heads() / c.tp,
+            "--cp-impl a2a: {kv_per_rank} KV heads per tp rank (--kv-heads {}, tp={}) are not divisible by cp={}",
             a.kv_heads(),
             c.tp,
             c.cp
@@ -328,6 +340,18 @@ fn resolve(mut a: Args) -> Result<Args, String> {
             );
         }
     }
+    if a.plan && (a.head_dim.is_some() || a.qkv_bias || a.qk_norm) {
+        return Err(
+            "--plan with --head-dim, --qkv-bias or --qk-norm: the planner models attention with head dim hidden / heads, the model's biases and no q/k norm".into(),
+        );
+    }
+    if a.plan && c.tp > a.kv_heads() {
+        return Err(format!(
+            "--plan with tp={} > --kv-heads {}: the planner models KV heads split over tp (each rank whole groups), not shared",
+            c.tp,
+            a.kv_heads()
+        ));
+    }
     if a.kv_heads() == 0 || !a.heads.is_multiple_of(a.kv_heads()) {
         return Err(format!(
             "--kv-heads {} does not divide --heads {}",
@@ -335,18 +359,33 @@ fn resolve(mut a: Args) -> Result<Args, String> {
             a.heads
         ));
     }
-    if !a.kv_heads().is_multiple_of(c.tp) {
+    if c.tp <= a.kv_heads() && !a.kv_heads().is_multiple_of(c.tp) {
         return Err(format!(
             "--kv-heads {} is not divisible by tp={} (each tensor rank holds whole groups of a KV head and its query heads)",
             a.kv_heads(),
             c.tp
         ));
     }
-    if !a.hidden.is_multiple_of(a.heads) || !(a.hidden / a.heads).is_multiple_of(2) {
+    if c.tp > a.kv_heads() && !(c.tp.is_multiple_of(a.kv_heads()) && a.heads.is_multiple_of(c.tp)) {
         return Err(format!(
-            "--hidden {} must split into {} heads of an even dimension",
-            a.hidden, a.heads
+            "tp={} exceeds --kv-heads {}: it must be a multiple of them and divide --heads {} (each tensor rank holds whole query heads of one group)",
+            c.tp,
+            a.kv_heads(),
+            a.heads
         ));
+    }
+    match a.head_dim {
+        Some(d) if d == 0 || !d.is_multiple_of(2) => {
+            return Err(format!("--head-dim {d} must be even and nonzero"));
+        }
+        Some(_) => {}
+        None if !a.hidden.is_multiple_of(a.heads) || !(a.hidden / a.heads).is_multiple_of(2) => {
+            return Err(format!(
+                "--hidden {} must split into {} heads of an even dimension (or set --head-dim)",
+                a.hidden, a.heads
+            ));
+        }
+        None => {}
     }
     if !a.batch.is_multiple_of(c.dp * c.ep) {
         return Err(format!(
@@ -397,6 +436,12 @@ fn model_config(a: &Args) -> GptConfig {
         heads: a.heads,
         kv_heads: a.kv_heads,
         rope_style: a.rope_style.into(),
+        attn: AttentionOptions {
+            head_dim: a.head_dim,
+            qkv_bias: a.qkv_bias,
+            qk_norm: a.qk_norm,
+            ..AttentionOptions::default()
+        },
         layers: a.layers,
         ffn: 4 * a.hidden,
         seq_len: a.seq,
@@ -1068,8 +1113,17 @@ fn header(a: &Args, ranks: &str) -> String {
     if a.kv_heads() != a.heads {
         heads += &format!(" ({} KV heads)", a.kv_heads());
     }
+    if let Some(d) = a.head_dim {
+        heads += &format!(", head dim {d}");
+    }
     if a.rope_style == RopeStyleArg::Half {
         heads += ", half-split RoPE";
+    }
+    if a.qkv_bias {
+        heads += ", q/k/v bias";
+    }
+    if a.qk_norm {
+        heads += ", q/k norm";
     }
     format!(
         "train_gpt: {} layers, hidden {}, {heads}, byte vocab 256, seq {}, global batch {} ({} tokens){z_loss}, {}, on {} {ranks} ranks, device {}",

@@ -449,6 +449,7 @@ fn pipelined_steps(dm: &Arc<DeviceMesh>) -> Result<Vec<(f64, f64)>> {
         heads: 2,
         kv_heads: None,
         rope_style: dtensor::kernels::ops::RopeStyle::Interleaved,
+        attn: Default::default(),
         layers: 2,
         ffn: 32,
         seq_len: SEQ,

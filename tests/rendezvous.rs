@@ -61,6 +61,7 @@ fn gpt(layers: usize) -> GptConfig {
         heads: 2,
         kv_heads: None,
         rope_style: dtensor::kernels::ops::RopeStyle::Interleaved,
+        attn: Default::default(),
         layers,
         ffn: 16,
         seq_len: SEQ,

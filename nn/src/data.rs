@@ -201,6 +201,18 @@ pub struct StreamP<M>(PhantomData<M>);
 /// `Ep` and `Tp` rank). No tensor parallelism inside an expert.
 pub struct ExpertW<M>(PhantomData<M>);
 
+/// A parameter every `Tp` rank holds whole and applies to its own heads (the KV
+/// projection when `tp` exceeds the KV heads, the q/k norm weights): `Replicate` over
+/// `Tp`, so its gradient arrives `Partial` there and is all-reduced over `Tp` before the
+/// optimizer takes it, which keeps the replicas bitwise identical; `Shard<0>` over a
+/// sharding `Dp`.
+pub struct TpSharedW;
+
+impl ParamKind for TpSharedW {
+    type Tp = Replicate;
+    type DpShard = Shard<0>;
+    type Ep = Invariant;
+}
 impl ParamKind for ColW {
     type Tp = Shard<0>;
     type DpShard = Shard<1>;

@@ -93,12 +93,13 @@ pub mod seq;
 
 pub use attention::{
     from_stream_order, to_stream_order, AttentionConfig, ContextParallel, ParallelAttention,
+    QkNorm, QkvProjection, RopeSettings, SharedKvProjection,
 };
 pub use buckets::{DdpBuckets, DEFAULT_BUCKET_BYTES};
 pub use data::{
     to_compute, ColB, ColW, ComputeLayout, ComputeOf, DataMode, Ddp, DpGather, DpMaster,
     DpReducedOf, DpShardPlacement, DpWhole, EpParam, ExpertW, Fsdp, MasterLayout, ParamKind,
-    Precision, ReducedLayout, RowW, StreamP, WorkLayout, Zero1, Zero2,
+    Precision, ReducedLayout, RowW, StreamP, TpSharedW, WorkLayout, Zero1, Zero2,
 };
 pub use dtensor_core;
 pub use embedding::{
@@ -110,7 +111,8 @@ pub use init::{Init, ParamInit};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use mlp::{Activation, ParallelMlp};
 pub use model::{
-    BatchTokens, BlockMlp, Gpt, GptConfig, SliceInput, SliceOutput, StepReport, TransformerBlock,
+    AttentionOptions, BatchTokens, BlockMlp, Gpt, GptConfig, SliceInput, SliceOutput, StepReport,
+    TransformerBlock,
 };
 pub use moe::{MoeConfig, MoeMlp};
 pub use norm::{Norm, NormKind};

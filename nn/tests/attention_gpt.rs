@@ -26,15 +26,11 @@ const H: usize = 16;
 const HEADS: usize = 4;
 
 fn acfg() -> AttentionConfig {
-    AttentionConfig {
-        hidden: H,
-        heads: HEADS,
-        kv_heads: HEADS,
-        rope_style: RopeStyle::Interleaved,
-        seq_len: S,
-        rope_base: 100.0,
-        context: Default::default(),
-    }
+    let mut cfg = AttentionConfig::new(H, HEADS, S, RopeStyle::Interleaved);
+    cfg.rope.base = 100.0;
+    cfg.qkv_bias = true;
+    cfg.out_bias = true;
+    cfg
 }
 
 fn ainit() -> ParamInit {
@@ -43,7 +39,7 @@ fn ainit() -> ParamInit {
 
 /// Naive attention on whole tensors, written independently of the layer: grouped-query
 /// (query head `h` reads KV head `h / (heads / kv_heads)`; the fused rows are group by
-/// group: its q heads, then k, then v), RoPE in the pairs `cfg.rope_style` names.
+/// group: its q heads, then k, then v), RoPE in the pairs `cfg.rope.style` names.
 fn naive_attention(x: &Tensor, cfg: &AttentionConfig) -> Tensor {
     let (heads, kv) = (cfg.heads, cfg.kv_heads);
     let (d, g) = (H / heads, heads / kv);
@@ -58,7 +54,7 @@ fn naive_attention(x: &Tensor, cfg: &AttentionConfig) -> Tensor {
     )
     .unwrap()
     .to_f64_vec();
-    let half = cfg.rope_style == RopeStyle::HalfSplit;
+    let half = cfg.rope.style == RopeStyle::HalfSplit;
     let rot = |v: &[f64], pos: usize| -> Vec<f64> {
         let mut out = v.to_vec();
         for i in 0..d / 2 {
@@ -112,11 +108,10 @@ fn naive_attention(x: &Tensor, cfg: &AttentionConfig) -> Tensor {
 
 /// Grouped-query attention (2 KV heads for 4 query heads) with half-split RoPE.
 fn gqa_cfg() -> AttentionConfig {
-    AttentionConfig {
-        kv_heads: 2,
-        rope_style: RopeStyle::HalfSplit,
-        ..acfg()
-    }
+    let mut cfg = acfg();
+    cfg.kv_heads = 2;
+    cfg.rope.style = RopeStyle::HalfSplit;
+    cfg
 }
 
 #[test]
@@ -131,7 +126,7 @@ fn attention_matches_naive(cfg: &AttentionConfig) {
     let dy = randn(82, &[T, H]);
     let y_ref = naive_attention(&x, cfg);
     on_mesh(1, 1, |mesh| {
-        let attn = ParallelAttention::<NoSp, Ddp>::new(*cfg, true, ainit(), 0.2, mesh)?;
+        let attn = ParallelAttention::<NoSp, Ddp>::new(*cfg, ainit(), 0.2, mesh)?;
         // Output and input gradient for the seed dy.
         let run = |x: &Tensor| -> Result<(Tensor, Tensor)> {
             let tape = Tape::new();
@@ -176,7 +171,7 @@ fn attention_run_with<M: SeqMode>(cfg: &AttentionConfig, dp: usize, tp: usize) -
     let x = randn(81, &[T, H]);
     let dy = randn(82, &[T, H]);
     on_mesh(dp, tp, |mesh| {
-        let attn = ParallelAttention::<M, Ddp>::new(*cfg, true, ainit(), 0.2, mesh)?;
+        let attn = ParallelAttention::<M, Ddp>::new(*cfg, ainit(), 0.2, mesh)?;
         let tape = Tape::new();
         let xs = tape.leaf(piece::<Stream<M>>(&x, mesh)?);
         let y = attn.forward(&tape, &xs)?;
@@ -185,8 +180,8 @@ fn attention_run_with<M: SeqMode>(cfg: &AttentionConfig, dp: usize, tp: usize) -
         Ok(vec![
             y_full,
             g.take(&xs)?.full_tensor()?,
-            reduced(&attn.qkv.weight, &mut g, dp)?,
-            reduced(attn.qkv.bias.as_ref().unwrap(), &mut g, dp)?,
+            reduced(&attn.qkv.fused().unwrap().weight, &mut g, dp)?,
+            reduced(attn.qkv.fused().unwrap().bias.as_ref().unwrap(), &mut g, dp)?,
             reduced(&attn.out.weight, &mut g, dp)?,
             reduced(attn.out.bias.as_ref().unwrap(), &mut g, dp)?,
         ])
@@ -220,11 +215,11 @@ fn grouped_query_attention_over_tp_by_groups_equals_tp1() {
             1e-12,
         );
     }
-    // tp above the KV heads needs each rank to hold the KV heads its query heads read
-    // (not built yet): refused by name.
-    let err = cfg.check(4).unwrap_err().to_string();
+    // tp above the KV heads must be a multiple of them (tests/attention_settings.rs runs
+    // tp = 4 over 2 KV heads): refused by name otherwise.
+    let err = cfg.check(3).unwrap_err().to_string();
     assert!(
-        err.contains("2 KV heads are not divisible by tp=4"),
+        err.contains("tp=3 exceeds the 2 KV heads: it must be a multiple of them"),
         "{err}"
     );
 }
@@ -277,7 +272,7 @@ fn block_run<M: SeqMode>(dp: usize, tp: usize) -> Run {
             g.take(&xs)?.full_tensor()?,
             reduced(&block.norm1.weight, &mut g, dp)?,
             reduced(block.norm2.bias.as_ref().unwrap(), &mut g, dp)?,
-            reduced(&block.attn.qkv.weight, &mut g, dp)?,
+            reduced(&block.attn.qkv.fused().unwrap().weight, &mut g, dp)?,
             reduced(&block.mlp.dense().unwrap().fc1.weight, &mut g, dp)?,
             reduced(
                 block

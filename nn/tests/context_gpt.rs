@@ -104,17 +104,13 @@ fn attention_run<M: SeqMode>(cp: usize, tp: usize, context: ContextParallel) -> 
     let x = randn(41, &[t, 16]);
     let dy = randn(42, &[t, 16]);
     on_model_mesh(1, 1, 1, cp, tp, |mesh| {
-        let cfg = AttentionConfig {
-            hidden: 16,
-            heads: 4,
-            kv_heads: 4,
-            rope_style: dtensor_kernels::ops::RopeStyle::Interleaved,
-            seq_len: S,
-            rope_base: 100.0,
-            context,
-        };
+        let mut cfg = AttentionConfig::new(16, 4, S, dtensor_kernels::ops::RopeStyle::Interleaved);
+        cfg.rope.base = 100.0;
+        cfg.context = context;
+        cfg.qkv_bias = true;
+        cfg.out_bias = true;
         let init = ParamInit::new(3, 10, 0.3, DType::F64).with_bias_std(0.1);
-        let attn = ParallelAttention::<M, Ddp>::new(cfg, true, init, 0.2, mesh)?;
+        let attn = ParallelAttention::<M, Ddp>::new(cfg, init, 0.2, mesh)?;
         let order = |v: &Tensor| to_stream_order(v, S, &context, mesh);
         let natural = |v: &Tensor| from_stream_order(v, S, &context, mesh);
         let tape = Tape::new();
@@ -125,8 +121,8 @@ fn attention_run<M: SeqMode>(cp: usize, tp: usize, context: ContextParallel) -> 
         Ok(vec![
             y_full,
             natural(&g.take(&xs)?.full_tensor()?)?,
-            reduced(&attn.qkv.weight, &mut g, 1)?,
-            reduced(attn.qkv.bias.as_ref().unwrap(), &mut g, 1)?,
+            reduced(&attn.qkv.fused().unwrap().weight, &mut g, 1)?,
+            reduced(attn.qkv.fused().unwrap().bias.as_ref().unwrap(), &mut g, 1)?,
             reduced(&attn.out.weight, &mut g, 1)?,
             reduced(attn.out.bias.as_ref().unwrap(), &mut g, 1)?,
         ])

@@ -84,13 +84,7 @@ impl<M: SeqMode, D: DataMode> TransformerBlock<M, D> {
         let norm_init = ParamInit { std: 0.0, ..init };
         Ok(TransformerBlock {
             norm1: Norm::new(cfg.norm, cfg.hidden, cfg.eps, norm_init.with_id(id), mesh)?,
-            attn: ParallelAttention::new(
-                cfg.attention(),
-                cfg.bias,
-                init.with_id(id + 2),
-                out_std,
-                mesh,
-            )?,
+            attn: ParallelAttention::new(cfg.attention(), init.with_id(id + 2), out_std, mesh)?,
             norm2: Norm::new(
                 cfg.norm,
                 cfg.hidden,

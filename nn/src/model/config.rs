@@ -1,13 +1,35 @@
 //! The shape of a GPT: one value the model, its pipeline stages and the planner read.
 
-use crate::attention::{AttentionConfig, ContextParallel};
+use crate::attention::{AttentionConfig, ContextParallel, RopeSettings};
 use crate::data::Precision;
 use crate::mlp::Activation;
 use crate::moe::MoeConfig;
 use crate::norm::NormKind;
 use dtensor_core::{Error, Result};
-use dtensor_kernels::ops::RopeStyle;
+use dtensor_kernels::ops::{RopeScaling, RopeStyle};
 use dtensor_kernels::DType;
+
+/// A GPT's attention settings beyond its heads and RoPE pairing; the default (every
+/// field `None` or `false`) is multi-head attention with `head_dim = hidden / heads`,
+/// scale `1/√head_dim`, whole-head RoPE of base 10000 without scaling, biases as
+/// [`GptConfig::bias`] says, and no q/k norm.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AttentionOptions {
+    /// Features per head ([`AttentionConfig::head_dim`]).
+    pub head_dim: Option<usize>,
+    /// The softmax scale; `None` is `1/√head_dim`.
+    pub scale: Option<f64>,
+    /// RoPE's base; `None` is 10000.
+    pub rope_base: Option<f64>,
+    /// RoPE's frequency scaling.
+    pub rope_scaling: RopeScaling,
+    /// RoPE's rotated columns per head; `None` is the whole head.
+    pub rotary_dim: Option<usize>,
+    /// A bias on the q, k and v projections even when [`GptConfig::bias`] is off (Qwen2).
+    pub qkv_bias: bool,
+    /// Per-head RMSNorm of q and k before RoPE (Qwen3), with the model's `eps`.
+    pub qk_norm: bool,
+}
 
 /// The shape of a GPT.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -24,6 +46,9 @@ pub struct GptConfig {
     /// RoPE's pairing of a head's columns (interleaved by default; half-split is the
     /// Hugging Face layout).
     pub rope_style: RopeStyle,
+    /// The attention layers' further settings (head dim, softmax scale, RoPE scaling
+    /// and rotary dim, q/k/v biases, q/k norm); the default is this GPT's attention.
+    pub attn: AttentionOptions,
     /// Transformer blocks.
     pub layers: usize,
     /// The dense MLP's inner width (`fc1`'s output features, sharded over `Tp`).
@@ -73,6 +98,7 @@ impl GptConfig {
             heads: 4,
             kv_heads: None,
             rope_style: RopeStyle::Interleaved,
+            attn: AttentionOptions::default(),
             layers: 2,
             ffn: 256,
             seq_len: 64,
@@ -93,14 +119,22 @@ impl GptConfig {
 
     /// The blocks' attention.
     pub(crate) fn attention(&self) -> AttentionConfig {
+        let a = &self.attn;
         AttentionConfig {
-            hidden: self.hidden,
-            heads: self.heads,
             kv_heads: self.kv_heads.unwrap_or(self.heads),
-            seq_len: self.seq_len,
-            rope_base: 10000.0,
-            rope_style: self.rope_style,
+            head_dim: a.head_dim,
+            scale: a.scale,
+            rope: RopeSettings {
+                base: a.rope_base.unwrap_or(10000.0),
+                style: self.rope_style,
+                scaling: a.rope_scaling,
+                rotary_dim: a.rotary_dim,
+            },
+            qkv_bias: self.bias || a.qkv_bias,
+            out_bias: self.bias,
+            qk_norm: a.qk_norm.then_some(self.eps),
             context: self.context,
+            ..AttentionConfig::new(self.hidden, self.heads, self.seq_len, self.rope_style)
         }
     }
 

@@ -8,7 +8,7 @@
 //!
 //! | file | holds | imports |
 //! |---|---|---|
-//! | `config.rs` | [`GptConfig`] | the layers' configurations |
+//! | `config.rs` | [`GptConfig`], [`AttentionOptions`] | the layers' configurations |
 //! | `block.rs` | [`TransformerBlock`], [`BlockMlp`] | `config.rs`, the layers |
 //! | `gpt.rs` | [`Gpt`], the forward over a run of layers, the layers' constructors | `block.rs`, `config.rs`, the layers, the optimizer step |
 
@@ -17,6 +17,6 @@ mod config;
 mod gpt;
 
 pub use block::{BlockMlp, TransformerBlock};
-pub use config::GptConfig;
+pub use config::{AttentionOptions, GptConfig};
 pub(crate) use gpt::{build_block, build_embedding, build_head, GptSlice};
 pub use gpt::{BatchTokens, Gpt, SliceInput, SliceOutput, StepReport};

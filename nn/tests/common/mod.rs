@@ -140,6 +140,7 @@ pub fn tiny_gpt(layers: usize, seq_len: usize, seed: u64) -> GptConfig {
         heads: 4,
         kv_heads: None,
         rope_style: dtensor_kernels::ops::RopeStyle::Interleaved,
+        attn: Default::default(),
         layers,
         ffn: 32,
         seq_len,
