@@ -79,9 +79,18 @@ fn compare(what: &str, got: &Parity, want: &serde_json::Value, tol: f64) -> f64 
 /// for the MoE ones.
 fn meshes(model: &str) -> Vec<&'static str> {
     let mut m = vec!["f64", "tp=2,f64", "dp=2,tp=2,sp,f64", "cp=2,f64"];
-    if model == "llama" {
+    let (moe, tied) = (
+        model.contains("moe") || model == "mixtral",
+        model == "llama32",
+    );
+    if moe {
+        m.extend(["ep=2,f64", "ep=2,tp=2,sp,f64"]);
+    } else if !tied {
         m.push("pp=2,m=2,f64");
-        m.push("dp=2,fsdp,f64");
+    }
+    if model == "llama" {
+        // tp = 4 > 2 KV heads: the shared-KV projection; ZeRO and FSDP shards.
+        m.extend(["tp=4,f64", "dp=2,fsdp,f64", "dp=2,zero1,tp=2,f64"]);
     }
     m
 }
@@ -100,6 +109,11 @@ macro_rules! oracle {
 
 oracle! {
     llama_matches_transformers: "llama";
+    llama32_matches_transformers: "llama32";
+    qwen2_matches_transformers: "qwen2";
+    qwen3_matches_transformers: "qwen3";
+    mixtral_matches_transformers: "mixtral";
+    qwen3_moe_matches_transformers: "qwen3_moe";
 }
 
 /// dtensor's meshes agree with its one rank far below the goldens' float32 accuracy.

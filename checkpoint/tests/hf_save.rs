@@ -1,7 +1,8 @@
 //! A Hugging Face checkpoint loaded into dtensor's decoder on a mesh and saved back
 //! untrained gives bitwise the tensors it was loaded from, whatever the mesh (one rank,
-//! tp = 2, dp = 2 under FSDP, pp = 2), as one file or in shards; the copy reads back as a
-//! valid checkpoint of the same architecture, with the source's config.json verbatim.
+//! tp = 2, dp = 2 under FSDP, pp = 2), as one file or in shards, for every architecture
+//! (bfloat16 storage, tied embeddings, q/k norms, experts); the copy reads back as a valid
+//! checkpoint of the same architecture, with the source's config.json verbatim.
 
 mod common;
 
@@ -55,6 +56,7 @@ fn round_trip(
         out: &Path,
         opts: &HfSaveOptions,
     ) -> Result<(), Error> {
+        // f32 masters hold every stored dtype (f32, bf16) exactly.
         let config = source.gpt_config(16, DType::F32)?;
         if pp > 1 {
             let mut p = Pipeline::<NoSp, D>::new(config, one_f_one_b(pp, pp)?, dm)?;
@@ -115,5 +117,16 @@ fn load_then_save_is_bitwise_on_every_mesh() {
         assert_same_tensors(&fixture("llama"), out.path());
         let sharded = out.path().join("model.safetensors.index.json").exists();
         assert_eq!(sharded, shard != usize::MAX, "{mesh:?}: shards");
+    }
+}
+
+#[test]
+fn every_architecture_round_trips_bitwise() {
+    for name in ["llama32", "qwen2", "qwen3", "mixtral", "qwen3_moe"] {
+        for (mesh, shard) in [((1, 1, 1), usize::MAX), ((1, 1, 2), 30_000)] {
+            let out = TempDir::new("hf_save_arch");
+            round_trip(name, mesh, false, out.path(), shard);
+            assert_same_tensors(&fixture(name), out.path());
+        }
     }
 }

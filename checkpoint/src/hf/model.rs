@@ -7,9 +7,9 @@ use super::names::NameMap;
 use super::weights::HfWeights;
 use crate::{Error, Result};
 use dtensor_collectives::Communicator;
-use dtensor_kernels::ops::{RopeScaling, RopeStyle};
+use dtensor_kernels::ops::RopeStyle;
 use dtensor_kernels::DType;
-use dtensor_nn::{Activation, GptConfig, Module, MoeConfig, NormKind};
+use dtensor_nn::{Activation, AttentionOptions, GptConfig, Module, MoeConfig, NormKind};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -47,8 +47,9 @@ impl HfModel {
     }
 
     /// The decoder as dtensor builds it, for samples of `seq_len` tokens and parameters in
-    /// `dtype`: RMSNorm, SwiGLU, no linear biases, RoPE's half-split pairing, and the
-    /// checkpoint's heads, KV heads, widths, epsilon and experts. Everything else of a
+    /// `dtype`: RMSNorm, SwiGLU, RoPE's half-split pairing, and the checkpoint's heads, KV
+    /// heads, head dim, RoPE base and scaling, q/k/v biases, q/k norm, widths, epsilon,
+    /// experts and embedding tying. Everything else of a
     /// [`GptConfig`] (precision, recomputation, context parallelism, seed) keeps its
     /// default for the caller to set. `Err` naming the config field when the model needs
     /// something dtensor's decoder does not have.
@@ -59,37 +60,12 @@ impl HfModel {
             field: field.to_string(),
             detail,
         };
-        if hf.head_dim * hf.heads != hf.hidden_size {
-            return Err(refuse(
-                "head_dim",
-                format!(
-                    "{} · {} heads ≠ hidden_size {}: dtensor's attention needs heads · head_dim = hidden",
-                    hf.head_dim, hf.heads, hf.hidden_size
-                ),
-            ));
-        }
-        if hf.rope.theta != 10000.0
-            || hf.rope.scaling != RopeScaling::None
-            || hf.rope.rotary_dim != hf.head_dim
-        {
-            return Err(refuse(
-                "rope_theta",
-                format!(
-                    "RoPE base {} (scaling {:?}, rotary dim {} of {}): dtensor's decoder rotates whole heads with base 10000 and no scaling",
-                    hf.rope.theta, hf.rope.scaling, hf.rope.rotary_dim, hf.head_dim
-                ),
-            ));
-        }
-        if hf.qkv_bias || hf.o_bias {
+        if hf.o_bias {
             return Err(refuse(
                 "attention_bias",
-                "attention biases: dtensor's decoder has none".into(),
-            ));
-        }
-        if hf.qk_norm {
-            return Err(refuse(
-                "model_type",
-                "qk-norm (Qwen3): dtensor's decoder has none".into(),
+                "a bias on the output projection without one on the MLP: dtensor's decoder has \
+                 biases on q, k and v only (Qwen2) or on every linear layer"
+                    .into(),
             ));
         }
         if let Some(w) = hf.sliding_window.filter(|&w| w < seq_len) {
@@ -139,6 +115,15 @@ impl HfModel {
             activation: Activation::SwiGlu,
             bias: false,
             eps: hf.rms_norm_eps,
+            attn: AttentionOptions {
+                head_dim: Some(hf.head_dim),
+                scale: None,
+                rope_base: Some(hf.rope.theta),
+                rope_scaling: hf.rope.scaling,
+                rotary_dim: Some(hf.rope.rotary_dim),
+                qkv_bias: hf.qkv_bias,
+                qk_norm: hf.qk_norm,
+            },
             moe,
             tie_embeddings: hf.tie_word_embeddings,
             ..GptConfig::small(dtype)
