@@ -207,6 +207,15 @@ struct Args {
     /// the measured ones (`dtensor plan`, docs/planner.md)
     #[arg(long)]
     plan: bool,
+    /// Start from a Hugging Face checkpoint (a Llama, Mistral, Qwen2, Qwen3, Mixtral or
+    /// Qwen3-MoE directory: config.json, safetensors weights, tokenizer.json): the model's
+    /// shape comes from its config.json, its weights are loaded into the mesh (each rank
+    /// its own slices), and the bundled corpus is tokenized with its tokenizer
+    #[arg(long, value_name = "DIR", conflicts_with_all = [
+        "hidden", "heads", "kv_heads", "head_dim", "layers", "rope_style", "qkv_bias",
+        "qk_norm", "moe", "experts", "top_k", "plan",
+    ])]
+    init_from: Option<std::path::PathBuf>,
 }
 
 /// `--rope-style`.
@@ -404,10 +413,19 @@ fn resolve(mut a: Args) -> Result<Args, String> {
             c.dp * c.ep
         ));
     }
+    if let Some(start) = hf_start(&a)? {
+        start
+            .model
+            .gpt_config(a.seq, a.dtype())
+            .map_err(|e| format!("--init-from: {e}"))?;
+    }
     check_pipeline(&model_config(&a), &s)
         .map_err(|e| format!("--schedule {}: {e}", a.comp.schedule.token()))?;
-    if a.seq + 1 >= TEXT.len() {
-        return Err("--seq must be shorter than the text".into());
+    if a.seq + 1 >= corpus(&a).len() {
+        return Err(format!(
+            "--seq must be shorter than the text ({} tokens)",
+            corpus(&a).len()
+        ));
     }
     // Output paths: a run that could not write its results fails now, not after training.
     // The trace, metrics and plot are written by rank 0 alone, so under an MPI launcher only
@@ -430,7 +448,65 @@ fn resolve(mut a: Args) -> Result<Args, String> {
     Ok(a)
 }
 
+/// A Hugging Face checkpoint to start from: its model, and the bundled corpus in its
+/// tokenizer's ids.
+struct HfStart {
+    model: ckpt::hf::HfModel,
+    tokens: Vec<i64>,
+}
+
+/// The checkpoint of `--init-from`, opened, checked and the corpus tokenized once per
+/// process (`None` without the flag).
+fn hf_start(a: &Args) -> Result<Option<&'static HfStart>, String> {
+    static START: std::sync::OnceLock<Result<HfStart, String>> = std::sync::OnceLock::new();
+    let Some(dir) = &a.init_from else {
+        return Ok(None);
+    };
+    let start = START.get_or_init(|| {
+        let model = ckpt::hf::HfModel::open(dir).map_err(|e| format!("--init-from: {e}"))?;
+        let tokenizer = dtensor::datasets::Tokenizer::from_dir(dir)
+            .map_err(|e| format!("--init-from {}: {e}", dir.display()))?;
+        let ids = tokenizer
+            .encode(TEXT, false)
+            .map_err(|e| format!("--init-from {}: {e}", dir.display()))?;
+        let vocab = model.config.vocab_size;
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(format!(
+                "--init-from {}: the tokenizer gives id {bad}, beyond the model's vocab_size {vocab}",
+                dir.display()
+            ));
+        }
+        Ok(HfStart {
+            model,
+            tokens: ids.into_iter().map(i64::from).collect(),
+        })
+    });
+    start.as_ref().map(Some).map_err(Clone::clone)
+}
+
+/// The training text as token ids: the bytes of the bundled corpus, or its tokens under
+/// `--init-from`'s tokenizer.
+fn corpus(a: &Args) -> std::borrow::Cow<'static, [i64]> {
+    match hf_start(a) {
+        Ok(Some(s)) => std::borrow::Cow::Borrowed(&s.tokens),
+        _ => std::borrow::Cow::Owned(TEXT.bytes().map(i64::from).collect()),
+    }
+}
+
 fn model_config(a: &Args) -> GptConfig {
+    if let Ok(Some(s)) = hf_start(a) {
+        // Checked by `resolve`, which opened it first.
+        let from = s
+            .model
+            .gpt_config(a.seq, a.dtype())
+            .expect("checked when the flags were resolved");
+        return GptConfig {
+            seed: a.seed,
+            z_loss: a.z_loss,
+            ..from
+        }
+        .composed(&a.comp);
+    }
     GptConfig {
         hidden: a.hidden,
         heads: a.heads,
@@ -498,17 +574,13 @@ fn schedule(a: &Args) -> Result<Schedule, String> {
 
 /// The global batch of step `step`: `batch` windows of the text (inputs, next-byte targets).
 fn global_batch(a: &Args, step: usize) -> (Tensor, Tensor) {
-    let bytes = TEXT.as_bytes();
-    let span = bytes.len() - a.seq - 1;
+    let text = corpus(a);
+    let span = text.len() - a.seq - 1;
     let (mut ids, mut tg) = (Vec::new(), Vec::new());
     for b in 0..a.batch {
         let start = ((step * a.batch + b) * 7919 + b * 131) % span;
-        ids.extend(bytes[start..start + a.seq].iter().map(|&c| c as i64));
-        tg.extend(
-            bytes[start + 1..start + a.seq + 1]
-                .iter()
-                .map(|&c| c as i64),
-        );
+        ids.extend_from_slice(&text[start..start + a.seq]);
+        tg.extend_from_slice(&text[start + 1..start + a.seq + 1]);
     }
     let n = a.batch * a.seq;
     (
@@ -601,6 +673,18 @@ fn train_rank<M: SeqMode, D: DataMode>(
     let sched = schedule(a).map_err(|detail| Error::InvalidSchedule { detail })?;
     let m = sched.microbatches;
     let mut model = Pipeline::<M, D>::new(model_config(a), sched, &dm)?;
+    if let Some(start) = hf_start(a).map_err(|detail| Error::InvalidUse {
+        op: "--init-from",
+        detail,
+    })? {
+        start
+            .model
+            .load_into(dm.world(), &mut model)
+            .map_err(|e| Error::InvalidUse {
+                op: "--init-from",
+                detail: e.to_string(),
+            })?;
+    }
     model.ddp_bucket_bytes = a
         .comp
         .overlap
@@ -1104,6 +1188,25 @@ fn train_mpi<M: SeqMode, D: DataMode>(a: &Args) -> Result<MpiOut, String> {
 }
 
 fn header(a: &Args, ranks: &str) -> String {
+    if let Ok(Some(start)) = hf_start(a) {
+        let c = &start.model.config;
+        return format!(
+            "train_gpt: initialized from {} ({}: {} layers, hidden {}, {} heads ({} KV heads), vocab {}), the corpus in its tokenizer's {} tokens, seq {}, global batch {} ({} tokens), {}, on {} {ranks} ranks",
+            start.model.dir.display(),
+            c.architecture.model_type(),
+            c.layers,
+            c.hidden_size,
+            c.heads,
+            c.kv_heads,
+            c.vocab_size,
+            start.tokens.len(),
+            a.seq,
+            a.batch,
+            a.batch * a.seq,
+            a.dtype(),
+            a.comp.degrees.world_size(),
+        );
+    }
     let z_loss = match a.z_loss {
         z if z > 0.0 => format!(", z-loss {z}"),
         _ => String::new(),
