@@ -125,3 +125,70 @@ impl Job<'_> {
         .map_err(|e| e.to_string())
     }
 }
+
+/// Generation on thread ranks: the model in `dir` on `comp` (tensor parallelism only: one
+/// sample), `prompt` followed by up to `max_new` tokens drawn as `sampling` says (stopping
+/// after any of `stop`), with a KV cache; parameters in `comp`'s dtype. Returns the new
+/// tokens and the seconds the generation took (prefill included, loading not).
+pub fn generate_on_threads(
+    dir: &Path,
+    prompt: &[u32],
+    max_new: usize,
+    sampling: &crate::nn::Sampling,
+    stop: &[u32],
+    comp: &Composition,
+) -> Result<(Vec<u32>, f64), String> {
+    let d = comp.degrees;
+    if d.world_size() != d.tp || d.sp {
+        return Err(format!(
+            "generation runs one sample: give a mesh of tensor parallelism only, without sp (got {comp})"
+        ));
+    }
+    let model = HfModel::open(dir).map_err(|e| e.to_string())?;
+    let mesh = d
+        .mesh(&[AxisKind::Dp, AxisKind::Ep, AxisKind::Cp, AxisKind::Tp])
+        .map_err(|e| e.to_string())?;
+    let dtype = match comp.dtype {
+        MasterDType::F32 => DType::F32,
+        MasterDType::F64 => DType::F64,
+    };
+    let config = model
+        .gpt_config(prompt.len() + max_new, dtype)
+        .map_err(|e| e.to_string())?;
+    let results = threads::launch(mesh.world_size(), |world| {
+        let run = || -> Result<(Vec<u32>, f64), String> {
+            let dm = DeviceMesh::new(world.clone(), mesh.clone()).map_err(|e| e.to_string())?;
+            let mut gpt =
+                crate::nn::Gpt::<NoSp, Ddp>::new(config, &dm).map_err(|e| e.to_string())?;
+            model
+                .load_into(&world, &mut gpt)
+                .map_err(|e| e.to_string())?;
+            let t0 = std::time::Instant::now();
+            let tokens = gpt
+                .generate(prompt, max_new, sampling, stop)
+                .map_err(|e| e.to_string())?;
+            Ok((tokens, t0.elapsed().as_secs_f64()))
+        };
+        run()
+    });
+    let mut first = None;
+    let mut errors = Vec::new();
+    for (r, res) in results.into_iter().enumerate() {
+        match res {
+            Ok(v) => {
+                if let Some((tokens, _)) = &first {
+                    if tokens != &v.0 {
+                        errors.push(format!("rank {r} drew other tokens than rank 0"));
+                    }
+                } else {
+                    first = Some(v);
+                }
+            }
+            Err(e) => errors.push(format!("rank {r}: {e}")),
+        }
+    }
+    match (errors.is_empty(), first) {
+        (true, Some(v)) => Ok(v),
+        _ => Err(errors.join("\n")),
+    }
+}

@@ -133,3 +133,35 @@ fn hf_meshes_agree_with_one_rank() {
         }
     }
 }
+
+/// Greedy generation with the KV cache gives transformers' greedy tokens (`golden.json`'s
+/// `greedy`: 8 tokens after the first sample's first 8 ids, each step's winner ahead of
+/// the runner-up by more than 1e-3), on one rank and with the heads over tp = 2.
+#[test]
+fn greedy_generation_matches_transformers() {
+    for model in ["llama", "llama32", "qwen2", "qwen3", "mixtral", "qwen3_moe"] {
+        let want = golden(model);
+        let ids = |k: &str| -> Vec<u32> {
+            want[k]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect()
+        };
+        let (prompt, greedy) = (ids("greedy_prompt"), ids("greedy"));
+        for spec in ["f64", "tp=2,f64"] {
+            let comp: Composition = spec.parse().unwrap();
+            let (got, _) = dtensor::hf::generate_on_threads(
+                &fixtures().join(model),
+                &prompt,
+                greedy.len(),
+                &dtensor::nn::Sampling::greedy(),
+                &[],
+                &comp,
+            )
+            .unwrap_or_else(|e| panic!("{model} on {spec}: {e}"));
+            assert_eq!(got, greedy, "{model} on {spec}: greedy tokens");
+        }
+    }
+}

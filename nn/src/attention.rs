@@ -53,7 +53,7 @@ use dtensor_core::{
     ContextAttention, CpLayout, CpStrategy, DTensor, DeviceMesh, Error, Result, RopePositions,
     Tape, Var,
 };
-use dtensor_kernels::ops::{CausalAttention, Rope, RopeScaling, RopeStyle};
+use dtensor_kernels::ops::{self, BlockAttention, CausalAttention, Rope, RopeScaling, RopeStyle};
 use dtensor_kernels::Tensor;
 use dtensor_placement::{AxisKind, Cp, Tp};
 use std::sync::Arc;
@@ -603,6 +603,78 @@ impl<M: SeqMode, D: DataMode> ParallelAttention<M, D> {
         // ColOut: whole heads over Tp, whole samples over Dp and Ep, the sequence over Cp.
         let o = qkv.context_attention(Cp, &cfg)?;
         self.out.forward(tape, &o)
+    }
+    /// Attention of one sample's new tokens `x` (`[t, hidden]`, at positions `start..start
+    /// + t`) to every token so far, for generation: the new keys and values (rotated, this
+    /// rank's KV heads, packed as [`ops::pack_kv`] packs them) are appended to `cache`
+    /// (`[start, …]` before, `[start + t, …]` after) and the queries attend over all of it
+    /// with the causal mask. Inference only: the attention itself is not recorded on
+    /// `tape` (no gradient flows through it). Needs a mesh whose data and context axes
+    /// have size 1 (one sample; `Tp` splits the heads) and no sequence parallelism.
+    pub fn forward_cached<'t>(
+        &self,
+        tape: &'t Tape,
+        x: &Var<'t, Stream<M>>,
+        cache: &mut Option<Tensor>,
+        start: usize,
+    ) -> Result<Var<'t, Stream<M>>> {
+        const OP: &str = "ParallelAttention::forward_cached";
+        let qkv = self.qkv.forward_full(tape, &M::enter(x)?)?;
+        let mesh = qkv.value().device_mesh().clone();
+        for kind in [AxisKind::Dp, AxisKind::Ep, AxisKind::Cp] {
+            if axis_size(&mesh, kind) != 1 {
+                return Err(Error::InvalidUse {
+                    op: OP,
+                    detail: format!(
+                        "generation runs one sample: the {kind:?} axis must have size 1, mesh {}",
+                        mesh.mesh()
+                    ),
+                });
+            }
+        }
+        let tp = axis_size(&mesh, AxisKind::Tp);
+        let d = self.config.head_dim();
+        let g = self.config.local_q_per_kv(tp);
+        let qkv = match &self.qk_norm {
+            Some(n) => n.forward(tape, &qkv, d, g)?,
+            None => qkv,
+        };
+        let t = qkv.value().global_shape()[0];
+        let positions = RopePositions::Sequential {
+            seq_len: t,
+            offset: start,
+        };
+        let qkv = qkv.rope(&self.config.rope_on(tp), &positions)?;
+        let local = qkv.value().as_local();
+        let fresh = ops::pack_kv(local, d, g)?;
+        let kv = match cache.take() {
+            None if start == 0 => fresh,
+            Some(c) if c.shape()[0] == start => Tensor::cat(&[c, fresh], 0)?,
+            other => {
+                return Err(Error::InvalidUse {
+                    op: OP,
+                    detail: format!(
+                        "the cache holds {} tokens, the new ones start at position {start}",
+                        other.map_or(0, |c| c.shape()[0])
+                    ),
+                })
+            }
+        };
+        let q_pos: Vec<usize> = (start..start + t).collect();
+        let k_pos: Vec<usize> = (0..start + t).collect();
+        let block = BlockAttention {
+            head_dim: d,
+            q_per_kv: g,
+            scale: self.config.scale,
+            q_pos: &q_pos,
+            k_pos: &k_pos,
+        };
+        let o = ops::attention_block(local, &kv, &block)?;
+        *cache = Some(kv);
+        let o = o.out.try_to_dtype(local.dtype())?;
+        let width = self.config.attn_width();
+        let o = DTensor::<ColOut>::from_local(o, &[t, width], &mesh)?;
+        self.out.forward(tape, &tape.constant(o))
     }
 }
 

@@ -111,8 +111,8 @@ pub use init::{Init, ParamInit};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use mlp::{Activation, ParallelMlp};
 pub use model::{
-    AttentionOptions, BatchTokens, BlockMlp, Gpt, GptConfig, SliceInput, SliceOutput, StepReport,
-    TransformerBlock,
+    AttentionOptions, BatchTokens, BlockMlp, Gpt, GptConfig, KvCache, Sampling, SliceInput,
+    SliceOutput, StepReport, TransformerBlock,
 };
 pub use moe::{MoeConfig, MoeMlp};
 pub use norm::{Norm, NormKind};

@@ -12,6 +12,7 @@ use crate::norm::Norm;
 use crate::params::{join_name, Module, ParamVisitor, StateVisitor};
 use crate::seq::{Loss, SeqMode, Stream};
 use dtensor_core::{DeviceMesh, Error, Result, Tape, Var};
+use dtensor_kernels::Tensor;
 use std::sync::Arc;
 
 /// A block's MLP: dense (tensor-parallel) or a mixture of experts.
@@ -155,6 +156,27 @@ impl<M: SeqMode, D: DataMode> TransformerBlock<M, D> {
                 let (y, aux) = m.forward(tape, &n)?;
                 Ok((h.add(&y)?, Some(aux)))
             }
+        }
+    }
+
+    /// The block on one sample's new tokens for generation, its attention reading and
+    /// extending `cache` ([`ParallelAttention::forward_cached`](crate::ParallelAttention::forward_cached));
+    /// an MoE block's auxiliary loss is dropped.
+    pub fn forward_cached<'t>(
+        &self,
+        tape: &'t Tape,
+        x: &Var<'t, Stream<M>>,
+        cache: &mut Option<Tensor>,
+        start: usize,
+    ) -> Result<Var<'t, Stream<M>>> {
+        let a = self
+            .attn
+            .forward_cached(tape, &self.norm1.forward(tape, x)?, cache, start)?;
+        let h = x.add(&a)?;
+        let n = self.norm2.forward(tape, &h)?;
+        match &self.mlp {
+            BlockMlp::Dense(m) => h.add(&m.forward(tape, &n)?),
+            BlockMlp::Moe(m) => h.add(&m.forward(tape, &n)?.0),
         }
     }
 

@@ -282,6 +282,22 @@ fn traced<T>(tape: &Tape, name: impl Fn() -> String, f: impl FnOnce() -> Result<
     Ok(out)
 }
 
+/// The final norm and the LM head on the residual stream `x`: the logits `[tokens,
+/// vocab]`, vocabulary sharded over `Tp`, in the masters' dtype (mixed precision: the loss
+/// in f32, as Megatron computes it).
+fn head_logits<'t, M: SeqMode, D: DataMode>(
+    config: &GptConfig,
+    (norm, head): LossHead<'_, M, D>,
+    tape: &'t Tape,
+    x: &Var<'t, Stream<M>>,
+) -> Result<Var<'t, ColOut>> {
+    let x = norm.forward(tape, x)?;
+    // The column-parallel product without bias (ColumnParallelLinear::forward's), on the
+    // head's weight or the tied embedding's.
+    head.apply(tape, &M::enter(&x)?, |x, w| x.matmul_t(w))?
+        .to_dtype(config.dtype)
+}
+
 /// The loss head on the residual stream: final norm, LM head (logits sharded over the
 /// vocabulary), vocab-parallel cross-entropy (targets equal to [`IGNORE_INDEX`] score
 /// nothing; plus the z-loss of [`GptConfig::z_loss`]), summed over this rank's tokens and
@@ -297,13 +313,7 @@ fn head_loss<'t, M: SeqMode, D: DataMode>(
     targets: &DTensor<Ids>,
     scored_tokens: usize,
 ) -> Result<(Var<'t, Loss>, Var<'t, ColOut>)> {
-    let x = norm.forward(tape, x)?;
-    // Mixed precision: the loss in the masters' dtype (f32), as Megatron computes it.
-    // The column-parallel product without bias (ColumnParallelLinear::forward's), on the
-    // head's weight or the tied embedding's.
-    let logits = head
-        .apply(tape, &M::enter(&x)?, |x, w| x.matmul_t(w))?
-        .to_dtype(config.dtype)?;
+    let logits = head_logits(config, (norm, head), tape, x)?;
     let options = CrossEntropy::default()
         .ignoring(IGNORE_INDEX)
         .with_z_loss(config.z_loss);
@@ -381,6 +391,16 @@ impl<M: SeqMode, D: DataMode> Gpt<M, D> {
         targets: &DTensor<Ids>,
     ) -> Result<Var<'t, Loss>> {
         Ok(self.forward_with_logits(tape, ids, targets)?.0)
+    }
+
+    /// The logits of the last residual stream `x`: final norm and LM head, `[tokens,
+    /// vocab]` sharded over `Tp` by vocabulary.
+    pub(crate) fn logits<'t>(
+        &self,
+        tape: &'t Tape,
+        x: &Var<'t, Stream<M>>,
+    ) -> Result<Var<'t, ColOut>> {
+        head_logits(&self.config, (&self.norm, self.head_weight()), tape, x)
     }
 
     /// [`forward`](Self::forward), also handing back the logits it scored: `[tokens,

@@ -11,12 +11,15 @@
 //! | `config.rs` | [`GptConfig`], [`AttentionOptions`] | the layers' configurations |
 //! | `block.rs` | [`TransformerBlock`], [`BlockMlp`] | `config.rs`, the layers |
 //! | `gpt.rs` | [`Gpt`], the forward over a run of layers, the layers' constructors | `block.rs`, `config.rs`, the layers, the optimizer step |
+//! | `generate.rs` | [`Gpt::generate`] with a [`KvCache`], [`Sampling`] | `gpt.rs` |
 
 mod block;
 mod config;
+mod generate;
 mod gpt;
 
 pub use block::{BlockMlp, TransformerBlock};
 pub use config::{AttentionOptions, GptConfig};
+pub use generate::{KvCache, Sampling};
 pub(crate) use gpt::{build_block, build_embedding, build_head, GptSlice};
 pub use gpt::{BatchTokens, Gpt, SliceInput, SliceOutput, StepReport};
