@@ -704,4 +704,9 @@ impl<S: SampleSource> DataLoader<S> {
     pub fn sampler(&self) -> &Sampler {
         &self.sampler
     }
+
+    /// The source, to read again through another sampler.
+    pub fn into_source(self) -> S {
+        self.source
+    }
 }

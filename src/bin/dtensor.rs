@@ -4,10 +4,18 @@
 //!
 //! `cargo run --release --bin dtensor -- plan --model 7b --devices 64 --memory-gib 131`
 //! `cargo run --release --bin dtensor -- plan --model gpt-small --devices 4 --mesh dp=2,tp=2,sp`
+//!
+//! `dtensor data prepare`: text into Megatron-LM indexed datasets (`data.rs`, `docs/data.md`).
+//!
+//! `cargo run --release --bin dtensor -- data prepare --tokenizer tok/tokenizer.json --input web.jsonl --out data/`
 use clap::{Parser, Subcommand};
 use dtensor::cli::CompositionArgs;
 use dtensor::planner::{self, human, Composition, Interconnect, Model};
 use std::process::ExitCode;
+
+// Beside this file, not in src/bin/, where cargo would take it for a binary of its own.
+#[path = "dtensor/data.rs"]
+mod data;
 
 /// Distributed tensors: tools.
 #[derive(Parser)]
@@ -23,6 +31,9 @@ enum Command {
     /// (--mesh), or the best compositions for --devices (docs/planner.md)
     #[command(args_override_self = true, allow_negative_numbers = true)]
     Plan(PlanArgs),
+    /// Data preparation: `data prepare` tokenizes text into Megatron-LM indexed datasets
+    /// (docs/data.md)
+    Data(data::DataArgs),
 }
 
 #[derive(clap::Args)]
@@ -200,7 +211,10 @@ fn run(a: &Args) -> Result<bool, String> {
 
 fn main() -> ExitCode {
     // Clap exits 2 on a bad flag or value, naming it; the checks across flags do the same.
-    let Command::Plan(plan) = Cli::parse().command;
+    let plan = match Cli::parse().command {
+        Command::Plan(plan) => plan,
+        Command::Data(args) => return data::run(args),
+    };
     let a = match resolve(plan) {
         Ok(a) => a,
         Err(e) => {
