@@ -125,4 +125,6 @@ pub mod guide_doctests {
     pub struct Planner;
     #[doc = include_str!("../docs/errors.md")]
     pub struct Errors;
+    #[doc = include_str!("../docs/data.md")]
+    pub struct Data;
 }

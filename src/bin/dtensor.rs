@@ -5,15 +5,25 @@
 //! `cargo run --release --bin dtensor -- plan --model 7b --devices 64 --memory-gib 131`
 //! `cargo run --release --bin dtensor -- plan --model gpt-small --devices 4 --mesh dp=2,tp=2,sp`
 //!
-//! `dtensor hf-parity`: a Hugging Face checkpoint's causal-LM loss, logits and gradient
-//! norms as dtensor computes them on a mesh of thread ranks, printed as transformers'
-//! parity scripts print them (see `docs/models.md`).
+//! `dtensor data prepare`: text into Megatron-LM indexed datasets (`data.rs`, `docs/data.md`).
+//!
+//! `cargo run --release --bin dtensor -- data prepare --tokenizer tok/tokenizer.json --input web.jsonl --out data/`
+//!
+//! `dtensor hf-parity` and `dtensor generate`: a Hugging Face checkpoint on a mesh of
+//! thread ranks (`hf.rs`, `docs/models.md`).
 //!
 //! `cargo run --release --bin dtensor -- hf-parity --model DIR --ids ids.json --mesh tp=2`
+//! `cargo run --release --bin dtensor -- generate --model DIR --prompt "Once" --max-new-tokens 20`
 use clap::{Parser, Subcommand};
 use dtensor::cli::CompositionArgs;
 use dtensor::planner::{self, human, Composition, Interconnect, Model};
 use std::process::ExitCode;
+
+// Beside this file, not in src/bin/, where cargo would take it for a binary of its own.
+#[path = "dtensor/data.rs"]
+mod data;
+#[path = "dtensor/hf.rs"]
+mod hf;
 
 /// Distributed tensors: tools.
 #[derive(Parser)]
@@ -29,38 +39,15 @@ enum Command {
     /// (--mesh), or the best compositions for --devices (docs/planner.md)
     #[command(args_override_self = true, allow_negative_numbers = true)]
     Plan(PlanArgs),
+    /// Data preparation: `data prepare` tokenizes text into Megatron-LM indexed datasets
+    /// (docs/data.md)
+    Data(data::DataArgs),
     /// A Hugging Face model's causal-LM loss, logits and gradient norms on a batch of ids,
     /// computed on a mesh of thread ranks, as one JSON object (docs/models.md)
-    HfParity(HfParityArgs),
-}
-
-#[derive(clap::Args)]
-struct HfParityArgs {
-    /// The model directory (config.json and its safetensors weights)
-    #[arg(long, value_name = "DIR")]
-    model: std::path::PathBuf,
-    /// A JSON file {"input_ids": [[...], ...]}: samples of one length
-    #[arg(long, value_name = "FILE")]
-    ids: std::path::PathBuf,
-    /// The composition (default one rank): degrees and switches as train_gpt's --mesh
-    /// takes them (pp=2,m=2 gives no logits: the pipeline keeps them on its last stage)
-    #[arg(long, value_name = "SPEC", default_value = "dp=1")]
-    mesh: dtensor::placement::Composition,
-    /// Parameters and compute: f64 (default; transformers' goldens come from
-    /// `model.double()`) or f32
-    #[arg(long, value_name = "f64|f32", default_value = "f64", value_parser = ["f64", "f32"])]
-    dtype: String,
-}
-
-fn hf_parity(a: HfParityArgs) -> Result<String, String> {
-    let ids = dtensor::hf::read_ids(&a.ids)?;
-    let mut comp = a.mesh;
-    comp.dtype = match a.dtype.as_str() {
-        "f32" => dtensor::placement::MasterDType::F32,
-        _ => dtensor::placement::MasterDType::F64,
-    };
-    let p = dtensor::hf::parity_on_threads(&a.model, &ids, &comp)?;
-    Ok(p.to_json().to_string())
+    HfParity(hf::ParityArgs),
+    /// Text from a Hugging Face model and its tokenizer, with a KV cache, on thread ranks
+    /// (heads over tp) (docs/models.md)
+    Generate(hf::GenerateArgs),
 }
 
 #[derive(clap::Args)]
@@ -240,18 +227,9 @@ fn main() -> ExitCode {
     // Clap exits 2 on a bad flag or value, naming it; the checks across flags do the same.
     let plan = match Cli::parse().command {
         Command::Plan(plan) => plan,
-        Command::HfParity(args) => {
-            return match hf_parity(args) {
-                Ok(json) => {
-                    println!("{json}");
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("dtensor hf-parity: {e}");
-                    ExitCode::from(2)
-                }
-            };
-        }
+        Command::Data(args) => return data::run(args),
+        Command::HfParity(args) => return hf::parity(args),
+        Command::Generate(args) => return hf::generate(args),
     };
     let a = match resolve(plan) {
         Ok(a) => a,

@@ -40,7 +40,11 @@ impl KvCache {
 
     /// Bytes this rank holds in the cache.
     pub fn bytes(&self) -> usize {
-        self.layers.iter().flatten().map(Tensor::size_in_bytes).sum()
+        self.layers
+            .iter()
+            .flatten()
+            .map(Tensor::size_in_bytes)
+            .sum()
     }
 }
 
@@ -218,7 +222,10 @@ mod tests {
     #[test]
     fn greedy_takes_the_first_largest() {
         let mut rng = SplitMix(1);
-        assert_eq!(choose(&[0.1, 3.0, 3.0, -1.0], &Sampling::greedy(), &mut rng), 1);
+        assert_eq!(
+            choose(&[0.1, 3.0, 3.0, -1.0], &Sampling::greedy(), &mut rng),
+            1
+        );
     }
 
     #[test]
@@ -254,22 +261,42 @@ mod tests {
         };
         let mut rng = SplitMix(7);
         let n = 20_000;
-        let zeros = (0..n).filter(|_| choose(&logits, &s, &mut rng) == 0).count();
+        let zeros = (0..n)
+            .filter(|_| choose(&logits, &s, &mut rng) == 0)
+            .count();
         let want = 1f64.exp() / (1.0 + 1f64.exp());
         assert!((zeros as f64 / n as f64 - want).abs() < 0.01, "{zeros}");
         // top-k 2 of 3 never draws the third.
-        let s3 = Sampling { top_k: Some(2), ..s };
+        let s3 = Sampling {
+            top_k: Some(2),
+            ..s
+        };
         assert!((0..1000).all(|_| choose(&[1.0, 0.5, 0.9], &s3, &mut rng) != 1));
     }
 
     #[test]
     fn bad_settings_are_refused() {
         for s in [
-            Sampling { temperature: -1.0, ..Sampling::greedy() },
-            Sampling { temperature: f64::NAN, ..Sampling::greedy() },
-            Sampling { top_k: Some(0), ..Sampling::greedy() },
-            Sampling { top_p: 0.0, ..Sampling::greedy() },
-            Sampling { top_p: 1.5, ..Sampling::greedy() },
+            Sampling {
+                temperature: -1.0,
+                ..Sampling::greedy()
+            },
+            Sampling {
+                temperature: f64::NAN,
+                ..Sampling::greedy()
+            },
+            Sampling {
+                top_k: Some(0),
+                ..Sampling::greedy()
+            },
+            Sampling {
+                top_p: 0.0,
+                ..Sampling::greedy()
+            },
+            Sampling {
+                top_p: 1.5,
+                ..Sampling::greedy()
+            },
         ] {
             assert!(s.check().is_err(), "{s:?}");
         }
