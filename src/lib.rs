@@ -127,4 +127,6 @@ pub mod guide_doctests {
     pub struct Errors;
     #[doc = include_str!("../docs/data.md")]
     pub struct Data;
+    #[doc = include_str!("../docs/models.md")]
+    pub struct Models;
 }
