@@ -7,11 +7,13 @@
 
 use clap::Parser;
 use dtensor::checkpoint::hf::HfModel;
+use dtensor::collectives::Communicator;
 use dtensor::kernels::{memory, DType};
-use dtensor::nn::{Ddp, Fsdp, Gpt, NoSp};
+use dtensor::nn::{DataMode, Ddp, Fsdp, Gpt, GptConfig, NoSp};
 use dtensor::placement::{AxisKind, Composition, DataKind};
 use dtensor::prelude::*;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Parser)]
@@ -24,6 +26,27 @@ struct Args {
     /// Tokens per sample the model is built for
     #[arg(long, default_value_t = 512)]
     seq: usize,
+}
+
+/// Builds the decoder under data mode `D` and loads the checkpoint into it: the tensor
+/// bytes held before loading (the peak window starts there), the elements read, seconds.
+fn load<D: DataMode>(
+    model: &HfModel,
+    config: GptConfig,
+    world: &Arc<dyn Communicator>,
+    dm: &Arc<DeviceMesh>,
+) -> Result<(usize, u64, f64), Error> {
+    let mut g = Gpt::<NoSp, D>::new(config, dm)?;
+    let held = memory::live_bytes();
+    memory::reset_peak();
+    let t = Instant::now();
+    let stats = model
+        .load_into(world, &mut g)
+        .map_err(|e| Error::InvalidUse {
+            op: "hf_load",
+            detail: e.to_string(),
+        })?;
+    Ok((held, stats.elements_read, t.elapsed().as_secs_f64()))
 }
 
 fn main() -> Result<(), String> {
@@ -51,35 +74,11 @@ fn main() -> Result<(), String> {
     );
     let results = threads::launch(mesh.world_size(), |world| {
         let dm = DeviceMesh::new(world.clone(), mesh.clone())?;
-        let (held, stats, secs) = match a.mesh.data {
-            DataKind::Fsdp => {
-                let mut g = Gpt::<NoSp, Fsdp>::new(config, &dm)?;
-                let held = memory::live_bytes();
-                memory::reset_peak();
-                let t = Instant::now();
-                let s = model
-                    .load_into(&world, &mut g)
-                    .map_err(|e| Error::InvalidUse {
-                        op: "hf_load",
-                        detail: e.to_string(),
-                    })?;
-                (held, s, t.elapsed().as_secs_f64())
-            }
-            _ => {
-                let mut g = Gpt::<NoSp, Ddp>::new(config, &dm)?;
-                let held = memory::live_bytes();
-                memory::reset_peak();
-                let t = Instant::now();
-                let s = model
-                    .load_into(&world, &mut g)
-                    .map_err(|e| Error::InvalidUse {
-                        op: "hf_load",
-                        detail: e.to_string(),
-                    })?;
-                (held, s, t.elapsed().as_secs_f64())
-            }
+        let (held, read, secs) = match a.mesh.data {
+            DataKind::Fsdp => load::<Fsdp>(&model, config, &world, &dm)?,
+            _ => load::<Ddp>(&model, config, &world, &dm)?,
         };
-        Ok::<_, Error>((held, memory::peak_bytes(), stats.elements_read, secs))
+        Ok::<_, Error>((held, memory::peak_bytes(), read, secs))
     });
     for (r, res) in results.into_iter().enumerate() {
         let (held, peak, read, secs) = res.map_err(|e| format!("rank {r}: {e}"))?;

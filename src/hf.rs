@@ -117,11 +117,15 @@ impl Job<'_> {
         world: &Arc<dyn Communicator>,
         dm: &Arc<DeviceMesh>,
     ) -> Result<Parity, String> {
-        let (m, ids, dt, cx) = (self.model, self.ids, self.dtype, self.context);
-        match &self.schedule {
-            None => parity::run::<M, D>(m, world, dm, ids, dt, cx),
-            Some(s) => parity::run_pipeline::<M, D>(m, world, dm, ids, dt, cx, s.clone()),
-        }
+        parity::run::<M, D>(
+            self.model,
+            world,
+            dm,
+            self.ids,
+            self.dtype,
+            self.context,
+            self.schedule.clone(),
+        )
         .map_err(|e| e.to_string())
     }
 }

@@ -19,7 +19,6 @@ use dtensor_kernels::ops::IGNORE_INDEX;
 use dtensor_kernels::Tensor;
 use dtensor_nn::pipeline::{self, microbatches, Pipeline};
 use dtensor_nn::*;
-use std::collections::BTreeMap;
 
 const S: usize = 4;
 const SAMPLES: usize = 8;
@@ -44,9 +43,6 @@ fn uneven(i: usize) -> bool {
     let half = SAMPLES * S / 2;
     (i < half && i % 8 != 3 && i % 8 != 6) || (i >= half && i.is_multiple_of(S) && i < half + 3 * S)
 }
-
-/// Losses and whole parameters by name.
-type Run = (Vec<f64>, BTreeMap<String, Tensor>);
 
 /// [`Run`] after `steps` AdamW steps of the whole GPT on `dp × tp`; every rank reports the
 /// same losses.
@@ -93,21 +89,6 @@ fn pipelined(
         Ok((losses, named_params(&mut p)?))
     });
     gather(ranks)
-}
-
-/// One [`Run`] from every rank's: the same losses everywhere, each parameter by name
-/// (a pipeline stage holds only its layers'; replicas agree).
-fn gather(ranks: Vec<(Vec<f64>, Vec<NamedParam>)>) -> Run {
-    let mut named = BTreeMap::new();
-    for (losses, params) in &ranks {
-        assert_eq!(losses, &ranks[0].0, "every rank reports the same losses");
-        for p in params {
-            if let Some(old) = named.insert(p.name.clone(), p.value.clone()) {
-                assert_eq!(old, p.value, "{}: replicas differ", p.name);
-            }
-        }
-    }
-    (ranks[0].0.clone(), named)
 }
 
 fn check(what: &str, got: &Run, want: &Run) {

@@ -15,7 +15,6 @@ use dtensor_core::{DTensor, Result, Tape};
 use dtensor_kernels::Tensor;
 use dtensor_nn::pipeline::{self, Pipeline};
 use dtensor_nn::*;
-use std::collections::BTreeMap;
 
 const S: usize = 4;
 
@@ -67,8 +66,6 @@ fn tied_gradient_is_the_sum_of_both_uses() {
     assert_close("tied embedding gradient", tgrad, sum, 1e-13);
 }
 
-type Run = (Vec<f64>, BTreeMap<String, Tensor>);
-
 fn train<M: SeqMode>((dp, tp): (usize, usize), buckets: Option<usize>) -> Run {
     let (ids, tg) = batch();
     let ranks = on_mesh(dp, tp, |mesh| {
@@ -81,16 +78,7 @@ fn train<M: SeqMode>((dp, tp): (usize, usize), buckets: Option<usize>) -> Run {
             .collect::<Result<Vec<_>>>()?;
         Ok((losses, named_params(&mut model)?))
     });
-    let mut named = BTreeMap::new();
-    for (losses, params) in &ranks {
-        assert_eq!(losses, &ranks[0].0, "every rank reports the same losses");
-        for p in params {
-            if let Some(old) = named.insert(p.name.clone(), p.value.clone()) {
-                assert_eq!(old, p.value, "{}: replicas differ", p.name);
-            }
-        }
-    }
-    (ranks[0].0.clone(), named)
+    gather(ranks)
 }
 
 #[test]

@@ -27,8 +27,8 @@ use std::sync::{Arc, Mutex};
 pub struct Parity {
     /// The causal-LM loss: mean cross-entropy over the predicted tokens.
     pub loss: f64,
-    /// The logits' summary; `None` from a pipeline ([`run_pipeline`]), whose last stage
-    /// scores the logits without handing them out.
+    /// The logits' summary; `None` from a pipeline ([`run`] with a schedule), whose last
+    /// stage scores the logits without handing them out.
     pub logits: Option<LogitStats>,
     /// The L2 norm of the loss's gradient for each Hugging Face tensor, by its name (for
     /// `q_proj`, `k_proj` and `v_proj`, the norm of their rows of the fused QKV's gradient).
@@ -95,8 +95,11 @@ fn ids_and_targets(ids: &[Vec<u32>]) -> Result<(Tensor, Tensor, usize)> {
 /// Collective over `mesh` (`world` its root communicator): builds `model`'s decoder on
 /// `mesh` under sequence mode `M` and data mode `D` in `dtype`, loads the checkpoint, and
 /// runs one forward and backward of the causal-LM loss on `ids` (samples of one length,
-/// the sequence length; the sample count divisible by the data ranks). Every rank returns
-/// the same numbers.
+/// the sequence length; the sample count divisible by the data ranks and microbatches).
+/// With a `schedule` the mesh has a `Pp` axis and the decoder is cut into the stages it
+/// runs, each rank loading only its stage's slices; every rank then returns the loss, its
+/// own stage's gradient norms and no logits (the pipeline's last stage scores them without
+/// handing them out). Without, every rank returns the same numbers.
 pub fn run<M: SeqMode, D: DataMode>(
     model: &HfModel,
     world: &Arc<dyn dtensor_collectives::Communicator>,
@@ -104,12 +107,46 @@ pub fn run<M: SeqMode, D: DataMode>(
     ids: &[Vec<u32>],
     dtype: DType,
     context: ContextParallel,
+    schedule: Option<Schedule>,
 ) -> Result<Parity> {
     let (flat, targets, seq) = ids_and_targets(ids)?;
     let config = dtensor_nn::GptConfig {
         context,
         ..model.gpt_config(seq, dtype)?
     };
+    let batch = Batch {
+        flat: &flat,
+        targets: &targets,
+        seq,
+        context,
+    };
+    match schedule {
+        None => whole::<M, D>(model, world, mesh, config, batch),
+        Some(s) => pipelined::<M, D>(model, world, mesh, config, batch, s),
+    }
+}
+
+/// The batch of a parity run: ids, shifted targets, sequence length, CP layout.
+#[derive(Clone, Copy)]
+struct Batch<'a> {
+    flat: &'a Tensor,
+    targets: &'a Tensor,
+    seq: usize,
+    context: ContextParallel,
+}
+
+fn whole<M: SeqMode, D: DataMode>(
+    model: &HfModel,
+    world: &Arc<dyn dtensor_collectives::Communicator>,
+    mesh: &Arc<DeviceMesh>,
+    config: dtensor_nn::GptConfig,
+    Batch {
+        flat,
+        targets,
+        seq,
+        context,
+    }: Batch<'_>,
+) -> Result<Parity> {
     let vocab = config.vocab;
     let mut gpt = Gpt::<M, D>::new(config, mesh)?;
     model.load_into(world, &mut gpt)?;
@@ -121,7 +158,7 @@ pub fn run<M: SeqMode, D: DataMode>(
         )?)
     };
     let tape = Tape::new();
-    let (loss, logits) = gpt.forward_with_logits(&tape, &place(&flat)?, &place(&targets)?)?;
+    let (loss, logits) = gpt.forward_with_logits(&tape, &place(flat)?, &place(targets)?)?;
     let loss_v = loss_value(&loss)?;
     let logits = from_stream_order(
         &logits.value().full_tensor()?.to_host()?,
@@ -203,25 +240,19 @@ impl Optimizer for RecordGradients {
     }
 }
 
-/// [`run`] on a mesh with a `Pp` axis: the decoder cut into the stages `schedule` runs,
-/// each rank loading only its stage's slices. Collective over `mesh`; every rank returns
-/// the loss, its own stage's gradient norms, and no logits (the pipeline's last stage
-/// scores them without handing them out). The sample count must divide into the
-/// schedule's microbatches over the data ranks.
-pub fn run_pipeline<M: SeqMode, D: DataMode>(
+fn pipelined<M: SeqMode, D: DataMode>(
     model: &HfModel,
     world: &Arc<dyn dtensor_collectives::Communicator>,
     mesh: &Arc<DeviceMesh>,
-    ids: &[Vec<u32>],
-    dtype: DType,
-    context: ContextParallel,
+    config: dtensor_nn::GptConfig,
+    Batch {
+        flat,
+        targets,
+        seq,
+        context,
+    }: Batch<'_>,
     schedule: Schedule,
 ) -> Result<Parity> {
-    let (flat, targets, seq) = ids_and_targets(ids)?;
-    let config = dtensor_nn::GptConfig {
-        context,
-        ..model.gpt_config(seq, dtype)?
-    };
     let m = schedule.microbatches;
     let mut p = Pipeline::<M, D>::new(config, schedule, mesh)?;
     model.load_into(world, &mut p)?;
@@ -238,12 +269,12 @@ pub fn run_pipeline<M: SeqMode, D: DataMode>(
             .collect()
     };
     let mut probe = RecordGradients::default();
-    let report = p.train_step(&split(&flat)?, &split(&targets)?, &mut probe, f64::INFINITY)?;
+    let report = p.train_step(&split(flat)?, &split(targets)?, &mut probe, f64::INFINITY)?;
     let recorded = probe.0.into_inner().expect("not poisoned");
     let names: Vec<String> = named_params(&mut p)?.into_iter().map(|n| n.name).collect();
     if names.len() != recorded.len() {
         return Err(Error::Core(dtensor_core::Error::InvalidUse {
-            op: "hf::parity::run_pipeline",
+            op: "hf::parity::run",
             detail: format!(
                 "{} gradients recorded for {} parameters (a skipped, non-finite step?)",
                 recorded.len(),

@@ -158,3 +158,21 @@ pub fn tiny_gpt(layers: usize, seq_len: usize, seed: u64) -> GptConfig {
         tie_embeddings: false,
     }
 }
+
+/// Losses and whole parameters by name.
+pub type Run = (Vec<f64>, std::collections::BTreeMap<String, Tensor>);
+
+/// One [`Run`] from every rank's losses and parameters: the same losses everywhere, each
+/// parameter by name (a pipeline stage holds only its layers'; replicas agree bitwise).
+pub fn gather(ranks: Vec<(Vec<f64>, Vec<dtensor_nn::NamedParam>)>) -> Run {
+    let mut named = std::collections::BTreeMap::new();
+    for (losses, params) in &ranks {
+        assert_eq!(losses, &ranks[0].0, "every rank reports the same losses");
+        for p in params {
+            if let Some(old) = named.insert(p.name.clone(), p.value.clone()) {
+                assert_eq!(old, p.value, "{}: replicas differ", p.name);
+            }
+        }
+    }
+    (ranks[0].0.clone(), named)
+}
