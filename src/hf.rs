@@ -196,3 +196,56 @@ pub fn generate_on_threads(
         _ => Err(errors.join("\n")),
     }
 }
+
+/// Converts a dtensor checkpoint of a Hugging Face model (written by `train_gpt
+/// --init-from LIKE --save-dir CKPT`, on any mesh) into a Hugging Face model directory
+/// `out`, with `like`'s `config.json`, `generation_config.json` and tokenizer files: the
+/// decoder `like` describes is built on one rank, the checkpoint's parameters are loaded
+/// into it (resharded from whatever mesh wrote them; the optimizer state is not needed)
+/// and saved as [`save_params`](crate::checkpoint::hf::save_params) writes. Stored in
+/// `like`'s declared dtype.
+pub fn export_checkpoint(checkpoint: &Path, like: &Path, out: &Path) -> Result<(), String> {
+    let model = HfModel::open(like).map_err(|e| e.to_string())?;
+    let index = crate::checkpoint::read_index(checkpoint).map_err(|e| e.to_string())?;
+    // The parameters' dtype and the sequence length the model was built for do not change
+    // the weights; the dtype is the checkpoint's (a load does not convert).
+    let dtype = index
+        .tensors
+        .get("embedding.weight")
+        .map(|t| t.dtype)
+        .ok_or_else(|| {
+            format!(
+                "{}: no embedding.weight: not a checkpoint of a dtensor decoder",
+                checkpoint.display()
+            )
+        })?;
+    let config = model.gpt_config(2, dtype).map_err(|e| e.to_string())?;
+    let mesh = crate::placement::ParallelConfig::default()
+        .mesh(&[AxisKind::Dp, AxisKind::Ep, AxisKind::Cp, AxisKind::Tp])
+        .map_err(|e| e.to_string())?;
+    let results = threads::launch(1, |world| {
+        let run = || -> Result<(), String> {
+            let dm = DeviceMesh::new(world.clone(), mesh.clone()).map_err(|e| e.to_string())?;
+            let mut gpt =
+                crate::nn::Gpt::<NoSp, Ddp>::new(config, &dm).map_err(|e| e.to_string())?;
+            let mut opt = crate::nn::AdamW::new(0.0);
+            crate::checkpoint::nn::load_model(checkpoint, &world, &mut gpt, &mut opt)
+                .map_err(|e| e.to_string())?;
+            crate::checkpoint::hf::save_params(
+                &world,
+                &mut gpt,
+                &model,
+                out,
+                &crate::checkpoint::hf::HfSaveOptions::default(),
+            )
+            .map_err(|e| e.to_string())?;
+            Ok(())
+        };
+        run()
+    });
+    results
+        .into_iter()
+        .next()
+        .unwrap_or(Ok(()))
+        .map_err(|e| e.to_string())
+}

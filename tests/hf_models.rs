@@ -165,3 +165,58 @@ fn greedy_generation_matches_transformers() {
         }
     }
 }
+
+/// A dtensor checkpoint of a Hugging Face model, written from a mesh (tp = 2, f32 masters
+/// with AdamW moments), converts back into the Hugging Face layout: untrained, bitwise the
+/// tensors it came from.
+#[test]
+fn our_checkpoints_export_to_hugging_face() {
+    use dtensor::checkpoint::hf::{HfModel, HfWeights};
+    let tmp = std::env::temp_dir().join(format!("dtensor-hf-export-{}", std::process::id()));
+    let (ckpt, out) = (tmp.join("ckpt"), tmp.join("hf"));
+    let source = fixtures().join("llama");
+    let model = HfModel::open(&source).unwrap();
+    let config = model.gpt_config(24, dtensor::kernels::DType::F32).unwrap();
+    let mesh: Composition = "tp=2".parse().unwrap();
+    let mesh = mesh
+        .degrees
+        .mesh(&[
+            dtensor::placement::AxisKind::Dp,
+            dtensor::placement::AxisKind::Ep,
+            dtensor::placement::AxisKind::Cp,
+            dtensor::placement::AxisKind::Tp,
+        ])
+        .unwrap();
+    for r in dtensor::threads::launch(2, |world| -> Result<(), String> {
+        let dm =
+            dtensor::DeviceMesh::new(world.clone(), mesh.clone()).map_err(|e| e.to_string())?;
+        let mut gpt = dtensor::nn::Gpt::<dtensor::nn::NoSp, dtensor::nn::Ddp>::new(config, &dm)
+            .map_err(|e| e.to_string())?;
+        model
+            .load_into(&world, &mut gpt)
+            .map_err(|e| e.to_string())?;
+        let opt = dtensor::nn::AdamW::new(1e-3);
+        dtensor::checkpoint::nn::save_model(&ckpt, &world, &mut gpt, &opt, &Default::default())
+            .map_err(|e| e.to_string())?;
+        Ok(())
+    }) {
+        r.unwrap();
+    }
+    dtensor::hf::export_checkpoint(&ckpt, &source, &out).unwrap();
+    let (_, want) = HfWeights::open_checked(&source).unwrap();
+    let (_, got) = HfWeights::open_checked(&out).unwrap();
+    assert_eq!(
+        want.names().collect::<Vec<_>>(),
+        got.names().collect::<Vec<_>>()
+    );
+    for n in want.names() {
+        let info = want.info(n).unwrap();
+        let all: Vec<_> = info.shape.iter().map(|&d| 0..d).collect();
+        assert_eq!(
+            want.read(n, &all, info.dtype).unwrap(),
+            got.read(n, &all, info.dtype).unwrap(),
+            "{n}"
+        );
+    }
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
