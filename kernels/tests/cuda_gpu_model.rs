@@ -9,7 +9,7 @@
 #![cfg(feature = "cuda")]
 
 use dtensor_kernels::cuda::Device;
-use dtensor_kernels::ops::{self, BlockAttention, CausalAttentionOutput};
+use dtensor_kernels::ops::{self, AttentionMask, BlockAttention, CausalAttentionOutput};
 use dtensor_kernels::{reduce, DType, Element, Error, ReduceOp, Tensor};
 
 mod common;
@@ -90,6 +90,7 @@ fn gpu_attention_block_matches_cpu() {
                 scale: None,
                 q_pos: &qp,
                 k_pos: &kp,
+                mask: AttentionMask::CAUSAL,
             };
             let what = format!("case {c} ({dt}, g {g}, q {qp:?}, k {kp:?})");
             let seed = 100 * k as u64 + 10 * c as u64;
@@ -136,6 +137,7 @@ fn gpu_attention_block_matches_cpu() {
             scale: None,
             q_pos: &qp,
             k_pos: &kp,
+            mask: AttentionMask::CAUSAL,
         };
         let qkv = rand(&[6, 24], dt, 1);
         let kv = rand(&[4, 16], dt, 2);
@@ -221,6 +223,7 @@ fn gpu_attention_block_matches_cpu() {
             scale: None,
             q_pos: &many[..1],
             k_pos: &many,
+            mask: AttentionMask::CAUSAL,
         };
         let e = ops::attention_block(
             &up(&Tensor::zeros(&[1, 6], dt), &dev),
@@ -240,6 +243,7 @@ fn partial(dt: DType, qp: &[usize], kp: &[usize], seed: u64) -> CausalAttentionO
         scale: None,
         q_pos: qp,
         k_pos: kp,
+        mask: AttentionMask::CAUSAL,
     };
     let qkv = rand(&[2 * qp.len(), 3 * 3 * 4], dt, seed);
     let kv = rand(&[2 * kp.len(), 3 * 2 * 4], dt, seed + 1);
