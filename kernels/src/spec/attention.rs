@@ -252,9 +252,11 @@ impl<'a> AttentionMask<'a> {
 /// queries' positions are increasing and the first of them sees keys from
 /// `first_query_first_key` on (the smallest [`AttentionMask`] bound of the tile, as bounds
 /// never decrease), the last sits at `last_query`; the keys span `first_key ..= last_key`.
-/// The tile is masked when every key lies after the last query (causality) or before the
-/// first query's first visible key (documents, window). Both the host kernels and the
-/// device kernels decide with this rule (the device ones per query row, a tile of one).
+/// The tile is skipped when every key lies after the last query (causality) or before the
+/// first query's first visible key (documents, window). On the kernels' aligned square
+/// tiles this is exact (a tile kept holds a visible key); on other tiles it errs towards
+/// computing, and the per-row ranges mask the rest. Both the host kernels and the device
+/// kernels decide with this rule (the device ones per query row, a tile of one).
 pub fn key_tile_masked(
     first_query_first_key: usize,
     last_query: usize,
