@@ -3,14 +3,16 @@
 //! output and the gradient of the QKV, in f64, to `1e-10` relative to the largest value.
 //! Inputs go into the CP token order with `CpLayout::to_cp_order` and results come back
 //! with `from_cp_order`. Also: the `Cp` communicator's bytes against the documented
-//! formula, errors, and the per-rank peak memory at cp = 1, 2, 4.
+//! formula, errors, and the per-rank peak memory at cp = 1, 2, 4. Under an attention mask
+//! (packed documents, a sliding window: `Var::context_attention_masked`) the same against
+//! the single-rank `causal_attention_masked`.
 
 mod common;
 
 use common::on_mesh;
 use dtensor::core::context::cp_elements_sent;
 use dtensor::kernels::memory::{live_bytes, peak_bytes, reset_peak};
-use dtensor::kernels::ops::{self, CausalAttention};
+use dtensor::kernels::ops::{self, AttentionMask, CausalAttention};
 use dtensor::placement::ContextAttentionLayout;
 use dtensor::prelude::*;
 
@@ -80,14 +82,24 @@ fn run<L, I>(axes: &[(AxisKind, usize)], dp: usize, c: Case)
 where
     L: Layout + ContextAttentionLayout<Cp, I>,
 {
+    run_masked::<L, I>(axes, dp, c, &AttentionMask::CAUSAL);
+}
+
+/// [`run`] under `mask` (its document ids the global tokens', natural order), against the
+/// single-rank masked kernel.
+fn run_masked<L, I>(axes: &[(AxisKind, usize)], dp: usize, c: Case, mask: &AttentionMask)
+where
+    L: Layout + ContextAttentionLayout<Cp, I>,
+{
     let cp = axes.iter().find(|a| a.0 == AxisKind::Cp).unwrap().1;
     let cfg = c.cfg();
     let tokens = c.samples * c.seq;
     let qkv = values(&[tokens, c.heads * (c.g + 2) * c.d], 1);
     let dout = values(&[tokens, c.heads * c.g * c.d], 2);
-    let want = ops::causal_attention(&qkv, &cfg.attn).unwrap();
+    let want = ops::causal_attention_masked(&qkv, &cfg.attn, mask).unwrap();
     let want_dqkv =
-        ops::causal_attention_backward(&dout, &qkv, &want.out, &want.lse, &cfg.attn).unwrap();
+        ops::causal_attention_masked_backward(&dout, &qkv, &want.out, &want.lse, &cfg.attn, mask)
+            .unwrap();
     let lay = CpLayout::new(c.seq, cp, c.zigzag).unwrap();
     let qkv_cp = lay.to_cp_order(&qkv, dp).unwrap();
     let dout_cp = lay.to_cp_order(&dout, dp).unwrap();
@@ -99,7 +111,11 @@ where
         let tape = Tape::new();
         let xv = tape.leaf(x);
         let c0 = comm.counters();
-        let y = xv.context_attention(Cp, &cfg)?;
+        let y = if mask.is_causal() {
+            xv.context_attention(Cp, &cfg)?
+        } else {
+            xv.context_attention_masked(Cp, &cfg, mask)?
+        };
         let c1 = comm.counters();
         let yv = y.value().clone();
         let mut grads = y.backward_with(w)?;
@@ -129,8 +145,14 @@ where
         );
     }
     eprintln!(
-        "{axes:?} {:?} zigzag={} samples={}: ok; rank 0 sent over Cp {} B forward, {} B backward",
-        c.strategy, c.zigzag, c.samples, got[0].sent.0, got[0].sent.1
+        "{axes:?} {:?} zigzag={} samples={} window={:?} documents={}: ok; rank 0 sent over Cp {} B forward, {} B backward",
+        c.strategy,
+        c.zigzag,
+        c.samples,
+        mask.window,
+        mask.documents.is_some(),
+        got[0].sent.0,
+        got[0].sent.1
     );
 }
 
@@ -241,6 +263,159 @@ fn cp_with_dp_sharding_the_samples() {
             2,
             c,
         );
+    }
+}
+
+/// Per global token of `samples` samples of `seq`, document ids: sample `b`'s documents
+/// have the lengths `lens[b % lens.len()]` (the last one running to the sample's end).
+fn doc_ids(samples: usize, seq: usize, lens: &[&[usize]]) -> Vec<u32> {
+    (0..samples)
+        .flat_map(|b| {
+            let mut ids = Vec::with_capacity(seq);
+            let l = lens[b % lens.len()];
+            for (k, &n) in l.iter().enumerate() {
+                ids.extend(std::iter::repeat_n(k as u32, n));
+            }
+            ids.resize(seq, l.len() as u32);
+            ids
+        })
+        .collect()
+}
+
+#[test]
+fn masked_cp2_matches_one_rank() {
+    // Documents crossing the chunk edges (chunks of 4 zigzag, 8 contiguous), differing per
+    // sample (one sample a single document); a window; both.
+    let ids = doc_ids(3, 16, &[&[3, 7, 2], &[16], &[9]]);
+    let masks = [
+        AttentionMask::default().documents(&ids),
+        AttentionMask::default().window(5),
+        AttentionMask::default().documents(&ids).window(6),
+    ];
+    for mask in &masks {
+        for c in cases(3, 16, 2, 4, BOTH) {
+            run_masked::<layout![Cp: Shard<0>], _>(&[(AxisKind::Cp, 2)], 1, c, mask);
+        }
+        for c in grouped_cases(3, 16, 2, 2, 3, &[true]) {
+            run_masked::<layout![Cp: Shard<0>], _>(&[(AxisKind::Cp, 2)], 1, c, mask);
+        }
+    }
+}
+
+#[test]
+fn masked_cp4_and_long_sequences_match_one_rank() {
+    let ids = doc_ids(2, 16, &[&[5, 6], &[1, 14]]);
+    let mask = AttentionMask::default().documents(&ids).window(7);
+    for c in cases(2, 16, 4, 4, BOTH) {
+        run_masked::<layout![Cp: Shard<0>], _>(&[(AxisKind::Cp, 4)], 1, c, &mask);
+    }
+    // 320 tokens: a rank's 160 span several 64-token tiles; documents and a window of 100.
+    let ids = doc_ids(1, 320, &[&[70, 130, 60]]);
+    for mask in [
+        AttentionMask::default().documents(&ids),
+        AttentionMask::default().window(100),
+    ] {
+        for c in cases(1, 320, 2, 8, &[true]) {
+            run_masked::<layout![Cp: Shard<0>], _>(&[(AxisKind::Cp, 2)], 1, c, &mask);
+        }
+    }
+}
+
+#[test]
+fn masked_cp_with_tp_and_dp_matches_one_rank() {
+    // Tp shards the heads; Dp the samples, each data block looking up its own samples' ids.
+    let ids = doc_ids(4, 8, &[&[3], &[8], &[5, 1], &[2, 2, 2]]);
+    let mask = AttentionMask::default().documents(&ids).window(4);
+    for c in cases(4, 8, 4, 4, BOTH) {
+        run_masked::<layout![Cp: Shard<0>, Tp: Shard<1>], _>(
+            &[(AxisKind::Cp, 2), (AxisKind::Tp, 2)],
+            1,
+            c,
+            &mask,
+        );
+        run_masked::<layout![Dp: Shard<0>, Cp: Shard<0>], _>(
+            &[(AxisKind::Dp, 2), (AxisKind::Cp, 2)],
+            2,
+            c,
+            &mask,
+        );
+    }
+}
+
+#[test]
+fn masked_ring_skips_blocks_no_query_sees() {
+    // Contiguous chunks of 8 (cp = 2), documents 0..8 and 8..16 in every sample: rank 1's
+    // queries see none of rank 0's keys, so the ring step that brings them computes no
+    // tile, and rank 1 computes its diagonal block only, as rank 0 does (whose other block
+    // lies in its future). A block of 8 queries and 8 keys is one tile per (head, sample):
+    // 2 heads × 2 samples.
+    let c = Case {
+        samples: 2,
+        seq: 16,
+        heads: 2,
+        g: 1,
+        d: 4,
+        zigzag: false,
+        strategy: CpStrategy::Ring,
+    };
+    let ids = doc_ids(2, 16, &[&[8]]);
+    let qkv = values(&[32, 2 * 3 * 4], 4);
+    let lay = CpLayout::new(16, 2, false).unwrap();
+    let qkv_cp = lay.to_cp_order(&qkv, 1).unwrap();
+    for (mask, want_tiles) in [
+        (AttentionMask::CAUSAL, vec![4, 8]),
+        (AttentionMask::default().documents(&ids), vec![4, 4]),
+    ] {
+        let tiles = on_mesh(&[(AxisKind::Cp, 2)], |m| {
+            let x = DTensor::<layout![Cp: Shard<0>]>::distribute(
+                Some(&qkv_cp).filter(|_| m.rank() == 0),
+                0,
+                m,
+            )?;
+            // Each rank is its own thread, and the host kernels count per thread.
+            let t0 = ops::host_tiles_computed();
+            x.context_attention_masked(Cp, &c.cfg(), &mask)?;
+            Ok(ops::host_tiles_computed() - t0)
+        });
+        assert_eq!(tiles, want_tiles, "{mask:?}");
+    }
+}
+
+#[test]
+fn masks_that_do_not_fit_are_errors_naming_the_op() {
+    let qkv = values(&[32, 6], 3);
+    let c = Case {
+        samples: 2,
+        seq: 16,
+        heads: 1,
+        g: 1,
+        d: 2,
+        zigzag: true,
+        strategy: CpStrategy::Ring,
+    };
+    let short = vec![0u32; 31];
+    let errs = on_mesh(&[(AxisKind::Cp, 2)], |m| {
+        let x = DTensor::<layout![Cp: Shard<0>]>::distribute(
+            Some(&qkv).filter(|_| m.rank() == 0),
+            0,
+            m,
+        )?;
+        let ids = x
+            .context_attention_masked(Cp, &c.cfg(), &AttentionMask::default().documents(&short))
+            .unwrap_err()
+            .to_string();
+        let window = x
+            .context_attention_masked(Cp, &c.cfg(), &AttentionMask::default().window(0))
+            .unwrap_err()
+            .to_string();
+        Ok((ids, window))
+    });
+    for (ids, window) in errs {
+        assert!(
+            ids.contains("DTensor::context_attention") && ids.contains("31 document ids"),
+            "{ids}"
+        );
+        assert!(window.contains("window"), "{window}");
     }
 }
 

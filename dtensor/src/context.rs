@@ -23,6 +23,15 @@
 //! row at that position ([`RopePositions::ContextParallel`](crate::RopePositions) gives
 //! [`rope`](crate::DTensor::rope) the positions of this order).
 //!
+//! **Masks.** [`DTensor::context_attention_masked`] narrows the causal mask to packed
+//! documents and/or a sliding window ([`AttentionMask`]), with the document ids of the
+//! global tokens in *natural* order (what one rank would take): each rank keeps its data
+//! block's, and a ring block looks its rows up by their true positions, so a document
+//! that starts in another rank's chunk is masked right. A ring block no query of the rank
+//! sees ([`BlockAttention::fully_masked`]) travels on without being computed; the
+//! all-to-all runs the masked kernel on the gathered natural-order tokens. Either way the
+//! result is one rank's masked attention.
+//!
 //! The output `[tokens, heads·d]` has the input's layout and order. `Cp` must be the
 //! innermost axis sharding the tokens (checked), and every rank must hold the same number
 //! of whole samples' chunks (checked: the number of samples divides by the data ranks).
@@ -103,13 +112,16 @@
 //! dK/dV accumulators in the compute dtype).
 
 use crate::any::AnyDTensor;
-use crate::compute::output;
+use crate::compute::attention::LocalMask;
+use crate::compute::{local_range, output};
 use crate::error::{Error, Result};
 use crate::tape::{grad_of, Var};
 use crate::transfer;
 use crate::typed::DTensor;
 use dtensor_collectives::Communicator;
-use dtensor_kernels::ops::{self, BlockAttention, CausalAttention, CausalAttentionOutput};
+use dtensor_kernels::ops::{
+    self, AttentionMask, BlockAttention, CausalAttention, CausalAttentionOutput,
+};
 use dtensor_kernels::Tensor;
 use dtensor_placement::{AxisKind, ContextAttentionLayout, Layout, MeshAxis, Placement};
 use std::sync::Arc;
@@ -295,6 +307,9 @@ struct Geom {
     /// This rank's query heads (`kv_heads · q_per_kv`).
     heads: usize,
     cfg: ContextAttention,
+    /// The mask, with the document ids of this rank's data block (its whole samples, in
+    /// natural order).
+    mask: LocalMask,
 }
 
 /// What the backward needs besides the input.
@@ -336,7 +351,12 @@ fn bad(detail: String) -> Error {
     Error::ShapeMismatch { op: OP, detail }
 }
 
-fn geometry(a: &AnyDTensor, axis: AxisKind, cfg: &ContextAttention) -> Result<Geom> {
+fn geometry(
+    a: &AnyDTensor,
+    axis: AxisKind,
+    cfg: &ContextAttention,
+    mask: &AttentionMask<'_>,
+) -> Result<Geom> {
     if a.global_shape().len() != 2 {
         return Err(bad(format!("the QKV must be 2-D, got {}", describe(a))));
     }
@@ -405,6 +425,17 @@ fn geometry(a: &AnyDTensor, axis: AxisKind, cfg: &ContextAttention) -> Result<Ge
     }
     let heads = kv_heads * g;
     let pos = (0..cp).map(|c| layout.positions(c)).collect();
+    // This rank's rows are one CP chunk of its data block (`Cp` innermost): the block's
+    // whole samples are natural-order rows `blk·block ..` of the mask's ids.
+    let block = rows * cp;
+    let blk = local_range(a, 0)?.start / block.max(1);
+    let mask = LocalMask::of_range(
+        OP,
+        a,
+        mask,
+        blk * block..(blk + 1) * block,
+        a.global_shape()[0],
+    )?;
     Ok(Geom {
         comm: dm.axis_comm(ax).clone(),
         c: dm.coords()[ax],
@@ -413,6 +444,7 @@ fn geometry(a: &AnyDTensor, axis: AxisKind, cfg: &ContextAttention) -> Result<Ge
         pos,
         heads,
         cfg: *cfg,
+        mask,
     })
 }
 
@@ -430,6 +462,7 @@ impl Geom {
             scale: self.cfg.attn.scale,
             q_pos: &self.pos[self.c],
             k_pos: &self.pos[owner],
+            mask: self.mask.as_mask(),
         }
     }
     /// One hop round the ring: `t` to the next rank, the previous rank's back (in an order
@@ -449,6 +482,7 @@ impl Geom {
         let mut cur = ops::pack_kv(qkv, a.head_dim, a.q_per_kv)?;
         let mut owner = self.c;
         let mut acc: Option<CausalAttentionOutput> = None;
+        let samples = qkv.shape()[0] / self.layout.tokens_per_rank();
         for step in 0..self.cp {
             let more = step + 1 < self.cp;
             // The next hop moves before this block's compute.
@@ -458,7 +492,7 @@ impl Geom {
                 None
             };
             let b = self.block(owner);
-            if !b.fully_masked() {
+            if !b.fully_masked(samples) {
                 let part = ops::attention_block(qkv, &cur, &b)?;
                 match acc.as_mut() {
                     None => acc = Some(part),
@@ -470,7 +504,7 @@ impl Geom {
                 owner = (owner + self.cp - 1) % self.cp;
             }
         }
-        // The rank's own block (step 0) is never masked.
+        // The rank's own block (step 0) is never masked: each query sees itself.
         Ok(acc.expect("the diagonal block is computed"))
     }
 
@@ -537,6 +571,25 @@ impl Geom {
         self.cfg.attn
     }
 
+    /// The local kernel over this rank's whole samples in natural order, under the mask.
+    fn full_forward(&self, qkv: &Tensor) -> Result<CausalAttentionOutput> {
+        self.mask.forward(qkv, &self.attn_full())
+    }
+
+    fn full_backward(
+        &self,
+        dy: &Tensor,
+        qkv: &Tensor,
+        out: &Tensor,
+        lse: &Tensor,
+    ) -> Result<Tensor> {
+        let saved = CausalAttentionOutput {
+            out: out.clone(),
+            lse: lse.clone(),
+        };
+        self.mask.backward(dy, qkv, &saved, &self.attn_full())
+    }
+
     /// Columns of one KV group of the fused QKV (checked nonzero by [`geometry`]).
     fn group_cols(&self) -> usize {
         self.cfg.attn.group_cols().unwrap_or(1)
@@ -548,9 +601,10 @@ pub(crate) fn forward<L: Layout>(
     x: &DTensor<L>,
     axis: AxisKind,
     cfg: &ContextAttention,
+    mask: &AttentionMask<'_>,
 ) -> Result<(DTensor<L>, ContextSaved)> {
     let a = x.as_any();
-    let geom = geometry(a, axis, cfg)?;
+    let geom = geometry(a, axis, cfg, mask)?;
     let qkv = a.as_local();
     let (g, group) = (cfg.attn.q_per_kv, geom.group_cols());
     let global = [
@@ -561,7 +615,7 @@ pub(crate) fn forward<L: Layout>(
         // One rank holds whole samples in natural order: plain causal attention, bit for
         // bit what `causal_attention` computes, with no collective.
         _ if geom.cp == 1 => {
-            let r = ops::causal_attention(qkv, &geom.attn_full())?;
+            let r = geom.full_forward(qkv)?;
             (
                 r.out.clone(),
                 Saved::Local {
@@ -577,7 +631,7 @@ pub(crate) fn forward<L: Layout>(
         }
         CpStrategy::AllToAll => {
             let xh = geom.to_heads(qkv)?;
-            let r = ops::causal_attention(&xh, &geom.attn_full())?;
+            let r = geom.full_forward(&xh)?;
             let out = geom.to_tokens(&r.out)?;
             (
                 out,
@@ -604,17 +658,11 @@ pub(crate) fn backward(dy: &Tensor, x: &AnyDTensor, s: &ContextSaved) -> Result<
         });
     }
     match &s.saved {
-        Saved::Local { out, lse } => Ok(ops::causal_attention_backward(
-            dy,
-            qkv,
-            out,
-            lse,
-            &g.attn_full(),
-        )?),
+        Saved::Local { out, lse } => g.full_backward(dy, qkv, out, lse),
         Saved::Ring { out, lse } => g.ring_backward(dy, qkv, out, lse),
         Saved::AllToAll { x, out, lse } => {
             let dyh = g.to_heads(dy)?;
-            let dxh = ops::causal_attention_backward(&dyh, x, out, lse, &g.attn_full())?;
+            let dxh = g.full_backward(&dyh, x, out, lse)?;
             drop(dyh);
             g.to_tokens(&dxh)
         }
@@ -669,7 +717,28 @@ impl<L: Layout> DTensor<L> {
         L: ContextAttentionLayout<X, I>,
     {
         let _ = axis;
-        Ok(forward(self, X::KIND, cfg)?.0)
+        Ok(forward(self, X::KIND, cfg, &AttentionMask::CAUSAL)?.0)
+    }
+
+    /// [`context_attention`](Self::context_attention) under `mask`: packed documents and/or
+    /// a sliding window ([`AttentionMask`]). The document ids are the global tokens' in
+    /// **natural order** (samples one after another, as the single-rank
+    /// [`causal_attention_masked`](Self::causal_attention_masked) takes them), not the CP
+    /// order of the QKV: every rank passes the same ids and looks up its data block's.
+    /// Ring blocks that no query of a rank sees (another document, outside the window) are
+    /// passed on without being computed. `Err` as `context_attention`, and when the ids are
+    /// not one per global token or the window is 0.
+    pub fn context_attention_masked<X: MeshAxis, I>(
+        &self,
+        axis: X,
+        cfg: &ContextAttention,
+        mask: &AttentionMask<'_>,
+    ) -> Result<DTensor<L>>
+    where
+        L: ContextAttentionLayout<X, I>,
+    {
+        let _ = axis;
+        Ok(forward(self, X::KIND, cfg, mask)?.0)
     }
 }
 
@@ -686,8 +755,22 @@ impl<'t, L: Layout> Var<'t, L> {
     where
         L: ContextAttentionLayout<X, I>,
     {
+        self.context_attention_masked(axis, cfg, &AttentionMask::CAUSAL)
+    }
+
+    /// [`DTensor::context_attention_masked`]: as [`context_attention`](Self::context_attention),
+    /// the node also keeping this rank's data block's document ids.
+    pub fn context_attention_masked<X: MeshAxis, I>(
+        &self,
+        axis: X,
+        cfg: &ContextAttention,
+        mask: &AttentionMask<'_>,
+    ) -> Result<Var<'t, L>>
+    where
+        L: ContextAttentionLayout<X, I>,
+    {
         let _ = axis;
-        let (y, saved) = forward(self.value(), X::KIND, cfg)?;
+        let (y, saved) = forward(self.value(), X::KIND, cfg, mask)?;
         let xv = self.value().as_any().clone();
         Ok(self.unary(y, true, move |dy| {
             let dx = backward(dy.as_local(), &xv, &saved)?;

@@ -11,7 +11,9 @@
 #![cfg(feature = "cuda")]
 
 use dtensor_kernels::cuda::Device;
-use dtensor_kernels::ops::{self, Accum, CausalAttention, CrossEntropyTargets, VocabShard};
+use dtensor_kernels::ops::{
+    self, Accum, AttentionMask, CausalAttention, CrossEntropyTargets, VocabShard,
+};
 use dtensor_kernels::{DType, Tensor};
 
 mod common;
@@ -515,6 +517,52 @@ fn gpu_causal_attention_matches_cpu() {
         let e =
             ops::causal_attention(&up(&Tensor::zeros(&[100_000, 6], dt), &dev), &cfg).unwrap_err();
         assert!(e.to_string().contains("not on cuda"), "{e}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_masked_attention_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    // Two samples of 70 (past the CPU's 64-row tiles), documents differing per sample.
+    let s = 70;
+    let ids: Vec<u32> = (0..2 * s as u32)
+        .map(|t| {
+            if t < 70 {
+                u32::from(t >= 23)
+            } else {
+                u32::from(t >= 120) + 5
+            }
+        })
+        .collect();
+    let masks = [
+        AttentionMask::default().documents(&ids),
+        AttentionMask::default().window(9),
+        AttentionMask::default().documents(&ids).window(30),
+    ];
+    for (k, dt) in FLOATS.into_iter().enumerate() {
+        for (m, mask) in masks.iter().enumerate() {
+            let cfg = CausalAttention::new(s, 4).grouped(2);
+            let qkv = rand(&[2 * s, 2 * 4 * 4], dt, 270 + 10 * k as u64 + m as u64);
+            let gq = up(&qkv, &dev);
+            let c = ops::causal_attention_masked(&qkv, &cfg, mask).unwrap();
+            let o = ops::causal_attention_masked(&gq, &cfg, mask).unwrap();
+            assert_close("masked attention out", &down(&o.out), &c.out, 4.0);
+            assert_close("masked attention lse", &down(&o.lse), &c.lse, 4.0);
+            let dout = rand(c.out.shape(), dt, 290 + 10 * k as u64 + m as u64);
+            let cd = ops::causal_attention_masked_backward(&dout, &qkv, &c.out, &c.lse, &cfg, mask)
+                .unwrap();
+            let gd = ops::causal_attention_masked_backward(
+                &up(&dout, &dev),
+                &gq,
+                &up(&c.out, &dev),
+                &up(&c.lse, &dev),
+                &cfg,
+                mask,
+            )
+            .unwrap();
+            assert_close("masked attention dqkv", &down(&gd), &cd, 16.0);
+        }
     }
 }
 

@@ -9,7 +9,7 @@
 #![cfg(feature = "cuda")]
 
 use dtensor_kernels::cuda::Device;
-use dtensor_kernels::ops::{self, BlockAttention, CausalAttentionOutput};
+use dtensor_kernels::ops::{self, AttentionMask, BlockAttention, CausalAttentionOutput};
 use dtensor_kernels::{reduce, DType, Element, Error, ReduceOp, Tensor};
 
 mod common;
@@ -79,6 +79,72 @@ fn block_cases() -> Vec<BlockCase> {
 
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn gpu_masked_attention_block_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    for (k, dt) in FLOATS.into_iter().enumerate() {
+        let acc = ops::acc_dtype(dt);
+        for (c, (batch, heads, g, d, qp, kp)) in block_cases().into_iter().enumerate() {
+            // Samples just long enough for the positions; sample b's second document
+            // starts at (b + 1)/4 of it.
+            let seq = qp.iter().chain(&kp).max().map_or(1, |&p| p + 1);
+            let docs: Vec<u32> = (0..batch * seq)
+                .map(|t| u32::from(t % seq >= (t / seq + 1) * seq / 4))
+                .collect();
+            let docs = &docs[..];
+            for (m, mask) in [
+                AttentionMask::default().documents(docs),
+                AttentionMask::default().window(2),
+                AttentionMask::default().documents(docs).window(3),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let cfg = BlockAttention {
+                    head_dim: d,
+                    q_per_kv: g,
+                    scale: None,
+                    q_pos: &qp,
+                    k_pos: &kp,
+                    mask,
+                };
+                let what = format!("case {c} mask {m} ({dt}, g {g}, q {qp:?}, k {kp:?})");
+                let seed = 1000 + 100 * k as u64 + 10 * c as u64 + m as u64;
+                let qkv = rand(&[batch * qp.len(), heads * (g + 2) * d], dt, seed);
+                let kv = rand(&[batch * kp.len(), heads * 2 * d], dt, seed + 1);
+                let (gq, gk) = (up(&qkv, &dev), up(&kv, &dev));
+                let cpu = ops::attention_block(&qkv, &kv, &cfg).unwrap();
+                let gpu = ops::attention_block(&gq, &gk, &cfg).unwrap();
+                assert_close(&format!("{what}: out"), &down(&gpu.out), &cpu.out, 16.0);
+                assert_close(&format!("{what}: lse"), &down(&gpu.lse), &cpu.lse, 16.0);
+                let out = cpu.out.to_dtype(dt);
+                let dout = rand(out.shape(), dt, seed + 2);
+                let mut dq = rand(&[batch * qp.len(), heads * g * d], acc, seed + 3);
+                let mut dkv = rand(kv.shape(), acc, seed + 4);
+                let (mut gdq, mut gdkv) = (up(&dq, &dev), up(&dkv, &dev));
+                ops::attention_block_backward(
+                    &dout, &qkv, &kv, &out, &cpu.lse, &cfg, &mut dq, &mut dkv,
+                )
+                .unwrap();
+                ops::attention_block_backward(
+                    &up(&dout, &dev),
+                    &gq,
+                    &gk,
+                    &up(&out, &dev),
+                    &up(&cpu.lse, &dev),
+                    &cfg,
+                    &mut gdq,
+                    &mut gdkv,
+                )
+                .unwrap();
+                assert_close(&format!("{what}: dq"), &down(&gdq), &dq, 64.0);
+                assert_close(&format!("{what}: dkv"), &down(&gdkv), &dkv, 64.0);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
 fn gpu_attention_block_matches_cpu() {
     let Some(dev) = gpu() else { return };
     for (k, dt) in FLOATS.into_iter().enumerate() {
@@ -90,6 +156,7 @@ fn gpu_attention_block_matches_cpu() {
                 scale: None,
                 q_pos: &qp,
                 k_pos: &kp,
+                mask: AttentionMask::CAUSAL,
             };
             let what = format!("case {c} ({dt}, g {g}, q {qp:?}, k {kp:?})");
             let seed = 100 * k as u64 + 10 * c as u64;
@@ -136,6 +203,7 @@ fn gpu_attention_block_matches_cpu() {
             scale: None,
             q_pos: &qp,
             k_pos: &kp,
+            mask: AttentionMask::CAUSAL,
         };
         let qkv = rand(&[6, 24], dt, 1);
         let kv = rand(&[4, 16], dt, 2);
@@ -221,6 +289,7 @@ fn gpu_attention_block_matches_cpu() {
             scale: None,
             q_pos: &many[..1],
             k_pos: &many,
+            mask: AttentionMask::CAUSAL,
         };
         let e = ops::attention_block(
             &up(&Tensor::zeros(&[1, 6], dt), &dev),
@@ -240,6 +309,7 @@ fn partial(dt: DType, qp: &[usize], kp: &[usize], seed: u64) -> CausalAttentionO
         scale: None,
         q_pos: qp,
         k_pos: kp,
+        mask: AttentionMask::CAUSAL,
     };
     let qkv = rand(&[2 * qp.len(), 3 * 3 * 4], dt, seed);
     let kv = rand(&[2 * kp.len(), 3 * 2 * 4], dt, seed + 1);

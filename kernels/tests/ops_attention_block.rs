@@ -7,7 +7,7 @@
 mod common;
 
 use common::*;
-use dtensor_kernels::ops::{self, BlockAttention, CausalAttention};
+use dtensor_kernels::ops::{self, AttentionMask, BlockAttention, CausalAttention};
 use dtensor_kernels::{DType, Tensor};
 
 /// Positions (within a sample) rank `c` of `cp` holds.
@@ -50,16 +50,51 @@ fn run_grouped(
     cp: usize,
     zigzag: bool,
 ) {
+    run_masked(
+        dtype,
+        batch,
+        s,
+        kv_heads,
+        g,
+        d,
+        cp,
+        zigzag,
+        AttentionMask::CAUSAL,
+    );
+}
+
+/// [`run_grouped`] under `mask` (its document ids those of the `batch` whole samples).
+#[allow(clippy::too_many_arguments)]
+fn run_masked(
+    dtype: DType,
+    batch: usize,
+    s: usize,
+    kv_heads: usize,
+    g: usize,
+    d: usize,
+    cp: usize,
+    zigzag: bool,
+    mask: AttentionMask,
+) {
     let tol = if dtype == DType::F64 { 1e-12 } else { 2e-5 };
     let cfg = CausalAttention::new(s, d).grouped(g);
     let heads = kv_heads * g;
     let (qkv, _) = input(&[batch * s, kv_heads * (g + 2) * d], 7, 1.5, dtype);
     let (dout, _) = input(&[batch * s, heads * d], 11, 1.0, dtype);
-    let full = ops::causal_attention(&qkv, &cfg).unwrap();
-    let dfull = ops::causal_attention_backward(&dout, &qkv, &full.out, &full.lse, &cfg).unwrap();
-    // The mask compares positions only: an offset shared by q and k changes nothing.
+    let full = ops::causal_attention_masked(&qkv, &cfg, &mask).unwrap();
+    let dfull =
+        ops::causal_attention_masked_backward(&dout, &qkv, &full.out, &full.lse, &cfg, &mask)
+            .unwrap();
+    // The causal mask compares positions only: an offset shared by q and k changes nothing.
+    // Document ids are looked up by position, so with them the positions are the true ones.
+    let offset = if mask.documents.is_some() { 0 } else { 3 };
     let pos: Vec<Vec<usize>> = (0..cp)
-        .map(|c| positions(s, cp, c, zigzag).iter().map(|p| p + 3).collect())
+        .map(|c| {
+            positions(s, cp, c, zigzag)
+                .iter()
+                .map(|p| p + offset)
+                .collect()
+        })
         .collect();
     let rows: Vec<Vec<usize>> = (0..cp)
         .map(|c| rows_of(batch, s, &positions(s, cp, c, zigzag)))
@@ -86,6 +121,7 @@ fn run_grouped(
         scale: None,
         q_pos: &pos[c],
         k_pos: &pos[o],
+        mask,
     };
     let mut skipped = 0;
     let mut dqkv_parts = Vec::new();
@@ -93,7 +129,7 @@ fn run_grouped(
         let mut merged: Option<ops::CausalAttentionOutput> = None;
         for (o, kv) in kvs.iter().enumerate() {
             let b = block(c, o);
-            skipped += b.fully_masked() as usize;
+            skipped += b.fully_masked(batch) as usize;
             let part = ops::attention_block(&local[c], kv, &b).unwrap();
             match merged.as_mut() {
                 None => merged = Some(part),
@@ -133,7 +169,9 @@ fn run_grouped(
         }
         dqkv_parts.push(dq);
     }
-    if !zigzag {
+    if !mask.is_causal() {
+        // Documents and windows skip more; `masked_blocks_are_skipped` counts them.
+    } else if !zigzag {
         // Rank c's queries never see a later rank's keys.
         assert_eq!(skipped, cp * (cp - 1) / 2);
     } else {
@@ -193,6 +231,137 @@ fn blocks_merged_equal_the_full_kernel_f32() {
     run(DType::F32, 2, 320, 1, 8, 2, false);
 }
 
+/// Per token of `batch` samples of `s`, documents of the given lengths (the last one
+/// runs to the sample's end), numbered per sample.
+fn doc_ids(batch: usize, s: usize, lens: &[&[usize]]) -> Vec<u32> {
+    (0..batch)
+        .flat_map(|b| {
+            let mut ids = Vec::with_capacity(s);
+            for (k, &n) in lens[b].iter().enumerate() {
+                ids.extend(std::iter::repeat_n(k as u32, n));
+            }
+            ids.resize(s, lens[b].len() as u32);
+            ids
+        })
+        .collect()
+}
+
+#[test]
+fn masked_blocks_merged_equal_the_masked_full_kernel() {
+    // Documents crossing chunk edges and differing per sample, a window, both; GQA.
+    let ids = doc_ids(2, 48, &[&[5, 20, 11], &[30]]);
+    let masks = [
+        AttentionMask::default().documents(&ids),
+        AttentionMask::default().window(7),
+        AttentionMask::default().documents(&ids).window(13),
+    ];
+    for mask in masks {
+        for &(cp, zz) in &[(1, false), (2, true), (2, false), (3, true), (4, false)] {
+            run_masked(DType::F64, 2, 48, 2, 1, 4, cp, zz, mask);
+            run_masked(DType::F64, 2, 48, 1, 2, 3, cp, zz, mask);
+        }
+        run_masked(DType::F32, 2, 48, 2, 2, 4, 2, true, mask);
+    }
+    // Tiles of 64 inside a block.
+    let long = doc_ids(1, 320, &[&[100, 150]]);
+    let mask = AttentionMask::default().documents(&long).window(90);
+    run_masked(DType::F64, 1, 320, 1, 1, 8, 2, true, mask);
+}
+
+fn blk<'a>(q: &'a [usize], k: &'a [usize], mask: AttentionMask<'a>) -> BlockAttention<'a> {
+    BlockAttention {
+        head_dim: 2,
+        q_per_kv: 1,
+        scale: None,
+        q_pos: q,
+        k_pos: k,
+        mask,
+    }
+}
+
+#[test]
+fn masked_blocks_are_skipped() {
+    // cp = 2, zigzag, 2 samples of 16: rank 0 holds positions 0..4 and 12..16, rank 1 4..12.
+    let (p0, p1) = (positions(16, 2, 0, true), positions(16, 2, 1, true));
+    let window = |w| AttentionMask::default().window(w);
+    // Documents 0..4 and 4..16 in both samples.
+    let ids = doc_ids(2, 16, &[&[4], &[4]]);
+    let docs = AttentionMask::default().documents(&ids);
+    // Rank 1's queries see rank 0's keys 0..4 ...
+    assert!(!blk(&p1, &p0, AttentionMask::CAUSAL).fully_masked(2));
+    // ... unless those lie in another document (and 12..16 are in their future).
+    assert!(blk(&p1, &p0, docs).fully_masked(2));
+    // Rank 0's late queries see rank 1's keys of their document.
+    assert!(!blk(&p0, &p1, docs).fully_masked(2));
+    // Per sample: with sample 0 one document, its queries see the keys again.
+    let mixed = doc_ids(2, 16, &[&[16], &[4]]);
+    assert!(!blk(&p1, &p0, AttentionMask::default().documents(&mixed)).fully_masked(2));
+    // Windows: query 4 with 4 keys reaches back to 1; with 1 key, only itself. Query 12
+    // with 2 keys sees 11.
+    assert!(!blk(&p1, &p0, window(4)).fully_masked(2));
+    assert!(blk(&p1, &p0, window(1)).fully_masked(2));
+    assert!(!blk(&p0, &p1, window(2)).fully_masked(2));
+    assert!(blk(&p0, &p1, window(1)).fully_masked(2));
+    // A fully masked block is not computed: no tile, out 0 and lse −∞, no gradient.
+    let (qkv, _) = input(&[2 * 8, 6], 5, 1.0, DType::F64);
+    let (dout, _) = input(&[2 * 8, 2], 6, 1.0, DType::F64);
+    let kv = ops::pack_kv(&qkv, 2, 1).unwrap();
+    let masked = blk(&p1, &p0, docs);
+    let t0 = ops::host_tiles_computed();
+    let r = ops::attention_block(&qkv, &kv, &masked).unwrap();
+    assert!(r.out.to_f64_vec().iter().all(|&x| x == 0.0));
+    assert!(r.lse.to_f64_vec().iter().all(|&x| x == f64::NEG_INFINITY));
+    let (mut dq, mut dkv) = (
+        Tensor::zeros(&[16, 2], DType::F64),
+        kv.zeros_like().unwrap(),
+    );
+    let out = Tensor::zeros(&[16, 2], DType::F64);
+    let lse = Tensor::zeros(&[16, 1], DType::F64);
+    ops::attention_block_backward(&dout, &qkv, &kv, &out, &lse, &masked, &mut dq, &mut dkv)
+        .unwrap();
+    assert_eq!(ops::host_tiles_computed(), t0);
+    assert!(dq
+        .to_f64_vec()
+        .iter()
+        .chain(&dkv.to_f64_vec())
+        .all(|&x| x == 0.0));
+    // The same block unmasked computes one tile per sample, forward and backward.
+    ops::attention_block(&qkv, &kv, &blk(&p1, &p0, AttentionMask::CAUSAL)).unwrap();
+    assert_eq!(ops::host_tiles_computed(), t0 + 2);
+}
+
+#[test]
+fn block_masks_that_do_not_fit_are_errors() {
+    let (qkv, _) = input(&[4, 6], 5, 1.0, DType::F64);
+    let kv = ops::pack_kv(&qkv, 2, 1).unwrap();
+    let ids = [0u32; 5];
+    let pos = [0usize, 1];
+    let b = BlockAttention {
+        head_dim: 2,
+        q_per_kv: 1,
+        scale: None,
+        q_pos: &pos,
+        k_pos: &pos,
+        mask: AttentionMask::default().documents(&ids),
+    };
+    // 2 samples: 5 ids are not whole samples.
+    let e = assert_names_op(ops::attention_block(&qkv, &kv, &b), "ops::attention_block");
+    assert!(e.to_string().contains("5 document ids"), "{e}");
+    // 2 samples of 1 token: position 1 lies past them.
+    let ids = [0u32; 2];
+    let b = BlockAttention {
+        mask: AttentionMask::default().documents(&ids),
+        ..b
+    };
+    let e = assert_names_op(ops::attention_block(&qkv, &kv, &b), "ops::attention_block");
+    assert!(e.to_string().contains("position 1"), "{e}");
+    let b = BlockAttention {
+        mask: AttentionMask::default().window(0),
+        ..b
+    };
+    assert_names_op(ops::attention_block(&qkv, &kv, &b), "ops::attention_block");
+}
+
 #[test]
 fn bf16_blocks_run() {
     // bf16 reads rounded inputs and computes in f32: the merged output rounds once.
@@ -210,6 +379,7 @@ fn run_bf16() {
         scale: None,
         q_pos: &q_pos,
         k_pos: &k_pos,
+        mask: AttentionMask::CAUSAL,
     };
     let r = ops::attention_block(&qkv, &kv, &b).unwrap();
     assert_eq!(r.out.dtype(), DType::F32);
@@ -227,8 +397,9 @@ fn a_fully_masked_block_contributes_nothing() {
         scale: None,
         q_pos: &q_pos,
         k_pos: &k_pos,
+        mask: AttentionMask::CAUSAL,
     };
-    assert!(b.fully_masked());
+    assert!(b.fully_masked(2));
     let r = ops::attention_block(&qkv, &kv, &b).unwrap();
     assert!(r.out.to_f64_vec().iter().all(|&x| x == 0.0));
     assert!(r.lse.to_f64_vec().iter().all(|&x| x == f64::NEG_INFINITY));
@@ -250,6 +421,7 @@ fn bad_blocks_are_errors_naming_the_op() {
         scale: None,
         q_pos: q,
         k_pos: k,
+        mask: AttentionMask::CAUSAL,
     };
     assert_names_op(
         ops::attention_block(&qkv, &kv, &mk(&[1, 1], &[0, 1])),
@@ -279,6 +451,7 @@ fn overflowing_head_dims_are_errors_not_panics() {
         scale: None,
         q_pos: &[0, 1],
         k_pos: &[0, 1],
+        mask: AttentionMask::CAUSAL,
     };
     assert_names_op(
         ops::attention_block(&qkv, &kv, &cfg),

@@ -1,12 +1,19 @@
 //! `causal_attention`: fused causal self-attention over a rank's whole samples
 //! and heads, with its tape twin, which records the output and log-sum-exp the forward's
-//! kernel saved. Context-parallel attention is in [`context`](crate::context).
+//! kernel saved; `causal_attention_masked` narrows the mask to packed documents and a
+//! sliding window ([`AttentionMask`](ops::AttentionMask)). Context-parallel attention is in
+//! [`context`](crate::context).
+//!
+//! A mask's document ids are the *global* tensor's, one per token in its row order; each
+//! rank reads those of its own rows, so every rank passes the same ids.
 
-use super::{describe, output, shape_err, want_rank};
+use super::{describe, local_range, output, shape_err, want_rank};
+use crate::any::AnyDTensor;
 use crate::error::Result;
 use crate::tape::{grad_of, Var};
 use crate::typed::DTensor;
-use dtensor_kernels::ops::{self, CausalAttention, CausalAttentionOutput};
+use dtensor_kernels::ops::{self, AttentionMask, CausalAttention, CausalAttentionOutput};
+use dtensor_kernels::Tensor;
 use dtensor_placement::{AttentionLayout, Layout};
 
 impl<L: Layout> DTensor<L> {
@@ -20,7 +27,24 @@ impl<L: Layout> DTensor<L> {
     where
         L: AttentionLayout,
     {
-        Ok(attention_parts(self, cfg)?.0)
+        Ok(attention_parts(self, cfg, &LocalMask::causal())?.0)
+    }
+
+    /// [`causal_attention`](Self::causal_attention) under `mask`: packed documents (ids of
+    /// the global tokens, one per row of the global tensor, in its row order) and/or a
+    /// sliding window (see [`AttentionMask`]). `Err` (naming the op, shapes and placements)
+    /// as `causal_attention`, and when the ids are not one per global token or the window
+    /// is 0.
+    pub fn causal_attention_masked(
+        &self,
+        cfg: &CausalAttention,
+        mask: &AttentionMask<'_>,
+    ) -> Result<DTensor<L>>
+    where
+        L: AttentionLayout,
+    {
+        let local = LocalMask::of_rows(OP_MASKED, self.as_any(), mask, 0)?;
+        Ok(attention_parts(self, cfg, &local)?.0)
     }
 }
 
@@ -31,18 +55,138 @@ impl<'t, L: Layout> Var<'t, L> {
     where
         L: AttentionLayout,
     {
-        let (y, saved) = attention_parts(self.value(), cfg)?;
+        self.attention_node(cfg, LocalMask::causal())
+    }
+
+    /// [`DTensor::causal_attention_masked`]: the node keeps this rank's share of the
+    /// document ids for the backward.
+    pub fn causal_attention_masked(
+        &self,
+        cfg: &CausalAttention,
+        mask: &AttentionMask<'_>,
+    ) -> Result<Var<'t, L>>
+    where
+        L: AttentionLayout,
+    {
+        let local = LocalMask::of_rows(OP_MASKED, self.value().as_any(), mask, 0)?;
+        self.attention_node(cfg, local)
+    }
+
+    fn attention_node(&self, cfg: &CausalAttention, mask: LocalMask) -> Result<Var<'t, L>>
+    where
+        L: AttentionLayout,
+    {
+        let (y, saved) = attention_parts(self.value(), cfg, &mask)?;
         let (xv, cfg) = (self.value().as_any().clone(), *cfg);
         Ok(self.unary(y, false, move |dy| {
-            let dx = ops::causal_attention_backward(
-                dy.as_local(),
-                xv.as_local(),
-                &saved.out,
-                &saved.lse,
-                &cfg,
-            )?;
+            let dx = mask.backward(dy.as_local(), xv.as_local(), &saved, &cfg)?;
             grad_of("Var::causal_attention", dx, &xv)
         }))
+    }
+}
+
+const OP_MASKED: &str = "DTensor::causal_attention_masked";
+
+/// A mask with this rank's share of the document ids, owned (a tape node keeps it for the
+/// backward).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct LocalMask {
+    documents: Option<Vec<u32>>,
+    window: Option<usize>,
+}
+
+impl LocalMask {
+    pub(crate) fn causal() -> LocalMask {
+        LocalMask::default()
+    }
+
+    /// `mask` with the ids of the global rows `rows` (of `tokens` global rows); `Err`
+    /// (naming `op` and the tensor `t`) unless there is one id per global row and the
+    /// window is at least 1.
+    pub(crate) fn of_range(
+        op: &'static str,
+        t: &AnyDTensor,
+        mask: &AttentionMask<'_>,
+        rows: std::ops::Range<usize>,
+        tokens: usize,
+    ) -> Result<LocalMask> {
+        if mask.window == Some(0) {
+            return Err(shape_err(
+                op,
+                format!(
+                    "the sliding window of the {} must be at least 1 key (the query itself)",
+                    describe(t)
+                ),
+            ));
+        }
+        let documents = match mask.documents {
+            None => None,
+            Some(ids) if ids.len() == tokens => Some(ids[rows].to_vec()),
+            Some(ids) => {
+                return Err(shape_err(
+                    op,
+                    format!(
+                    "{} document ids for the {tokens} global tokens of the {}: want one per token",
+                    ids.len(),
+                    describe(t)
+                ),
+                ))
+            }
+        };
+        Ok(LocalMask {
+            documents,
+            window: mask.window,
+        })
+    }
+
+    /// `mask` with the ids of `t`'s own rows along `dim`.
+    fn of_rows(
+        op: &'static str,
+        t: &AnyDTensor,
+        mask: &AttentionMask<'_>,
+        dim: usize,
+    ) -> Result<LocalMask> {
+        want_rank(op, t, 2, "the QKV")?;
+        LocalMask::of_range(op, t, mask, local_range(t, dim)?, t.global_shape()[dim])
+    }
+
+    pub(crate) fn as_mask(&self) -> AttentionMask<'_> {
+        AttentionMask {
+            documents: self.documents.as_deref(),
+            window: self.window,
+        }
+    }
+
+    /// The local kernel under this mask (the plain kernel, its errors naming it, without
+    /// one).
+    pub(crate) fn forward(
+        &self,
+        qkv: &Tensor,
+        cfg: &CausalAttention,
+    ) -> Result<CausalAttentionOutput> {
+        let mask = self.as_mask();
+        Ok(if mask.is_causal() {
+            ops::causal_attention(qkv, cfg)?
+        } else {
+            ops::causal_attention_masked(qkv, cfg, &mask)?
+        })
+    }
+
+    /// The backward of [`forward`](Self::forward).
+    pub(crate) fn backward(
+        &self,
+        dout: &Tensor,
+        qkv: &Tensor,
+        saved: &CausalAttentionOutput,
+        cfg: &CausalAttention,
+    ) -> Result<Tensor> {
+        let mask = self.as_mask();
+        let (out, lse) = (&saved.out, &saved.lse);
+        Ok(if mask.is_causal() {
+            ops::causal_attention_backward(dout, qkv, out, lse, cfg)?
+        } else {
+            ops::causal_attention_masked_backward(dout, qkv, out, lse, cfg, &mask)?
+        })
     }
 }
 
@@ -51,6 +195,7 @@ impl<'t, L: Layout> Var<'t, L> {
 fn attention_parts<L: Layout>(
     x: &DTensor<L>,
     cfg: &CausalAttention,
+    mask: &LocalMask,
 ) -> Result<(DTensor<L>, CausalAttentionOutput)> {
     const OP: &str = "DTensor::causal_attention";
     let a = x.as_any();
@@ -68,7 +213,7 @@ fn attention_parts<L: Layout>(
             ),
         ));
     }
-    let saved = ops::causal_attention(a.as_local(), cfg)?;
+    let saved = mask.forward(a.as_local(), cfg)?;
     let global = [
         a.global_shape()[0],
         a.global_shape()[1] / group * g * cfg.head_dim,

@@ -38,7 +38,7 @@
 //! keeps the checks and the wrapping they share.
 
 mod activation;
-mod attention;
+pub(crate) mod attention;
 mod cross_entropy;
 mod elementwise;
 mod embedding;

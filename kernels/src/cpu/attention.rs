@@ -17,7 +17,14 @@ pub(super) const BLOCK: usize = 64;
 /// Host kernel of [`crate::ops::causal_attention`]: relies on `g` being
 /// `spec::attention::check_qkv`'s sizes of this `qkv` and its configuration (float
 /// `[batch·s, H·3·d]`), which the front door computes.
-pub(crate) fn causal_attention(qkv: &Tensor, g: Dims) -> Result<CausalAttentionOutput> {
+///
+/// `first` is each token's first visible key position ([`AttentionMask`]'s bounds of
+/// every sample, `[batch·s]`; all 0 for plain causal attention).
+pub(crate) fn causal_attention(
+    qkv: &Tensor,
+    g: Dims,
+    first: &[usize],
+) -> Result<CausalAttentionOutput> {
     let mut out = Tensor::for_overwrite(&[g.tokens, g.heads * g.d], qkv.dtype());
     let mut lse = Tensor::for_overwrite(&[g.tokens, g.heads], acc_dtype(qkv.dtype()));
     dispatch_float!(OP, qkv.dtype(), |T| {
@@ -26,6 +33,7 @@ pub(crate) fn causal_attention(qkv: &Tensor, g: Dims) -> Result<CausalAttentionO
             lse.as_mut_slice()?,
             qkv.as_slice()?,
             &g,
+            first,
         );
         Ok(())
     })?;
@@ -35,13 +43,14 @@ pub(crate) fn causal_attention(qkv: &Tensor, g: Dims) -> Result<CausalAttentionO
 /// Host kernel of [`crate::ops::causal_attention_backward`]: relies on `g` as
 /// [`causal_attention`] does, on `dout` and `out` being `[tokens, H·d]` of `qkv`'s dtype and
 /// `lse` `[tokens, H]` of its compute dtype (`spec::same_dtype`, `spec::check_dst`), as the
-/// front door checks.
+/// front door checks, and on `first` as [`causal_attention`] does.
 pub(crate) fn causal_attention_backward(
     dout: &Tensor,
     qkv: &Tensor,
     out: &Tensor,
     lse: &Tensor,
     g: Dims,
+    first: &[usize],
 ) -> Result<Tensor> {
     let mut dqkv = Tensor::for_overwrite(qkv.shape(), qkv.dtype());
     dispatch_float!(OP_BACK, qkv.dtype(), |T| {
@@ -52,6 +61,7 @@ pub(crate) fn causal_attention_backward(
             out.as_slice()?,
             lse.as_slice()?,
             &g,
+            first,
         );
         Ok(())
     })?;
@@ -76,14 +86,16 @@ impl<A: AccFloat> Qkv<A> {
         }
     }
 
-    /// The loaded sample as [`Operands`], every row at its position in `pos` (`0..s`).
-    fn operands<'a>(&'a self, pos: &'a [usize], d: usize) -> Operands<'a, A> {
+    /// The loaded sample as [`Operands`], every row at its position in `pos` (`0..s`),
+    /// each query seeing keys from `first` on.
+    fn operands<'a>(&'a self, pos: &'a [usize], first: &'a [usize], d: usize) -> Operands<'a, A> {
         Operands {
             q: &self.q,
             k: &self.k,
             v: &self.v,
             q_pos: pos,
             k_pos: pos,
+            q_first: first,
             d,
         }
     }
@@ -144,7 +156,8 @@ fn rows<A>(x: &[A], r0: usize, r1: usize, d: usize) -> Mat<'_, A> {
 
 /// One (head, sample) pair's operands in the compute type, `[rows, d]` row-major each: q
 /// times `1/√d`, k, v; with each row's position in the sample
-/// (strictly increasing, so the keys a query sees in a key block are a prefix of it). The
+/// (strictly increasing) and each query's first visible key position (never decreasing),
+/// so the keys a query sees in a key block are a contiguous run of it. The
 /// full kernel passes one sample's q, k, v with positions `0..s`; the blockwise kernel
 /// ([`super::attention_block`]) a chunk of queries against another chunk's keys.
 pub(super) struct Operands<'a, A> {
@@ -153,6 +166,8 @@ pub(super) struct Operands<'a, A> {
     pub v: &'a [A],
     pub q_pos: &'a [usize],
     pub k_pos: &'a [usize],
+    /// Per query row, the first key position it sees ([`AttentionMask`]; 0 when causal).
+    pub q_first: &'a [usize],
     pub d: usize,
 }
 
@@ -163,10 +178,35 @@ fn blocks(n: usize) -> impl Iterator<Item = (usize, usize)> {
         .map(move |b0| (b0, (b0 + BLOCK).min(n)))
 }
 
-/// Keys `k0..k1` visible from a query at position `qp` (`k_pos` increasing): how many of
-/// them lead the block.
-fn live(k_pos: &[usize], k0: usize, k1: usize, qp: usize) -> usize {
-    k_pos[k0..k1].partition_point(|&p| p <= qp)
+/// Keys `k0..k1` visible from a query at position `qp` that sees keys from position
+/// `first` on (`k_pos` increasing): the run `start..end` of them (offsets in the block).
+fn live(k_pos: &[usize], k0: usize, k1: usize, first: usize, qp: usize) -> (usize, usize) {
+    let keys = &k_pos[k0..k1];
+    (
+        keys.partition_point(|&p| p < first),
+        keys.partition_point(|&p| p <= qp),
+    )
+}
+
+/// Whether tile `q0..q1` × `k0..k1` of `x` is skipped ([`key_tile_masked`]); counts the
+/// tiles that are not.
+fn skip_tile<A>(x: &Operands<'_, A>, (q0, q1): (usize, usize), (k0, k1): (usize, usize)) -> bool {
+    let masked = key_tile_masked(x.q_first[q0], x.q_pos[q1 - 1], x.k_pos[k0], x.k_pos[k1 - 1]);
+    if !masked {
+        TILES_COMPUTED.with(|n| n.set(n.get() + 1));
+    }
+    masked
+}
+
+thread_local! {
+    /// Score tiles the host kernels computed on this thread (forward and backward):
+    /// [`crate::ops::attention::host_tiles_computed`].
+    static TILES_COMPUTED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// The number behind [`crate::ops::attention::host_tiles_computed`].
+pub(crate) fn tiles_computed() -> u64 {
+    TILES_COMPUTED.with(|n| n.get())
 }
 
 /// Scratch of [`forward_sample`]: one block's scores, then probabilities; the running max,
@@ -193,7 +233,8 @@ impl<A: AccFloat> FwdScratch<A> {
 /// The online-softmax forward of one (head, sample) pair: for each query row `i`, calls
 /// `emit(i, acc, l, m)` with its unnormalized output `acc = Σ_j e^(s_ij − m) v_j`, the sum
 /// `l = Σ_j e^(s_ij − m)` and the running max `m` over the keys it sees (`l = 0`,
-/// `m = −∞` when it sees none). Key blocks wholly after a query block are skipped.
+/// `m = −∞` when it sees none). Key blocks no query of a query block sees are skipped
+/// ([`key_tile_masked`]).
 pub(super) fn forward_sample<A: ExpShifted>(
     x: &Operands<'_, A>,
     w: &mut FwdScratch<A>,
@@ -204,35 +245,35 @@ pub(super) fn forward_sample<A: ExpShifted>(
     let zero = A::ZERO;
     for (q0, q1) in blocks(nq) {
         let bq = q1 - q0;
-        let last = x.q_pos[q1 - 1];
         w.m.fill(A::neg_infinity());
         w.l.fill(zero);
         w.acc.fill(zero);
         for (k0, k1) in blocks(nk) {
-            // Key blocks past the query block's last row are masked for all its rows.
-            if x.k_pos[k0] > last {
-                break;
+            if skip_tile(x, (q0, q1), (k0, k1)) {
+                continue;
             }
             let bk = k1 - k0;
             let sc = &mut w.sc[..bq * bk];
             let kv = rows(x.k, k0, k1, d);
             matmul(sc, bk, rows(x.q, q0, q1, d), kv.t(), false);
             for r in 0..bq {
-                // Keys `k0 .. k0 + live` are visible from query `q0 + r`.
-                let live = live(x.k_pos, k0, k1, x.q_pos[q0 + r]);
+                // Keys `k0 + start .. k0 + end` are visible from query `q0 + r`.
+                let (start, end) = live(x.k_pos, k0, k1, x.q_first[q0 + r], x.q_pos[q0 + r]);
+                let end = end.max(start);
                 let row = &mut sc[r * bk..(r + 1) * bk];
                 let mut mx = w.m[r];
-                for &v in &row[..live] {
+                for &v in &row[start..end] {
                     mx = mx.max(v);
                 }
                 let corr = (w.m[r] - mx).exp();
-                A::exp_shifted(&mut row[..live], mx);
+                A::exp_shifted(&mut row[start..end], mx);
                 let mut sum = zero;
-                for &p in &row[..live] {
+                for &p in &row[start..end] {
                     sum += p;
                 }
-                row[live..].fill(zero);
-                if live > 0 {
+                row[..start].fill(zero);
+                row[end..].fill(zero);
+                if end > start {
                     w.l[r] = w.l[r] * corr + sum;
                     w.m[r] = mx;
                     for a in &mut w.acc[r * d..(r + 1) * d] {
@@ -365,8 +406,7 @@ fn backward_sample<A: ExpShifted>(
         let bk = k1 - k0;
         let (kv, vv) = (rows(x.k, k0, k1, d), rows(x.v, k0, k1, d));
         for (q0, q1) in blocks(nq) {
-            // Query blocks before the key block see none of its keys.
-            if x.k_pos[k0] > x.q_pos[q1 - 1] {
+            if skip_tile(x, (q0, q1), (k0, k1)) {
                 continue;
             }
             let bq = q1 - q0;
@@ -376,10 +416,12 @@ fn backward_sample<A: ExpShifted>(
             matmul(p, bk, qv, kv.t(), false);
             for r in 0..bq {
                 let i = q0 + r;
-                let live = live(x.k_pos, k0, k1, x.q_pos[i]);
+                let (start, end) = live(x.k_pos, k0, k1, x.q_first[i], x.q_pos[i]);
+                let end = end.max(start);
                 let row = &mut p[r * bk..(r + 1) * bk];
-                A::exp_shifted(&mut row[..live], ls[i]);
-                row[live..].fill(zero);
+                A::exp_shifted(&mut row[start..end], ls[i]);
+                row[..start].fill(zero);
+                row[end..].fill(zero);
             }
             matmul(
                 &mut dv[k0 * d..k1 * d],
@@ -403,7 +445,13 @@ fn backward_sample<A: ExpShifted>(
     }
 }
 
-fn forward<T: Float<Acc: ExpShifted>>(out: &mut [T], lse: &mut [T::Acc], qkv: &[T], g: &Dims) {
+fn forward<T: Float<Acc: ExpShifted>>(
+    out: &mut [T],
+    lse: &mut [T::Acc],
+    qkv: &[T],
+    g: &Dims,
+    first: &[usize],
+) {
     let (s, d, nh) = (g.s, g.d, g.heads);
     let mut x = Qkv::new(g);
     let pos: Vec<usize> = (0..s).collect();
@@ -413,7 +461,7 @@ fn forward<T: Float<Acc: ExpShifted>>(out: &mut [T], lse: &mut [T::Acc], qkv: &[
             x.load_kv(qkv, g, h / g.g, b);
         }
         x.load_q(qkv, g, h, b);
-        let ops = x.operands(&pos, d);
+        let ops = x.operands(&pos, &first[b * s..(b + 1) * s], d);
         forward_sample(&ops, &mut w, |i, acc, l, m| {
             let t = b * s + i;
             let dst = &mut out[t * nh * d + h * d..][..d];
@@ -433,6 +481,7 @@ fn backward<T: Float<Acc: ExpShifted>>(
     out: &[T],
     lse: &[T::Acc],
     g: &Dims,
+    first: &[usize],
 ) {
     let (s, d, nh) = (g.s, g.d, g.heads);
     let scale = T::Acc::lit(g.scale);
@@ -442,14 +491,14 @@ fn backward<T: Float<Acc: ExpShifted>>(
     // dK and dV of the KV head, summed over its query heads in order.
     let (mut dk_sum, mut dv_sum) = (vec![T::Acc::ZERO; s * d], vec![T::Acc::ZERO; s * d]);
     for (h, b) in head_order(g) {
-        let (j, first) = (h / g.g, h % g.g == 0);
-        if first {
+        let (j, first_of_group) = (h / g.g, h % g.g == 0);
+        if first_of_group {
             x.load_kv(qkv, g, j, b);
             dk_sum.fill(T::Acc::ZERO);
             dv_sum.fill(T::Acc::ZERO);
         }
         x.load_q(qkv, g, h, b);
-        let ops = x.operands(&pos, d);
+        let ops = x.operands(&pos, &first[b * s..(b + 1) * s], d);
         grads.compute(&ops, dout, out, lse, nh, h, b);
         let SampleGrads { dq, dk, dv, .. } = &grads;
         let qc = q_col(g, h);

@@ -35,18 +35,20 @@ pub(crate) fn pack_kv(
 }
 
 /// Host kernel of [`crate::ops::attention_block`](fn@crate::ops::attention_block): relies on
-/// `g` being `check_block`'s sizes of `qkv`, `kv` and `cfg`.
+/// `g` being `check_block`'s sizes of `qkv`, `kv` and `cfg`, and `first` its
+/// `BlockAttention::first_keys` (`[batch·nq]`).
 pub(crate) fn attention_block(
     qkv: &Tensor,
     kv: &Tensor,
     cfg: &BlockAttention,
     g: Dims,
+    first: &[usize],
 ) -> Result<CausalAttentionOutput> {
     let acc = acc_dtype(qkv.dtype());
     let rows = g.batch * g.nq;
     let mut out = Tensor::zeros(&[rows, g.heads * g.d], acc);
     let mut lse = Tensor::zeros(&[rows, g.heads], acc).map(|_| f64::NEG_INFINITY);
-    if !cfg.fully_masked() {
+    if !cfg.fully_masked(g.batch) {
         dispatch_float!(OP, qkv.dtype(), |T| {
             block_forward::<T>(
                 out.as_mut_slice()?,
@@ -55,6 +57,7 @@ pub(crate) fn attention_block(
                 kv.as_slice()?,
                 &g,
                 cfg,
+                first,
             );
             Ok(())
         })?;
@@ -104,13 +107,20 @@ impl<A: AccFloat> Loaded<A> {
         }
     }
 
-    fn operands<'a>(&'a self, cfg: &'a BlockAttention, d: usize) -> Operands<'a, A> {
+    /// The loaded sample's operands, its queries seeing keys from `first` (`[nq]`) on.
+    fn operands<'a>(
+        &'a self,
+        cfg: &'a BlockAttention,
+        first: &'a [usize],
+        d: usize,
+    ) -> Operands<'a, A> {
         Operands {
             q: &self.q,
             k: &self.k,
             v: &self.v,
             q_pos: cfg.q_pos,
             k_pos: cfg.k_pos,
+            q_first: first,
             d,
         }
     }
@@ -123,6 +133,7 @@ fn block_forward<T: Float<Acc: ExpShifted>>(
     kv: &[T],
     g: &Dims,
     cfg: &BlockAttention,
+    first: &[usize],
 ) {
     let (d, nh) = (g.d, g.heads);
     let mut x = Loaded::<T::Acc>::new(g);
@@ -132,7 +143,8 @@ fn block_forward<T: Float<Acc: ExpShifted>>(
             x.load_kv(kv, g, h / g.g, b);
         }
         x.load_q(qkv, g, h, b);
-        forward_sample(&x.operands(cfg, d), &mut w, |i, acc, l, m| {
+        let first = &first[b * g.nq..(b + 1) * g.nq];
+        forward_sample(&x.operands(cfg, first, d), &mut w, |i, acc, l, m| {
             let t = b * g.nq + i;
             let dst = &mut out[t * nh * d + h * d..][..d];
             if l > T::Acc::ZERO {
@@ -198,7 +210,7 @@ pub(crate) fn merge_attention(
 }
 
 /// Host kernel of [`crate::ops::attention_block_backward`]: relies on `g` being
-/// `check_block_backward`'s sizes of these operands.
+/// `check_block_backward`'s sizes of these operands and `first` as [`attention_block`]'s.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_block_backward(
     dout: &Tensor,
@@ -210,8 +222,9 @@ pub(crate) fn attention_block_backward(
     dq: &mut Tensor,
     dkv: &mut Tensor,
     g: Dims,
+    first: &[usize],
 ) -> Result<()> {
-    if cfg.fully_masked() {
+    if cfg.fully_masked(g.batch) {
         return Ok(());
     }
     dispatch_float!(OP_BACK, qkv.dtype(), |T| {
@@ -225,6 +238,7 @@ pub(crate) fn attention_block_backward(
             lse.as_slice()?,
             &g,
             cfg,
+            first,
         );
         Ok(())
     })
@@ -241,6 +255,7 @@ fn block_backward<T: Float<Acc: ExpShifted>>(
     lse: &[T::Acc],
     g: &Dims,
     cfg: &BlockAttention,
+    first: &[usize],
 ) {
     let (d, nh, nq, nk) = (g.d, g.heads, g.nq, g.nk);
     let mut x = Loaded::<T::Acc>::new(g);
@@ -250,7 +265,8 @@ fn block_backward<T: Float<Acc: ExpShifted>>(
             x.load_kv(kv, g, h / g.g, b);
         }
         x.load_q(qkv, g, h, b);
-        grads.compute(&x.operands(cfg, d), dout, out, lse, nh, h, b);
+        let first = &first[b * nq..(b + 1) * nq];
+        grads.compute(&x.operands(cfg, first, d), dout, out, lse, nh, h, b);
         let SampleGrads { dq, dk, dv, .. } = &grads;
         for i in 0..nq {
             let at = (b * nq + i) * nh * d + h * d;

@@ -17,11 +17,15 @@
 //!
 //! Position embeddings are the caller's (RoPE each row at its true position before packing:
 //! [`rope`](fn@super::rope)); the positions here are the mask's, which keeps key `j` for
-//! query `i` when `k_pos[j] ≤ q_pos[i]`. A query that sees no key of a block gets `out = 0` and
+//! query `i` when `k_pos[j] ≤ q_pos[i]`, and with an [`AttentionMask`](super::AttentionMask)
+//! ([`BlockAttention::mask`]) also when `k_pos[j]` lies in the query's document and window:
+//! the document ids are those of the block's whole samples, looked up at the positions,
+//! so a query's document may start in a chunk another rank holds. A block no query sees
+//! ([`BlockAttention::fully_masked`]) is not computed. A query that sees no key of a block gets `out = 0` and
 //! `lse = −∞` there, which [`merge_attention`] treats as "no contribution". Positions must
 //! be strictly increasing within a sample (checked): then the keys a query sees in a key
-//! tile are a prefix of it, as in the full kernel, and tiles wholly in a query tile's
-//! future are skipped. The per-sample work is the full kernel's own code
+//! tile are a contiguous run of it, as in the full kernel, and tiles no query of a query
+//! tile sees are skipped ([`key_tile_masked`](super::key_tile_masked)). The per-sample work is the full kernel's own code
 //! ([`causal_attention`](super::causal_attention) is this with `q_pos = k_pos = 0..s`).
 //!
 //! Single-threaded; `f32`/`bf16`/`f16` compute in `f32`, `f64` in `f64`.
@@ -53,8 +57,9 @@ pub fn attention_block(
     cfg: &BlockAttention,
 ) -> Result<CausalAttentionOutput> {
     let g = check_block(OP, qkv, kv, cfg)?;
-    dispatch!(OP, [qkv, kv] => device::attention_block(&qkv, &kv, cfg, &g));
-    crate::cpu::attention_block::attention_block(qkv, kv, cfg, g)
+    let first = cfg.first_keys(OP, g.batch)?;
+    dispatch!(OP, [qkv, kv] => device::attention_block(&qkv, &kv, cfg, &g, &first));
+    crate::cpu::attention_block::attention_block(qkv, kv, cfg, g, &first)
 }
 
 /// Merges a partial attention result into a running one, row and head at a time:
@@ -89,10 +94,13 @@ pub fn attention_block_backward(
     dkv: &mut Tensor,
 ) -> Result<()> {
     let g = check_block_backward(OP_BACK, dout, qkv, kv, out, lse, cfg, dq, dkv)?;
+    let first = cfg.first_keys(OP_BACK, g.batch)?;
     if crate::dispatch::on_cuda(OP_BACK, &[dout, qkv, kv, out, lse, &*dq, &*dkv])? {
-        return attention_block_backward_cuda([dout, qkv, kv, out, lse], cfg, dq, dkv, &g);
+        return attention_block_backward_cuda([dout, qkv, kv, out, lse], cfg, dq, dkv, &g, &first);
     }
-    crate::cpu::attention_block::attention_block_backward(dout, qkv, kv, out, lse, cfg, dq, dkv, g)
+    crate::cpu::attention_block::attention_block_backward(
+        dout, qkv, kv, out, lse, cfg, dq, dkv, g, &first,
+    )
 }
 
 /// The grouped fused `[tokens, K·(g+2)·d]` gradient of a QKV from its parts: `dq`
@@ -156,12 +164,13 @@ fn attention_block_backward_cuda(
     dq: &mut Tensor,
     dkv: &mut Tensor,
     g: &crate::spec::attention_block::Dims,
+    first: &[usize],
 ) -> Result<()> {
     let [dout, qkv, kv, out, lse] = ins.map(Tensor::cuda_tensor);
     let (dout, qkv, kv, out, lse) = (dout?, qkv?, kv?, out?, lse?);
     crate::dispatch::with_cuda_mut(dq, |dq| {
         crate::dispatch::with_cuda_mut(dkv, |dkv| {
-            device::attention_block_backward(&dout, &qkv, &kv, &out, &lse, cfg, dq, dkv, g)
+            device::attention_block_backward(&dout, &qkv, &kv, &out, &lse, cfg, dq, dkv, g, first)
         })
     })
 }
@@ -173,6 +182,7 @@ fn attention_block_backward_cuda(
     _: &mut Tensor,
     _: &mut Tensor,
     _: &crate::spec::attention_block::Dims,
+    _: &[usize],
 ) -> Result<()> {
     unreachable!("no device tensor exists without the `cuda` feature")
 }
@@ -231,13 +241,15 @@ mod device {
     }
 
     /// One block call's loaded operands: q `[H, B, nq, d]` (times the score scale), k and v
-    /// `[K, B, nk, d]` in the compute type, and the positions.
+    /// `[K, B, nk, d]` in the compute type, the positions, and each query row's first
+    /// visible key position (`[B, nq]`).
     struct BlockOperands {
         q: CudaTensor,
         k: CudaTensor,
         v: CudaTensor,
         qpos: CudaTensor,
         kpos: CudaTensor,
+        qfirst: CudaTensor,
     }
 
     fn block_load(
@@ -246,6 +258,7 @@ mod device {
         kv: &CudaTensor,
         g: &Dims,
         cfg: &BlockAttention,
+        first: &[usize],
     ) -> Result<BlockOperands> {
         let (dev, dt) = (qkv.device(), qkv.dtype());
         let ad = acc_dtype(dt);
@@ -266,6 +279,7 @@ mod device {
             v,
             qpos: positions(op, cfg.q_pos, dev)?,
             kpos: positions(op, cfg.k_pos, dev)?,
+            qfirst: positions(op, first, dev)?,
         })
     }
 
@@ -278,6 +292,7 @@ mod device {
         kv: &CudaTensor,
         cfg: &BlockAttention,
         g: &Dims,
+        first: &[usize],
     ) -> Result<CausalAttentionOutput> {
         const OP: &str = "ops::attention_block";
         let (dev, dt) = (qkv.device(), qkv.dtype());
@@ -288,18 +303,18 @@ mod device {
         if rows * g.heads == 0 {
             return Ok(output(out, lse));
         }
-        if cfg.fully_masked() {
+        if cfg.fully_masked(g.batch) {
             let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_masked", dt)?;
             launch_kernel!(OP, dev, f, grid_for(rows * g.heads * g.d);
                 dst &mut out, dst &mut lse, u64 rows, u64 g.heads, u64 g.d)?;
             return Ok(output(out, lse));
         }
         let smem = shared_bound(OP, g.nk, &format!("{} keys per sample", g.nk), dt)?;
-        let x = block_load(OP, qkv, kv, g, cfg)?;
+        let x = block_load(OP, qkv, kv, g, cfg, first)?;
         let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_forward", dt)?;
         launch_kernel!(OP, dev, f, per_row(OP, g.heads * rows, smem)?;
-            src &x.q, src &x.k, src &x.v, src &x.qpos, src &x.kpos, dst &mut out, dst &mut lse,
-            u64 g.batch, u64 g.heads, u64 g.g, u64 g.nq, u64 g.nk, u64 g.d)?;
+            src &x.q, src &x.k, src &x.v, src &x.qpos, src &x.kpos, src &x.qfirst, dst &mut out,
+            dst &mut lse, u64 g.batch, u64 g.heads, u64 g.g, u64 g.nq, u64 g.nk, u64 g.d)?;
         Ok(output(out, lse))
     }
 
@@ -318,23 +333,24 @@ mod device {
         dq: &mut CudaTensor,
         dkv: &mut CudaTensor,
         g: &Dims,
+        first: &[usize],
     ) -> Result<()> {
         const OP: &str = "ops::attention_block_backward";
         let rq = g.batch * g.nq;
         let (dt, ad) = (qkv.dtype(), acc_dtype(qkv.dtype()));
-        if cfg.fully_masked() || rq * g.heads == 0 {
+        if cfg.fully_masked(g.batch) || rq * g.heads == 0 {
             return Ok(());
         }
         let what = format!("{} keys and 2 × {} queries per sample", g.nk, g.nq);
         let smem = shared_bound(OP, g.nk.max(2 * g.nq), &what, dt)?;
         let dev = qkv.device();
-        let x = block_load(OP, qkv, kv, g, cfg)?;
+        let x = block_load(OP, qkv, kv, g, cfg, first)?;
         let mut dsum = CudaTensor::uninit(dev, &[g.heads, g.batch, g.nq], ad)?;
         let scale = Acc::lit(dt, g.scale);
         let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_backward_dq", dt)?;
         launch_kernel!(OP, dev, f, per_row(OP, g.heads * rq, smem)?;
             src &x.q, src &x.k, src &x.v, src dout, src out, src lse, src &x.qpos, src &x.kpos,
-            dst &mut dsum, dst dq, u64 g.batch, u64 g.heads, u64 g.g, u64 g.nq, u64 g.nk,
+            src &x.qfirst, dst &mut dsum, dst dq, u64 g.batch, u64 g.heads, u64 g.g, u64 g.nq, u64 g.nk,
             u64 g.d, acc scale)?;
         // Same stream: runs after the dq kernel has written every D_i into dsum. Each query
         // head's share of dk, dv apart (`[H, B, nk, d]`), then a group's shares added in.
@@ -344,7 +360,7 @@ mod device {
         let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_backward_dkv", dt)?;
         launch_kernel!(OP, dev, f, per_row(OP, g.heads * g.batch * g.nk, smem)?;
             src &x.q, src &x.k, src &x.v, src dout, src lse, src &dsum, src &x.qpos, src &x.kpos,
-            dst &mut dk, dst &mut dv, u64 g.batch, u64 g.heads, u64 g.g, u64 g.nq, u64 g.nk,
+            src &x.qfirst, dst &mut dk, dst &mut dv, u64 g.batch, u64 g.heads, u64 g.g, u64 g.nq, u64 g.nk,
             u64 g.d)?;
         let f = func(dev, &source::ATTENTION_BLOCK, "attn_block_kv_add", dt)?;
         launch_kernel!(OP, dev, f, grid_for(g.kv_heads * g.batch * g.nk * g.d);

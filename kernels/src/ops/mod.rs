@@ -11,7 +11,7 @@
 //! | [`embedding`](mod@embedding) | [`embedding()`], [`embedding_masked`] (vocab-parallel) | [`embedding_backward`], [`embedding_masked_backward`] (and `_into`) |
 //! | [`reduction`] | [`sum_dim`], [`max_dim`] (the dim is removed) | [`sum_dim_backward`], [`max_dim_backward`] |
 //! | [`moe`] | [`gather_rows`], [`grouped_matmul_t`] (per-expert `x·W[e]ᵀ` over row groups) | [`scatter_add_rows`], [`grouped_matmul_t_backward`] |
-//! | [`attention`](mod@attention) | [`causal_attention`] (fused QKV with q, k already rotated, causal, flash-style) | [`causal_attention_backward`] |
+//! | [`attention`](mod@attention) | [`causal_attention`] (fused QKV with q, k already rotated, causal, flash-style), [`causal_attention_masked`] (packed documents, sliding window: [`AttentionMask`]) | [`causal_attention_backward`], [`causal_attention_masked_backward`] |
 //! | [`attention_block`](mod@attention_block) | [`attention_block()`] (a query block against another block's keys, true positions), [`merge_attention`] | [`attention_block_backward`] |
 //! | [`cross_entropy`](mod@cross_entropy) | [`ce_targets`] (checked once into [`CheckedTargets`]), [`ce_row_max`], [`ce_sum_target`], [`ce_loss`] (vocab-parallel, in f64; an ignore index, a z-loss) | [`ce_grad`] |
 //! | [`reduce`](mod@reduce) | [`combine`], [`reduce_into`] (the collectives' reductions on whole tensors) | |
@@ -90,7 +90,9 @@ pub mod rope;
 pub mod softmax;
 pub(crate) mod tensor;
 
-pub use crate::spec::attention::{CausalAttention, CausalAttentionOutput};
+pub use crate::spec::attention::{
+    key_tile_masked, AttentionMask, CausalAttention, CausalAttentionOutput,
+};
 pub use crate::spec::attention_block::BlockAttention;
 pub use crate::spec::embedding::VocabShard;
 pub use crate::spec::moe::GroupedMatmulGrads;
@@ -100,7 +102,10 @@ pub use activation::{
     gelu, gelu_backward, gelu_backward_into, gelu_into, silu, silu_backward, silu_backward_into,
     silu_into, swiglu, swiglu_backward, swiglu_backward_into, swiglu_into, SwiGluGrads,
 };
-pub use attention::{causal_attention, causal_attention_backward};
+pub use attention::{
+    causal_attention, causal_attention_backward, causal_attention_masked,
+    causal_attention_masked_backward, host_tiles_computed,
+};
 pub use attention_block::{
     attention_block, attention_block_backward, fuse_qkv_grad, gather_rows, merge_attention, pack_kv,
 };

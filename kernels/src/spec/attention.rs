@@ -134,3 +134,134 @@ pub(crate) fn check_qkv<L: Layout + ?Sized>(
         cols,
     })
 }
+
+pub(crate) const OP_MASK: &str = "ops::causal_attention_masked";
+pub(crate) const OP_MASK_BACK: &str = "ops::causal_attention_masked_backward";
+
+/// What a query sees besides causality: its own document of a packed sample, and a
+/// sliding window. The empty mask ([`AttentionMask::CAUSAL`]) is plain causal attention.
+///
+/// Query position `i` of a sample sees key position `j` iff
+///
+/// - `j ≤ i` (causal, always);
+/// - with [`documents`](Self::documents): `j` lies in `i`'s document, where a document is a
+///   run of consecutive tokens of the sample with the same id (ids need only differ
+///   between neighbouring documents: `0, 0, 1, 1, 0` are three documents; a sample's
+///   first token always starts one, so documents never cross samples);
+/// - with [`window`](Self::window) `w ≥ 1`: `i − w < j`, the Mistral / Hugging Face
+///   convention: `w` keys including the query itself (`w = 1` sees only itself).
+///
+/// Both together: the intersection. Either way the keys a query sees are the contiguous
+/// positions `first_key(i) ..= i` (its document's first token or `i + 1 − w`, whichever is
+/// later), and `first_key` never decreases along a sample: that is what lets the kernels
+/// skip whole key tiles ([`key_tile_masked`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttentionMask<'a> {
+    /// One document id per token, in the natural order of the tokens (samples one after
+    /// another, as `qkv`'s rows); `None`: each sample is one document.
+    pub documents: Option<&'a [u32]>,
+    /// The sliding window `w ≥ 1` (keys seen, the query included); `None`: unbounded.
+    pub window: Option<usize>,
+}
+
+impl<'a> AttentionMask<'a> {
+    /// Plain causal attention: no documents, no window.
+    pub const CAUSAL: AttentionMask<'static> = AttentionMask {
+        documents: None,
+        window: None,
+    };
+
+    /// The same with packed documents: `ids[t]` is token `t`'s document.
+    pub fn documents(self, ids: &'a [u32]) -> AttentionMask<'a> {
+        AttentionMask {
+            documents: Some(ids),
+            ..self
+        }
+    }
+
+    /// The same with a sliding window of `w` keys (the query included).
+    pub fn window(self, w: usize) -> AttentionMask<'a> {
+        AttentionMask {
+            window: Some(w),
+            ..self
+        }
+    }
+
+    /// Whether this is plain causal attention.
+    pub fn is_causal(&self) -> bool {
+        self.documents.is_none() && self.window.is_none()
+    }
+
+    /// The first key position each query sees: for each of the `samples` samples of
+    /// `seq_len` tokens (whose ids are `documents[b·seq_len ..]`), and each of `positions`
+    /// (positions in the sample, each below `seq_len`), `first_key`; `samples ·
+    /// positions.len()` values, sample by sample. `Err` (naming `op`) when the ids are not
+    /// one per token of the samples, the window is 0, or a position lies past the sample.
+    pub(crate) fn first_keys(
+        &self,
+        op: &'static str,
+        samples: usize,
+        seq_len: usize,
+        positions: &[usize],
+    ) -> Result<Vec<usize>> {
+        let bad = |detail: String| Err(Error::Invalid { op, detail });
+        if self.window == Some(0) {
+            return bad("the sliding window must be at least 1 key (the query itself)".into());
+        }
+        if let Some(&p) = positions.iter().find(|&&p| p >= seq_len) {
+            return bad(format!(
+                "position {p} lies past a sample of {seq_len} tokens"
+            ));
+        }
+        if let Some(ids) = self.documents {
+            if Some(ids.len()) != samples.checked_mul(seq_len) {
+                return bad(format!(
+                    "{} document ids for {samples} samples of {seq_len} tokens: want one per token ({})",
+                    ids.len(),
+                    samples.saturating_mul(seq_len)
+                ));
+            }
+        }
+        let from_window = |p: usize| match self.window {
+            Some(w) => (p + 1).saturating_sub(w),
+            None => 0,
+        };
+        let mut first = Vec::with_capacity(samples * positions.len());
+        let mut start = vec![0; if self.documents.is_some() { seq_len } else { 0 }];
+        for b in 0..samples {
+            if let Some(ids) = self.documents {
+                let ids = &ids[b * seq_len..(b + 1) * seq_len];
+                for p in 1..seq_len {
+                    start[p] = if ids[p] == ids[p - 1] {
+                        start[p - 1]
+                    } else {
+                        p
+                    };
+                }
+            }
+            first.extend(positions.iter().map(|&p| {
+                let doc = start.get(p).copied().unwrap_or(0);
+                doc.max(from_window(p))
+            }));
+        }
+        Ok(first)
+    }
+}
+
+/// Whether a tile of queries sees none of a tile of keys, so a kernel skips it: the
+/// queries' positions are increasing and the first of them sees keys from
+/// `first_query_first_key` on (the smallest [`AttentionMask`] bound of the tile, as bounds
+/// never decrease), the last sits at `last_query`; the keys span `first_key ..= last_key`.
+/// The tile is skipped when every key lies after the last query (causality) or before the
+/// first query's first visible key (documents, window). On the kernels' aligned square
+/// tiles this is exact (a tile kept holds a visible key); on other tiles it errs towards
+/// computing, and the per-row ranges mask the rest. Both the host kernels and the device
+/// kernels decide with this rule (the device ones per query row, a tile of one).
+pub fn key_tile_masked(
+    first_query_first_key: usize,
+    last_query: usize,
+    first_key: usize,
+    last_key: usize,
+) -> bool {
+    first_key > last_query || last_key < first_query_first_key
+}

@@ -1,6 +1,7 @@
 //! Attention of a query block against another block's keys (context parallelism): its
 //! configuration and the checks of its operands, its merge and its gradient fusion.
 
+use super::attention::AttentionMask;
 use super::*;
 
 pub(crate) const OP: &str = "ops::attention_block";
@@ -25,15 +26,73 @@ pub struct BlockAttention<'a> {
     pub q_pos: &'a [usize],
     /// Each key row's position in its sample, strictly increasing.
     pub k_pos: &'a [usize],
+    /// Documents and window besides causality ([`AttentionMask`]). Its document ids are
+    /// those of the block's *whole* samples (one per token of each sample, samples one
+    /// after another, natural order): a query row's document may start in a chunk another
+    /// rank holds, so each block looks its rows up by position.
+    pub mask: AttentionMask<'a>,
 }
 
 impl BlockAttention<'_> {
-    /// Whether every key of the block lies after every query (nothing to compute).
-    pub fn fully_masked(&self) -> bool {
-        match (self.q_pos.last(), self.k_pos.first()) {
-            (Some(&q), Some(&k)) => k > q,
-            _ => true,
+    /// Whether no query of the block's `samples` samples sees any of its keys (nothing to
+    /// compute). An inconsistent mask (the operation's checks report it) counts as not
+    /// masked.
+    pub fn fully_masked(&self, samples: usize) -> bool {
+        let (Some(&q_last), Some(&k_first)) = (self.q_pos.last(), self.k_pos.first()) else {
+            return true;
+        };
+        if k_first > q_last {
+            return true;
         }
+        if self.mask.is_causal() {
+            return false;
+        }
+        let Ok(first) = self.first_keys(OP, samples) else {
+            return false;
+        };
+        let nq = self.q_pos.len();
+        first.chunks(nq.max(1)).all(|firsts| {
+            firsts.iter().zip(self.q_pos).all(|(&lo, &qp)| {
+                self.k_pos.partition_point(|&p| p <= qp) <= self.k_pos.partition_point(|&p| p < lo)
+            })
+        })
+    }
+
+    /// Each query row's first visible key position ([`AttentionMask`]), `samples · nq`
+    /// values sample by sample; `Err` (naming `op`) for a mask that does not fit: ids not
+    /// one per token of `samples` whole samples, positions past a sample, a window of 0.
+    pub(crate) fn first_keys(&self, op: &'static str, samples: usize) -> Result<Vec<usize>> {
+        let last = self
+            .q_pos
+            .iter()
+            .chain(self.k_pos)
+            .copied()
+            .max()
+            .unwrap_or(0);
+        let seq_len = match self.mask.documents {
+            None => last + 1,
+            Some([]) if samples == 0 => last + 1,
+            Some(ids) if samples > 0 && ids.len().is_multiple_of(samples) => ids.len() / samples,
+            Some(ids) => {
+                return Err(Error::Invalid {
+                    op,
+                    detail: format!(
+                    "{} document ids are not one per token of the block's {samples} whole samples",
+                    ids.len()
+                ),
+                })
+            }
+        };
+        if last >= seq_len {
+            return Err(Error::Invalid {
+                op,
+                detail: format!(
+                    "position {last} lies past the samples of {seq_len} tokens the {} document ids cover",
+                    self.mask.documents.map_or(0, <[u32]>::len)
+                ),
+            });
+        }
+        self.mask.first_keys(op, samples, seq_len, self.q_pos)
     }
 }
 

@@ -13,8 +13,13 @@
 //   Loaded operands: q [H, B, nq, d] (times the score scale), k, v [K, B, nk, d]; query head h
 //   reads KV head h / g. q and k come in already rotated (the caller's RoPE). qpos [nq],
 //   kpos [nk]: i64 positions (for the mask).
-// Query i sees key j when kpos[j] <= qpos[i]: with increasing positions the visible keys are a
-// prefix (count_le) and the queries that see key j a suffix (count_lt).
+// qfirst [B*nq]: i64, each query row's first visible key position (ops::AttentionMask: its
+// document's start or the window's, 0 for plain causal attention), never decreasing along a
+// sample. Query i sees key j when qfirst[b*nq + i] <= kpos[j] <= qpos[i]: with increasing
+// positions the visible keys are a contiguous run (count_lt .. count_le), and the queries that see
+// key j are too (those from count_lt(qpos, kpos[j]) on, before count_le(qfirst, kpos[j])). The
+// loops visit exactly those keys and queries: masked ones are skipped, never computed (the host's
+// tile rule ops::key_tile_masked on a tile of one row), and a block no query sees is not launched.
 
 template <class A> __device__ __forceinline__ A* blk_smem() {
     extern __shared__ double blk_smem_d[];  // double: 8-byte aligned for both compute types
@@ -73,15 +78,16 @@ template <class A> __device__ void blk_masked_k(A* out, A* lse, u64 rows, u64 he
 // Forward of query row (h, b, i): normalized out and lse over the visible keys; a row that sees
 // none gets out = 0, lse = -inf. Shared memory: nk scores.
 template <class A>
-__device__ void blk_fwd_k(const A* q, const A* k, const A* v, const i64* qpos, const i64* kpos, A* out, A* lse,
-                          u64 batch, u64 heads, u64 g, u64 nq, u64 nk, u64 d) {
+__device__ void blk_fwd_k(const A* q, const A* k, const A* v, const i64* qpos, const i64* kpos, const i64* qfirst,
+                          A* out, A* lse, u64 batch, u64 heads, u64 g, u64 nq, u64 nk, u64 d) {
     A* e = blk_smem<A>();
     u64 row = blockIdx.x;
     u64 i = row % nq, b = (row / nq) % batch, h = row / (nq * batch);
     u64 t = b * nq + i;
     A* o = out + t * heads * d + h * d;
-    u64 live = count_le(kpos, nk, qpos[i]);  // the same in every thread of the block
-    if (live == 0) {
+    // The visible keys j0 .. live - 1: the same in every thread of the block.
+    u64 j0 = count_lt(kpos, nk, qfirst[t]), live = count_le(kpos, nk, qpos[i]);
+    if (live <= j0) {
         for (u64 c = threadIdx.x; c < d; c += blockDim.x) o[c] = (A)0;
         if (threadIdx.x == 0) lse[t * heads + h] = neg_inf<A>();
         return;
@@ -90,14 +96,14 @@ __device__ void blk_fwd_k(const A* q, const A* k, const A* v, const i64* qpos, c
     const A* kb = k + ((h / g) * batch + b) * nk * d;
     const A* vb = v + ((h / g) * batch + b) * nk * d;
     A m = neg_inf<A>();
-    for (u64 j = threadIdx.x; j < live; j += blockDim.x) {
+    for (u64 j = j0 + threadIdx.x; j < live; j += blockDim.x) {
         A sc = row_dot(qi, kb + j * d, d);
         e[j] = sc;
         if (sc > m) m = sc;
     }
     m = block_max(m);
     A l = 0;
-    for (u64 j = threadIdx.x; j < live; j += blockDim.x) {
+    for (u64 j = j0 + threadIdx.x; j < live; j += blockDim.x) {
         A x = exp_fast(e[j] - m);
         e[j] = x;
         l += x;
@@ -105,7 +111,7 @@ __device__ void blk_fwd_k(const A* q, const A* k, const A* v, const i64* qpos, c
     l = block_sum(l);  // also a barrier: every e[j] is written
     for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
         A acc = 0;
-        for (u64 j = 0; j < live; ++j) acc += e[j] * vb[j * d + c];
+        for (u64 j = j0; j < live; ++j) acc += e[j] * vb[j * d + c];
         o[c] = acc / l;
     }
     if (threadIdx.x == 0) lse[t * heads + h] = m + lg(l);
@@ -117,7 +123,7 @@ __device__ void blk_fwd_k(const A* q, const A* k, const A* v, const i64* qpos, c
 template <class T>
 __device__ void blk_bwd_dq_k(const typename Tr<T>::A* q, const typename Tr<T>::A* k, const typename Tr<T>::A* v,
                              const T* dout, const T* out, const typename Tr<T>::A* lse, const i64* qpos,
-                             const i64* kpos, typename Tr<T>::A* dsum, typename Tr<T>::A* dq, u64 batch, u64 heads,
+                             const i64* kpos, const i64* qfirst, typename Tr<T>::A* dsum, typename Tr<T>::A* dq, u64 batch, u64 heads,
                              u64 g, u64 nq, u64 nk, u64 d, typename Tr<T>::A scale) {
     typedef typename Tr<T>::A A;
     A* ds = blk_smem<A>();
@@ -130,13 +136,13 @@ __device__ void blk_bwd_dq_k(const typename Tr<T>::A* q, const typename Tr<T>::A
     for (u64 c = threadIdx.x; c < d; c += blockDim.x) part += Tr<T>::to(go[c]) * Tr<T>::to(oo[c]);
     A D = block_sum(part);
     if (threadIdx.x == 0) dsum[(h * batch + b) * nq + i] = D;
-    u64 live = count_le(kpos, nk, qpos[i]);
-    if (live == 0) return;  // uniform over the block
+    u64 j0 = count_lt(kpos, nk, qfirst[t]), live = count_le(kpos, nk, qpos[i]);
+    if (live <= j0) return;  // uniform over the block
     A L = lse[t * heads + h];
     const A* qi = q + ((h * batch + b) * nq + i) * d;
     const A* kb = k + ((h / g) * batch + b) * nk * d;
     const A* vb = v + ((h / g) * batch + b) * nk * d;
-    for (u64 j = threadIdx.x; j < live; j += blockDim.x) {
+    for (u64 j = j0 + threadIdx.x; j < live; j += blockDim.x) {
         A p = exp_fast(row_dot(qi, kb + j * d, d) - L);
         A dp = 0;
         const A* vj = vb + j * d;
@@ -147,19 +153,20 @@ __device__ void blk_bwd_dq_k(const typename Tr<T>::A* q, const typename Tr<T>::A
     A* dst = dq + t * heads * d + h * d;
     for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
         A acc = 0;
-        for (u64 j = 0; j < live; ++j) acc += ds[j] * kb[j * d + c];
+        for (u64 j = j0; j < live; ++j) acc += ds[j] * kb[j * d + c];
         dst[c] += acc * scale;
     }
 }
 
 // Query head h's share of dk, dv of key row (b, j) of its KV head (after blk_bwd_dq, which
-// stored D): over the queries that see key j (a suffix i0..nq), dv_j = sum_i P_ij dout_i,
+// stored D): over the queries that see key j (a run i0..i1), dv_j = sum_i P_ij dout_i,
 // dk = sum_i dS_ij q_i (q already scaled), into dk/dv [H, B, nk, d] (blk_kv_add adds a group's
 // shares into dkv). Shared memory: 2*nq values (P and dS).
 template <class T>
 __device__ void blk_bwd_dkv_k(const typename Tr<T>::A* q, const typename Tr<T>::A* k, const typename Tr<T>::A* v,
                               const T* dout, const typename Tr<T>::A* lse, const typename Tr<T>::A* dsum,
-                              const i64* qpos, const i64* kpos, typename Tr<T>::A* dk, typename Tr<T>::A* dv,
+                              const i64* qpos, const i64* kpos, const i64* qfirst, typename Tr<T>::A* dk,
+                              typename Tr<T>::A* dv,
                               u64 batch, u64 heads, u64 g, u64 nq, u64 nk, u64 d) {
     typedef typename Tr<T>::A A;
     A* P = blk_smem<A>();
@@ -168,15 +175,16 @@ __device__ void blk_bwd_dkv_k(const typename Tr<T>::A* q, const typename Tr<T>::
     u64 j = row % nk, b = (row / nk) % batch, h = row / (nk * batch);
     A* dkj = dk + ((h * batch + b) * nk + j) * d;
     A* dvj = dv + ((h * batch + b) * nk + j) * d;
-    u64 i0 = count_lt(qpos, nq, kpos[j]);  // the first query that sees key j
-    if (i0 == nq) {                        // uniform over the block: no share
+    u64 i0 = count_lt(qpos, nq, kpos[j]);               // the first query that sees key j
+    u64 i1 = count_le(qfirst + b * nq, nq, kpos[j]);    // past the last one
+    if (i1 <= i0) {                                     // uniform over the block: no share
         for (u64 c = threadIdx.x; c < d; c += blockDim.x) dkj[c] = dvj[c] = (A)0;
         return;
     }
     const A* kj = k + (((h / g) * batch + b) * nk + j) * d;
     const A* vj = v + (((h / g) * batch + b) * nk + j) * d;
     const A* qb = q + (h * batch + b) * nq * d;
-    for (u64 i = i0 + threadIdx.x; i < nq; i += blockDim.x) {
+    for (u64 i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
         u64 t = b * nq + i;
         A p = exp_fast(row_dot(qb + i * d, kj, d) - lse[t * heads + h]);
         const T* go = dout + t * heads * d + h * d;
@@ -188,12 +196,12 @@ __device__ void blk_bwd_dkv_k(const typename Tr<T>::A* q, const typename Tr<T>::
     __syncthreads();
     for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
         A acc = 0;
-        for (u64 i = i0; i < nq; ++i) acc += P[i - i0] * Tr<T>::to(dout[(b * nq + i) * heads * d + h * d + c]);
+        for (u64 i = i0; i < i1; ++i) acc += P[i - i0] * Tr<T>::to(dout[(b * nq + i) * heads * d + h * d + c]);
         dvj[c] = acc;
     }
     for (u64 c = threadIdx.x; c < d; c += blockDim.x) {
         A acc = 0;
-        for (u64 i = i0; i < nq; ++i) acc += dS[i - i0] * qb[i * d + c];
+        for (u64 i = i0; i < i1; ++i) acc += dS[i - i0] * qb[i * d + c];
         dkj[c] = acc;
     }
 }
@@ -274,22 +282,22 @@ template <class T> __device__ void gather_rows_k(const T* t, const i64* src, T* 
         blk_masked_k<Tr<T>::A>(out, lse, rows, heads, d);                                                          \
     }                                                                                                              \
     extern "C" __global__ void attn_block_forward_##N(const Tr<T>::A* q, const Tr<T>::A* k, const Tr<T>::A* v,     \
-                                                      const i64* qpos, const i64* kpos, Tr<T>::A* out,             \
-                                                      Tr<T>::A* lse, u64 batch, u64 heads, u64 g, u64 nq, u64 nk,  \
-                                                      u64 d) {                                                     \
-        blk_fwd_k<Tr<T>::A>(q, k, v, qpos, kpos, out, lse, batch, heads, g, nq, nk, d);                            \
+                                                      const i64* qpos, const i64* kpos, const i64* qfirst,         \
+                                                      Tr<T>::A* out, Tr<T>::A* lse, u64 batch, u64 heads, u64 g,   \
+                                                      u64 nq, u64 nk, u64 d) {                                     \
+        blk_fwd_k<Tr<T>::A>(q, k, v, qpos, kpos, qfirst, out, lse, batch, heads, g, nq, nk, d);                    \
     }                                                                                                              \
     extern "C" __global__ void attn_block_backward_dq_##N(                                                         \
         const Tr<T>::A* q, const Tr<T>::A* k, const Tr<T>::A* v, const T* dout, const T* out, const Tr<T>::A* lse, \
-        const i64* qpos, const i64* kpos, Tr<T>::A* dsum, Tr<T>::A* dq, u64 batch, u64 heads, u64 g, u64 nq,       \
-        u64 nk, u64 d, Tr<T>::A scale) {                                                                           \
-        blk_bwd_dq_k<T>(q, k, v, dout, out, lse, qpos, kpos, dsum, dq, batch, heads, g, nq, nk, d, scale);         \
+        const i64* qpos, const i64* kpos, const i64* qfirst, Tr<T>::A* dsum, Tr<T>::A* dq, u64 batch, u64 heads,   \
+        u64 g, u64 nq, u64 nk, u64 d, Tr<T>::A scale) {                                                            \
+        blk_bwd_dq_k<T>(q, k, v, dout, out, lse, qpos, kpos, qfirst, dsum, dq, batch, heads, g, nq, nk, d, scale); \
     }                                                                                                              \
     extern "C" __global__ void attn_block_backward_dkv_##N(                                                        \
         const Tr<T>::A* q, const Tr<T>::A* k, const Tr<T>::A* v, const T* dout, const Tr<T>::A* lse,              \
-        const Tr<T>::A* dsum, const i64* qpos, const i64* kpos, Tr<T>::A* dk, Tr<T>::A* dv, u64 batch, u64 heads,  \
-        u64 g, u64 nq, u64 nk, u64 d) {                                                                            \
-        blk_bwd_dkv_k<T>(q, k, v, dout, lse, dsum, qpos, kpos, dk, dv, batch, heads, g, nq, nk, d);                \
+        const Tr<T>::A* dsum, const i64* qpos, const i64* kpos, const i64* qfirst, Tr<T>::A* dk, Tr<T>::A* dv,     \
+        u64 batch, u64 heads, u64 g, u64 nq, u64 nk, u64 d) {                                                      \
+        blk_bwd_dkv_k<T>(q, k, v, dout, lse, dsum, qpos, kpos, qfirst, dk, dv, batch, heads, g, nq, nk, d);        \
     }                                                                                                              \
     extern "C" __global__ void attn_block_kv_add_##N(const Tr<T>::A* dk, const Tr<T>::A* dv, Tr<T>::A* dkv,        \
                                                      u64 batch, u64 kv_heads, u64 g, u64 nk, u64 d) {              \
