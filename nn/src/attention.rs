@@ -53,7 +53,9 @@ use dtensor_core::{
     ContextAttention, CpLayout, CpStrategy, DTensor, DeviceMesh, Error, Result, RopePositions,
     Tape, Var,
 };
-use dtensor_kernels::ops::{self, BlockAttention, CausalAttention, Rope, RopeScaling, RopeStyle};
+use dtensor_kernels::ops::{
+    self, AttentionMask, BlockAttention, CausalAttention, Rope, RopeScaling, RopeStyle,
+};
 use dtensor_kernels::Tensor;
 use dtensor_placement::{AxisKind, Cp, Tp};
 use std::sync::Arc;
@@ -91,6 +93,10 @@ pub struct AttentionConfig {
     /// learned weight `[head_dim]` for all q heads and one for all k heads (Qwen3,
     /// Gemma 3); `eps` is added to the mean square.
     pub qk_norm: Option<f64>,
+    /// `Some(w)`: a sliding window (Mistral): a query sees the `w` keys up to and
+    /// including itself (key `j` for query `i` when `i − w < j ≤ i`, transformers'
+    /// `sliding_window`); `None`: every earlier key of its sample.
+    pub window: Option<usize>,
     /// How attention runs over `Cp` (unused at `cp = 1`).
     pub context: ContextParallel,
 }
@@ -166,7 +172,16 @@ impl AttentionConfig {
             qkv_bias: false,
             out_bias: false,
             qk_norm: None,
+            window: None,
             context: ContextParallel::default(),
+        }
+    }
+
+    /// The mask the layer's attention applies: causal, within the window if there is one.
+    pub fn mask(&self) -> AttentionMask<'static> {
+        AttentionMask {
+            window: self.window,
+            ..AttentionMask::CAUSAL
         }
     }
 
@@ -234,6 +249,11 @@ impl AttentionConfig {
             op: "ParallelAttention",
             detail,
         };
+        if self.window == Some(0) {
+            return Err(bad(
+                "a sliding window of 0 keys (a query sees at least itself)".into(),
+            ));
+        }
         if self.heads == 0 || (self.head_dim.is_none() && !self.hidden.is_multiple_of(self.heads)) {
             return Err(bad(format!(
                 "hidden {} does not split into {} heads (set head_dim to decouple them)",
@@ -601,7 +621,10 @@ impl<M: SeqMode, D: DataMode> ParallelAttention<M, D> {
             strategy: self.config.context.strategy,
         };
         // ColOut: whole heads over Tp, whole samples over Dp and Ep, the sequence over Cp.
-        let o = qkv.context_attention(Cp, &cfg)?;
+        let o = match self.config.window {
+            None => qkv.context_attention(Cp, &cfg)?,
+            Some(_) => qkv.context_attention_masked(Cp, &cfg, &self.config.mask())?,
+        };
         self.out.forward(tape, &o)
     }
     /// Attention of one sample's new tokens `x` (`[t, hidden]`, at positions `start..start
@@ -668,6 +691,7 @@ impl<M: SeqMode, D: DataMode> ParallelAttention<M, D> {
             scale: self.config.scale,
             q_pos: &q_pos,
             k_pos: &k_pos,
+            mask: self.config.mask(),
         };
         let o = ops::attention_block(local, &kv, &block)?;
         *cache = Some(kv);

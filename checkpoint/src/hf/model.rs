@@ -48,8 +48,8 @@ impl HfModel {
 
     /// The decoder as dtensor builds it, for samples of `seq_len` tokens and parameters in
     /// `dtype`: RMSNorm, SwiGLU, RoPE's half-split pairing, and the checkpoint's heads, KV
-    /// heads, head dim, RoPE base and scaling, q/k/v biases, q/k norm, widths, epsilon,
-    /// experts and embedding tying. Everything else of a
+    /// heads, head dim, RoPE base and scaling, q/k/v biases, q/k norm, sliding window,
+    /// widths, epsilon, experts and embedding tying. Everything else of a
     /// [`GptConfig`] (precision, recomputation, context parallelism, seed) keeps its
     /// default for the caller to set. `Err` naming the config field when the model needs
     /// something dtensor's decoder does not have.
@@ -66,12 +66,6 @@ impl HfModel {
                 "a bias on the output projection without one on the MLP: dtensor's decoder has \
                  biases on q, k and v only (Qwen2) or on every linear layer"
                     .into(),
-            ));
-        }
-        if let Some(w) = hf.sliding_window.filter(|&w| w < seq_len) {
-            return Err(refuse(
-                "sliding_window",
-                format!("a window of {w} tokens shorter than the sequence ({seq_len}): dtensor's decoder attends causally over the whole sample"),
             ));
         }
         let moe = match &hf.moe {
@@ -123,6 +117,7 @@ impl HfModel {
                 rotary_dim: Some(hf.rope.rotary_dim),
                 qkv_bias: hf.qkv_bias,
                 qk_norm: hf.qk_norm,
+                window: hf.sliding_window,
             },
             moe,
             tie_embeddings: hf.tie_word_embeddings,

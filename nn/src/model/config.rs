@@ -29,6 +29,9 @@ pub struct AttentionOptions {
     pub qkv_bias: bool,
     /// Per-head RMSNorm of q and k before RoPE (Qwen3), with the model's `eps`.
     pub qk_norm: bool,
+    /// A sliding attention window of this many keys (Mistral;
+    /// [`AttentionConfig::window`]).
+    pub window: Option<usize>,
 }
 
 /// The shape of a GPT.
@@ -133,6 +136,7 @@ impl GptConfig {
             qkv_bias: self.bias || a.qkv_bias,
             out_bias: self.bias,
             qk_norm: a.qk_norm.then_some(self.eps),
+            window: a.window,
             context: self.context,
             ..AttentionConfig::new(self.hidden, self.heads, self.seq_len, self.rope_style)
         }
