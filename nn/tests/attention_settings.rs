@@ -522,3 +522,20 @@ fn multi_query_gpt_at_dp2_tp2_trains_as_one_rank_with_bitwise_replicas() {
         }
     }
 }
+
+#[test]
+fn attention_rope_carries_scaling_rotary_dim_and_the_local_groups_to_the_kernel() {
+    let mut c = base();
+    c.rope.scaling = RopeScaling::yarn(4.0, 64);
+    c.rope.rotary_dim = Some(4);
+    for (tp, g) in [(1, 2), (2, 2), (4, 1)] {
+        let r = c.rope_on(tp);
+        assert_eq!((r.head_dim, r.rotary_dim, r.theta), (6, 4, 50.0));
+        assert_eq!(r.scaling, c.rope.scaling);
+        assert_eq!(
+            r.heads,
+            dtensor_kernels::ops::RotatedHeads::fused_qkv(g),
+            "tp={tp}"
+        );
+    }
+}
