@@ -110,6 +110,7 @@ macro_rules! oracle {
 oracle! {
     llama_matches_transformers: "llama";
     llama32_matches_transformers: "llama32";
+    mistral_matches_transformers: "mistral";
     qwen2_matches_transformers: "qwen2";
     qwen3_matches_transformers: "qwen3";
     mixtral_matches_transformers: "mixtral";
@@ -139,7 +140,15 @@ fn hf_meshes_agree_with_one_rank() {
 /// the runner-up by more than 1e-3), on one rank and with the heads over tp = 2.
 #[test]
 fn greedy_generation_matches_transformers() {
-    for model in ["llama", "llama32", "qwen2", "qwen3", "mixtral", "qwen3_moe"] {
+    for model in [
+        "llama",
+        "llama32",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "mixtral",
+        "qwen3_moe",
+    ] {
         let want = golden(model);
         let ids = |k: &str| -> Vec<u32> {
             want[k]
