@@ -122,7 +122,14 @@ fn load_then_save_is_bitwise_on_every_mesh() {
 
 #[test]
 fn every_architecture_round_trips_bitwise() {
-    for name in ["llama32", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"] {
+    for name in [
+        "llama32",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "mixtral",
+        "qwen3_moe",
+    ] {
         for (mesh, shard) in [((1, 1, 1), usize::MAX), ((1, 1, 2), 30_000)] {
             let out = TempDir::new("hf_save_arch");
             round_trip(name, mesh, false, out.path(), shard);

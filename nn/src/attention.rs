@@ -693,11 +693,15 @@ impl<M: SeqMode, D: DataMode> ParallelAttention<M, D> {
             k_pos: &k_pos,
             mask: self.config.mask(),
         };
-        let o = ops::attention_block(local, &kv, &block)?;
+        // The rule keeps attention off a `Cp` axis that splits the sequence; with one
+        // sample at cp = 1 the gather and the chunk back move nothing.
+        let o = qkv
+            .value()
+            .clone()
+            .all_gather(Cp)?
+            .attention_over_cache(&kv, &block)?
+            .chunk::<_, _, 0>(Cp)?;
         *cache = Some(kv);
-        let o = o.out.try_to_dtype(local.dtype())?;
-        let width = self.config.attn_width();
-        let o = DTensor::<ColOut>::from_local(o, &[t, width], &mesh)?;
         self.out.forward(tape, &tape.constant(o))
     }
 }

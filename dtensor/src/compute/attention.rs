@@ -48,6 +48,51 @@ impl<L: Layout> DTensor<L> {
     }
 }
 
+impl<L: Layout> DTensor<L> {
+    /// Generation's attention over a KV cache: the queries of this fused QKV (one
+    /// sample's new rows, q and k already rotated, at positions `cfg.q_pos`) attend to
+    /// `cache`, this rank's keys and values of the same sample so far (its KV heads,
+    /// packed as [`ops::pack_kv`] packs them, at positions `cfg.k_pos`), under `cfg.mask`.
+    /// The output `[rows, heads·d]` is laid out as the input, by the rule of
+    /// [`causal_attention`](Self::causal_attention) (whole heads per rank). Inference only:
+    /// there is no tape twin. `Err` (naming the op, shapes and placements) unless the
+    /// columns are whole KV groups and the kernel accepts the positions and the cache.
+    pub fn attention_over_cache(
+        &self,
+        cache: &Tensor,
+        cfg: &ops::BlockAttention<'_>,
+    ) -> Result<DTensor<L>>
+    where
+        L: AttentionLayout,
+    {
+        const OP: &str = "DTensor::attention_over_cache";
+        let a = self.as_any();
+        want_rank(OP, a, 2, "the QKV")?;
+        let cols = a.local_shape()[1];
+        let group = (cfg.q_per_kv + 2) * cfg.head_dim;
+        if cfg.q_per_kv == 0 || cfg.head_dim == 0 || !cols.is_multiple_of(group) {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "{}: {cols} columns are not whole KV groups of ({}+2)·{} columns",
+                    describe(a),
+                    cfg.q_per_kv,
+                    cfg.head_dim
+                ),
+            ));
+        }
+        let local = a.as_local();
+        let out = ops::attention_block(local, cache, cfg)?
+            .out
+            .try_to_dtype(local.dtype())?;
+        let global = [
+            a.global_shape()[0],
+            a.global_shape()[1] / group * cfg.q_per_kv * cfg.head_dim,
+        ];
+        output(OP, out, &global, a)
+    }
+}
+
 impl<'t, L: Layout> Var<'t, L> {
     /// [`DTensor::causal_attention`]: the kernel's backward recomputes the probabilities
     /// from the saved log-sum-exp.

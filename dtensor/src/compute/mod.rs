@@ -16,7 +16,7 @@
 //! | [`rms_norm`](DTensor::rms_norm), [`layer_norm`](DTensor::layer_norm) | rows sharded with a `Replicate` weight, or both whole | none |
 //! | [`embedding`](DTensor::embedding) | a vocab-sharded table gives `Partial` (masked lookup) | none |
 //! | [`cross_entropy`](DTensor::cross_entropy), [`cross_entropy_ignoring`](DTensor::cross_entropy_ignoring) (an ignore index: loss 0, gradient 0), [`cross_entropy_with`](DTensor::cross_entropy_with) ([`CrossEntropy`] options: ignore index, z-loss) | vocab-sharded logits give an `Invariant` loss | 3 all-reduces of `[tokens]` per vocab-sharded axis |
-//! | [`causal_attention`](DTensor::causal_attention) | samples or heads split, no `Partial`; not `Shard<0>` on a `Cp`-role axis | none |
+//! | [`causal_attention`](DTensor::causal_attention), [`causal_attention_masked`](DTensor::causal_attention_masked), [`attention_over_cache`](DTensor::attention_over_cache) | samples or heads split, no `Partial`; not `Shard<0>` on a `Cp`-role axis | none |
 //! | [`context_attention`](DTensor::context_attention) ([`context`](crate::context)) | `Shard<0>` on its `Cp` axis, the attention rule elsewhere | ring send/recv or two all-to-alls over `Cp` |
 //! | [`rope`](DTensor::rope) ([`rope`](mod@rope)) | rows split (positions from the global row: sequential, CP order, explicit), heads split, whole, or `Partial`; no `Ragged` | none |
 //! | [`t`](DTensor::t) | `Shard<0>` ↔ `Shard<1>` | none |
