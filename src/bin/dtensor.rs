@@ -14,6 +14,7 @@
 //!
 //! `cargo run --release --bin dtensor -- hf-parity --model DIR --ids ids.json --mesh tp=2`
 //! `cargo run --release --bin dtensor -- generate --model DIR --prompt "Once" --max-new-tokens 20`
+//! `cargo run --release --bin dtensor -- hf-export --checkpoint CKPT --like DIR --out OUT`
 use clap::{Parser, Subcommand};
 use dtensor::cli::CompositionArgs;
 use dtensor::planner::{self, human, Composition, Interconnect, Model};
@@ -48,6 +49,9 @@ enum Command {
     /// Text from a Hugging Face model and its tokenizer, with a KV cache, on thread ranks
     /// (heads over tp) (docs/models.md)
     Generate(hf::GenerateArgs),
+    /// A dtensor checkpoint of a Hugging Face model (train_gpt --init-from … --save-dir …)
+    /// written back in the Hugging Face layout (docs/models.md)
+    HfExport(hf::ExportArgs),
 }
 
 #[derive(clap::Args)]
@@ -230,6 +234,7 @@ fn main() -> ExitCode {
         Command::Data(args) => return data::run(args),
         Command::HfParity(args) => return hf::parity(args),
         Command::Generate(args) => return hf::generate(args),
+        Command::HfExport(args) => return hf::export(args),
     };
     let a = match resolve(plan) {
         Ok(a) => a,

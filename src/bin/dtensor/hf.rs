@@ -1,5 +1,6 @@
-//! `dtensor hf-parity` and `dtensor generate`: a Hugging Face checkpoint on a mesh of
-//! thread ranks (see `docs/models.md`).
+//! `dtensor hf-parity`, `dtensor generate` and `dtensor hf-export`: a Hugging Face
+//! checkpoint on a mesh of thread ranks, and dtensor's checkpoints of one back into its
+//! layout (see `docs/models.md`).
 
 use dtensor::placement::{Composition, MasterDType};
 use std::path::PathBuf;
@@ -56,6 +57,32 @@ pub struct GenerateArgs {
     /// Parameters and compute: f32 (default) or f64
     #[arg(long, value_name = "f32|f64", default_value = "f32", value_parser = ["f32", "f64"])]
     dtype: String,
+}
+
+/// `dtensor hf-export`.
+#[derive(clap::Args)]
+pub struct ExportArgs {
+    /// A dtensor checkpoint of a Hugging Face model (`train_gpt --init-from LIKE
+    /// --save-dir CHECKPOINT`), written on any mesh
+    #[arg(long, value_name = "DIR")]
+    checkpoint: PathBuf,
+    /// The Hugging Face directory the run started from: its config.json,
+    /// generation_config.json and tokenizer files are copied
+    #[arg(long, value_name = "DIR")]
+    like: PathBuf,
+    /// The Hugging Face directory to write
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+}
+
+/// Writes the checkpoint in the Hugging Face layout.
+pub fn export(a: ExportArgs) -> ExitCode {
+    exit(
+        "hf-export",
+        dtensor::hf::export_checkpoint(&a.checkpoint, &a.like, &a.out).map(|()| {
+            println!("wrote {}", a.out.display());
+        }),
+    )
 }
 
 fn with_dtype(mut c: Composition, dtype: &str) -> Composition {
