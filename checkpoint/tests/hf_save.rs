@@ -137,3 +137,48 @@ fn every_architecture_round_trips_bitwise() {
         }
     }
 }
+
+/// A save that fails on both pipeline stages (a Qwen3 model saved as a Llama: other head
+/// dims, no q/k norms) fails on every rank, promptly, naming the parameter: the stage that
+/// fails before sending all its tensors tells rank 0 so, which stops waiting for them.
+#[test]
+fn a_failing_stage_fails_every_rank() {
+    let qwen3 = HfModel::open(&fixture("qwen3")).unwrap();
+    let llama = HfModel::open(&fixture("llama")).unwrap();
+    let mesh = Mesh::new(&[
+        (AxisKind::Pp, 2),
+        (AxisKind::Dp, 1),
+        (AxisKind::Ep, 1),
+        (AxisKind::Cp, 1),
+        (AxisKind::Tp, 1),
+    ])
+    .unwrap();
+    let out = TempDir::new("hf_save_fail");
+    let started = std::time::Instant::now();
+    let results = threads::launch(2, |world| {
+        let dm = DeviceMesh::new(world.clone(), mesh.clone())?;
+        let config = qwen3.gpt_config(16, DType::F32)?;
+        let mut p = Pipeline::<NoSp, Ddp>::new(config, one_f_one_b(2, 2)?, &dm)?;
+        qwen3.load_into(&world, &mut p)?;
+        Ok::<_, Error>(
+            save_params(
+                &world,
+                &mut p,
+                &llama,
+                out.path(),
+                &HfSaveOptions::default(),
+            )
+            .err()
+            .map(|e| e.to_string()),
+        )
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        let e = res.unwrap().unwrap_or_else(|| panic!("rank {r} saved"));
+        // Each stage names one of its own parameters (or the other ranks' failure).
+        assert!(
+            e.contains("checkpoint save of tensor") || e.contains("other ranks"),
+            "rank {r}: {e}"
+        );
+    }
+    assert!(started.elapsed().as_secs() < 30, "{:?}", started.elapsed());
+}

@@ -116,9 +116,14 @@ fn send_tensor(world: &dyn Communicator, dst: usize, name: &str, t: &Tensor) -> 
     Ok(())
 }
 
-fn recv_tensor(world: &dyn Communicator, src: usize) -> Result<(String, Tensor)> {
+/// The next tensor `src` sends; `None` when it sends the empty header instead: it failed
+/// and sends no more (its error reaches every rank through the closing agreement).
+fn recv_tensor(world: &dyn Communicator, src: usize) -> Result<Option<(String, Tensor)>> {
     let mut len = [0i64];
     world.recv(i64::slice_mut(&mut len), src, TAG)?;
+    if len[0] == 0 {
+        return Ok(None);
+    }
     let mut header = vec![0i64; len[0] as usize];
     world.recv(i64::slice_mut(&mut header), src, TAG)?;
     let bad = || Error::Refused {
@@ -136,7 +141,7 @@ fn recv_tensor(world: &dyn Communicator, src: usize) -> Result<(String, Tensor)>
     let name: String = name.iter().map(|&b| b as u8 as char).collect();
     let mut t = Tensor::zeros(&shape, dtype);
     dtensor_core::transfer::recv(world, &mut t, src, TAG)?;
-    Ok((name, t))
+    Ok(Some((name, t)))
 }
 
 /// Collective over `world` (every rank of the model, the root world of a pipeline):
@@ -216,6 +221,7 @@ pub fn save_params(
         map: &'a NameMap,
         dtype: DType,
         writer: Option<&'a mut HfWriter>,
+        sent: usize,
         failed: Option<Error>,
     }
     impl ParamVisitor for Write<'_> {
@@ -230,15 +236,29 @@ pub fn save_params(
             if self.failed.is_some() || !w.value().device_mesh().coords().iter().all(|&c| c == 0) {
                 return Ok(());
             }
-            let result = hf_tensors(self.map, name, &full, self.dtype).and_then(|tensors| {
-                for (n, t) in tensors {
-                    match self.writer.as_deref_mut() {
-                        Some(w) => w.add(&n, &t)?,
-                        None => send_tensor(&**self.world, 0, &n, &t)?,
+            let result = hf_tensors(self.map, name, &full, self.dtype)
+                .map_err(|e| match e {
+                    Error::Refused { .. } => e,
+                    other => Error::Refused {
+                        tensor: name.to_string(),
+                        detail: format!(
+                            "cutting it into its Hugging Face tensors (is the source model the \
+                             one it was built from?): {other}"
+                        ),
+                    },
+                })
+                .and_then(|tensors| {
+                    for (n, t) in tensors {
+                        match self.writer.as_deref_mut() {
+                            Some(w) => w.add(&n, &t)?,
+                            None => {
+                                send_tensor(&**self.world, 0, &n, &t)?;
+                                self.sent += 1;
+                            }
+                        }
                     }
-                }
-                Ok(())
-            });
+                    Ok(())
+                });
             if let Err(e) = result {
                 self.failed = Some(e);
             }
@@ -250,21 +270,35 @@ pub fn save_params(
         map: &source.names,
         dtype,
         writer: writer.as_mut(),
+        sent: 0,
         failed: None,
     };
     m.visit_params("", &mut write)?;
+    let sent = write.sent;
     let mut local = match write.failed {
         Some(e) => Err(e),
         None => Ok(()),
     };
+    if local.is_err() && sent < sends {
+        // Rank 0 waits for `sends` tensors: tell it none more are coming.
+        let _ = world.send(i64::slice(&[0]), 0, TAG);
+    }
     if let Some(w) = writer.as_mut() {
         for (src, &n) in counts.iter().enumerate() {
             for _ in 0..n {
-                if local.is_ok() {
-                    local = recv_tensor(&**world, src).and_then(|(name, t)| w.add(&name, &t));
-                } else {
-                    // Drain what the stage sends, so it is not left waiting.
-                    let _ = recv_tensor(&**world, src);
+                match recv_tensor(&**world, src) {
+                    // After an error of its own, rank 0 still drains what the stages send,
+                    // so none is left waiting.
+                    Ok(Some((name, t))) if local.is_ok() => local = w.add(&name, &t),
+                    Ok(Some(_)) => {}
+                    // The stage failed; its error comes through the agreement below.
+                    Ok(None) => break,
+                    Err(e) => {
+                        if local.is_ok() {
+                            local = Err(e);
+                        }
+                        break;
+                    }
                 }
             }
         }
