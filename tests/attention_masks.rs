@@ -7,21 +7,9 @@
 
 mod common;
 
-use common::on_mesh;
+use common::{on_mesh, values};
 use dtensor::kernels::ops::{self, AttentionMask, CausalAttention};
 use dtensor::prelude::*;
-
-fn values(shape: &[usize], seed: u64) -> Tensor {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
-    Tensor::from_fn(shape, |_| {
-        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = s;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 52) as f64 * 2.0 - 1.0
-    })
-}
 
 /// 4 samples of 10 tokens with their own documents; 2 KV groups of 2 query heads of dim 3.
 const SAMPLES: usize = 4;

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::on_mesh;
+use common::{on_mesh, values};
 use dtensor::core::context::cp_elements_sent;
 use dtensor::kernels::memory::{live_bytes, peak_bytes, reset_peak};
 use dtensor::kernels::ops::{self, AttentionMask, CausalAttention};
@@ -17,18 +17,6 @@ use dtensor::placement::ContextAttentionLayout;
 use dtensor::prelude::*;
 
 const TOL: f64 = 1e-10;
-
-fn values(shape: &[usize], seed: u64) -> Tensor {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
-    Tensor::from_fn(shape, |_| {
-        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = s;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 52) as f64 * 2.0 - 1.0
-    })
-}
 
 fn max_rel(got: &Tensor, want: &Tensor) -> f64 {
     assert_eq!(got.shape(), want.shape());
