@@ -485,11 +485,12 @@ fn hf_start(a: &Args) -> Result<Option<&'static HfStart>, String> {
 }
 
 /// The training text as token ids: the bytes of the bundled corpus, or its tokens under
-/// `--init-from`'s tokenizer.
-fn corpus(a: &Args) -> std::borrow::Cow<'static, [i64]> {
+/// `--init-from`'s tokenizer (each made once per process: every step's batch reads it).
+fn corpus(a: &Args) -> &'static [i64] {
+    static BYTES: std::sync::OnceLock<Vec<i64>> = std::sync::OnceLock::new();
     match hf_start(a) {
-        Ok(Some(s)) => std::borrow::Cow::Borrowed(&s.tokens),
-        _ => std::borrow::Cow::Owned(TEXT.bytes().map(i64::from).collect()),
+        Ok(Some(s)) => &s.tokens,
+        _ => BYTES.get_or_init(|| TEXT.bytes().map(i64::from).collect()),
     }
 }
 
